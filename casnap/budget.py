@@ -1,0 +1,34 @@
+"""A byte budget shared by the threads of one take or restore."""
+
+from __future__ import annotations
+
+import threading
+
+
+class ByteBudget:
+    """Blocks ``acquire(n)`` while more than ``limit`` bytes are held.
+
+    A request larger than the whole limit is admitted alone (when nothing else
+    is held), so a single oversized chunk cannot deadlock the pipeline.
+    ``peak`` records the most bytes ever held at once.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError("memory budget must be positive")
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.held and self.held + n > self.limit:
+                self._cond.wait()
+            self.held += n
+            self.peak = max(self.peak, self.held)
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.held -= n
+            self._cond.notify_all()

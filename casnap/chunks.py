@@ -1,0 +1,304 @@
+"""Writing and reading chunks: dedup, packing of small chunks, verified reads.
+
+Writing (:class:`ChunkWriter`): each chunk is hashed; a chunk already known
+(written earlier in this take, listed by a parent manifest, or present as a
+loose object) is not written again. Chunks of at least ``pack_threshold``
+bytes become loose objects ``chunks/<h>``; smaller ones are appended as
+frames to a pack that is written once it reaches ``pack_target``. Every
+frame stays independently readable by a ranged get.
+
+Reading (:func:`read_chunks`): frames of one pack that lie close together are
+fetched by one ranged get; every frame is decoded and verified against its
+hash before its bytes are handed on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from casnap import codec
+from casnap.budget import ByteBudget
+from casnap.errors import CasnapError, IntegrityError, ObjectExistsError, ObjectNotFoundError
+from casnap.manifest import ChunkRef
+from casnap.names import digest_of, hash_bytes
+from casnap.repository import Repository, chunk_key, pack_key
+from casnap.settings import Settings
+
+Buffer = codec.Buffer
+# Ranged reads of one pack merge frames separated by less than this gap.
+_MERGE_GAP = 256 * 1024
+
+
+@dataclass
+class WriteStats:
+    chunks: int = 0  # chunks submitted
+    chunks_written: int = 0  # chunks whose frame was written
+    raw_bytes: int = 0  # raw bytes submitted
+    raw_bytes_written: int = 0  # raw bytes of the chunks written
+    stored_bytes_written: int = 0  # frame bytes written (after compression)
+    objects_written: int = 0  # store objects put (loose chunks + packs)
+
+
+@dataclass
+class _Pack:
+    frames: list[tuple[bytes, Buffer]] = field(default_factory=list)
+    waiters: list[tuple[Future[ChunkRef], str, int, int, int]] = field(default_factory=list)
+    size: int = 0
+
+
+class ChunkWriter:
+    """Writes the chunks of one take; ``add`` returns a future of the chunk's ChunkRef.
+
+    ``known`` maps chunk hashes to locations already committed (from parent
+    manifests); such chunks are referenced, never rewritten.
+    """
+
+    def __init__(
+        self,
+        repo: Repository,
+        settings: Settings,
+        pool: ThreadPoolExecutor,
+        known: dict[str, ChunkRef] | None = None,
+    ) -> None:
+        self.repo = repo
+        self.settings = settings
+        self.pool = pool
+        self.known: dict[str, ChunkRef] = dict(known or {})
+        self.stats = WriteStats()
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future[ChunkRef]] = {}
+        self._pack = _Pack()
+        self._work: list[Future[None]] = []
+
+    def add(self, data: Buffer, on_done: Callable[[], None] | None = None) -> Future[ChunkRef]:
+        """Schedule one chunk; ``data`` must stay unchanged until the future resolves."""
+        result: Future[ChunkRef] = Future()
+        work = self.pool.submit(self._process, data, result)
+        with self._lock:
+            self._work.append(work)
+        if on_done is not None:
+            work.add_done_callback(lambda _f: on_done())
+        work.add_done_callback(lambda f: _forward_error(f, result))
+        return result
+
+    def _process(self, data: Buffer, result: Future[ChunkRef]) -> None:
+        digest = digest_of(data)
+        h = digest.hex()
+        size = len(data)
+        with self._lock:
+            self.stats.chunks += 1
+            self.stats.raw_bytes += size
+            if h in self.known:
+                result.set_result(self.known[h])
+                return
+            twin = self._pending.get(h)
+            if twin is None:
+                self._pending[h] = result
+        if twin is not None:  # same bytes earlier in this take
+            twin.add_done_callback(lambda f: _copy_result(f, result))
+            return
+        if size >= self.settings.pack_threshold:
+            ref = self._write_loose(data, digest, h)
+            with self._lock:
+                self.known[h] = ref
+            result.set_result(ref)
+        else:
+            self._append_to_pack(data, digest, h, result)
+
+    def _encode(self, data: Buffer, digest: bytes) -> tuple[bytes, Buffer]:
+        return codec.encode(
+            data,
+            digest,
+            compress=self.settings.compression == "auto",
+            level=self.settings.zstd_level,
+        )
+
+    def _write_loose(self, data: Buffer, digest: bytes, h: str) -> ChunkRef:
+        key = chunk_key(h)
+        try:
+            header = codec.parse_header(self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key)
+            if header.digest == digest and header.raw_length == len(data):
+                return ChunkRef(hash=h, size=len(data), length=header.frame_length)
+        except (ObjectNotFoundError, IntegrityError):
+            pass  # absent, or a damaged object we overwrite below
+        head, payload = self._encode(data, digest)
+        self.repo.store.put(key, [head, payload])
+        length = len(head) + len(payload)
+        with self._lock:
+            self.stats.chunks_written += 1
+            self.stats.objects_written += 1
+            self.stats.raw_bytes_written += len(data)
+            self.stats.stored_bytes_written += length
+        return ChunkRef(hash=h, size=len(data), length=length)
+
+    def _append_to_pack(self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef]) -> None:
+        head, payload = self._encode(data, digest)
+        payload = bytes(payload)  # the pack outlives the caller's buffer
+        length = len(head) + len(payload)
+        full: _Pack | None = None
+        with self._lock:
+            pack = self._pack
+            pack.waiters.append((result, h, len(data), pack.size, length))
+            pack.frames.append((head, payload))
+            pack.size += length
+            self.stats.raw_bytes_written += len(data)
+            self.stats.chunks_written += 1
+            if pack.size >= self.settings.pack_target:
+                full, self._pack = pack, _Pack()
+        if full is not None:
+            self._flush(full)
+
+    def _flush(self, pack: _Pack) -> None:
+        if not pack.frames:
+            return
+        parts: list[Buffer] = [b for frame in pack.frames for b in frame]
+        blob = b"".join(parts)
+        pid = hash_bytes(blob)
+        try:
+            try:
+                self.repo.store.put(pack_key(pid), blob, create_only=True)
+            except ObjectExistsError:
+                pass  # identical pack already durable
+            with self._lock:
+                self.stats.objects_written += 1
+                self.stats.stored_bytes_written += len(blob)
+        except BaseException as exc:
+            for fut, *_ in pack.waiters:
+                fut.set_exception(exc)
+            raise
+        for fut, h, size, offset, length in pack.waiters:
+            ref = ChunkRef(hash=h, size=size, pack=pid, offset=offset, length=length)
+            with self._lock:
+                self.known[h] = ref
+            fut.set_result(ref)
+
+    def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:
+        """Flush the last pack and wait for ``futures``; raise the first failure."""
+        # Every chunk is resolved, appended to the open pack, or waiting for an
+        # identical chunk once its work item is done; then the last pack flushes.
+        with self._lock:
+            work = list(self._work)
+        wait(work)
+        for w in work:
+            exc = w.exception()
+            if exc is not None:
+                raise exc
+        with self._lock:
+            last, self._pack = self._pack, _Pack()
+        self._flush(last)
+        return [f.result() for f in futures]
+
+
+def _forward_error(work: Future[None], result: Future[ChunkRef]) -> None:
+    exc = work.exception()
+    if exc is not None and not result.done():
+        result.set_exception(exc)
+
+
+def _copy_result(src: Future[ChunkRef], dst: Future[ChunkRef]) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+# -- reading ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Span:
+    key: str
+    start: int
+    end: int
+    items: tuple[tuple[int, ChunkRef], ...]
+
+
+def object_name(ref: ChunkRef) -> str:
+    return pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
+
+
+def _plan_reads(refs: list[ChunkRef]) -> list[_Span]:
+    spans: list[_Span] = []
+    by_pack: dict[str, list[tuple[int, ChunkRef]]] = {}
+    loose_seen: dict[str, list[tuple[int, ChunkRef]]] = {}
+    for i, ref in enumerate(refs):
+        if ref.pack is None:
+            loose_seen.setdefault(ref.hash, []).append((i, ref))
+        else:
+            by_pack.setdefault(ref.pack, []).append((i, ref))
+    for h, items in loose_seen.items():
+        spans.append(_Span(chunk_key(h), 0, -1, tuple(items)))
+    for pid, items in by_pack.items():
+        items.sort(key=lambda it: it[1].offset)
+        group: list[tuple[int, ChunkRef]] = []
+        start = end = 0
+        for it in items:
+            ref = it[1]
+            if group and ref.offset - end > _MERGE_GAP:
+                spans.append(_Span(pack_key(pid), start, end, tuple(group)))
+                group = []
+            if not group:
+                start = ref.offset
+                end = ref.offset
+            group.append(it)
+            end = max(end, ref.offset + ref.length)
+        if group:
+            spans.append(_Span(pack_key(pid), start, end, tuple(group)))
+    return spans
+
+
+def read_chunks(
+    repo: Repository,
+    refs: list[ChunkRef],
+    sink: Callable[[int, Buffer], None],
+    pool: ThreadPoolExecutor,
+    budget: ByteBudget,
+) -> int:
+    """Fetch, decode and verify ``refs``; ``sink(i, data)`` receives chunk ``i``.
+
+    In-flight fetched and decoded bytes stay under ``budget``; ``sink`` may be
+    called from worker threads (for different ``i`` concurrently). Returns the
+    bytes fetched from the store.
+    """
+    spans = _plan_reads(refs)
+    fetched = 0
+    lock = threading.Lock()
+
+    def run(span: _Span) -> None:
+        nonlocal fetched
+        raw = sum(ref.size for _, ref in span.items)
+        cost = raw + (span.end - span.start if span.end >= 0 else span.items[0][1].length)
+        budget.acquire(cost)
+        try:
+            try:
+                if span.end < 0:
+                    blob = repo.store.get(span.key)
+                else:
+                    blob = repo.store.get_range(span.key, span.start, span.end)
+            except ObjectNotFoundError as exc:
+                raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
+            with lock:
+                fetched += len(blob)
+            mv = memoryview(blob)
+            for i, ref in span.items:
+                if span.end < 0:
+                    frame = mv
+                else:
+                    frame = mv[ref.offset - span.start : ref.offset - span.start + ref.length]
+                data = codec.decode(frame, span.key, bytes.fromhex(ref.hash), ref.size)
+                sink(i, data)
+        finally:
+            budget.release(cost)
+
+    futures = [pool.submit(run, span) for span in spans]
+    errors = [f.exception() for f in futures]
+    for exc in errors:
+        if exc is not None:
+            if isinstance(exc, CasnapError):
+                raise exc
+            raise IntegrityError(f"reading chunks failed: {exc}") from exc
+    return fetched

@@ -1,0 +1,106 @@
+"""The one error hierarchy of casnap.
+
+Every error casnap raises derives from :class:`CasnapError`; each subclass also
+derives from the builtin exception it means, so ``except FileNotFoundError``
+keeps working for code that does not know casnap.
+"""
+
+from __future__ import annotations
+
+
+class CasnapError(Exception):
+    """Root of every error raised by casnap."""
+
+
+class StoreError(CasnapError, OSError):
+    """An object store operation failed (I/O, network, permissions)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ObjectNotFoundError(StoreError, FileNotFoundError):
+    """An object that should exist in the store does not."""
+
+
+class ObjectExistsError(StoreError, FileExistsError):
+    """A create-only write found the object already present."""
+
+
+class RepositoryError(CasnapError):
+    """The repository is missing, malformed or of an unsupported version."""
+
+
+class RepositoryNotFoundError(RepositoryError, FileNotFoundError):
+    """No repository exists where one was expected."""
+
+
+class UnsupportedFormatError(RepositoryError, ValueError):
+    """A config, manifest or chunk uses a format version this reader refuses."""
+
+
+class SnapshotNotFoundError(CasnapError, FileNotFoundError):
+    """No snapshot of that name exists."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class SnapshotExistsError(CasnapError, FileExistsError):
+    """The snapshot name is already taken; snapshots are immutable."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class IntegrityError(CasnapError, ValueError):
+    """Stored bytes do not match their hash, or an object is malformed."""
+
+    def __init__(self, message: str, object_name: str | None = None) -> None:
+        super().__init__(message)
+        self.object_name = object_name
+
+
+class ManifestValidationError(IntegrityError):
+    """A manifest failed validation (untrusted input is checked before use)."""
+
+
+class InvalidNameError(CasnapError, ValueError):
+    """A snapshot, ref or object name that is malformed or could leave the repository."""
+
+
+class StateError(CasnapError):
+    """A problem with the application state being taken or restored."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class UnsupportedValueError(StateError, TypeError):
+    """A value in the state cannot be stored (or only with pickling allowed)."""
+
+
+class PickleNotAllowedError(StateError, PermissionError):
+    """An entry needs pickle to store or load and the caller did not opt in."""
+
+
+class MissingKeyError(StateError, KeyError):
+    """The target expects a key the snapshot does not hold."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class UnexpectedKeyError(StateError, KeyError):
+    """The snapshot holds a key the target does not expect."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ShapeMismatchError(StateError, ValueError):
+    """A stored tensor's shape or dtype differs from the restore target."""

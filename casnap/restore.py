@@ -1,0 +1,209 @@
+"""Restore and read_object: validate everything first, then read only what is needed.
+
+A restore plans before it touches anything: every requested stateful is
+matched against the manifest, shapes and dtypes of in-place targets are
+checked, strictness is enforced and pickled entries are refused without the
+opt-in. Only then are chunks read (in place into existing tensors where
+possible) and ``load_state_dict`` called, RNG state last.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from casnap.budget import ByteBudget
+from casnap.chunks import read_chunks
+from casnap.errors import (
+    IntegrityError,
+    MissingKeyError,
+    PickleNotAllowedError,
+    UnexpectedKeyError,
+)
+from casnap.manifest import ChunkRef, ContainerEntry, Manifest, ObjectEntry, TensorEntry
+from casnap.names import escape_key
+from casnap.repository import Repository
+from casnap.settings import DEFAULT_IO_WORKERS, default_memory_budget
+from casnap.torch_io.flatten import inflate, leaves_of, subtree
+from casnap.torch_io.stateful import RNGState
+from casnap.torch_io.tensors import TensorSink, check_target
+
+_MAX_LISTED = 8
+
+
+@dataclass
+class _Load:
+    """What one read must fetch: tensors (with in-place targets) and pickled objects."""
+
+    tensors: dict[str, tuple[TensorEntry, torch.Tensor | None]]
+    objects: dict[str, ObjectEntry]
+
+
+def _listed(keys: list[str]) -> str:
+    more = f" and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else ""
+    return ", ".join(repr(k) for k in keys[:_MAX_LISTED]) + more
+
+
+def _plan_subtree(
+    manifest: Manifest,
+    key: str,
+    target: dict[str, Any],
+    allow_pickle: bool,
+    load: _Load,
+) -> list[str]:
+    """Add the reads under ``key`` to ``load``; return the keys found in the snapshot."""
+    keys = subtree(manifest.entries, key)
+    for k in keys:
+        entry = manifest.entries[k]
+        if isinstance(entry, TensorEntry):
+            dest = target.get(k)
+            if isinstance(dest, torch.Tensor):
+                check_target(k, dest, entry.dtype, entry.shape)
+                load.tensors[k] = (entry, dest)
+            else:
+                load.tensors[k] = (entry, None)
+        elif isinstance(entry, ObjectEntry):
+            if not allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{k}: this entry is a pickled {entry.type_name}; loading it runs code "
+                    "from the snapshot. Pass allow_pickle=True only for snapshots you trust",
+                    k,
+                )
+            load.objects[k] = entry
+    return keys
+
+
+def _strictness(
+    manifest: Manifest, prefix: str, stored: list[str], target: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """Keys the target has that the snapshot lacks, and stored keys the target does not expect.
+
+    An empty container in the target (a fresh optimizer's ``state``) accepts
+    whatever the snapshot holds below it.
+    """
+    stored_set = set(stored)
+    missing = [k for k in target if k not in stored_set]
+    unexpected = []
+    for k in stored:
+        if k in target:
+            continue
+        parent = k.rsplit("/", 1)[0]
+        if parent in target:
+            t_parent = target[parent]
+            accepts = isinstance(t_parent, (Mapping, list, tuple)) and len(t_parent) == 0
+            if not accepts and isinstance(manifest.entries.get(parent), ContainerEntry):
+                unexpected.append(k)
+    return missing, unexpected
+
+
+def restore_state(
+    repo: Repository,
+    manifest: Manifest,
+    app_state: Mapping[str, Any],
+    *,
+    rank: int,
+    strict: bool,
+    allow_pickle: bool,
+    memory_budget_bytes: int | None,
+) -> None:
+    plans: list[tuple[str, Any, str, dict[str, Any]]] = []
+    load = _Load({}, {})
+    for key, stateful in app_state.items():
+        prefix = f"{rank}/{escape_key(key)}"
+        if prefix not in manifest.entries:
+            if strict:
+                raise MissingKeyError(
+                    f"app_state key {key!r} is not in the snapshot (looked for {prefix!r})", key
+                )
+            warnings.warn(f"casnap: {key!r} is not in the snapshot; left as it is", stacklevel=3)
+            continue
+        target: dict[str, Any] = {}
+        leaves_of(stateful.state_dict(), prefix, target)
+        stored = _plan_subtree(manifest, prefix, target, allow_pickle, load)
+        missing, unexpected = _strictness(manifest, prefix, stored, target)
+        if strict and missing:
+            raise MissingKeyError(
+                f"{key!r}: the target expects keys the snapshot does not hold: {_listed(missing)}",
+                missing[0],
+            )
+        if strict and unexpected:
+            raise UnexpectedKeyError(
+                f"{key!r}: the snapshot holds keys the target does not expect: "
+                f"{_listed(unexpected)} (use strict=False to skip them)",
+                unexpected[0],
+            )
+        plans.append((key, stateful, prefix, target))
+    values = load_values(repo, load, memory_budget_bytes)
+    # RNG state goes last so that no other load_state_dict can consume randomness after it.
+    plans.sort(key=lambda p: isinstance(p[1], RNGState))
+    for _key, stateful, prefix, target in plans:
+        stateful.load_state_dict(inflate(manifest.entries, prefix, values, target))
+
+
+def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) -> dict[str, Any]:
+    """Read every planned tensor and object; returns them by key."""
+    refs: list[ChunkRef] = []
+    routes: list[tuple[str, int]] = []
+    sinks: dict[str, TensorSink] = {}
+    for key, (entry, dest) in load.tensors.items():
+        sinks[key] = TensorSink(entry.dtype, entry.shape, entry.chunk_size, dest)
+        for i, ref in enumerate(entry.chunks):
+            refs.append(ref)
+            routes.append((key, i))
+    blobs: dict[str, bytearray] = {k: bytearray(e.size) for k, e in load.objects.items()}
+    for key, entry in load.objects.items():
+        for i, ref in enumerate(entry.chunks):
+            refs.append(ref)
+            routes.append((key, i))
+
+    def sink(index: int, data: Any) -> None:
+        key, i = routes[index]
+        if key in sinks:
+            sinks[key].write(i, data)
+        else:
+            cs = load.objects[key].chunk_size
+            blobs[key][i * cs : i * cs + len(data)] = data
+
+    budget = ByteBudget(memory_budget_bytes or default_memory_budget())
+    if refs:
+        with ThreadPoolExecutor(DEFAULT_IO_WORKERS, thread_name_prefix="casnap-r") as pool:
+            read_chunks(repo, refs, sink, pool, budget)
+    values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
+    for key, blob in blobs.items():
+        try:
+            values[key] = pickle.loads(blob)  # only reached with allow_pickle=True
+        except Exception as exc:
+            raise IntegrityError(f"{key}: the pickled object cannot be loaded: {exc}", key) from exc
+    return values
+
+
+def read_entry(
+    repo: Repository,
+    manifest: Manifest,
+    path: str,
+    obj_out: Any,
+    *,
+    allow_pickle: bool,
+    memory_budget_bytes: int | None,
+) -> Any:
+    if path not in manifest.entries:
+        near = [k for k in manifest.entries if k.endswith(path) or path in k][:_MAX_LISTED]
+        hint = f"; did you mean {_listed(near)}?" if near else ""
+        raise MissingKeyError(f"no entry {path!r} in the snapshot{hint}", path)
+    target: dict[str, Any] = {}
+    if obj_out is not None:
+        leaves_of(obj_out, path, target)
+    load = _Load({}, {})
+    _plan_subtree(manifest, path, target, allow_pickle, load)
+    values = load_values(repo, load, memory_budget_bytes)
+    result = inflate(manifest.entries, path, values, target)
+    if isinstance(obj_out, dict) and isinstance(result, dict) and obj_out is not result:
+        obj_out.update(result)
+        return obj_out
+    return result

@@ -1,0 +1,135 @@
+"""The object-store contract every backend implements.
+
+Six operations over flat, '/'-separated keys relative to the store's root:
+``get``, ``get_range``, ``put`` (atomic; optionally create-only), ``exists``,
+``list`` (a prefix, recursively) and ``delete``. Backends are thin; backend
+exceptions are translated to casnap errors in one place per backend.
+
+Semantics every backend guarantees (tested by tests/store_conformance.py):
+
+- A put is atomic: a reader sees either no object or the whole object.
+- ``put(..., create_only=True)`` raises :class:`ObjectExistsError` when the
+  key exists. ``Capabilities.atomic_create`` says whether that check is atomic
+  against other processes (local directory, GCS) or only within this process.
+- ``get``/``get_range`` of a missing key raise :class:`ObjectNotFoundError`.
+- ``delete`` of a missing key is not an error.
+- ``list`` yields every key under the prefix, in no particular order, and
+  never a temporary object of an unfinished put.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from casnap.errors import InvalidNameError
+
+Buffer = bytes | bytearray | memoryview
+Data = Buffer | Sequence[Buffer]
+
+_KEY_SEGMENT = re.compile(r"^[A-Za-z0-9._+=@,%-]+$")
+
+
+def check_key(key: str) -> str:
+    """Reject keys that are empty, absolute, or could climb out of the root."""
+    if not key or key.startswith("/") or key.endswith("/"):
+        raise InvalidNameError(f"store key {key!r} must be a relative path")
+    for seg in key.split("/"):
+        if seg in ("", ".", "..") or not _KEY_SEGMENT.match(seg):
+            raise InvalidNameError(f"store key {key!r} has an unsafe segment {seg!r}")
+    return key
+
+
+def as_parts(data: Data) -> list[Buffer]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [data]
+    return list(data)
+
+
+def join_parts(data: Data) -> bytes:
+    parts = as_parts(data)
+    if len(parts) == 1 and isinstance(parts[0], bytes):
+        return parts[0]
+    return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend promises beyond the basic contract."""
+
+    atomic_create: bool  # create-only puts are atomic across processes
+    local: bool  # backed by a local filesystem (cheap probes)
+
+
+class ObjectStore(ABC):
+    """A flat key/value store of immutable-once-written objects."""
+
+    url: str
+    capabilities: Capabilities
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object."""
+
+    @abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object; fewer only if it is shorter."""
+
+    @abstractmethod
+    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+        """Write the object atomically; ``data`` may be a list of buffers written in order."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether the object exists."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Keys under ``prefix`` (a folder-like prefix such as ``"refs"``), recursively."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing object is not an error."""
+
+    def child(self, prefix: str) -> ObjectStore:
+        """A view of this store rooted at ``prefix``."""
+        return PrefixStore(self, check_key(prefix))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+class PrefixStore(ObjectStore):
+    """Another store seen from a sub-folder."""
+
+    def __init__(self, inner: ObjectStore, prefix: str) -> None:
+        self.inner = inner
+        self.prefix = prefix
+        self.url = inner.url.rstrip("/") + "/" + prefix
+        self.capabilities = inner.capabilities
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(self._k(key))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.inner.get_range(self._k(key), start, end)
+
+    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+        self.inner.put(self._k(key), data, create_only=create_only)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(self._k(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        cut = len(self.prefix) + 1
+        full = self._k(prefix) if prefix else self.prefix
+        for key in self.inner.list(full):
+            yield key[cut:]
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(self._k(key))

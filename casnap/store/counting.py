@@ -1,0 +1,74 @@
+"""A store wrapper that counts requests and bytes: what tests and benchmarks measure."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+from casnap.store.base import Data, ObjectStore, as_parts
+
+
+class CountingStore(ObjectStore):
+    """Delegates to ``inner`` and counts each operation and the bytes moved.
+
+    ``requests[op]`` counts calls; ``bytes_written`` and ``bytes_read`` count
+    payload bytes; ``written_keys`` lists the keys of successful puts.
+    """
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.capabilities = inner.capabilities
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests: Counter[str] = Counter()
+            self.bytes_written = 0
+            self.bytes_read = 0
+            self.written_keys: list[str] = []
+            self.read_keys: list[str] = []
+
+    def _count(self, op: str, read: int = 0, written: int = 0, key: str | None = None) -> None:
+        with self._lock:
+            self.requests[op] += 1
+            self.bytes_read += read
+            self.bytes_written += written
+            if written and key is not None:
+                self.written_keys.append(key)
+            if op in ("get", "get_range") and key is not None:
+                self.read_keys.append(key)
+
+    def get(self, key: str) -> bytes:
+        data = self.inner.get(key)
+        self._count("get", read=len(data), key=key)
+        return data
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        data = self.inner.get_range(key, start, end)
+        self._count("get_range", read=len(data), key=key)
+        return data
+
+    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+        parts = as_parts(data)
+        try:
+            self.inner.put(key, parts, create_only=create_only)
+        finally:
+            self._count("put")
+        with self._lock:
+            self.bytes_written += sum(len(memoryview(p).cast("B")) for p in parts)
+            self.written_keys.append(key)
+
+    def exists(self, key: str) -> bool:
+        self._count("exists")
+        return self.inner.exists(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        self._count("list")
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self._count("delete")
+        self.inner.delete(key)

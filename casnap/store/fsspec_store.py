@@ -1,0 +1,123 @@
+"""Any fsspec filesystem as an object store (``memory://``, ``gs://``, others)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+
+from casnap.errors import ObjectExistsError, ObjectNotFoundError, StoreError
+from casnap.store.base import Capabilities, Data, ObjectStore, check_key, join_parts
+
+# Protocols whose create-only write is a server-side precondition (atomic
+# across processes). For the rest, create-only is check-then-write, made atomic
+# only within this process by a lock.
+_ATOMIC_CREATE = {"gs", "gcs"}
+_create_locks: dict[str, threading.Lock] = {}
+_create_locks_guard = threading.Lock()
+
+
+def _default_options(protocol: str) -> dict[str, Any]:
+    if protocol in ("gs", "gcs"):
+        # Zonal/HNS bucket detection probes gRPC and can stall a minute per
+        # bucket against emulators; casnap needs plain buckets only.
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        opts: dict[str, Any] = {"use_listings_cache": False}
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        if emulator:
+            opts.update(token="anon", endpoint_url=emulator)
+        return opts
+    return {}
+
+
+class FsspecStore(ObjectStore):
+    """Objects below ``url`` on an fsspec filesystem; each put is a single write."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        options = {**_default_options(protocol), **(storage_options or {})}
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **options)
+        except (ImportError, ValueError) as exc:
+            raise StoreError(f"cannot open store {url!r}: {exc}") from exc
+        self.protocol = protocol
+        self.root = root.rstrip("/")
+        self.url = url.rstrip("/")
+        self.capabilities = Capabilities(atomic_create=protocol in _ATOMIC_CREATE, local=False)
+        with _create_locks_guard:
+            self._create_lock = _create_locks.setdefault(protocol, threading.Lock())
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}" if self.root else check_key(key)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self._path(key)))
+        except Exception as exc:
+            raise _translate(exc, key) from exc
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        if start < 0 or end < start:
+            raise ValueError(f"bad range [{start}, {end}) for {key}")
+        if end == start:
+            if not self.exists(key):
+                raise ObjectNotFoundError(f"object {key!r} not found", key)
+            return b""
+        try:
+            return bytes(self.fs.cat_file(self._path(key), start=start, end=end))
+        except Exception as exc:
+            raise _translate(exc, key) from exc
+
+    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+        path = self._path(key)
+        payload = join_parts(data)
+        try:
+            if create_only and not self.capabilities.atomic_create:
+                with self._create_lock:
+                    if self.fs.exists(path):
+                        raise FileExistsError(path)
+                    self.fs.pipe_file(path, payload)
+            else:
+                self.fs.pipe_file(path, payload, mode="create" if create_only else "overwrite")
+        except Exception as exc:
+            raise _translate(exc, key) from exc
+
+    def exists(self, key: str) -> bool:
+        try:
+            return bool(self.fs.exists(self._path(key)))
+        except Exception as exc:
+            raise _translate(exc, key) from exc
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self._path(prefix) if prefix else self.root
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise _translate(exc, prefix) from exc
+        cut = len(self.root) + 1 if self.root else 0
+        strip = self.fs._strip_protocol
+        for path in found:
+            yield strip(path)[cut:]
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise _translate(exc, key) from exc
+
+
+def _translate(exc: Exception, key: str) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFoundError(f"object {key!r} not found", key)
+    if isinstance(exc, FileExistsError):
+        return ObjectExistsError(f"object {key!r} already exists", key)
+    return StoreError(f"{type(exc).__name__}: {exc} ({key!r})", key)

@@ -1,0 +1,225 @@
+"""One take, shared by ``Snapshot.take`` and ``Snapshot.async_take``.
+
+A take runs in two phases:
+
+1. ``prepare`` (always in the caller's thread): find the repository, check
+   the name is free, call every ``state_dict()``, flatten, and stage. For an
+   async take, staging copies every tensor into host memory owned by the
+   take, so the snapshot is point-in-time once ``prepare`` returns.
+2. ``commit`` (caller's thread, or a background thread for async): write
+   chunks (deduplicated, packed), then the manifest, then the ref. Nothing is
+   visible before the ref; a failure leaves only unreferenced objects.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from casnap import lineage
+from casnap.budget import ByteBudget
+from casnap.chunks import ChunkWriter, WriteStats
+from casnap.errors import CasnapError, SnapshotExistsError, UnsupportedValueError
+from casnap.manifest import ChunkRef, Entry, Manifest, ObjectEntry, TensorEntry, canonical_json
+from casnap.names import escape_key
+from casnap.repository import Repository, locate, now_iso
+from casnap.settings import Settings, default_memory_budget
+from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf, flatten
+from casnap.torch_io.stateful import RNGState
+from casnap.torch_io.tensors import dtype_name, host_view
+
+TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
+
+
+@dataclass
+class TakeResult:
+    repo: Repository
+    name: str
+    manifest_hash: str
+    manifest: Manifest
+    stats: WriteStats
+
+
+@dataclass
+class TakeJob:
+    repo: Repository
+    name: str
+    nodes: dict[str, Node]
+    settings: Settings
+    parents: list[str]
+    metadata: dict[str, Any]
+    staged: bool  # tensors already copied (async): no further staging needed
+    budget: ByteBudget
+    _owners: list[Any] = field(default_factory=list)
+
+    def commit(self) -> TakeResult:
+        known: dict[str, ChunkRef] = {}
+        for parent in self.parents:
+            try:
+                known.update((c.hash, c) for c in self.repo.read_manifest(parent).chunk_refs())
+            except CasnapError:
+                continue  # a parent that is gone only costs dedup, never correctness
+        with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
+            writer = ChunkWriter(self.repo, self.settings, pool, known)
+            pending: dict[str, list[Future[ChunkRef]]] = {}
+            for key, node in self.nodes.items():
+                if isinstance(node, TensorLeaf):
+                    pending[key] = self._submit_tensor(writer, key, node.tensor)
+                elif isinstance(node, ObjectLeaf):
+                    pending[key] = self._submit(writer, memoryview(node.payload), None)
+            all_futures = [f for fs in pending.values() for f in fs]
+            writer.finish(all_futures)
+        entries: dict[str, Entry] = {}
+        cs = self.settings.chunk_size
+        for key, node in self.nodes.items():
+            if isinstance(node, TensorLeaf):
+                t = node.tensor
+                entries[key] = TensorEntry(
+                    dtype=dtype_name(t.dtype, key),
+                    shape=list(t.shape),
+                    chunk_size=cs,
+                    chunks=[f.result() for f in pending[key]],
+                )
+            elif isinstance(node, ObjectLeaf):
+                entries[key] = ObjectEntry(
+                    serializer="pickle",
+                    type_name=node.type_name,
+                    size=len(node.payload),
+                    chunk_size=cs,
+                    chunks=[f.result() for f in pending[key]],
+                )
+            else:
+                entries[key] = node
+        manifest = Manifest(
+            created_at=now_iso(),
+            world_size=1,
+            parents=self.parents,
+            metadata=self.metadata,
+            entries=entries,
+        )
+        manifest_hash = self.repo.write_manifest(manifest)
+        self.repo.write_ref(self.name, manifest_hash)  # the commit point
+        lineage.record(self.repo.config.repo_id, manifest_hash)
+        self.nodes = {}
+        return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
+
+    def _submit_tensor(
+        self, writer: ChunkWriter, key: str, tensor: torch.Tensor
+    ) -> list[Future[ChunkRef]]:
+        nbytes = tensor.numel() * tensor.element_size()
+        needs_copy = not (
+            tensor.device.type == "cpu"
+            and tensor.is_contiguous()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+        )
+        if needs_copy:
+            self.budget.acquire(nbytes)  # staging copies stay under the budget
+        view, owner = host_view(tensor, key)
+        return self._submit(writer, view, owner, nbytes if needs_copy else 0)
+
+    def _submit(
+        self, writer: ChunkWriter, view: memoryview, owner: Any, held: int = 0
+    ) -> list[Future[ChunkRef]]:
+        cs = self.settings.chunk_size
+        n = len(view)
+        count = math.ceil(n / cs) if n else 0
+        if count == 0:
+            if held:
+                self.budget.release(held)
+            return []
+        remaining = [count]
+
+        def one_done() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                if held:
+                    self.budget.release(held)
+                # ``owner`` (a staged copy) is referenced by this closure until here.
+                _ = owner
+
+        return [writer.add(view[i * cs : (i + 1) * cs], one_done) for i in range(count)]
+
+
+def _order(app_state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    # RNG state is captured first, before other state_dict() calls could consume randomness.
+    items = list(app_state.items())
+    return [kv for kv in items if isinstance(kv[1], RNGState)] + [
+        kv for kv in items if not isinstance(kv[1], RNGState)
+    ]
+
+
+def collect(
+    app_state: Mapping[str, Any], rank: int, allow_pickle: bool, prepare: TensorPrepareFunc | None
+) -> dict[str, Node]:
+    nodes: dict[str, Node] = {}
+    for key, stateful in _order(app_state):
+        if not isinstance(key, str) or not key:
+            raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
+        if not callable(getattr(stateful, "state_dict", None)):
+            raise UnsupportedValueError(
+                f"app_state[{key!r}] is a {type(stateful).__name__} without state_dict(); "
+                "wrap plain values in casnap.StateDict",
+                key,
+            )
+        flatten(stateful.state_dict(), f"{rank}/{escape_key(key)}", allow_pickle, nodes)
+    if prepare is not None:
+        for key, node in nodes.items():
+            if isinstance(node, TensorLeaf):
+                nodes[key] = TensorLeaf(prepare(key, node.tensor, False))
+    return nodes
+
+
+def prepare_take(
+    path: str,
+    app_state: Mapping[str, Any],
+    *,
+    storage_options: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    allow_pickle: bool,
+    parents: list[str] | None,
+    stage: bool,
+    custom_prepare: TensorPrepareFunc | None = None,
+) -> TakeJob:
+    """Phase 1 of a take (see module docstring)."""
+    options = dict(storage_options or {})
+    overrides = {k: options.pop(k) for k in ("chunk_size", "compression") if k in options}
+    repo, name = locate(path, options, create=True)
+    base = Settings.from_env()
+    if "chunk_size" not in overrides and "CASNAP_CHUNK_SIZE" not in os.environ:
+        overrides["chunk_size"] = repo.config.chunk_size
+    settings = base.with_overrides(**overrides) if overrides else base
+    if repo.has_ref(name):
+        raise SnapshotExistsError(
+            f"snapshot {name!r} already exists in {repo.url}; snapshots are immutable", name
+        )
+    meta = dict(metadata or {})
+    try:
+        canonical_json(meta)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
+    if parents is None:
+        last = lineage.current_parent(repo.config.repo_id)
+        parents = [last] if last else []
+    nodes = collect(app_state, 0, allow_pickle, custom_prepare)
+    job = TakeJob(repo, name, nodes, settings, list(parents), meta, stage,
+                  ByteBudget(default_memory_budget()))  # fmt: skip
+    if stage:
+        _stage_all(job)
+    return job
+
+
+def _stage_all(job: TakeJob) -> None:
+    """Copy every tensor into host memory owned by the take (point-in-time for async)."""
+    for key, node in job.nodes.items():
+        if isinstance(node, TensorLeaf):
+            t = node.tensor.detach()
+            staged = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            staged.copy_(t)  # materializes conj/neg views and non-contiguous layouts
+            job.nodes[key] = TensorLeaf(staged)

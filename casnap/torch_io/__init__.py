@@ -1,0 +1,1 @@
+"""The torch layers: tensor bytes, state flattening, stateful helpers."""

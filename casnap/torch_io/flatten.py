@@ -1,0 +1,221 @@
+"""State dicts <-> manifest entries under torchsnapshot-style logical keys.
+
+A state dict becomes one entry per node: containers (dict, OrderedDict, list,
+tuple) list their keys, and their members live at ``<key>/<member>`` with
+``/`` and ``%`` escaped in member names. Tensors and pickled objects are
+leaves filled in by the take; primitives are stored inline as JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from casnap.errors import (
+    ManifestValidationError,
+    PickleNotAllowedError,
+    UnsupportedValueError,
+)
+from casnap.manifest import ContainerEntry, Entry, ObjectEntry, PrimitiveEntry, TensorEntry
+from casnap.names import escape_key
+from casnap.torch_io.tensors import dtype_name, torch_dtype
+
+MAX_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class TensorLeaf:
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ObjectLeaf:
+    payload: bytes
+    type_name: str
+
+
+Node = ContainerEntry | PrimitiveEntry | TensorLeaf | ObjectLeaf
+
+
+def child_key(key: str, member: str | int) -> str:
+    return f"{key}/{escape_key(str(member))}"
+
+
+def encode_primitive(value: Any) -> PrimitiveEntry | None:
+    """The inline entry for a JSON-representable scalar, or None if ``value`` is not one."""
+    if value is None:
+        return PrimitiveEntry(type="none", value=None)
+    if isinstance(value, bool):
+        return PrimitiveEntry(type="bool", value=value)
+    if isinstance(value, int):
+        return PrimitiveEntry(type="int", value=int(value))
+    if isinstance(value, float):
+        return PrimitiveEntry(type="float", value=float(value).hex())
+    if isinstance(value, str):
+        return PrimitiveEntry(type="str", value=str(value))
+    if isinstance(value, (bytes, bytearray)):
+        return PrimitiveEntry(type="bytes", value=base64.b64encode(value).decode("ascii"))
+    if isinstance(value, complex):
+        return PrimitiveEntry(type="complex", value=[value.real.hex(), value.imag.hex()])
+    if isinstance(value, torch.dtype):
+        return PrimitiveEntry(type="dtype", value=dtype_name(value))
+    return None
+
+
+def decode_primitive(entry: PrimitiveEntry, key: str) -> Any:
+    v = entry.value
+    try:
+        if entry.type == "none":
+            return None
+        if entry.type == "bool" and isinstance(v, bool):
+            return v
+        if entry.type == "int" and isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if entry.type == "float" and isinstance(v, str):
+            return float.fromhex(v)
+        if entry.type == "str" and isinstance(v, str):
+            return v
+        if entry.type == "bytes" and isinstance(v, str):
+            return base64.b64decode(v, validate=True)
+        if entry.type == "complex" and isinstance(v, list) and len(v) == 2:
+            return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+        if entry.type == "dtype" and isinstance(v, str):
+            return torch_dtype(v)
+    except (ValueError, TypeError) as exc:
+        raise ManifestValidationError(f"{key}: bad {entry.type} value {v!r}", key) from exc
+    raise ManifestValidationError(f"{key}: value {v!r} is not of type {entry.type}", key)
+
+
+def _container_type(value: Any) -> str | None:
+    if isinstance(value, collections.OrderedDict):
+        return "OrderedDict"
+    if isinstance(value, dict):
+        return "dict"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):  # not a namedtuple
+        return "tuple"
+    return None
+
+
+def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], depth: int = 0) -> None:
+    """Add the nodes of ``value`` (stored at ``key``) to ``out``, parents before members."""
+    if depth > MAX_DEPTH:
+        raise UnsupportedValueError(f"{key}: nested deeper than {MAX_DEPTH} levels", key)
+    if isinstance(value, torch.Tensor):
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedValueError(
+                f"{key}: tensor subclass {type(value).__name__} is not supported here", key
+            )
+        out[key] = TensorLeaf(value)
+        return
+    prim = encode_primitive(value)
+    if prim is not None:
+        out[key] = prim
+        return
+    ctype = _container_type(value)
+    if ctype is not None:
+        members = list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))
+        keys: list[int | str] = []
+        seen: set[str] = set()
+        ok = True
+        for k, _ in members:
+            if isinstance(k, bool) or not isinstance(k, (int, str)):
+                ok = False
+                break
+            name = escape_key(str(k))
+            if name in seen:
+                ok = False
+                break
+            seen.add(name)
+            keys.append(k)
+        if ok:
+            out[key] = ContainerEntry(type=ctype, keys=keys)  # type: ignore[arg-type]
+            for k, member in members:
+                flatten(member, child_key(key, k), allow_pickle, out, depth + 1)
+            return
+    if not allow_pickle:
+        raise PickleNotAllowedError(
+            f"{key}: a {type(value).__module__}.{type(value).__qualname__} can only be stored "
+            "by pickling it; pass allow_pickle=True to take() to allow that",
+            key,
+        )
+    try:
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise UnsupportedValueError(f"{key}: cannot be pickled: {exc}", key) from exc
+    out[key] = ObjectLeaf(payload, f"{type(value).__module__}.{type(value).__qualname__}")
+
+
+def leaves_of(value: Any, key: str, out: dict[str, Any], depth: int = 0) -> None:
+    """Map every member path of a restore target to its value (containers included)."""
+    out[key] = value
+    if depth > MAX_DEPTH or isinstance(value, torch.Tensor):
+        return
+    ctype = _container_type(value)
+    if ctype is None:
+        return
+    members = value.items() if isinstance(value, Mapping) else enumerate(value)
+    for k, member in members:
+        if isinstance(k, (int, str)) and not isinstance(k, bool):
+            leaves_of(member, child_key(key, k), out, depth + 1)
+
+
+def subtree(entries: Mapping[str, Entry], key: str) -> list[str]:
+    """Keys of ``key`` and every entry below it, by walking the container keys."""
+    found: list[str] = []
+    stack = [key]
+    while stack:
+        k = stack.pop()
+        entry = entries.get(k)
+        if entry is None:
+            raise ManifestValidationError(f"entry {k!r} is listed by its container but missing", k)
+        found.append(k)
+        if isinstance(entry, ContainerEntry):
+            stack.extend(child_key(k, m) for m in reversed(entry.keys))
+            if len(found) + len(stack) > len(entries) + 1:
+                raise ManifestValidationError(f"{key}: container entries form a cycle", key)
+    return found
+
+
+def inflate(
+    entries: Mapping[str, Entry],
+    key: str,
+    values: Mapping[str, Any],
+    target: Mapping[str, Any],
+    depth: int = 0,
+) -> Any:
+    """Rebuild the object stored at ``key``.
+
+    ``values`` holds the loaded tensors and objects by key. Where the target
+    has a non-empty dict at a path, its keys decide the members: members the
+    snapshot lacks keep the target's value and members the target lacks are
+    dropped (restore checks both against ``strict`` before calling this).
+    """
+    if depth > MAX_DEPTH:
+        raise ManifestValidationError(f"{key}: nested deeper than {MAX_DEPTH} levels", key)
+    entry = entries[key]
+    if isinstance(entry, PrimitiveEntry):
+        return decode_primitive(entry, key)
+    if isinstance(entry, (TensorEntry, ObjectEntry)):
+        return values[key]
+    t_value = target.get(key)
+    members: list[tuple[int | str, Any]] = []
+    for k in entry.keys:
+        members.append((k, inflate(entries, child_key(key, k), values, target, depth + 1)))
+    if isinstance(t_value, Mapping) and t_value and entry.type in ("dict", "OrderedDict"):
+        stored = {k for k, _ in members}
+        members = [(k, v) for k, v in members if k in t_value]
+        members += [(k, v) for k, v in t_value.items() if k not in stored]
+    if entry.type == "dict":
+        return dict(members)
+    if entry.type == "OrderedDict":
+        return collections.OrderedDict(members)
+    items = [v for _, v in members]
+    return items if entry.type == "list" else tuple(items)

@@ -1,0 +1,127 @@
+"""Tensors as raw bytes, without copies where the layout allows it."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import torch
+
+from casnap.errors import ShapeMismatchError, UnsupportedValueError
+from casnap.manifest import DTYPE_ITEMSIZE
+
+_BY_NAME: dict[str, torch.dtype] = {}
+for _name in DTYPE_ITEMSIZE:
+    _dt = getattr(torch, _name, None)
+    if isinstance(_dt, torch.dtype):
+        _BY_NAME[_name] = _dt
+_NAME_OF = {dt: name for name, dt in _BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype, key: str = "") -> str:
+    name = _NAME_OF.get(dtype)
+    if name is None:
+        raise UnsupportedValueError(f"{key}: tensors of dtype {dtype} cannot be stored", key)
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _BY_NAME[name]
+    except KeyError as exc:
+        raise UnsupportedValueError(f"dtype {name!r} is not available in this torch") from exc
+
+
+def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def host_view(tensor: torch.Tensor, key: str = "") -> tuple[memoryview, torch.Tensor]:
+    """The bytes of ``tensor`` in row-major order, and the CPU tensor that owns them.
+
+    Contiguous CPU tensors are viewed in place (no copy); anything else
+    (non-contiguous, conjugated, on an accelerator) is staged into a
+    contiguous CPU tensor first. Keep the returned tensor alive while the
+    memoryview is used.
+    """
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise UnsupportedValueError(f"{key}: {tensor.layout} tensors cannot be stored", key)
+    if tensor.is_quantized:
+        raise UnsupportedValueError(f"{key}: quantized tensors cannot be stored", key)
+    if tensor.device.type == "meta":
+        raise UnsupportedValueError(f"{key}: a meta tensor has no data to store", key)
+    t = tensor.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.device.type != "cpu":
+        # Device-to-host staging; synchronous so the bytes are final on return.
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return byte_view(t), t
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview over a contiguous CPU tensor's bytes (zero-copy)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    buf = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    return memoryview(buf).cast("B")
+
+
+def check_target(key: str, target: torch.Tensor, dtype: str, shape: list[int]) -> None:
+    """Raise if a restore target cannot receive the stored tensor in place."""
+    want_dtype = torch_dtype(dtype)
+    if target.dtype != want_dtype or list(target.shape) != list(shape):
+        raise ShapeMismatchError(
+            f"{key}: snapshot holds {dtype}{list(shape)}, the target is "
+            f"{dtype_name(target.dtype, key) if target.dtype in _NAME_OF else target.dtype}"
+            f"{list(target.shape)}",
+            key,
+        )
+    if target.is_quantized or target.layout != torch.strided:
+        raise ShapeMismatchError(f"{key}: the target is not a dense tensor", key)
+
+
+class TensorSink:
+    """Receives the chunks of one stored tensor and lands them in ``target``.
+
+    Contiguous CPU targets are filled in place chunk by chunk; other targets
+    (non-contiguous views, accelerator tensors) get a contiguous CPU staging
+    tensor that is copied in once complete (``finish``).
+    """
+
+    def __init__(
+        self, dtype: str, shape: list[int], chunk_size: int, target: torch.Tensor | None
+    ) -> None:
+        self.chunk_size = chunk_size
+        self.target = target
+        direct = (
+            target is not None
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and not target.is_conj()
+            and not target.is_neg()
+        )
+        if direct:
+            assert target is not None
+            self.buffer = target
+        else:
+            self.buffer = torch.empty(shape, dtype=torch_dtype(dtype))
+        self.view = byte_view(self.buffer)
+
+    def write(self, index: int, data: Any) -> None:
+        start = index * self.chunk_size
+        self.view[start : start + len(data)] = data
+
+    def finish(self) -> torch.Tensor:
+        if self.target is None:
+            return self.buffer
+        if self.buffer is not self.target:
+            with torch.no_grad():
+                self.target.copy_(self.buffer)
+        return self.target
