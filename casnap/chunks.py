@@ -100,7 +100,7 @@ class ChunkWriter:
         if twin is not None:  # same bytes earlier in this take
             twin.add_done_callback(lambda f: _copy_result(f, result))
             return
-        if size >= self.settings.pack_threshold:
+        if size >= self.settings.pack_limit:
             ref = self._write_loose(data, digest, h)
             with self._lock:
                 self.known[h] = ref

@@ -97,7 +97,15 @@ class Repository:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> Repository:
         """Open the repository at ``url``, creating it if absent (safe against a racing creator)."""
-        root = open_store(url, storage_options)
+        return cls.on_store(open_store(url, storage_options), chunk_size=chunk_size)
+
+    @classmethod
+    def on_store(cls, root: ObjectStore, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Repository:
+        """The repository rooted at an already-open store, created if absent.
+
+        Pass the result as ``storage_options={"repository": repo}`` to make
+        ``Snapshot`` use this exact store (for example a CountingStore).
+        """
         key = f"{META}/{CONFIG_KEY}"
         try:
             return cls(root, parse_config(root.get(key)))
@@ -204,7 +212,7 @@ def locate(
     if not parts or (scheme and len(parts) < 2):
         raise SnapshotNotFoundError(f"{path!r} names no snapshot inside a repository", path)
     if explicit is not None:
-        r_scheme, r_parts = split_url(str(explicit))
+        r_scheme, r_parts = split_url(explicit.url if isinstance(explicit, Repository) else explicit)
         if r_scheme != scheme or parts[: len(r_parts)] != r_parts or len(parts) == len(r_parts):
             raise SnapshotNotFoundError(
                 f"snapshot path {path!r} is not inside repository {explicit!r}", path
@@ -221,6 +229,8 @@ def locate(
                 raise SnapshotNotFoundError(f"no casnap repository holds {path!r}", path)
             repo_parts = parts[:-1]
     name = check_ref_name("/".join(parts[len(repo_parts) :]))
+    if isinstance(explicit, Repository):
+        return explicit, name
     url = _join(scheme, repo_parts)
     repo = (
         Repository.open_or_create(url, options) if create else Repository.open(url, options)

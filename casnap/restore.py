@@ -25,6 +25,7 @@ from casnap.errors import (
     MissingKeyError,
     PickleNotAllowedError,
     UnexpectedKeyError,
+    UnsupportedValueError,
 )
 from casnap.manifest import ChunkRef, ContainerEntry, Manifest, ObjectEntry, TensorEntry
 from casnap.names import escape_key
@@ -102,6 +103,18 @@ def _strictness(
     return missing, unexpected
 
 
+def _check_stateful(key: Any, stateful: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
+    for method in ("state_dict", "load_state_dict"):
+        if not callable(getattr(stateful, method, None)):
+            raise UnsupportedValueError(
+                f"app_state[{key!r}] is a {type(stateful).__name__} without {method}(); "
+                "wrap plain values in casnap.StateDict",
+                key,
+            )
+
+
 def restore_state(
     repo: Repository,
     manifest: Manifest,
@@ -112,6 +125,8 @@ def restore_state(
     allow_pickle: bool,
     memory_budget_bytes: int | None,
 ) -> None:
+    for key, stateful in app_state.items():
+        _check_stateful(key, stateful)
     plans: list[tuple[str, Any, str, dict[str, Any]]] = []
     load = _Load({}, {})
     for key, stateful in app_state.items():

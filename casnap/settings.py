@@ -84,11 +84,14 @@ class Settings:
         s.validate()
         return s
 
+    @property
+    def pack_limit(self) -> int:
+        """Chunks below this many bytes are packed (never more than a quarter chunk)."""
+        return min(self.pack_threshold, self.chunk_size // 4)
+
     def validate(self) -> None:
         if self.chunk_size < 4096 or self.chunk_size > 1 << 30:
             raise CasnapError(f"chunk_size {self.chunk_size} must be in [4 KiB, 1 GiB]")
-        if self.pack_threshold > self.chunk_size:
-            raise CasnapError("pack_threshold must not exceed chunk_size")
         if self.compression not in ("auto", "none"):
             raise CasnapError(f"compression {self.compression!r} must be 'auto' or 'none'")
         if self.io_workers < 1:

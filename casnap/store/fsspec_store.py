@@ -19,18 +19,32 @@ _ATOMIC_CREATE = {"gs", "gcs"}
 _create_locks: dict[str, threading.Lock] = {}
 _create_locks_guard = threading.Lock()
 
+_RANGE_NOT_SATISFIABLE = 416
+
 
 def _default_options(protocol: str) -> dict[str, Any]:
     if protocol in ("gs", "gcs"):
-        # Zonal/HNS bucket detection probes gRPC and can stall a minute per
-        # bucket against emulators; casnap needs plain buckets only.
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        # Listings cached by one handle go stale when another process writes;
+        # casnap lists to decide what gc may delete, so it must see fresh state.
         opts: dict[str, Any] = {"use_listings_cache": False}
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         if emulator:
             opts.update(token="anon", endpoint_url=emulator)
         return opts
     return {}
+
+
+def _open_fs(protocol: str, url: str, options: dict[str, Any]) -> tuple[Any, str]:
+    if protocol in ("gs", "gcs"):
+        # The plain class, not whatever `import gcsfs` picked: with
+        # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT on (its default) gcsfs exports a
+        # subclass that probes every bucket for zonal/HNS over gRPC, which stalls
+        # 60 s per call against an emulator. casnap needs plain buckets only.
+        from gcsfs.core import GCSFileSystem
+
+        return GCSFileSystem(**options), GCSFileSystem._strip_protocol(url)
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    return fs, root
 
 
 class FsspecStore(ObjectStore):
@@ -40,7 +54,7 @@ class FsspecStore(ObjectStore):
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         options = {**_default_options(protocol), **(storage_options or {})}
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **options)
+            self.fs, root = _open_fs(protocol, url, options)
         except (ImportError, ValueError) as exc:
             raise StoreError(f"cannot open store {url!r}: {exc}") from exc
         self.protocol = protocol
@@ -62,13 +76,18 @@ class FsspecStore(ObjectStore):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         if start < 0 or end < start:
             raise ValueError(f"bad range [{start}, {end}) for {key}")
+        path = self._path(key)
         if end == start:
-            if not self.exists(key):
+            if not self._is_object(path, key):
                 raise ObjectNotFoundError(f"object {key!r} not found", key)
             return b""
         try:
-            return bytes(self.fs.cat_file(self._path(key), start=start, end=end))
+            return bytes(self.fs.cat_file(path, start=start, end=end))
         except Exception as exc:
+            # GCS answers a range that starts at or past the end with 416;
+            # the contract says that is an empty read of an existing object.
+            if getattr(exc, "code", None) == _RANGE_NOT_SATISFIABLE and self._is_object(path, key):
+                return b""
             raise _translate(exc, key) from exc
 
     def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
@@ -77,7 +96,7 @@ class FsspecStore(ObjectStore):
         try:
             if create_only and not self.capabilities.atomic_create:
                 with self._create_lock:
-                    if self.fs.exists(path):
+                    if self._is_object(path, key):
                         raise FileExistsError(path)
                     self.fs.pipe_file(path, payload)
             else:
@@ -86,10 +105,19 @@ class FsspecStore(ObjectStore):
             raise _translate(exc, key) from exc
 
     def exists(self, key: str) -> bool:
+        return self._is_object(self._path(key), key)
+
+    def _is_object(self, path: str, key: str) -> bool:
+        # Not fs.exists: that is true for a mere prefix ("directory") and
+        # gcsfs/fsspec swallow every error in isfile, so an outage would read
+        # as "missing".
         try:
-            return bool(self.fs.exists(self._path(key)))
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return False
         except Exception as exc:
             raise _translate(exc, key) from exc
+        return bool(info.get("type") == "file")
 
     def list(self, prefix: str = "") -> Iterator[str]:
         base = self._path(prefix) if prefix else self.root
@@ -100,14 +128,19 @@ class FsspecStore(ObjectStore):
         except Exception as exc:
             raise _translate(exc, prefix) from exc
         cut = len(self.root) + 1 if self.root else 0
+        # find() of a path that is itself an object returns that object; a
+        # prefix names a folder, so only keys below it count.
+        below = base + "/" if base else ""
         strip = self.fs._strip_protocol
         for path in found:
-            yield strip(path)[cut:]
+            path = strip(path)
+            if path.startswith(below):
+                yield path[cut:]
 
     def delete(self, key: str) -> None:
         try:
             self.fs.rm_file(self._path(key))
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):
             return
         except Exception as exc:
             raise _translate(exc, key) from exc
@@ -116,7 +149,8 @@ class FsspecStore(ObjectStore):
 def _translate(exc: Exception, key: str) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
-    if isinstance(exc, FileNotFoundError):
+    # A key that is only a prefix of other keys is not an object.
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
         return ObjectNotFoundError(f"object {key!r} not found", key)
     if isinstance(exc, FileExistsError):
         return ObjectExistsError(f"object {key!r} already exists", key)

@@ -5,13 +5,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 
 from casnap.errors import ObjectExistsError, ObjectNotFoundError, StoreError
 from casnap.store.base import Capabilities, Data, ObjectStore, as_parts, check_key
 
-_TMP_MARK = ".tmp-"
+# "~" is outside the key alphabet (see check_key), so no key can look like a
+# temp file and list can skip temp files without hiding a real object.
+_TMP_MARK = "~tmp-"
+# A key whose path runs into a file, or names a folder, is simply not an object.
+_NOT_AN_OBJECT = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
 
 
 class LocalStore(ObjectStore):
@@ -54,7 +59,7 @@ class LocalStore(ObjectStore):
         folder = os.path.dirname(path)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
         try:
-            os.makedirs(folder, exist_ok=True)
+            _make_folders(folder)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for part in as_parts(data):
@@ -79,13 +84,21 @@ class LocalStore(ObjectStore):
             raise _translate(exc, key) from exc
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
+        # Not os.path.isfile: it reads every error (EACCES, EIO) as "missing".
+        try:
+            return stat.S_ISREG(os.stat(self._path(key)).st_mode)
+        except OSError as exc:
+            if exc.errno in _NOT_AN_OBJECT:
+                return False
+            raise _translate(exc, key) from exc
 
     def list(self, prefix: str = "") -> Iterator[str]:
         base = self._path(prefix) if prefix else self.root
         if not os.path.isdir(base):
             return
-        for folder, _dirs, files in os.walk(base):
+        # os.walk skips unreadable folders silently; a listing that quietly
+        # misses refs would let gc delete what they reference.
+        for folder, _dirs, files in os.walk(base, onerror=_walk_error):
             rel = os.path.relpath(folder, self.root)
             for name in files:
                 if _TMP_MARK in name:
@@ -95,10 +108,27 @@ class LocalStore(ObjectStore):
     def delete(self, key: str) -> None:
         try:
             os.unlink(self._path(key))
-        except FileNotFoundError:
-            return
         except OSError as exc:
+            if exc.errno in _NOT_AN_OBJECT:
+                return
             raise _translate(exc, key) from exc
+
+
+def _make_folders(folder: str) -> None:
+    """``os.makedirs``, plus an fsync of each new folder's parent so the entry survives a crash."""
+    if os.path.isdir(folder):
+        return
+    _make_folders(os.path.dirname(folder))
+    try:
+        os.mkdir(folder)
+    except FileExistsError:
+        return  # a concurrent put made it (and fsynced its parent)
+    _fsync_dir(os.path.dirname(folder))
+
+
+def _walk_error(exc: OSError) -> None:
+    if not isinstance(exc, FileNotFoundError):  # a folder removed while listing is fine
+        raise exc
 
 
 def _fsync_dir(folder: str) -> None:
@@ -110,7 +140,7 @@ def _fsync_dir(folder: str) -> None:
 
 
 def _translate(exc: OSError, key: str) -> StoreError:
-    if isinstance(exc, FileNotFoundError):
+    if exc.errno in _NOT_AN_OBJECT:
         return ObjectNotFoundError(f"object {key!r} not found", key)
     if isinstance(exc, FileExistsError):
         return ObjectExistsError(f"object {key!r} already exists", key)

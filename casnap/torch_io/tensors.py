@@ -17,6 +17,9 @@ for _name in DTYPE_ITEMSIZE:
     if isinstance(_dt, torch.dtype):
         _BY_NAME[_name] = _dt
 _NAME_OF = {dt: name for name, dt in _BY_NAME.items()}
+# Integer dtypes by element size: copying through them moves raw bits, and works for
+# dtypes torch has no copy kernel for (int1..int7, uint1..uint7 raise NotImplementedError).
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def dtype_name(dtype: torch.dtype, key: str = "") -> str:
@@ -52,16 +55,44 @@ def host_view(tensor: torch.Tensor, key: str = "") -> tuple[memoryview, torch.Te
     if tensor.device.type == "meta":
         raise UnsupportedValueError(f"{key}: a meta tensor has no data to store", key)
     t = tensor.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if t.device.type != "cpu":
-        # Device-to-host staging; synchronous so the bytes are final on return.
-        t = t.to("cpu")
-    if not t.is_contiguous():
-        t = t.contiguous()
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        # Device-to-host staging is synchronous, so the bytes are final on return.
+        t = contiguous_cpu_copy(t)
     return byte_view(t), t
+
+
+def _bits_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The integer dtype ``t`` can be reinterpreted as for a raw copy, if any."""
+    if t.is_conj() or t.is_neg():
+        return None  # the lazy conjugation/negation must be applied, not copied around
+    return _SAME_SIZE_INT.get(t.element_size())
+
+
+def contiguous_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A new contiguous CPU tensor holding ``tensor``'s values, bit for bit, for every
+    storable dtype (what an async take stages, so later in-place changes cannot leak in).
+
+    Conjugate and negative views are materialized. Sub-byte dtypes (``torch.int4`` …)
+    have no copy kernel, so the copy goes through an integer view of the same size.
+    """
+    t = tensor.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # already a fresh tensor
+        if t.device.type == "cpu" and t.is_contiguous():
+            return t
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    copy_bits(out, t)
+    return out
+
+
+def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for same-dtype tensors, bit-exact and for every storable dtype."""
+    dst, src = dst.detach(), src.detach()
+    bits = _bits_dtype(dst)
+    if bits is not None and bits == _bits_dtype(src) and dst.dtype == src.dtype:
+        dst, src = dst.view(bits), src.view(bits)
+    with torch.no_grad():
+        dst.copy_(src)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -122,6 +153,5 @@ class TensorSink:
         if self.target is None:
             return self.buffer
         if self.buffer is not self.target:
-            with torch.no_grad():
-                self.target.copy_(self.buffer)
+            copy_bits(self.target, self.buffer)
         return self.target

@@ -1,0 +1,227 @@
+"""Every read is verified; untrusted manifests are validated; failures lose nothing."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from casnap import (
+    IntegrityError,
+    ManifestValidationError,
+    Repository,
+    Snapshot,
+    StateDict,
+    UnsupportedFormatError,
+    lineage,
+)
+from casnap.errors import StoreError
+from casnap.manifest import canonical_json
+from casnap.names import hash_bytes
+from casnap.store import LocalStore
+from casnap.store.base import Data, ObjectStore
+
+CHUNK = 64 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lineage():
+    lineage.forget()
+    yield
+    lineage.forget()
+
+
+def take(tmp_path, name: str, state: dict) -> Snapshot:
+    return Snapshot.take(str(tmp_path / "repo" / name), state,
+                         storage_options={"chunk_size": CHUNK})  # fmt: skip
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x01]))
+
+
+def test_flipped_byte_in_a_loose_chunk_raises_integrity_error_naming_it(tmp_path):
+    state = StateDict(w=torch.randn(100_000))
+    snap = take(tmp_path, "s1", {"s": state})
+    ref = snap.get_manifest()["0/s/w"].chunks[1]
+    assert ref.pack is None
+    path = str(tmp_path / "repo" / ".casnap" / "chunks" / ref.hash[:2] / ref.hash)
+    flip_byte(path, os.path.getsize(path) - 10)
+    target = StateDict(w=torch.zeros(100_000))
+    with pytest.raises(IntegrityError) as info:
+        Snapshot(str(tmp_path / "repo" / "s1")).restore({"s": target})
+    assert ref.hash in str(info.value)
+    assert info.value.object_name == f"chunks/{ref.hash[:2]}/{ref.hash}"
+
+
+def test_flipped_byte_in_a_pack_is_caught_on_read_object(tmp_path):
+    state = StateDict(a=torch.randn(100), b=torch.randn(100))
+    snap = take(tmp_path, "s1", {"s": state})
+    ref = snap.get_manifest()["0/s/b"].chunks[0]
+    assert ref.pack is not None
+    path = str(tmp_path / "repo" / ".casnap" / "packs" / ref.pack[:2] / ref.pack)
+    flip_byte(path, ref.offset + ref.length - 3)
+    with pytest.raises(IntegrityError, match=ref.pack):
+        Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/b")
+    # the neighbour in the same pack is intact and still reads
+    assert torch.equal(Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/a"), state["a"])
+
+
+def test_flipped_header_byte_and_truncation_are_integrity_errors(tmp_path):
+    state = StateDict(w=torch.randn(40_000))
+    snap = take(tmp_path, "s1", {"s": state})
+    ref = snap.get_manifest()["0/s/w"].chunks[0]
+    path = str(tmp_path / "repo" / ".casnap" / "chunks" / ref.hash[:2] / ref.hash)
+    flip_byte(path, 9)  # raw length field
+    with pytest.raises(IntegrityError):
+        Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/w")
+    flip_byte(path, 9)
+    with open(path, "r+b") as fh:
+        fh.truncate(1000)
+    with pytest.raises(IntegrityError, match="bytes"):
+        Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/w")
+
+
+def test_missing_chunk_is_an_integrity_error_naming_it(tmp_path):
+    snap = take(tmp_path, "s1", {"s": StateDict(w=torch.randn(40_000))})
+    ref = snap.get_manifest()["0/s/w"].chunks[0]
+    os.unlink(tmp_path / "repo" / ".casnap" / "chunks" / ref.hash[:2] / ref.hash)
+    with pytest.raises(IntegrityError, match="missing"):
+        Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/w")
+
+
+def _manifest_file(tmp_path) -> str:
+    (path,) = glob.glob(str(tmp_path / "repo" / ".casnap" / "manifests" / "*" / "*"))
+    return path
+
+
+def test_corrupt_manifest_is_refused(tmp_path):
+    take(tmp_path, "s1", {"s": StateDict(w=torch.randn(10))})
+    path = _manifest_file(tmp_path)
+    flip_byte(path, 20)
+    with pytest.raises(ManifestValidationError, match="digest"):
+        Snapshot(str(tmp_path / "repo" / "s1")).get_manifest()
+
+
+def _rewrite_manifest(tmp_path, mutate) -> None:
+    """Replace the snapshot's manifest with a mutated one that is correctly hashed."""
+    repo = Repository.open(str(tmp_path / "repo"))
+    ref_path = tmp_path / "repo" / ".casnap" / "refs" / "s1"
+    old = json.loads(ref_path.read_text())
+    doc = json.loads(open(_manifest_file(tmp_path), "rb").read())
+    mutate(doc)
+    data = canonical_json(doc)
+    name = hash_bytes(data)
+    repo.store.put(f"manifests/{name[:2]}/{name}", data)
+    old["manifest"] = name
+    ref_path.write_text(json.dumps(old))
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: d.update(format_version="2.0"), "format version 2.0"),
+        (lambda d: d["entries"]["0/s/w"].update(shape=[2**40, 2**40]), "overflow"),
+        (lambda d: d["entries"]["0/s/w"].update(shape=[-1]), "shape"),
+        (lambda d: d["entries"]["0/s/w"].update(dtype="float1024"), "dtype"),
+        (lambda d: d["entries"]["0/s/w"].update(shape=[11]), "chunk"),
+        (lambda d: d["entries"]["0/s/w"]["chunks"][0].update(hash="../../../../etc/passwd"),
+         "hash"),
+        (lambda d: d["entries"]["0/s/w"]["chunks"][0].update(pack="x" * 64), "pack"),
+        (lambda d: d["entries"]["0/s/w"]["chunks"][0].update(length=3), "length"),
+        (lambda d: d["entries"]["0/s/w"].update(kind="lambda"), "kind"),
+        (lambda d: d["entries"]["0/s/w"].update(evil=1), "evil"),
+    ],
+)
+def test_malicious_manifests_are_refused_before_anything_is_read(tmp_path, mutate, match):
+    take(tmp_path, "s1", {"s": StateDict(w=torch.randn(10))})
+    _rewrite_manifest(tmp_path, mutate)
+    expected = UnsupportedFormatError if "version" in match else ManifestValidationError
+    with pytest.raises(expected, match=match):
+        Snapshot(str(tmp_path / "repo" / "s1")).get_manifest()
+
+
+def test_container_listing_a_missing_member_is_refused(tmp_path):
+    take(tmp_path, "s1", {"s": StateDict(w=torch.randn(10))})
+
+    def missing(d):
+        d["entries"]["0/s"]["keys"] = ["w", "ghost"]
+
+    _rewrite_manifest(tmp_path, missing)
+    with pytest.raises(ManifestValidationError, match="ghost"):
+        Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s")
+
+
+def test_absurdly_deep_nesting_is_refused_not_a_crash(tmp_path):
+    take(tmp_path, "s1", {"s": StateDict(w=torch.randn(10))})
+
+    def deep(d):
+        key = "0/s"
+        d["entries"][key]["keys"] = ["w", "d"]
+        for _ in range(200):
+            key = f"{key}/d"
+            d["entries"][key] = {"kind": "container", "type": "dict", "keys": ["d"]}
+        d["entries"][key]["keys"] = []
+
+    _rewrite_manifest(tmp_path, deep)
+    with pytest.raises(ManifestValidationError, match="deeper"):
+        Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s")
+
+
+class FailingStore(ObjectStore):
+    """Fails the n-th put of a chunk or pack, like a full disk would."""
+
+    def __init__(self, inner: ObjectStore, fail_at: int) -> None:
+        self.inner, self.fail_at, self.puts = inner, fail_at, 0
+        self.url, self.capabilities = inner.url, inner.capabilities
+
+    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+        if key.startswith((".casnap/chunks/", ".casnap/packs/")):
+            self.puts += 1
+            if self.puts == self.fail_at:
+                raise StoreError(f"no space left on device while writing {key!r}", key)
+        self.inner.put(key, data, create_only=create_only)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def get_range(self, key, start, end):
+        return self.inner.get_range(key, start, end)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+
+def test_a_failed_take_leaves_no_ref_and_earlier_snapshots_restorable(tmp_path):
+    root = str(tmp_path / "repo")
+    state = StateDict(w=torch.randn(300_000), b=torch.randn(10))
+    take(tmp_path, "s1", {"s": state})
+    before = {k: v.clone() for k, v in state.items()}
+    state["w"].mul_(2)
+    failing = Repository.on_store(FailingStore(LocalStore(root), fail_at=3))
+    with pytest.raises(StoreError, match="no space"):
+        Snapshot.take(f"{root}/s2", {"s": state},
+                      storage_options={"repository": failing, "chunk_size": CHUNK})  # fmt: skip
+    assert Repository.open(root).list_snapshots() == ["s1"]
+    with pytest.raises(FileNotFoundError):
+        Snapshot(f"{root}/s2").get_manifest()
+    restored = StateDict(w=torch.empty(300_000), b=torch.empty(10))
+    Snapshot(f"{root}/s1").restore({"s": restored})
+    assert all(torch.equal(restored[k], before[k]) for k in before)
+    # a retry succeeds and reuses the chunks the failed take already wrote
+    snap = take(tmp_path, "s2", {"s": state})
+    stats = snap.last_take_stats
+    assert stats.chunks_written < stats.chunks
