@@ -22,7 +22,7 @@ _NOT_AN_OBJECT = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
 class LocalStore(ObjectStore):
     """Objects are files below ``root``; every put is durable before it returns.
 
-    A put writes ``<key>.tmp-<random>``, fsyncs it, then renames it into place
+    A put writes ``<key>~tmp-<random>``, fsyncs it, then renames it into place
     (``os.link`` for create-only, which fails atomically if the key exists) and
     fsyncs the directory, so a crash leaves either the old state or the whole
     object, plus at most a temp file that ``list`` ignores.
@@ -81,7 +81,7 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise _translate(exc, key) from exc
+            raise _translate(exc, key, writing=True) from exc
 
     def exists(self, key: str) -> bool:
         # Not os.path.isfile: it reads every error (EACCES, EIO) as "missing".
@@ -98,12 +98,15 @@ class LocalStore(ObjectStore):
             return
         # os.walk skips unreadable folders silently; a listing that quietly
         # misses refs would let gc delete what they reference.
-        for folder, _dirs, files in os.walk(base, onerror=_walk_error):
-            rel = os.path.relpath(folder, self.root)
-            for name in files:
-                if _TMP_MARK in name:
-                    continue
-                yield name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+        try:
+            for folder, _dirs, files in os.walk(base, onerror=_walk_error):
+                rel = os.path.relpath(folder, self.root)
+                for name in files:
+                    if _TMP_MARK in name:
+                        continue
+                    yield name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+        except OSError as exc:
+            raise _translate(exc, prefix) from exc
 
     def delete(self, key: str) -> None:
         try:
@@ -139,8 +142,8 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _translate(exc: OSError, key: str) -> StoreError:
-    if exc.errno in _NOT_AN_OBJECT:
+def _translate(exc: OSError, key: str, *, writing: bool = False) -> StoreError:
+    if exc.errno in _NOT_AN_OBJECT and not writing:
         return ObjectNotFoundError(f"object {key!r} not found", key)
     if isinstance(exc, FileExistsError):
         return ObjectExistsError(f"object {key!r} already exists", key)

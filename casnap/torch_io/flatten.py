@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import base64
 import collections
+import math
 import pickle
+import re
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +46,32 @@ class ObjectLeaf:
 Node = ContainerEntry | PrimitiveEntry | TensorLeaf | ObjectLeaf
 
 
+_CANONICAL_NAN_BITS = 0x7FF8000000000000
+_NAN_BITS_RE = re.compile(r"^nan:[0-9a-f]{16}$")
+
+
+def encode_float(x: float) -> str:
+    """Exact text of a float: ``float.hex`` form, or ``nan:<64-bit pattern>`` for a NaN whose
+    bits ``float.hex`` would lose (a sign or payload, e.g. ``inf - inf`` is negative NaN)."""
+    if math.isnan(x):
+        (bits,) = struct.unpack("<Q", struct.pack("<d", x))
+        if bits != _CANONICAL_NAN_BITS:
+            return f"nan:{bits:016x}"
+    return x.hex()
+
+
+def decode_float(text: str) -> float:
+    """Inverse of :func:`encode_float`; raises ValueError on malformed text."""
+    if text.startswith("nan:"):
+        if not _NAN_BITS_RE.match(text):
+            raise ValueError(f"malformed NaN bit pattern {text!r}")
+        (value,) = struct.unpack("<d", struct.pack("<Q", int(text[4:], 16)))
+        if not math.isnan(value):
+            raise ValueError(f"{text!r} is not the bit pattern of a NaN")
+        return float(value)
+    return float.fromhex(text)
+
+
 def child_key(key: str, member: str | int) -> str:
     return f"{key}/{escape_key(str(member))}"
 
@@ -56,13 +85,15 @@ def encode_primitive(value: Any) -> PrimitiveEntry | None:
     if isinstance(value, int):
         return PrimitiveEntry(type="int", value=int(value))
     if isinstance(value, float):
-        return PrimitiveEntry(type="float", value=float(value).hex())
+        return PrimitiveEntry(type="float", value=encode_float(float(value)))
     if isinstance(value, str):
         return PrimitiveEntry(type="str", value=str(value))
     if isinstance(value, (bytes, bytearray)):
         return PrimitiveEntry(type="bytes", value=base64.b64encode(value).decode("ascii"))
     if isinstance(value, complex):
-        return PrimitiveEntry(type="complex", value=[value.real.hex(), value.imag.hex()])
+        return PrimitiveEntry(
+            type="complex", value=[encode_float(value.real), encode_float(value.imag)]
+        )
     if isinstance(value, torch.dtype):
         return PrimitiveEntry(type="dtype", value=dtype_name(value))
     return None
@@ -78,13 +109,13 @@ def decode_primitive(entry: PrimitiveEntry, key: str) -> Any:
         if entry.type == "int" and isinstance(v, int) and not isinstance(v, bool):
             return v
         if entry.type == "float" and isinstance(v, str):
-            return float.fromhex(v)
+            return decode_float(v)
         if entry.type == "str" and isinstance(v, str):
             return v
         if entry.type == "bytes" and isinstance(v, str):
             return base64.b64decode(v, validate=True)
         if entry.type == "complex" and isinstance(v, list) and len(v) == 2:
-            return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+            return complex(decode_float(v[0]), decode_float(v[1]))
         if entry.type == "dtype" and isinstance(v, str):
             return torch_dtype(v)
     except (ValueError, TypeError) as exc:
