@@ -267,7 +267,7 @@ def human_bytes(n: int | None) -> str:
         return ""
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
+            return f"{n / size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{n} B"
 
 

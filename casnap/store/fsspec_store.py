@@ -68,15 +68,16 @@ class FsspecStore(ObjectStore):
         return f"{self.root}/{check_key(key)}" if self.root else check_key(key)
 
     def get(self, key: str) -> bytes:
+        path = self._path(key)  # outside the try: an invalid key is not a store failure
         try:
-            return bytes(self.fs.cat_file(self._path(key)))
+            return bytes(self.fs.cat_file(path))
         except Exception as exc:
             raise _translate(exc, key) from exc
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
+        path = self._path(key)
         if start < 0 or end < start:
             raise ValueError(f"bad range [{start}, {end}) for {key}")
-        path = self._path(key)
         if end == start:
             if not self._is_object(path, key):
                 raise ObjectNotFoundError(f"object {key!r} not found", key)
@@ -138,8 +139,9 @@ class FsspecStore(ObjectStore):
                 yield path[cut:]
 
     def delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            self.fs.rm_file(self._path(key))
+            self.fs.rm_file(path)
         except (FileNotFoundError, IsADirectoryError):
             return
         except Exception as exc:

@@ -76,12 +76,29 @@ def child_key(key: str, member: str | int) -> str:
     return f"{key}/{escape_key(str(member))}"
 
 
+# JSON readers refuse longer integers (CPython's int <-> str limit is 4300 digits).
+_MAX_INLINE_INT_BITS = 14_000
+
+
+def _inline(value: str | int) -> bool:
+    """Whether a str or int fits a JSON manifest: UTF-8 encodable, not too many digits."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates
+            return False
+        return True
+    return value.bit_length() <= _MAX_INLINE_INT_BITS
+
+
 def encode_primitive(value: Any) -> PrimitiveEntry | None:
     """The inline entry for a JSON-representable scalar, or None if ``value`` is not one."""
     if value is None:
         return PrimitiveEntry(type="none", value=None)
     if isinstance(value, bool):
         return PrimitiveEntry(type="bool", value=value)
+    if isinstance(value, (int, str)) and not _inline(value):
+        return None  # stored only by pickling it
     if isinstance(value, int):
         return PrimitiveEntry(type="int", value=int(value))
     if isinstance(value, float):
@@ -157,7 +174,7 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
         seen: set[str] = set()
         ok = True
         for k, _ in members:
-            if isinstance(k, bool) or not isinstance(k, (int, str)):
+            if isinstance(k, bool) or not isinstance(k, (int, str)) or not _inline(k):
                 ok = False
                 break
             name = escape_key(str(k))

@@ -1,0 +1,365 @@
+"""The object-store contract as a reusable test suite.
+
+Every backend runs the same tests: subclass :class:`StoreConformance` and
+provide a ``store`` fixture that yields an empty store::
+
+    class TestMyStore(StoreConformance):
+        @pytest.fixture
+        def store(self, tmp_path):
+            return MyStore(tmp_path)
+
+        def reopen(self, store):  # optional: a second, independent handle
+            return MyStore(store.root)
+
+The contract itself is documented in ``casnap/store/base.py``.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from casnap.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError
+from casnap.store import ObjectStore
+
+UNSAFE_KEYS = [
+    "../x",
+    "a/../../x",
+    "/abs",
+    "a//b",
+    "a/./b",
+    ".",
+    "..",
+    "",
+    "a/",
+    "a\\b",
+    "a b",
+    "a\x00b",
+    "x~tmp-0",
+]
+
+# Valid keys that look like things a backend might treat specially.
+ODD_KEYS = ["a.tmp-1", "..a", "a..", "-x", "x=1,y@2%+_", ".hidden"]
+
+LARGE = 9 << 20  # above the usual single-request and buffer sizes of clients
+
+
+def _keys(store: ObjectStore, prefix: str = "") -> list[str]:
+    return sorted(store.list(prefix))
+
+
+def _race(n: int, work: Callable[[int], object]) -> list[object]:
+    """Run ``work(i)`` for i in range(n) on n threads released together; results or exceptions."""
+    barrier = threading.Barrier(n)
+    results: list[object] = [None] * n
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = work(i)
+        except Exception as exc:  # collected and asserted on by the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+class StoreConformance:
+    """Tests every :class:`~casnap.store.ObjectStore` must pass."""
+
+    def reopen(self, store: ObjectStore) -> ObjectStore:
+        """A second handle on the same objects, with its own client and caches."""
+        return store
+
+    # -- put / get -----------------------------------------------------------
+
+    def test_put_get_bytes(self, store: ObjectStore) -> None:
+        store.put("obj", b"hello world")
+        assert store.get("obj") == b"hello world"
+
+    def test_get_returns_bytes(self, store: ObjectStore) -> None:
+        store.put("obj", bytearray(b"abc"))
+        data = store.get("obj")
+        assert type(data) is bytes
+        assert data == b"abc"
+
+    def test_put_memoryview(self, store: ObjectStore) -> None:
+        backing = bytearray(b"0123456789")
+        store.put("slice", memoryview(backing)[2:7])
+        floats = array.array("f", [1.5, -2.0, 3.25])  # a typed buffer, like a tensor's
+        store.put("floats", memoryview(floats))
+        assert store.get("slice") == b"23456"
+        assert store.get("floats") == floats.tobytes()
+
+    def test_put_list_of_buffers(self, store: ObjectStore) -> None:
+        parts = [b"head|", bytearray(b"middle|"), b"", memoryview(b"xxtail")[2:]]
+        store.put("joined", parts)
+        assert store.get("joined") == b"head|middle|tail"
+
+    def test_empty_object(self, store: ObjectStore) -> None:
+        store.put("empty", b"")
+        store.put("empty-list", [])
+        assert store.exists("empty")
+        assert store.get("empty") == b""
+        assert store.get("empty-list") == b""
+        assert store.get_range("empty", 0, 10) == b""
+        assert _keys(store) == ["empty", "empty-list"]
+
+    def test_nested_keys(self, store: ObjectStore) -> None:
+        store.put("a/b/c/d", b"deep")
+        assert store.get("a/b/c/d") == b"deep"
+
+    def test_odd_but_valid_keys(self, store: ObjectStore) -> None:
+        for i, key in enumerate(ODD_KEYS):
+            store.put(f"odd/{key}", str(i).encode())
+        for i, key in enumerate(ODD_KEYS):
+            assert store.get(f"odd/{key}") == str(i).encode()
+        assert _keys(store, "odd") == sorted(f"odd/{k}" for k in ODD_KEYS)
+
+    def test_large_object(self, store: ObjectStore) -> None:
+        data = os.urandom(LARGE)
+        store.put("big", [data[: LARGE // 3], memoryview(data)[LARGE // 3 :]])
+        assert store.get("big") == data
+        mid = LARGE // 2
+        assert store.get_range("big", mid - 5, mid + (1 << 20)) == data[mid - 5 : mid + (1 << 20)]
+
+    # -- get_range -----------------------------------------------------------
+
+    def test_get_range_middle(self, store: ObjectStore) -> None:
+        store.put("r", b"0123456789")
+        assert store.get_range("r", 2, 5) == b"234"
+        assert store.get_range("r", 0, 10) == b"0123456789"
+
+    def test_get_range_past_end(self, store: ObjectStore) -> None:
+        store.put("r", b"0123456789")
+        assert store.get_range("r", 7, 100) == b"789"
+        assert store.get_range("r", 10, 20) == b""
+        assert store.get_range("r", 50, 60) == b""
+
+    def test_get_range_zero_length(self, store: ObjectStore) -> None:
+        store.put("r", b"0123456789")
+        assert store.get_range("r", 4, 4) == b""
+        assert store.get_range("r", 0, 0) == b""
+
+    def test_get_range_rejects_bad_bounds(self, store: ObjectStore) -> None:
+        store.put("r", b"0123456789")
+        with pytest.raises(ValueError):
+            store.get_range("r", 5, 4)
+        with pytest.raises(ValueError):
+            store.get_range("r", -1, 4)
+
+    # -- missing objects -----------------------------------------------------
+
+    def test_get_missing(self, store: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFoundError) as info:
+            store.get("nope/missing")
+        assert isinstance(info.value, FileNotFoundError)
+        assert info.value.key == "nope/missing"
+
+    def test_get_range_missing(self, store: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFoundError):
+            store.get_range("missing", 0, 10)
+        with pytest.raises(ObjectNotFoundError):
+            store.get_range("missing", 3, 3)
+        with pytest.raises(FileNotFoundError):
+            store.get_range("missing", 100, 200)
+
+    def test_prefix_is_not_an_object(self, store: ObjectStore) -> None:
+        store.put("dir/obj", b"x")
+        assert not store.exists("dir")
+        with pytest.raises(ObjectNotFoundError):
+            store.get("dir")
+        with pytest.raises(ObjectNotFoundError):
+            store.get_range("dir", 0, 1)
+        store.delete("dir")
+        assert store.get("dir/obj") == b"x"
+
+    def test_key_below_an_object_is_missing(self, store: ObjectStore) -> None:
+        store.put("file", b"x")
+        assert not store.exists("file/child")
+        with pytest.raises(ObjectNotFoundError):
+            store.get("file/child")
+        store.delete("file/child")
+        assert store.get("file") == b"x"
+
+    # -- create-only and overwrite -------------------------------------------
+
+    def test_create_only_new(self, store: ObjectStore) -> None:
+        store.put("c/new", b"first", create_only=True)
+        assert store.get("c/new") == b"first"
+
+    def test_create_only_existing(self, store: ObjectStore) -> None:
+        store.put("c/obj", b"original")
+        with pytest.raises(ObjectExistsError) as info:
+            store.put("c/obj", b"replacement", create_only=True)
+        assert isinstance(info.value, FileExistsError)
+        assert info.value.key == "c/obj"
+        assert store.get("c/obj") == b"original"
+        assert _keys(store) == ["c/obj"]
+
+    def test_create_only_after_delete(self, store: ObjectStore) -> None:
+        store.put("c/obj", b"one", create_only=True)
+        store.delete("c/obj")
+        store.put("c/obj", b"two", create_only=True)
+        assert store.get("c/obj") == b"two"
+
+    def test_overwrite_replaces(self, store: ObjectStore) -> None:
+        store.put("o", b"a much longer first version")
+        store.put("o", b"short")
+        assert store.get("o") == b"short"
+        store.put("o", [b"list ", b"version"])
+        assert store.get("o") == b"list version"
+        assert _keys(store) == ["o"]
+
+    def test_concurrent_create_only_one_winner(self, store: ObjectStore) -> None:
+        n = 8
+        for round_ in range(3):
+            key = f"race/{round_}"
+            results = _race(n, lambda i, key=key: store.put(key, f"w{i}".encode(), create_only=True))
+            winners = [i for i, r in enumerate(results) if r is None]
+            losers = [r for r in results if r is not None]
+            assert len(winners) == 1, results
+            assert all(isinstance(r, ObjectExistsError) for r in losers), losers
+            assert store.get(key) == f"w{winners[0]}".encode()
+
+    def test_readers_never_see_a_partial_put(self, store: ObjectStore) -> None:
+        size = 1 << 20
+        versions = [bytes([v]) * size for v in range(4)]
+        store.put("hot", versions[0])
+        stop = threading.Event()
+        seen: list[bytes] = []
+
+        def write() -> None:
+            for i in range(12):
+                store.put("hot", versions[i % len(versions)])
+            stop.set()
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            while True:
+                seen.append(store.get("hot"))
+                if stop.is_set():
+                    break
+        finally:
+            writer.join()
+        assert seen
+        assert all(data in versions for data in seen)
+
+    # -- exists / delete -----------------------------------------------------
+
+    def test_exists(self, store: ObjectStore) -> None:
+        assert not store.exists("e/k")
+        store.put("e/k", b"1")
+        assert store.exists("e/k")
+        assert not store.exists("e/k2")
+        store.delete("e/k")
+        assert not store.exists("e/k")
+
+    def test_delete(self, store: ObjectStore) -> None:
+        store.put("d/one", b"1")
+        store.put("d/two", b"2")
+        store.delete("d/one")
+        assert not store.exists("d/one")
+        with pytest.raises(ObjectNotFoundError):
+            store.get("d/one")
+        assert _keys(store) == ["d/two"]
+
+    def test_delete_missing_is_fine(self, store: ObjectStore) -> None:
+        store.delete("never/written")
+        store.put("once", b"x")
+        store.delete("once")
+        store.delete("once")
+        assert _keys(store) == []
+
+    # -- list ----------------------------------------------------------------
+
+    def test_list_empty_store(self, store: ObjectStore) -> None:
+        assert _keys(store) == []
+        assert _keys(store, "anything") == []
+
+    def test_list_prefix_recursively(self, store: ObjectStore) -> None:
+        keys = ["chunks/ab/abc1", "chunks/ab/abd2", "chunks/cd/cde3", "refs/main", "refs/x/y/z"]
+        for key in keys:
+            store.put(key, key.encode())
+        assert _keys(store) == sorted(keys)
+        assert _keys(store, "chunks") == keys[:3]
+        assert _keys(store, "chunks/ab") == keys[:2]
+        assert _keys(store, "refs") == ["refs/main", "refs/x/y/z"]
+        assert _keys(store, "refs/x") == ["refs/x/y/z"]
+
+    def test_list_missing_prefix(self, store: ObjectStore) -> None:
+        store.put("refs/main", b"x")
+        assert _keys(store, "nothing") == []
+        assert _keys(store, "refs/nothing/deeper") == []
+
+    def test_list_prefix_is_a_folder_not_a_string_prefix(self, store: ObjectStore) -> None:
+        store.put("ref", b"1")
+        store.put("refs/a", b"2")
+        store.put("refsx/b", b"3")
+        assert _keys(store, "ref") == []
+        assert _keys(store, "refs") == ["refs/a"]
+
+    def test_list_after_delete_and_overwrite(self, store: ObjectStore) -> None:
+        for i in range(5):
+            store.put(f"l/{i}", b"x")
+        store.delete("l/2")
+        store.put("l/3", b"y")
+        assert _keys(store, "l") == ["l/0", "l/1", "l/3", "l/4"]
+
+    def test_list_shows_no_temporary_objects(self, store: ObjectStore) -> None:
+        keys = [f"t/{i}" for i in range(16)]
+        _race(len(keys), lambda i: store.put(keys[i], os.urandom(1000), create_only=True))
+        _race(len(keys), lambda i: store.put(keys[i], b"again", create_only=True))
+        _race(len(keys), lambda i: store.put(keys[i], b"overwrite"))
+        assert _keys(store) == sorted(keys)
+
+    # -- key validation ------------------------------------------------------
+
+    @pytest.mark.parametrize("key", UNSAFE_KEYS)
+    def test_unsafe_keys_rejected(self, store: ObjectStore, key: str) -> None:
+        with pytest.raises(InvalidNameError):
+            store.put(key, b"x")
+        with pytest.raises(InvalidNameError):
+            store.put(key, b"x", create_only=True)
+        with pytest.raises(InvalidNameError):
+            store.get(key)
+        with pytest.raises(InvalidNameError):
+            store.get_range(key, 0, 1)
+        with pytest.raises(InvalidNameError):
+            store.exists(key)
+        with pytest.raises(InvalidNameError):
+            store.delete(key)
+        if key:  # "" is the whole store
+            with pytest.raises(InvalidNameError):
+                list(store.list(key))
+        assert _keys(store) == []
+
+    # -- a second handle -----------------------------------------------------
+
+    def test_second_handle_sees_fresh_state(self, store: ObjectStore) -> None:
+        other = self.reopen(store)
+        assert _keys(other) == []  # list before writing, to prime any listing cache
+        assert not other.exists("f/a")
+        store.put("f/a", b"1")
+        store.put("f/b/c", b"2")
+        assert other.exists("f/a")
+        assert _keys(other, "f") == ["f/a", "f/b/c"]
+        assert other.get("f/a") == b"1"
+        store.put("f/a", b"changed")
+        assert other.get("f/a") == b"changed"
+        store.delete("f/a")
+        assert not other.exists("f/a")
+        assert _keys(other, "f") == ["f/b/c"]
+        with pytest.raises(ObjectExistsError):
+            other.put("f/b/c", b"late", create_only=True)
+        other.put("f/a", b"from other", create_only=True)
+        assert store.get("f/a") == b"from other"
