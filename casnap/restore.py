@@ -172,8 +172,8 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
             refs.append(ref)
             routes.append((key, i))
     blobs: dict[str, bytearray] = {k: bytearray(e.size) for k, e in load.objects.items()}
-    for key, entry in load.objects.items():
-        for i, ref in enumerate(entry.chunks):
+    for key, obj in load.objects.items():
+        for i, ref in enumerate(obj.chunks):
             refs.append(ref)
             routes.append((key, i))
 

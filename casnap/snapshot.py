@@ -24,6 +24,7 @@ from casnap import lineage
 from casnap.manifest import Entry, Manifest
 from casnap.repository import Repository, locate
 from casnap.restore import read_entry, restore_state
+from casnap.chunks import WriteStats
 from casnap.take import TakeResult, TensorPrepareFunc, prepare_take
 
 
@@ -64,6 +65,8 @@ class Snapshot:
         self._name: str | None = None
         self._manifest_hash: str | None = None
         self._manifest: Manifest | None = None
+        # What the take that created this object wrote (None for Snapshot(path)).
+        self.last_take_stats: WriteStats | None = None
 
     # -- taking ----------------------------------------------------------
     @classmethod

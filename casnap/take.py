@@ -32,7 +32,7 @@ from casnap.repository import Repository, locate, now_iso
 from casnap.settings import Settings, default_memory_budget
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf, flatten
 from casnap.torch_io.stateful import RNGState
-from casnap.torch_io.tensors import dtype_name, host_view
+from casnap.torch_io.tensors import contiguous_cpu_copy, dtype_name, host_view
 
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
@@ -155,13 +155,23 @@ def _order(app_state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def collect(
     app_state: Mapping[str, Any], rank: int, allow_pickle: bool, prepare: TensorPrepareFunc | None
 ) -> dict[str, Node]:
     nodes: dict[str, Node] = {}
     for key, stateful in _order(app_state):
-        if not isinstance(key, str) or not key:
-            raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
+        if not isinstance(key, str) or not key or not _utf8(key):
+            raise UnsupportedValueError(
+                f"app_state keys must be non-empty UTF-8 strings, got {key!r}"
+            )
         if not callable(getattr(stateful, "state_dict", None)):
             raise UnsupportedValueError(
                 f"app_state[{key!r}] is a {type(stateful).__name__} without state_dict(); "
@@ -219,7 +229,4 @@ def _stage_all(job: TakeJob) -> None:
     """Copy every tensor into host memory owned by the take (point-in-time for async)."""
     for key, node in job.nodes.items():
         if isinstance(node, TensorLeaf):
-            t = node.tensor.detach()
-            staged = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            staged.copy_(t)  # materializes conj/neg views and non-contiguous layouts
-            job.nodes[key] = TensorLeaf(staged)
+            job.nodes[key] = TensorLeaf(contiguous_cpu_copy(node.tensor))

@@ -27,7 +27,7 @@ from casnap.errors import (
 )
 from casnap.manifest import ContainerEntry, Entry, ObjectEntry, PrimitiveEntry, TensorEntry
 from casnap.names import escape_key
-from casnap.torch_io.tensors import dtype_name, torch_dtype
+from casnap.torch_io.tensors import check_storable, dtype_name, torch_dtype
 
 MAX_DEPTH = 64
 
@@ -161,6 +161,7 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
             raise UnsupportedValueError(
                 f"{key}: tensor subclass {type(value).__name__} is not supported here", key
             )
+        check_storable(value, key)  # refuse before anything is staged or written
         out[key] = TensorLeaf(value)
         return
     prim = encode_primitive(value)

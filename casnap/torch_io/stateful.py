@@ -49,7 +49,7 @@ class RNGState:
             "python_state": torch.tensor(internal, dtype=torch.int64),
             "python_gauss": gauss,
         }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 

@@ -40,6 +40,17 @@ def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def check_storable(tensor: torch.Tensor, key: str = "") -> None:
+    """Raise :class:`UnsupportedValueError` (naming ``key``) for a tensor casnap cannot store."""
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise UnsupportedValueError(f"{key}: {tensor.layout} tensors cannot be stored", key)
+    if tensor.is_quantized:
+        raise UnsupportedValueError(f"{key}: quantized tensors cannot be stored", key)
+    if tensor.device.type == "meta":
+        raise UnsupportedValueError(f"{key}: a meta tensor has no data to store", key)
+    dtype_name(tensor.dtype, key)
+
+
 def host_view(tensor: torch.Tensor, key: str = "") -> tuple[memoryview, torch.Tensor]:
     """The bytes of ``tensor`` in row-major order, and the CPU tensor that owns them.
 
@@ -48,12 +59,7 @@ def host_view(tensor: torch.Tensor, key: str = "") -> tuple[memoryview, torch.Te
     contiguous CPU tensor first. Keep the returned tensor alive while the
     memoryview is used.
     """
-    if tensor.is_sparse or tensor.layout != torch.strided:
-        raise UnsupportedValueError(f"{key}: {tensor.layout} tensors cannot be stored", key)
-    if tensor.is_quantized:
-        raise UnsupportedValueError(f"{key}: quantized tensors cannot be stored", key)
-    if tensor.device.type == "meta":
-        raise UnsupportedValueError(f"{key}: a meta tensor has no data to store", key)
+    check_storable(tensor, key)
     t = tensor.detach()
     if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         # Device-to-host staging is synchronous, so the bytes are final on return.
