@@ -23,7 +23,7 @@ from casnap.errors import (
 )
 from casnap.repository import Repository
 from casnap.snapshot import PendingSnapshot, Snapshot
-from casnap.torch_io.stateful import RNGState, Stateful, StateDict
+from casnap.torch_io.stateful import RNGState, StateDict, Stateful
 
 __version__ = "0.1.0"
 

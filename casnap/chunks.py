@@ -134,7 +134,9 @@ class ChunkWriter:
             self.stats.stored_bytes_written += length
         return ChunkRef(hash=h, size=len(data), length=length)
 
-    def _append_to_pack(self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef]) -> None:
+    def _append_to_pack(
+        self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef]
+    ) -> None:
         head, payload = self._encode(data, digest)
         payload = bytes(payload)  # the pack outlives the caller's buffer
         length = len(head) + len(payload)
@@ -280,7 +282,9 @@ def read_chunks(
                 else:
                     blob = repo.store.get_range(span.key, span.start, span.end)
             except ObjectNotFoundError as exc:
-                raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
+                raise IntegrityError(
+                    f"{span.key} is missing from the repository", span.key
+                ) from exc
             with lock:
                 fetched += len(blob)
             mv = memoryview(blob)

@@ -118,7 +118,9 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
             out.append(EntryDiff(key, "added" if ea is None else "removed",
                                  sum(c.size for c in chunks), len(chunks)))  # fmt: skip
             continue
-        if isinstance(ea, (TensorEntry, ObjectEntry)) and isinstance(eb, (TensorEntry, ObjectEntry)):
+        if isinstance(ea, (TensorEntry, ObjectEntry)) and isinstance(
+            eb, (TensorEntry, ObjectEntry)
+        ):
             if type(ea) is type(eb) and _same_layout(ea, eb):
                 changed = [cb for ca, cb in zip(ea.chunks, eb.chunks) if ca.hash != cb.hash]
             else:

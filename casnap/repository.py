@@ -212,7 +212,9 @@ def locate(
     if not parts or (scheme and len(parts) < 2):
         raise SnapshotNotFoundError(f"{path!r} names no snapshot inside a repository", path)
     if explicit is not None:
-        r_scheme, r_parts = split_url(explicit.url if isinstance(explicit, Repository) else explicit)
+        r_scheme, r_parts = split_url(
+            explicit.url if isinstance(explicit, Repository) else explicit
+        )
         if r_scheme != scheme or parts[: len(r_parts)] != r_parts or len(parts) == len(r_parts):
             raise SnapshotNotFoundError(
                 f"snapshot path {path!r} is not inside repository {explicit!r}", path
@@ -232,7 +234,5 @@ def locate(
     if isinstance(explicit, Repository):
         return explicit, name
     url = _join(scheme, repo_parts)
-    repo = (
-        Repository.open_or_create(url, options) if create else Repository.open(url, options)
-    )
+    repo = Repository.open_or_create(url, options) if create else Repository.open(url, options)
     return repo, name

@@ -21,10 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from casnap import lineage
+from casnap.chunks import WriteStats
 from casnap.manifest import Entry, Manifest
 from casnap.repository import Repository, locate
 from casnap.restore import read_entry, restore_state
-from casnap.chunks import WriteStats
 from casnap.take import TakeResult, TensorPrepareFunc, prepare_take
 
 

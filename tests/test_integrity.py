@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def _rewrite_manifest(tmp_path, mutate) -> None:
     repo = Repository.open(str(tmp_path / "repo"))
     ref_path = tmp_path / "repo" / ".casnap" / "refs" / "s1"
     old = json.loads(ref_path.read_text())
-    doc = json.loads(open(_manifest_file(tmp_path), "rb").read())
+    doc = json.loads(Path(_manifest_file(tmp_path)).read_bytes())
     mutate(doc)
     data = canonical_json(doc)
     name = hash_bytes(data)
@@ -132,8 +133,10 @@ def _rewrite_manifest(tmp_path, mutate) -> None:
         (lambda d: d["entries"]["0/s/w"].update(shape=[-1]), "shape"),
         (lambda d: d["entries"]["0/s/w"].update(dtype="float1024"), "dtype"),
         (lambda d: d["entries"]["0/s/w"].update(shape=[11]), "chunk"),
-        (lambda d: d["entries"]["0/s/w"]["chunks"][0].update(hash="../../../../etc/passwd"),
-         "hash"),
+        (
+            lambda d: d["entries"]["0/s/w"]["chunks"][0].update(hash="../../../../etc/passwd"),
+            "hash",
+        ),
         (lambda d: d["entries"]["0/s/w"]["chunks"][0].update(pack="x" * 64), "pack"),
         (lambda d: d["entries"]["0/s/w"]["chunks"][0].update(length=3), "length"),
         (lambda d: d["entries"]["0/s/w"].update(kind="lambda"), "kind"),

@@ -1,4 +1,4 @@
-"""The committed JSON Schemas match the pydantic models, and real manifests validate against them."""
+"""The committed JSON Schemas match the models; real manifests validate against them."""
 
 from __future__ import annotations
 
@@ -35,6 +35,6 @@ def test_a_real_manifest_validates_against_the_committed_schema(tmp_path):
     Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state})
     schema = json.loads((ROOT / "schema" / "manifest-v1.schema.json").read_text())
     (path,) = glob.glob(str(tmp_path / "repo" / ".casnap" / "manifests" / "*" / "*"))
-    jsonschema.validate(json.loads(open(path, "rb").read()), schema)
+    jsonschema.validate(json.loads(Path(path).read_bytes()), schema)
     config = json.loads((tmp_path / "repo" / ".casnap" / "config.json").read_text())
     jsonschema.validate(config, json.loads((ROOT / "schema" / "config-v1.schema.json").read_text()))

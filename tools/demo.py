@@ -1,7 +1,7 @@
 """The casnap demo: train a small model, snapshot it every N steps, show log, du and diff.
 
-    bash tools/demo                       # what the README runs
-    .venv/bin/python tools/demo.py --steps 300 --every 50 --repo demo-repo
+bash tools/demo                       # what the README runs
+.venv/bin/python tools/demo.py --steps 300 --every 50 --repo demo-repo
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ def main() -> None:
             snap = Snapshot.take(str(repo_dir / f"step_{step:06d}"), app_state,
                                  metadata={"step": step, "loss": loss.item()})  # fmt: skip
             s = snap.last_take_stats
-            print(f"  step {step:5d}  loss {loss.item():.4f}  snapshot in "
-                  f"{(time.perf_counter() - t0) * 1000:.0f} ms, wrote {human(s.stored_bytes_written)}"
-                  f" of {human(s.raw_bytes)}")  # fmt: skip
+            assert s is not None
+            ms = (time.perf_counter() - t0) * 1000
+            print(f"  step {step:5d}  loss {loss.item():.4f}  snapshot in {ms:.0f} ms, "
+                  f"wrote {human(s.stored_bytes_written)} of {human(s.raw_bytes)}")  # fmt: skip
 
     repo = Repository.open(str(repo_dir))
     print("\n$ casnap log")

@@ -1,7 +1,7 @@
-"""Write the JSON Schemas of the manifest format into schema/ (run after changing casnap/manifest.py).
+"""Write the JSON Schemas of the manifest format into schema/ (after changing manifest.py).
 
-    .venv/bin/python tools/export_schema.py          # rewrite schema/*.json
-    .venv/bin/python tools/export_schema.py --check  # exit 1 if the files drifted
+.venv/bin/python tools/export_schema.py          # rewrite schema/*.json
+.venv/bin/python tools/export_schema.py --check  # exit 1 if the files drifted
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schema"
 
 
 def rendered() -> dict[str, str]:
-    return {name: json.dumps(s, indent=2, sort_keys=True) + "\n" for name, s in json_schemas().items()}
+    return {
+        name: json.dumps(s, indent=2, sort_keys=True) + "\n" for name, s in json_schemas().items()
+    }
 
 
 def main(argv: list[str]) -> int:
