@@ -100,7 +100,12 @@ class StoreConformance:
         assert store.get("floats") == floats.tobytes()
 
     def test_put_list_of_buffers(self, store: ObjectStore) -> None:
-        parts = [b"head|", bytearray(b"middle|"), b"", memoryview(b"xxtail")[2:]]
+        parts: list[bytes | bytearray | memoryview] = [
+            b"head|",
+            bytearray(b"middle|"),
+            b"",
+            memoryview(b"xxtail")[2:],
+        ]
         store.put("joined", parts)
         assert store.get("joined") == b"head|middle|tail"
 
@@ -220,10 +225,14 @@ class StoreConformance:
         assert _keys(store) == ["o"]
 
     def test_concurrent_create_only_one_winner(self, store: ObjectStore) -> None:
-        n = 8
-        for round_ in range(3):
+        n = 10
+        for round_ in range(5):
             key = f"race/{round_}"
-            results = _race(n, lambda i, key=key: store.put(key, f"w{i}".encode(), create_only=True))
+
+            def create(i: int, key: str = key) -> None:
+                store.put(key, f"w{i}".encode(), create_only=True)
+
+            results = _race(n, create)
             winners = [i for i, r in enumerate(results) if r is None]
             losers = [r for r in results if r is not None]
             assert len(winners) == 1, results

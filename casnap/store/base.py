@@ -12,9 +12,14 @@ Semantics every backend guarantees (tested by tests/store_conformance.py):
   key exists. ``Capabilities.atomic_create`` says whether that check is atomic
   against other processes (local directory, GCS) or only within this process.
 - ``get``/``get_range`` of a missing key raise :class:`ObjectNotFoundError`.
+  A key that is only a folder of other keys (``a`` when ``a/b`` exists) is
+  missing. ``get_range`` past the end returns the bytes there are, maybe none.
 - ``delete`` of a missing key is not an error.
-- ``list`` yields every key under the prefix, in no particular order, and
-  never a temporary object of an unfinished put.
+- ``list(prefix)`` yields every key below the folder ``prefix/`` (not an object
+  named ``prefix``, not ``prefixx/...``), in no particular order, and never a
+  temporary object of an unfinished put. It reflects writes made through any
+  other handle: backends must not serve it, or ``exists``, from a stale cache.
+- Invalid keys raise :class:`InvalidNameError` before any I/O.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from casnap.errors import InvalidNameError
+from casnap.errors import InvalidNameError, StoreError
 
 Buffer = bytes | bytearray | memoryview
 Data = Buffer | Sequence[Buffer]
@@ -102,7 +108,7 @@ class ObjectStore(ABC):
 
 
 class PrefixStore(ObjectStore):
-    """Another store seen from a sub-folder."""
+    """Another store seen from a sub-folder; its errors name keys as the view sees them."""
 
     def __init__(self, inner: ObjectStore, prefix: str) -> None:
         self.inner = inner
@@ -111,25 +117,40 @@ class PrefixStore(ObjectStore):
         self.capabilities = inner.capabilities
 
     def _k(self, key: str) -> str:
-        return f"{self.prefix}/{key}"
+        return f"{self.prefix}/{check_key(key)}"
+
+    @contextmanager
+    def _as_seen(self, key: str) -> Iterator[None]:
+        try:
+            yield
+        except StoreError as exc:
+            if exc.key is not None and exc.key.startswith(self.prefix + "/"):
+                exc.key = exc.key[len(self.prefix) + 1 :]
+            raise
 
     def get(self, key: str) -> bytes:
-        return self.inner.get(self._k(key))
+        with self._as_seen(key):
+            return self.inner.get(self._k(key))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        return self.inner.get_range(self._k(key), start, end)
+        with self._as_seen(key):
+            return self.inner.get_range(self._k(key), start, end)
 
     def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
-        self.inner.put(self._k(key), data, create_only=create_only)
+        with self._as_seen(key):
+            self.inner.put(self._k(key), data, create_only=create_only)
 
     def exists(self, key: str) -> bool:
-        return self.inner.exists(self._k(key))
+        with self._as_seen(key):
+            return self.inner.exists(self._k(key))
 
     def list(self, prefix: str = "") -> Iterator[str]:
         cut = len(self.prefix) + 1
         full = self._k(prefix) if prefix else self.prefix
-        for key in self.inner.list(full):
-            yield key[cut:]
+        with self._as_seen(prefix):
+            for key in self.inner.list(full):
+                yield key[cut:]
 
     def delete(self, key: str) -> None:
-        self.inner.delete(self._k(key))
+        with self._as_seen(key):
+            self.inner.delete(self._k(key))

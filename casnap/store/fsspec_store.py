@@ -128,15 +128,16 @@ class FsspecStore(ObjectStore):
             return
         except Exception as exc:
             raise _translate(exc, prefix) from exc
-        cut = len(self.root) + 1 if self.root else 0
+        strip = self.fs._strip_protocol
+        # The root as listings spell it: "/" + root on memory://, "bucket/dir" on gs://.
+        root = strip(self._path("x"))[:-1]
         # find() of a path that is itself an object returns that object; a
         # prefix names a folder, so only keys below it count.
-        below = base + "/" if base else ""
-        strip = self.fs._strip_protocol
+        below = f"{root}{prefix}/" if prefix else root
         for path in found:
             path = strip(path)
             if path.startswith(below):
-                yield path[cut:]
+                yield path[len(root) :]
 
     def delete(self, key: str) -> None:
         path = self._path(key)
