@@ -21,8 +21,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-
-import casnap
 from harness import (
     GiB,
     MiB,
@@ -42,6 +40,8 @@ from harness import (
     transformer_shapes,
     write_json,
 )
+
+import casnap
 
 EMBED = "embed.weight"
 CHANGED_FRACTION = 0.01
@@ -97,10 +97,15 @@ def take(
     repo = os.path.dirname(path)
     before, files_before = _objects(repo)
     settle(cold)
-    snap = rec.time(op, lambda: casnap.Snapshot.take(
-        path, {"model": casnap.StateDict(state)},
-        storage_options={"chunk_size": chunk_size}, parents=parents,
-    ))  # fmt: skip
+    snap = rec.time(
+        op,
+        lambda: casnap.Snapshot.take(
+            path,
+            {"model": casnap.StateDict(state)},
+            storage_options={"chunk_size": chunk_size},
+            parents=parents,
+        ),
+    )
     after, files_after = _objects(repo)
     stats = snap.last_take_stats
     rec.count(op, "bytes_written", stats.stored_bytes_written)
@@ -111,18 +116,24 @@ def take(
     return snap
 
 
+def restore(
+    rec: Samples, snap: casnap.Snapshot, state: dict[str, torch.Tensor], cold: bool, verify: bool
+) -> None:
+    """Restore in place into resident tensors of the state's shapes (a live model)."""
+    target = empty_like_state(state, touch=True)
+    settle(cold)
+    rec.time("restore", lambda: snap.restore({"model": casnap.StateDict(target)}))
+    if verify and not same_state(state, target):
+        raise SystemExit(f"{snap.path}: restore did not reproduce the state")
+
+
 def bench_one(v: Variants, chunk_size: int, work: str, cold: bool, verify: bool) -> Samples:
     rec = Samples()
     repo = os.path.join(work, "repo")
     first = take(rec, "take", os.path.join(repo, "full"), v.state, chunk_size, cold)
     _du, manifests, _files = disk_usage(os.path.join(repo, ".casnap", "manifests"))
     rec.count("take", "manifest_bytes", manifests)
-    target = empty_like_state(v.state, touch=True)
-    settle(cold)
-    rec.time("restore", lambda: first.restore({"model": casnap.StateDict(target)}))
-    if verify and not same_state(v.state, target):
-        raise SystemExit(f"chunk size {chunk_size}: restore did not reproduce the state")
-    del target
+    restore(rec, first, v.state, cold, verify)
     parent = [first.manifest_hash]
     take(rec, "scattered", os.path.join(repo, "scattered"), v.scattered, chunk_size, cold, parent)
     take(rec, "block", os.path.join(repo, "block"), v.block, chunk_size, cold, parent)
@@ -149,23 +160,35 @@ def table(results: dict[int, Samples], errors: dict[int, str], nbytes: int, v: V
             continue
         rec = results[cs]
         take_s, restore_s = rec.median("take"), rec.median("restore")
-        scattered, block = rec.counter("scattered", "bytes_written"), rec.counter("block", "bytes_written")
+        scattered = rec.counter("scattered", "bytes_written")
+        block = rec.counter("block", "bytes_written")
         assert peer is not None and scattered is not None and block is not None
-        rows.append([
-            human_bytes(cs),
-            f"{take_s:.3f}",
-            f"{nbytes / GiB / take_s:.2f}",
-            f"{take_s / peer.median('take'):.2f}",
-            f"{restore_s:.3f}",
-            f"{nbytes / GiB / restore_s:.2f}",
-            f"{human_bytes(scattered)} ({scattered / v.changed_bytes:.1f}×)",
-            f"{human_bytes(block)} ({block / v.changed_bytes:.1f}×)",
-            str(rec.counter("take", "files_added")),
-            human_bytes(rec.counter("take", "manifest_bytes")),
-        ])  # fmt: skip
-    headers = ["chunk size", "take s", "take GiB/s", f"take × {human_bytes(peer_cs)}", "restore s",
-               "restore GiB/s", "1% rows scattered: written", "1% rows block: written",
-               "objects", "manifest"]  # fmt: skip
+        rows.append(
+            [
+                human_bytes(cs),
+                f"{take_s:.3f}",
+                f"{nbytes / GiB / take_s:.2f}",
+                f"{take_s / peer.median('take'):.2f}",
+                f"{restore_s:.3f}",
+                f"{nbytes / GiB / restore_s:.2f}",
+                f"{human_bytes(scattered)} ({scattered / v.changed_bytes:.1f}×)",
+                f"{human_bytes(block)} ({block / v.changed_bytes:.1f}×)",
+                str(rec.counter("take", "files_added")),
+                human_bytes(rec.counter("take", "manifest_bytes")),
+            ]
+        )
+    headers = [
+        "chunk size",
+        "take s",
+        "take GiB/s",
+        f"take × {human_bytes(peer_cs)}",
+        "restore s",
+        "restore GiB/s",
+        "1% rows scattered: written",
+        "1% rows block: written",
+        "objects",
+        "manifest",
+    ]
     return markdown_table(headers, rows)
 
 
@@ -175,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="repeats per chunk size (median)")
     p.add_argument("--chunk-sizes", default="256K,1M,4M,16M,64M")
     p.add_argument("--out", default="bench-out/chunk_size.json")
-    p.add_argument("--workdir", default="bench-out/scratch",
-                   help="parent of the scratch directories (must be a real disk)")  # fmt: skip
+    p.add_argument(
+        "--workdir",
+        default="bench-out/scratch",
+        help="parent of the scratch directories (must be a real disk)",
+    )
     p.add_argument("--warm", action="store_true", help="never drop the page cache")
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.chunk_sizes.split(",") if s.strip()]
@@ -188,12 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     cold = why_warm is None
     mnt, fstype = filesystem_of(os.path.abspath(args.workdir))
     emb = v.state[EMBED]
-    print(f"state: {len(v.state)} fp32 tensors, {human_bytes(nbytes)} (hidden {d}, {layers} "
-          f"layers); embedding {list(emb.shape)} = {human_bytes(emb.numel() * 4)}; 1% of its "
-          f"rows = {human_bytes(v.changed_bytes)}")  # fmt: skip
-    print(f"scratch: {os.path.abspath(args.workdir)} on {fstype} ({mnt}); "
-          f"{'cold (page cache dropped before each step)' if cold else 'warm: ' + str(why_warm)}; "
-          f"repeats: {args.repeats}", flush=True)  # fmt: skip
+    print(
+        f"state: {len(v.state)} fp32 tensors, {human_bytes(nbytes)} (hidden {d}, {layers} "
+        f"layers); embedding {list(emb.shape)} = {human_bytes(emb.numel() * 4)}; 1% of its "
+        f"rows = {human_bytes(v.changed_bytes)}"
+    )
+    print(
+        f"scratch: {os.path.abspath(args.workdir)} on {fstype} ({mnt}); "
+        f"{'cold (page cache dropped before each step)' if cold else 'warm: ' + str(why_warm)}; "
+        f"repeats: {args.repeats}",
+        flush=True,
+    )
 
     results: dict[int, Samples] = {}
     errors: dict[int, str] = {}
@@ -208,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                     errors[cs] = f"{type(exc).__name__}: {exc}"
                     continue
             merge(results.setdefault(cs, Samples()), rec)
-            print(f"  repeat {r + 1}/{args.repeats}: chunk size {human_bytes(cs)} done",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  repeat {r + 1}/{args.repeats}: chunk size {human_bytes(cs)} done",
+                file=sys.stderr,
+                flush=True,
+            )
 
     print()
     print(table(results, errors, nbytes, v))
@@ -217,9 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "chunk_size",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "machine": machine(),
-        "state": {"bytes": nbytes, "tensors": len(v.state), "hidden": d, "layers": layers,
-                  "embedding_shape": list(emb.shape), "changed_fraction": CHANGED_FRACTION,
-                  "changed_bytes": v.changed_bytes},  # fmt: skip
+        "state": {
+            "bytes": nbytes,
+            "tensors": len(v.state),
+            "hidden": d,
+            "layers": layers,
+            "embedding_shape": list(emb.shape),
+            "changed_fraction": CHANGED_FRACTION,
+            "changed_bytes": v.changed_bytes,
+        },
         "scratch": {"path": os.path.abspath(args.workdir), "fstype": fstype, "mount": mnt},
         "cache": "cold" if cold else "warm",
         "cache_note": None if cold else why_warm,

@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -60,22 +61,21 @@ def _numel(shapes: dict[str, tuple[int, ...]]) -> int:
 def transformer_shapes(target_bytes: int) -> tuple[int, int, dict[str, tuple[int, ...]]]:
     """(hidden size, layer count, shapes) of an fp32 transformer close to ``target_bytes``.
 
-    The widest hidden size (a multiple of 256) that still leaves room for at
-    least two layers next to a 32k-row embedding is chosen, then the layer
-    count that lands closest to the target.
+    The widest hidden size (a multiple of 256) that leaves room for at least
+    four layers next to a 32k-row embedding, with the layer count that lands
+    closest to the target (within half a layer).
     """
     for d in range(4096, 0, -256):
         emb = VOCAB * d * 4
         per_layer = _numel(_layer_shapes(d, 0)) * 4
         layers = round((target_bytes - emb) / per_layer)
-        if layers >= 2 or d == 256:
-            layers = max(layers, 1)
+        if layers >= 4 or d == 256:
             shapes: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, d)}
-            for i in range(layers):
+            for i in range(max(layers, 1)):
                 shapes.update(_layer_shapes(d, i))
             shapes["ln_f.weight"] = (d,)
             shapes["ln_f.bias"] = (d,)
-            return d, layers, shapes
+            return d, max(layers, 1), shapes
     raise AssertionError("unreachable")
 
 
@@ -215,7 +215,21 @@ def machine() -> dict[str, Any]:
         info["ram_bytes"] = psutil.virtual_memory().total
     except ImportError:
         pass
+    info.update(source_revision(os.path.dirname(os.path.dirname(casnap.__file__))))
     return info
+
+
+def source_revision(checkout: str) -> dict[str, Any]:
+    """The casnap commit measured, and whether its sources had uncommitted changes."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return {}
+    return {"casnap_commit": commit, "casnap_dirty": bool(git("status", "--porcelain", "casnap"))}
 
 
 # -- recording and output ----------------------------------------------------
@@ -253,8 +267,9 @@ class Samples:
             entry: dict[str, Any] = {}
             if op in self.seconds:
                 xs = self.seconds[op]
-                entry.update(median_s=statistics.median(xs), min_s=min(xs), max_s=max(xs),
-                             samples_s=xs)  # fmt: skip
+                entry.update(
+                    median_s=statistics.median(xs), min_s=min(xs), max_s=max(xs), samples_s=xs
+                )
             for name, values in self.counters.get(op, {}).items():
                 entry[name] = int(statistics.median(values))
                 entry[name + "_samples"] = values
@@ -276,11 +291,18 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     right = [i > 0 for i in range(len(headers))]
 
     def line(cells: list[str]) -> str:
-        padded = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+        cols = zip(cells, widths, right, strict=True)
+        padded = [c.rjust(w) if r else c.ljust(w) for c, w, r in cols]
         return "| " + " | ".join(padded) + " |"
 
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2))
-                         for w, r in zip(widths, right)) + "|"  # fmt: skip
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if r else ("-" * (w + 2))
+            for w, r in zip(widths, right, strict=True)
+        )
+        + "|"
+    )
     return "\n".join([line(headers), sep, *(line(r) for r in rows)])
 
 

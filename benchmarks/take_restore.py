@@ -19,14 +19,11 @@ import argparse
 import os
 import sys
 import warnings
-from time import perf_counter as _now
 from dataclasses import dataclass
+from time import perf_counter as _now
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-
-import casnap
 from harness import (
     GiB,
     Samples,
@@ -46,6 +43,10 @@ from harness import (
     transformer_shapes,
     write_json,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+import casnap
 
 # Operation names, in table order. A write's peer is torch.save + fsync; a read's
 # peer is torch.load in the same cache state.
@@ -87,7 +88,7 @@ def bench_torch(s: Setup, work: str, rec: Samples) -> None:
     used, apparent, _ = disk_usage(work)
     rec.count(SAVE_SYNC, "bytes_written", apparent)
     rec.count(SAVE_SYNC, "disk_growth", used)
-    for warm in ([False, True] if s.cold else [False]):
+    for warm in [False, True] if s.cold else [False]:
         if not warm:
             settle(s.cold)
         loaded = rec.time(cached(LOAD, s, warm), lambda: torch.load(path, weights_only=True))
@@ -99,15 +100,15 @@ def bench_torch(s: Setup, work: str, rec: Samples) -> None:
 def bench_dcp(s: Setup, work: str, rec: Samples) -> None:
     path = os.path.join(work, "dcp")
     settle(s.cold)
-    rec.time(DCP_SAVE, lambda: dcp.save(s.state, checkpoint_id=path))
+    rec.time(DCP_SAVE, lambda: dcp_save(s.state, checkpoint_id=path))
     used, apparent, _ = disk_usage(path)
     rec.count(DCP_SAVE, "bytes_written", apparent)
     rec.count(DCP_SAVE, "disk_growth", used)
-    for warm in ([False, True] if s.cold else [False]):
+    for warm in [False, True] if s.cold else [False]:
         _reset(s)
         if not warm:
             settle(s.cold)
-        rec.time(cached(DCP_LOAD, s, warm), lambda: dcp.load(s.target, checkpoint_id=path))
+        rec.time(cached(DCP_LOAD, s, warm), lambda: dcp_load(s.target, checkpoint_id=path))
         _check(s, s.target, DCP_LOAD)
 
 
@@ -138,7 +139,7 @@ def bench_casnap(s: Setup, work: str, rec: Samples) -> None:
     repo = os.path.join(work, "repo")
     step1 = os.path.join(repo, "step_1")
     _take(rec, TAKE, s, step1, s.state)
-    for warm in ([False, True] if s.cold else [False]):
+    for warm in [False, True] if s.cold else [False]:
         _reset(s)
         if not warm:
             settle(s.cold)
@@ -146,16 +147,15 @@ def bench_casnap(s: Setup, work: str, rec: Samples) -> None:
         rec.time(op, lambda: casnap.Snapshot(step1).restore({"model": casnap.StateDict(s.target)}))
         _check(s, s.target, RESTORE)
 
-    fresh: dict[str, Any] = {}
-
-    def restore_fresh() -> None:
-        fresh["model"] = casnap.StateDict(empty_like_state(s.state, touch=False))
+    def restore_fresh() -> dict[str, Any]:
+        fresh = {"model": casnap.StateDict(empty_like_state(s.state, touch=False))}
         casnap.Snapshot(step1).restore(fresh)
+        return fresh
 
     settle(s.cold)
-    rec.time(cached(RESTORE_FRESH, s), restore_fresh)
-    _check(s, fresh["model"], RESTORE_FRESH)
-    del fresh
+    restored = rec.time(cached(RESTORE_FRESH, s), restore_fresh)
+    _check(s, restored["model"], RESTORE_FRESH)
+    restored.clear()
     _take(rec, TAKE_SAME, s, os.path.join(repo, "step_2"), s.state)
     _take(rec, TAKE_LAYER, s, os.path.join(repo, "step_3"), s.changed)
 
@@ -184,8 +184,16 @@ def table(rec: Samples, nbytes: int, cold: bool) -> str:
     for op in reads:
         peer = f"{LOAD}, {op.rsplit(', ', 1)[1]}"
         rows.append(_row(rec, op, nbytes, rec.median(peer), peer))
-    headers = ["operation", "median s", "min–max s", "GiB/s", "× peer", "peer",
-               "bytes written", "disk growth"]  # fmt: skip
+    headers = [
+        "operation",
+        "median s",
+        "min–max s",
+        "GiB/s",
+        "× peer",
+        "peer",
+        "bytes written",
+        "disk growth",
+    ]
     return markdown_table(headers, rows)
 
 
@@ -209,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-gib", type=float, default=1.0, help="state size (default 1.0)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per operation (median)")
     p.add_argument("--out", default="bench-out/take_restore.json")
-    p.add_argument("--workdir", default="bench-out/scratch",
-                   help="parent of the scratch directories (must be a real disk)")  # fmt: skip
+    p.add_argument(
+        "--workdir",
+        default="bench-out/scratch",
+        help="parent of the scratch directories (must be a real disk)",
+    )
     p.add_argument("--warm", action="store_true", help="never drop the page cache")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact checks")
     args = p.parse_args(argv)
@@ -225,13 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     cold = why_warm is None
     setup = Setup(state, changed, empty_like_state(state, touch=True), cold, not args.no_verify)
     mnt, fstype = filesystem_of(os.path.abspath(args.workdir))
-    print(f"state: {len(state)} fp32 tensors, {human_bytes(nbytes)} (hidden {d}, {layers} layers, "
-          f"vocab {shapes['embed.weight'][0]}); layer 0 = "
-          f"{human_bytes(state_bytes(layer0))}")  # fmt: skip
-    print(f"scratch: {os.path.abspath(args.workdir)} on {fstype} ({mnt}); "
-          f"reads: {'cold (page cache dropped before each step)' if cold else 'warm: ' + why_warm}")
-    print(f"repeats: {args.repeats}; torch {torch.__version__}, casnap {casnap.__version__}",
-          flush=True)  # fmt: skip
+    print(
+        f"state: {len(state)} fp32 tensors, {human_bytes(nbytes)} (hidden {d}, {layers} layers, "
+        f"vocab {shapes['embed.weight'][0]}); layer 0 = "
+        f"{human_bytes(state_bytes(layer0))}"
+    )
+    reads = "cold (page cache dropped before each step)" if cold else f"warm: {why_warm}"
+    print(f"scratch: {os.path.abspath(args.workdir)} on {fstype} ({mnt}); reads: {reads}")
+    print(
+        f"repeats: {args.repeats}; torch {torch.__version__}, casnap {casnap.__version__}",
+        flush=True,
+    )
 
     rec = Samples()
     for r in range(args.repeats):
@@ -247,9 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "take_restore",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "machine": machine(),
-        "state": {"bytes": nbytes, "tensors": len(state), "hidden": d, "layers": layers,
-                  "vocab": shapes["embed.weight"][0], "dtype": "float32",
-                  "layer0_bytes": state_bytes(layer0)},  # fmt: skip
+        "state": {
+            "bytes": nbytes,
+            "tensors": len(state),
+            "hidden": d,
+            "layers": layers,
+            "vocab": shapes["embed.weight"][0],
+            "dtype": "float32",
+            "layer0_bytes": state_bytes(layer0),
+        },
         "scratch": {"path": os.path.abspath(args.workdir), "fstype": fstype, "mount": mnt},
         "cache": "cold" if cold else "warm",
         "cache_note": None if cold else why_warm,
