@@ -125,7 +125,7 @@ class ChunkWriter:
         except (ObjectNotFoundError, IntegrityError):
             pass  # absent, or a damaged object we overwrite below
         head, payload = self._encode(data, digest)
-        self.repo.store.put(key, [head, payload])
+        self.repo.store.put(key, [head, payload], durable=False)
         length = len(head) + len(payload)
         with self._lock:
             self.stats.chunks_written += 1
@@ -161,7 +161,7 @@ class ChunkWriter:
         pid = hash_bytes(blob)
         try:
             try:
-                self.repo.store.put(pack_key(pid), blob, create_only=True)
+                self.repo.store.put(pack_key(pid), blob, create_only=True, durable=False)
             except ObjectExistsError:
                 pass  # identical pack already durable
             with self._lock:

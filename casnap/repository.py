@@ -198,13 +198,17 @@ def _join(scheme: str, parts: list[str]) -> str:
 
 
 def locate(
-    path: str, storage_options: dict[str, Any] | None, *, create: bool
+    path: str,
+    storage_options: dict[str, Any] | None,
+    *,
+    create: bool,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[Repository, str]:
     """Find the repository holding snapshot ``path`` and the snapshot's name in it.
 
     An explicit ``storage_options["repository"]`` wins; else the nearest ancestor
     of ``path`` that holds a repository; else (``create=True``) the path's parent
-    directory becomes a new repository.
+    directory becomes a new repository with default chunk size ``chunk_size``.
     """
     options = dict(storage_options or {})
     explicit = options.pop("repository", None)
@@ -234,5 +238,6 @@ def locate(
     if isinstance(explicit, Repository):
         return explicit, name
     url = _join(scheme, repo_parts)
-    repo = Repository.open_or_create(url, options) if create else Repository.open(url, options)
-    return repo, name
+    if not create:
+        return Repository.open(url, options), name
+    return Repository.open_or_create(url, options, chunk_size=chunk_size), name

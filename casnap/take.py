@@ -200,8 +200,9 @@ def prepare_take(
     """Phase 1 of a take (see module docstring)."""
     options = dict(storage_options or {})
     overrides = {k: options.pop(k) for k in ("chunk_size", "compression") if k in options}
-    repo, name = locate(path, options, create=True)
     base = Settings.from_env()
+    new_repo_chunk = int(overrides.get("chunk_size", base.chunk_size))
+    repo, name = locate(path, options, create=True, chunk_size=new_repo_chunk)
     if "chunk_size" not in overrides and "CASNAP_CHUNK_SIZE" not in os.environ:
         overrides["chunk_size"] = repo.config.chunk_size
     settings = base.with_overrides(**overrides) if overrides else base

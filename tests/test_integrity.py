@@ -185,12 +185,14 @@ class FailingStore(ObjectStore):
         self.inner, self.fail_at, self.puts = inner, fail_at, 0
         self.url, self.capabilities = inner.url, inner.capabilities
 
-    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+    def put(
+        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
+    ) -> None:
         if key.startswith((".casnap/chunks/", ".casnap/packs/")):
             self.puts += 1
             if self.puts == self.fail_at:
                 raise StoreError(f"no space left on device while writing {key!r}", key)
-        self.inner.put(key, data, create_only=create_only)
+        self.inner.put(key, data, create_only=create_only, durable=durable)
 
     def get(self, key):
         return self.inner.get(key)

@@ -84,8 +84,20 @@ class ObjectStore(ABC):
         """Bytes ``[start, end)`` of the object; fewer only if it is shorter."""
 
     @abstractmethod
-    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
-        """Write the object atomically; ``data`` may be a list of buffers written in order."""
+    def put(
+        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
+    ) -> None:
+        """Write the object atomically; ``data`` may be a list of buffers written in order.
+
+        With ``durable=False`` the object is visible at once but may be lost in
+        a crash until the next durable put (or :meth:`flush`) returns: every
+        durable put first makes all earlier non-durable puts durable. Chunks
+        are written non-durably, the manifest and ref durably, which keeps the
+        commit order without paying a directory sync per chunk.
+        """
+
+    def flush(self) -> None:  # noqa: B027  (a no-op default, not an abstract method)
+        """Make every earlier non-durable put durable (a no-op where puts always are)."""
 
     @abstractmethod
     def exists(self, key: str) -> bool:
@@ -136,9 +148,14 @@ class PrefixStore(ObjectStore):
         with self._as_seen(key):
             return self.inner.get_range(self._k(key), start, end)
 
-    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+    def put(
+        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
+    ) -> None:
         with self._as_seen(key):
-            self.inner.put(self._k(key), data, create_only=create_only)
+            self.inner.put(self._k(key), data, create_only=create_only, durable=durable)
+
+    def flush(self) -> None:
+        self.inner.flush()
 
     def exists(self, key: str) -> bool:
         with self._as_seen(key):

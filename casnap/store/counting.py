@@ -51,15 +51,20 @@ class CountingStore(ObjectStore):
         self._count("get_range", read=len(data), key=key)
         return data
 
-    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+    def put(
+        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
+    ) -> None:
         parts = as_parts(data)
         try:
-            self.inner.put(key, parts, create_only=create_only)
+            self.inner.put(key, parts, create_only=create_only, durable=durable)
         finally:
             self._count("put")
         with self._lock:
             self.bytes_written += sum(len(memoryview(p).cast("B")) for p in parts)
             self.written_keys.append(key)
+
+    def flush(self) -> None:
+        self.inner.flush()
 
     def exists(self, key: str) -> bool:
         self._count("exists")

@@ -6,8 +6,9 @@ import contextlib
 import errno
 import os
 import stat
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from casnap.errors import ObjectExistsError, ObjectNotFoundError, StoreError
 from casnap.store.base import Capabilities, Data, ObjectStore, as_parts, check_key
@@ -25,7 +26,8 @@ class LocalStore(ObjectStore):
     A put writes ``<key>~tmp-<random>``, fsyncs it, then renames it into place
     (``os.link`` for create-only, which fails atomically if the key exists) and
     fsyncs the directory, so a crash leaves either the old state or the whole
-    object, plus at most a temp file that ``list`` ignores.
+    object, plus at most a temp file that ``list`` ignores. A non-durable put
+    defers the directory fsync to the next durable put or ``flush()``.
     """
 
     capabilities = Capabilities(atomic_create=True, local=True)
@@ -33,6 +35,24 @@ class LocalStore(ObjectStore):
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
+        # Folders holding renames not yet fsynced (non-durable puts).
+        self._pending_dirs: set[str] = set()
+        self._pending_lock = threading.Lock()
+
+    def _defer(self, folder: str) -> None:
+        with self._pending_lock:
+            self._pending_dirs.add(folder)
+
+    def flush(self) -> None:
+        with self._pending_lock:
+            pending, self._pending_dirs = self._pending_dirs, set()
+        try:
+            for folder in sorted(pending):
+                _fsync_dir(folder)
+        except OSError as exc:
+            with self._pending_lock:
+                self._pending_dirs |= pending
+            raise _translate(exc, "", writing=True) from exc
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
@@ -54,12 +74,18 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             raise _translate(exc, key) from exc
 
-    def put(self, key: str, data: Data, *, create_only: bool = False) -> None:
+    def put(
+        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
+    ) -> None:
         path = self._path(key)
         folder = os.path.dirname(path)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+        if durable:
+            # Earlier non-durable objects (chunks) become durable before this one
+            # (a manifest, a ref) can even appear: the commit order holds across crashes.
+            self.flush()
         try:
-            _make_folders(folder)
+            _make_folders(folder, _fsync_dir if durable else self._defer)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for part in as_parts(data):
@@ -77,7 +103,10 @@ class LocalStore(ObjectStore):
                     os.unlink(tmp)
             else:
                 os.replace(tmp, path)
-            _fsync_dir(folder)
+            if durable:
+                _fsync_dir(folder)
+            else:
+                self._defer(folder)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -117,16 +146,16 @@ class LocalStore(ObjectStore):
             raise _translate(exc, key) from exc
 
 
-def _make_folders(folder: str) -> None:
-    """``os.makedirs``, plus an fsync of each new folder's parent so the entry survives a crash."""
+def _make_folders(folder: str, sync: Callable[[str], None]) -> None:
+    """``os.makedirs``, calling ``sync`` on each new folder's parent (the entry must survive)."""
     if os.path.isdir(folder):
         return
-    _make_folders(os.path.dirname(folder))
+    _make_folders(os.path.dirname(folder), sync)
     try:
         os.mkdir(folder)
     except FileExistsError:
-        return  # a concurrent put made it (and fsynced its parent)
-    _fsync_dir(os.path.dirname(folder))
+        return  # a concurrent put made it (and synced its parent)
+    sync(os.path.dirname(folder))
 
 
 def _walk_error(exc: OSError) -> None:
