@@ -59,12 +59,7 @@ class TakeJob:
     _owners: list[Any] = field(default_factory=list)
 
     def commit(self) -> TakeResult:
-        known: dict[str, ChunkRef] = {}
-        for parent in self.parents:
-            try:
-                known.update((c.hash, c) for c in self.repo.read_manifest(parent).chunk_refs())
-            except CasnapError:
-                continue  # a parent that is gone only costs dedup, never correctness
+        known = known_chunks(self.repo, self.parents)
         with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
             writer = ChunkWriter(self.repo, self.settings, pool, known)
             pending: dict[str, list[Future[ChunkRef]]] = {}
@@ -145,6 +140,17 @@ class TakeJob:
                 _ = owner
 
         return [writer.add(view[i * cs : (i + 1) * cs], one_done) for i in range(count)]
+
+
+def known_chunks(repo: Repository, parents: list[str]) -> dict[str, ChunkRef]:
+    """Chunks a take may reference without writing: those of its parent manifests."""
+    known: dict[str, ChunkRef] = {}
+    for parent in parents:
+        try:
+            known.update((c.hash, c) for c in repo.read_manifest(parent).chunk_refs())
+        except CasnapError:
+            continue  # a parent that is gone only costs dedup, never correctness
+    return known
 
 
 def _order(app_state: Mapping[str, Any]) -> list[tuple[str, Any]]:
