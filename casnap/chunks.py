@@ -212,7 +212,7 @@ def _copy_result(src: Future[ChunkRef], dst: Future[ChunkRef]) -> None:
 
 
 @dataclass(frozen=True)
-class _Span:
+class Span:
     key: str
     start: int
     end: int
@@ -223,8 +223,8 @@ def object_name(ref: ChunkRef) -> str:
     return pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
 
 
-def _plan_reads(refs: list[ChunkRef]) -> list[_Span]:
-    spans: list[_Span] = []
+def plan_reads(refs: list[ChunkRef]) -> list[Span]:
+    spans: list[Span] = []
     by_pack: dict[str, list[tuple[int, ChunkRef]]] = {}
     loose_seen: dict[str, list[tuple[int, ChunkRef]]] = {}
     for i, ref in enumerate(refs):
@@ -233,7 +233,7 @@ def _plan_reads(refs: list[ChunkRef]) -> list[_Span]:
         else:
             by_pack.setdefault(ref.pack, []).append((i, ref))
     for h, items in loose_seen.items():
-        spans.append(_Span(chunk_key(h), 0, -1, tuple(items)))
+        spans.append(Span(chunk_key(h), 0, -1, tuple(items)))
     for pid, items in by_pack.items():
         items.sort(key=lambda it: it[1].offset)
         group: list[tuple[int, ChunkRef]] = []
@@ -241,7 +241,7 @@ def _plan_reads(refs: list[ChunkRef]) -> list[_Span]:
         for it in items:
             ref = it[1]
             if group and ref.offset - end > _MERGE_GAP:
-                spans.append(_Span(pack_key(pid), start, end, tuple(group)))
+                spans.append(Span(pack_key(pid), start, end, tuple(group)))
                 group = []
             if not group:
                 start = ref.offset
@@ -249,7 +249,7 @@ def _plan_reads(refs: list[ChunkRef]) -> list[_Span]:
             group.append(it)
             end = max(end, ref.offset + ref.length)
         if group:
-            spans.append(_Span(pack_key(pid), start, end, tuple(group)))
+            spans.append(Span(pack_key(pid), start, end, tuple(group)))
     return spans
 
 
@@ -266,11 +266,11 @@ def read_chunks(
     called from worker threads (for different ``i`` concurrently). Returns the
     bytes fetched from the store.
     """
-    spans = _plan_reads(refs)
+    spans = plan_reads(refs)
     fetched = 0
     lock = threading.Lock()
 
-    def run(span: _Span) -> None:
+    def run(span: Span) -> None:
         nonlocal fetched
         raw = sum(ref.size for _, ref in span.items)
         cost = raw + (span.end - span.start if span.end >= 0 else span.items[0][1].length)

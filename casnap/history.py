@@ -75,25 +75,92 @@ def log(repo: Repository) -> list[LogLine]:
 
 
 @dataclass(frozen=True)
+class SnapshotUsage:
+    name: str
+    logical_bytes: int
+    stored_bytes: int  # bytes of the objects it references
+    exclusive_bytes: int  # what deleting it (then gc) would free
+
+
+@dataclass(frozen=True)
 class Usage:
     snapshots: int
     logical_bytes: int  # what the snapshots would take without dedup or compression
-    stored_bytes: int  # the unique chunk bytes they reference
+    stored_bytes: int  # the objects they reference, each counted once
+    per_snapshot: tuple[SnapshotUsage, ...] = ()
 
     @property
     def dedup_ratio(self) -> float:
         return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
 
-def du(repo: Repository) -> Usage:
-    objects: set[tuple[str, int, int]] = set()
-    logical = 0
-    names = repo.list_snapshots()
-    for name in names:
-        m = repo.read_manifest(repo.resolve(name))
-        logical += logical_bytes(m)
-        objects |= {_object_of(r) for r in m.chunk_refs()}
-    return Usage(len(names), logical, sum(x[2] for x in objects))
+def _objects(manifest: Manifest, sizes: dict[str, int]) -> set[str]:
+    """The store objects a manifest needs; ``sizes`` learns each object's size.
+
+    A pack's size is the end of its last frame any manifest references: gc
+    frees whole objects, so that is what deleting its last user reclaims.
+    """
+    out = set()
+    for r in manifest.chunk_refs():
+        obj = r.pack or r.hash
+        sizes[obj] = max(sizes.get(obj, 0), r.offset + r.length)
+        out.add(obj)
+    return out
+
+
+def du(repo: Repository, pinned: dict[str, str] | None = None) -> Usage:
+    """Space used, overall and per snapshot. ``pinned`` maps extra roots (tags) to manifests."""
+    sizes: dict[str, int] = {}
+    uses: dict[str, set[str]] = {}
+    logical: dict[str, int] = {}
+    owners: dict[str, int] = {}
+    roots = [(n, repo.resolve(n), True) for n in repo.list_snapshots()]
+    roots += [(f"tag:{t}", m, False) for t, m in (pinned or {}).items()]
+    cache: dict[str, Manifest] = {}
+    for name, mhash, _is_ref in roots:
+        if mhash not in cache:
+            cache[mhash] = repo.read_manifest(mhash)
+        m = cache[mhash]
+        uses[name] = _objects(m, sizes)
+        logical[name] = logical_bytes(m)
+        for obj in uses[name]:
+            owners[obj] = owners.get(obj, 0) + 1
+    per = []
+    for name, _m, is_ref in roots:
+        if not is_ref:
+            continue
+        objs = uses[name]
+        per.append(SnapshotUsage(
+            name, logical[name], sum(sizes[o] for o in objs),
+            sum(sizes[o] for o in objs if owners[o] == 1),
+        ))  # fmt: skip
+    return Usage(
+        snapshots=len(per),
+        logical_bytes=sum(u.logical_bytes for u in per),
+        stored_bytes=sum(sizes.values()),
+        per_snapshot=tuple(per),
+    )
+
+
+def graph_lanes(lines: list[LogLine]) -> list[str]:
+    """A git-log-like lane prefix per line (oldest first) that shows branches.
+
+    A snapshot continues its parent's lane when it is the parent's first
+    child; a second child of the same parent opens a new lane to the right.
+    """
+    lanes: list[str | None] = []  # manifest hash at the tip of each lane
+    out = []
+    for line in lines:
+        lane = next((i for i, tip in enumerate(lanes)
+                     if tip is not None and tip in line.parents), None)  # fmt: skip
+        if lane is None:
+            lane = next((i for i, tip in enumerate(lanes) if tip is None), len(lanes))
+            if lane == len(lanes):
+                lanes.append(None)
+        lanes[lane] = line.manifest
+        out.append(" ".join("*" if i == lane else ("|" if t else " ")
+                            for i, t in enumerate(lanes)).rstrip())  # fmt: skip
+    return out
 
 
 Status = Literal["added", "removed", "changed", "unchanged"]
