@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from casnap.errors import (
     CasnapError,
     IntegrityError,
+    InvalidNameError,
     ManifestValidationError,
     MissingKeyError,
     ObjectExistsError,
@@ -14,6 +15,7 @@ from casnap.errors import (
     PickleNotAllowedError,
     RepositoryError,
     RepositoryNotFoundError,
+    RetentionError,
     ShapeMismatchError,
     SnapshotExistsError,
     SnapshotNotFoundError,
@@ -24,6 +26,18 @@ from casnap.errors import (
     UnsupportedValueError,
 )
 from casnap.repository import Repository
+from casnap.retention import (
+    KeepBest,
+    KeepEveryStep,
+    KeepLast,
+    KeepTagged,
+    KeepWithin,
+    RetentionPlan,
+    RetentionPolicy,
+    execute_retention,
+    plan_retention,
+)
+from casnap.tags import TagInfo, add_tag, list_tags, remove_tag
 
 # The torch layers load on first use, so that listing, du, gc and verify (and
 # the CLI) never import torch.
@@ -33,6 +47,7 @@ _LAZY = {
     "RNGState": "casnap.torch_io.stateful",
     "Stateful": "casnap.torch_io.stateful",
     "StateDict": "casnap.torch_io.stateful",
+    "Checkpointer": "casnap.checkpointer",
 }
 
 __version__ = "0.1.0"
@@ -50,11 +65,28 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from casnap.checkpointer import Checkpointer
     from casnap.snapshot import PendingSnapshot, Snapshot
     from casnap.torch_io.stateful import RNGState, StateDict, Stateful
 
 __all__ = [
     "CasnapError",
+    "Checkpointer",
+    "InvalidNameError",
+    "KeepBest",
+    "KeepEveryStep",
+    "KeepLast",
+    "KeepTagged",
+    "KeepWithin",
+    "RetentionError",
+    "RetentionPlan",
+    "RetentionPolicy",
+    "TagInfo",
+    "add_tag",
+    "execute_retention",
+    "list_tags",
+    "plan_retention",
+    "remove_tag",
     "IntegrityError",
     "ManifestValidationError",
     "MissingKeyError",

@@ -104,3 +104,7 @@ class UnexpectedKeyError(StateError, KeyError):
 
 class ShapeMismatchError(StateError, ValueError):
     """A stored tensor's shape or dtype differs from the restore target."""
+
+
+class RetentionError(CasnapError, ValueError):
+    """A retention rule or plan that is invalid, or that would delete every snapshot."""
