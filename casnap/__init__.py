@@ -48,6 +48,8 @@ _LAZY = {
     "Stateful": "casnap.torch_io.stateful",
     "StateDict": "casnap.torch_io.stateful",
     "Checkpointer": "casnap.checkpointer",
+    "export_safetensors": "casnap.export",
+    "export_torch": "casnap.export",
 }
 
 __version__ = "0.1.0"
@@ -66,6 +68,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from casnap.checkpointer import Checkpointer
+    from casnap.export import export_safetensors, export_torch
     from casnap.snapshot import PendingSnapshot, Snapshot
     from casnap.torch_io.stateful import RNGState, StateDict, Stateful
 
@@ -84,6 +87,8 @@ __all__ = [
     "TagInfo",
     "add_tag",
     "execute_retention",
+    "export_safetensors",
+    "export_torch",
     "list_tags",
     "plan_retention",
     "remove_tag",

@@ -143,6 +143,13 @@ class Snapshot:
         return self._repo, self._manifest
 
     @property
+    def name(self) -> str:
+        """The snapshot's name in its repository (the path below the repository root)."""
+        self._load()
+        assert self._name is not None
+        return self._name
+
+    @property
     def repository(self) -> Repository:
         return self._load()[0]
 
