@@ -15,13 +15,14 @@ hash before its bytes are handed on.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from casnap import codec
 from casnap.budget import ByteBudget
-from casnap.errors import CasnapError, IntegrityError, ObjectExistsError, ObjectNotFoundError
+from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError
+from casnap.index import KnownChunks, RepoIndex
 from casnap.manifest import ChunkRef
 from casnap.names import digest_of, hash_bytes
 from casnap.repository import Repository, chunk_key, pack_key
@@ -53,7 +54,13 @@ class ChunkWriter:
     """Writes the chunks of one take; ``add`` returns a future of the chunk's ChunkRef.
 
     ``known`` maps chunk hashes to locations already committed (from parent
-    manifests); such chunks are referenced, never rewritten.
+    manifests); such chunks are referenced, never rewritten. ``index`` (by
+    default ``known.index`` when ``known`` is a :class:`KnownChunks`) is asked
+    on a miss, before a loose chunk is probed or a small one packed again.
+    Every chunk this writer put, or found present by a probe, is recorded in
+    the index when :meth:`finish` returns or raises: "the object exists" is
+    true from its successful put on, and only a gc (which changes the gc
+    epoch, so the index drops it) can make it false (docs/index.md).
     """
 
     def __init__(
@@ -61,17 +68,22 @@ class ChunkWriter:
         repo: Repository,
         settings: Settings,
         pool: ThreadPoolExecutor,
-        known: dict[str, ChunkRef] | None = None,
+        known: Mapping[str, ChunkRef] | None = None,
+        index: RepoIndex | None = None,
     ) -> None:
         self.repo = repo
         self.settings = settings
         self.pool = pool
+        if index is None and isinstance(known, KnownChunks):
+            index = known.index
+        self.index = index
         self.known: dict[str, ChunkRef] = dict(known or {})
         self.stats = WriteStats()
         self._lock = threading.Lock()
         self._pending: dict[str, Future[ChunkRef]] = {}
         self._pack = _Pack()
         self._work: list[Future[None]] = []
+        self._present: list[ChunkRef] = []  # stored by this writer: for the index
 
     def add(self, data: Buffer, on_done: Callable[[], None] | None = None) -> Future[ChunkRef]:
         """Schedule one chunk; ``data`` must stay unchanged until the future resolves."""
@@ -91,12 +103,22 @@ class ChunkWriter:
         with self._lock:
             self.stats.chunks += 1
             self.stats.raw_bytes += size
-            if h in self.known:
-                result.set_result(self.known[h])
-                return
-            twin = self._pending.get(h)
-            if twin is None:
-                self._pending[h] = result
+            ref = self.known.get(h)
+        if ref is None and self.index is not None:
+            ref = self.index.lookup_chunk(h, size)  # no store request
+        with self._lock:
+            if ref is None:
+                ref = self.known.get(h)  # written by another worker meanwhile
+            else:
+                self.known[h] = ref
+            twin = None
+            if ref is None:
+                twin = self._pending.get(h)
+                if twin is None:
+                    self._pending[h] = result
+        if ref is not None:
+            result.set_result(ref)
+            return
         if twin is not None:  # same bytes earlier in this take
             twin.add_done_callback(lambda f: _copy_result(f, result))
             return
@@ -121,18 +143,23 @@ class ChunkWriter:
         try:
             header = codec.parse_header(self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key)
             if header.digest == digest and header.raw_length == len(data):
-                return ChunkRef(hash=h, size=len(data), length=header.frame_length)
+                ref = ChunkRef(hash=h, size=len(data), length=header.frame_length)
+                with self._lock:
+                    self._present.append(ref)
+                return ref
         except (ObjectNotFoundError, IntegrityError):
             pass  # absent, or a damaged object we overwrite below
         head, payload = self._encode(data, digest)
         self.repo.store.put(key, [head, payload], durable=False)
         length = len(head) + len(payload)
+        ref = ChunkRef(hash=h, size=len(data), length=length)
         with self._lock:
             self.stats.chunks_written += 1
             self.stats.objects_written += 1
             self.stats.raw_bytes_written += len(data)
             self.stats.stored_bytes_written += length
-        return ChunkRef(hash=h, size=len(data), length=length)
+            self._present.append(ref)
+        return ref
 
     def _append_to_pack(
         self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef]
@@ -175,23 +202,33 @@ class ChunkWriter:
             ref = ChunkRef(hash=h, size=size, pack=pid, offset=offset, length=length)
             with self._lock:
                 self.known[h] = ref
+                self._present.append(ref)
             fut.set_result(ref)
 
     def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:
         """Flush the last pack and wait for ``futures``; raise the first failure."""
         # Every chunk is resolved, appended to the open pack, or waiting for an
         # identical chunk once its work item is done; then the last pack flushes.
+        try:
+            with self._lock:
+                work = list(self._work)
+            wait(work)
+            for w in work:
+                exc = w.exception()
+                if exc is not None:
+                    raise exc
+            with self._lock:
+                last, self._pack = self._pack, _Pack()
+            self._flush(last)
+            return [f.result() for f in futures]
+        finally:
+            self._record_present()
+
+    def _record_present(self) -> None:
         with self._lock:
-            work = list(self._work)
-        wait(work)
-        for w in work:
-            exc = w.exception()
-            if exc is not None:
-                raise exc
-        with self._lock:
-            last, self._pack = self._pack, _Pack()
-        self._flush(last)
-        return [f.result() for f in futures]
+            present, self._present = self._present, []
+        if self.index is not None and present:
+            self.index.record_chunks(present)  # one LMDB transaction per take
 
 
 def _forward_error(work: Future[None], result: Future[ChunkRef]) -> None:
@@ -302,7 +339,5 @@ def read_chunks(
     errors = [f.exception() for f in futures]
     for exc in errors:
         if exc is not None:
-            if isinstance(exc, CasnapError):
-                raise exc
-            raise IntegrityError(f"reading chunks failed: {exc}") from exc
+            raise exc  # a store, integrity or sink error, with its own type
     return fetched

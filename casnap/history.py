@@ -7,8 +7,9 @@ the manifests' chunk references (sizes, hashes, frame lengths).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from casnap.index import manifest_summaries
 from casnap.manifest import ChunkRef, Manifest, ObjectEntry, TensorEntry
 from casnap.repository import Repository
 
@@ -37,38 +38,44 @@ class LogLine:
     logical_bytes: int
     stored_bytes: int
     new_bytes: int  # stored bytes not shared with any parent
+    metadata: dict[str, Any]
+
+
+def _heads(repo: Repository) -> dict[str, str]:
+    """Snapshot name -> manifest hash; refs are always read from the store, never cached."""
+    heads = {}
+    for name in repo.list_snapshots():
+        try:
+            heads[name] = repo.read_ref(name).manifest
+        except FileNotFoundError:
+            continue  # deleted while listing
+    return heads
 
 
 def log(repo: Repository) -> list[LogLine]:
-    """Every snapshot, oldest first, with its size and what it added over its parents."""
+    """Every snapshot, oldest first, with its size and what it added over its parents.
+
+    Manifest summaries come from the local index when cached (manifests are
+    immutable), so a second ``log`` of a remote repository reads only refs.
+    """
+    heads = _heads(repo)
+    sums = manifest_summaries(repo, heads.values(), missing_ok=True)
+    parents = {p for s in sums.values() for p in s.parents} - sums.keys()
+    sums |= manifest_summaries(repo, parents, missing_ok=True)
     lines = []
-    cache: dict[str, Manifest] = {}
-
-    def manifest(h: str) -> Manifest | None:
-        if h not in cache:
-            try:
-                cache[h] = repo.read_manifest(h)
-            except FileNotFoundError:
-                return None
-        return cache[h]
-
-    for name in repo.list_snapshots():
-        ref = repo.read_ref(name)
-        m = manifest(ref.manifest)
-        if m is None:
+    for name, mhash in heads.items():
+        s = sums.get(mhash)
+        if s is None:
             continue
         inherited: set[tuple[str, int, int]] = set()
-        for p in m.parents:
-            pm = manifest(p)
-            if pm is not None:
-                inherited |= {_object_of(r) for r in pm.chunk_refs()}
-        mine = {_object_of(r) for r in m.chunk_refs()}
-        step = m.metadata.get("step")
+        for p in s.parents:
+            if p in sums:
+                inherited |= sums[p].spans
         lines.append(LogLine(
-            name=name, manifest=ref.manifest, created_at=m.created_at,
-            step=step if isinstance(step, int) else None, parents=tuple(m.parents),
-            logical_bytes=logical_bytes(m), stored_bytes=sum(x[2] for x in mine),
-            new_bytes=sum(x[2] for x in mine - inherited),
+            name=name, manifest=mhash, created_at=s.created_at, step=s.step,
+            parents=tuple(s.parents), logical_bytes=s.logical_bytes,
+            stored_bytes=s.stored_bytes,
+            new_bytes=sum(x[2] for x in s.spans - inherited), metadata=dict(s.metadata),
         ))  # fmt: skip
     lines.sort(key=lambda line: line.created_at)
     return lines
@@ -94,44 +101,36 @@ class Usage:
         return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
 
-def _objects(manifest: Manifest, sizes: dict[str, int]) -> set[str]:
-    """The store objects a manifest needs; ``sizes`` learns each object's size.
-
-    A pack's size is the end of its last frame any manifest references: gc
-    frees whole objects, so that is what deleting its last user reclaims.
-    """
-    out = set()
-    for r in manifest.chunk_refs():
-        obj = r.pack or r.hash
-        sizes[obj] = max(sizes.get(obj, 0), r.offset + r.length)
-        out.add(obj)
-    return out
-
-
 def du(repo: Repository, pinned: dict[str, str] | None = None) -> Usage:
-    """Space used, overall and per snapshot. ``pinned`` maps extra roots (tags) to manifests."""
+    """Space used, overall and per snapshot. ``pinned`` maps extra roots (tags) to manifests.
+
+    An object (a loose chunk or a whole pack) counts toward a snapshot's
+    "freed if deleted" only if no other snapshot or pinned root uses it,
+    because gc frees whole objects.
+    """
+    heads = _heads(repo)
+    roots = [(n, h, True) for n, h in heads.items()]
+    roots += [(f"tag:{t}", m, False) for t, m in (pinned or {}).items()]
+    sums = manifest_summaries(repo, [h for _, h, _ in roots], missing_ok=True)
     sizes: dict[str, int] = {}
     uses: dict[str, set[str]] = {}
-    logical: dict[str, int] = {}
     owners: dict[str, int] = {}
-    roots = [(n, repo.resolve(n), True) for n in repo.list_snapshots()]
-    roots += [(f"tag:{t}", m, False) for t, m in (pinned or {}).items()]
-    cache: dict[str, Manifest] = {}
     for name, mhash, _is_ref in roots:
-        if mhash not in cache:
-            cache[mhash] = repo.read_manifest(mhash)
-        m = cache[mhash]
-        uses[name] = _objects(m, sizes)
-        logical[name] = logical_bytes(m)
-        for obj in uses[name]:
+        s = sums.get(mhash)
+        if s is None:
+            continue
+        extents = s.object_extents()
+        for obj, end in extents.items():
+            sizes[obj] = max(sizes.get(obj, 0), end)
             owners[obj] = owners.get(obj, 0) + 1
+        uses[name] = set(extents)
     per = []
-    for name, _m, is_ref in roots:
-        if not is_ref:
+    for name, mhash, is_ref in roots:
+        if not is_ref or name not in uses:
             continue
         objs = uses[name]
         per.append(SnapshotUsage(
-            name, logical[name], sum(sizes[o] for o in objs),
+            name, sums[mhash].logical_bytes, sum(sizes[o] for o in objs),
             sum(sizes[o] for o in objs if owners[o] == 1),
         ))  # fmt: skip
     return Usage(

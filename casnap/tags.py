@@ -36,6 +36,7 @@ from casnap.errors import (
     ObjectNotFoundError,
     SnapshotNotFoundError,
 )
+from casnap.leases import hold_lease
 from casnap.manifest import HashStr, canonical_json
 from casnap.names import check_ref_name
 from casnap.repository import Repository, manifest_key, now_iso
@@ -96,21 +97,23 @@ def add_tag(repo: Repository, tag: str, snapshot_name: str) -> TagInfo:
     Example: ``add_tag(repo, "best", "step_000004200")``.
     """
     key = tag_key(tag)
-    manifest = repo.resolve(snapshot_name)
-    record = _TagRecord(snapshot=snapshot_name, manifest=manifest, created_at=now_iso())
-    try:
-        repo.store.put(key, canonical_json(record.model_dump()), create_only=True)
-    except ObjectExistsError as exc:
-        raise ObjectExistsError(
-            f"tag {tag!r} already exists in {repo.url}; remove it first to move it", key
-        ) from exc
-    # The ref may have been deleted (and its manifest collected) between resolve and
-    # the put; a tag must never name a missing manifest, so undo it if that happened.
-    if not repo.store.exists(manifest_key(manifest)):
-        repo.store.delete(key)
-        raise SnapshotNotFoundError(
-            f"snapshot {snapshot_name!r} was deleted while it was being tagged", snapshot_name
-        )
+    # Under a lease, so no gc can sweep between resolving the ref and writing the tag.
+    with hold_lease(repo, kind="tag"):
+        manifest = repo.resolve(snapshot_name)
+        record = _TagRecord(snapshot=snapshot_name, manifest=manifest, created_at=now_iso())
+        try:
+            repo.store.put(key, canonical_json(record.model_dump()), create_only=True)
+        except ObjectExistsError as exc:
+            raise ObjectExistsError(
+                f"tag {tag!r} already exists in {repo.url}; remove it first to move it", key
+            ) from exc
+        # The ref may have been deleted (and its manifest collected) before the lease;
+        # a tag must never name a missing manifest, so undo it if that happened.
+        if not repo.store.exists(manifest_key(manifest)):
+            repo.store.delete(key)
+            raise SnapshotNotFoundError(
+                f"snapshot {snapshot_name!r} was deleted while it was being tagged", snapshot_name
+            )
     return TagInfo(tag, snapshot_name, manifest, record.created_at)
 
 

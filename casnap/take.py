@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
-from casnap import lineage
+from casnap import index, lineage
 from casnap.budget import ByteBudget
 from casnap.chunks import ChunkWriter, WriteStats
 from casnap.errors import CasnapError, SnapshotExistsError, UnsupportedValueError
+from casnap.index import KnownChunks
+from casnap.leases import hold_lease
 from casnap.manifest import ChunkRef, Entry, Manifest, ObjectEntry, TensorEntry, canonical_json
 from casnap.names import escape_key
 from casnap.repository import Repository, locate, now_iso
@@ -59,48 +61,56 @@ class TakeJob:
     _owners: list[Any] = field(default_factory=list)
 
     def commit(self) -> TakeResult:
-        known = known_chunks(self.repo, self.parents)
-        with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
-            writer = ChunkWriter(self.repo, self.settings, pool, known)
-            pending: dict[str, list[Future[ChunkRef]]] = {}
+        # From before the first dedup decision until the ref makes every chunk it
+        # names reachable, the lease keeps gc from sweeping (docs/gc.md).
+        with hold_lease(self.repo, kind="take") as lease:
+            known = known_chunks(self.repo, self.parents)
+            with ThreadPoolExecutor(
+                self.settings.io_workers, thread_name_prefix="casnap-w"
+            ) as pool:
+                writer = ChunkWriter(self.repo, self.settings, pool, known)
+                pending: dict[str, list[Future[ChunkRef]]] = {}
+                for key, node in self.nodes.items():
+                    if isinstance(node, TensorLeaf):
+                        pending[key] = self._submit_tensor(writer, key, node.tensor)
+                    elif isinstance(node, ObjectLeaf):
+                        pending[key] = self._submit(writer, memoryview(node.payload), None)
+                all_futures = [f for fs in pending.values() for f in fs]
+                writer.finish(all_futures)
+            entries: dict[str, Entry] = {}
+            cs = self.settings.chunk_size
             for key, node in self.nodes.items():
                 if isinstance(node, TensorLeaf):
-                    pending[key] = self._submit_tensor(writer, key, node.tensor)
+                    t = node.tensor
+                    entries[key] = TensorEntry(
+                        dtype=dtype_name(t.dtype, key),
+                        shape=list(t.shape),
+                        chunk_size=cs,
+                        chunks=[f.result() for f in pending[key]],
+                    )
                 elif isinstance(node, ObjectLeaf):
-                    pending[key] = self._submit(writer, memoryview(node.payload), None)
-            all_futures = [f for fs in pending.values() for f in fs]
-            writer.finish(all_futures)
-        entries: dict[str, Entry] = {}
-        cs = self.settings.chunk_size
-        for key, node in self.nodes.items():
-            if isinstance(node, TensorLeaf):
-                t = node.tensor
-                entries[key] = TensorEntry(
-                    dtype=dtype_name(t.dtype, key),
-                    shape=list(t.shape),
-                    chunk_size=cs,
-                    chunks=[f.result() for f in pending[key]],
-                )
-            elif isinstance(node, ObjectLeaf):
-                entries[key] = ObjectEntry(
-                    serializer="pickle",
-                    type_name=node.type_name,
-                    size=len(node.payload),
-                    chunk_size=cs,
-                    chunks=[f.result() for f in pending[key]],
-                )
-            else:
-                entries[key] = node
-        manifest = Manifest(
-            created_at=now_iso(),
-            world_size=1,
-            parents=self.parents,
-            metadata=self.metadata,
-            entries=entries,
-        )
-        manifest_hash = self.repo.write_manifest(manifest)
-        self.repo.write_ref(self.name, manifest_hash)  # the commit point
+                    entries[key] = ObjectEntry(
+                        serializer="pickle",
+                        type_name=node.type_name,
+                        size=len(node.payload),
+                        chunk_size=cs,
+                        chunks=[f.result() for f in pending[key]],
+                    )
+                else:
+                    entries[key] = node
+            manifest = Manifest(
+                created_at=now_iso(),
+                world_size=1,
+                parents=self.parents,
+                metadata=self.metadata,
+                entries=entries,
+            )
+            manifest_hash = self.repo.write_manifest(manifest)
+            # A take stalled past its lease may have been declared dead: never commit then.
+            lease.check()
+            self.repo.write_ref(self.name, manifest_hash)  # the commit point
         lineage.record(self.repo.config.repo_id, manifest_hash)
+        index.record_manifest(self.repo, manifest_hash, manifest)  # `log` need not read it back
         self.nodes = {}
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
 
@@ -142,14 +152,27 @@ class TakeJob:
         return [writer.add(view[i * cs : (i + 1) * cs], one_done) for i in range(count)]
 
 
-def known_chunks(repo: Repository, parents: list[str]) -> dict[str, ChunkRef]:
-    """Chunks a take may reference without writing: those of its parent manifests."""
-    known: dict[str, ChunkRef] = {}
+def known_chunks(repo: Repository, parents: list[str]) -> KnownChunks:
+    """Chunks a take may reference without writing: its parents', and the local index's.
+
+    Called inside the take's gc-exclusion window: opening the index reads the
+    store's gc epoch, and index entries are trusted only while no gc has
+    swept since (docs/index.md). The parents' chunk locations come from their
+    manifests (one get each); every other chunk is looked up in the index by
+    the ChunkWriter, so a take in a fresh process probes no chunk the index
+    knows. Without the index (``CASNAP_INDEX=0``) this is the parents' chunks only.
+    """
+    known = KnownChunks(index.open_index(repo))
+    summaries = []
     for parent in parents:
         try:
-            known.update((c.hash, c) for c in repo.read_manifest(parent).chunk_refs())
+            manifest = repo.read_manifest(parent)
         except CasnapError:
             continue  # a parent that is gone only costs dedup, never correctness
+        known.update((c.hash, c) for c in manifest.chunk_refs())
+        summaries.append(index.summarize(parent, manifest))
+    if known.index is not None and summaries:
+        known.index.record_summaries(summaries)  # free for log/du: already read
     return known
 
 

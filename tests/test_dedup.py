@@ -51,7 +51,9 @@ def test_second_take_of_unchanged_state_writes_no_chunk_data(tmp_path):
     store.reset()
     snap = Snapshot.take(str(tmp_path / "repo" / "s2"), state, storage_options=opts(repo))
     assert data_keys(store.written_keys) == []
-    assert sorted(store.written_keys) == sorted(
+    # besides the take's own lease (a gc root while it runs), only the manifest and the ref
+    written = [k for k in store.written_keys if not k.startswith(".casnap/leases/")]
+    assert sorted(written) == sorted(
         [f".casnap/manifests/{snap.manifest_hash[:2]}/{snap.manifest_hash}", ".casnap/refs/s2"]
     )
     assert snap.last_take_stats.stored_bytes_written == 0

@@ -185,9 +185,7 @@ class FailingStore(ObjectStore):
         self.inner, self.fail_at, self.puts = inner, fail_at, 0
         self.url, self.capabilities = inner.url, inner.capabilities
 
-    def put(
-        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
-    ) -> None:
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         if key.startswith((".casnap/chunks/", ".casnap/packs/")):
             self.puts += 1
             if self.puts == self.fail_at:

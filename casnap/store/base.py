@@ -84,9 +84,7 @@ class ObjectStore(ABC):
         """Bytes ``[start, end)`` of the object; fewer only if it is shorter."""
 
     @abstractmethod
-    def put(
-        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
-    ) -> None:
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         """Write the object atomically; ``data`` may be a list of buffers written in order.
 
         With ``durable=False`` the object is visible at once but may be lost in
@@ -148,9 +146,7 @@ class PrefixStore(ObjectStore):
         with self._as_seen(key):
             return self.inner.get_range(self._k(key), start, end)
 
-    def put(
-        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
-    ) -> None:
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         with self._as_seen(key):
             self.inner.put(self._k(key), data, create_only=create_only, durable=durable)
 

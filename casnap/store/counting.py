@@ -42,18 +42,22 @@ class CountingStore(ObjectStore):
                 self.read_keys.append(key)
 
     def get(self, key: str) -> bytes:
-        data = self.inner.get(key)
-        self._count("get", read=len(data), key=key)
-        return data
+        data = b""
+        try:
+            data = self.inner.get(key)
+            return data
+        finally:  # a failed read (a probe of a missing object) is a request too
+            self._count("get", read=len(data), key=key)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        data = self.inner.get_range(key, start, end)
-        self._count("get_range", read=len(data), key=key)
-        return data
+        data = b""
+        try:
+            data = self.inner.get_range(key, start, end)
+            return data
+        finally:
+            self._count("get_range", read=len(data), key=key)
 
-    def put(
-        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
-    ) -> None:
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         parts = as_parts(data)
         try:
             self.inner.put(key, parts, create_only=create_only, durable=durable)

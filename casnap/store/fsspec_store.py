@@ -91,9 +91,7 @@ class FsspecStore(ObjectStore):
                 return b""
             raise _translate(exc, key) from exc
 
-    def put(
-        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
-    ) -> None:
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         # An object store's put is durable when it returns; ``durable`` changes nothing.
         path = self._path(key)
         payload = join_parts(data)

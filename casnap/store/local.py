@@ -74,9 +74,7 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             raise _translate(exc, key) from exc
 
-    def put(
-        self, key: str, data: Data, *, create_only: bool = False, durable: bool = True
-    ) -> None:
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         path = self._path(key)
         folder = os.path.dirname(path)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"

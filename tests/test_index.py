@@ -1,0 +1,374 @@
+"""The local LMDB index: takes in a fresh process probe nothing it knows; it never misleads.
+
+"A fresh process" is simulated with ``lineage.forget()``: the next take has no
+parent, so every chunk it skips was found through the index or the store.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
+
+from casnap import Repository, Snapshot, StateDict, index, lineage
+from casnap.history import stored_bytes
+from casnap.store import CountingStore, FsspecStore, LocalStore
+
+CHUNK = 64 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _private_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("CASNAP_INDEX_DIR", str(tmp_path / "index"))
+    monkeypatch.delenv("CASNAP_INDEX", raising=False)
+    lineage.forget()
+    yield
+    lineage.forget()
+    index.close_all()
+
+
+class RequestCounter(CountingStore):
+    """Counts failed reads too (a probe of an absent chunk is a request all the same)."""
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.inner.get(key)
+        finally:
+            self._count("get")
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        try:
+            return self.inner.get_range(key, start, end)
+        finally:
+            self._count("get_range")
+
+
+def counted_repo(root: str) -> tuple[Repository, CountingStore]:
+    store = RequestCounter(LocalStore(root))
+    return Repository.on_store(store, chunk_size=CHUNK), store
+
+
+def opts(repo: Repository) -> dict:
+    return {"repository": repo, "chunk_size": CHUNK}
+
+
+def data_keys(keys: list[str]) -> list[str]:
+    return [k for k in keys if "/chunks/" in k or "/packs/" in k]
+
+
+def mixed_state(seed: int = 0) -> StateDict:
+    """Ten multi-chunk tensors (loose chunks) and forty small ones (packed)."""
+    g = torch.Generator().manual_seed(seed)
+    state = StateDict()
+    for i in range(50):
+        state[f"t{i}"] = torch.randn(40_000 if i % 5 == 0 else 300 + i, generator=g)
+    return state
+
+
+def loose_chunks(snap: Snapshot) -> set[str]:
+    return {c.hash for c in snap.manifest.chunk_refs() if c.pack is None}
+
+
+def take(repo: Repository, name: str, state: StateDict) -> Snapshot:
+    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, storage_options=opts(repo))
+
+
+def assert_restores(repo: Repository, name: str, state: StateDict) -> None:
+    fresh = StateDict({k: torch.empty_like(v) for k, v in state.items()})
+    Snapshot(f"{repo.url}/{name}", storage_options=opts(repo)).restore({"s": fresh})
+    assert all(torch.equal(fresh[k], state[k]) for k in state)
+
+
+def test_a_fresh_process_take_probes_no_chunk_and_writes_no_chunk_data(tmp_path):
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    lineage.forget()
+    store.reset()
+    s2 = take(repo, "s2", state)
+    assert store.requests["get_range"] == 0, "no per-chunk probe"
+    assert data_keys(store.written_keys) == []
+    assert [k.split("/")[1] for k in store.written_keys if "/leases/" not in k] == [
+        "manifests",
+        "refs",
+    ]
+    assert s2.last_take_stats.chunks_written == 0
+    # the small chunks point into the first take's pack, not a copy of it
+    assert s2.manifest.chunk_refs() == s1.manifest.chunk_refs()
+    assert_restores(repo, "s2", state)
+
+
+def test_without_the_index_the_same_take_probes_every_loose_chunk(tmp_path, monkeypatch):
+    monkeypatch.setenv("CASNAP_INDEX", "0")
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    lineage.forget()
+    store.reset()
+    s2 = take(repo, "s2", state)
+    assert store.requests["get_range"] == len(loose_chunks(s1))
+    packed = [c for c in s1.manifest.chunk_refs() if c.pack is not None]
+    assert s2.last_take_stats.chunks_written == len(packed)  # packed again
+    assert not (tmp_path / "index").exists(), "a disabled index is never created"
+    assert index.open_index(repo) is None
+    assert_restores(repo, "s2", state)
+
+
+def test_changed_tensors_are_written_and_the_rest_found_in_the_index(tmp_path):
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    take(repo, "s1", state)
+    state["t0"].add_(1.0)  # loose chunks
+    state["t7"].add_(1.0)  # packed
+    lineage.forget()
+    store.reset()
+    s2 = take(repo, "s2", state)
+    changed = {c.hash for k in ("0/s/t0", "0/s/t7") for c in s2.manifest.entries[k].chunks}
+    # each new loose chunk is probed once (it is absent), nothing else is
+    assert store.requests["get_range"] == len(changed & loose_chunks(s2))
+    assert s2.last_take_stats.chunks_written == len(changed)
+    lineage.forget()
+    store.reset()
+    take(repo, "s3", state)  # what s2 wrote is now known as well
+    assert store.requests["get_range"] == 0 and data_keys(store.written_keys) == []
+    assert_restores(repo, "s3", state)
+
+
+def test_a_new_gc_epoch_drops_every_chunk_entry(tmp_path):
+    root = tmp_path / "repo"
+    repo, store = counted_repo(str(root))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    # a gc deletes one loose chunk and records that it swept
+    victim = sorted(loose_chunks(s1))[0]
+    os.unlink(root / ".casnap" / "chunks" / victim[:2] / victim)
+    repo.store.put(index.GC_EPOCH_KEY, b'{"epoch": "%s"}' % uuid.uuid4().hex.encode())
+    lineage.forget()
+    store.reset()
+    take(repo, "s2", state)
+    assert store.requests["get_range"] == len(loose_chunks(s1))  # nothing trusted
+    written = [k for k in store.written_keys if "/chunks/" in k]
+    assert written == [f".casnap/chunks/{victim[:2]}/{victim}"]  # and its small chunks repacked
+    assert_restores(repo, "s2", state)
+    lineage.forget()
+    store.reset()
+    take(repo, "s3", state)  # re-learned under the new epoch
+    assert store.requests["get_range"] == 0
+
+
+def test_after_a_real_gc_a_take_rewrites_what_it_deleted(tmp_path):
+    from casnap.gc import gc
+
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    old = mixed_state(0)
+    take(repo, "s1", old)
+    take(repo, "s2", mixed_state(1))
+    repo.delete_ref("s1")
+    assert gc(repo, grace_seconds=0).deleted > 0  # s1's chunks are gone
+    lineage.forget()
+    store.reset()
+    s3 = take(repo, "s3", old)  # the index still lists s1's chunks: it must not trust them
+    assert store.requests["get_range"] == len(loose_chunks(s3))
+    assert_restores(repo, "s3", old)
+
+
+def test_a_copy_of_the_repository_never_trusts_the_originals_entries(tmp_path):
+    repo, _ = counted_repo(str(tmp_path / "a"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # same repo id, other place
+    victim = sorted(loose_chunks(s1))[0]
+    os.unlink(tmp_path / "b" / ".casnap" / "chunks" / victim[:2] / victim)
+    copy, store = counted_repo(str(tmp_path / "b"))
+    assert copy.config.repo_id == repo.config.repo_id
+    lineage.forget()
+    take(copy, "s2", state)
+    assert f".casnap/chunks/{victim[:2]}/{victim}" in store.written_keys
+    assert_restores(copy, "s2", state)
+
+
+def test_a_corrupt_index_file_is_rebuilt_silently(tmp_path):
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    take(repo, "s1", state)
+    path = index.index_path(repo.config.repo_id)
+    index.close_all()  # as if a new process
+    (path / "data.mdb").write_bytes(b"\xde\xad" * 8192)
+    lineage.forget()
+    take(repo, "s2", state)  # no error: the index is rebuilt, the take probes
+    lineage.forget()
+    store.reset()
+    take(repo, "s3", state)
+    assert store.requests["get_range"] == 0, "the rebuilt index serves again"
+    assert_restores(repo, "s3", state)
+
+
+def test_a_damaged_entry_is_a_miss_never_a_location(tmp_path):
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    path = index.index_path(repo.config.repo_id)
+    index.close_all()
+    env = lmdb.open(str(path), max_dbs=4)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True, db=chunks) as txn:
+        for key, value in list(txn.cursor()):
+            txn.put(key, value[:-9] + bytes([value[-9] ^ 1]) + value[-8:])  # one bit
+    env.close()
+    lineage.forget()
+    store.reset()
+    take(repo, "s2", state)
+    assert store.requests["get_range"] == len(loose_chunks(s1))
+    assert_restores(repo, "s2", state)
+
+
+def test_rebuild_fills_the_index_from_the_store(tmp_path):
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    index.drop(repo.config.repo_id)
+    stats = index.rebuild(repo)
+    assert stats.manifests == 1
+    assert stats.chunks == len({c.hash for c in s1.manifest.chunk_refs()})
+    lineage.forget()
+    store.reset()
+    take(repo, "s2", state)
+    assert store.requests["get_range"] == 0 and data_keys(store.written_keys) == []
+
+
+def test_manifest_summaries_are_read_once_then_served_locally(tmp_path):
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    state["t0"].add_(1.0)
+    s2 = take(repo, "s2", state)
+    index.drop(repo.config.repo_id)
+    store.reset()
+    hashes = [repo.resolve("s1"), repo.resolve("s2")]
+    first = index.manifest_summaries(repo, hashes)
+    assert store.requests["get"] == 2 + 2  # two refs, two manifests
+    store.reset()
+    again = index.manifest_summaries(repo, hashes)
+    assert store.requests == {}, "no store request for a cached summary"
+    for h, snap in zip(hashes, (s1, s2)):
+        m = snap.manifest
+        s = again[h]
+        assert s.spans == first[h].spans
+        assert s.stored_bytes == stored_bytes(m)
+        assert s.logical_bytes == sum(c.size for c in m.chunk_refs())
+        assert s.parents == tuple(m.parents) and s.created_at == m.created_at
+    assert again[hashes[1]].parents == (hashes[0],)
+    with pytest.raises(FileNotFoundError):
+        index.manifest_summary(repo, "0" * 64)
+    assert index.manifest_summaries(repo, [hashes[0], "0" * 64], missing_ok=True).keys() == {
+        hashes[0]
+    }
+
+
+def test_disabled_index_gives_the_same_summaries(tmp_path, monkeypatch):
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    take(repo, "s1", StateDict(step=3, w=torch.randn(10)))
+    h = repo.resolve("s1")
+    cached = index.manifest_summary(repo, h)
+    monkeypatch.setenv("CASNAP_INDEX", "off")
+    direct = index.manifest_summary(repo, h)
+    assert direct.spans == cached.spans and direct.metadata == cached.metadata
+
+
+def _take_in_child(root: str, index_dir: str, name: str, seed: int) -> None:
+    os.environ["CASNAP_INDEX_DIR"] = index_dir
+    repo = Repository.open(root)
+    state = mixed_state(0)
+    state["t1"].add_(seed)  # one tensor differs per process
+    for i in range(3):
+        Snapshot.take(f"{root}/{name}-{i}", {"s": state}, storage_options=opts(repo))
+
+
+def test_two_processes_share_one_index(tmp_path):
+    root = str(tmp_path / "repo")
+    repo, store = counted_repo(root)
+    take(repo, "base", mixed_state(0))
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_take_in_child, args=(root, str(tmp_path / "index"), f"p{i}", i + 1))
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for i in range(2):
+        state = mixed_state(0)
+        state["t1"].add_(i + 1)
+        assert_restores(repo, f"p{i}-2", state)
+        lineage.forget()
+        store.reset()
+        take(repo, f"again{i}", state)  # learned by the other process
+        assert store.requests["get_range"] == 0
+
+
+def _probes_in_forked_child(root: str, out: multiprocessing.Queue) -> None:
+    repo, store = counted_repo(root)
+    lineage.forget()
+    take(repo, "child", mixed_state())
+    out.put(store.requests["get_range"])
+
+
+def test_a_forked_child_opens_its_own_environment(tmp_path):
+    root = str(tmp_path / "repo")
+    repo, _ = counted_repo(root)
+    take(repo, "s1", mixed_state())  # the parent has the index open
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_probes_in_forked_child, args=(root, out))
+    child.start()
+    probes = out.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0 and probes == 0
+    assert_restores(repo, "child", mixed_state())
+
+
+@pytest.mark.gcs
+def test_on_gcs_a_fresh_process_take_sends_no_probe(gcs_bucket, monkeypatch):  # noqa: F811
+    url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
+    store = RequestCounter(FsspecStore(url))
+    repo = Repository.on_store(store, chunk_size=CHUNK)
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    for enabled, probes in (("1", 0), ("0", len(loose_chunks(s1)))):
+        monkeypatch.setenv("CASNAP_INDEX", enabled)
+        lineage.forget()
+        store.reset()
+        take(repo, f"s-{enabled}", state)
+        assert store.requests["get_range"] == probes
+    assert_restores(repo, "s-1", state)
+
+
+def test_index_lives_where_configured(tmp_path):
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    take(repo, "s1", StateDict(w=torch.randn(10)))
+    assert Path(index.index_path(repo.config.repo_id)).parent == tmp_path / "index"
+    assert (tmp_path / "index" / repo.config.repo_id / "data.mdb").exists()
+    # an id from an untrusted config never names another folder
+    assert index.index_path("../../etc").parent == tmp_path / "index"
+
+
+def test_an_index_folder_on_a_network_filesystem_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setattr(index, "_filesystem_type", lambda path: "nfs4")
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    assert index.open_index(repo) is None
+    assert not (tmp_path / "index").exists()
+    lineage.forget()
+    store.reset()
+    take(repo, "s2", state)  # works, as without an index
+    assert store.requests["get_range"] == len(loose_chunks(s1))
