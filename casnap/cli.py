@@ -127,7 +127,7 @@ def cmd_log(args: argparse.Namespace) -> int:
                 _age(ln.created_at),
                 human(ln.logical_bytes),
                 human(ln.new_bytes),
-                ", ".join(names.get(p, p[:12]) for p in ln.parents),
+                ", ".join(names.get(p, f"{p[:12]} (deleted)") for p in ln.parents),
             ]
             for lane, ln in zip(lanes, lines)
         ]

@@ -146,19 +146,27 @@ def graph_lanes(lines: list[LogLine]) -> list[str]:
 
     A snapshot continues its parent's lane when it is the parent's first
     child; a second child of the same parent opens a new lane to the right.
+    A snapshot whose parents are all gone (deleted by retention) reuses the
+    first lane whose tip will have no more children.
     """
+    known = {line.manifest for line in lines}
     lanes: list[str | None] = []  # manifest hash at the tip of each lane
     out = []
-    for line in lines:
-        lane = next((i for i, tip in enumerate(lanes)
+    for i, line in enumerate(lines):
+        lane = next((j for j, tip in enumerate(lanes)
                      if tip is not None and tip in line.parents), None)  # fmt: skip
         if lane is None:
-            lane = next((i for i, tip in enumerate(lanes) if tip is None), len(lanes))
+            if any(p in known for p in line.parents):  # a branch off a listed snapshot
+                free = [j for j, tip in enumerate(lanes) if tip is None]
+            else:  # a root, or its ancestors are gone: reuse a lane nobody continues
+                later = {p for other in lines[i:] for p in other.parents}
+                free = [j for j, tip in enumerate(lanes) if tip is None or tip not in later]
+            lane = free[0] if free else len(lanes)
             if lane == len(lanes):
                 lanes.append(None)
         lanes[lane] = line.manifest
-        out.append(" ".join("*" if i == lane else ("|" if t else " ")
-                            for i, t in enumerate(lanes)).rstrip())  # fmt: skip
+        out.append(" ".join("*" if j == lane else ("|" if t else " ")
+                            for j, t in enumerate(lanes)).rstrip())  # fmt: skip
     return out
 
 

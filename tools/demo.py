@@ -1,5 +1,10 @@
 """The casnap demo: train a small model, snapshot it every N steps, show log, du and diff.
 
+A Checkpointer takes a snapshot every N steps and applies a retention policy
+after each one; then the casnap CLI shows the repository, gc reclaims what
+retention released, verify re-hashes everything, and a fresh model resumes
+from the newest snapshot.
+
 bash tools/demo                       # what the README runs
 .venv/bin/python tools/demo.py --steps 300 --every 50 --repo demo-repo
 """
@@ -14,8 +19,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from casnap import Repository, RNGState, Snapshot, StateDict
-from casnap.history import diff, du, log
+from casnap import (
+    Checkpointer,
+    KeepBest,
+    KeepEveryStep,
+    KeepLast,
+    Repository,
+    RetentionPolicy,
+    RNGState,
+    StateDict,
+    cli,
+)
 
 
 def human(n: float) -> str:
@@ -39,6 +53,23 @@ class TinyModel(nn.Module):
         return self.head(self.embed(tokens).mean(dim=1)).squeeze(-1)
 
 
+def run_cli(*argv: str) -> None:
+    print(f"\n$ casnap {' '.join(argv)}")
+    code = cli.main(list(argv))
+    if code not in (0,):
+        raise SystemExit(f"casnap {argv[0]} exited with {code}")
+
+
+def build(seed: int) -> tuple[TinyModel, dict[str, object]]:
+    torch.manual_seed(seed)
+    model = TinyModel()
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=1000)
+    app_state = {"model": model, "optim": optim, "sched": sched,
+                 "progress": StateDict(step=0, loss=float("nan")), "rng": RNGState()}  # fmt: skip
+    return model, app_state
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repo", default="demo-repo", help="repository directory (recreated)")
@@ -49,16 +80,17 @@ def main() -> None:
     repo_dir = Path(args.repo).resolve()
     if repo_dir.exists():
         shutil.rmtree(repo_dir)
-    torch.manual_seed(0)
-    model = TinyModel()
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
-    progress = StateDict(step=0, loss=float("nan"))
-    app_state = {"model": model, "optim": optim, "sched": sched, "progress": progress,
-                 "rng": RNGState()}  # fmt: skip
+    model, app_state = build(seed=0)
+    progress = app_state["progress"]
+    assert isinstance(progress, StateDict)
+    optim = app_state["optim"]
+    assert isinstance(optim, torch.optim.Optimizer)
+    # Keep the last 3 snapshots, every 100th step, and the best by loss.
+    policy = RetentionPolicy(KeepLast(3), KeepEveryStep(100), KeepBest(1, "loss"))
+    ckpt = Checkpointer(str(repo_dir), every_n_steps=args.every, retention=policy)
 
     print(f"training {sum(p.numel() for p in model.parameters()):,} parameters for "
-          f"{args.steps} steps, a snapshot every {args.every} into {repo_dir}")  # fmt: skip
+          f"{args.steps} steps; a snapshot every {args.every} into {repo_dir}")  # fmt: skip
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, 8192, (32, 16))
         target = (tokens % 7).float().mean(dim=1)
@@ -66,56 +98,32 @@ def main() -> None:
         optim.zero_grad()
         loss.backward()
         optim.step()
-        sched.step()
+        app_state["sched"].step()  # type: ignore[attr-defined]
         progress.update(step=step, loss=loss.item())
-        if step % args.every == 0:
-            t0 = time.perf_counter()
-            snap = Snapshot.take(str(repo_dir / f"step_{step:06d}"), app_state,
-                                 metadata={"step": step, "loss": loss.item()})  # fmt: skip
-            s = snap.last_take_stats
-            assert s is not None
+        t0 = time.perf_counter()
+        snap = ckpt.maybe_take(step, app_state, metrics={"loss": loss.item()})
+        if snap is not None:
             ms = (time.perf_counter() - t0) * 1000
-            print(f"  step {step:5d}  loss {loss.item():.4f}  snapshot in {ms:.0f} ms, "
-                  f"wrote {human(s.stored_bytes_written)} of {human(s.raw_bytes)}")  # fmt: skip
+            stats = snap.last_take_stats  # type: ignore[union-attr]
+            print(f"  step {step:5d}  loss {loss.item():.4f}  snapshot in {ms:.0f} ms, wrote "
+                  f"{human(stats.stored_bytes_written)} of {human(stats.raw_bytes)}")  # fmt: skip
+    ckpt.close()
 
-    repo = Repository.open(str(repo_dir))
-    print("\n$ casnap log")
-    print(f"{'snapshot':<14}{'step':>6}{'loss':>9}{'size':>12}{'stored':>12}{'new':>12}")
-    for line in log(repo):
-        m = repo.read_manifest(line.manifest)
-        print(f"{line.name:<14}{line.step or 0:>6}{m.metadata.get('loss', 0):>9.4f}"
-              f"{human(line.logical_bytes):>12}{human(line.stored_bytes):>12}"
-              f"{human(line.new_bytes):>12}")  # fmt: skip
+    repo = str(repo_dir)
+    run_cli("log", repo)
+    run_cli("du", repo)
+    names = Repository.open(repo).list_snapshots()
+    run_cli("diff", f"{repo}/{names[-2]}", f"{repo}/{names[-1]}", "--stats")
+    run_cli("gc", repo, "--grace", "0")
+    run_cli("verify", repo, "--read-data")
 
-    usage = du(repo)
-    print("\n$ casnap du")
-    print(f"{usage.snapshots} snapshots, logical {human(usage.logical_bytes)}, stored "
-          f"{human(usage.stored_bytes)}, dedup ratio {usage.dedup_ratio:.2f}x")  # fmt: skip
-
-    names = repo.list_snapshots()
-    a, b = names[-2], names[-1]
-    print(f"\n$ casnap diff {a} {b}")
-    rows = diff(repo.read_manifest(repo.resolve(a)), repo.read_manifest(repo.resolve(b)))
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row.status] = counts.get(row.status, 0) + 1
-        if row.status != "unchanged" and row.changed_bytes:
-            print(f"  {row.status:<9} {row.key:<40} {human(row.changed_bytes):>10} "
-                  f"in {row.changed_chunks} chunk(s)")  # fmt: skip
-    print("  " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-
-    # Resume: a fresh model restored from the newest snapshot matches the trained one.
-    fresh = TinyModel()
-    fresh_optim = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad])
-    fresh_state = {"model": fresh, "optim": fresh_optim,
-                   "sched": torch.optim.lr_scheduler.CosineAnnealingLR(fresh_optim, T_max=1),
-                   "progress": StateDict(), "rng": RNGState()}  # fmt: skip
-    Snapshot(str(repo_dir / b)).restore(fresh_state)
+    # Resume after a "crash": a fresh process state restored from the newest snapshot.
+    fresh, fresh_state = build(seed=1)
+    resumed = Checkpointer(repo, every_n_steps=args.every).restore_latest(fresh_state)
     same = all(torch.equal(x, y) for x, y in
                zip(model.state_dict().values(), fresh.state_dict().values()))  # fmt: skip
-    print(f"\nrestored {b} into a fresh model: step {fresh_state['progress']['step']}, "
-          f"weights identical: {same}")  # fmt: skip
-    if not same:
+    print(f"\nrestore_latest: resumed at step {resumed}, weights identical: {same}")
+    if not same or resumed != args.steps - args.steps % args.every:
         raise SystemExit("restore mismatch")
 
 
