@@ -85,10 +85,15 @@ class ChunkWriter:
         self._work: list[Future[None]] = []
         self._present: list[ChunkRef] = []  # stored by this writer: for the index
 
-    def add(self, data: Buffer, on_done: Callable[[], None] | None = None) -> Future[ChunkRef]:
+    def add(
+        self,
+        data: Buffer,
+        on_done: Callable[[], None] | None = None,
+        elem_size: int = 0,
+    ) -> Future[ChunkRef]:
         """Schedule one chunk; ``data`` must stay unchanged until the future resolves."""
         result: Future[ChunkRef] = Future()
-        work = self.pool.submit(self._process, data, result)
+        work = self.pool.submit(self._process, data, result, elem_size)
         with self._lock:
             self._work.append(work)
         if on_done is not None:
@@ -96,7 +101,7 @@ class ChunkWriter:
         work.add_done_callback(lambda f: _forward_error(f, result))
         return result
 
-    def _process(self, data: Buffer, result: Future[ChunkRef]) -> None:
+    def _process(self, data: Buffer, result: Future[ChunkRef], elem_size: int = 0) -> None:
         digest = digest_of(data)
         h = digest.hex()
         size = len(data)
@@ -123,22 +128,23 @@ class ChunkWriter:
             twin.add_done_callback(lambda f: _copy_result(f, result))
             return
         if size >= self.settings.pack_limit:
-            ref = self._write_loose(data, digest, h)
+            ref = self._write_loose(data, digest, h, elem_size)
             with self._lock:
                 self.known[h] = ref
             result.set_result(ref)
         else:
-            self._append_to_pack(data, digest, h, result)
+            self._append_to_pack(data, digest, h, result, elem_size)
 
-    def _encode(self, data: Buffer, digest: bytes) -> tuple[bytes, Buffer]:
+    def _encode(self, data: Buffer, digest: bytes, elem_size: int) -> tuple[bytes, Buffer]:
         return codec.encode(
             data,
             digest,
             compress=self.settings.compression == "auto",
             level=self.settings.zstd_level,
+            elem_size=elem_size,
         )
 
-    def _write_loose(self, data: Buffer, digest: bytes, h: str) -> ChunkRef:
+    def _write_loose(self, data: Buffer, digest: bytes, h: str, elem_size: int) -> ChunkRef:
         key = chunk_key(h)
         try:
             header = codec.parse_header(self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key)
@@ -149,7 +155,7 @@ class ChunkWriter:
                 return ref
         except (ObjectNotFoundError, IntegrityError):
             pass  # absent, or a damaged object we overwrite below
-        head, payload = self._encode(data, digest)
+        head, payload = self._encode(data, digest, elem_size)
         self.repo.store.put(key, [head, payload], durable=False)
         length = len(head) + len(payload)
         ref = ChunkRef(hash=h, size=len(data), length=length)
@@ -162,9 +168,9 @@ class ChunkWriter:
         return ref
 
     def _append_to_pack(
-        self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef]
+        self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef], elem_size: int
     ) -> None:
-        head, payload = self._encode(data, digest)
+        head, payload = self._encode(data, digest, elem_size)
         payload = bytes(payload)  # the pack outlives the caller's buffer
         length = len(head) + len(payload)
         full: _Pack | None = None

@@ -153,7 +153,7 @@ def register(add: Callable[..., Any]) -> None:
     p = add("retain", cmd_retain, "delete the refs a retention policy does not keep (then gc)")
     p.add_argument("repo", help="repository directory or URL")
     p.add_argument("--keep-last", type=int, metavar="N", help="the newest N snapshots")
-    p.add_argument("--keep-every-step", type=int, metavar="K", help="snapshots at steps divisible by K")
+    p.add_argument("--keep-every-step", type=int, metavar="K", help="steps divisible by K")
     p.add_argument(
         "--keep-within",
         type=duration,

@@ -127,10 +127,17 @@ class TakeJob:
         if needs_copy:
             self.budget.acquire(nbytes)  # staging copies stay under the budget
         view, owner = host_view(tensor, key)
-        return self._submit(writer, view, owner, nbytes if needs_copy else 0)
+        # Floats compress better with the bytes of each element position grouped.
+        elem = tensor.element_size() if tensor.dtype.is_floating_point else 0
+        return self._submit(writer, view, owner, nbytes if needs_copy else 0, elem)
 
     def _submit(
-        self, writer: ChunkWriter, view: memoryview, owner: Any, held: int = 0
+        self,
+        writer: ChunkWriter,
+        view: memoryview,
+        owner: Any,
+        held: int = 0,
+        elem_size: int = 0,
     ) -> list[Future[ChunkRef]]:
         cs = self.settings.chunk_size
         n = len(view)
@@ -149,7 +156,7 @@ class TakeJob:
                 # ``owner`` (a staged copy) is referenced by this closure until here.
                 _ = owner
 
-        return [writer.add(view[i * cs : (i + 1) * cs], one_done) for i in range(count)]
+        return [writer.add(view[i * cs : (i + 1) * cs], one_done, elem_size) for i in range(count)]
 
 
 def known_chunks(repo: Repository, parents: list[str]) -> KnownChunks:

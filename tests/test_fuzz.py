@@ -90,10 +90,11 @@ def test_random_refs_and_configs_never_crash(data):
 
 
 @FUZZ
-@given(st.binary(min_size=0, max_size=4000), st.booleans(), st.data())
-def test_corrupted_frames_are_integrity_errors(payload, compress, data):
+@given(st.binary(min_size=0, max_size=4000), st.booleans(), st.sampled_from([0, 2, 4, 8]),
+       st.data())  # fmt: skip
+def test_corrupted_frames_are_integrity_errors(payload, compress, elem, data):
     digest = digest_of(payload)
-    head, body = codec.encode(payload, digest, compress=compress)
+    head, body = codec.encode(payload, digest, compress=compress, elem_size=elem)
     frame = bytearray(head + bytes(body))
     assert bytes(codec.decode(bytes(frame), "f", digest, len(payload))) == payload
     # flip one byte, or truncate: never silently wrong, never a crash

@@ -1,0 +1,69 @@
+"""Frame codecs: raw, zstd, and zstd over byte-grouped float elements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from casnap import Snapshot, StateDict, codec, lineage
+from casnap.errors import IntegrityError
+from casnap.names import digest_of
+from casnap.torch_io.tensors import byte_view
+
+
+def frame_of(data: bytes, elem: int = 0) -> tuple[bytes, int]:
+    head, body = codec.encode(data, digest_of(data), elem_size=elem)
+    return head + bytes(body), codec.parse_header(head, "f").codec
+
+
+def weights(dtype: torch.dtype, n: int = 1 << 20) -> bytes:
+    t = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+    return bytes(byte_view(t))
+
+
+def test_bf16_weights_are_byte_grouped_and_stored_under_three_quarters():
+    data = weights(torch.bfloat16)
+    frame, used = frame_of(data, elem=2)
+    assert used == codec.CODEC_ZSTD_GROUPED
+    assert len(frame) <= 0.75 * len(data)
+    assert bytes(codec.decode(frame, "f", digest_of(data), len(data))) == data
+
+
+def test_fp32_weights_stay_raw_because_compression_does_not_pay_enough():
+    data = weights(torch.float32)
+    frame, used = frame_of(data, elem=4)
+    assert used == codec.CODEC_RAW and len(frame) == len(data) + codec.HEADER_SIZE
+
+
+def test_zeros_use_plain_zstd_and_noise_stays_raw():
+    zeros = bytes(1 << 16)
+    assert frame_of(zeros)[1] == codec.CODEC_ZSTD
+    noise = bytes(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8).tolist())
+    assert frame_of(noise, elem=4)[1] == codec.CODEC_RAW
+
+
+@pytest.mark.parametrize("elem", [2, 4, 8])
+def test_group_and_ungroup_are_inverse(elem):
+    data = bytes(range(256)) * 3 * elem
+    assert bytes(codec.ungroup_bytes(codec.group_bytes(data, elem), elem)) == data
+
+
+def test_a_grouped_frame_with_a_bad_element_size_is_refused():
+    data = weights(torch.bfloat16, 4096)
+    frame, used = frame_of(data, elem=2)
+    assert used == codec.CODEC_ZSTD_GROUPED
+    bad = bytearray(frame)
+    bad[6] = 3  # element size field
+    with pytest.raises(IntegrityError, match="element size"):
+        codec.decode(bytes(bad), "f", digest_of(data), len(data))
+
+
+def test_bf16_snapshot_round_trips_and_is_stored_small(tmp_path):
+    lineage.forget()
+    state = StateDict(w=(torch.randn(1 << 21) * 0.02).to(torch.bfloat16))
+    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": state})
+    stored = sum(c.length for c in snap.get_manifest()["0/m/w"].chunks)
+    assert stored <= 0.75 * state["w"].numel() * 2
+    out = StateDict(w=torch.empty_like(state["w"]))
+    Snapshot(str(tmp_path / "repo" / "s1")).restore({"m": out})
+    assert torch.equal(out["w"].view(torch.int16), state["w"].view(torch.int16))
