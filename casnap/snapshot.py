@@ -121,7 +121,7 @@ class Snapshot:
             allow_pickle=allow_pickle, parents=parents, stage=True,
             custom_prepare=_custom_tensor_prepare_func,
         )  # fmt: skip
-        return PendingSnapshot(path, pg, storage_options, job.commit)
+        return PendingSnapshot(path, pg, storage_options, job.commit_staged)
 
     @classmethod
     def _from_result(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from casnap import index, lineage
+from casnap import index, lineage, staging
 from casnap.budget import ByteBudget
 from casnap.chunks import ChunkWriter, WriteStats
 from casnap.errors import CasnapError, SnapshotExistsError, UnsupportedValueError
@@ -34,7 +34,7 @@ from casnap.repository import Repository, locate, now_iso
 from casnap.settings import Settings, default_memory_budget
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf, flatten
 from casnap.torch_io.stateful import RNGState
-from casnap.torch_io.tensors import contiguous_cpu_copy, dtype_name, host_view
+from casnap.torch_io.tensors import dtype_name, host_view
 
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
@@ -114,6 +114,15 @@ class TakeJob:
         self.nodes = {}
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
 
+    def commit_staged(self) -> TakeResult:
+        """:meth:`commit`, then hand the staging buffers back for the next async take."""
+        try:
+            return self.commit()
+        finally:
+            staged, self._owners = self._owners, []
+            self.nodes = {}
+            staging.POOL.give_back(staged, staging_cache_limit())
+
     def _submit_tensor(
         self, writer: ChunkWriter, key: str, tensor: torch.Tensor
     ) -> list[Future[ChunkRef]]:
@@ -191,6 +200,11 @@ def _order(app_state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
+def staging_cache_limit() -> int:
+    raw = os.environ.get("CASNAP_STAGING_CACHE")
+    return int(raw) if raw and raw.isdigit() else default_memory_budget()
+
+
 def _utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -263,7 +277,13 @@ def prepare_take(
 
 
 def _stage_all(job: TakeJob) -> None:
-    """Copy every tensor into host memory owned by the take (point-in-time for async)."""
+    """Copy every tensor into host buffers owned by the take (point-in-time for async).
+
+    The buffers come from :data:`casnap.staging.POOL` and go back to it when
+    the background part ends (:meth:`TakeJob.commit_staged`).
+    """
     for key, node in job.nodes.items():
         if isinstance(node, TensorLeaf):
-            job.nodes[key] = TensorLeaf(contiguous_cpu_copy(node.tensor))
+            staged = staging.POOL.stage(node.tensor)
+            job._owners.append(staged)
+            job.nodes[key] = TensorLeaf(staged)

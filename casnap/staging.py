@@ -1,0 +1,72 @@
+"""Host buffers for async takes, reused from one take to the next.
+
+An async take must copy every tensor before it returns (that is what makes
+it point-in-time), so its staging memory equals the state's size. What need
+not be paid every time is the allocation: page-faulting fresh memory costs
+as much as the copy itself on a large state. Buffers come back to this pool
+when a take's background part finishes, and the next take of the same
+structure finds them there. The pool keeps at most ``limit`` bytes of idle
+buffers (``CASNAP_STAGING_CACHE``, default: the memory budget).
+
+This is process-wide on purpose: successive ``Snapshot.async_take`` calls
+share no object but the process. It is guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from casnap.torch_io.tensors import copy_bits
+
+
+class StagingPool:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._idle_bytes = 0
+        self.allocated_bytes = 0  # fresh allocations, over the pool's life
+        self.reused_bytes = 0
+
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous CPU copy of ``tensor`` (bit for bit) in a reused or new buffer."""
+        src = tensor.detach()
+        if src.is_conj() or src.is_neg():
+            src = src.resolve_conj().resolve_neg()
+        nbytes = src.numel() * src.element_size()
+        key = (src.dtype, src.numel())
+        with self._lock:
+            bucket = self._free.get(key)
+            buf = bucket.pop() if bucket else None
+            if buf is not None:
+                self._idle_bytes -= nbytes
+                self.reused_bytes += nbytes
+            else:
+                self.allocated_bytes += nbytes
+        if buf is None:
+            pin = src.device.type == "cuda" and torch.cuda.is_available()
+            buf = torch.empty(src.numel(), dtype=src.dtype, pin_memory=pin)
+        out = buf.view(src.shape)
+        copy_bits(out, src)
+        return out
+
+    def give_back(self, tensors: Iterable[torch.Tensor], limit: int) -> None:
+        """Return staged buffers once nothing reads them any more."""
+        with self._lock:
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                if self._idle_bytes + nbytes > limit:
+                    continue  # dropped: the allocator gets it back
+                flat = t.reshape(-1)
+                self._free.setdefault((t.dtype, t.numel()), []).append(flat)
+                self._idle_bytes += nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._idle_bytes = 0
+
+
+POOL = StagingPool()
