@@ -30,7 +30,7 @@ from casnap.errors import (
 from casnap.manifest import ChunkRef, ContainerEntry, Manifest, ObjectEntry, TensorEntry
 from casnap.names import escape_key
 from casnap.repository import Repository
-from casnap.settings import DEFAULT_IO_WORKERS, default_memory_budget
+from casnap.settings import default_memory_budget, io_workers_for
 from casnap.torch_io.flatten import inflate, leaves_of, subtree
 from casnap.torch_io.stateful import RNGState
 from casnap.torch_io.tensors import TensorSink, check_target
@@ -187,7 +187,8 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
 
     budget = ByteBudget(memory_budget_bytes or default_memory_budget())
     if refs:
-        with ThreadPoolExecutor(DEFAULT_IO_WORKERS, thread_name_prefix="casnap-r") as pool:
+        workers = io_workers_for(repo.root.capabilities.local)
+        with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
             read_chunks(repo, refs, sink, pool, budget)
     values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
     for key, blob in blobs.items():

@@ -21,6 +21,13 @@ DEFAULT_PACK_THRESHOLD = 512 * 1024
 DEFAULT_PACK_TARGET = 4 * MiB
 DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_IO_WORKERS = 4
+# Object stores answer each request with latency, not bandwidth: keep many in flight.
+DEFAULT_REMOTE_IO_WORKERS = 16
+
+
+def io_workers_for(local: bool) -> int:
+    """Concurrent store requests for a local or a remote store (``CASNAP_IO_WORKERS`` wins)."""
+    return _env_int("CASNAP_IO_WORKERS", DEFAULT_IO_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS)
 
 
 def _env_int(name: str, default: int) -> int:

@@ -31,7 +31,7 @@ from casnap.leases import hold_lease
 from casnap.manifest import ChunkRef, Entry, Manifest, ObjectEntry, TensorEntry, canonical_json
 from casnap.names import escape_key
 from casnap.repository import Repository, locate, now_iso
-from casnap.settings import Settings, default_memory_budget
+from casnap.settings import Settings, default_memory_budget, io_workers_for
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf, flatten
 from casnap.torch_io.stateful import RNGState
 from casnap.torch_io.tensors import dtype_name, host_view
@@ -45,7 +45,8 @@ class TakeResult:
     name: str
     manifest_hash: str
     manifest: Manifest
-    stats: WriteStats
+    stats: WriteStats  # this rank's writes
+    rank_stats: list[WriteStats] | None = None  # every rank's, for a distributed take
 
 
 @dataclass
@@ -255,6 +256,8 @@ def prepare_take(
     repo, name = locate(path, options, create=True, chunk_size=new_repo_chunk)
     if "chunk_size" not in overrides and "CASNAP_CHUNK_SIZE" not in os.environ:
         overrides["chunk_size"] = repo.config.chunk_size
+    if "CASNAP_IO_WORKERS" not in os.environ:
+        overrides["io_workers"] = io_workers_for(repo.root.capabilities.local)
     settings = base.with_overrides(**overrides) if overrides else base
     if repo.has_ref(name):
         raise SnapshotExistsError(
