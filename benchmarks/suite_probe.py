@@ -1,0 +1,192 @@
+"""One measurement in a fresh process, for benchmarks/suite.py: peak RSS or bytes read.
+
+    python benchmarks/suite_probe.py rss-take    SYSTEM PATH SIZE_BYTES HIDDEN
+    python benchmarks/suite_probe.py rss-restore SYSTEM PATH SIZE_BYTES HIDDEN
+    python benchmarks/suite_probe.py read        SYSTEM PATH KEY ROWS COLS WARM_PATH
+
+Prints one JSON object on the last line of stdout.
+
+Peak RSS: the process builds the live state (``rss-take``: the weights,
+generated in place so building never peaks above them; ``rss-restore``: a
+zero-filled target, a live model), then resets the kernel's high-water mark
+(``/proc/self/clear_refs`` ← 5), records ``VmRSS`` as the baseline, runs the
+one operation and reads ``VmHWM``. ``extra_bytes`` = VmHWM − baseline: the
+memory the operation needed above the live state. ``ru_maxrss`` (the whole
+process's peak, which cannot be reset) is reported next to it. A system that
+loads fresh tensors (torch.load, safetensors) is measured as a live model
+uses it: load, copy into the model's tensors, drop the loaded dict.
+
+Bytes read: the process imports everything and reads one tensor from a tiny
+warm-up snapshot of the same system (so lazy imports and first-call set-up
+are done), then syncs and drops the page cache, reads ``read_bytes`` and
+``rchar`` from ``/proc/self/io``, reads the one tensor, and reads them again.
+``read_bytes`` is what came from the block device (with the kernel's
+readahead); ``rchar`` is what read() calls returned (mmap reads are not in it).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import sys
+import time
+
+import suite_states
+import torch
+from suite_systems import SYSTEMS
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _io() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/io", encoding="ascii") as fh:
+        for line in fh:
+            name, value = line.split(":")
+            out[name.strip()] = int(value)
+    return out
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5\n")
+        return True
+    except OSError:
+        return False
+
+
+def _drop_cache() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as fh:
+            fh.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _measure_peak(op: object) -> dict[str, object]:
+    gc.collect()
+    reset = _reset_peak()
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    op()  # type: ignore[operator]
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if not reset:
+        peak = maxrss
+    return {
+        "baseline_rss": base,
+        "peak_rss": peak,
+        "extra_bytes": peak - base,
+        "ru_maxrss": maxrss,
+        "peak_reset": reset,
+        "seconds": seconds,
+        "memory_budget_env": os.environ.get("CASNAP_MEMORY_BUDGET"),
+    }
+
+
+def rss_take(system: str, path: str, size: int, hidden: int) -> dict[str, object]:
+    state = suite_states.build(suite_states.model_shapes(size, hidden))
+    sys_ = SYSTEMS[system]
+    out = _measure_peak(lambda: sys_.save(state, path))
+    out["live_bytes"] = suite_states.nbytes(state)
+    return out
+
+
+def rss_restore(system: str, path: str, size: int, hidden: int) -> dict[str, object]:
+    target = suite_states.target_like(
+        {k: torch.empty(s) for k, s in suite_states.model_shapes(size, hidden).items()}
+    )
+    sys_ = SYSTEMS[system]
+
+    def restore() -> None:
+        loaded = sys_.load(path, target)
+        if not sys_.in_place:  # what model.load_state_dict(torch.load(...)) does
+            for k, t in target.items():
+                t.copy_(loaded[k])
+        del loaded
+
+    out = _measure_peak(restore)
+    out["live_bytes"] = suite_states.nbytes(target)
+    probe = "layers.0.attn.qkv.weight"
+    out["restored_nonzero"] = bool(target[probe].abs().sum() > 0)
+    return out
+
+
+def read(system: str, path: str, key: str, rows: int, cols: int, warm: str) -> dict[str, object]:
+    sys_ = SYSTEMS[system]
+    like = torch.empty((rows, cols))
+    sys_.read_one(warm, key, torch.empty((4, cols)))  # imports and first-call set-up
+    counting = None
+    if system == "casnap":
+        # Count what casnap itself asks of its store, next to what the kernel reads.
+        import casnap
+        from casnap.store import CountingStore, LocalStore
+
+        repo_root = os.path.dirname(path)
+        counting = CountingStore(LocalStore(repo_root))
+        repo = casnap.Repository.on_store(counting)
+
+        def one() -> torch.Tensor:
+            out: torch.Tensor = casnap.Snapshot(
+                path, storage_options={"repository": repo}
+            ).read_object(f"0/model/{key}")
+            return out
+
+        counting.reset()
+    else:
+
+        def one() -> torch.Tensor:
+            return sys_.read_one(path, key, like)
+
+    gc.collect()
+    dropped = _drop_cache()
+    before = _io()
+    t0 = time.perf_counter()
+    got = one()
+    seconds = time.perf_counter() - t0
+    after = _io()
+    expected = suite_states.probe_tensor(rows, cols)
+    out: dict[str, object] = {
+        "read_bytes": after["read_bytes"] - before["read_bytes"],
+        "rchar": after["rchar"] - before["rchar"],
+        "seconds": seconds,
+        "cache_dropped": dropped,
+        "correct": bool(torch.equal(got, expected)),
+    }
+    if counting is not None:
+        out["store_bytes_read"] = counting.bytes_read
+        out["store_requests"] = dict(counting.requests)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    cmd, system, path, *rest = argv
+    if cmd == "rss-take":
+        result = rss_take(system, path, int(rest[0]), int(rest[1]))
+    elif cmd == "rss-restore":
+        result = rss_restore(system, path, int(rest[0]), int(rest[1]))
+    elif cmd == "read":
+        result = read(system, path, rest[0], int(rest[1]), int(rest[2]), rest[3])
+    else:
+        raise SystemExit(f"unknown probe {cmd!r}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    raise SystemExit(main(sys.argv[1:]))
