@@ -27,7 +27,7 @@ from casnap.errors import ManifestValidationError, UnsupportedFormatError
 from casnap.names import HASH_HEX_LEN, check_hash, hash_bytes
 
 FORMAT_MAJOR = 1
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1 added the "sharded" entry kind; 1.0 is still read
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_BYTES = 1 << 62  # largest tensor / object / offset accepted from a manifest
 MAX_KEY_LENGTH = 4096
@@ -145,8 +145,64 @@ class ObjectEntry(_Model):
         return self
 
 
+MAX_SHARDS = 1 << 16
+
+
+class ShardRecord(_Model):
+    """One stored shard of a sharded tensor: the box ``offsets``..``offsets+sizes``, row-major."""
+
+    offsets: list[Size]
+    sizes: list[Size]
+    chunk_size: Annotated[int, Field(ge=1, le=1 << 34), StrictInt]
+    chunks: list[ChunkRef]
+
+
+class ShardedEntry(_Model):
+    """A tensor stored as shards with global offsets (a DTensor or a ShardedTensor).
+
+    Every rank's key holds the same entry: the global shape and every unique
+    shard of the job, so a restore onto any world size or placement finds the
+    shards that overlap its own (docs/distributed.md).
+    """
+
+    kind: Literal["sharded"] = "sharded"
+    layout: Literal["dtensor", "sharded_tensor"]
+    dtype: StrictStr
+    shape: list[Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]]
+    shards: list[ShardRecord]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    @model_validator(mode="after")
+    def _arithmetic(self) -> ShardedEntry:
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if len(self.shape) > 64:
+            raise ValueError("more than 64 dimensions")
+        if len(self.shards) > MAX_SHARDS:
+            raise ValueError(f"more than {MAX_SHARDS} shards")
+        total = DTYPE_ITEMSIZE[self.dtype]
+        for dim in self.shape:
+            total *= dim
+            if total > MAX_BYTES:
+                raise ValueError("tensor size overflows")
+        for i, shard in enumerate(self.shards):
+            if len(shard.offsets) != len(self.shape) or len(shard.sizes) != len(self.shape):
+                raise ValueError(f"shard {i} has a different rank than the tensor")
+            nbytes = DTYPE_ITEMSIZE[self.dtype]
+            for off, size, dim in zip(shard.offsets, shard.sizes, self.shape, strict=True):
+                if off + size > dim:
+                    raise ValueError(f"shard {i} lies outside the tensor")
+                nbytes *= size
+            _check_chunks(shard.chunks, nbytes, shard.chunk_size)
+        return self
+
+
 Entry = Annotated[
-    TensorEntry | PrimitiveEntry | ContainerEntry | ObjectEntry, Field(discriminator="kind")
+    TensorEntry | PrimitiveEntry | ContainerEntry | ObjectEntry | ShardedEntry,
+    Field(discriminator="kind"),
 ]
 DataEntry = TensorEntry | ObjectEntry
 
@@ -165,8 +221,13 @@ class Manifest(_Model):
         return canonical_json(self.model_dump(mode="json"))
 
     def chunk_refs(self) -> list[ChunkRef]:
-        return [c for e in self.entries.values() if isinstance(e, (TensorEntry, ObjectEntry))
-                for c in e.chunks]  # fmt: skip
+        refs: list[ChunkRef] = []
+        for e in self.entries.values():
+            if isinstance(e, (TensorEntry, ObjectEntry)):
+                refs.extend(e.chunks)
+            elif isinstance(e, ShardedEntry):
+                refs.extend(c for shard in e.shards for c in shard.chunks)
+        return refs
 
 
 class RepoConfig(_Model):

@@ -20,6 +20,7 @@ import torch
 
 from casnap.budget import ByteBudget
 from casnap.chunks import read_chunks
+from casnap.distributed.reshard import ShardedSink
 from casnap.errors import (
     IntegrityError,
     MissingKeyError,
@@ -27,7 +28,14 @@ from casnap.errors import (
     UnexpectedKeyError,
     UnsupportedValueError,
 )
-from casnap.manifest import ChunkRef, ContainerEntry, Manifest, ObjectEntry, TensorEntry
+from casnap.manifest import (
+    ChunkRef,
+    ContainerEntry,
+    Manifest,
+    ObjectEntry,
+    ShardedEntry,
+    TensorEntry,
+)
 from casnap.names import escape_key
 from casnap.repository import Repository
 from casnap.settings import default_memory_budget, io_workers_for
@@ -44,6 +52,7 @@ class _Load:
 
     tensors: dict[str, tuple[TensorEntry, torch.Tensor | None]]
     objects: dict[str, ObjectEntry]
+    sharded: dict[str, ShardedSink]
 
 
 def _listed(keys: list[str]) -> str:
@@ -69,6 +78,8 @@ def _plan_subtree(
                 load.tensors[k] = (entry, dest)
             else:
                 load.tensors[k] = (entry, None)
+        elif isinstance(entry, ShardedEntry):
+            load.sharded[k] = ShardedSink(k, entry, target.get(k))  # validates the target
         elif isinstance(entry, ObjectEntry):
             if not allow_pickle:
                 raise PickleNotAllowedError(
@@ -115,6 +126,40 @@ def _check_stateful(key: Any, stateful: Any) -> None:
             )
 
 
+def _rank_independent(manifest: Manifest, prefix: str) -> bool:
+    """Whether every data entry below ``prefix`` is replicated or sharded."""
+    for k in subtree(manifest.entries, prefix):
+        entry = manifest.entries[k]
+        if isinstance(entry, ObjectEntry):
+            return False
+        if isinstance(entry, TensorEntry) and not entry.replicated:
+            return False
+    return True
+
+
+def rank_prefix(manifest: Manifest, key: str, rank: int) -> str:
+    """Where ``rank`` finds app_state ``key`` (docs/distributed.md, elasticity rules).
+
+    Its own ``<rank>/<key>`` if saved; else, for a rank the saving job did not
+    have, rank 0's copy when everything below it is replicated or sharded.
+    Per-rank state of a rank that was never saved raises before anything is read.
+    """
+    own = f"{rank}/{escape_key(key)}"
+    if own in manifest.entries or rank == 0:
+        return own
+    fallback = f"0/{escape_key(key)}"
+    if fallback not in manifest.entries:
+        return own
+    if _rank_independent(manifest, fallback):
+        return fallback
+    raise MissingKeyError(
+        f"app_state key {key!r} holds per-rank state, and rank {rank} has none in this "
+        f"snapshot (taken with world_size {manifest.world_size}); per-rank state restores "
+        "only onto the rank that saved it",
+        own,
+    )
+
+
 def restore_state(
     repo: Repository,
     manifest: Manifest,
@@ -128,9 +173,9 @@ def restore_state(
     for key, stateful in app_state.items():
         _check_stateful(key, stateful)
     plans: list[tuple[str, Any, str, dict[str, Any]]] = []
-    load = _Load({}, {})
+    load = _Load({}, {}, {})
     for key, stateful in app_state.items():
-        prefix = f"{rank}/{escape_key(key)}"
+        prefix = rank_prefix(manifest, key, rank)
         if prefix not in manifest.entries:
             if strict:
                 raise MissingKeyError(
@@ -176,11 +221,18 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
         for i, ref in enumerate(obj.chunks):
             refs.append(ref)
             routes.append((key, i))
+    for key, sharded in load.sharded.items():
+        sharded.prepare()
+        for i, ref in sharded.needed():
+            refs.append(ref)
+            routes.append((key, i))
 
     def sink(index: int, data: Any) -> None:
         key, i = routes[index]
         if key in sinks:
             sinks[key].write(i, data)
+        elif key in load.sharded:
+            load.sharded[key].write(i, data)
         else:
             cs = load.objects[key].chunk_size
             blobs[key][i * cs : i * cs + len(data)] = data
@@ -191,6 +243,7 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
         with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
             read_chunks(repo, refs, sink, pool, budget)
     values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
+    values.update((k, s.finish()) for k, s in load.sharded.items())
     for key, blob in blobs.items():
         try:
             values[key] = pickle.loads(blob)  # only reached with allow_pickle=True
@@ -215,7 +268,7 @@ def read_entry(
     target: dict[str, Any] = {}
     if obj_out is not None:
         leaves_of(obj_out, path, target)
-    load = _Load({}, {})
+    load = _Load({}, {}, {})
     _plan_subtree(manifest, path, target, allow_pickle, load)
     values = load_values(repo, load, memory_budget_bytes)
     result = inflate(manifest.entries, path, values, target)

@@ -22,27 +22,17 @@ from typing import Any
 
 from casnap import lineage
 from casnap.chunks import WriteStats
+from casnap.distributed.group import Group, resolve_group
+from casnap.distributed.take import prepare_distributed_take
 from casnap.manifest import Entry, Manifest
 from casnap.repository import Repository, locate
 from casnap.restore import read_entry, restore_state
 from casnap.take import TakeResult, TensorPrepareFunc, prepare_take
 
 
-def _no_pg(pg: Any) -> None:
-    """Distributed takes arrive with issue #3; refuse a real multi-rank group clearly."""
-    if pg is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise NotImplementedError(
-                "casnap does not take or restore across several ranks yet; "
-                "call it from a single process"
-            )
-        return
-    import torch.distributed as dist
-
-    if dist.get_world_size(pg) > 1:
-        raise NotImplementedError("casnap does not take or restore across several ranks yet")
+def _group(pg: Any) -> Group:
+    """The ranks a call involves: ``pg``, else the default group once one is initialized."""
+    return resolve_group(pg)
 
 
 class Snapshot:
@@ -67,6 +57,8 @@ class Snapshot:
         self._manifest: Manifest | None = None
         # What the take that created this object wrote (None for Snapshot(path)).
         self.last_take_stats: WriteStats | None = None
+        # Every rank's writes, in rank order, after a distributed take.
+        self.last_take_rank_stats: list[WriteStats] | None = None
 
     # -- taking ----------------------------------------------------------
     @classmethod
@@ -90,7 +82,14 @@ class Snapshot:
         primitives nor containers. ``parents`` overrides the lineage (manifest
         hashes); by default it is this process's previous take or restore.
         """
-        _no_pg(pg)
+        group = _group(pg)
+        if group.pg is not None:  # collective: every rank of the group calls take
+            commit = prepare_distributed_take(
+                path, app_state, group=group, replicated=replicated,
+                storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
+                parents=parents, stage=False, custom_prepare=_custom_tensor_prepare_func,
+            )  # fmt: skip
+            return cls._from_result(path, pg, storage_options, commit())
         job = prepare_take(
             path, app_state, storage_options=storage_options, metadata=metadata,
             allow_pickle=allow_pickle, parents=parents, stage=False,
@@ -115,7 +114,14 @@ class Snapshot:
         """Like :meth:`take`, but returns once the state is copied; writing continues
         in the background. Changing the live tensors afterwards never changes the
         snapshot. ``.wait()`` returns the :class:`Snapshot` or raises the failure."""
-        _no_pg(pg)
+        group = _group(pg)
+        if group.pg is not None:  # collective planning now; writing in the background
+            commit = prepare_distributed_take(
+                path, app_state, group=group, replicated=replicated,
+                storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
+                parents=parents, stage=True, custom_prepare=_custom_tensor_prepare_func,
+            )  # fmt: skip
+            return PendingSnapshot(path, pg, storage_options, commit)
         job = prepare_take(
             path, app_state, storage_options=storage_options, metadata=metadata,
             allow_pickle=allow_pickle, parents=parents, stage=True,
@@ -131,6 +137,7 @@ class Snapshot:
         snap._repo, snap._name = result.repo, result.name
         snap._manifest_hash, snap._manifest = result.manifest_hash, result.manifest
         snap.last_take_stats = result.stats
+        snap.last_take_rank_stats = result.rank_stats
         return snap
 
     # -- reading ---------------------------------------------------------
@@ -185,10 +192,10 @@ class Snapshot:
         Everything is validated before anything is modified: keys (``strict``),
         shapes and dtypes, and pickled entries (refused unless ``allow_pickle``).
         """
-        _no_pg(self.pg)
+        rank = _group(self.pg).rank  # not collective: each rank restores its own state
         repo, manifest = self._load()
         restore_state(
-            repo, manifest, app_state, rank=0, strict=strict,
+            repo, manifest, app_state, rank=rank, strict=strict,
             allow_pickle=allow_pickle, memory_budget_bytes=memory_budget_bytes,
         )  # fmt: skip
         lineage.record(repo.config.repo_id, self.manifest_hash)

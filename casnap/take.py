@@ -28,7 +28,16 @@ from casnap.chunks import ChunkWriter, WriteStats
 from casnap.errors import CasnapError, SnapshotExistsError, UnsupportedValueError
 from casnap.index import KnownChunks
 from casnap.leases import hold_lease
-from casnap.manifest import ChunkRef, Entry, Manifest, ObjectEntry, TensorEntry, canonical_json
+from casnap.manifest import (
+    ChunkRef,
+    ContainerEntry,
+    Entry,
+    Manifest,
+    ObjectEntry,
+    PrimitiveEntry,
+    TensorEntry,
+    canonical_json,
+)
 from casnap.names import escape_key
 from casnap.repository import Repository, locate, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
@@ -97,8 +106,10 @@ class TakeJob:
                         chunk_size=cs,
                         chunks=[f.result() for f in pending[key]],
                     )
-                else:
+                elif isinstance(node, (ContainerEntry, PrimitiveEntry)):
                     entries[key] = node
+                else:  # sharded values need a process group: the distributed take
+                    raise UnsupportedValueError(f"{key}: sharded tensors need a process group", key)
             manifest = Manifest(
                 created_at=now_iso(),
                 world_size=1,
@@ -250,7 +261,9 @@ def prepare_take(
 ) -> TakeJob:
     """Phase 1 of a take (see module docstring)."""
     options = dict(storage_options or {})
-    overrides = {k: options.pop(k) for k in ("chunk_size", "compression") if k in options}
+    overrides: dict[str, Any] = {
+        k: options.pop(k) for k in ("chunk_size", "compression") if k in options
+    }
     base = Settings.from_env()
     new_repo_chunk = int(overrides.get("chunk_size", base.chunk_size))
     repo, name = locate(path, options, create=True, chunk_size=new_repo_chunk)

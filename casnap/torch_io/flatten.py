@@ -20,12 +20,20 @@ from typing import Any
 
 import torch
 
+from casnap.distributed.sharded import ShardLeaf, as_shard_leaf, is_sharded
 from casnap.errors import (
     ManifestValidationError,
     PickleNotAllowedError,
     UnsupportedValueError,
 )
-from casnap.manifest import ContainerEntry, Entry, ObjectEntry, PrimitiveEntry, TensorEntry
+from casnap.manifest import (
+    ContainerEntry,
+    Entry,
+    ObjectEntry,
+    PrimitiveEntry,
+    ShardedEntry,
+    TensorEntry,
+)
 from casnap.names import escape_key
 from casnap.torch_io.tensors import check_storable, dtype_name, torch_dtype
 
@@ -43,7 +51,7 @@ class ObjectLeaf:
     type_name: str
 
 
-Node = ContainerEntry | PrimitiveEntry | TensorLeaf | ObjectLeaf
+Node = ContainerEntry | PrimitiveEntry | TensorLeaf | ObjectLeaf | ShardLeaf
 
 
 _CANONICAL_NAN_BITS = 0x7FF8000000000000
@@ -156,6 +164,13 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
     """Add the nodes of ``value`` (stored at ``key``) to ``out``, parents before members."""
     if depth > MAX_DEPTH:
         raise UnsupportedValueError(f"{key}: nested deeper than {MAX_DEPTH} levels", key)
+    if is_sharded(value):
+        leaf = as_shard_leaf(value, key)
+        assert leaf is not None
+        for shard in leaf.shards:
+            check_storable(shard.tensor, key)
+        out[key] = leaf
+        return
     if isinstance(value, torch.Tensor):
         if type(value) not in (torch.Tensor, torch.nn.Parameter):
             raise UnsupportedValueError(
@@ -252,7 +267,7 @@ def inflate(
     entry = entries[key]
     if isinstance(entry, PrimitiveEntry):
         return decode_primitive(entry, key)
-    if isinstance(entry, (TensorEntry, ObjectEntry)):
+    if isinstance(entry, (TensorEntry, ObjectEntry, ShardedEntry)):
         return values[key]
     t_value = target.get(key)
     members: list[tuple[int | str, Any]] = []

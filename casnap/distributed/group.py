@@ -1,0 +1,181 @@
+"""Process groups, failure propagation and the store rendezvous of a distributed take.
+
+Two channels carry a take's coordination:
+
+* the process group's object collectives (``all_gather_object``), used only
+  while every rank is inside the synchronous part of ``take``/``async_take``;
+* the c10d store (:class:`Rendezvous`), used by the part that may run in the
+  background, so an async take never issues collectives on the training group.
+
+Every exchange carries either a value or the rank's failure, so a failure on
+one rank becomes a :class:`DistributedTakeError` naming it on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from casnap.errors import CasnapError
+
+DEFAULT_TIMEOUT = 600.0  # seconds; CASNAP_DIST_TIMEOUT overrides
+
+
+class DistributedTakeError(CasnapError, RuntimeError):
+    """A distributed take failed on one or more ranks; no ref was written."""
+
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+class ReplicaMismatchError(DistributedTakeError, ValueError):
+    """Values declared replicated differ between ranks (``mismatches``: key -> rank groups)."""
+
+    def __init__(self, message: str, mismatches: dict[str, list[list[int]]]) -> None:
+        ranks = sorted({r for groups in mismatches.values() for g in groups for r in g})
+        super().__init__(message, tuple(ranks))
+        self.mismatches = mismatches
+
+
+def dist_timeout() -> float:
+    """Seconds any rank waits for the others before failing the take (bounded failure)."""
+    text = os.environ.get("CASNAP_DIST_TIMEOUT")
+    return float(text) if text else DEFAULT_TIMEOUT
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks of one take: ``pg`` is None for a single process."""
+
+    pg: Any
+    rank: int
+    size: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.pg is not None and self.size > 1
+
+
+def resolve_group(pg: Any) -> Group:
+    """The group a take or restore runs in: ``pg``, else the default group if initialized."""
+    import torch.distributed as dist
+
+    if pg is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return Group(None, 0, 1)
+        pg = dist.group.WORLD
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a rank sends instead of its value when its part failed."""
+
+    rank: int
+    text: str
+    type_name: str
+
+
+def failure_of(rank: int, exc: BaseException) -> Failure:
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return Failure(rank, last, type(exc).__name__)
+
+
+def raise_failures(failures: list[Failure], phase: str) -> None:
+    if not failures:
+        return
+    ranks = tuple(sorted({f.rank for f in failures}))
+    detail = "; ".join(f"rank {f.rank}: {f.text}" for f in sorted(failures, key=lambda f: f.rank))
+    raise DistributedTakeError(
+        f"distributed take failed during {phase} on rank(s) {list(ranks)}: {detail}; "
+        "no snapshot was committed",
+        ranks,
+    )
+
+
+def all_gather(group: Group, value: Any, phase: str) -> list[Any]:
+    """Every rank's ``value`` (a :class:`Failure` for a failed rank), or raise on every rank.
+
+    Collective: every rank of ``group`` calls it, in the same order. A rank that
+    never arrives makes the others fail when the group's timeout expires.
+    """
+    if not group.distributed:
+        values = [value]
+    else:
+        import torch.distributed as dist
+
+        values = [None] * group.size
+        try:
+            dist.all_gather_object(values, value, group=group.pg)
+        except Exception as exc:  # a dead or stuck rank: gloo reports a timeout or reset
+            raise DistributedTakeError(
+                f"distributed take failed during {phase}: the process group did not "
+                f"complete a collective ({exc}); another rank has stopped or timed out"
+            ) from exc
+    raise_failures([v for v in values if isinstance(v, Failure)], phase)
+    return values
+
+
+class Rendezvous:
+    """Keyed exchange through the c10d store, for the background part of a take.
+
+    ``post`` sets ``<prefix>/<name>/<rank>``; ``collect`` polls until the given
+    ranks have posted, or the deadline passes. A single-process take uses a dict.
+    """
+
+    def __init__(self, group: Group, take_id: str, store: Any = None) -> None:
+        self.group = group
+        self.prefix = f"casnap/take/{take_id}"
+        self._local: dict[str, bytes] = {}
+        self.store = store
+        if store is None and group.distributed:
+            import torch.distributed as dist
+
+            self.store = dist.distributed_c10d._get_default_store()
+
+    def _key(self, name: str, rank: int) -> str:
+        return f"{self.prefix}/{name}/{rank}"
+
+    def post(self, name: str, rank: int, value: Any) -> None:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.store is None:
+            self._local[self._key(name, rank)] = data
+        else:
+            self.store.set(self._key(name, rank), data)
+
+    def _has(self, key: str) -> bool:
+        if self.store is None:
+            return key in self._local
+        return bool(self.store.check([key]))
+
+    def _get(self, key: str) -> Any:
+        data = self._local[key] if self.store is None else self.store.get(key)
+        return pickle.loads(data)  # written by this job's own ranks
+
+    def collect(
+        self, name: str, ranks: list[int], timeout: float, stop_on_failure: bool = True
+    ) -> tuple[dict[int, Any], list[int]]:
+        """Posted values by rank, and the ranks still missing at the deadline.
+
+        With ``stop_on_failure`` it returns as soon as any posted value is a
+        :class:`Failure` (the take is lost; waiting for the rest is pointless).
+        """
+        deadline = time.monotonic() + timeout
+        got: dict[int, Any] = {}
+        delay = 0.002
+        while True:
+            for r in ranks:
+                if r not in got and self._has(self._key(name, r)):
+                    got[r] = self._get(self._key(name, r))
+                    if stop_on_failure and isinstance(got[r], Failure):
+                        return got, [x for x in ranks if x not in got]
+            missing = [r for r in ranks if r not in got]
+            if not missing or time.monotonic() >= deadline:
+                return got, missing
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)

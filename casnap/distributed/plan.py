@@ -1,0 +1,271 @@
+"""The save plan of a distributed take: what each rank holds, and who writes which chunk.
+
+Each rank hashes its chunks locally and sends a :class:`RankPlan` (keys, entry
+kinds, chunk hashes; never data). Every rank then computes the same
+:func:`assign` from the gathered plans: each unique chunk goes to exactly one
+of the ranks holding it, balanced by bytes. Rank 0 turns the plans and the
+written chunks' locations into manifest entries (:func:`build_entries`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+
+from casnap.distributed.group import ReplicaMismatchError
+from casnap.distributed.sharded import ShardLeaf
+from casnap.manifest import (
+    ChunkRef,
+    ContainerEntry,
+    Entry,
+    ObjectEntry,
+    PrimitiveEntry,
+    ShardedEntry,
+    ShardRecord,
+    TensorEntry,
+)
+from casnap.names import digest_of
+from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf
+from casnap.torch_io.tensors import contiguous_cpu_copy, dtype_name, host_view
+
+ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    dtype: str
+    shape: tuple[int, ...]
+    replicated: bool
+    chunks: ChunkIds
+
+
+@dataclass(frozen=True)
+class ObjectPlan:
+    type_name: str
+    size: int
+    chunks: ChunkIds
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    chunks: ChunkIds
+
+
+@dataclass(frozen=True)
+class ShardedPlan:
+    layout: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[ShardPlan, ...]
+
+
+EntryPlan = TensorPlan | ObjectPlan | ShardedPlan | ContainerEntry | PrimitiveEntry
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank sends in the planning exchange."""
+
+    rank: int
+    chunk_size: int
+    entries: dict[str, EntryPlan]
+
+
+@dataclass
+class LocalData:
+    """This rank's bytes by chunk hash (kept local; only the hashes travel)."""
+
+    chunks: dict[str, memoryview] = field(default_factory=dict)
+    owners: list[Any] = field(default_factory=list)
+
+
+def logical(key: str) -> str:
+    """A key without its rank component: ``"3/model/w"`` -> ``"model/w"``."""
+    return key.split("/", 1)[1] if "/" in key else ""
+
+
+def is_replicated(key: str, patterns: list[str]) -> bool:
+    path = logical(key)
+    return any(fnmatchcase(path, p) for p in patterns)
+
+
+def _chunk_ids(view: memoryview, chunk_size: int, local: LocalData) -> ChunkIds:
+    n = len(view)
+    ids = []
+    for i in range(math.ceil(n / chunk_size) if n else 0):
+        piece = view[i * chunk_size : (i + 1) * chunk_size]
+        h = digest_of(piece).hex()
+        local.chunks.setdefault(h, piece)
+        ids.append((h, len(piece)))
+    return tuple(ids)
+
+
+def _tensor_bytes(t: torch.Tensor, key: str, stage: bool, local: LocalData) -> memoryview:
+    if stage:  # async: point-in-time copy owned by the take
+        t = contiguous_cpu_copy(t)
+    view, owner = host_view(t, key)
+    local.owners.append(owner)
+    return view
+
+
+def build_local(
+    nodes: dict[str, Node], rank: int, chunk_size: int, replicated: list[str], stage: bool
+) -> tuple[RankPlan, LocalData]:
+    """Hash this rank's state into its plan (called by every rank, no communication)."""
+    local = LocalData()
+    entries: dict[str, EntryPlan] = {}
+    for key, node in nodes.items():
+        if isinstance(node, TensorLeaf):
+            t = node.tensor
+            view = _tensor_bytes(t, key, stage, local)
+            entries[key] = TensorPlan(
+                dtype_name(t.dtype, key), tuple(t.shape), is_replicated(key, replicated),
+                _chunk_ids(view, chunk_size, local),
+            )  # fmt: skip
+        elif isinstance(node, ObjectLeaf):
+            entries[key] = ObjectPlan(
+                node.type_name,
+                len(node.payload),
+                _chunk_ids(memoryview(node.payload), chunk_size, local),
+            )
+        elif isinstance(node, ShardLeaf):
+            shards = tuple(
+                ShardPlan(
+                    s.offsets,
+                    s.sizes,
+                    _chunk_ids(_tensor_bytes(s.tensor, key, stage, local), chunk_size, local),
+                )
+                for s in node.shards
+            )
+            entries[key] = ShardedPlan(node.layout, dtype_name(node.dtype, key), node.shape, shards)
+        else:
+            entries[key] = node
+    return RankPlan(rank, chunk_size, entries), local
+
+
+def _chunks_of(plan: EntryPlan) -> list[tuple[str, int]]:
+    if isinstance(plan, (TensorPlan, ObjectPlan)):
+        return list(plan.chunks)
+    if isinstance(plan, ShardedPlan):
+        return [c for s in plan.shards for c in s.chunks]
+    return []
+
+
+def assign(plans: list[RankPlan]) -> tuple[dict[str, int], list[int]]:
+    """Writer rank of every unique chunk, and the bytes assigned to each rank.
+
+    Deterministic from the plans alone, so every rank computes the same answer.
+    Chunks only one rank holds go to it; the rest, largest first, go to the
+    least-loaded rank holding them (ties to the lowest rank).
+    """
+    holders: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    for p in plans:
+        for entry in p.entries.values():
+            for h, size in _chunks_of(entry):
+                holders.setdefault(h, set()).add(p.rank)
+                sizes[h] = size
+    load = [0] * (max((p.rank for p in plans), default=0) + 1)
+    writer: dict[str, int] = {}
+    shared = []
+    for h in sorted(holders):
+        if len(holders[h]) == 1:
+            (r,) = holders[h]
+            writer[h] = r
+            load[r] += sizes[h]
+        else:
+            shared.append(h)
+    shared.sort(key=lambda h: (-sizes[h], h))
+    for h in shared:
+        r = min(holders[h], key=lambda x: (load[x], x))
+        writer[h] = r
+        load[r] += sizes[h]
+    return writer, load
+
+
+def check_replicas(plans: list[RankPlan]) -> None:
+    """Raise :class:`ReplicaMismatchError` if replicated values or shards differ across ranks."""
+    seen: dict[str, dict[Any, list[int]]] = {}
+    for p in plans:
+        for key, entry in p.entries.items():
+            if isinstance(entry, TensorPlan) and entry.replicated:
+                value: Any = (entry.dtype, entry.shape, entry.chunks)
+                seen.setdefault(logical(key), {}).setdefault(value, []).append(p.rank)
+            elif isinstance(entry, ShardedPlan):
+                for s in entry.shards:
+                    box = f"{logical(key)}[offsets={list(s.offsets)}]"
+                    value = (entry.dtype, entry.shape, s.sizes, s.chunks)
+                    seen.setdefault(box, {}).setdefault(value, []).append(p.rank)
+    bad = {k: sorted(v.values()) for k, v in seen.items() if len(v) > 1}
+    if bad:
+        listed = "; ".join(f"{k}: ranks {' vs '.join(map(str, g))}" for k, g in sorted(bad.items()))
+        raise ReplicaMismatchError(
+            f"values declared replicated differ between ranks ({listed}); nothing was "
+            "written. Make them equal, or take them as per-rank state (not replicated)",
+            bad,
+        )
+
+
+def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:
+    return [refs[h] for h, _ in ids]
+
+
+def _sharded_entries(plans: list[RankPlan], refs: dict[str, ChunkRef]) -> dict[str, ShardedEntry]:
+    """One entry per logical key, holding the union of every rank's shards."""
+    boxes: dict[str, dict[tuple[int, ...], ShardPlan]] = {}
+    heads: dict[str, ShardedPlan] = {}
+    for p in plans:
+        for key, entry in p.entries.items():
+            if isinstance(entry, ShardedPlan):
+                heads.setdefault(logical(key), entry)
+                for s in entry.shards:
+                    boxes.setdefault(logical(key), {}).setdefault(s.offsets, s)
+    out = {}
+    cs = plans[0].chunk_size
+    for path, head in heads.items():
+        shards = [
+            ShardRecord(
+                offsets=list(s.offsets),
+                sizes=list(s.sizes),
+                chunk_size=cs,
+                chunks=_refs(s.chunks, refs),
+            )  # fmt: skip
+            for _, s in sorted(boxes.get(path, {}).items())
+        ]
+        out[path] = ShardedEntry(
+            layout=head.layout,  # type: ignore[arg-type]
+            dtype=head.dtype,
+            shape=list(head.shape),
+            shards=shards,
+        )
+    return out
+
+
+def build_entries(plans: list[RankPlan], refs: dict[str, ChunkRef]) -> dict[str, Entry]:
+    """Every rank's manifest entries (rank 0 calls this once every chunk is durable)."""
+    sharded = _sharded_entries(plans, refs)
+    entries: dict[str, Entry] = {}
+    for p in plans:
+        cs = p.chunk_size
+        for key, e in p.entries.items():
+            if isinstance(e, TensorPlan):
+                entries[key] = TensorEntry(
+                    dtype=e.dtype, shape=list(e.shape), chunk_size=cs,
+                    chunks=_refs(e.chunks, refs), replicated=e.replicated,
+                )  # fmt: skip
+            elif isinstance(e, ObjectPlan):
+                entries[key] = ObjectEntry(
+                    serializer="pickle", type_name=e.type_name, size=e.size, chunk_size=cs,
+                    chunks=_refs(e.chunks, refs),
+                )  # fmt: skip
+            elif isinstance(e, ShardedPlan):
+                entries[key] = sharded[logical(key)]
+            else:
+                entries[key] = e
+    return entries

@@ -1,0 +1,287 @@
+"""The distributed take: every rank of the group calls :func:`prepare_distributed_take`.
+
+Order of events (docs/distributed.md):
+
+1. start (collective): rank 0 opens or creates the repository, checks the name
+   is free, picks the parents and acquires the take's single lease; the other
+   ranks open the repository only after the lease is held, so no rank makes
+   a dedup decision outside it.
+2. planning (collective): every rank flattens its state, hashes its chunks and
+   shares the hashes; every rank computes the same writer assignment, and
+   replicated values that differ fail the take here, before anything is written.
+3. commit (store only; in the background for ``async_take``): each rank writes
+   its assigned chunks, flushes them and posts their locations; rank 0 waits
+   for all ranks, writes the manifest and the ref, and posts the outcome.
+
+A failure on any rank in any phase makes every rank raise
+:class:`DistributedTakeError` naming the failed ranks; no ref is written.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from casnap import index, lineage
+from casnap.chunks import ChunkWriter, WriteStats
+from casnap.distributed.group import (
+    DistributedTakeError,
+    Failure,
+    Group,
+    Rendezvous,
+    all_gather,
+    dist_timeout,
+    failure_of,
+    raise_failures,
+)
+from casnap.distributed.plan import LocalData, RankPlan, assign, build_entries, build_local
+from casnap.errors import SnapshotExistsError, UnsupportedValueError
+from casnap.leases import Lease, acquire_lease
+from casnap.manifest import ChunkRef, Manifest, canonical_json
+from casnap.repository import Repository, locate, now_iso
+from casnap.settings import Settings, io_workers_for
+from casnap.take import TakeResult, TensorPrepareFunc, collect, known_chunks
+
+
+@dataclass(frozen=True)
+class _Start:
+    take_id: str
+    name: str
+    chunk_size: int
+    parents: list[str]
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Written:
+    refs: dict[str, ChunkRef]
+    stats: WriteStats
+
+
+@dataclass(frozen=True)
+class _Done:
+    manifest_hash: str
+    stats: list[WriteStats]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    failures: list[Failure]
+    missing: list[int]
+
+
+def _settings(storage_options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    options = dict(storage_options or {})
+    overrides: dict[str, Any] = {
+        k: options.pop(k) for k in ("chunk_size", "compression") if k in options
+    }
+    return options, overrides
+
+
+def _start(
+    path: str,
+    storage_options: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    parents: list[str] | None,
+) -> tuple[Repository, _Start, Lease]:
+    """Rank 0's part of phase 1."""
+    options, overrides = _settings(storage_options)
+    base = Settings.from_env()
+    chunk = int(overrides.get("chunk_size", base.chunk_size))
+    repo, name = locate(path, options, create=True, chunk_size=chunk)
+    if "chunk_size" not in overrides:
+        chunk = repo.config.chunk_size
+    if repo.has_ref(name):
+        raise SnapshotExistsError(
+            f"snapshot {name!r} already exists in {repo.url}; snapshots are immutable", name
+        )
+    meta = dict(metadata or {})
+    try:
+        canonical_json(meta)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
+    if parents is None:
+        last = lineage.current_parent(repo.config.repo_id)
+        parents = [last] if last else []
+    lease = acquire_lease(repo.store, kind="take")
+    return repo, _Start(uuid.uuid4().hex, name, chunk, list(parents), meta), lease
+
+
+def ddp_patterns(app_state: Mapping[str, Any]) -> list[str]:
+    """Globs for app_state entries wrapped in DistributedDataParallel (inferred replicated)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from casnap.names import escape_key
+
+    return [f"{escape_key(k)}/**" for k, v in app_state.items()
+            if isinstance(v, DistributedDataParallel)]  # fmt: skip
+
+
+def prepare_distributed_take(
+    path: str,
+    app_state: Mapping[str, Any],
+    *,
+    group: Group,
+    replicated: list[str] | None,
+    storage_options: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    allow_pickle: bool,
+    parents: list[str] | None,
+    stage: bool,
+    custom_prepare: TensorPrepareFunc | None = None,
+    store: Any = None,
+) -> Callable[[], TakeResult]:
+    """Phases 1 and 2 (collective, every rank); returns phase 3 to run now or in the background.
+
+    ``stage=True`` (async) copies every tensor first, so the snapshot is
+    point-in-time when this returns.
+    """
+    lease: Lease | None = None
+    start: _Start | Failure | None = None
+    repo: Repository | None = None
+    try:
+        if group.rank == 0:
+            try:
+                repo, start, lease = _start(path, storage_options, metadata, parents)
+            except Exception as exc:
+                start = failure_of(0, exc)
+        starts = all_gather(group, start, "start")
+        info = starts[0]
+        assert isinstance(info, _Start)
+        options, overrides = _settings(storage_options)
+        plan: RankPlan | Failure
+        local = LocalData()
+        try:
+            if repo is None:
+                repo, _ = locate(path, options, create=False)
+            overrides["chunk_size"] = info.chunk_size
+            if "CASNAP_IO_WORKERS" not in os.environ:
+                overrides["io_workers"] = io_workers_for(repo.root.capabilities.local)
+            settings = Settings.from_env().with_overrides(**overrides)
+            nodes = collect(app_state, group.rank, allow_pickle, custom_prepare)
+            patterns = list(replicated or []) + ddp_patterns(app_state)
+            plan, local = build_local(nodes, group.rank, info.chunk_size, patterns, stage)
+        except Exception as exc:
+            plan = failure_of(group.rank, exc)
+        plans: list[RankPlan] = all_gather(group, plan, "planning")
+        from casnap.distributed.plan import check_replicas
+
+        check_replicas(plans)
+        writers, _load = assign(plans)
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+    assert repo is not None
+    mine = sorted(h for h, r in writers.items() if r == group.rank)
+    rendezvous = Rendezvous(group, info.take_id, store)
+    job = _Commit(group, repo, settings, info, plans, local, mine, rendezvous, lease)
+    return job.run
+
+
+@dataclass
+class _Commit:
+    group: Group
+    repo: Repository
+    settings: Settings
+    info: _Start
+    plans: list[RankPlan]
+    local: LocalData
+    mine: list[str]
+    rendezvous: Rendezvous
+    lease: Lease | None
+
+    def run(self) -> TakeResult:
+        """Phase 3: synchronises through the store only (safe in a background thread)."""
+        try:
+            stats = WriteStats()
+            try:
+                written: _Written | Failure = self._write()
+                if isinstance(written, _Written):
+                    stats = written.stats
+            except Exception as exc:
+                written = failure_of(self.group.rank, exc)
+            self.local = LocalData()  # release staged copies
+            self.rendezvous.post("written", self.group.rank, written)
+            if self.group.rank == 0:
+                return self._commit_rank0()
+            return self._await_commit(stats)
+        finally:
+            if self.lease is not None:
+                self.lease.release()
+
+    def _write(self) -> _Written:
+        known = known_chunks(self.repo, self.info.parents)
+        with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
+            writer = ChunkWriter(self.repo, self.settings, pool, known)
+            futures = [writer.add(self.local.chunks[h]) for h in self.mine]
+            refs = writer.finish(futures)
+        self.repo.store.flush()  # this rank's chunks are durable before rank 0 commits
+        return _Written({r.hash: r for r in refs}, writer.stats)
+
+    def _commit_rank0(self) -> TakeResult:
+        ranks = list(range(self.group.size))
+        got, missing = self.rendezvous.collect("written", ranks, dist_timeout())
+        failures = [v for v in got.values() if isinstance(v, Failure)]
+        if failures or missing:
+            self.rendezvous.post("done", 0, _Failed(failures, missing))
+            _raise(failures, missing)
+        try:
+            refs: dict[str, ChunkRef] = {}
+            per_rank: list[WriteStats] = []
+            for r in ranks:
+                w = got[r]
+                assert isinstance(w, _Written)
+                refs.update(w.refs)
+                per_rank.append(w.stats)
+            manifest = Manifest(
+                created_at=now_iso(),
+                world_size=self.group.size,
+                parents=self.info.parents,
+                metadata=self.info.metadata,
+                entries=build_entries(self.plans, refs),
+            )
+            manifest_hash = self.repo.write_manifest(manifest)
+            if self.lease is not None:
+                self.lease.check()  # a stalled take may have been declared dead: no commit
+            self.repo.write_ref(self.info.name, manifest_hash)  # the commit point
+        except Exception as exc:
+            self.rendezvous.post("done", 0, _Failed([failure_of(0, exc)], []))
+            raise
+        self.rendezvous.post("done", 0, _Done(manifest_hash, per_rank))
+        lineage.record(self.repo.config.repo_id, manifest_hash)
+        index.record_manifest(self.repo, manifest_hash, manifest)
+        return TakeResult(self.repo, self.info.name, manifest_hash, manifest,
+                          per_rank[0], per_rank)  # fmt: skip
+
+    def _await_commit(self, stats: WriteStats) -> TakeResult:
+        # Rank 0 waits up to the timeout for the others, then commits: allow both.
+        got, _ = self.rendezvous.collect("done", [0], 2 * dist_timeout() + 30)
+        done = got.get(0)
+        if done is None:
+            raise DistributedTakeError(
+                "distributed take failed: rank 0 did not report the commit in time; "
+                "the snapshot may or may not have been committed",
+                (0,),
+            )
+        if isinstance(done, _Failed):
+            _raise(done.failures, done.missing)
+        assert isinstance(done, _Done)
+        manifest = self.repo.read_manifest(done.manifest_hash)
+        lineage.record(self.repo.config.repo_id, done.manifest_hash)
+        return TakeResult(self.repo, self.info.name, done.manifest_hash, manifest,
+                          done.stats[self.group.rank], done.stats)  # fmt: skip
+
+
+def _raise(failures: list[Failure], missing: list[int]) -> None:
+    if missing and not failures:
+        raise DistributedTakeError(
+            f"distributed take failed: rank(s) {missing} did not finish writing within "
+            f"{dist_timeout():.0f}s (CASNAP_DIST_TIMEOUT); no snapshot was committed",
+            tuple(missing),
+        )
+    raise_failures(failures, "writing")
