@@ -90,10 +90,11 @@ class ChunkWriter:
         data: Buffer,
         on_done: Callable[[], None] | None = None,
         elem_size: int = 0,
+        digest: bytes | None = None,
     ) -> Future[ChunkRef]:
         """Schedule one chunk; ``data`` must stay unchanged until the future resolves."""
         result: Future[ChunkRef] = Future()
-        work = self.pool.submit(self._process, data, result, elem_size)
+        work = self.pool.submit(self._process, data, result, elem_size, digest)
         with self._lock:
             self._work.append(work)
         if on_done is not None:
@@ -101,8 +102,16 @@ class ChunkWriter:
         work.add_done_callback(lambda f: _forward_error(f, result))
         return result
 
-    def _process(self, data: Buffer, result: Future[ChunkRef], elem_size: int = 0) -> None:
-        digest = digest_of(data)
+    def _process(
+        self,
+        data: Buffer,
+        result: Future[ChunkRef],
+        elem_size: int = 0,
+        known_digest: bytes | None = None,
+    ) -> None:
+        # A digest computed by the caller (the distributed planner) is trusted:
+        # the frame's own digest is re-verified on every read anyway.
+        digest = known_digest if known_digest is not None else digest_of(data)
         h = digest.hex()
         size = len(data)
         with self._lock:

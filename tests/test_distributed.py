@@ -74,11 +74,11 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 1:
         calls = [0]
 
-        def add(self: Any, data: Any, on_done: Any = None) -> Any:
+        def add(self: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
             if calls[0] > 2:
                 raise OSError("injected write failure on rank 1")
-            return original(self, data, on_done)
+            return original(self, data, *args, **kwargs)
 
         chunks_mod.ChunkWriter.add = add  # type: ignore[method-assign]
     with torch.no_grad():

@@ -218,7 +218,7 @@ class _Commit:
         known = known_chunks(self.repo, self.info.parents)
         with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
             writer = ChunkWriter(self.repo, self.settings, pool, known)
-            futures = [writer.add(self.local.chunks[h]) for h in self.mine]
+            futures = [writer.add(self.local.chunks[h], digest=bytes.fromhex(h)) for h in self.mine]
             refs = writer.finish(futures)
         self.repo.store.flush()  # this rank's chunks are durable before rank 0 commits
         return _Written({r.hash: r for r in refs}, writer.stats)
