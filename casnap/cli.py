@@ -21,7 +21,13 @@ from casnap.errors import (
     SnapshotNotFoundError,
 )
 from casnap.history import diff, du, graph_lanes, log
-from casnap.manifest import ContainerEntry, ObjectEntry, PrimitiveEntry, TensorEntry
+from casnap.manifest import (
+    ContainerEntry,
+    ObjectEntry,
+    PrimitiveEntry,
+    ShardedEntry,
+    TensorEntry,
+)
 from casnap.repository import Repository, locate
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
@@ -169,6 +175,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         elif isinstance(e, ObjectEntry):
             desc = [key, "object", e.type_name, "", human(e.size)]
             data.append({"key": key, "kind": "object", "type": e.type_name, "bytes": e.size})
+        elif isinstance(e, ShardedEntry):
+            desc = [key, f"sharded ({e.layout}, {len(e.shards)} shards)", e.dtype,
+                    str(list(e.shape)), human(e.nbytes)]  # fmt: skip
+            data.append({"key": key, "kind": "sharded", "layout": e.layout, "dtype": e.dtype,
+                         "shape": e.shape, "bytes": e.nbytes, "shards": len(e.shards)})  # fmt: skip
         elif isinstance(e, PrimitiveEntry):
             desc = [key, e.type, str(e.value)[:40], "", ""]
             data.append({"key": key, "kind": "primitive", "type": e.type, "value": e.value})

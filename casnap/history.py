@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from casnap.index import manifest_summaries
-from casnap.manifest import ChunkRef, Manifest, ObjectEntry, TensorEntry
+from casnap.manifest import ChunkRef, Manifest, ObjectEntry, ShardedEntry, TensorEntry
 from casnap.repository import Repository
 
 
@@ -188,7 +188,7 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
         ea, eb = a.entries.get(key), b.entries.get(key)
         if ea is None or eb is None:
             e = eb if ea is None else ea
-            chunks = e.chunks if isinstance(e, (TensorEntry, ObjectEntry)) else []
+            chunks = _chunks_of(e)
             out.append(EntryDiff(key, "added" if ea is None else "removed",
                                  sum(c.size for c in chunks), len(chunks)))  # fmt: skip
             continue
@@ -201,10 +201,25 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
                 changed = list(eb.chunks)
             status: Status = "changed" if changed or not _same_layout(ea, eb) else "unchanged"
             out.append(EntryDiff(key, status, sum(c.size for c in changed), len(changed)))
+        elif isinstance(ea, ShardedEntry) or isinstance(eb, ShardedEntry):
+            # Shards may be cut differently (another world size): compare by content.
+            before = {c.hash for c in _chunks_of(ea)}
+            changed = [c for c in _chunks_of(eb) if c.hash not in before]
+            same = ea.model_dump() == eb.model_dump()
+            out.append(EntryDiff(key, "unchanged" if same else "changed",
+                                 sum(c.size for c in changed), len(changed)))  # fmt: skip
         else:
             same = ea.model_dump() == eb.model_dump()
             out.append(EntryDiff(key, "unchanged" if same else "changed", 0, 0))
     return out
+
+
+def _chunks_of(entry: object) -> list[ChunkRef]:
+    if isinstance(entry, (TensorEntry, ObjectEntry)):
+        return list(entry.chunks)
+    if isinstance(entry, ShardedEntry):
+        return [c for shard in entry.shards for c in shard.chunks]
+    return []
 
 
 def _same_layout(a: TensorEntry | ObjectEntry, b: TensorEntry | ObjectEntry) -> bool:

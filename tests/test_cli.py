@@ -213,3 +213,21 @@ def test_inspection_commands_do_not_import_torch(repo_dir):
             "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_diff_of_sharded_entries_compares_shard_chunks_by_content():
+    from casnap.manifest import ChunkRef, Manifest, ShardedEntry, ShardRecord
+
+    def entry(hashes: list[str]) -> ShardedEntry:
+        shards = [ShardRecord(offsets=[i * 2, 0], sizes=[2, 4], chunk_size=32,
+                              chunks=[ChunkRef(hash=h * 64, size=32, length=88)])
+                  for i, h in enumerate(hashes)]  # fmt: skip
+        return ShardedEntry(layout="dtensor", dtype="float32", shape=[2 * len(hashes), 4],
+                            shards=shards)  # fmt: skip
+
+    a = Manifest(created_at="t", entries={"0/w": entry(["a", "b"])})
+    b = Manifest(created_at="t", entries={"0/w": entry(["a", "c"])})
+    (row,) = diff(a, b)
+    assert row.status == "changed" and row.changed_chunks == 1 and row.changed_bytes == 32
+    (same,) = diff(a, a)
+    assert same.status == "unchanged" and same.changed_chunks == 0
