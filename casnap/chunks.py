@@ -311,19 +311,48 @@ def read_chunks(
     sink: Callable[[int, Buffer], None],
     pool: ThreadPoolExecutor,
     budget: ByteBudget,
+    dest: Callable[[int], memoryview | None] | None = None,
 ) -> int:
     """Fetch, decode and verify ``refs``; ``sink(i, data)`` receives chunk ``i``.
 
     In-flight fetched and decoded bytes stay under ``budget``; ``sink`` may be
     called from worker threads (for different ``i`` concurrently). Returns the
     bytes fetched from the store.
+
+    ``dest(i)``, when given, may return the memory chunk ``i`` finally belongs
+    in: a loose chunk stored raw (frame length == header + size, known from the
+    manifest) is then read straight into it and verified there, with no
+    intermediate buffer and no ``sink`` call. A chunk that fails verification
+    raises :class:`IntegrityError` after having been written to ``dest``.
     """
     spans = plan_reads(refs)
     fetched = 0
     lock = threading.Lock()
 
+    def direct(span: Span) -> bool:
+        nonlocal fetched
+        if dest is None or span.end >= 0 or len(span.items) != 1:
+            return False
+        i, ref = span.items[0]
+        if ref.length != codec.HEADER_SIZE + ref.size:
+            return False  # compressed: must be decoded through a buffer
+        view = dest(i)
+        if view is None or len(view) != ref.size:
+            return False
+        head = bytearray(codec.HEADER_SIZE)
+        try:
+            n = repo.store.read_into(span.key, [memoryview(head), view])
+        except ObjectNotFoundError as exc:
+            raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
+        with lock:
+            fetched += n
+        codec.verify_raw_in_place(head, view, n, span.key, bytes.fromhex(ref.hash), ref.size)
+        return True
+
     def run(span: Span) -> None:
         nonlocal fetched
+        if direct(span):
+            return
         raw = sum(ref.size for _, ref in span.items)
         cost = raw + (span.end - span.start if span.end >= 0 else span.items[0][1].length)
         budget.acquire(cost)

@@ -237,11 +237,15 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
             cs = load.objects[key].chunk_size
             blobs[key][i * cs : i * cs + len(data)] = data
 
+    def landing(index: int) -> memoryview | None:
+        key, i = routes[index]
+        return sinks[key].view_for(i, refs[index].size) if key in sinks else None
+
     budget = ByteBudget(memory_budget_bytes or default_memory_budget())
     if refs:
         workers = io_workers_for(repo.root.capabilities.local)
         with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
-            read_chunks(repo, refs, sink, pool, budget)
+            read_chunks(repo, refs, sink, pool, budget, landing)
     values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
     values.update((k, s.finish()) for k, s in load.sharded.items())
     for key, blob in blobs.items():

@@ -94,6 +94,20 @@ class ObjectStore(ABC):
         commit order without paying a directory sync per chunk.
         """
 
+    def read_into(self, key: str, buffers: list[memoryview]) -> int:
+        """Read the object's first bytes into ``buffers`` in order; returns the bytes read.
+
+        Backends that can read straight into caller memory (a local file's
+        ``preadv``) override this; the default copies from :meth:`get`.
+        """
+        data = memoryview(self.get(key))
+        pos = 0
+        for buf in buffers:
+            n = min(len(buf), len(data) - pos)
+            buf[:n] = data[pos : pos + n]
+            pos += n
+        return pos
+
     def flush(self) -> None:  # noqa: B027  (a no-op default, not an abstract method)
         """Make every earlier non-durable put durable (a no-op where puts always are)."""
 
@@ -152,6 +166,10 @@ class PrefixStore(ObjectStore):
 
     def flush(self) -> None:
         self.inner.flush()
+
+    def read_into(self, key: str, buffers: list[memoryview]) -> int:
+        with self._as_seen(key):
+            return self.inner.read_into(self._k(key), buffers)
 
     def exists(self, key: str) -> bool:
         with self._as_seen(key):

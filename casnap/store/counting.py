@@ -70,6 +70,14 @@ class CountingStore(ObjectStore):
     def flush(self) -> None:
         self.inner.flush()
 
+    def read_into(self, key: str, buffers: list[memoryview]) -> int:
+        n = 0
+        try:
+            n = self.inner.read_into(key, buffers)
+            return n
+        finally:
+            self._count("get", read=n, key=key)
+
     def exists(self, key: str) -> bool:
         self._count("exists")
         return self.inner.exists(key)

@@ -151,6 +151,11 @@ class TensorSink:
             self.buffer = torch.empty(shape, dtype=torch_dtype(dtype))
         self.view = byte_view(self.buffer)
 
+    def view_for(self, index: int, size: int) -> memoryview:
+        """Where chunk ``index`` lands: chunks can be read straight into it."""
+        start = index * self.chunk_size
+        return self.view[start : start + size]
+
     def write(self, index: int, data: Any) -> None:
         start = index * self.chunk_size
         self.view[start : start + len(data)] = data
