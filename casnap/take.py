@@ -248,18 +248,24 @@ def collect(
     return nodes
 
 
-def prepare_take(
+@dataclass(frozen=True)
+class Target:
+    """Where a take goes and with what: shared by single-process and distributed takes."""
+
+    repo: Repository
+    name: str
+    settings: Settings
+    metadata: dict[str, Any]
+    parents: list[str]
+
+
+def resolve_target(
     path: str,
-    app_state: Mapping[str, Any],
-    *,
     storage_options: dict[str, Any] | None,
     metadata: dict[str, Any] | None,
-    allow_pickle: bool,
     parents: list[str] | None,
-    stage: bool,
-    custom_prepare: TensorPrepareFunc | None = None,
-) -> TakeJob:
-    """Phase 1 of a take (see module docstring)."""
+) -> Target:
+    """Find or create the repository, check the name is free, validate metadata, pick parents."""
     options = dict(storage_options or {})
     overrides: dict[str, Any] = {
         k: options.pop(k) for k in ("chunk_size", "compression") if k in options
@@ -284,8 +290,26 @@ def prepare_take(
     if parents is None:
         last = lineage.current_parent(repo.config.repo_id)
         parents = [last] if last else []
+    return Target(repo, name, settings, meta, list(parents))
+
+
+def prepare_take(
+    path: str,
+    app_state: Mapping[str, Any],
+    *,
+    storage_options: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    allow_pickle: bool,
+    parents: list[str] | None,
+    stage: bool,
+    custom_prepare: TensorPrepareFunc | None = None,
+) -> TakeJob:
+    """Phase 1 of a take (see module docstring)."""
+    target = resolve_target(path, storage_options, metadata, parents)
+    repo, name, settings = target.repo, target.name, target.settings
+    meta, parents = target.metadata, target.parents
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)
-    job = TakeJob(repo, name, nodes, settings, list(parents), meta, stage,
+    job = TakeJob(repo, name, nodes, settings, parents, meta, stage,
                   ByteBudget(default_memory_budget()))  # fmt: skip
     if stage:
         _stage_all(job)

@@ -39,12 +39,11 @@ from casnap.distributed.group import (
     raise_failures,
 )
 from casnap.distributed.plan import LocalData, RankPlan, assign, build_entries, build_local
-from casnap.errors import SnapshotExistsError, UnsupportedValueError
 from casnap.leases import Lease, acquire_lease
-from casnap.manifest import ChunkRef, Manifest, canonical_json
+from casnap.manifest import ChunkRef, Manifest
 from casnap.repository import Repository, locate, now_iso
 from casnap.settings import Settings, io_workers_for
-from casnap.take import TakeResult, TensorPrepareFunc, collect, known_chunks
+from casnap.take import TakeResult, TensorPrepareFunc, collect, known_chunks, resolve_target
 
 
 @dataclass(frozen=True)
@@ -89,24 +88,9 @@ def _start(
     parents: list[str] | None,
 ) -> tuple[Repository, _Start, Lease]:
     """Rank 0's part of phase 1."""
-    options, overrides = _settings(storage_options)
-    base = Settings.from_env()
-    chunk = int(overrides.get("chunk_size", base.chunk_size))
-    repo, name = locate(path, options, create=True, chunk_size=chunk)
-    if "chunk_size" not in overrides:
-        chunk = repo.config.chunk_size
-    if repo.has_ref(name):
-        raise SnapshotExistsError(
-            f"snapshot {name!r} already exists in {repo.url}; snapshots are immutable", name
-        )
-    meta = dict(metadata or {})
-    try:
-        canonical_json(meta)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
-    if parents is None:
-        last = lineage.current_parent(repo.config.repo_id)
-        parents = [last] if last else []
+    target = resolve_target(path, storage_options, metadata, parents)
+    repo, name, chunk = target.repo, target.name, target.settings.chunk_size
+    parents, meta = target.parents, target.metadata
     lease = acquire_lease(repo.store, kind="take")
     return repo, _Start(uuid.uuid4().hex, name, chunk, list(parents), meta), lease
 
