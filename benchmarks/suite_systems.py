@@ -28,29 +28,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from harness import fsync_path
 
 State = dict[str, torch.Tensor]
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_tree(path: str) -> None:
     """fsync every file and folder below ``path`` (and ``path``'s parent)."""
     for folder, _dirs, names in os.walk(path):
         for name in names:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
+    _fsync(os.path.dirname(os.path.abspath(path)))
 
 
 class Pending:
@@ -95,7 +92,7 @@ class System:
 class TorchSave(System):
     def save(self, state: State, path: str) -> None:
         torch.save(state, path)
-        fsync_tree_file(path)
+        fsync_path(path)
 
     def load(self, path: str, target: State) -> State:
         loaded: State = torch.load(path, weights_only=True)
@@ -111,7 +108,7 @@ class Safetensors(System):
         from safetensors.torch import save_file
 
         save_file(state, path)
-        fsync_tree_file(path)
+        fsync_path(path)
 
     def load(self, path: str, target: State) -> State:
         from safetensors.torch import load_file
@@ -211,20 +208,6 @@ class Casnap(System):
 
         pending = casnap.Snapshot.async_take(path, {"model": casnap.StateDict(state)})
         return Pending(pending.wait)
-
-
-def fsync_tree_file(path: str) -> None:
-    """fsync one file and its folder: what a durable single-file save needs."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 SYSTEMS: dict[str, System] = {
