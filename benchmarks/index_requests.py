@@ -52,22 +52,6 @@ MODES = ("index", "no index", "lineage, no index")
 _ACCESS = re.compile(rb'(GET|POST|PUT|PATCH|DELETE|HEAD) (\S+) HTTP/[0-9.]+\\?" (\d{3})')
 
 
-class RequestCounter(CountingStore):
-    """A CountingStore that also counts failed reads: probing an absent chunk is a request."""
-
-    def get(self, key: str) -> bytes:
-        try:
-            return self.inner.get(key)
-        finally:
-            self._count("get")
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        try:
-            return self.inner.get_range(key, start, end)
-        finally:
-            self._count("get_range")
-
-
 class ServerLog:
     """The fake-gcs-server access log, read as it is written (also keeps the pipe drained)."""
 
@@ -133,7 +117,7 @@ def run_mode(
     index_dir = tempfile.mkdtemp(prefix="casnap-index-")
     os.environ["CASNAP_INDEX_DIR"] = index_dir
     url = f"{base}/{uuid.uuid4().hex}/repo"
-    store = RequestCounter(FsspecStore(url))
+    store = CountingStore(FsspecStore(url))
     repo = Repository.on_store(store, chunk_size=args.chunk_mib * MiB)
     state = make_state(shapes, seed=0)
     lineage.forget()

