@@ -68,6 +68,16 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
 
         casnap.take.hold_lease = _no_lease  # type: ignore[assignment]
     repo = Repository.open(url)
+    if not protected:
+        # Widen the window between dedup and ref, so the unprotected run reliably
+        # meets a sweep there instead of depending on the scheduler's luck.
+        write_ref = repo.write_ref
+
+        def slow_write_ref(name: str, manifest: str) -> None:
+            time.sleep(0.3)
+            write_ref(name, manifest)
+
+        repo.write_ref = slow_write_ref  # type: ignore[method-assign]
     opts = {"repository": repo, "chunk_size": CHUNK}
     mine: list[tuple[int, str, str]] = []
     deleted: list[str] = []
