@@ -74,6 +74,7 @@ class Snapshot:
         metadata: dict[str, Any] | None = None,
         allow_pickle: bool = False,
         parents: list[str] | None = None,
+        memory_budget_bytes: int | None = None,
     ) -> Snapshot:
         """Take a snapshot of ``app_state`` (a dict of stateful objects) at ``path``.
 
@@ -81,6 +82,8 @@ class Snapshot:
         ``allow_pickle`` permits storing values that are neither tensors,
         primitives nor containers. ``parents`` overrides the lineage (manifest
         hashes); by default it is this process's previous take or restore.
+        ``memory_budget_bytes`` bounds the take's in-flight copies (default: a
+        quarter of available memory, ``CASNAP_MEMORY_BUDGET``).
         """
         group = _group(pg)
         if group.pg is not None:  # collective: every rank of the group calls take
@@ -93,7 +96,7 @@ class Snapshot:
         job = prepare_take(
             path, app_state, storage_options=storage_options, metadata=metadata,
             allow_pickle=allow_pickle, parents=parents, stage=False,
-            custom_prepare=_custom_tensor_prepare_func,
+            custom_prepare=_custom_tensor_prepare_func, memory_budget_bytes=memory_budget_bytes,
         )  # fmt: skip
         return cls._from_result(path, pg, storage_options, job.commit())
 
@@ -110,10 +113,16 @@ class Snapshot:
         metadata: dict[str, Any] | None = None,
         allow_pickle: bool = False,
         parents: list[str] | None = None,
+        memory_budget_bytes: int | None = None,
     ) -> PendingSnapshot:
         """Like :meth:`take`, but returns once the state is copied; writing continues
         in the background. Changing the live tensors afterwards never changes the
-        snapshot. ``.wait()`` returns the :class:`Snapshot` or raises the failure."""
+        snapshot. ``.wait()`` returns the :class:`Snapshot` or raises the failure.
+
+        Staging copies at most ``memory_budget_bytes`` (less the writer's working
+        set) into host buffers reused from the previous async take; tensors beyond
+        that are written before this returns, so a state larger than the budget
+        blocks longer instead of using more memory."""
         group = _group(pg)
         if group.pg is not None:  # collective planning now; writing in the background
             commit = prepare_distributed_take(
@@ -125,9 +134,11 @@ class Snapshot:
         job = prepare_take(
             path, app_state, storage_options=storage_options, metadata=metadata,
             allow_pickle=allow_pickle, parents=parents, stage=True,
-            custom_prepare=_custom_tensor_prepare_func,
+            custom_prepare=_custom_tensor_prepare_func, memory_budget_bytes=memory_budget_bytes,
         )  # fmt: skip
-        return PendingSnapshot(path, pg, storage_options, job.commit_staged)
+        pending = PendingSnapshot(path, pg, storage_options, job.commit_staged)
+        job.live_consumed.wait()  # tensors over the budget are consumed: point-in-time
+        return pending
 
     @classmethod
     def _from_result(

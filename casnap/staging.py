@@ -6,7 +6,10 @@ not be paid every time is the allocation: page-faulting fresh memory costs
 as much as the copy itself on a large state. Buffers come back to this pool
 when a take's background part finishes, and the next take of the same
 structure finds them there. The pool keeps at most ``limit`` bytes of idle
-buffers (``CASNAP_STAGING_CACHE``, default: the memory budget).
+buffers (``CASNAP_STAGING_CACHE``, default: the memory budget), and a fresh
+allocation that would push buffers in use plus idle ones over the caller's
+limit first drops the idle ones (a take whose structure changed does not pay
+for the old structure's buffers too).
 
 This is process-wide on purpose: successive ``Snapshot.async_take`` calls
 share no object but the process. It is guarded by a lock.
@@ -27,11 +30,17 @@ class StagingPool:
         self._lock = threading.Lock()
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._idle_bytes = 0
+        self.in_use_bytes = 0  # handed out by stage(), not yet given back
+        self.peak_in_use_bytes = 0
         self.allocated_bytes = 0  # fresh allocations, over the pool's life
         self.reused_bytes = 0
 
-    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous CPU copy of ``tensor`` (bit for bit) in a reused or new buffer."""
+    def stage(self, tensor: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        """A contiguous CPU copy of ``tensor`` (bit for bit) in a reused or new buffer.
+
+        With ``limit``, idle buffers are dropped before a fresh allocation would
+        make the pool's memory (in use + idle + new) exceed it.
+        """
         src = tensor.detach()
         if src.is_conj() or src.is_neg():
             src = src.resolve_conj().resolve_neg()
@@ -44,7 +53,13 @@ class StagingPool:
                 self._idle_bytes -= nbytes
                 self.reused_bytes += nbytes
             else:
+                over = limit is not None and self.in_use_bytes + self._idle_bytes + nbytes > limit
+                if over:
+                    self._free.clear()
+                    self._idle_bytes = 0
                 self.allocated_bytes += nbytes
+            self.in_use_bytes += nbytes
+            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         if buf is None:
             pin = src.device.type == "cuda" and torch.cuda.is_available()
             buf = torch.empty(src.numel(), dtype=src.dtype, pin_memory=pin)
@@ -57,6 +72,7 @@ class StagingPool:
         with self._lock:
             for t in tensors:
                 nbytes = t.numel() * t.element_size()
+                self.in_use_bytes -= nbytes
                 if self._idle_bytes + nbytes > limit:
                     continue  # dropped: the allocator gets it back
                 flat = t.reshape(-1)
@@ -64,9 +80,11 @@ class StagingPool:
                 self._idle_bytes += nbytes
 
     def clear(self) -> None:
+        """Drop idle buffers and reset the counters (buffers in use stay counted)."""
         with self._lock:
             self._free.clear()
             self._idle_bytes = 0
+            self.peak_in_use_bytes = self.in_use_bytes
 
 
 POOL = StagingPool()

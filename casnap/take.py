@@ -4,17 +4,21 @@ A take runs in two phases:
 
 1. ``prepare`` (always in the caller's thread): find the repository, check
    the name is free, call every ``state_dict()``, flatten, and stage. For an
-   async take, staging copies every tensor into host memory owned by the
-   take, so the snapshot is point-in-time once ``prepare`` returns.
+   async take, staging copies tensors into reused host buffers owned by the
+   take, as many as the memory budget allows; the rest stay "live".
 2. ``commit`` (caller's thread, or a background thread for async): write
    chunks (deduplicated, packed), then the manifest, then the ref. Nothing is
-   visible before the ref; a failure leaves only unreferenced objects.
+   visible before the ref; a failure leaves only unreferenced objects. Live
+   tensors go first, and ``async_take`` returns only once every chunk of
+   them has been consumed (:attr:`TakeJob.live_consumed`): the snapshot is
+   point-in-time when it returns, and staging never exceeds the budget.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -69,8 +73,24 @@ class TakeJob:
     staged: bool  # tensors already copied (async): no further staging needed
     budget: ByteBudget
     _owners: list[Any] = field(default_factory=list)
+    # Async: keys left unstaged (over the budget), written first; the caller
+    # returns once their chunks are consumed (set at once when there are none).
+    live: set[str] = field(default_factory=set)
+    live_consumed: threading.Event = field(default_factory=threading.Event)
 
     def commit(self) -> TakeResult:
+        try:
+            return self._commit()
+        finally:
+            self.live_consumed.set()  # also on failure: the caller must not hang
+
+    def _live_first(self) -> list[tuple[str, Node]]:
+        items = list(self.nodes.items())
+        return [kv for kv in items if kv[0] in self.live] + [
+            kv for kv in items if kv[0] not in self.live
+        ]
+
+    def _commit(self) -> TakeResult:
         # From before the first dedup decision until the ref makes every chunk it
         # names reachable, the lease keeps gc from sweeping (docs/gc.md).
         with hold_lease(self.repo, kind="take") as lease:
@@ -80,11 +100,14 @@ class TakeJob:
             ) as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
                 pending: dict[str, list[Future[ChunkRef]]] = {}
-                for key, node in self.nodes.items():
+                live = _Countdown(self.live_consumed)
+                for key, node in self._live_first():
                     if isinstance(node, TensorLeaf):
-                        pending[key] = self._submit_tensor(writer, key, node.tensor)
+                        counter = live if key in self.live else None
+                        pending[key] = self._submit_tensor(writer, key, node.tensor, counter)
                     elif isinstance(node, ObjectLeaf):
                         pending[key] = self._submit(writer, memoryview(node.payload), None)
+                live.arm()
                 all_futures = [f for fs in pending.values() for f in fs]
                 writer.finish(all_futures)
             entries: dict[str, Entry] = {}
@@ -136,7 +159,11 @@ class TakeJob:
             staging.POOL.give_back(staged, staging_cache_limit())
 
     def _submit_tensor(
-        self, writer: ChunkWriter, key: str, tensor: torch.Tensor
+        self,
+        writer: ChunkWriter,
+        key: str,
+        tensor: torch.Tensor,
+        live: _Countdown | None = None,
     ) -> list[Future[ChunkRef]]:
         nbytes = tensor.numel() * tensor.element_size()
         needs_copy = not (
@@ -150,7 +177,7 @@ class TakeJob:
         view, owner = host_view(tensor, key)
         # Floats compress better with the bytes of each element position grouped.
         elem = tensor.element_size() if tensor.dtype.is_floating_point else 0
-        return self._submit(writer, view, owner, nbytes if needs_copy else 0, elem)
+        return self._submit(writer, view, owner, nbytes if needs_copy else 0, elem, live)
 
     def _submit(
         self,
@@ -159,6 +186,7 @@ class TakeJob:
         owner: Any,
         held: int = 0,
         elem_size: int = 0,
+        live: _Countdown | None = None,
     ) -> list[Future[ChunkRef]]:
         cs = self.settings.chunk_size
         n = len(view)
@@ -168,8 +196,12 @@ class TakeJob:
                 self.budget.release(held)
             return []
         remaining = [count]
+        if live is not None:
+            live.add(count)
 
         def one_done() -> None:
+            if live is not None:
+                live.done()  # this chunk's bytes are hashed and written or packed
             remaining[0] -= 1
             if remaining[0] == 0:
                 if held:
@@ -178,6 +210,35 @@ class TakeJob:
                 _ = owner
 
         return [writer.add(view[i * cs : (i + 1) * cs], one_done, elem_size) for i in range(count)]
+
+
+class _Countdown:
+    """Sets ``event`` once every added chunk is done and :meth:`arm` was called."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self._event = event
+        self._lock = threading.Lock()
+        self._left = 0
+        self._armed = False
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._left += n
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            fire = self._armed and self._left == 0
+        if fire:
+            self._event.set()
+
+    def arm(self) -> None:
+        """Every chunk has been added: from now on, zero means finished."""
+        with self._lock:
+            self._armed = True
+            fire = self._left == 0
+        if fire:
+            self._event.set()
 
 
 def known_chunks(repo: Repository, parents: list[str]) -> KnownChunks:
@@ -303,27 +364,54 @@ def prepare_take(
     parents: list[str] | None,
     stage: bool,
     custom_prepare: TensorPrepareFunc | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> TakeJob:
     """Phase 1 of a take (see module docstring)."""
+    if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+        raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
     target = resolve_target(path, storage_options, metadata, parents)
     repo, name, settings = target.repo, target.name, target.settings
     meta, parents = target.metadata, target.parents
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)
     job = TakeJob(repo, name, nodes, settings, parents, meta, stage,
-                  ByteBudget(default_memory_budget()))  # fmt: skip
+                  ByteBudget(memory_budget_bytes or default_memory_budget()))  # fmt: skip
     if stage:
         _stage_all(job)
+    else:
+        job.live_consumed.set()
     return job
 
 
+def staging_limit(budget: int, settings: Settings) -> int:
+    """Bytes an async take may stage: the budget less the writer's own working set.
+
+    The writer holds up to one encoded chunk per I/O worker, the open pack and
+    copies of live tensors that are not contiguous CPU memory; that reserve is
+    kept out of the staging share, but never more than half the budget.
+    """
+    reserve = 2 * settings.io_workers * settings.chunk_size + settings.pack_target
+    return budget - min(reserve, budget // 2)
+
+
 def _stage_all(job: TakeJob) -> None:
-    """Copy every tensor into host buffers owned by the take (point-in-time for async).
+    """Copy tensors into host buffers owned by the take (point-in-time for async).
 
     The buffers come from :data:`casnap.staging.POOL` and go back to it when
-    the background part ends (:meth:`TakeJob.commit_staged`).
+    the background part ends (:meth:`TakeJob.commit_staged`). Tensors that do
+    not fit the staging share of the budget stay live: the commit writes them
+    first, and ``async_take`` waits for that before returning.
     """
+    limit = staging_limit(job.budget.limit, job.settings)
+    staged_bytes = 0
     for key, node in job.nodes.items():
         if isinstance(node, TensorLeaf):
-            staged = staging.POOL.stage(node.tensor)
+            nbytes = node.tensor.numel() * node.tensor.element_size()
+            if staged_bytes + nbytes > limit:
+                job.live.add(key)
+                continue
+            staged = staging.POOL.stage(node.tensor, limit)
+            staged_bytes += nbytes
             job._owners.append(staged)
             job.nodes[key] = TensorLeaf(staged)
+    if not job.live:
+        job.live_consumed.set()

@@ -78,3 +78,71 @@ def test_read_object_and_restore_stay_under_the_memory_budget(tmp_path, monkeypa
     for b in RecordingBudget.instances:
         # one chunk (raw + frame) may exceed a tiny budget alone, never more
         assert 0 < b.peak <= max(budget, 2 * (64 * 1024 + 56))
+
+
+# -- async staging under the memory budget --------------------------------------------
+
+
+def test_async_take_stages_at_most_its_budget_and_stays_point_in_time(tmp_path):
+    # 8 tensors of 1 MiB, budget 3 MiB: the staging share is half of it (the
+    # writer's reserve is capped at half), so most tensors stay live and are
+    # written before async_take returns.
+    state = StateDict({f"w{i}": torch.randn(256 * 1024) for i in range(8)})
+    expected = {k: v.clone() for k, v in state.items()}
+    budget = 3 << 20
+    pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state},
+                                  storage_options={"chunk_size": 256 * 1024},
+                                  memory_budget_bytes=budget)  # fmt: skip
+    for t in state.values():  # every tensor, staged or live, changes right away
+        t.fill_(7.0)
+    snap = pending.wait()
+    assert 0 < staging.POOL.peak_in_use_bytes <= budget // 2
+    assert staging.POOL.peak_in_use_bytes < 8 << 20  # not the whole state
+    out = StateDict({k: torch.empty(256 * 1024) for k in state})
+    snap.restore({"m": out})
+    for k, v in expected.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_async_take_of_a_state_larger_than_the_budget_stages_nothing_it_cannot_hold(tmp_path):
+    big = torch.randn(1 << 20)  # 4 MiB, alone over a 1 MiB budget
+    state = StateDict(big=big, small=torch.arange(100.0))
+    pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state},
+                                  memory_budget_bytes=1 << 20)  # fmt: skip
+    expected = big.clone()
+    big.zero_()
+    snap = pending.wait()
+    assert staging.POOL.peak_in_use_bytes == 400  # only the small tensor was copied
+    out = StateDict(big=torch.empty(1 << 20), small=torch.empty(100))
+    snap.restore({"m": out})
+    assert torch.equal(out["big"], expected)
+    assert torch.equal(out["small"], torch.arange(100.0))
+
+
+def test_a_failing_take_with_live_tensors_does_not_hang_async_take(tmp_path, monkeypatch):
+    from casnap import chunks
+
+    def broken_put(self, *args, **kwargs):
+        raise StoreError("disk full")
+
+    monkeypatch.setattr(chunks.ChunkWriter, "_write_loose", broken_put)
+    pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"),
+                                  {"m": StateDict(w=torch.randn(1 << 20))},
+                                  memory_budget_bytes=1 << 20)  # fmt: skip
+    with pytest.raises(StoreError, match="disk full"):
+        pending.wait()
+
+
+def test_a_fresh_allocation_drops_idle_buffers_of_another_structure():
+    pool = staging.StagingPool()
+    a = pool.stage(torch.ones(1000))
+    pool.give_back([a], limit=1 << 20)
+    assert pool._idle_bytes == 4000
+    pool.stage(torch.ones(500, dtype=torch.float64), limit=6000)  # 4000 + 4000 > 6000
+    assert pool._idle_bytes == 0 and pool.in_use_bytes == 4000
+
+
+def test_memory_budget_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": StateDict(w=torch.ones(1))},
+                            memory_budget_bytes=0)  # fmt: skip
