@@ -253,15 +253,20 @@ def rss(run: Run) -> None:
     for system in run.systems:
         with scratch_dir(run.args.workdir) as work:
             path = system.path(system_root(work, system), 0)
-            for kind in ("take", "restore"):
+            kinds = ["take", "restore"] + (["async"] if system.has_async else [])
+            for kind in kinds:
                 # No page-cache drop: RSS does not depend on it, and a cold
                 # cache would only make the new process re-read torch itself.
                 settle(False)
+                if kind == "async":  # a fresh repository: nothing to dedup against
+                    path = system.path(system_root(os.path.join(work, "async"), system), 0)
                 out = _probe(run, f"rss-{kind}", system.name, path, str(size), str(hidden))
                 op = run.op(f"rss-{kind}", system)
                 run.rec.add(op, out["seconds"])
                 for name in ("extra_bytes", "peak_rss", "baseline_rss", "ru_maxrss", "live_bytes"):
                     run.rec.count(op, name, out[name])
+                if "blocked_seconds" in out:  # under the budget: blocked time, first call
+                    run.rec.count(op, "blocked_us", int(out["blocked_seconds"] * 1e6))
                 if kind == "restore" and not out["restored_nonzero"]:
                     raise SystemExit(f"{system.name}: the RSS probe's restore left zeros")
         _progress(f"rss: {system.name}")

@@ -2,11 +2,12 @@
 
     python benchmarks/suite_probe.py rss-take    SYSTEM PATH SIZE_BYTES HIDDEN
     python benchmarks/suite_probe.py rss-restore SYSTEM PATH SIZE_BYTES HIDDEN
+    python benchmarks/suite_probe.py rss-async   SYSTEM PATH SIZE_BYTES HIDDEN
     python benchmarks/suite_probe.py read        SYSTEM PATH KEY ROWS COLS WARM_PATH
 
 Prints one JSON object on the last line of stdout.
 
-Peak RSS: the process builds the live state (``rss-take``: the weights,
+Peak RSS: the process builds the live state (``rss-take``/``rss-async``: the weights,
 generated in place so building never peaks above them; ``rss-restore``: a
 zero-filled target, a live model), then resets the kernel's high-water mark
 (``/proc/self/clear_refs`` ← 5), records ``VmRSS`` as the baseline, runs the
@@ -104,6 +105,26 @@ def rss_take(system: str, path: str, size: int, hidden: int) -> dict[str, object
     return out
 
 
+def rss_async(system: str, path: str, size: int, hidden: int) -> dict[str, object]:
+    """Peak RSS of an async save from its call until it is durable (staging included)."""
+    state = suite_states.build(suite_states.model_shapes(size, hidden))
+    sys_ = SYSTEMS[system]
+
+    blocked: list[float] = []
+
+    def save() -> None:
+        t0 = time.perf_counter()
+        pending = sys_.async_save(state, path)
+        blocked.append(time.perf_counter() - t0)
+        assert pending is not None, f"{system} has no async save"
+        pending.wait()
+
+    out = _measure_peak(save)
+    out["live_bytes"] = suite_states.nbytes(state)
+    out["blocked_seconds"] = blocked[0]
+    return out
+
+
 def rss_restore(system: str, path: str, size: int, hidden: int) -> dict[str, object]:
     target = suite_states.target_like(
         {k: torch.empty(s) for k, s in suite_states.model_shapes(size, hidden).items()}
@@ -175,6 +196,8 @@ def main(argv: list[str]) -> int:
     cmd, system, path, *rest = argv
     if cmd == "rss-take":
         result = rss_take(system, path, int(rest[0]), int(rest[1]))
+    elif cmd == "rss-async":
+        result = rss_async(system, path, int(rest[0]), int(rest[1]))
     elif cmd == "rss-restore":
         result = rss_restore(system, path, int(rest[0]), int(rest[1]))
     elif cmd == "read":

@@ -99,7 +99,7 @@ def targets(p: Payload) -> list[dict[str, Any]]:
         f"{human_bytes(manifest)} manifest)")  # fmt: skip
     v = _ratio(seconds(p, "async-blocked", CASNAP), seconds(p, "take", CASNAP))
     add("async_take blocks ≤ 25% of a sync take", v, 0.25, True, _pct(v))
-    for kind in ("take", "restore"):
+    for kind in ("take", "restore", "async"):
         extra = counter(p, f"rss-{kind}", CASNAP, "extra_bytes")
         v = _ratio(extra, budget)
         add(f"peak RSS above live state, {kind} ≤ budget + 10%", v, 1.10, True,
@@ -171,6 +171,7 @@ def _rows(p: Payload) -> list[tuple[str, str, Cell, str]]:
         ("async take", "until durable", sec("async-total"), "s"),
         ("peak RSS above live state", "take", cnt("rss-take", "extra_bytes"), "B"),
         ("peak RSS above live state", "restore", cnt("rss-restore", "extra_bytes"), "B"),
+        ("peak RSS above live state", "async take", cnt("rss-async", "extra_bytes"), "B"),
     ]
     ro = info.get("read_object", {})
     title = (f"read one {human_bytes(ro.get('tensor_bytes'))} tensor of "
@@ -302,7 +303,7 @@ def plot(p: Payload, path: str) -> None:
     _bars(axes[1][0], p, with_async, ["async-blocked", "async-total", "take"],
           lambda sc, s: seconds(p, sc, s), "async take: blocked / until durable / sync (s)",
           log=False)  # fmt: skip
-    _bars(axes[1][1], p, systems, ["rss-take", "rss-restore"],
+    _bars(axes[1][1], p, systems, ["rss-take", "rss-restore", "rss-async"],
           lambda sc, s: _mib(counter(p, sc, s, "extra_bytes")),
           "peak RSS above live state (MiB)", log=False)  # fmt: skip
     axes[1][1].axhline(p["args"]["memory_budget_mib"] * 1.1, color="grey", linestyle="--",
