@@ -28,7 +28,7 @@ import torch
 
 from casnap import index, lineage, staging
 from casnap.budget import ByteBudget
-from casnap.chunks import ChunkWriter, WriteStats
+from casnap.chunks import BatchItem, ChunkWriter, WriteStats
 from casnap.errors import CasnapError, SnapshotExistsError, UnsupportedValueError
 from casnap.index import KnownChunks
 from casnap.leases import hold_lease
@@ -43,7 +43,7 @@ from casnap.manifest import (
     canonical_json,
 )
 from casnap.names import escape_key
-from casnap.repository import Repository, locate, now_iso
+from casnap.repository import Repository, locate, manifest_key, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf, flatten
 from casnap.torch_io.stateful import RNGState
@@ -101,25 +101,24 @@ class TakeJob:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
                 pending: dict[str, list[Future[ChunkRef]]] = {}
                 live = _Countdown(self.live_consumed)
+                batch = _Batcher(writer)
                 for key, node in self._live_first():
                     if isinstance(node, TensorLeaf):
                         counter = live if key in self.live else None
-                        pending[key] = self._submit_tensor(writer, key, node.tensor, counter)
+                        pending[key] = self._submit_tensor(writer, key, node.tensor, counter, batch)
                     elif isinstance(node, ObjectLeaf):
                         pending[key] = self._submit(writer, memoryview(node.payload), None)
+                batch.flush()
                 live.arm()
                 all_futures = [f for fs in pending.values() for f in fs]
                 writer.finish(all_futures)
             entries: dict[str, Entry] = {}
             cs = self.settings.chunk_size
+            previous = self._previous_entries()
             for key, node in self.nodes.items():
                 if isinstance(node, TensorLeaf):
-                    t = node.tensor
-                    entries[key] = TensorEntry(
-                        dtype=dtype_name(t.dtype, key),
-                        shape=list(t.shape),
-                        chunk_size=cs,
-                        chunks=[f.result() for f in pending[key]],
+                    entries[key] = _tensor_entry(
+                        key, node.tensor, cs, [f.result() for f in pending[key]], previous.get(key)
                     )
                 elif isinstance(node, ObjectLeaf):
                     entries[key] = ObjectEntry(
@@ -146,8 +145,16 @@ class TakeJob:
             self.repo.write_ref(self.name, manifest_hash)  # the commit point
         lineage.record(self.repo.config.repo_id, manifest_hash)
         index.record_manifest(self.repo, manifest_hash, manifest)  # `log` need not read it back
+        LAST_PLAN.put(self.repo.config.repo_id, manifest_hash, manifest)
         self.nodes = {}
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
+
+    def _previous_entries(self) -> Mapping[str, Entry]:
+        for parent in self.parents:
+            manifest = LAST_PLAN.get(self.repo.config.repo_id, parent)
+            if manifest is not None:
+                return manifest.entries
+        return {}
 
     def commit_staged(self) -> TakeResult:
         """:meth:`commit`, then hand the staging buffers back for the next async take."""
@@ -164,6 +171,7 @@ class TakeJob:
         key: str,
         tensor: torch.Tensor,
         live: _Countdown | None = None,
+        batch: _Batcher | None = None,
     ) -> list[Future[ChunkRef]]:
         nbytes = tensor.numel() * tensor.element_size()
         needs_copy = not (
@@ -177,7 +185,7 @@ class TakeJob:
         view, owner = host_view(tensor, key)
         # Floats compress better with the bytes of each element position grouped.
         elem = tensor.element_size() if tensor.dtype.is_floating_point else 0
-        return self._submit(writer, view, owner, nbytes if needs_copy else 0, elem, live)
+        return self._submit(writer, view, owner, nbytes if needs_copy else 0, elem, live, batch)
 
     def _submit(
         self,
@@ -187,6 +195,7 @@ class TakeJob:
         held: int = 0,
         elem_size: int = 0,
         live: _Countdown | None = None,
+        batch: _Batcher | None = None,
     ) -> list[Future[ChunkRef]]:
         cs = self.settings.chunk_size
         n = len(view)
@@ -209,7 +218,51 @@ class TakeJob:
                 # ``owner`` (a staged copy) is referenced by this closure until here.
                 _ = owner
 
+        if count == 1 and n < self.settings.pack_limit and batch is not None:
+            result: Future[ChunkRef] = Future()
+            batch.add(BatchItem(view, result, one_done, elem_size), n)
+            return [result]
         return [writer.add(view[i * cs : (i + 1) * cs], one_done, elem_size) for i in range(count)]
+
+
+def _tensor_entry(
+    key: str, t: torch.Tensor, chunk_size: int, chunks: list[ChunkRef], previous: Entry | None
+) -> TensorEntry:
+    """The entry of one tensor; the previous take's own object when nothing changed."""
+    dtype, shape = dtype_name(t.dtype, key), list(t.shape)
+    if (
+        isinstance(previous, TensorEntry)
+        and previous.chunks == chunks
+        and previous.dtype == dtype
+        and previous.shape == shape
+        and previous.chunk_size == chunk_size
+        and not previous.replicated
+    ):
+        return previous  # validated when it was built; frozen, so safe to share
+    return TensorEntry(dtype=dtype, shape=shape, chunk_size=chunk_size, chunks=chunks)
+
+
+class _Batcher:
+    """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
+
+    MAX_BYTES = 1 << 20
+    MAX_ITEMS = 256
+
+    def __init__(self, writer: ChunkWriter) -> None:
+        self._writer = writer
+        self._items: list[BatchItem] = []
+        self._bytes = 0
+
+    def add(self, item: BatchItem, nbytes: int) -> None:
+        self._items.append(item)
+        self._bytes += nbytes
+        if self._bytes >= self.MAX_BYTES or len(self._items) >= self.MAX_ITEMS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._items:
+            self._writer.add_batch(self._items)
+            self._items, self._bytes = [], 0
 
 
 class _Countdown:
@@ -241,6 +294,37 @@ class _Countdown:
             self._event.set()
 
 
+class _LastPlan:
+    """The manifest this process last committed, per repository: the next take's plan.
+
+    A take with the same structure as the previous one (the usual every-N-steps
+    loop) finds its parent's chunk locations here instead of reading and
+    validating the parent manifest again, and reuses every entry whose chunks
+    did not change instead of building it anew. Only a manifest this process
+    wrote itself is kept (it was validated when built), one per repository.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_repo: dict[str, tuple[str, Manifest]] = {}
+
+    def put(self, repo_id: str, manifest_hash: str, manifest: Manifest) -> None:
+        with self._lock:
+            self._by_repo[repo_id] = (manifest_hash, manifest)
+
+    def get(self, repo_id: str, manifest_hash: str) -> Manifest | None:
+        with self._lock:
+            hit = self._by_repo.get(repo_id)
+        return hit[1] if hit is not None and hit[0] == manifest_hash else None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_repo.clear()
+
+
+LAST_PLAN = _LastPlan()
+
+
 def known_chunks(repo: Repository, parents: list[str]) -> KnownChunks:
     """Chunks a take may reference without writing: its parents', and the local index's.
 
@@ -254,6 +338,13 @@ def known_chunks(repo: Repository, parents: list[str]) -> KnownChunks:
     known = KnownChunks(index.open_index(repo))
     summaries = []
     for parent in parents:
+        manifest = LAST_PLAN.get(repo.config.repo_id, parent)
+        if manifest is not None and repo.store.exists(manifest_key(parent)):
+            # Written by this process, and still stored: gc deletes a manifest before
+            # its chunks and cannot run while this take's lease is held, so its
+            # chunks are all there, exactly as if it had been read back (docs/gc.md).
+            known.update((c.hash, c) for c in manifest.chunk_refs())
+            continue
         try:
             manifest = repo.read_manifest(parent)
         except CasnapError:

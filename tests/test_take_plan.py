@@ -1,0 +1,121 @@
+"""A take reuses the previous take's plan; small chunks travel in batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from casnap import Repository, Snapshot, StateDict, lineage
+from casnap.errors import StoreError
+from casnap.store import CountingStore, LocalStore
+from casnap.take import LAST_PLAN
+
+CHUNK = 64 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    lineage.forget()
+    LAST_PLAN.clear()
+    yield
+    lineage.forget()
+    LAST_PLAN.clear()
+
+
+def counted_repo(root: str) -> tuple[Repository, CountingStore]:
+    store = CountingStore(LocalStore(root))
+    return Repository.on_store(store, chunk_size=CHUNK), store
+
+
+def take(repo: Repository, name: str, state: StateDict) -> Snapshot:
+    opts = {"repository": repo, "chunk_size": CHUNK}
+    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, storage_options=opts)
+
+
+def state_of(n_small: int, seed: int = 0) -> StateDict:
+    g = torch.Generator().manual_seed(seed)
+    state = StateDict(big=torch.randn(100_000, generator=g))
+    for i in range(n_small):
+        state[f"small{i}"] = torch.randn(64, generator=g)
+    return state
+
+
+def restored(repo: Repository, name: str, like: StateDict) -> StateDict:
+    out = StateDict({k: torch.empty_like(v) for k, v in like.items()})
+    Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"s": out})
+    return out
+
+
+def assert_same(a: StateDict, b: StateDict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_path):
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = state_of(50)
+    s1 = take(repo, "s1", state)
+    state["small3"].add_(1)
+    store.reset()
+    s2 = take(repo, "s2", state)
+    assert s2.manifest.parents == [s1.manifest_hash]
+    manifest_gets = [k for k in store.read_keys if "/manifests/" in k]
+    assert manifest_gets == []  # the plan came from memory, checked by one exists()
+    assert s2.last_take_stats.chunks_written == 1
+    # Unchanged entries are the very objects of the previous manifest; the changed one is new.
+    assert s2.manifest.entries["0/s/big"] is s1.manifest.entries["0/s/big"]
+    assert s2.manifest.entries["0/s/small0"] is s1.manifest.entries["0/s/small0"]
+    assert s2.manifest.entries["0/s/small3"] != s1.manifest.entries["0/s/small3"]
+    assert_same(restored(repo, "s2", state), state)
+    # What was written is exactly what a fresh read of the manifest gives.
+    assert repo.read_manifest(s2.manifest_hash) == s2.manifest
+
+
+def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path):
+    from casnap.gc import gc
+
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    old = state_of(20, seed=0)
+    s1 = take(repo, "s1", old)  # remembered as this process's plan
+    repo.delete_ref("s1")
+    assert gc(repo, grace_seconds=0).deleted > 0  # its manifest, chunks and pack are gone
+    s2 = take(repo, "s2", old)  # parent: s1, from lineage and LAST_PLAN
+    assert s2.last_take_stats.chunks_written == len(s1.manifest.chunk_refs())  # all again
+    assert_same(restored(repo, "s2", old), old)
+
+
+def test_thousands_of_small_tensors_round_trip_through_batches(tmp_path):
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = state_of(3000)
+    s1 = take(repo, "s1", state)
+    packs = {c.pack for c in s1.manifest.chunk_refs() if c.pack}
+    assert 1 <= len(packs) <= 3  # 3000 x 256 B packed into a handful of objects
+    assert_same(restored(repo, "s1", state), state)
+    store.reset()
+    s2 = take(repo, "s2", state)
+    assert s2.last_take_stats.chunks_written == 0
+    assert s2.manifest.chunk_refs() == s1.manifest.chunk_refs()
+
+
+def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, monkeypatch):
+    from casnap import chunks
+
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    calls = {"n": 0}
+    real = chunks.ChunkWriter._append_to_pack
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise StoreError("disk full while packing")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(chunks.ChunkWriter, "_append_to_pack", flaky)
+    with pytest.raises(StoreError, match="disk full"):
+        take(repo, "s1", state_of(40))
+    assert not repo.has_ref("s1")
+    monkeypatch.undo()
+    state = state_of(40)
+    take(repo, "s1", state)
+    assert_same(restored(repo, "s1", state), state)
