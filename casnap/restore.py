@@ -38,7 +38,7 @@ from casnap.manifest import (
 )
 from casnap.names import escape_key
 from casnap.repository import Repository
-from casnap.settings import default_memory_budget, io_workers_for
+from casnap.settings import default_memory_budget, read_workers_for
 from casnap.torch_io.flatten import inflate, leaves_of, subtree
 from casnap.torch_io.stateful import RNGState
 from casnap.torch_io.tensors import TensorSink, check_target
@@ -243,7 +243,7 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
 
     budget = ByteBudget(memory_budget_bytes or default_memory_budget())
     if refs:
-        workers = io_workers_for(repo.root.capabilities.local)
+        workers = read_workers_for(repo.root.capabilities.local)
         with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
             read_chunks(repo, refs, sink, pool, budget, landing)
     values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
