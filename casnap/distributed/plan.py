@@ -30,7 +30,7 @@ from casnap.manifest import (
 )
 from casnap.names import digest_of
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf
-from casnap.torch_io.tensors import contiguous_cpu_copy, dtype_name, host_view
+from casnap.torch_io.tensors import dtype_name, host_view
 
 ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order
 
@@ -79,10 +79,25 @@ class RankPlan:
 
 @dataclass
 class LocalData:
-    """This rank's bytes by chunk hash (kept local; only the hashes travel)."""
+    """This rank's bytes by chunk hash (kept local; only the hashes travel).
+
+    ``owners[h]`` keeps the memory under ``chunks[h]`` alive (a byte view does
+    not). ``live`` holds the chunks whose bytes are the caller's own tensor
+    memory, which training may change once the take returns: an async take
+    copies those it writes (casnap/distributed/staged.py); copies made while
+    hashing (device-to-host, non-contiguous) are already private.
+    """
 
     chunks: dict[str, memoryview] = field(default_factory=dict)
-    owners: list[Any] = field(default_factory=list)
+    owners: dict[str, Any] = field(default_factory=dict)
+    live: set[str] = field(default_factory=set)
+
+    def keep(self, hashes: list[str]) -> None:
+        """Drop every chunk but ``hashes`` (those this rank writes), and their memory."""
+        wanted = set(hashes)
+        self.chunks = {h: v for h, v in self.chunks.items() if h in wanted}
+        self.owners = {h: o for h, o in self.owners.items() if h in wanted}
+        self.live &= wanted
 
 
 def logical(key: str) -> str:
@@ -95,38 +110,47 @@ def is_replicated(key: str, patterns: list[str]) -> bool:
     return any(fnmatchcase(path, p) for p in patterns)
 
 
-def _chunk_ids(view: memoryview, chunk_size: int, local: LocalData) -> ChunkIds:
+def _chunk_ids(
+    view: memoryview, chunk_size: int, local: LocalData, owner: Any = None, live: bool = False
+) -> ChunkIds:
     n = len(view)
     ids = []
     for i in range(math.ceil(n / chunk_size) if n else 0):
         piece = view[i * chunk_size : (i + 1) * chunk_size]
         h = digest_of(piece).hex()
-        local.chunks.setdefault(h, piece)
+        if h not in local.chunks:
+            local.chunks[h] = piece
+            local.owners[h] = owner
+            if live:
+                local.live.add(h)
         ids.append((h, len(piece)))
     return tuple(ids)
 
 
-def _tensor_bytes(t: torch.Tensor, key: str, stage: bool, local: LocalData) -> memoryview:
-    if stage:  # async: point-in-time copy owned by the take
-        t = contiguous_cpu_copy(t)
+def _tensor_ids(t: torch.Tensor, key: str, chunk_size: int, local: LocalData) -> ChunkIds:
+    """Hash a tensor in place when it is contiguous CPU memory (zero-copy), else a copy."""
     view, owner = host_view(t, key)
-    local.owners.append(owner)
-    return view
+    live = t.device.type == "cpu" and owner.data_ptr() == t.data_ptr()
+    return _chunk_ids(view, chunk_size, local, owner, live)
 
 
 def build_local(
-    nodes: dict[str, Node], rank: int, chunk_size: int, replicated: list[str], stage: bool
+    nodes: dict[str, Node], rank: int, chunk_size: int, replicated: list[str]
 ) -> tuple[RankPlan, LocalData]:
-    """Hash this rank's state into its plan (called by every rank, no communication)."""
+    """Hash this rank's state into its plan (called by every rank, no communication).
+
+    Nothing is staged here, not even for an async take: only the chunks this
+    rank ends up writing need a point-in-time copy, and that is known only
+    after the exchange (:func:`assign`).
+    """
     local = LocalData()
     entries: dict[str, EntryPlan] = {}
     for key, node in nodes.items():
         if isinstance(node, TensorLeaf):
             t = node.tensor
-            view = _tensor_bytes(t, key, stage, local)
             entries[key] = TensorPlan(
                 dtype_name(t.dtype, key), tuple(t.shape), is_replicated(key, replicated),
-                _chunk_ids(view, chunk_size, local),
+                _tensor_ids(t, key, chunk_size, local),
             )  # fmt: skip
         elif isinstance(node, ObjectLeaf):
             entries[key] = ObjectPlan(
@@ -136,11 +160,7 @@ def build_local(
             )
         elif isinstance(node, ShardLeaf):
             shards = tuple(
-                ShardPlan(
-                    s.offsets,
-                    s.sizes,
-                    _chunk_ids(_tensor_bytes(s.tensor, key, stage, local), chunk_size, local),
-                )
+                ShardPlan(s.offsets, s.sizes, _tensor_ids(s.tensor, key, chunk_size, local))
                 for s in node.shards
             )
             entries[key] = ShardedPlan(node.layout, dtype_name(node.dtype, key), node.shape, shards)

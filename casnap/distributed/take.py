@@ -7,8 +7,12 @@ Order of events (docs/distributed.md):
    ranks open the repository only after the lease is held, so no rank makes
    a dedup decision outside it.
 2. planning (collective): every rank flattens its state, hashes its chunks and
-   shares the hashes; every rank computes the same writer assignment, and
-   replicated values that differ fail the take here, before anything is written.
+   shares the hashes (and its structure, unless the previous take's still
+   holds: casnap/distributed/plan_cache.py); every rank computes the same
+   writer assignment, and replicated values that differ fail the take here,
+   before anything is written. An async take then copies the chunks this
+   rank writes into pooled buffers, up to its memory budget, and writes the
+   rest before returning (casnap/distributed/staged.py).
 3. commit (store only; in the background for ``async_take``): each rank writes
    its assigned chunks, flushes them and posts their locations; rank 0 waits
    for all ranks, writes the manifest and the ref, and posts the outcome.
@@ -23,8 +27,10 @@ import os
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+import torch
 
 from casnap import index, lineage
 from casnap.chunks import ChunkWriter, WriteStats
@@ -38,12 +44,29 @@ from casnap.distributed.group import (
     failure_of,
     raise_failures,
 )
-from casnap.distributed.plan import LocalData, RankPlan, assign, build_entries, build_local
+from casnap.distributed.plan import (
+    LocalData,
+    RankPlan,
+    assign,
+    build_entries,
+    build_local,
+    check_replicas,
+)
+from casnap.distributed.plan_cache import CacheKey, exchange_plans
+from casnap.distributed.staged import give_back, stage_chunks
+from casnap.index import KnownChunks
 from casnap.leases import Lease, acquire_lease
 from casnap.manifest import ChunkRef, Manifest
 from casnap.repository import Repository, locate, now_iso
-from casnap.settings import Settings, io_workers_for
-from casnap.take import TakeResult, TensorPrepareFunc, collect, known_chunks, resolve_target
+from casnap.settings import Settings, default_memory_budget, io_workers_for
+from casnap.take import (
+    TakeResult,
+    TensorPrepareFunc,
+    collect,
+    known_chunks,
+    resolve_target,
+    staging_limit,
+)
 
 
 @dataclass(frozen=True)
@@ -118,11 +141,13 @@ def prepare_distributed_take(
     stage: bool,
     custom_prepare: TensorPrepareFunc | None = None,
     store: Any = None,
+    memory_budget_bytes: int | None = None,
 ) -> Callable[[], TakeResult]:
     """Phases 1 and 2 (collective, every rank); returns phase 3 to run now or in the background.
 
-    ``stage=True`` (async) copies every tensor first, so the snapshot is
-    point-in-time when this returns.
+    ``stage=True`` (async) copies the chunks this rank writes, or writes them
+    now past the staging share of ``memory_budget_bytes`` (default
+    ``CASNAP_MEMORY_BUDGET``), so the snapshot is point-in-time when this returns.
     """
     lease: Lease | None = None
     start: _Start | Failure | None = None
@@ -139,6 +164,7 @@ def prepare_distributed_take(
         options, overrides = _settings(storage_options)
         plan: RankPlan | Failure
         local = LocalData()
+        key: CacheKey | None = None
         try:
             if repo is None:
                 repo, _ = locate(path, options, create=False)
@@ -148,12 +174,11 @@ def prepare_distributed_take(
             settings = Settings.from_env().with_overrides(**overrides)
             nodes = collect(app_state, group.rank, allow_pickle, custom_prepare)
             patterns = list(replicated or []) + ddp_patterns(app_state)
-            plan, local = build_local(nodes, group.rank, info.chunk_size, patterns, stage)
+            plan, local = build_local(nodes, group.rank, info.chunk_size, patterns)
+            key = (group.size, group.rank, repo.config.repo_id)
         except Exception as exc:
             plan = failure_of(group.rank, exc)
-        plans: list[RankPlan] = all_gather(group, plan, "planning")
-        from casnap.distributed.plan import check_replicas
-
+        plans = exchange_plans(group, plan, key)
         check_replicas(plans)
         writers, _load = assign(plans)
     except BaseException:
@@ -162,8 +187,11 @@ def prepare_distributed_take(
         raise
     assert repo is not None
     mine = sorted(h for h, r in writers.items() if r == group.rank)
+    local.keep(mine)
     rendezvous = Rendezvous(group, info.take_id, store)
     job = _Commit(group, repo, settings, info, plans, local, mine, rendezvous, lease)
+    if stage:
+        job.stage(staging_limit(memory_budget_bytes or default_memory_budget(), settings))
     return job.run
 
 
@@ -178,33 +206,63 @@ class _Commit:
     mine: list[str]
     rendezvous: Rendezvous
     lease: Lease | None
+    buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
+    early: _Written | Failure | None = None  # the overflow, written before async_take returned
+    _known: KnownChunks | None = None
+
+    def stage(self, limit: int) -> None:
+        """Async, caller's thread: copy what the background writes, write the overflow now.
+
+        A failure here is reported by :meth:`run` like a background one, so the
+        other ranks (already past the collectives) learn of it through the store.
+        """
+        try:
+            staged = stage_chunks(self.local, self.mine, limit)
+            self.buffers = staged.buffers
+            if staged.overflow:
+                self.early = self._write(staged.overflow, flush=False)
+                done = set(staged.overflow)
+                self.mine = [h for h in self.mine if h not in done]
+                self.local.keep(self.mine)
+        except Exception as exc:
+            self.early = failure_of(self.group.rank, exc)
 
     def run(self) -> TakeResult:
         """Phase 3: synchronises through the store only (safe in a background thread)."""
         try:
-            stats = WriteStats()
-            try:
-                written: _Written | Failure = self._write()
-                if isinstance(written, _Written):
-                    stats = written.stats
-            except Exception as exc:
-                written = failure_of(self.group.rank, exc)
-            self.local = LocalData()  # release staged copies
+            written = self._write_rest()
             self.rendezvous.post("written", self.group.rank, written)
             if self.group.rank == 0:
                 return self._commit_rank0()
+            stats = written.stats if isinstance(written, _Written) else WriteStats()
             return self._await_commit(stats)
         finally:
             if self.lease is not None:
                 self.lease.release()
 
-    def _write(self) -> _Written:
-        known = known_chunks(self.repo, self.info.parents)
+    def _write_rest(self) -> _Written | Failure:
+        """Write what :meth:`stage` left (everything for a blocking take); release the copies."""
+        try:
+            if isinstance(self.early, Failure):
+                return self.early
+            written = self._write(self.mine, flush=True)
+            return written if self.early is None else _merged(self.early, written)
+        except Exception as exc:
+            return failure_of(self.group.rank, exc)
+        finally:
+            self.local = LocalData()
+            buffers, self.buffers = self.buffers, []
+            give_back(buffers)
+
+    def _write(self, hashes: list[str], flush: bool) -> _Written:
+        if self._known is None:
+            self._known = known_chunks(self.repo, self.info.parents)
         with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
-            writer = ChunkWriter(self.repo, self.settings, pool, known)
-            futures = [writer.add(self.local.chunks[h], digest=bytes.fromhex(h)) for h in self.mine]
+            writer = ChunkWriter(self.repo, self.settings, pool, self._known)
+            futures = [writer.add(self.local.chunks[h], digest=bytes.fromhex(h)) for h in hashes]
             refs = writer.finish(futures)
-        self.repo.store.flush()  # this rank's chunks are durable before rank 0 commits
+        if flush:
+            self.repo.store.flush()  # this rank's chunks are durable before rank 0 commits
         return _Written({r.hash: r for r in refs}, writer.stats)
 
     def _commit_rank0(self) -> TakeResult:
@@ -259,6 +317,13 @@ class _Commit:
         lineage.record(self.repo.config.repo_id, done.manifest_hash)
         return TakeResult(self.repo, self.info.name, done.manifest_hash, manifest,
                           done.stats[self.group.rank], done.stats)  # fmt: skip
+
+
+def _merged(a: _Written, b: _Written) -> _Written:
+    """The chunks and stats of two writes of one rank (overflow, then background)."""
+    stats = WriteStats(**{f.name: getattr(a.stats, f.name) + getattr(b.stats, f.name)
+                          for f in fields(WriteStats)})  # fmt: skip
+    return _Written({**a.refs, **b.refs}, stats)
 
 
 def _raise(failures: list[Failure], missing: list[int]) -> None:

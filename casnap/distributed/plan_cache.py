@@ -1,0 +1,310 @@
+"""The planning exchange, reusing the previous take's plans when the structure is unchanged.
+
+A rank's plan (:class:`~casnap.distributed.plan.RankPlan`) is a *structure*
+(keys, entry kinds, dtypes, shapes, replicated flags, shard boxes, chunk
+sizes and the chunk size) and a *content*: the chunk digests in order, and
+the values of primitive entries (a step counter or a learning rate changes
+every take; counting it as structure would defeat the reuse). A training
+job takes the same structure again and again, so sending it every time is
+waste: on many small tensors it is most of the planning payload.
+
+Protocol (collective: every rank of the group calls :func:`exchange_plans`
+once per take, in the planning phase, in the same order):
+
+1. Each rank fingerprints its structure (blake3 of a canonical JSON
+   encoding). If the fingerprint equals its own entry in its cache, it sends
+   a *compact* message: fingerprint, the digest naming its cached all-rank
+   structure list, and its content. Otherwise it also sends its structure.
+2. One ``all_gather``. Every rank decides from the gathered messages alone,
+   so every rank decides the same: with no compact message, every structure
+   is at hand; with some, the plans are rebuilt from the cache only if every
+   rank reported the same cache digest (then every cache holds the same
+   structures, including each compact sender's: its fingerprint matched its
+   own entry there). Otherwise a second ``all_gather`` carries the compact
+   senders' structures (a rank restarted with an empty cache, a cache from
+   another job layout).
+3. Every rank stores the same new cache entry: all structures, their
+   fingerprints, and the digest of the fingerprint list.
+
+The cache is process-wide on purpose (successive takes share nothing else)
+and keyed by (group size, rank, repository id); a stale or foreign entry
+only costs the second gather, never a wrong plan.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import blake3
+
+from casnap.distributed.group import Failure, Group, all_gather
+from casnap.distributed.plan import (
+    ChunkIds,
+    EntryPlan,
+    ObjectPlan,
+    RankPlan,
+    ShardedPlan,
+    TensorPlan,
+)
+from casnap.manifest import ContainerEntry, PrimitiveEntry
+
+DIGEST = 32  # bytes of one chunk digest in a content
+
+
+@dataclass(frozen=True)
+class PrimitiveSlot:
+    """Where a primitive entry sits in a structure (its value travels in the content)."""
+
+
+SlotPlan = TensorPlan | ObjectPlan | ShardedPlan | ContainerEntry | PrimitiveSlot
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A plan without its content: chunk ids keep their sizes, their hashes are blank."""
+
+    rank: int
+    chunk_size: int
+    entries: tuple[tuple[str, SlotPlan], ...]
+
+
+@dataclass(frozen=True)
+class Content:
+    """What changes between takes of one structure: chunk digests and primitive values."""
+
+    digests: bytes  # DIGEST bytes per chunk, in the structure's order
+    primitives: tuple[tuple[str, Any], ...]  # (type, value) per primitive entry, in order
+
+
+@dataclass(frozen=True)
+class PlanMessage:
+    """One rank's part of the planning gather; ``structure`` is None when compact."""
+
+    rank: int
+    fingerprint: bytes
+    cached: bytes | None  # digest of this rank's cached all-rank structures, if any
+    structure: Structure | None
+    content: Content
+
+
+@dataclass(frozen=True)
+class CachedPlans:
+    """Every rank's structure from the last take of one job, as every rank stored it."""
+
+    structures: tuple[Structure, ...]
+    fingerprints: tuple[bytes, ...]
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class ExchangeStats:
+    """How the last exchange went on this rank (for tests and benchmarks/dist_plan.py).
+
+    ``mode``: "full" (no rank reused its structure), "reused" (plans rebuilt
+    from the cache) or "fallback" (a second gather of structures).
+    """
+
+    mode: str
+    payload_bytes: int  # this rank's pickled message in the first gather
+    second_bytes: int  # this rank's pickled message in the second gather (0: none)
+    gathers: int
+    seconds: float
+
+
+CacheKey = tuple[int, int, str]  # (group size, rank, repository id)
+
+
+class PlanCache:
+    """Process-wide store of :class:`CachedPlans` by job, guarded by a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[CacheKey, CachedPlans] = {}
+        self.last: ExchangeStats | None = None
+
+    def get(self, key: CacheKey) -> CachedPlans | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, key: CacheKey, entry: CachedPlans) -> None:
+        with self._lock:
+            self._entries[key] = entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+CACHE = PlanCache()
+
+
+def _hollow(ids: ChunkIds, digests: bytearray) -> ChunkIds:
+    for h, _ in ids:
+        digests += bytes.fromhex(h)
+    return tuple(("", n) for _, n in ids)
+
+
+def split(plan: RankPlan) -> tuple[Structure, Content]:
+    """A plan's structure and content; :func:`join` puts them back together exactly."""
+    digests = bytearray()
+    prims: list[tuple[str, Any]] = []
+    slots: list[tuple[str, SlotPlan]] = []
+    for key, e in plan.entries.items():
+        slot: SlotPlan
+        if isinstance(e, (TensorPlan, ObjectPlan)):
+            slot = replace(e, chunks=_hollow(e.chunks, digests))
+        elif isinstance(e, ShardedPlan):
+            shards = tuple(replace(s, chunks=_hollow(s.chunks, digests)) for s in e.shards)
+            slot = replace(e, shards=shards)
+        elif isinstance(e, PrimitiveEntry):
+            prims.append((e.type, e.value))
+            slot = PrimitiveSlot()
+        else:
+            slot = e
+        slots.append((key, slot))
+    structure = Structure(plan.rank, plan.chunk_size, tuple(slots))
+    return structure, Content(bytes(digests), tuple(prims))
+
+
+class _Filler:
+    """Hands out a content's digests and primitive values in the structure's order."""
+
+    def __init__(self, content: Content) -> None:
+        self.content = content
+        self.at = 0
+        self.prim = 0
+
+    def ids(self, hollow: ChunkIds) -> ChunkIds:
+        data, at = self.content.digests, self.at
+        if at + DIGEST * len(hollow) > len(data):
+            raise ValueError("plan content holds fewer chunk digests than its structure")
+        out = tuple(
+            (data[at + i * DIGEST : at + (i + 1) * DIGEST].hex(), n)
+            for i, (_, n) in enumerate(hollow)
+        )
+        self.at = at + DIGEST * len(hollow)
+        return out
+
+    def primitive(self) -> PrimitiveEntry:
+        kind, value = self.content.primitives[self.prim]
+        self.prim += 1
+        return PrimitiveEntry(type=kind, value=value)  # type: ignore[arg-type]
+
+    def check_used(self) -> None:
+        if self.at != len(self.content.digests) or self.prim != len(self.content.primitives):
+            raise ValueError("plan content does not match its structure")
+
+
+def join(structure: Structure, content: Content) -> RankPlan:
+    """The plan that :func:`split` took apart into ``structure`` and ``content``."""
+    fill = _Filler(content)
+    entries: dict[str, EntryPlan] = {}
+    for key, slot in structure.entries:
+        if isinstance(slot, (TensorPlan, ObjectPlan)):
+            entries[key] = replace(slot, chunks=fill.ids(slot.chunks))
+        elif isinstance(slot, ShardedPlan):
+            shards = tuple(replace(s, chunks=fill.ids(s.chunks)) for s in slot.shards)
+            entries[key] = replace(slot, shards=shards)
+        elif isinstance(slot, PrimitiveSlot):
+            entries[key] = fill.primitive()
+        else:
+            entries[key] = slot
+    fill.check_used()
+    return RankPlan(structure.rank, structure.chunk_size, entries)
+
+
+def _sizes(ids: ChunkIds) -> list[int]:
+    return [n for _, n in ids]
+
+
+def _canonical(slot: SlotPlan) -> list[Any]:
+    if isinstance(slot, TensorPlan):
+        return ["t", slot.dtype, list(slot.shape), slot.replicated, _sizes(slot.chunks)]
+    if isinstance(slot, ObjectPlan):
+        return ["o", slot.type_name, slot.size, _sizes(slot.chunks)]
+    if isinstance(slot, ShardedPlan):
+        boxes = [[list(s.offsets), list(s.sizes), _sizes(s.chunks)] for s in slot.shards]
+        return ["s", slot.layout, slot.dtype, list(slot.shape), boxes]
+    if isinstance(slot, ContainerEntry):
+        return ["c", slot.type, list(slot.keys)]  # ints stay ints, strings strings
+    return ["p"]
+
+
+def fingerprint(structure: Structure) -> bytes:
+    """blake3 of the structure's canonical JSON: equal structures, equal fingerprints."""
+    doc = [structure.rank, structure.chunk_size, [[k, _canonical(s)] for k, s in structure.entries]]
+    text = json.dumps(doc, ensure_ascii=True, separators=(",", ":"))
+    return blake3.blake3(text.encode("ascii")).digest()
+
+
+def _cached_entry(structures: list[Structure], fingerprints: list[bytes]) -> CachedPlans:
+    digest = blake3.blake3(b"".join(fingerprints)).digest()
+    return CachedPlans(tuple(structures), tuple(fingerprints), digest)
+
+
+def _message(plan: RankPlan, cached: CachedPlans | None) -> PlanMessage:
+    structure, content = split(plan)
+    fp = fingerprint(structure)
+    reuse = cached is not None and cached.fingerprints[plan.rank] == fp
+    digest = cached.digest if cached is not None else None
+    return PlanMessage(plan.rank, fp, digest, None if reuse else structure, content)
+
+
+def _reusable(messages: list[PlanMessage]) -> bool:
+    """Whether every rank can fill the compact messages from its own cache.
+
+    Decided from the gathered messages only, so every rank decides the same.
+    """
+    digests = {m.cached for m in messages}
+    return len(digests) == 1 and None not in digests
+
+
+def _gather_bytes(group: Group, value: Any, phase: str) -> tuple[list[Any], int]:
+    """``all_gather`` of ``value`` pickled once here (its size is the payload we report)."""
+    if isinstance(value, Failure):
+        return all_gather(group, value, phase), 0
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    got = all_gather(group, data, phase)
+    return [pickle.loads(d) for d in got], len(data)  # this job's own ranks wrote them
+
+
+def exchange_plans(group: Group, plan: RankPlan | Failure, key: CacheKey | None) -> list[RankPlan]:
+    """Every rank's plan, in rank order (collective; see the module docstring).
+
+    Every rank calls it once per take with its own plan, or its
+    :class:`Failure` (then every rank raises ``DistributedTakeError``). One
+    gather when every rank sent its structure or every cache agrees; two
+    otherwise.
+    """
+    t0 = time.perf_counter()
+    cached = CACHE.get(key) if key is not None and not isinstance(plan, Failure) else None
+    mine = plan if isinstance(plan, Failure) else _message(plan, cached)
+    messages, sent = _gather_bytes(group, mine, "planning")
+    structures: list[Structure | None] = [m.structure for m in messages]
+    mode, second = "full", 0
+    if any(s is None for s in structures):
+        if _reusable(messages):
+            assert cached is not None  # the digest this rank sent names its own cache
+            mode = "reused"
+            structures = [s if s is not None else cached.structures[i]
+                          for i, s in enumerate(structures)]  # fmt: skip
+        else:
+            mode = "fallback"
+            own = None
+            if structures[group.rank] is None:  # compact: this rank's own cache holds it
+                assert cached is not None
+                own = cached.structures[group.rank]
+            again, second = _gather_bytes(group, own, "planning (structures)")
+            structures = [s if s is not None else again[i] for i, s in enumerate(structures)]
+    full = [s for s in structures if s is not None]
+    plans = [join(s, m.content) for s, m in zip(full, messages)]
+    if key is not None:
+        CACHE.put(key, _cached_entry(full, [m.fingerprint for m in messages]))
+    gathers = 1 if mode != "fallback" else 2
+    CACHE.last = ExchangeStats(mode, sent, second, gathers, time.perf_counter() - t0)
+    return plans
