@@ -85,6 +85,7 @@ class StagingPool:
             self._free.clear()
             self._idle_bytes = 0
             self.peak_in_use_bytes = self.in_use_bytes
+            self.allocated_bytes = self.reused_bytes = 0
 
 
 POOL = StagingPool()
