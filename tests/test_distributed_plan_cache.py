@@ -40,6 +40,7 @@ def test_split_join_round_trip_and_fingerprint() -> None:
     plan = _plan()
     structure, content = split(plan)
     assert join(structure, content) == plan
+    assert fingerprint(plan) == fingerprint(structure)  # computed without splitting
     assert len(content.digests) == 5 * 32 and len(content.primitives) == 2
 
     # Content (hashes, primitive values) is not structure; shapes, flags and keys are.

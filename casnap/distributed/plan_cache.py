@@ -37,7 +37,7 @@ import json
 import pickle
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import blake3
@@ -49,6 +49,7 @@ from casnap.distributed.plan import (
     ObjectPlan,
     RankPlan,
     ShardedPlan,
+    ShardPlan,
     TensorPlan,
 )
 from casnap.manifest import ContainerEntry, PrimitiveEntry
@@ -143,77 +144,93 @@ class PlanCache:
 CACHE = PlanCache()
 
 
-def _hollow(ids: ChunkIds, digests: bytearray) -> ChunkIds:
-    for h, _ in ids:
-        digests += bytes.fromhex(h)
+def _hollow(ids: ChunkIds) -> ChunkIds:
     return tuple(("", n) for _, n in ids)
+
+
+def _hexes(ids: ChunkIds) -> list[str]:
+    return [h for h, _ in ids]
+
+
+def content_of(plan: RankPlan) -> Content:
+    """The chunk digests and primitive values of ``plan``, in entry order."""
+    hexes: list[str] = []
+    prims: list[tuple[str, Any]] = []
+    for e in plan.entries.values():
+        if isinstance(e, (TensorPlan, ObjectPlan)):
+            hexes += _hexes(e.chunks)
+        elif isinstance(e, ShardedPlan):
+            for s in e.shards:
+                hexes += _hexes(s.chunks)
+        elif isinstance(e, PrimitiveEntry):
+            prims.append((e.type, e.value))
+    return Content(bytes.fromhex("".join(hexes)), tuple(prims))
+
+
+def _slot(e: EntryPlan) -> SlotPlan:
+    if isinstance(e, TensorPlan):
+        return TensorPlan(e.dtype, e.shape, e.replicated, _hollow(e.chunks))
+    if isinstance(e, ObjectPlan):
+        return ObjectPlan(e.type_name, e.size, _hollow(e.chunks))
+    if isinstance(e, ShardedPlan):
+        shards = tuple(ShardPlan(s.offsets, s.sizes, _hollow(s.chunks)) for s in e.shards)
+        return ShardedPlan(e.layout, e.dtype, e.shape, shards)
+    if isinstance(e, PrimitiveEntry):
+        return PrimitiveSlot()
+    return e
 
 
 def split(plan: RankPlan) -> tuple[Structure, Content]:
     """A plan's structure and content; :func:`join` puts them back together exactly."""
-    digests = bytearray()
-    prims: list[tuple[str, Any]] = []
-    slots: list[tuple[str, SlotPlan]] = []
-    for key, e in plan.entries.items():
-        slot: SlotPlan
-        if isinstance(e, (TensorPlan, ObjectPlan)):
-            slot = replace(e, chunks=_hollow(e.chunks, digests))
-        elif isinstance(e, ShardedPlan):
-            shards = tuple(replace(s, chunks=_hollow(s.chunks, digests)) for s in e.shards)
-            slot = replace(e, shards=shards)
-        elif isinstance(e, PrimitiveEntry):
-            prims.append((e.type, e.value))
-            slot = PrimitiveSlot()
-        else:
-            slot = e
-        slots.append((key, slot))
-    structure = Structure(plan.rank, plan.chunk_size, tuple(slots))
-    return structure, Content(bytes(digests), tuple(prims))
+    slots = tuple((key, _slot(e)) for key, e in plan.entries.items())
+    return Structure(plan.rank, plan.chunk_size, slots), content_of(plan)
 
 
 class _Filler:
     """Hands out a content's digests and primitive values in the structure's order."""
 
     def __init__(self, content: Content) -> None:
-        self.content = content
+        self.hexes = content.digests.hex()  # one conversion, then slices
+        self.primitives = content.primitives
         self.at = 0
         self.prim = 0
 
     def ids(self, hollow: ChunkIds) -> ChunkIds:
-        data, at = self.content.digests, self.at
-        if at + DIGEST * len(hollow) > len(data):
+        width, at = 2 * DIGEST, self.at
+        end = at + width * len(hollow)
+        if end > len(self.hexes):
             raise ValueError("plan content holds fewer chunk digests than its structure")
-        out = tuple(
-            (data[at + i * DIGEST : at + (i + 1) * DIGEST].hex(), n)
-            for i, (_, n) in enumerate(hollow)
-        )
-        self.at = at + DIGEST * len(hollow)
-        return out
+        hexes = self.hexes
+        self.at = end
+        return tuple((hexes[at + i * width : at + (i + 1) * width], n)
+                     for i, (_, n) in enumerate(hollow))  # fmt: skip
 
     def primitive(self) -> PrimitiveEntry:
-        kind, value = self.content.primitives[self.prim]
+        kind, value = self.primitives[self.prim]
         self.prim += 1
         return PrimitiveEntry(type=kind, value=value)  # type: ignore[arg-type]
 
     def check_used(self) -> None:
-        if self.at != len(self.content.digests) or self.prim != len(self.content.primitives):
+        if self.at != len(self.hexes) or self.prim != len(self.primitives):
             raise ValueError("plan content does not match its structure")
+
+    def entry(self, slot: SlotPlan) -> EntryPlan:
+        if isinstance(slot, TensorPlan):
+            return TensorPlan(slot.dtype, slot.shape, slot.replicated, self.ids(slot.chunks))
+        if isinstance(slot, ObjectPlan):
+            return ObjectPlan(slot.type_name, slot.size, self.ids(slot.chunks))
+        if isinstance(slot, ShardedPlan):
+            shards = tuple(ShardPlan(s.offsets, s.sizes, self.ids(s.chunks)) for s in slot.shards)
+            return ShardedPlan(slot.layout, slot.dtype, slot.shape, shards)
+        if isinstance(slot, PrimitiveSlot):
+            return self.primitive()
+        return slot
 
 
 def join(structure: Structure, content: Content) -> RankPlan:
     """The plan that :func:`split` took apart into ``structure`` and ``content``."""
     fill = _Filler(content)
-    entries: dict[str, EntryPlan] = {}
-    for key, slot in structure.entries:
-        if isinstance(slot, (TensorPlan, ObjectPlan)):
-            entries[key] = replace(slot, chunks=fill.ids(slot.chunks))
-        elif isinstance(slot, ShardedPlan):
-            shards = tuple(replace(s, chunks=fill.ids(s.chunks)) for s in slot.shards)
-            entries[key] = replace(slot, shards=shards)
-        elif isinstance(slot, PrimitiveSlot):
-            entries[key] = fill.primitive()
-        else:
-            entries[key] = slot
+    entries = {key: fill.entry(slot) for key, slot in structure.entries}
     fill.check_used()
     return RankPlan(structure.rank, structure.chunk_size, entries)
 
@@ -222,7 +239,8 @@ def _sizes(ids: ChunkIds) -> list[int]:
     return [n for _, n in ids]
 
 
-def _canonical(slot: SlotPlan) -> list[Any]:
+def _canonical(slot: SlotPlan | EntryPlan) -> list[Any]:
+    """The JSON form of one entry's structure (chunk hashes and primitive values left out)."""
     if isinstance(slot, TensorPlan):
         return ["t", slot.dtype, list(slot.shape), slot.replicated, _sizes(slot.chunks)]
     if isinstance(slot, ObjectPlan):
@@ -235,9 +253,13 @@ def _canonical(slot: SlotPlan) -> list[Any]:
     return ["p"]
 
 
-def fingerprint(structure: Structure) -> bytes:
-    """blake3 of the structure's canonical JSON: equal structures, equal fingerprints."""
-    doc = [structure.rank, structure.chunk_size, [[k, _canonical(s)] for k, s in structure.entries]]
+def fingerprint(of: Structure | RankPlan) -> bytes:
+    """blake3 of the structure's canonical JSON: equal structures, equal fingerprints.
+
+    A plan's fingerprint is its structure's, computed without building the structure.
+    """
+    items = of.entries.items() if isinstance(of, RankPlan) else of.entries
+    doc = [of.rank, of.chunk_size, [[k, _canonical(s)] for k, s in items]]
     text = json.dumps(doc, ensure_ascii=True, separators=(",", ":"))
     return blake3.blake3(text.encode("ascii")).digest()
 
@@ -248,11 +270,11 @@ def _cached_entry(structures: list[Structure], fingerprints: list[bytes]) -> Cac
 
 
 def _message(plan: RankPlan, cached: CachedPlans | None) -> PlanMessage:
-    structure, content = split(plan)
-    fp = fingerprint(structure)
+    fp = fingerprint(plan)
     reuse = cached is not None and cached.fingerprints[plan.rank] == fp
+    structure = None if reuse else split(plan)[0]  # built only when it must travel
     digest = cached.digest if cached is not None else None
-    return PlanMessage(plan.rank, fp, digest, None if reuse else structure, content)
+    return PlanMessage(plan.rank, fp, digest, structure, content_of(plan))
 
 
 def _reusable(messages: list[PlanMessage]) -> bool:
