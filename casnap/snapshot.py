@@ -91,6 +91,7 @@ class Snapshot:
                 path, app_state, group=group, replicated=replicated,
                 storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
                 parents=parents, stage=False, custom_prepare=_custom_tensor_prepare_func,
+                memory_budget_bytes=memory_budget_bytes,
             )  # fmt: skip
             return cls._from_result(path, pg, storage_options, commit())
         job = prepare_take(
@@ -129,6 +130,7 @@ class Snapshot:
                 path, app_state, group=group, replicated=replicated,
                 storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
                 parents=parents, stage=True, custom_prepare=_custom_tensor_prepare_func,
+                memory_budget_bytes=memory_budget_bytes,
             )  # fmt: skip
             return PendingSnapshot(path, pg, storage_options, commit)
         job = prepare_take(
