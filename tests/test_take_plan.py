@@ -119,3 +119,24 @@ def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, mon
     state = state_of(40)
     take(repo, "s1", state)
     assert_same(restored(repo, "s1", state), state)
+
+
+def test_a_take_and_restore_of_plain_tensors_do_not_import_dtensor(tmp_path):
+    # Importing torch.distributed.tensor costs about a second; a state without
+    # sharded tensors must not pay it (a DTensor cannot exist before it is imported).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from casnap import Snapshot, StateDict\n"
+        f"path = {str(tmp_path / 'repo' / 's1')!r}\n"
+        "state = StateDict(w=torch.randn(10), step=3)\n"
+        "Snapshot.take(path, {'m': state})\n"
+        "Snapshot(path).restore({'m': StateDict(w=torch.empty(10), step=0)})\n"
+        "heavy = [m for m in ('torch.distributed.tensor', "
+        "'torch.distributed._shard.sharded_tensor.api') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

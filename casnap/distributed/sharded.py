@@ -8,6 +8,7 @@ is "copy the overlap of every stored box into every target box".
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,20 +34,21 @@ class ShardLeaf:
     shards: tuple[LocalShard, ...]
 
 
+# A DTensor or ShardedTensor can only exist once its module is imported, and
+# importing torch.distributed.tensor costs about 0.9 s: a take of a state
+# without them must not pay that, so the types are looked up, never imported.
+_DTENSOR_MODULE = "torch.distributed.tensor"
+_SHARDED_TENSOR_MODULE = "torch.distributed._shard.sharded_tensor.api"
+
+
 def _dtensor_type() -> type[Any] | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def _sharded_tensor_type() -> type[Any] | None:
-    try:
-        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    except ImportError:
-        return None
-    return ShardedTensor
+    module = sys.modules.get(_SHARDED_TENSOR_MODULE)
+    return getattr(module, "ShardedTensor", None) if module is not None else None
 
 
 def is_sharded(value: Any) -> bool:
