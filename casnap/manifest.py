@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -218,7 +219,31 @@ class Manifest(_Model):
     entries: dict[Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)], Entry]
 
     def to_bytes(self) -> bytes:
-        return canonical_json(self.model_dump(mode="json"))
+        return canonical_json(self.to_jsonable())
+
+    def to_jsonable(self, previous: Manifest | None = None) -> dict[str, Any]:
+        """``model_dump(mode="json")``, reusing ``previous``'s dumps of shared entries.
+
+        A take of an unchanged structure shares most entry objects with its
+        parent's manifest (casnap.take); dumping thousands of them again was
+        most of the time of serializing the manifest. The dump is remembered
+        for as long as the manifest lives (it is frozen: it cannot go stale).
+        """
+        cached = _JSON.get(id(self))
+        if cached is not None and cached[0]() is self:
+            return cached[1]
+        shared: dict[str, Any] = {}
+        old = _JSON.get(id(previous)) if previous is not None else None
+        if previous is not None and old is not None and old[0]() is previous:
+            old_entries = old[1]["entries"]
+            shared = {k: old_entries[k] for k, e in self.entries.items()
+                      if previous.entries.get(k) is e}  # fmt: skip
+        out = self.model_dump(mode="json", exclude={"entries"})
+        out["entries"] = {k: shared[k] if k in shared else e.model_dump(mode="json")
+                          for k, e in self.entries.items()}  # fmt: skip
+        _JSON[id(self)] = (weakref.ref(self), out)
+        weakref.finalize(self, _JSON.pop, id(self), None)
+        return out
 
     def chunk_refs(self) -> list[ChunkRef]:
         refs: list[ChunkRef] = []
@@ -228,6 +253,10 @@ class Manifest(_Model):
             elif isinstance(e, ShardedEntry):
                 refs.extend(c for shard in e.shards for c in shard.chunks)
         return refs
+
+
+# id(manifest) -> (a weak reference to it, its JSON form); see Manifest.to_jsonable.
+_JSON: dict[int, tuple[weakref.ref[Manifest], dict[str, Any]]] = {}
 
 
 class RepoConfig(_Model):

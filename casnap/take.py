@@ -139,6 +139,7 @@ class TakeJob:
                 metadata=self.metadata,
                 entries=entries,
             )
+            manifest.to_jsonable(self._previous_manifest())  # reuses unchanged entries' JSON
             manifest_hash = self.repo.write_manifest(manifest)
             # A take stalled past its lease may have been declared dead: never commit then.
             lease.check()
@@ -149,12 +150,16 @@ class TakeJob:
         self.nodes = {}
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
 
-    def _previous_entries(self) -> Mapping[str, Entry]:
+    def _previous_manifest(self) -> Manifest | None:
         for parent in self.parents:
             manifest = LAST_PLAN.get(self.repo.config.repo_id, parent)
             if manifest is not None:
-                return manifest.entries
-        return {}
+                return manifest
+        return None
+
+    def _previous_entries(self) -> Mapping[str, Entry]:
+        previous = self._previous_manifest()
+        return previous.entries if previous is not None else {}
 
     def commit_staged(self) -> TakeResult:
         """:meth:`commit`, then hand the staging buffers back for the next async take."""

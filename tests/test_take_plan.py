@@ -7,6 +7,8 @@ import torch
 
 from casnap import Repository, Snapshot, StateDict, lineage
 from casnap.errors import StoreError
+from casnap.manifest import canonical_json
+from casnap.repository import manifest_key
 from casnap.store import CountingStore, LocalStore
 from casnap.take import LAST_PLAN
 
@@ -68,8 +70,11 @@ def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_pa
     assert s2.manifest.entries["0/s/small0"] is s1.manifest.entries["0/s/small0"]
     assert s2.manifest.entries["0/s/small3"] != s1.manifest.entries["0/s/small3"]
     assert_same(restored(repo, "s2", state), state)
-    # What was written is exactly what a fresh read of the manifest gives.
+    # What was written is exactly what a fresh read of the manifest gives, and its
+    # bytes are the canonical JSON of a full dump (the reused entry dumps changed nothing).
     assert repo.read_manifest(s2.manifest_hash) == s2.manifest
+    stored = repo.store.get(manifest_key(s2.manifest_hash))
+    assert stored == canonical_json(s2.manifest.model_dump(mode="json"))
 
 
 def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path):
