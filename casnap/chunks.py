@@ -15,7 +15,7 @@ hash before its bytes are handed on.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -29,6 +29,9 @@ from casnap.repository import Repository, chunk_key, pack_key
 from casnap.settings import Settings
 
 Buffer = codec.Buffer
+# Small chunks go to the workers in batches of up to this many bytes or items.
+BATCH_BYTES = 1 << 20
+BATCH_ITEMS = 256
 # Ranged reads of one pack merge frames separated by less than this gap.
 _MERGE_GAP = 256 * 1024
 
@@ -51,6 +54,7 @@ class BatchItem:
     result: Future[ChunkRef]
     on_done: Callable[[], None] | None = None
     elem_size: int = 0
+    digest: bytes | None = None  # computed by the caller (see ChunkWriter._process)
 
 
 @dataclass
@@ -124,11 +128,31 @@ class ChunkWriter:
         with self._lock:
             self._work.append(work)
 
+    def add_digested(self, chunks: Sequence[tuple[Buffer, bytes]]) -> list[Future[ChunkRef]]:
+        """Schedule chunks whose digests are known; small ones travel in batches."""
+        futures: list[Future[ChunkRef]] = []
+        batch: list[BatchItem] = []
+        size = 0
+        for data, digest in chunks:
+            if len(data) >= self.settings.pack_limit:
+                futures.append(self.add(data, digest=digest))
+                continue
+            item = BatchItem(data, Future(), digest=digest)
+            futures.append(item.result)
+            batch.append(item)
+            size += len(data)
+            if size >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:
+                self.add_batch(batch)
+                batch, size = [], 0
+        if batch:
+            self.add_batch(batch)
+        return futures
+
     def _process_batch(self, items: list[BatchItem]) -> None:
         first: BaseException | None = None
         for item in items:
             try:
-                self._process(item.data, item.result, item.elem_size)
+                self._process(item.data, item.result, item.elem_size, item.digest)
             except BaseException as exc:
                 if not item.result.done():
                     item.result.set_exception(exc)

@@ -28,7 +28,7 @@ import torch
 
 from casnap import index, lineage, staging
 from casnap.budget import ByteBudget
-from casnap.chunks import BatchItem, ChunkWriter, WriteStats
+from casnap.chunks import BATCH_BYTES, BATCH_ITEMS, BatchItem, ChunkWriter, WriteStats
 from casnap.errors import CasnapError, SnapshotExistsError, UnsupportedValueError
 from casnap.index import KnownChunks
 from casnap.leases import hold_lease
@@ -250,8 +250,8 @@ def _tensor_entry(
 class _Batcher:
     """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
 
-    MAX_BYTES = 1 << 20
-    MAX_ITEMS = 256
+    MAX_BYTES = BATCH_BYTES
+    MAX_ITEMS = BATCH_ITEMS
 
     def __init__(self, writer: ChunkWriter) -> None:
         self._writer = writer

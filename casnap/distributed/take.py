@@ -259,7 +259,8 @@ class _Commit:
             self._known = known_chunks(self.repo, self.info.parents)
         with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
             writer = ChunkWriter(self.repo, self.settings, pool, self._known)
-            futures = [writer.add(self.local.chunks[h], digest=bytes.fromhex(h)) for h in hashes]
+            chunks = [(self.local.chunks[h], bytes.fromhex(h)) for h in hashes]
+            futures = writer.add_digested(chunks)
             refs = writer.finish(futures)
         if flush:
             self.repo.store.flush()  # this rank's chunks are durable before rank 0 commits
