@@ -221,18 +221,11 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
         for i, ref in enumerate(obj.chunks):
             refs.append(ref)
             routes.append((key, i))
-    for key, sharded in load.sharded.items():
-        sharded.prepare()
-        for i, ref in sharded.needed():
-            refs.append(ref)
-            routes.append((key, i))
 
     def sink(index: int, data: Any) -> None:
         key, i = routes[index]
         if key in sinks:
             sinks[key].write(i, data)
-        elif key in load.sharded:
-            load.sharded[key].write(i, data)
         else:
             cs = load.objects[key].chunk_size
             blobs[key][i * cs : i * cs + len(data)] = data
@@ -241,19 +234,68 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
         key, i = routes[index]
         return sinks[key].view_for(i, refs[index].size) if key in sinks else None
 
-    budget = ByteBudget(memory_budget_bytes or default_memory_budget())
-    if refs:
-        workers = read_workers_for(repo.root.capabilities.local)
-        with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
-            read_chunks(repo, refs, sink, pool, budget, landing)
+    limit = memory_budget_bytes or default_memory_budget()
+    workers = read_workers_for(repo.root.capabilities.local)
+    with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
+        if refs:
+            read_chunks(repo, refs, sink, pool, ByteBudget(limit), landing)
+        if load.sharded:
+            _load_sharded(repo, load.sharded, pool, limit)
     values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
-    values.update((k, s.finish()) for k, s in load.sharded.items())
+    values.update((k, s.result) for k, s in load.sharded.items())
     for key, blob in blobs.items():
         try:
             values[key] = pickle.loads(blob)  # only reached with allow_pickle=True
         except Exception as exc:
             raise IntegrityError(f"{key}: the pickled object cannot be loaded: {exc}", key) from exc
     return values
+
+
+def _load_sharded(
+    repo: Repository, sharded: Mapping[str, ShardedSink], pool: ThreadPoolExecutor, limit: int
+) -> None:
+    """Read sharded entries a group of stored shards at a time, staging at most half the budget.
+
+    Each stored shard that overlaps the target is staged whole; a group's
+    staging plus the reads in flight (the other half) stay under ``limit``. A
+    single shard larger than half the budget is staged alone, as the budget's
+    rule for one oversized request has it.
+    """
+    units = [(key, si, n) for key, s in sharded.items() for si, n in s.shard_units()]
+    share = max(1, limit // 2)
+    group: dict[str, set[int]] = {}
+    staged = 0
+    for i, (key, si, nbytes) in enumerate(units):
+        group.setdefault(key, set()).add(si)
+        staged += nbytes
+        last = i == len(units) - 1
+        if last or staged + units[i + 1][2] > share:
+            _load_group(repo, sharded, group, pool, ByteBudget(max(1, limit - share)))
+            group, staged = {}, 0
+
+
+def _load_group(
+    repo: Repository,
+    sharded: Mapping[str, ShardedSink],
+    group: dict[str, set[int]],
+    pool: ThreadPoolExecutor,
+    budget: ByteBudget,
+) -> None:
+    refs: list[ChunkRef] = []
+    routes: list[tuple[str, int]] = []
+    for key, shards in group.items():
+        sharded[key].allocate(shards)
+        for route, ref in sharded[key].needed_of(shards):
+            refs.append(ref)
+            routes.append((key, route))
+
+    def sink(index: int, data: Any) -> None:
+        key, route = routes[index]
+        sharded[key].write(route, data)
+
+    read_chunks(repo, refs, sink, pool, budget)
+    for key, shards in group.items():
+        sharded[key].copy_out(shards)
 
 
 def read_entry(

@@ -114,9 +114,24 @@ class ShardedSink:
         """(route id, chunk) pairs to fetch; route ids are handed back to :meth:`write`."""
         return [(i, self.entry.shards[si].chunks[ci]) for i, (si, ci) in enumerate(self._needed)]
 
+    def needed_of(self, shards: set[int]) -> list[tuple[int, ChunkRef]]:
+        """:meth:`needed`, restricted to the chunks of the stored shards ``shards``."""
+        return [(i, self.entry.shards[si].chunks[ci])
+                for i, (si, ci) in enumerate(self._needed) if si in shards]  # fmt: skip
+
     @property
     def fetch_bytes(self) -> int:
         return sum(ref.size for _, ref in self.needed())
+
+    def shard_units(self) -> list[tuple[int, int]]:
+        """(stored shard, staging bytes) of every stored shard this read needs.
+
+        A stored shard is staged whole (the overlap boxes are sliced out of it),
+        so a reader bounded by a memory budget stages a group of shards at a
+        time: :meth:`allocate`, fetch :meth:`needed_of`, :meth:`copy_out`.
+        """
+        shards = sorted({si for si, _ in self._needed})
+        return [(si, math.prod(self.entry.shards[si].sizes) * self.itemsize) for si in shards]
 
     def _buffer(self, si: int) -> tuple[torch.Tensor, memoryview]:
         if si not in self._buffers:
@@ -124,10 +139,14 @@ class ShardedSink:
             self._buffers[si] = (t, byte_view(t))
         return self._buffers[si]
 
-    def prepare(self) -> None:
-        """Allocate the staging buffers (before reads start, from one thread)."""
-        for si, _ in self._needed:
+    def allocate(self, shards: set[int]) -> None:
+        """Allocate the staging buffers of ``shards`` (before their reads start, one thread)."""
+        for si in sorted(shards):
             self._buffer(si)
+
+    def prepare(self) -> None:
+        """Allocate every staging buffer (an unbounded read: :meth:`finish` follows)."""
+        self.allocate({si for si, _ in self._needed})
 
     def write(self, route: int, data: Any) -> None:
         si, ci = self._needed[route]
@@ -135,8 +154,11 @@ class ShardedSink:
         view = self._buffers[si][1]
         view[ci * cs : ci * cs + len(data)] = data
 
-    def finish(self) -> Any:
+    def copy_out(self, shards: set[int]) -> None:
+        """Copy the overlaps of ``shards`` (fetched) into the target and free their buffers."""
         for region, si, lo, hi in self.copies:
+            if si not in shards:
+                continue
             src_t = self._buffer(si)[0]
             shard = self.entry.shards[si]
             src = src_t[
@@ -150,6 +172,12 @@ class ShardedSink:
                 )
             ]
             copy_bits(dst, src)
+        for si in shards:
+            self._buffers.pop(si, None)
+
+    def finish(self) -> Any:
+        """Copy every overlap (after an unbounded read) and return the result."""
+        self.copy_out({si for si, _ in self._needed})
         self._buffers = {}
         return self.result
 
