@@ -29,8 +29,7 @@ import torch
 from casnap import index, lineage, staging
 from casnap.budget import ByteBudget
 from casnap.chunks import BATCH_BYTES, BATCH_ITEMS, BatchItem, ChunkWriter, WriteStats
-from casnap.errors import CasnapError, SnapshotExistsError, UnsupportedValueError
-from casnap.index import KnownChunks
+from casnap.errors import SnapshotExistsError, UnsupportedValueError
 from casnap.leases import hold_lease
 from casnap.manifest import (
     ChunkRef,
@@ -39,15 +38,15 @@ from casnap.manifest import (
     Manifest,
     ObjectEntry,
     PrimitiveEntry,
-    TensorEntry,
     canonical_json,
 )
 from casnap.names import escape_key
-from casnap.repository import Repository, locate, manifest_key, now_iso
+from casnap.plan import LAST_PLAN, known_chunks, tensor_entry
+from casnap.repository import Repository, locate, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf, flatten
 from casnap.torch_io.stateful import RNGState
-from casnap.torch_io.tensors import dtype_name, host_view
+from casnap.torch_io.tensors import host_view
 
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
@@ -117,7 +116,7 @@ class TakeJob:
             previous = self._previous_entries()
             for key, node in self.nodes.items():
                 if isinstance(node, TensorLeaf):
-                    entries[key] = _tensor_entry(
+                    entries[key] = tensor_entry(
                         key, node.tensor, cs, [f.result() for f in pending[key]], previous.get(key)
                     )
                 elif isinstance(node, ObjectLeaf):
@@ -230,23 +229,6 @@ class TakeJob:
         return [writer.add(view[i * cs : (i + 1) * cs], one_done, elem_size) for i in range(count)]
 
 
-def _tensor_entry(
-    key: str, t: torch.Tensor, chunk_size: int, chunks: list[ChunkRef], previous: Entry | None
-) -> TensorEntry:
-    """The entry of one tensor; the previous take's own object when nothing changed."""
-    dtype, shape = dtype_name(t.dtype, key), list(t.shape)
-    if (
-        isinstance(previous, TensorEntry)
-        and previous.chunks == chunks
-        and previous.dtype == dtype
-        and previous.shape == shape
-        and previous.chunk_size == chunk_size
-        and not previous.replicated
-    ):
-        return previous  # validated when it was built; frozen, so safe to share
-    return TensorEntry(dtype=dtype, shape=shape, chunk_size=chunk_size, chunks=chunks)
-
-
 class _Batcher:
     """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
 
@@ -297,68 +279,6 @@ class _Countdown:
             fire = self._left == 0
         if fire:
             self._event.set()
-
-
-class _LastPlan:
-    """The manifest this process last committed, per repository: the next take's plan.
-
-    A take with the same structure as the previous one (the usual every-N-steps
-    loop) finds its parent's chunk locations here instead of reading and
-    validating the parent manifest again, and reuses every entry whose chunks
-    did not change instead of building it anew. Only a manifest this process
-    wrote itself is kept (it was validated when built), one per repository.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_repo: dict[str, tuple[str, Manifest]] = {}
-
-    def put(self, repo_id: str, manifest_hash: str, manifest: Manifest) -> None:
-        with self._lock:
-            self._by_repo[repo_id] = (manifest_hash, manifest)
-
-    def get(self, repo_id: str, manifest_hash: str) -> Manifest | None:
-        with self._lock:
-            hit = self._by_repo.get(repo_id)
-        return hit[1] if hit is not None and hit[0] == manifest_hash else None
-
-    def clear(self) -> None:
-        with self._lock:
-            self._by_repo.clear()
-
-
-LAST_PLAN = _LastPlan()
-
-
-def known_chunks(repo: Repository, parents: list[str]) -> KnownChunks:
-    """Chunks a take may reference without writing: its parents', and the local index's.
-
-    Called inside the take's gc-exclusion window: opening the index reads the
-    store's gc epoch, and index entries are trusted only while no gc has
-    swept since (docs/index.md). The parents' chunk locations come from their
-    manifests (one get each); every other chunk is looked up in the index by
-    the ChunkWriter, so a take in a fresh process probes no chunk the index
-    knows. Without the index (``CASNAP_INDEX=0``) this is the parents' chunks only.
-    """
-    known = KnownChunks(index.open_index(repo))
-    summaries = []
-    for parent in parents:
-        manifest = LAST_PLAN.get(repo.config.repo_id, parent)
-        if manifest is not None and repo.store.exists(manifest_key(parent)):
-            # Written by this process, and still stored: gc deletes a manifest before
-            # its chunks and cannot run while this take's lease is held, so its
-            # chunks are all there, exactly as if it had been read back (docs/gc.md).
-            known.update((c.hash, c) for c in manifest.chunk_refs())
-            continue
-        try:
-            manifest = repo.read_manifest(parent)
-        except CasnapError:
-            continue  # a parent that is gone only costs dedup, never correctness
-        known.update((c.hash, c) for c in manifest.chunk_refs())
-        summaries.append(index.summarize(parent, manifest))
-    if known.index is not None and summaries:
-        known.index.record_summaries(summaries)  # free for log/du: already read
-    return known
 
 
 def _order(app_state: Mapping[str, Any]) -> list[tuple[str, Any]]:

@@ -8,9 +8,9 @@ import torch
 from casnap import Repository, Snapshot, StateDict, lineage
 from casnap.errors import StoreError
 from casnap.manifest import canonical_json
+from casnap.plan import LAST_PLAN
 from casnap.repository import manifest_key
 from casnap.store import CountingStore, LocalStore
-from casnap.take import LAST_PLAN
 
 CHUNK = 64 * 1024
 

@@ -57,13 +57,13 @@ from casnap.distributed.staged import give_back, stage_chunks
 from casnap.index import KnownChunks
 from casnap.leases import Lease, acquire_lease
 from casnap.manifest import ChunkRef, Manifest
+from casnap.plan import known_chunks
 from casnap.repository import Repository, locate, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
 from casnap.take import (
     TakeResult,
     TensorPrepareFunc,
     collect,
-    known_chunks,
     resolve_target,
     staging_limit,
 )
