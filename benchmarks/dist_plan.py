@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from harness import finish_rank, join_group, spawn_ranks
 
 
 def _state(rank: int, tensors: int) -> dict[str, Any]:
@@ -62,11 +58,10 @@ def _take(root: str, name: str, app: dict[str, Any]) -> tuple[int, float, float]
     return last.payload_bytes, exchange, _over_ranks(took, dist.ReduceOp.MAX)
 
 
-def worker(rank: int, world: int, init: str, out: str, tensors: int, repeat: int) -> None:
+def worker(rank: int, world: int, out: str, tensors: int, repeat: int) -> None:
     from casnap.distributed.plan_cache import CACHE
 
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))  # fmt: skip
+    join_group(rank, world, out)
     app = _state(rank, tensors)
     root = str(Path(out, "repo"))
     rows: dict[str, list[Any]] = {"cold": [], "warm": []}
@@ -78,24 +73,20 @@ def worker(rank: int, world: int, init: str, out: str, tensors: int, repeat: int
         if i:  # round 0 writes the chunks: warm-up
             rows["cold"].append(cold)
             rows["warm"].append(warm)
-    if rank == 0:
 
-        def med(kind: str, col: int) -> float:
-            return statistics.median(r[col] for r in rows[kind])
+    def med(kind: str, col: int) -> float:
+        return statistics.median(r[col] for r in rows[kind])
 
-        result = {
-            "ranks": world, "tensors": tensors, "rounds": repeat,
-            "payload_bytes_cold": rows["cold"][0][0], "payload_bytes_warm": rows["warm"][0][0],
-            "payload_warm_over_cold": rows["warm"][0][0] / rows["cold"][0][0],
-            "exchange_s_cold": med("cold", 1), "exchange_s_warm": med("warm", 1),
-            "exchange_warm_over_cold": med("warm", 1) / med("cold", 1),
-            "take_s_cold": med("cold", 2), "take_s_warm": med("warm", 2),
-            "take_warm_over_cold": med("warm", 2) / med("cold", 2),
-        }  # fmt: skip
-        Path(out, "result.json").write_text(json.dumps(result))
-    dist.barrier()
-    # Exit without tearing gloo down: a teardown race has been seen to hang one rank.
-    os._exit(0)
+    result = {
+        "ranks": world, "tensors": tensors, "rounds": repeat,
+        "payload_bytes_cold": rows["cold"][0][0], "payload_bytes_warm": rows["warm"][0][0],
+        "payload_warm_over_cold": rows["warm"][0][0] / rows["cold"][0][0],
+        "exchange_s_cold": med("cold", 1), "exchange_s_warm": med("warm", 1),
+        "exchange_warm_over_cold": med("warm", 1) / med("cold", 1),
+        "take_s_cold": med("cold", 2), "take_s_warm": med("warm", 2),
+        "take_warm_over_cold": med("warm", 2) / med("cold", 2),
+    }  # fmt: skip
+    finish_rank(rank, out, result)
 
 
 def main() -> None:
@@ -104,15 +95,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="casnap-distplan-")
-    os.environ.setdefault("CASNAP_INDEX_DIR", str(Path(tmp, "index")))
-    os.environ.setdefault("CASNAP_STATE_DIR", str(Path(tmp, "state")))
-    try:
-        mp.spawn(worker, args=(args.ranks, str(Path(tmp, "init")), tmp, args.tensors,
-                               args.repeat), nprocs=args.ranks)  # fmt: skip
-        sys.stdout.write(Path(tmp, "result.json").read_text() + "\n")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    result = spawn_ranks(worker, args.ranks, args.tensors, args.repeat)
+    sys.stdout.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from harness import finish_rank, join_group, spawn_ranks
 
 
 def _timed(fn: Any) -> float:
@@ -33,13 +29,12 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def worker(rank: int, world: int, init: str, out: str, mib: int, repeat: int) -> None:
+def worker(rank: int, world: int, out: str, mib: int, repeat: int) -> None:
     import torch.distributed.checkpoint as dcp
 
     from casnap import Snapshot
 
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))  # fmt: skip
+    join_group(rank, world, out)
     torch.manual_seed(0)
     layers = max(1, mib // 4)  # 1024x1024 float32 = 4 MiB each
     model = torch.nn.parallel.DistributedDataParallel(
@@ -62,18 +57,14 @@ def worker(rank: int, world: int, init: str, out: str, mib: int, repeat: int) ->
                 )
             )  # fmt: skip
         )
-    if rank == 0:
-        result = {
-            "ranks": world, "model_mib": layers * 4,
-            "casnap_bytes_per_rank": per_rank,
-            "casnap_take_s": statistics.median(casnap_times),
-            "dcp_save_s": statistics.median(dcp_times),
-            "casnap_over_dcp": statistics.median(casnap_times) / statistics.median(dcp_times),
-        }  # fmt: skip
-        Path(out, "result.json").write_text(json.dumps(result))
-    dist.barrier()
-    # Exit without tearing gloo down: a teardown race has been seen to hang one rank.
-    os._exit(0)
+    result = {
+        "ranks": world, "model_mib": layers * 4,
+        "casnap_bytes_per_rank": per_rank,
+        "casnap_take_s": statistics.median(casnap_times),
+        "dcp_save_s": statistics.median(dcp_times),
+        "casnap_over_dcp": statistics.median(casnap_times) / statistics.median(dcp_times),
+    }  # fmt: skip
+    finish_rank(rank, out, result)
 
 
 def main() -> None:
@@ -82,15 +73,8 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="casnap-distbench-")
-    os.environ.setdefault("CASNAP_INDEX_DIR", str(Path(tmp, "index")))
-    os.environ.setdefault("CASNAP_STATE_DIR", str(Path(tmp, "state")))
-    try:
-        mp.spawn(worker, args=(args.ranks, str(Path(tmp, "init")), tmp, args.mib, args.repeat),
-                 nprocs=args.ranks)  # fmt: skip
-        sys.stdout.write(Path(tmp, "result.json").read_text() + "\n")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    result = spawn_ranks(worker, args.ranks, args.mib, args.repeat)
+    sys.stdout.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

@@ -314,3 +314,49 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
         json.dump(payload, fh, indent=2, sort_keys=False)
         fh.write("\n")
     os.replace(tmp, path)
+
+
+# -- multi-rank benchmarks (dist_take.py, dist_plan.py) ---------------------------
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, *args: Any) -> dict[str, Any]:
+    """Run ``worker(rank, world, out, *args)`` on ``world`` CPU processes; rank 0's result.
+
+    Each rank calls :func:`join_group` first and :func:`finish_rank` last. The
+    index and lease state go to the scratch folder, removed afterwards.
+    """
+    import torch.multiprocessing as mp
+
+    tmp = tempfile.mkdtemp(prefix="casnap-dist-bench-")
+    os.environ.setdefault("CASNAP_INDEX_DIR", os.path.join(tmp, "index"))
+    os.environ.setdefault("CASNAP_STATE_DIR", os.path.join(tmp, "state"))
+    try:
+        mp.spawn(worker, args=(world, tmp, *args), nprocs=world)
+        with open(os.path.join(tmp, "result.json"), encoding="utf-8") as fh:
+            result: dict[str, Any] = json.load(fh)
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def join_group(rank: int, world: int, out: str) -> None:
+    """Initialise the gloo group of one benchmark rank (file rendezvous in ``out``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'init')}",
+                            rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))  # fmt: skip
+
+
+def finish_rank(rank: int, out: str, result: dict[str, Any]) -> None:
+    """Rank 0 writes ``result`` for :func:`spawn_ranks`; every rank exits at once."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(os.path.join(out, "result.json"), "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+    dist.barrier()
+    # Exit without tearing gloo down: a teardown race has been seen to hang one rank.
+    os._exit(0)
