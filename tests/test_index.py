@@ -17,7 +17,7 @@ import pytest
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
-from casnap import Repository, Snapshot, StateDict, index, lineage
+from casnap import Repository, Snapshot, StateDict, index, index_lmdb, lineage
 from casnap.history import stored_bytes
 from casnap.store import CountingStore, FsspecStore, LocalStore
 
@@ -346,7 +346,7 @@ def test_index_lives_where_configured(tmp_path):
 
 
 def test_an_index_folder_on_a_network_filesystem_is_not_used(tmp_path, monkeypatch):
-    monkeypatch.setattr(index, "_filesystem_type", lambda path: "nfs4")
+    monkeypatch.setattr(index_lmdb, "_filesystem_type", lambda path: "nfs4")
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     s1 = take(repo, "s1", state)
