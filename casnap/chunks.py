@@ -64,6 +64,26 @@ class _Pack:
     size: int = 0
 
 
+class ChunkBatcher:
+    """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
+
+    def __init__(self, writer: ChunkWriter) -> None:
+        self._writer = writer
+        self._items: list[BatchItem] = []
+        self._bytes = 0
+
+    def add(self, item: BatchItem) -> None:
+        self._items.append(item)
+        self._bytes += len(item.data)
+        if self._bytes >= BATCH_BYTES or len(self._items) >= BATCH_ITEMS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._items:
+            self._writer.add_batch(self._items)
+            self._items, self._bytes = [], 0
+
+
 class ChunkWriter:
     """Writes the chunks of one take; ``add`` returns a future of the chunk's ChunkRef.
 
@@ -131,21 +151,15 @@ class ChunkWriter:
     def add_digested(self, chunks: Sequence[tuple[Buffer, bytes]]) -> list[Future[ChunkRef]]:
         """Schedule chunks whose digests are known; small ones travel in batches."""
         futures: list[Future[ChunkRef]] = []
-        batch: list[BatchItem] = []
-        size = 0
+        batch = ChunkBatcher(self)
         for data, digest in chunks:
             if len(data) >= self.settings.pack_limit:
                 futures.append(self.add(data, digest=digest))
                 continue
             item = BatchItem(data, Future(), digest=digest)
             futures.append(item.result)
-            batch.append(item)
-            size += len(data)
-            if size >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:
-                self.add_batch(batch)
-                batch, size = [], 0
-        if batch:
-            self.add_batch(batch)
+            batch.add(item)
+        batch.flush()
         return futures
 
     def _process_batch(self, items: list[BatchItem]) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from casnap import index, lineage, staging
 from casnap.budget import ByteBudget
-from casnap.chunks import BATCH_BYTES, BATCH_ITEMS, BatchItem, ChunkWriter, WriteStats
+from casnap.chunks import BatchItem, ChunkBatcher, ChunkWriter, WriteStats
 from casnap.errors import SnapshotExistsError, UnsupportedValueError
 from casnap.leases import hold_lease
 from casnap.manifest import (
@@ -100,7 +100,7 @@ class TakeJob:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
                 pending: dict[str, list[Future[ChunkRef]]] = {}
                 live = _Countdown(self.live_consumed)
-                batch = _Batcher(writer)
+                batch = ChunkBatcher(writer)
                 for key, node in self._live_first():
                     if isinstance(node, TensorLeaf):
                         counter = live if key in self.live else None
@@ -175,7 +175,7 @@ class TakeJob:
         key: str,
         tensor: torch.Tensor,
         live: _Countdown | None = None,
-        batch: _Batcher | None = None,
+        batch: ChunkBatcher | None = None,
     ) -> list[Future[ChunkRef]]:
         nbytes = tensor.numel() * tensor.element_size()
         needs_copy = not (
@@ -199,7 +199,7 @@ class TakeJob:
         held: int = 0,
         elem_size: int = 0,
         live: _Countdown | None = None,
-        batch: _Batcher | None = None,
+        batch: ChunkBatcher | None = None,
     ) -> list[Future[ChunkRef]]:
         cs = self.settings.chunk_size
         n = len(view)
@@ -224,32 +224,9 @@ class TakeJob:
 
         if count == 1 and n < self.settings.pack_limit and batch is not None:
             result: Future[ChunkRef] = Future()
-            batch.add(BatchItem(view, result, one_done, elem_size), n)
+            batch.add(BatchItem(view, result, one_done, elem_size))
             return [result]
         return [writer.add(view[i * cs : (i + 1) * cs], one_done, elem_size) for i in range(count)]
-
-
-class _Batcher:
-    """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
-
-    MAX_BYTES = BATCH_BYTES
-    MAX_ITEMS = BATCH_ITEMS
-
-    def __init__(self, writer: ChunkWriter) -> None:
-        self._writer = writer
-        self._items: list[BatchItem] = []
-        self._bytes = 0
-
-    def add(self, item: BatchItem, nbytes: int) -> None:
-        self._items.append(item)
-        self._bytes += nbytes
-        if self._bytes >= self.MAX_BYTES or len(self._items) >= self.MAX_ITEMS:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._items:
-            self._writer.add_batch(self._items)
-            self._items, self._bytes = [], 0
 
 
 class _Countdown:
