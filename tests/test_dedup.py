@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import repo_helpers
 import torch
 
 from casnap import Repository, Snapshot, StateDict, lineage
-from casnap.store import CountingStore, LocalStore
+from casnap.store import CountingStore
 
 CHUNK = 64 * 1024
 
@@ -21,8 +22,7 @@ def _fresh_lineage():
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
-    store = CountingStore(LocalStore(root))
-    return Repository.on_store(store, chunk_size=CHUNK), store
+    return repo_helpers.counted_repo(root, CHUNK)
 
 
 def opts(repo: Repository) -> dict:

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import lmdb
 import pytest
+import repo_helpers
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
 from casnap import Repository, Snapshot, StateDict, index, index_lmdb, lineage
 from casnap.history import stored_bytes
-from casnap.store import CountingStore, FsspecStore, LocalStore
+from casnap.store import CountingStore, FsspecStore
 
 CHUNK = 64 * 1024
 
@@ -35,8 +36,7 @@ def _private_index(tmp_path, monkeypatch):
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
-    store = CountingStore(LocalStore(root))
-    return Repository.on_store(store, chunk_size=CHUNK), store
+    return repo_helpers.counted_repo(root, CHUNK)
 
 
 def opts(repo: Repository) -> dict:

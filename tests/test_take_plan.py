@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import repo_helpers
 import torch
 
 from casnap import Repository, Snapshot, StateDict, lineage
@@ -10,7 +11,7 @@ from casnap.errors import StoreError
 from casnap.manifest import canonical_json
 from casnap.plan import LAST_PLAN
 from casnap.repository import manifest_key
-from casnap.store import CountingStore, LocalStore
+from casnap.store import CountingStore
 
 CHUNK = 64 * 1024
 
@@ -25,8 +26,7 @@ def _fresh():
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
-    store = CountingStore(LocalStore(root))
-    return Repository.on_store(store, chunk_size=CHUNK), store
+    return repo_helpers.counted_repo(root, CHUNK)
 
 
 def take(repo: Repository, name: str, state: StateDict) -> Snapshot:
