@@ -44,8 +44,9 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 import torch
 from harness import machine, make_state, markdown_table, state_bytes, transformer_shapes, write_json
 
-from casnap import Repository, Snapshot, StateDict, index, lineage
+from casnap import Repository, Snapshot, StateDict, index
 from casnap.store import CountingStore, FsspecStore
+from casnap.take import lineage
 
 MiB = 1 << 20
 MODES = ("index", "no index", "lineage, no index")

@@ -25,8 +25,7 @@ from casnap.errors import (
     UnsupportedFormatError,
     UnsupportedValueError,
 )
-from casnap.repository import Repository
-from casnap.retention import (
+from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
     KeepLast,
@@ -37,17 +36,18 @@ from casnap.retention import (
     execute_retention,
     plan_retention,
 )
-from casnap.tags import TagInfo, add_tag, list_tags, remove_tag
+from casnap.repo.repository import Repository
+from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 
 # The torch layers load on first use, so that listing, du, gc and verify (and
 # the CLI) never import torch.
 _LAZY = {
-    "Snapshot": "casnap.snapshot",
-    "PendingSnapshot": "casnap.snapshot",
+    "Snapshot": "casnap.api.snapshot",
+    "PendingSnapshot": "casnap.api.snapshot",
     "RNGState": "casnap.torch_io.stateful",
     "Stateful": "casnap.torch_io.stateful",
     "StateDict": "casnap.torch_io.stateful",
-    "Checkpointer": "casnap.checkpointer",
+    "Checkpointer": "casnap.api.checkpointer",
     "export_safetensors": "casnap.export",
     "export_torch": "casnap.export",
 }
@@ -67,9 +67,9 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from casnap.checkpointer import Checkpointer
+    from casnap.api.checkpointer import Checkpointer
+    from casnap.api.snapshot import PendingSnapshot, Snapshot
     from casnap.export import export_safetensors, export_torch
-    from casnap.snapshot import PendingSnapshot, Snapshot
     from casnap.torch_io.stateful import RNGState, StateDict, Stateful
 
 __all__ = [

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from casnap import Snapshot, StateDict, lineage, restore, staging
-from casnap.budget import ByteBudget
+from casnap import Snapshot, StateDict
+from casnap.chunks.budget import ByteBudget
 from casnap.errors import StoreError
+from casnap.restore import restore
+from casnap.take import lineage
+from casnap.torch_io import staging
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +40,7 @@ def test_a_second_async_take_reuses_the_staging_buffers(tmp_path):
 
 
 def test_a_failing_background_write_surfaces_from_wait_with_its_type(tmp_path, monkeypatch):
-    from casnap import repository
+    from casnap.repo import repository
 
     def full_disk(self, manifest):
         raise StoreError("no space left on device while writing the manifest")

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from casnap import PendingSnapshot, Repository, Snapshot, StateDict, lineage
-from casnap.checkpointer import Checkpointer
+from casnap import PendingSnapshot, Repository, Snapshot, StateDict
+from casnap.api.checkpointer import Checkpointer
 from casnap.errors import StoreError
-from casnap.retention import KeepBest, KeepLast, RetentionPolicy
+from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy
 from casnap.store import LocalStore
+from casnap.take import lineage
 
 NAMES = [f"step_{s:09d}" for s in (5, 10, 15, 20)]
 
@@ -216,7 +217,7 @@ CHILD = """
 import os, sys, threading, time
 import torch
 from casnap import Repository, StateDict
-from casnap.checkpointer import Checkpointer
+from casnap.api.checkpointer import Checkpointer
 from casnap.store import LocalStore
 
 {helpers}

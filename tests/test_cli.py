@@ -11,11 +11,12 @@ import sys
 import pytest
 import torch
 
-from casnap import Repository, Snapshot, StateDict, lineage
-from casnap.cli import main
-from casnap.drift import drift
-from casnap.history import diff
+from casnap import Repository, Snapshot, StateDict
+from casnap.cli.app import main
+from casnap.ops.history import diff
+from casnap.restore.drift import drift
 from casnap.store import CountingStore, LocalStore
+from casnap.take import lineage
 
 CHUNK = 64 * 1024
 
@@ -205,18 +206,18 @@ def test_missing_repository_exit_code(capsys, tmp_path):
 
 
 def test_inspection_commands_do_not_import_torch(repo_dir):
-    code = ("import sys, casnap.cli\n"
+    code = ("import sys, casnap.cli.app\n"
             f"for cmd in (['log', {repo_dir!r}], ['du', {repo_dir!r}], ['ls', {repo_dir!r}],"
             f" ['verify', {repo_dir!r}, '--read-data'], ['diff', {repo_dir + '/s1'!r},"
             f" {repo_dir + '/s3'!r}]):\n"
-            "    assert casnap.cli.main(cmd) == 0\n"
+            "    assert casnap.cli.app.main(cmd) == 0\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
 def test_diff_of_sharded_entries_compares_shard_chunks_by_content():
-    from casnap.manifest import ChunkRef, Manifest, ShardedEntry, ShardRecord
+    from casnap.format.manifest import ChunkRef, Manifest, ShardedEntry, ShardRecord
 
     def entry(hashes: list[str]) -> ShardedEntry:
         shards = [ShardRecord(offsets=[i * 2, 0], sizes=[2, 4], chunk_size=32,

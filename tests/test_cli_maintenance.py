@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from casnap import Repository, Snapshot, StateDict, lineage
-from casnap.cli import main
+from casnap import Repository, Snapshot, StateDict
+from casnap.cli.app import main
+from casnap.take import lineage
 
 
 @pytest.fixture(autouse=True)

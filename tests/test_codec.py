@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from casnap import Snapshot, StateDict, codec, lineage
+from casnap import Snapshot, StateDict
 from casnap.errors import IntegrityError
-from casnap.names import digest_of
+from casnap.format import codec
+from casnap.format.names import digest_of
+from casnap.take import lineage
 from casnap.torch_io.tensors import byte_view
 
 

@@ -8,8 +8,9 @@ import pytest
 import repo_helpers
 import torch
 
-from casnap import Repository, Snapshot, StateDict, lineage
+from casnap import Repository, Snapshot, StateDict
 from casnap.store import CountingStore
+from casnap.take import lineage
 
 CHUNK = 64 * 1024
 

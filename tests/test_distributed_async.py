@@ -26,7 +26,8 @@ def _original(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 def _async_take(root: str, step: int, rank: int) -> dict[str, Any]:
     """async_take, mutate every tensor as soon as it returns, restore: the original values."""
-    from casnap import Snapshot, StateDict, staging
+    from casnap import Snapshot, StateDict
+    from casnap.torch_io import staging
 
     state = StateDict(_original(rank, step))
     before = staging.POOL.reused_bytes
@@ -46,9 +47,9 @@ def _async_take(root: str, step: int, rank: int) -> dict[str, Any]:
 
 
 def async_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
-    from casnap import staging
     from casnap.settings import Settings
-    from casnap.take import staging_limit
+    from casnap.take.job import staging_limit
+    from casnap.torch_io import staging
 
     staging.POOL.clear()
     roomy = [_async_take(root, step, rank) for step in range(2)]

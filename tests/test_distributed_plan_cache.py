@@ -11,7 +11,7 @@ from dist_harness import run_ranks, values
 
 from casnap.distributed.plan import ObjectPlan, RankPlan, ShardedPlan, ShardPlan, TensorPlan
 from casnap.distributed.plan_cache import fingerprint, join, split
-from casnap.manifest import ContainerEntry, PrimitiveEntry
+from casnap.format.manifest import ContainerEntry, PrimitiveEntry
 
 OPTS = {"chunk_size": 4096}
 TENSORS = 300

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from casnap.codec import HEADER_SIZE
 from casnap.distributed.plan import RankPlan, TensorPlan, assign
-from casnap.distributed.reshard import ShardedSink
-from casnap.manifest import ChunkRef, ShardedEntry, ShardRecord
+from casnap.format.codec import HEADER_SIZE
+from casnap.format.manifest import ChunkRef, ShardedEntry, ShardRecord
+from casnap.restore.reshard import ShardedSink
 
 
 def _entry(rows: int, cols: int, parts: int, chunk: int) -> ShardedEntry:
@@ -33,8 +33,8 @@ class _Target:
 
 
 def _needed(entry: ShardedEntry, offsets: tuple[int, int], sizes: tuple[int, int]) -> set[str]:
-    import casnap.distributed.reshard as reshard
-    from casnap.distributed.sharded import LocalShard
+    import casnap.restore.reshard as reshard
+    from casnap.torch_io.sharded import LocalShard
 
     box = LocalShard(offsets, sizes, torch.empty(sizes))
     original = reshard.target_regions

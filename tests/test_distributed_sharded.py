@@ -80,7 +80,7 @@ def save(rank: int, world: int, root: str, name: str) -> int:
 
 
 def _local_parts(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    from casnap.distributed.sharded import as_shard_leaf
+    from casnap.torch_io.sharded import as_shard_leaf
 
     leaf = as_shard_leaf(value, "x")
     assert leaf is not None

@@ -28,7 +28,6 @@ from casnap import (
     Snapshot,
     StateDict,
     UnsupportedValueError,
-    lineage,
 )
 from casnap.export import (
     SAFETENSORS_DTYPES,
@@ -43,7 +42,8 @@ from casnap.export import (
     torch_pickle,
     write_torch_archive,
 )
-from casnap.manifest import DTYPE_ITEMSIZE, ChunkRef, ContainerEntry, Manifest, TensorEntry
+from casnap.format.manifest import DTYPE_ITEMSIZE, ChunkRef, ContainerEntry, Manifest, TensorEntry
+from casnap.take import lineage
 
 CHUNK = 4096
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")

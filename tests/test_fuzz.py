@@ -7,9 +7,9 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from casnap import codec
 from casnap.errors import CasnapError
-from casnap.manifest import (
+from casnap.format import codec
+from casnap.format.manifest import (
     ChunkRef,
     Manifest,
     PrimitiveEntry,
@@ -19,7 +19,7 @@ from casnap.manifest import (
     parse_manifest,
     parse_ref,
 )
-from casnap.names import digest_of, hash_bytes
+from casnap.format.names import digest_of, hash_bytes
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

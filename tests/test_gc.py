@@ -15,10 +15,10 @@ import pytest
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
-import casnap.take
-from casnap import IntegrityError, Repository, Snapshot, SnapshotNotFoundError, StateDict, lineage
-from casnap.gc import GcRefusedError, GcSession, execute_gc, gc, plan_gc, read_gc_epoch
-from casnap.leases import (
+import casnap.take.job
+from casnap import IntegrityError, Repository, Snapshot, SnapshotNotFoundError, StateDict
+from casnap.gc.collect import GcRefusedError, GcSession, execute_gc, gc, plan_gc, read_gc_epoch
+from casnap.repo.leases import (
     GC_LOCK_KEY,
     GcBlockedError,
     GcBusyError,
@@ -28,9 +28,10 @@ from casnap.leases import (
     hold_lease,
     scan_leases,
 )
-from casnap.repository import chunk_key, manifest_key, pack_key
+from casnap.repo.repository import chunk_key, manifest_key, pack_key
+from casnap.repo.tags import add_tag, remove_tag
 from casnap.store import CountingStore, LocalStore
-from casnap.tags import add_tag, remove_tag
+from casnap.take import lineage
 
 CHUNK = 64 * 1024
 
@@ -360,7 +361,7 @@ def test_only_one_gc_at_a_time(repo):
 
 def test_a_take_whose_lease_lapsed_does_not_commit(repo, monkeypatch):
     # A process stalled for longer than its lease lives (no heartbeat got through).
-    monkeypatch.setattr("casnap.leases.Lease._renew", lambda self: None)
+    monkeypatch.setattr("casnap.repo.leases.Lease._renew", lambda self: None)
     monkeypatch.setenv("CASNAP_LEASE_TTL", "0.4")
     real = repo.write_manifest
 
@@ -399,7 +400,7 @@ def test_a_take_deduping_against_garbage_that_gc_is_sweeping(repo, monkeypatch, 
 
     monkeypatch.setattr(repo, "write_ref", write_ref_after_a_gc)
     if not protected:
-        monkeypatch.setattr(casnap.take, "hold_lease", _no_lease)
+        monkeypatch.setattr(casnap.take.job, "hold_lease", _no_lease)
     # Resumed from s1 (its manifest gives the packed chunks), large chunks probed.
     s2 = take(repo, "s2", state, parents=[s1.manifest_hash])
     assert s2.last_take_stats.chunks_written == 0

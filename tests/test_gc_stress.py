@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from casnap import CasnapError, Repository, Snapshot, StateDict
-from casnap.repository import chunk_key, pack_key
+from casnap.repo.repository import chunk_key, pack_key
 from casnap.torch_io.tensors import host_view
 
 CHUNK = 16 * 1024
@@ -64,9 +64,9 @@ def _no_lease(repo: Repository, **kw: Any) -> Any:
 
 def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
     if not protected:
-        import casnap.take
+        import casnap.take.job
 
-        casnap.take.hold_lease = _no_lease  # type: ignore[assignment]
+        casnap.take.job.hold_lease = _no_lease  # type: ignore[assignment]
     repo = Repository.open(url)
     if not protected:
         # Widen the window between dedup and ref, so the unprotected run reliably
@@ -99,8 +99,8 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
 
 
 def collector(url: str, stop: Any, out: str) -> None:
-    from casnap.gc import gc
-    from casnap.leases import GcBlockedError
+    from casnap.gc.collect import gc
+    from casnap.repo.leases import GcBlockedError
 
     repo = Repository.open(url)
     stats = {"runs": 0, "sweeps": 0, "deleted": 0, "blocked": 0, "waited": 0}
@@ -193,7 +193,7 @@ def test_concurrent_takes_and_gc_never_lose_a_chunk(tmp_path):
     assert missing_objects(repo) == []
 
     # A last gc with nothing running leaves it all intact, and the store minimal.
-    from casnap.gc import gc
+    from casnap.gc.collect import gc
 
     gc(repo, grace_seconds=0)
     assert damaged_refs(repo, expected) == []

@@ -9,8 +9,9 @@ import pytest
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
-from casnap import Repository, Snapshot, SnapshotExistsError, StateDict, lineage
+from casnap import Repository, Snapshot, SnapshotExistsError, StateDict
 from casnap.store import CountingStore, FsspecStore
+from casnap.take import lineage
 
 pytestmark = pytest.mark.gcs
 

@@ -18,9 +18,11 @@ import repo_helpers
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
-from casnap import Repository, Snapshot, StateDict, index, index_lmdb, lineage
-from casnap.history import stored_bytes
+from casnap import Repository, Snapshot, StateDict, index
+from casnap.index import lmdb_store as index_lmdb
+from casnap.ops.history import stored_bytes
 from casnap.store import CountingStore, FsspecStore
+from casnap.take import lineage
 
 CHUNK = 64 * 1024
 
@@ -148,7 +150,7 @@ def test_a_new_gc_epoch_drops_every_chunk_entry(tmp_path):
 
 
 def test_after_a_real_gc_a_take_rewrites_what_it_deleted(tmp_path):
-    from casnap.gc import gc
+    from casnap.gc.collect import gc
 
     repo, store = counted_repo(str(tmp_path / "repo"))
     old = mixed_state(0)

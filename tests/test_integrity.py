@@ -17,13 +17,13 @@ from casnap import (
     Snapshot,
     StateDict,
     UnsupportedFormatError,
-    lineage,
 )
 from casnap.errors import StoreError
-from casnap.manifest import canonical_json
-from casnap.names import hash_bytes
+from casnap.format.manifest import canonical_json
+from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
 from casnap.store.base import Data, ObjectStore
+from casnap.take import lineage
 
 CHUNK = 64 * 1024
 

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from casnap import Snapshot, StateDict, lineage
+from casnap import Snapshot, StateDict
 from casnap.store import LocalStore
 from casnap.store import local as local_module
+from casnap.take import lineage
 
 
 @pytest.fixture

@@ -61,9 +61,9 @@ class WithExtra(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def _no_lineage() -> Any:
-    casnap.lineage.forget()
+    casnap.take.lineage.forget()
     yield
-    casnap.lineage.forget()
+    casnap.take.lineage.forget()
 
 
 # -- helpers ----------------------------------------------------------------

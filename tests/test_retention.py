@@ -27,10 +27,9 @@ from casnap import (
     Snapshot,
     SnapshotNotFoundError,
     StateDict,
-    lineage,
 )
 from casnap.errors import InvalidNameError
-from casnap.retention import (
+from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
     KeepLast,
@@ -42,7 +41,8 @@ from casnap.retention import (
     plan_retention,
     read_snapshots,
 )
-from casnap.tags import TagInfo, add_tag, list_tags, read_tag, remove_tag, tag_key
+from casnap.repo.tags import TagInfo, add_tag, list_tags, read_tag, remove_tag, tag_key
+from casnap.take import lineage
 
 STEPS = list(range(10, 130, 10))
 LOSS = {10: 5.0, 20: 4.0, 30: 4.5, 40: 3.0, 50: 3.5, 60: 2.0,

@@ -17,7 +17,7 @@ import torch
 
 import casnap
 from casnap import RNGState, Snapshot, StateDict
-from casnap.manifest import DTYPE_ITEMSIZE, ContainerEntry, PrimitiveEntry, TensorEntry
+from casnap.format.manifest import DTYPE_ITEMSIZE, ContainerEntry, PrimitiveEntry, TensorEntry
 
 ALL_DTYPES = [
     getattr(torch, n) for n in DTYPE_ITEMSIZE if isinstance(getattr(torch, n, None), torch.dtype)
@@ -41,9 +41,9 @@ NAN_WITH_PAYLOAD = struct.unpack("<d", bytes.fromhex("0100000000f8ff7f"))[0]
 
 @pytest.fixture(autouse=True)
 def _no_lineage() -> Any:
-    casnap.lineage.forget()
+    casnap.take.lineage.forget()
     yield
-    casnap.lineage.forget()
+    casnap.take.lineage.forget()
 
 
 # -- helpers ----------------------------------------------------------------

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from casnap import Repository, Snapshot
-from casnap.chunks import ChunkWriter
-from casnap.distributed import reshard
-from casnap.manifest import Manifest, ShardedEntry, ShardRecord
-from casnap.repository import now_iso
+from casnap.chunks.io import ChunkWriter
+from casnap.format.manifest import Manifest, ShardedEntry, ShardRecord
+from casnap.repo.repository import now_iso
+from casnap.restore import reshard
 from casnap.settings import Settings
 from casnap.torch_io.tensors import byte_view
 

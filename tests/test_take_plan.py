@@ -6,12 +6,13 @@ import pytest
 import repo_helpers
 import torch
 
-from casnap import Repository, Snapshot, StateDict, lineage
+from casnap import Repository, Snapshot, StateDict
 from casnap.errors import StoreError
-from casnap.manifest import canonical_json
-from casnap.plan import LAST_PLAN
-from casnap.repository import manifest_key
+from casnap.format.manifest import canonical_json
+from casnap.repo.repository import manifest_key
 from casnap.store import CountingStore
+from casnap.take import lineage
+from casnap.take.plan import LAST_PLAN
 
 CHUNK = 64 * 1024
 
@@ -78,7 +79,7 @@ def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_pa
 
 
 def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path):
-    from casnap.gc import gc
+    from casnap.gc.collect import gc
 
     repo, _ = counted_repo(str(tmp_path / "repo"))
     old = state_of(20, seed=0)

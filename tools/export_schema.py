@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from casnap.manifest import json_schemas
+from casnap.format.manifest import json_schemas
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schema"
 

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from casnap.distributed.group import ReplicaMismatchError
-from casnap.distributed.sharded import ShardLeaf
-from casnap.manifest import (
+from casnap.format.manifest import (
     ChunkRef,
     ContainerEntry,
     Entry,
@@ -28,8 +27,9 @@ from casnap.manifest import (
     ShardRecord,
     TensorEntry,
 )
-from casnap.names import digest_of
+from casnap.format.names import digest_of
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf
+from casnap.torch_io.sharded import ShardLeaf
 from casnap.torch_io.tensors import dtype_name, host_view
 
 ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order

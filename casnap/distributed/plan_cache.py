@@ -52,7 +52,7 @@ from casnap.distributed.plan import (
     ShardPlan,
     TensorPlan,
 )
-from casnap.manifest import ContainerEntry, PrimitiveEntry
+from casnap.format.manifest import ContainerEntry, PrimitiveEntry
 
 DIGEST = 32  # bytes of one chunk digest in a content
 

@@ -5,12 +5,12 @@ memory). Only after the exchange does a rank know which chunks it writes
 (``mine``, from :func:`~casnap.distributed.plan.assign`), and only those
 need a copy that training cannot change: a replicated model on N ranks
 costs each rank about 1/N of it, not all of it. The copies are
-``uint8`` buffers from :data:`casnap.staging.POOL`, reused from one take to
+``uint8`` buffers from :data:`casnap.torch_io.staging.POOL`, reused from one take to
 the next (chunks of one job mostly have the chunk size, so buckets match),
 and go back to it when the background part ends.
 
 Staging keeps at most ``limit`` bytes for the background (the staging share
-of the memory budget, :func:`casnap.take.staging_limit`); the chunks beyond
+of the memory budget, :func:`casnap.take.job.staging_limit`); the chunks beyond
 it are the *overflow*, which the caller writes before ``async_take``
 returns. Chunks whose bytes are already private (device-to-host or
 non-contiguous copies made while hashing, pickled objects) are not copied
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from casnap import staging
 from casnap.distributed.plan import LocalData
-from casnap.take import staging_cache_limit
+from casnap.take.job import staging_cache_limit
+from casnap.torch_io import staging
 from casnap.torch_io.tensors import byte_view
 
 

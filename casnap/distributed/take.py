@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from casnap import index, lineage
-from casnap.chunks import ChunkWriter, WriteStats
+from casnap import index
+from casnap.chunks.io import ChunkWriter, WriteStats
 from casnap.distributed.group import (
     DistributedTakeError,
     Failure,
@@ -54,19 +54,20 @@ from casnap.distributed.plan import (
 )
 from casnap.distributed.plan_cache import CacheKey, exchange_plans
 from casnap.distributed.staged import give_back, stage_chunks
+from casnap.format.manifest import ChunkRef, Manifest
 from casnap.index import KnownChunks
-from casnap.leases import Lease, acquire_lease
-from casnap.manifest import ChunkRef, Manifest
-from casnap.plan import known_chunks
-from casnap.repository import Repository, locate, now_iso
+from casnap.repo.leases import Lease, acquire_lease
+from casnap.repo.repository import Repository, locate, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
-from casnap.take import (
+from casnap.take import lineage
+from casnap.take.job import (
     TakeResult,
     TensorPrepareFunc,
     collect,
     resolve_target,
     staging_limit,
 )
+from casnap.take.plan import known_chunks
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def ddp_patterns(app_state: Mapping[str, Any]) -> list[str]:
     """Globs for app_state entries wrapped in DistributedDataParallel (inferred replicated)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from casnap.names import escape_key
+    from casnap.format.names import escape_key
 
     return [f"{escape_key(k)}/**" for k, v in app_state.items()
             if isinstance(v, DistributedDataParallel)]  # fmt: skip

@@ -20,13 +20,12 @@ from typing import Any
 
 import torch
 
-from casnap.distributed.sharded import ShardLeaf, as_shard_leaf, is_sharded
 from casnap.errors import (
     ManifestValidationError,
     PickleNotAllowedError,
     UnsupportedValueError,
 )
-from casnap.manifest import (
+from casnap.format.manifest import (
     ContainerEntry,
     Entry,
     ObjectEntry,
@@ -34,7 +33,9 @@ from casnap.manifest import (
     ShardedEntry,
     TensorEntry,
 )
-from casnap.names import escape_key
+from casnap.format.names import escape_key
+from casnap.format.tree import child_key
+from casnap.torch_io.sharded import ShardLeaf, as_shard_leaf, is_sharded
 from casnap.torch_io.tensors import check_storable, dtype_name, torch_dtype
 
 MAX_DEPTH = 64
@@ -78,10 +79,6 @@ def decode_float(text: str) -> float:
             raise ValueError(f"{text!r} is not the bit pattern of a NaN")
         return float(value)
     return float.fromhex(text)
-
-
-def child_key(key: str, member: str | int) -> str:
-    return f"{key}/{escape_key(str(member))}"
 
 
 # JSON readers refuse longer integers (CPython's int <-> str limit is 4300 digits).
@@ -229,23 +226,6 @@ def leaves_of(value: Any, key: str, out: dict[str, Any], depth: int = 0) -> None
     for k, member in members:
         if isinstance(k, (int, str)) and not isinstance(k, bool):
             leaves_of(member, child_key(key, k), out, depth + 1)
-
-
-def subtree(entries: Mapping[str, Entry], key: str) -> list[str]:
-    """Keys of ``key`` and every entry below it, by walking the container keys."""
-    found: list[str] = []
-    stack = [key]
-    while stack:
-        k = stack.pop()
-        entry = entries.get(k)
-        if entry is None:
-            raise ManifestValidationError(f"entry {k!r} is listed by its container but missing", k)
-        found.append(k)
-        if isinstance(entry, ContainerEntry):
-            stack.extend(child_key(k, m) for m in reversed(entry.keys))
-            if len(found) + len(stack) > len(entries) + 1:
-                raise ManifestValidationError(f"{key}: container entries form a cycle", key)
-    return found
 
 
 def inflate(

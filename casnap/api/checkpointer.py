@@ -1,0 +1,287 @@
+"""The every-N-steps loop helper: take, async take, retention, resume from the latest.
+
+Example::
+
+    from casnap.api.checkpointer import Checkpointer
+    from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy
+
+    app_state = {"model": model, "optim": optimizer}
+    with Checkpointer(
+        "/ckpt/run1", every_n_steps=500, async_take=True,
+        retention=RetentionPolicy(KeepLast(3), KeepBest(1, "loss")),
+    ) as ckpt:
+        start = ckpt.restore_latest(app_state)  # None on a fresh run
+        for step in range(0 if start is None else start + 1, total_steps):
+            loss = train_step()
+            ckpt.maybe_take(step, app_state, metrics={"loss": loss})
+
+A Checkpointer's snapshots are those whose name is ``name_format`` applied to
+their ``metadata["step"]``; listing, resuming and retention see only those, so
+other snapshots in the same repository (a base model, another run's
+checkpoints under another name format) are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+from casnap.api.snapshot import PendingSnapshot, Snapshot
+from casnap.format.names import check_ref_name
+from casnap.ops.retention import (
+    RetentionPolicy,
+    RetentionResult,
+    RetentionRule,
+    SnapshotInfo,
+    SummaryCache,
+    execute_retention,
+    plan_retention,
+    read_snapshots,
+)
+from casnap.repo.repository import Repository
+from casnap.settings import Settings
+
+_TAKE_ONLY_OPTIONS = ("chunk_size", "compression")
+
+
+class _KeepNames(RetentionRule):
+    """Keeps the given snapshots: the checkpointer never retires its newest one."""
+
+    def __init__(self, names: Iterable[str], reason: str) -> None:
+        self.names = frozenset(names)
+        self.reason = reason
+
+    def select(self, snapshots: Sequence[SnapshotInfo], now: datetime) -> dict[str, str]:
+        return {s.name: self.reason for s in snapshots if s.name in self.names}
+
+
+def _plain(value: Any) -> Any:
+    """Metric values as JSON: a 0-d tensor or numpy scalar becomes its Python number."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else value
+
+
+class Checkpointer:
+    """Takes a snapshot every ``every_n_steps`` steps into the repository at ``repo_url``.
+
+    - ``retention``: a :class:`~casnap.ops.retention.RetentionPolicy` applied to this
+      checkpointer's snapshots after each commit (refs only; ``gc`` reclaims
+      space). The newest snapshot is always kept.
+    - ``async_take``: write in the background; a new take first waits for the
+      previous one. The state is copied before ``maybe_take`` returns.
+    - ``name_format``: the snapshot name, formatted with ``step=``.
+    - ``storage_options``: as for :meth:`Snapshot.take` (fsspec options,
+      ``chunk_size``, ``compression``, or ``repository``: a
+      :class:`~casnap.Repository` to use instead of opening ``repo_url``).
+    - ``tags``: stored in every snapshot's ``metadata["tags"]``.
+
+    Each take's parent is the previous take of this checkpointer, or the
+    snapshot :meth:`restore_latest` restored. Use it as a context manager (or
+    call :meth:`close`) so the last async take is committed.
+    """
+
+    def __init__(
+        self,
+        repo_url: str,
+        every_n_steps: int,
+        *,
+        retention: RetentionPolicy | None = None,
+        async_take: bool = False,
+        name_format: str = "step_{step:09d}",
+        storage_options: dict[str, Any] | None = None,
+        tags: Iterable[str] | None = None,
+    ) -> None:
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool):
+            raise TypeError(f"every_n_steps must be an int, got {every_n_steps!r}")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.retention = retention
+        self.async_take = async_take
+        self.name_format = name_format
+        self.tags = [check_ref_name(t) for t in (tags or [])]
+        check_ref_name(self._name(0))  # a bad format fails here, not at the first take
+        options = dict(storage_options or {})
+        explicit = options.pop("repository", None)
+        self._repo: Repository | None = explicit if isinstance(explicit, Repository) else None
+        self._url: str = explicit if isinstance(explicit, str) else repo_url
+        self._take_options = options
+        self._store_options = {k: v for k, v in options.items() if k not in _TAKE_ONLY_OPTIONS}
+        self._parent: str | None = None  # manifest of the previous take or the restore
+        self._steps: set[int] = set()  # steps taken (or being taken) by this checkpointer
+        self._pending: PendingSnapshot | None = None
+        self._pending_step: int | None = None
+        self._summaries: SummaryCache = {}
+        self.last_retention: RetentionResult | None = None
+
+    # -- taking ------------------------------------------------------------
+    def maybe_take(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        tags: Iterable[str] | None = None,
+    ) -> Snapshot | PendingSnapshot | None:
+        """Take a snapshot if ``step`` is a multiple of ``every_n_steps`` and has not
+        been taken yet (by this checkpointer or, under this name, by anyone).
+
+        Returns the :class:`Snapshot` (or, with ``async_take``, the
+        :class:`PendingSnapshot`), else ``None``. ``metrics`` (JSON numbers) and
+        ``tags`` (on top of the checkpointer's) go into the manifest metadata.
+        A finished async take is committed and retention applied here, and its
+        failure, if any, is raised here.
+
+        Example: ``ckpt.maybe_take(step, app_state, metrics={"loss": loss})``.
+        """
+        self._poll()
+        if step % self.every_n_steps != 0 or step in self._steps:
+            return None
+        name = self._name(step)
+        repo = self._open(create=True)
+        assert repo is not None
+        if repo.has_ref(name):  # e.g. resuming at the step that was restored
+            self._steps.add(step)
+            return None
+        extra = [check_ref_name(t) for t in (tags or [])]
+        metadata = {
+            "step": step,
+            "metrics": {str(k): _plain(v) for k, v in (metrics or {}).items()},
+            "tags": self.tags + [t for t in extra if t not in self.tags],
+        }
+        if self.async_take:
+            self.wait()  # the previous take's manifest is this one's parent
+        path = f"{repo.url.rstrip('/')}/{name}"
+        options = {**self._take_options, "repository": repo}
+        parents = [self._parent] if self._parent else None  # None: the process's lineage
+        self._steps.add(step)
+        try:
+            if self.async_take:
+                pending = Snapshot.async_take(
+                    path, app_state, storage_options=options, metadata=metadata, parents=parents
+                )
+                self._pending, self._pending_step = pending, step
+                return pending
+            snap = Snapshot.take(
+                path, app_state, storage_options=options, metadata=metadata, parents=parents
+            )
+        except BaseException:
+            self._steps.discard(step)
+            raise
+        self._committed(snap, name)
+        return snap
+
+    def wait(self) -> Snapshot | None:
+        """Wait for the pending async take, commit it, apply retention and return it
+        (``None`` if nothing is pending). A background failure is raised here."""
+        pending, step = self._pending, self._pending_step
+        if pending is None:
+            return None
+        self._pending = self._pending_step = None
+        try:
+            snap = pending.wait()
+        except BaseException:
+            if step is not None:
+                self._steps.discard(step)
+            raise
+        assert step is not None
+        self._committed(snap, self._name(step))
+        return snap
+
+    def close(self) -> None:
+        """Wait for the pending take (if any). The checkpointer can still be used after."""
+        self.wait()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending.done():
+            self.wait()
+
+    def _committed(self, snap: Snapshot, name: str) -> None:
+        self._parent = snap.manifest_hash
+        if self.retention is None:
+            return
+        repo = snap.repository
+        mine = {s.name for s in self._mine(repo)}
+        policy = RetentionPolicy(*self.retention.rules, _KeepNames([name], "newest checkpoint"))
+        plan = plan_retention(repo, policy, names=mine, cache=self._summaries)
+        self.last_retention = execute_retention(repo, plan)
+
+    # -- resuming and listing ------------------------------------------------
+    def restore_latest(self, app_state: dict[str, Any], **restore_kwargs: Any) -> int | None:
+        """Restore the newest snapshot of this checkpointer and return its step, or
+        ``None`` when there is none (or no repository at all).
+
+        Newest is the highest ``metadata["step"]``, ties broken by creation
+        time. Refs are written only at commit, so a take killed halfway is
+        never chosen. The next take's parent is the restored snapshot.
+        ``restore_kwargs`` go to :meth:`Snapshot.restore` (``strict``, ...).
+
+        Example: ``start = ckpt.restore_latest(app_state) or 0``.
+        """
+        self.wait()
+        repo = self._open(create=False)
+        if repo is None:
+            return None
+        mine = self._mine(repo)
+        if not mine:
+            return None
+        newest = mine[-1]
+        assert newest.step is not None
+        snap = Snapshot(
+            f"{repo.url.rstrip('/')}/{newest.name}",
+            storage_options={**self._take_options, "repository": repo},
+        )
+        snap.restore(app_state, **restore_kwargs)
+        self._parent = snap.manifest_hash
+        self._steps.add(newest.step)
+        return newest.step
+
+    def latest(self) -> str | None:
+        """The name of this checkpointer's newest committed snapshot, or ``None``."""
+        mine = self.snapshot_infos()
+        return mine[-1].name if mine else None
+
+    def snapshots(self) -> list[str]:
+        """This checkpointer's committed snapshots, oldest first (by step)."""
+        return [s.name for s in self.snapshot_infos()]
+
+    def snapshot_infos(self) -> list[SnapshotInfo]:
+        """Like :meth:`snapshots`, with step, metadata and tags."""
+        repo = self._open(create=False)
+        return self._mine(repo) if repo is not None else []
+
+    # -- internals -----------------------------------------------------------
+    def _name(self, step: int) -> str:
+        return self.name_format.format(step=step)
+
+    def _mine(self, repo: Repository) -> list[SnapshotInfo]:
+        """Snapshots named by this checkpointer's format for their own step, oldest first."""
+        infos, _ = read_snapshots(repo, cache=self._summaries)
+        return [s for s in infos if s.step is not None and s.name == self._name(s.step)]
+
+    def _open(self, *, create: bool) -> Repository | None:
+        if self._repo is None:
+            if create:
+                chunk = self._take_options.get("chunk_size", Settings.from_env().chunk_size)
+                self._repo = Repository.open_or_create(
+                    self._url, self._store_options, chunk_size=int(chunk)
+                )
+            elif Repository.exists_at(self._url, self._store_options):
+                self._repo = Repository.open(self._url, self._store_options)
+        return self._repo
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self._url!r}, every_n_steps={self.every_n_steps})"

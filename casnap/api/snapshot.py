@@ -1,0 +1,263 @@
+"""The torchsnapshot-compatible API: ``Snapshot``, ``PendingSnapshot``.
+
+Code written for torchsnapshot works by changing the import::
+
+    from casnap import Snapshot, StateDict
+
+    app_state = {"model": model, "optim": optimizer, "progress": StateDict(step=0)}
+    snapshot = Snapshot.take("/ckpt/run1/step_100", app_state)
+    ...
+    Snapshot("/ckpt/run1/step_100").restore(app_state)
+
+``/ckpt/run1`` becomes the repository (unless an ancestor already is one, or
+``storage_options={"repository": url}`` names one) and ``step_100`` the
+snapshot's name in it; the next take into the same repository shares every
+unchanged chunk.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from casnap.chunks.io import WriteStats
+from casnap.distributed.group import Group, resolve_group
+from casnap.distributed.take import prepare_distributed_take
+from casnap.format.manifest import Entry, Manifest
+from casnap.repo.repository import Repository, locate
+from casnap.restore.restore import read_entry, restore_state
+from casnap.take import lineage
+from casnap.take.job import TakeResult, TensorPrepareFunc, prepare_take
+
+
+def _group(pg: Any) -> Group:
+    """The ranks a call involves: ``pg``, else the default group once one is initialized."""
+    return resolve_group(pg)
+
+
+class Snapshot:
+    """A snapshot in a casnap repository (``Snapshot(path)`` refers to an existing one).
+
+    Nothing is read until the snapshot is used; a path that names no snapshot
+    raises :class:`casnap.SnapshotNotFoundError` then.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        pg: Any = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = path
+        self.pg = pg
+        self.storage_options = dict(storage_options or {})
+        self._repo: Repository | None = None
+        self._name: str | None = None
+        self._manifest_hash: str | None = None
+        self._manifest: Manifest | None = None
+        # What the take that created this object wrote (None for Snapshot(path)).
+        self.last_take_stats: WriteStats | None = None
+        # Every rank's writes, in rank order, after a distributed take.
+        self.last_take_rank_stats: list[WriteStats] | None = None
+
+    # -- taking ----------------------------------------------------------
+    @classmethod
+    def take(
+        cls,
+        path: str,
+        app_state: dict[str, Any],
+        pg: Any = None,
+        replicated: list[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        _custom_tensor_prepare_func: TensorPrepareFunc | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        parents: list[str] | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> Snapshot:
+        """Take a snapshot of ``app_state`` (a dict of stateful objects) at ``path``.
+
+        ``metadata`` (JSON) is stored in the manifest (step, metrics, tags).
+        ``allow_pickle`` permits storing values that are neither tensors,
+        primitives nor containers. ``parents`` overrides the lineage (manifest
+        hashes); by default it is this process's previous take or restore.
+        ``memory_budget_bytes`` bounds the take's in-flight copies (default: a
+        quarter of available memory, ``CASNAP_MEMORY_BUDGET``).
+        """
+        group = _group(pg)
+        if group.pg is not None:  # collective: every rank of the group calls take
+            commit = prepare_distributed_take(
+                path, app_state, group=group, replicated=replicated,
+                storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
+                parents=parents, stage=False, custom_prepare=_custom_tensor_prepare_func,
+                memory_budget_bytes=memory_budget_bytes,
+            )  # fmt: skip
+            return cls._from_result(path, pg, storage_options, commit())
+        job = prepare_take(
+            path, app_state, storage_options=storage_options, metadata=metadata,
+            allow_pickle=allow_pickle, parents=parents, stage=False,
+            custom_prepare=_custom_tensor_prepare_func, memory_budget_bytes=memory_budget_bytes,
+        )  # fmt: skip
+        return cls._from_result(path, pg, storage_options, job.commit())
+
+    @classmethod
+    def async_take(
+        cls,
+        path: str,
+        app_state: dict[str, Any],
+        pg: Any = None,
+        replicated: list[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        _custom_tensor_prepare_func: TensorPrepareFunc | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        parents: list[str] | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> PendingSnapshot:
+        """Like :meth:`take`, but returns once the state is copied; writing continues
+        in the background. Changing the live tensors afterwards never changes the
+        snapshot. ``.wait()`` returns the :class:`Snapshot` or raises the failure.
+
+        Staging copies at most ``memory_budget_bytes`` (less the writer's working
+        set) into host buffers reused from the previous async take; tensors beyond
+        that are written before this returns, so a state larger than the budget
+        blocks longer instead of using more memory."""
+        group = _group(pg)
+        if group.pg is not None:  # collective planning now; writing in the background
+            commit = prepare_distributed_take(
+                path, app_state, group=group, replicated=replicated,
+                storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
+                parents=parents, stage=True, custom_prepare=_custom_tensor_prepare_func,
+                memory_budget_bytes=memory_budget_bytes,
+            )  # fmt: skip
+            return PendingSnapshot(path, pg, storage_options, commit)
+        job = prepare_take(
+            path, app_state, storage_options=storage_options, metadata=metadata,
+            allow_pickle=allow_pickle, parents=parents, stage=True,
+            custom_prepare=_custom_tensor_prepare_func, memory_budget_bytes=memory_budget_bytes,
+        )  # fmt: skip
+        pending = PendingSnapshot(path, pg, storage_options, job.commit_staged)
+        job.live_consumed.wait()  # tensors over the budget are consumed: point-in-time
+        return pending
+
+    @classmethod
+    def _from_result(
+        cls, path: str, pg: Any, storage_options: dict[str, Any] | None, result: TakeResult
+    ) -> Snapshot:
+        snap = cls(path, pg, storage_options)
+        snap._repo, snap._name = result.repo, result.name
+        snap._manifest_hash, snap._manifest = result.manifest_hash, result.manifest
+        snap.last_take_stats = result.stats
+        snap.last_take_rank_stats = result.rank_stats
+        return snap
+
+    # -- reading ---------------------------------------------------------
+    def _load(self) -> tuple[Repository, Manifest]:
+        if self._repo is None or self._name is None:
+            self._repo, self._name = locate(self.path, self.storage_options, create=False)
+        if self._manifest is None:
+            self._manifest_hash = self._repo.resolve(self._name)
+            self._manifest = self._repo.read_manifest(self._manifest_hash)
+        return self._repo, self._manifest
+
+    @property
+    def name(self) -> str:
+        """The snapshot's name in its repository (the path below the repository root)."""
+        self._load()
+        assert self._name is not None
+        return self._name
+
+    @property
+    def repository(self) -> Repository:
+        return self._load()[0]
+
+    @property
+    def manifest(self) -> Manifest:
+        """The full manifest: entries, parents, metadata, format version."""
+        return self._load()[1]
+
+    @property
+    def manifest_hash(self) -> str:
+        self._load()
+        assert self._manifest_hash is not None
+        return self._manifest_hash
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return dict(self.manifest.metadata)
+
+    def get_manifest(self) -> dict[str, Entry]:
+        """Entries by logical key (``"0/model/0.weight"``), as torchsnapshot returns them."""
+        return dict(self.manifest.entries)
+
+    def restore(
+        self,
+        app_state: dict[str, Any],
+        strict: bool = True,
+        *,
+        allow_pickle: bool = False,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
+        """Load the snapshot into ``app_state``, in place into its existing tensors.
+
+        Everything is validated before anything is modified: keys (``strict``),
+        shapes and dtypes, and pickled entries (refused unless ``allow_pickle``).
+        """
+        rank = _group(self.pg).rank  # not collective: each rank restores its own state
+        repo, manifest = self._load()
+        restore_state(
+            repo, manifest, app_state, rank=rank, strict=strict,
+            allow_pickle=allow_pickle, memory_budget_bytes=memory_budget_bytes,
+        )  # fmt: skip
+        lineage.record(repo.config.repo_id, self.manifest_hash)
+
+    def read_object(
+        self,
+        path: str,
+        obj_out: Any = None,
+        memory_budget_bytes: int | None = None,
+        *,
+        allow_pickle: bool = False,
+    ) -> Any:
+        """Read one entry (and what is below it) by logical key, fetching only its chunks.
+
+        With ``obj_out`` a tensor of the right shape and dtype, the data lands
+        in it in place. Example: ``snap.read_object("0/model/fc.weight")``.
+        """
+        repo, manifest = self._load()
+        return read_entry(
+            repo, manifest, path, obj_out,
+            allow_pickle=allow_pickle, memory_budget_bytes=memory_budget_bytes,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"Snapshot({self.path!r})"
+
+
+class PendingSnapshot:
+    """A take still writing in the background (from :meth:`Snapshot.async_take`)."""
+
+    def __init__(
+        self,
+        path: str,
+        pg: Any,
+        storage_options: dict[str, Any] | None,
+        commit: Any,
+    ) -> None:
+        self.path = path
+        self._pg = pg
+        self._storage_options = storage_options
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="casnap-async")
+        self._future: Future[TakeResult] = self._executor.submit(commit)
+        self._executor.shutdown(wait=False)
+
+    def done(self) -> bool:
+        """Whether the background part has finished (successfully or not)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Snapshot:
+        """Block until the snapshot is committed; re-raises a background failure as is."""
+        result = self._future.result(timeout)
+        return Snapshot._from_result(self.path, self._pg, self._storage_options, result)

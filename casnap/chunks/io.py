@@ -1,0 +1,462 @@
+"""Writing and reading chunks: dedup, packing of small chunks, verified reads.
+
+Writing (:class:`ChunkWriter`): each chunk is hashed; a chunk already known
+(written earlier in this take, listed by a parent manifest, or present as a
+loose object) is not written again. Chunks of at least ``pack_threshold``
+bytes become loose objects ``chunks/<h>``; smaller ones are appended as
+frames to a pack that is written once it reaches ``pack_target``. Every
+frame stays independently readable by a ranged get.
+
+Reading (:func:`read_chunks`): frames of one pack that lie close together are
+fetched by one ranged get; every frame is decoded and verified against its
+hash before its bytes are handed on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from casnap.chunks.budget import ByteBudget
+from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError
+from casnap.format import codec
+from casnap.format.manifest import ChunkRef
+from casnap.format.names import digest_of, hash_bytes
+from casnap.index import KnownChunks, RepoIndex
+from casnap.repo.repository import Repository, chunk_key, pack_key
+from casnap.settings import Settings
+
+Buffer = codec.Buffer
+# Small chunks go to the workers in batches of up to this many bytes or items.
+BATCH_BYTES = 1 << 20
+BATCH_ITEMS = 256
+# Ranged reads of one pack merge frames separated by less than this gap.
+_MERGE_GAP = 256 * 1024
+
+
+@dataclass
+class WriteStats:
+    chunks: int = 0  # chunks submitted
+    chunks_written: int = 0  # chunks whose frame was written
+    raw_bytes: int = 0  # raw bytes submitted
+    raw_bytes_written: int = 0  # raw bytes of the chunks written
+    stored_bytes_written: int = 0  # frame bytes written (after compression)
+    objects_written: int = 0  # store objects put (loose chunks + packs)
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One chunk of :meth:`ChunkWriter.add_batch`; ``result`` receives its ChunkRef."""
+
+    data: Buffer
+    result: Future[ChunkRef]
+    on_done: Callable[[], None] | None = None
+    elem_size: int = 0
+    digest: bytes | None = None  # computed by the caller (see ChunkWriter._process)
+
+
+@dataclass
+class _Pack:
+    frames: list[tuple[bytes, Buffer]] = field(default_factory=list)
+    waiters: list[tuple[Future[ChunkRef], str, int, int, int]] = field(default_factory=list)
+    size: int = 0
+
+
+class ChunkBatcher:
+    """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
+
+    def __init__(self, writer: ChunkWriter) -> None:
+        self._writer = writer
+        self._items: list[BatchItem] = []
+        self._bytes = 0
+
+    def add(self, item: BatchItem) -> None:
+        self._items.append(item)
+        self._bytes += len(item.data)
+        if self._bytes >= BATCH_BYTES or len(self._items) >= BATCH_ITEMS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._items:
+            self._writer.add_batch(self._items)
+            self._items, self._bytes = [], 0
+
+
+class ChunkWriter:
+    """Writes the chunks of one take; ``add`` returns a future of the chunk's ChunkRef.
+
+    ``known`` maps chunk hashes to locations already committed (from parent
+    manifests); such chunks are referenced, never rewritten. ``index`` (by
+    default ``known.index`` when ``known`` is a :class:`KnownChunks`) is asked
+    on a miss, before a loose chunk is probed or a small one packed again.
+    Every chunk this writer put, or found present by a probe, is recorded in
+    the index when :meth:`finish` returns or raises: "the object exists" is
+    true from its successful put on, and only a gc (which changes the gc
+    epoch, so the index drops it) can make it false (docs/index.md).
+    """
+
+    def __init__(
+        self,
+        repo: Repository,
+        settings: Settings,
+        pool: ThreadPoolExecutor,
+        known: Mapping[str, ChunkRef] | None = None,
+        index: RepoIndex | None = None,
+    ) -> None:
+        self.repo = repo
+        self.settings = settings
+        self.pool = pool
+        if index is None and isinstance(known, KnownChunks):
+            index = known.index
+        self.index = index
+        self.known: dict[str, ChunkRef] = dict(known or {})
+        self.stats = WriteStats()
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future[ChunkRef]] = {}
+        self._pack = _Pack()
+        self._work: list[Future[None]] = []
+        self._present: list[ChunkRef] = []  # stored by this writer: for the index
+
+    def add(
+        self,
+        data: Buffer,
+        on_done: Callable[[], None] | None = None,
+        elem_size: int = 0,
+        digest: bytes | None = None,
+    ) -> Future[ChunkRef]:
+        """Schedule one chunk; ``data`` must stay unchanged until the future resolves."""
+        result: Future[ChunkRef] = Future()
+        work = self.pool.submit(self._process, data, result, elem_size, digest)
+        with self._lock:
+            self._work.append(work)
+        if on_done is not None:
+            work.add_done_callback(lambda _f: on_done())
+        work.add_done_callback(lambda f: _forward_error(f, result))
+        return result
+
+    def add_batch(self, items: list[BatchItem]) -> None:
+        """Schedule several small chunks as one work item (resolving each item's future).
+
+        Submitting a work item and its future costs tens of microseconds; for a
+        state of thousands of small tensors that is most of a take. Items are
+        processed in order; each one's ``on_done`` runs after its chunk, also
+        on failure, and the first failure is raised once all were attempted.
+        """
+        work = self.pool.submit(self._process_batch, items)
+        with self._lock:
+            self._work.append(work)
+
+    def add_digested(self, chunks: Sequence[tuple[Buffer, bytes]]) -> list[Future[ChunkRef]]:
+        """Schedule chunks whose digests are known; small ones travel in batches."""
+        futures: list[Future[ChunkRef]] = []
+        batch = ChunkBatcher(self)
+        for data, digest in chunks:
+            if len(data) >= self.settings.pack_limit:
+                futures.append(self.add(data, digest=digest))
+                continue
+            item = BatchItem(data, Future(), digest=digest)
+            futures.append(item.result)
+            batch.add(item)
+        batch.flush()
+        return futures
+
+    def _process_batch(self, items: list[BatchItem]) -> None:
+        first: BaseException | None = None
+        for item in items:
+            try:
+                self._process(item.data, item.result, item.elem_size, item.digest)
+            except BaseException as exc:
+                if not item.result.done():
+                    item.result.set_exception(exc)
+                first = first or exc
+            finally:
+                if item.on_done is not None:
+                    item.on_done()
+        if first is not None:
+            raise first
+
+    def _process(
+        self,
+        data: Buffer,
+        result: Future[ChunkRef],
+        elem_size: int = 0,
+        known_digest: bytes | None = None,
+    ) -> None:
+        # A digest computed by the caller (the distributed planner) is trusted:
+        # the frame's own digest is re-verified on every read anyway.
+        digest = known_digest if known_digest is not None else digest_of(data)
+        h = digest.hex()
+        size = len(data)
+        with self._lock:
+            self.stats.chunks += 1
+            self.stats.raw_bytes += size
+            ref = self.known.get(h)
+        if ref is None and self.index is not None:
+            ref = self.index.lookup_chunk(h, size)  # no store request
+        with self._lock:
+            if ref is None:
+                ref = self.known.get(h)  # written by another worker meanwhile
+            else:
+                self.known[h] = ref
+            twin = None
+            if ref is None:
+                twin = self._pending.get(h)
+                if twin is None:
+                    self._pending[h] = result
+        if ref is not None:
+            result.set_result(ref)
+            return
+        if twin is not None:  # same bytes earlier in this take
+            twin.add_done_callback(lambda f: _copy_result(f, result))
+            return
+        if size >= self.settings.pack_limit:
+            ref = self._write_loose(data, digest, h, elem_size)
+            with self._lock:
+                self.known[h] = ref
+            result.set_result(ref)
+        else:
+            self._append_to_pack(data, digest, h, result, elem_size)
+
+    def _encode(self, data: Buffer, digest: bytes, elem_size: int) -> tuple[bytes, Buffer]:
+        return codec.encode(
+            data,
+            digest,
+            compress=self.settings.compression == "auto",
+            level=self.settings.zstd_level,
+            elem_size=elem_size,
+        )
+
+    def _write_loose(self, data: Buffer, digest: bytes, h: str, elem_size: int) -> ChunkRef:
+        key = chunk_key(h)
+        try:
+            header = codec.parse_header(self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key)
+            if header.digest == digest and header.raw_length == len(data):
+                ref = ChunkRef(hash=h, size=len(data), length=header.frame_length)
+                with self._lock:
+                    self._present.append(ref)
+                return ref
+        except (ObjectNotFoundError, IntegrityError):
+            pass  # absent, or a damaged object we overwrite below
+        head, payload = self._encode(data, digest, elem_size)
+        self.repo.store.put(key, [head, payload], durable=False)
+        length = len(head) + len(payload)
+        ref = ChunkRef(hash=h, size=len(data), length=length)
+        with self._lock:
+            self.stats.chunks_written += 1
+            self.stats.objects_written += 1
+            self.stats.raw_bytes_written += len(data)
+            self.stats.stored_bytes_written += length
+            self._present.append(ref)
+        return ref
+
+    def _append_to_pack(
+        self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef], elem_size: int
+    ) -> None:
+        head, payload = self._encode(data, digest, elem_size)
+        payload = bytes(payload)  # the pack outlives the caller's buffer
+        length = len(head) + len(payload)
+        full: _Pack | None = None
+        with self._lock:
+            pack = self._pack
+            pack.waiters.append((result, h, len(data), pack.size, length))
+            pack.frames.append((head, payload))
+            pack.size += length
+            self.stats.raw_bytes_written += len(data)
+            self.stats.chunks_written += 1
+            if pack.size >= self.settings.pack_target:
+                full, self._pack = pack, _Pack()
+        if full is not None:
+            self._flush(full)
+
+    def _flush(self, pack: _Pack) -> None:
+        if not pack.frames:
+            return
+        parts: list[Buffer] = [b for frame in pack.frames for b in frame]
+        blob = b"".join(parts)
+        pid = hash_bytes(blob)
+        try:
+            try:
+                self.repo.store.put(pack_key(pid), blob, create_only=True, durable=False)
+            except ObjectExistsError:
+                pass  # identical pack already durable
+            with self._lock:
+                self.stats.objects_written += 1
+                self.stats.stored_bytes_written += len(blob)
+        except BaseException as exc:
+            for fut, *_ in pack.waiters:
+                fut.set_exception(exc)
+            raise
+        for fut, h, size, offset, length in pack.waiters:
+            ref = ChunkRef(hash=h, size=size, pack=pid, offset=offset, length=length)
+            with self._lock:
+                self.known[h] = ref
+                self._present.append(ref)
+            fut.set_result(ref)
+
+    def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:
+        """Flush the last pack and wait for ``futures``; raise the first failure."""
+        # Every chunk is resolved, appended to the open pack, or waiting for an
+        # identical chunk once its work item is done; then the last pack flushes.
+        try:
+            with self._lock:
+                work = list(self._work)
+            wait(work)
+            for w in work:
+                exc = w.exception()
+                if exc is not None:
+                    raise exc
+            with self._lock:
+                last, self._pack = self._pack, _Pack()
+            self._flush(last)
+            return [f.result() for f in futures]
+        finally:
+            self._record_present()
+
+    def _record_present(self) -> None:
+        with self._lock:
+            present, self._present = self._present, []
+        if self.index is not None and present:
+            self.index.record_chunks(present)  # one LMDB transaction per take
+
+
+def _forward_error(work: Future[None], result: Future[ChunkRef]) -> None:
+    exc = work.exception()
+    if exc is not None and not result.done():
+        result.set_exception(exc)
+
+
+def _copy_result(src: Future[ChunkRef], dst: Future[ChunkRef]) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+# -- reading ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    key: str
+    start: int
+    end: int
+    items: tuple[tuple[int, ChunkRef], ...]
+
+
+def object_name(ref: ChunkRef) -> str:
+    return pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
+
+
+def plan_reads(refs: list[ChunkRef]) -> list[Span]:
+    spans: list[Span] = []
+    by_pack: dict[str, list[tuple[int, ChunkRef]]] = {}
+    loose_seen: dict[str, list[tuple[int, ChunkRef]]] = {}
+    for i, ref in enumerate(refs):
+        if ref.pack is None:
+            loose_seen.setdefault(ref.hash, []).append((i, ref))
+        else:
+            by_pack.setdefault(ref.pack, []).append((i, ref))
+    for h, items in loose_seen.items():
+        spans.append(Span(chunk_key(h), 0, -1, tuple(items)))
+    for pid, items in by_pack.items():
+        items.sort(key=lambda it: it[1].offset)
+        group: list[tuple[int, ChunkRef]] = []
+        start = end = 0
+        for it in items:
+            ref = it[1]
+            if group and ref.offset - end > _MERGE_GAP:
+                spans.append(Span(pack_key(pid), start, end, tuple(group)))
+                group = []
+            if not group:
+                start = ref.offset
+                end = ref.offset
+            group.append(it)
+            end = max(end, ref.offset + ref.length)
+        if group:
+            spans.append(Span(pack_key(pid), start, end, tuple(group)))
+    return spans
+
+
+def read_chunks(
+    repo: Repository,
+    refs: list[ChunkRef],
+    sink: Callable[[int, Buffer], None],
+    pool: ThreadPoolExecutor,
+    budget: ByteBudget,
+    dest: Callable[[int], memoryview | None] | None = None,
+) -> int:
+    """Fetch, decode and verify ``refs``; ``sink(i, data)`` receives chunk ``i``.
+
+    In-flight fetched and decoded bytes stay under ``budget``; ``sink`` may be
+    called from worker threads (for different ``i`` concurrently). Returns the
+    bytes fetched from the store.
+
+    ``dest(i)``, when given, may return the memory chunk ``i`` finally belongs
+    in: a loose chunk stored raw (frame length == header + size, known from the
+    manifest) is then read straight into it and verified there, with no
+    intermediate buffer and no ``sink`` call. A chunk that fails verification
+    raises :class:`IntegrityError` after having been written to ``dest``.
+    """
+    spans = plan_reads(refs)
+    fetched = 0
+    lock = threading.Lock()
+
+    def direct(span: Span) -> bool:
+        nonlocal fetched
+        if dest is None or span.end >= 0 or len(span.items) != 1:
+            return False
+        i, ref = span.items[0]
+        if ref.length != codec.HEADER_SIZE + ref.size:
+            return False  # compressed: must be decoded through a buffer
+        view = dest(i)
+        if view is None or len(view) != ref.size:
+            return False
+        head = bytearray(codec.HEADER_SIZE)
+        try:
+            n = repo.store.read_into(span.key, [memoryview(head), view])
+        except ObjectNotFoundError as exc:
+            raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
+        with lock:
+            fetched += n
+        codec.verify_raw_in_place(head, view, n, span.key, bytes.fromhex(ref.hash), ref.size)
+        return True
+
+    def run(span: Span) -> None:
+        nonlocal fetched
+        if direct(span):
+            return
+        raw = sum(ref.size for _, ref in span.items)
+        cost = raw + (span.end - span.start if span.end >= 0 else span.items[0][1].length)
+        budget.acquire(cost)
+        try:
+            try:
+                if span.end < 0:
+                    blob = repo.store.get(span.key)
+                else:
+                    blob = repo.store.get_range(span.key, span.start, span.end)
+            except ObjectNotFoundError as exc:
+                raise IntegrityError(
+                    f"{span.key} is missing from the repository", span.key
+                ) from exc
+            with lock:
+                fetched += len(blob)
+            mv = memoryview(blob)
+            for i, ref in span.items:
+                if span.end < 0:
+                    frame = mv
+                else:
+                    frame = mv[ref.offset - span.start : ref.offset - span.start + ref.length]
+                data = codec.decode(frame, span.key, bytes.fromhex(ref.hash), ref.size)
+                sink(i, data)
+        finally:
+            budget.release(cost)
+
+    futures = [pool.submit(run, span) for span in spans]
+    errors = [f.exception() for f in futures]
+    for exc in errors:
+        if exc is not None:
+            raise exc  # a store, integrity or sink error, with its own type
+    return fetched

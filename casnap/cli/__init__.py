@@ -1,0 +1,5 @@
+"""The ``casnap`` command line (``casnap --help``)."""
+
+from casnap.cli.app import main
+
+__all__ = ["main"]

@@ -1,0 +1,394 @@
+"""The ``casnap`` command line: log, ls, show, diff, du, verify, retain, gc, tag, export.
+
+Tables for people by default, ``--json`` for scripts. Exit codes: 0 success,
+1 verify found problems, 2 bad usage, 3 no such repository or snapshot,
+4 integrity or validation error, 5 any other casnap error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from casnap.cli import maintenance
+from casnap.cli.common import (
+    EXIT_ERROR,
+    EXIT_INTEGRITY,
+    EXIT_NOT_FOUND,
+    EXIT_PROBLEMS,
+    Progress,
+    age,
+    emit,
+    human,
+    open_repo,
+    open_snapshot,
+    table,
+)
+from casnap.errors import (
+    CasnapError,
+    IntegrityError,
+    RepositoryNotFoundError,
+    SnapshotNotFoundError,
+)
+from casnap.format.manifest import (
+    ContainerEntry,
+    ObjectEntry,
+    PrimitiveEntry,
+    ShardedEntry,
+    TensorEntry,
+)
+from casnap.ops.history import diff, du, graph_lanes, log
+from casnap.repo.repository import Repository
+
+# -- commands -------------------------------------------------------------
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    repo = open_repo(args)
+    lines = log(repo)
+    lanes = graph_lanes(lines)
+    names = {line.manifest: line.name for line in lines}
+    data = [
+        {
+            "name": ln.name,
+            "manifest": ln.manifest,
+            "created_at": ln.created_at,
+            "step": ln.step,
+            "parents": [names.get(p, p) for p in ln.parents],
+            "logical_bytes": ln.logical_bytes,
+            "stored_bytes": ln.stored_bytes,
+            "new_bytes": ln.new_bytes,
+        }
+        for ln in lines
+    ]
+
+    def text() -> str:
+        rows = [
+            [
+                lane,
+                ln.name,
+                "" if ln.step is None else str(ln.step),
+                age(ln.created_at),
+                human(ln.logical_bytes),
+                human(ln.new_bytes),
+                ", ".join(names.get(p, f"{p[:12]} (deleted)") for p in ln.parents),
+            ]
+            for lane, ln in zip(lanes, lines)
+        ]
+        if not rows:
+            return f"no snapshots in {repo.url}"
+        return table(rows, ["", "snapshot", "step", "time", "size", "new", "parents"], {2, 4, 5})
+
+    emit(args, data, text)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    repo = open_repo(args)
+    names = repo.list_snapshots()
+    emit(args, names, lambda: "\n".join(names) or f"no snapshots in {repo.url}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    repo, name = open_snapshot(args, args.snapshot)
+    mhash = repo.resolve(name)
+    m = repo.read_manifest(mhash)
+    rows, data = [], []
+    for key, e in m.entries.items():
+        if args.key and not (key == args.key or key.startswith(args.key + "/")):
+            continue
+        if isinstance(e, TensorEntry):
+            desc = [key, "tensor", e.dtype, str(list(e.shape)), human(e.nbytes)]
+            data.append(
+                {
+                    "key": key,
+                    "kind": "tensor",
+                    "dtype": e.dtype,
+                    "shape": e.shape,
+                    "bytes": e.nbytes,
+                    "chunks": len(e.chunks),
+                }
+            )
+        elif isinstance(e, ObjectEntry):
+            desc = [key, "object", e.type_name, "", human(e.size)]
+            data.append({"key": key, "kind": "object", "type": e.type_name, "bytes": e.size})
+        elif isinstance(e, ShardedEntry):
+            desc = [key, f"sharded ({e.layout}, {len(e.shards)} shards)", e.dtype,
+                    str(list(e.shape)), human(e.nbytes)]  # fmt: skip
+            data.append({"key": key, "kind": "sharded", "layout": e.layout, "dtype": e.dtype,
+                         "shape": e.shape, "bytes": e.nbytes, "shards": len(e.shards)})  # fmt: skip
+        elif isinstance(e, PrimitiveEntry):
+            desc = [key, e.type, str(e.value)[:40], "", ""]
+            data.append({"key": key, "kind": "primitive", "type": e.type, "value": e.value})
+        else:
+            assert isinstance(e, ContainerEntry)
+            if not args.all:
+                continue
+            desc = [key, e.type, f"{len(e.keys)} members", "", ""]
+            data.append({"key": key, "kind": "container", "type": e.type, "keys": e.keys})
+        rows.append(desc)
+    head = (
+        f"snapshot {name}  manifest {mhash[:16]}  created {age(m.created_at)}  "
+        f"world size {m.world_size}\nmetadata {json.dumps(m.metadata)}\n"
+    )
+    emit(
+        args,
+        {
+            "name": name,
+            "manifest": mhash,
+            "created_at": m.created_at,
+            "metadata": m.metadata,
+            "parents": m.parents,
+            "entries": data,
+        },
+        lambda: head + table(rows, ["key", "kind", "dtype/type", "shape", "size"], {4}),
+    )
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    repo_a, name_a = open_snapshot(args, args.a)
+    repo_b, name_b = open_snapshot(args, args.b)
+    ma = repo_a.read_manifest(repo_a.resolve(name_a))
+    mb = repo_b.read_manifest(repo_b.resolve(name_b))
+    rows = diff(ma, mb)
+    drift_by_key: dict[str, Any] = {}
+    if args.stats:
+        from casnap.restore.drift import drift  # the torch layer: only when asked
+
+        drift_by_key = {d.key: d for d in drift(repo_a, ma, repo_b, mb, rows)}
+    shown = [r for r in rows if args.all or r.status != "unchanged"]
+    data = []
+    for r in shown:
+        item: dict[str, Any] = {
+            "key": r.key,
+            "status": r.status,
+            "changed_bytes": r.changed_bytes,
+            "changed_chunks": r.changed_chunks,
+        }
+        if r.key in drift_by_key:
+            d = drift_by_key[r.key]
+            item.update(max_abs_diff=d.max_abs_diff, rel_l2=d.rel_l2)
+        data.append(item)
+
+    def text() -> str:
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        header = ["key", "status", "changed", "chunks"]
+        if args.stats:
+            header += ["max |b-a|", "rel L2"]
+        out = []
+        for r, item in zip(shown, data):
+            row = [
+                r.key,
+                r.status,
+                human(r.changed_bytes) if r.changed_bytes else "",
+                str(r.changed_chunks) if r.changed_chunks else "",
+            ]
+            if args.stats:
+                row += (
+                    [f"{item['max_abs_diff']:.3g}", f"{item['rel_l2']:.3g}"]
+                    if ("rel_l2" in item)
+                    else ["", ""]
+                )
+            out.append(row)
+        summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        return (table(out, header, {2, 3, 4, 5}) + "\n" if out else "") + summary
+
+    emit(args, data, text)
+    return 0
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    repo = open_repo(args)
+    pinned = _pinned(repo)
+    usage = du(repo, pinned)
+    data = {
+        "snapshots": usage.snapshots,
+        "logical_bytes": usage.logical_bytes,
+        "stored_bytes": usage.stored_bytes,
+        "dedup_ratio": usage.dedup_ratio,
+        "per_snapshot": [
+            {
+                "name": u.name,
+                "logical_bytes": u.logical_bytes,
+                "stored_bytes": u.stored_bytes,
+                "freed_if_deleted": u.exclusive_bytes,
+            }
+            for u in usage.per_snapshot
+        ],
+    }
+
+    def text() -> str:
+        rows = [
+            [u.name, human(u.logical_bytes), human(u.stored_bytes), human(u.exclusive_bytes)]
+            for u in usage.per_snapshot
+        ]
+        head = table(rows, ["snapshot", "logical", "stored", "freed if deleted"], {1, 2, 3})
+        return (
+            f"{head}\n\n{usage.snapshots} snapshots: logical {human(usage.logical_bytes)}, "
+            f"stored {human(usage.stored_bytes)}, dedup ratio {usage.dedup_ratio:.2f}x"
+        )
+
+    emit(args, data, text)
+    return 0
+
+
+def _pinned(repo: Repository) -> dict[str, str]:
+    try:
+        from casnap.repo.tags import list_tags
+    except ImportError:
+        return {}
+    return {t: info.manifest for t, info in list_tags(repo).items()}
+
+
+def _part(text: str) -> tuple[int, int]:
+    k, sep, n = text.partition("/")
+    try:
+        part = (int(k), int(n))
+    except ValueError:
+        part = (-1, 0)
+    if not sep or not (part[1] >= 1 and 0 <= part[0] < part[1]):
+        raise argparse.ArgumentTypeError(f"--part wants K/N with 0 <= K < N, got {text!r}")
+    return part
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from casnap.ops.verify import verify
+
+    repo = open_repo(args)
+    part = args.part
+    if args.rotate:
+        part = _next_part(repo, args.rotate)
+    report = verify(
+        repo,
+        read_data=args.read_data or part is not None,
+        part=part,
+        progress=Progress("verify", not args.json),
+    )
+
+    def text() -> str:
+        lines = [
+            f"{p.kind}: {p.subject}: {p.detail}"
+            + (f" (snapshots: {', '.join(p.snapshots)})" if p.snapshots else "")
+            for p in report.problems
+        ]
+        scope = (
+            f", re-hashed {report.chunks_read} chunks ({human(report.bytes_read)})"
+            + (f", part {part[0]}/{part[1]}" if part else "")
+            if report.chunks_read or part
+            else ""
+        )
+        lines.append(
+            f"{report.snapshots} snapshots, {report.manifests} manifests, "
+            f"{report.chunks} chunks{scope}: "
+            + ("OK" if report.ok else f"{len(report.problems)} problem(s)")
+        )
+        return "\n".join(lines)
+
+    emit(args, {**report.to_json(), "part": list(part) if part else None}, text)
+    return 0 if report.ok else EXIT_PROBLEMS
+
+
+def _next_part(repo: Repository, n: int) -> tuple[int, int]:
+    """The next of ``n`` parts for this repository, remembered in a local state file."""
+    import os
+    from pathlib import Path
+
+    base = Path(os.environ.get("CASNAP_STATE_DIR") or Path.home() / ".cache" / "casnap")
+    state = base / "verify" / f"{repo.config.repo_id}-{n}"
+    try:
+        k = (int(state.read_text()) + 1) % n
+    except (OSError, ValueError):
+        k = 0
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(str(k))
+    return (k, n)
+
+
+# -- entry point ------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="casnap", description="Inspect and maintain casnap repositories."
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an fsspec storage option (repeatable), e.g. token=anon",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> Any:
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("log", cmd_log, "snapshots oldest first, with lineage, step, size and new bytes")
+    p.add_argument("repo", help="repository directory or URL")
+    p = add("ls", cmd_ls, "list the snapshot names of a repository")
+    p.add_argument("repo", help="repository directory or URL")
+    p = add("show", cmd_show, "the entries of a snapshot with dtype, shape and size")
+    p.add_argument("snapshot", help="snapshot path, e.g. /ckpt/run1/step_100")
+    p.add_argument("--key", help="only this entry and what is below it")
+    p.add_argument("--all", action="store_true", help="also list containers")
+    p = add("diff", cmd_diff, "per entry: added, removed, changed or unchanged (manifests only)")
+    p.add_argument("a", help="snapshot path")
+    p.add_argument("b", help="snapshot path (may be in another repository)")
+    p.add_argument(
+        "--stats",
+        action="store_true",
+        help="numeric drift per changed tensor (reads only the changed chunks)",
+    )
+    p.add_argument("--all", action="store_true", help="also list unchanged entries")
+    p = add("du", cmd_du, "logical and stored bytes, dedup ratio, what deleting each would free")
+    p.add_argument("repo", help="repository directory or URL")
+    p = add("verify", cmd_verify, "check refs, manifests and chunks; exit 1 on any problem")
+    p.add_argument("repo", help="repository directory or URL")
+    p.add_argument("--read-data", action="store_true", help="re-hash every chunk's data")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--part",
+        type=_part,
+        metavar="K/N",
+        help="re-hash only part K of N of the chunks (implies --read-data)",
+    )
+    group.add_argument(
+        "--rotate",
+        type=int,
+        metavar="N",
+        help="re-hash the next part of N each run (implies --read-data)",
+    )
+    maintenance.register(add)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (SnapshotNotFoundError, RepositoryNotFoundError) as exc:
+        print(f"casnap: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except IntegrityError as exc:
+        print(f"casnap: integrity error: {exc}", file=sys.stderr)
+        return EXIT_INTEGRITY
+    except CasnapError as exc:
+        print(f"casnap: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

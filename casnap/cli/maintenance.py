@@ -1,0 +1,209 @@
+"""The destructive and exporting commands of the CLI: retain, gc, tag, export.
+
+Each destructive command plans first and prints the plan; ``--dry-run``
+stops there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from typing import Any
+
+from casnap.cli.common import Progress, emit, human, open_repo, open_snapshot
+from casnap.ops.retention import (
+    KeepBest,
+    KeepEveryStep,
+    KeepLast,
+    KeepTagged,
+    KeepWithin,
+    RetentionPolicy,
+    RetentionRule,
+    execute_retention,
+    plan_retention,
+)
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``15m``, ``6h``, ``7d`` or ``2w``."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw]?)", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m, 6h, 7d")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def best(text: str) -> KeepBest:
+    n, _, rest = text.partition(":")
+    metric, _, mode = rest.partition(":")
+    if not n.isdigit() or not metric or mode not in ("", "min", "max"):
+        raise argparse.ArgumentTypeError(f"--keep-best wants N:METRIC[:min|max], got {text!r}")
+    return KeepBest(int(n), metric, mode or "min")  # type: ignore[arg-type]
+
+
+def cmd_retain(args: argparse.Namespace) -> int:
+    rules: list[RetentionRule] = []
+    if args.keep_last is not None:
+        rules.append(KeepLast(args.keep_last))
+    if args.keep_every_step is not None:
+        rules.append(KeepEveryStep(args.keep_every_step))
+    if args.keep_within is not None:
+        rules.append(KeepWithin(args.keep_within))
+    if args.keep_tagged is not None:
+        rules.append(KeepTagged(args.keep_tagged or None))
+    rules += args.keep_best or []
+    repo = open_repo(args)
+    plan = plan_retention(repo, RetentionPolicy(*rules), allow_delete_all=args.allow_delete_all)
+    if args.dry_run:
+        emit(args, {**plan.to_json(), "dry_run": True}, lambda: plan.render() + "\n(dry run)")
+        return 0
+    result = execute_retention(repo, plan)
+    data = {
+        **plan.to_json(),
+        "dry_run": False,
+        "deleted": list(result.deleted),
+        "skipped": result.skipped,
+    }
+    emit(
+        args,
+        data,
+        lambda: (
+            plan.render() + f"\ndeleted {len(result.deleted)} ref(s); "
+            "run `casnap gc` to reclaim their space"
+        ),
+    )
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from casnap.gc.collect import gc
+
+    repo = open_repo(args)
+    result = gc(
+        repo,
+        grace_seconds=args.grace,
+        dry_run=args.dry_run,
+        wait_seconds=args.wait,
+        progress=Progress("gc", not args.json),
+    )
+    emit(args, result.to_json(), result.render)
+    return 0
+
+
+def cmd_tag(args: argparse.Namespace) -> int:
+    from casnap.repo.tags import add_tag, list_tags, remove_tag
+
+    if args.action in ("add", "rm") and not args.tag:
+        raise SystemExit(f"casnap tag {args.action}: name the tag")
+    repo = open_repo(args)
+    if args.action == "add":
+        if not args.snapshot:
+            raise SystemExit("casnap tag add: name the snapshot to tag")
+        info = add_tag(repo, args.tag, args.snapshot)
+        emit(args, vars(info), lambda: f"tagged {info.snapshot} as {info.tag}")
+    elif args.action == "rm":
+        info = remove_tag(repo, args.tag)
+        emit(args, vars(info), lambda: f"removed tag {info.tag} (was {info.snapshot})")
+    else:
+        tags = list_tags(repo)
+        emit(
+            args,
+            {t: vars(i) for t, i in tags.items()},
+            lambda: (
+                "\n".join(f"{t}\t{i.snapshot}\t{i.manifest[:12]}" for t, i in tags.items())
+                or "no tags"
+            ),
+        )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from casnap.api.snapshot import Snapshot
+    from casnap.export import export_safetensors, export_torch
+
+    repo, name = open_snapshot(args, args.snapshot)
+    snap = Snapshot(args.snapshot, storage_options={"repository": repo})
+    fmt = args.format or ("torch" if args.out.endswith((".pt", ".pth", ".bin")) else "safetensors")
+    export = export_torch if fmt == "torch" else export_safetensors
+    result = export(
+        snap,
+        args.out,
+        key=args.key,
+        memory_budget_bytes=args.memory_budget,
+        progress=Progress("export", not args.json),
+    )
+    data = {"snapshot": name, "out": args.out, "format": fmt, **_fields(result)}
+    emit(
+        args, data, lambda: f"exported {name} to {args.out} ({fmt}, {human(data.get('bytes', 0))})"
+    )
+    return 0
+
+
+def _fields(result: Any) -> dict[str, Any]:
+    if hasattr(result, "to_json"):
+        return dict(result.to_json())
+    if hasattr(result, "__dataclass_fields__"):
+        return {k: getattr(result, k) for k in result.__dataclass_fields__}
+    return {}
+
+
+def register(add: Callable[..., Any]) -> None:
+    p = add("retain", cmd_retain, "delete the refs a retention policy does not keep (then gc)")
+    p.add_argument("repo", help="repository directory or URL")
+    p.add_argument("--keep-last", type=int, metavar="N", help="the newest N snapshots")
+    p.add_argument("--keep-every-step", type=int, metavar="K", help="steps divisible by K")
+    p.add_argument(
+        "--keep-within",
+        type=duration,
+        metavar="DURATION",
+        help="snapshots younger than this (90s, 15m, 6h, 7d, 2w)",
+    )
+    p.add_argument(
+        "--keep-tagged", nargs="*", metavar="TAG", help="tagged snapshots (any tag, or those named)"
+    )
+    p.add_argument(
+        "--keep-best",
+        type=best,
+        action="append",
+        metavar="N:METRIC[:min|max]",
+        help="the N best by a metric in the metadata (repeatable)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p.add_argument(
+        "--allow-delete-all", action="store_true", help="permit a plan that deletes every snapshot"
+    )
+    p = add("gc", cmd_gc, "delete objects no ref or tag reaches (safe beside running takes)")
+    p.add_argument("repo", help="repository directory or URL")
+    p.add_argument(
+        "--grace",
+        type=duration,
+        default=3600.0,
+        metavar="DURATION",
+        help="keep unreachable objects younger than this (default 1h)",
+    )
+    p.add_argument(
+        "--wait",
+        type=duration,
+        default=60.0,
+        metavar="DURATION",
+        help="how long to wait for takes in flight (default 60s)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p = add("tag", cmd_tag, "pin a snapshot under a tag (add), unpin (rm), or list tags (ls)")
+    p.add_argument("repo", help="repository directory or URL")
+    p.add_argument("action", choices=["add", "rm", "ls"])
+    p.add_argument("tag", nargs="?", default="", help="the tag")
+    p.add_argument("snapshot", nargs="?", help="the snapshot name (for add)")
+    p = add("export", cmd_export, "write a snapshot (or one key) as safetensors or torch.save")
+    p.add_argument("snapshot", help="snapshot path")
+    p.add_argument("out", help="output file (.safetensors, or .pt/.pth/.bin for torch.save)")
+    p.add_argument("--format", choices=["safetensors", "torch"])
+    p.add_argument("--key", help="export only this entry (and what is below it)")
+    p.add_argument(
+        "--memory-budget",
+        type=int,
+        metavar="BYTES",
+        help="bound on in-flight buffers (default: CASNAP_MEMORY_BUDGET)",
+    )

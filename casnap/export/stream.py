@@ -1,0 +1,137 @@
+"""Streaming chunks into an export file under the memory budget, atomically.
+
+The file layout (offsets) is planned before anything is read; then every
+chunk is fetched through the verified reader (:func:`casnap.chunks.io.read_chunks`)
+under a :class:`~casnap.chunks.budget.ByteBudget` and written at its offset with
+``pwrite``, in whatever order the chunks arrive. No tensor is ever held whole
+in memory. The output is written to a temporary file next to ``out_path``,
+fsynced and renamed into place only once complete: a failure (a corrupt chunk
+raises :class:`casnap.IntegrityError`) leaves no partial file at ``out_path``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from casnap.chunks.budget import ByteBudget
+from casnap.chunks.io import Buffer, read_chunks
+from casnap.export.select import ExportItem
+from casnap.format.manifest import ChunkRef
+from casnap.settings import Settings, default_memory_budget
+
+if TYPE_CHECKING:
+    from casnap.api.snapshot import Snapshot
+
+Progress = Callable[[int, int], None]
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote."""
+
+    path: str
+    format: Literal["safetensors", "torch"]
+    names: tuple[str, ...]  # tensor names in the file, in data order
+    tensor_bytes: int  # tensor data written
+    file_bytes: int  # size of the file
+    fetched_bytes: int  # bytes read from the store (frames, as stored)
+    peak_buffer_bytes: int  # most bytes the read budget held at once
+    skipped: tuple[str, ...] = ()  # non-tensor keys in the selection, not exported
+
+
+@contextmanager
+def atomic_output(out_path: PathLike) -> Iterator[int]:
+    """A file descriptor of a temporary file that becomes ``out_path`` on success only."""
+    final = os.path.abspath(os.fspath(out_path))
+    directory, base = os.path.split(final)
+    tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.casnap-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    done = False
+    try:
+        yield fd
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, final)
+        done = True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if not done:
+            os.unlink(tmp)
+    try:  # make the rename durable
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass  # not every platform can open or fsync a directory
+
+
+def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def stream(
+    snapshot: Snapshot,
+    items: list[ExportItem],
+    offsets: list[int],
+    fd: int,
+    memory_budget_bytes: int | None,
+    progress: Progress | None,
+    with_crc: bool = False,
+) -> tuple[int, int, list[int]]:
+    """Fetch every chunk of ``items`` and write item ``j``'s bytes at ``offsets[j]``.
+
+    Returns the bytes fetched, the budget's peak and (``with_crc``) each chunk's CRC-32.
+    """
+    refs: list[ChunkRef] = []
+    dest: list[int] = []
+    for item, base in zip(items, offsets):
+        for c, ref in enumerate(item.entry.chunks):
+            refs.append(ref)
+            dest.append(base + c * item.entry.chunk_size)
+    crcs = [0] * len(refs)
+    total = sum(item.entry.nbytes for item in items)
+    done = 0
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def sink(i: int, data: Buffer) -> None:
+        nonlocal done
+        if failures:
+            return  # the export has failed; let the reader drain
+        try:
+            pwrite_all(fd, data, dest[i])
+            if with_crc:
+                crcs[i] = zlib.crc32(data)
+            with lock:
+                done += len(data)
+                if progress is not None:
+                    progress(done, total)
+        except Exception as exc:  # a full disk, or the progress callback
+            with lock:
+                failures.append(exc)
+
+    budget = ByteBudget(memory_budget_bytes or default_memory_budget())
+    fetched = 0
+    if refs:
+        workers = Settings.from_env().io_workers
+        with ThreadPoolExecutor(workers, thread_name_prefix="casnap-export") as pool:
+            fetched = read_chunks(snapshot.repository, refs, sink, pool, budget)
+    if failures:
+        raise failures[0]
+    return fetched, budget.peak, crcs

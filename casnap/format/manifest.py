@@ -1,0 +1,346 @@
+"""Manifest, config and ref models: the serialized format of a repository (docs/format.md).
+
+Pydantic lives here, at the serialization boundary only. Everything read from a
+store is untrusted: :func:`parse_manifest` checks size, version, structure and
+the arithmetic of every tensor entry before a caller allocates or reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import weakref
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+
+from casnap.errors import ManifestValidationError, UnsupportedFormatError
+from casnap.format.codec import HEADER_SIZE
+from casnap.format.names import HASH_HEX_LEN, check_hash, hash_bytes
+
+FORMAT_MAJOR = 1
+FORMAT_VERSION = "1.1"  # 1.1 added the "sharded" entry kind; 1.0 is still read
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_BYTES = 1 << 62  # largest tensor / object / offset accepted from a manifest
+MAX_KEY_LENGTH = 4096
+
+# Element sizes by dtype name (the name is torch's, without "torch.").
+# Kept here so that listing, du and verify never need to import torch.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "complex32": 4, "complex64": 8, "complex128": 16,
+    "bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
+}  # fmt: skip
+
+HashStr = Annotated[str, Field(min_length=HASH_HEX_LEN, max_length=HASH_HEX_LEN,
+                               pattern=r"^[0-9a-f]{64}$")]  # fmt: skip
+Size = Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]
+JsonValue = Any
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ChunkRef(_Model):
+    """Where one chunk lives: a loose object (``pack`` is null) or a frame inside a pack."""
+
+    hash: HashStr
+    size: Size  # raw (uncompressed) bytes
+    pack: HashStr | None = None
+    offset: Size = 0  # frame offset inside the pack; 0 for a loose chunk
+    length: Annotated[int, Field(ge=HEADER_SIZE, le=MAX_BYTES), StrictInt]  # frame bytes
+
+    @model_validator(mode="after")
+    def _loose_at_zero(self) -> ChunkRef:
+        if self.pack is None and self.offset != 0:
+            raise ValueError("a loose chunk has offset 0")
+        return self
+
+
+def _check_chunks(chunks: list[ChunkRef], nbytes: int, chunk_size: int) -> None:
+    expected = math.ceil(nbytes / chunk_size) if nbytes else 0
+    if len(chunks) != expected:
+        raise ValueError(f"{len(chunks)} chunks for {nbytes} bytes of chunk_size {chunk_size}")
+    for i, ref in enumerate(chunks):
+        want = min(chunk_size, nbytes - i * chunk_size)
+        if ref.size != want:
+            raise ValueError(f"chunk {i} holds {ref.size} bytes, expected {want}")
+
+
+class TensorEntry(_Model):
+    """A dense tensor stored as raw little-endian bytes in row-major order."""
+
+    kind: Literal["tensor"] = "tensor"
+    dtype: StrictStr
+    shape: list[Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]]
+    chunk_size: Annotated[int, Field(ge=1, le=1 << 34), StrictInt]
+    chunks: list[ChunkRef]
+    replicated: StrictBool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    @model_validator(mode="after")
+    def _arithmetic(self) -> TensorEntry:
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if len(self.shape) > 64:
+            raise ValueError("more than 64 dimensions")
+        nbytes = DTYPE_ITEMSIZE[self.dtype]
+        for dim in self.shape:  # overflow-checked product
+            nbytes *= dim
+            if nbytes > MAX_BYTES:
+                raise ValueError("tensor size overflows")
+        _check_chunks(self.chunks, nbytes, self.chunk_size)
+        return self
+
+
+PrimitiveType = Literal["int", "float", "bool", "str", "none", "bytes", "complex", "dtype"]
+
+
+class PrimitiveEntry(_Model):
+    """A Python scalar stored inline as JSON (floats as exact hex strings)."""
+
+    kind: Literal["primitive"] = "primitive"
+    type: PrimitiveType
+    value: StrictBool | StrictInt | StrictStr | None | list[StrictStr]
+
+
+class ContainerEntry(_Model):
+    """A dict, OrderedDict, list or tuple; its members are entries under ``<key>/<member>``."""
+
+    kind: Literal["container"] = "container"
+    type: Literal["dict", "OrderedDict", "list", "tuple"]
+    keys: list[StrictInt | StrictStr]
+
+
+class ObjectEntry(_Model):
+    """An arbitrary Python object, pickled. Loading it needs an explicit opt-in."""
+
+    kind: Literal["object"] = "object"
+    serializer: Literal["pickle"]
+    type_name: StrictStr
+    size: Size
+    chunk_size: Annotated[int, Field(ge=1, le=1 << 34), StrictInt]
+    chunks: list[ChunkRef]
+
+    @model_validator(mode="after")
+    def _arithmetic(self) -> ObjectEntry:
+        _check_chunks(self.chunks, self.size, self.chunk_size)
+        return self
+
+
+MAX_SHARDS = 1 << 16
+
+
+class ShardRecord(_Model):
+    """One stored shard of a sharded tensor: the box ``offsets``..``offsets+sizes``, row-major."""
+
+    offsets: list[Size]
+    sizes: list[Size]
+    chunk_size: Annotated[int, Field(ge=1, le=1 << 34), StrictInt]
+    chunks: list[ChunkRef]
+
+
+class ShardedEntry(_Model):
+    """A tensor stored as shards with global offsets (a DTensor or a ShardedTensor).
+
+    Every rank's key holds the same entry: the global shape and every unique
+    shard of the job, so a restore onto any world size or placement finds the
+    shards that overlap its own (docs/distributed.md).
+    """
+
+    kind: Literal["sharded"] = "sharded"
+    layout: Literal["dtensor", "sharded_tensor"]
+    dtype: StrictStr
+    shape: list[Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]]
+    shards: list[ShardRecord]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    @model_validator(mode="after")
+    def _arithmetic(self) -> ShardedEntry:
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if len(self.shape) > 64:
+            raise ValueError("more than 64 dimensions")
+        if len(self.shards) > MAX_SHARDS:
+            raise ValueError(f"more than {MAX_SHARDS} shards")
+        total = DTYPE_ITEMSIZE[self.dtype]
+        for dim in self.shape:
+            total *= dim
+            if total > MAX_BYTES:
+                raise ValueError("tensor size overflows")
+        for i, shard in enumerate(self.shards):
+            if len(shard.offsets) != len(self.shape) or len(shard.sizes) != len(self.shape):
+                raise ValueError(f"shard {i} has a different rank than the tensor")
+            nbytes = DTYPE_ITEMSIZE[self.dtype]
+            for off, size, dim in zip(shard.offsets, shard.sizes, self.shape, strict=True):
+                if off + size > dim:
+                    raise ValueError(f"shard {i} lies outside the tensor")
+                nbytes *= size
+            _check_chunks(shard.chunks, nbytes, shard.chunk_size)
+        return self
+
+
+Entry = Annotated[
+    TensorEntry | PrimitiveEntry | ContainerEntry | ObjectEntry | ShardedEntry,
+    Field(discriminator="kind"),
+]
+DataEntry = TensorEntry | ObjectEntry
+
+
+class Manifest(_Model):
+    """One snapshot: every entry of every rank, its lineage and user metadata."""
+
+    format_version: StrictStr = FORMAT_VERSION
+    created_at: StrictStr
+    world_size: Annotated[int, Field(ge=1), StrictInt] = 1
+    parents: list[HashStr] = []
+    metadata: dict[str, JsonValue] = {}
+    entries: dict[Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)], Entry]
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.to_jsonable())
+
+    def to_jsonable(self, previous: Manifest | None = None) -> dict[str, Any]:
+        """``model_dump(mode="json")``, reusing ``previous``'s dumps of shared entries.
+
+        A take of an unchanged structure shares most entry objects with its
+        parent's manifest (casnap.take.job); dumping thousands of them again was
+        most of the time of serializing the manifest. The dump is remembered
+        for as long as the manifest lives (it is frozen: it cannot go stale).
+        """
+        cached = _JSON.get(id(self))
+        if cached is not None and cached[0]() is self:
+            return cached[1]
+        shared: dict[str, Any] = {}
+        old = _JSON.get(id(previous)) if previous is not None else None
+        if previous is not None and old is not None and old[0]() is previous:
+            old_entries = old[1]["entries"]
+            shared = {k: old_entries[k] for k, e in self.entries.items()
+                      if previous.entries.get(k) is e}  # fmt: skip
+        out = self.model_dump(mode="json", exclude={"entries"})
+        out["entries"] = {k: shared[k] if k in shared else e.model_dump(mode="json")
+                          for k, e in self.entries.items()}  # fmt: skip
+        _JSON[id(self)] = (weakref.ref(self), out)
+        weakref.finalize(self, _JSON.pop, id(self), None)
+        return out
+
+    def chunk_refs(self) -> list[ChunkRef]:
+        refs: list[ChunkRef] = []
+        for e in self.entries.values():
+            if isinstance(e, (TensorEntry, ObjectEntry)):
+                refs.extend(e.chunks)
+            elif isinstance(e, ShardedEntry):
+                refs.extend(c for shard in e.shards for c in shard.chunks)
+        return refs
+
+
+# id(manifest) -> (a weak reference to it, its JSON form); see Manifest.to_jsonable.
+_JSON: dict[int, tuple[weakref.ref[Manifest], dict[str, Any]]] = {}
+
+
+class RepoConfig(_Model):
+    """``.casnap/config.json``: written once when the repository is created."""
+
+    format_version: StrictStr = FORMAT_VERSION
+    repo_id: StrictStr
+    hash: Literal["blake3"] = "blake3"
+    chunk_size: Annotated[int, Field(ge=4096, le=1 << 30), StrictInt]
+    created_at: StrictStr
+
+
+class Ref(_Model):
+    """``.casnap/refs/<name>``: the commit point of a snapshot."""
+
+    manifest: HashStr
+    created_at: StrictStr
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")  # fmt: skip
+
+
+def check_version(version: str, what: str) -> None:
+    try:
+        major = int(version.split(".", 1)[0])
+    except ValueError as exc:
+        raise UnsupportedFormatError(f"{what}: malformed format_version {version!r}") from exc
+    if major != FORMAT_MAJOR:
+        raise UnsupportedFormatError(
+            f"{what} has format version {version}; this casnap reads major version "
+            f"{FORMAT_MAJOR} only — upgrade casnap to read it"
+        )
+
+
+def _load_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ManifestValidationError(f"{what}: not valid JSON: {exc}", what) from exc
+
+
+def _parse(model: type[_Model], data: bytes, what: str) -> Any:
+    raw = _load_json(data, what)
+    if isinstance(raw, dict) and isinstance(raw.get("format_version"), str):
+        check_version(raw["format_version"], what)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ManifestValidationError(
+            f"{what} is malformed at {where}: {first['msg']} ({exc.error_count()} problem(s))",
+            what,
+        ) from exc
+
+
+def parse_manifest(data: bytes, name: str) -> Manifest:
+    """Validate an untrusted manifest; ``name`` is its hash, checked against the bytes."""
+    check_hash(name, "manifest name")
+    what = f"manifest {name}"
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestValidationError(f"{what} is larger than {MAX_MANIFEST_BYTES} bytes", name)
+    if hash_bytes(data) != name:
+        raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
+    manifest: Manifest = _parse(Manifest, data, what)
+    return manifest
+
+
+def parse_config(data: bytes) -> RepoConfig:
+    config: RepoConfig = _parse(RepoConfig, data, "repository config")
+    return config
+
+
+def parse_ref(data: bytes, name: str) -> Ref:
+    ref: Ref = _parse(Ref, data, f"ref {name!r}")
+    return ref
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """The JSON Schemas exported into ``schema/`` (see tools/export_schema.py)."""
+    return {
+        "manifest-v1.schema.json": Manifest.model_json_schema(),
+        "config-v1.schema.json": RepoConfig.model_json_schema(),
+        "ref-v1.schema.json": Ref.model_json_schema(),
+    }

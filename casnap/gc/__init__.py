@@ -1,0 +1,29 @@
+"""Garbage collection: plan what no root reaches, then sweep it (docs/gc.md).
+
+:mod:`casnap.gc.collect` holds the session and the one-call API,
+:mod:`casnap.gc.plan` the mark phase and the plan, :mod:`casnap.gc.backend`
+the listing and syncing below the store contract.
+"""
+
+from casnap.gc.collect import (
+    GcResult,
+    GcSession,
+    execute_gc,
+    gc,
+    gc_in_progress,
+    plan_gc,
+    read_gc_epoch,
+)
+from casnap.gc.plan import GcPlan, GcRefusedError
+
+__all__ = [
+    "GcPlan",
+    "GcRefusedError",
+    "GcResult",
+    "GcSession",
+    "execute_gc",
+    "gc",
+    "gc_in_progress",
+    "plan_gc",
+    "read_gc_epoch",
+]

@@ -1,0 +1,375 @@
+"""gc: delete the manifests, chunks and packs no ref or tag reaches (docs/gc.md).
+
+gc runs as a session holding ``.casnap/gc.lock``, entered only once no take
+is in flight (:mod:`casnap.repo.leases`), so nothing decides dedup while gc marks
+and sweeps. Inside the session it first *plans* (mark from the roots, list
+what is unreachable and older than the grace period) and then *executes*
+the plan: unreachable manifests first, made durable, then chunks and packs,
+so "a manifest that exists has all its chunks" holds even if gc dies halfway.
+The gc epoch (``.casnap/gc-epoch``) is replaced before the first deletion and
+after the last, which is how local caches learn that objects may be gone.
+
+This module holds the session (lock, epoch, sweep) and the one-call API;
+:mod:`casnap.gc.plan` makes the plan and :mod:`casnap.gc.backend` lists and
+syncs the backend below the store contract.
+
+Example::
+
+    from casnap.gc.collect import GcSession, gc
+
+    print(gc(repo, dry_run=True).plan.render())      # what would go
+    result = gc(repo, grace_seconds=3600)             # sweep
+
+    with GcSession(repo) as session:                  # plan, look, execute
+        plan = session.plan(grace_seconds=0)
+        if plan.bytes_to_free > 1 << 30:
+            session.execute(plan)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, fields, replace
+from types import TracebackType
+from typing import Any
+
+from casnap.errors import CasnapError, ObjectNotFoundError
+from casnap.format.names import hash_bytes
+from casnap.gc.backend import delete_temp_file, sync_folders
+from casnap.gc.plan import (
+    TEMP_MIN_AGE,
+    Garbage,
+    GcPlan,
+    GcRefusedError,
+    Progress,
+    human_bytes,
+    intersect,
+    make_plan,
+)
+from casnap.index import GC_EPOCH_KEY
+from casnap.repo.leases import (
+    Lease,
+    LeaseRecord,
+    acquire_gc_lock,
+    read_gc_lock,
+    read_record,
+    wait_for_leases,
+)
+from casnap.repo.repository import Repository, now_iso
+from casnap.settings import Settings
+from casnap.store import ObjectStore
+
+__all__ = [
+    "DEFAULT_GRACE_SECONDS",
+    "DEFAULT_WAIT_SECONDS",
+    "TEMP_MIN_AGE",
+    "Garbage",
+    "GcPlan",
+    "GcRefusedError",
+    "GcResult",
+    "GcSession",
+    "Progress",
+    "execute_gc",
+    "gc",
+    "gc_in_progress",
+    "human_bytes",
+    "plan_gc",
+    "read_gc_epoch",
+]
+
+DEFAULT_GRACE_SECONDS = 3600.0
+DEFAULT_WAIT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class GcResult:
+    """What a gc did (``dry_run``: what it would have done)."""
+
+    plan: GcPlan
+    dry_run: bool
+    deleted_manifests: int = 0
+    deleted_chunks: int = 0
+    deleted_packs: int = 0
+    deleted_leases: int = 0
+    deleted_temp_files: int = 0
+    bytes_freed: int = 0
+    skipped: int = 0  # planned deletions dropped: reachable (or gone) by execution time
+    waited_for_takes: int = 0  # takes in flight that gc waited for before marking
+    epoch: str | None = None  # the gc epoch afterwards
+    seconds: float = 0.0
+
+    @property
+    def deleted(self) -> int:
+        return self.deleted_manifests + self.deleted_chunks + self.deleted_packs
+
+    def render(self) -> str:
+        if self.dry_run:
+            return self.plan.render() + "\n(dry run: nothing was deleted)"
+        text = (
+            f"gc of {self.plan.url}: deleted {self.deleted_manifests} manifest(s), "
+            f"{self.deleted_chunks} chunk(s), {self.deleted_packs} pack(s), "
+            f"{self.deleted_temp_files} temp file(s), {self.deleted_leases} expired lease(s); "
+            f"freed {human_bytes(self.bytes_freed)} in {self.seconds:.2f} s"
+        )
+        if self.skipped:
+            text += f"; {self.skipped} planned deletion(s) skipped (reachable again or gone)"
+        return "\n".join([text] + [f"  warning: {w}" for w in self.plan.warnings])
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
+        return {**out, "plan": self.plan.to_json()}
+
+
+# -- the gc epoch ----------------------------------------------------------
+
+
+def read_gc_epoch(repo: Repository) -> str | None:
+    """The repository's gc epoch: it changes whenever a gc may have deleted anything.
+
+    None when no gc ever deleted anything. A cache of "object X exists" built
+    while the epoch was ``e`` (and no ``gc.lock`` was present, see docs/gc.md)
+    is valid only while the epoch is still ``e``.
+    """
+    try:
+        data = repo.store.get(GC_EPOCH_KEY)
+    except ObjectNotFoundError:
+        return None
+    try:
+        epoch = json.loads(data)["epoch"]
+        if isinstance(epoch, str) and epoch:
+            return epoch
+    except (ValueError, TypeError, KeyError):
+        pass
+    return hash_bytes(data)  # not ours, but it still changes when the object does
+
+
+def gc_in_progress(repo: Repository) -> bool:
+    """Whether a ``gc.lock`` exists (live, or left by a gc that may have died mid-sweep)."""
+    return read_gc_lock(repo.store) is not None
+
+
+def _bump_epoch(repo: Repository, session: str, phase: str) -> str:
+    epoch = uuid.uuid4().hex
+    body = {"epoch": epoch, "gc": session, "phase": phase, "at": now_iso()}
+    repo.store.put(GC_EPOCH_KEY, json.dumps(body, sort_keys=True).encode())  # durable
+    return epoch
+
+
+# -- the session -----------------------------------------------------------
+
+
+class GcSession:
+    """Holds ``gc.lock`` with no take in flight; plan and execute inside it.
+
+    Entering writes the lock (waiting up to ``wait_seconds`` for another gc,
+    else :class:`casnap.repo.leases.GcBusyError`) and then waits up to
+    ``wait_seconds`` for the takes in flight to finish (else
+    :class:`casnap.repo.leases.GcBlockedError`, having deleted nothing). Takes that
+    start meanwhile wait for the session to end.
+
+    Example::
+
+        with GcSession(repo, wait_seconds=30) as session:
+            plan = session.plan(grace_seconds=3600)
+            print(plan.render())
+            session.execute(plan)
+    """
+
+    def __init__(
+        self,
+        repo: Repository,
+        *,
+        wait_seconds: float = DEFAULT_WAIT_SECONDS,
+        lock_ttl: float | None = None,
+    ) -> None:
+        self.repo = repo
+        self.wait_seconds = wait_seconds
+        self.lock_ttl = lock_ttl
+        self.waited_for_takes = 0  # takes in flight when the session began
+        self._lock: Lease | None = None
+
+    def __enter__(self) -> GcSession:
+        lock = acquire_gc_lock(self.repo.store, ttl=self.lock_ttl, wait_seconds=self.wait_seconds)
+        try:
+            self.waited_for_takes = wait_for_leases(self.repo.store, self.wait_seconds)
+        except BaseException:
+            lock.release()
+            raise
+        self._lock = lock
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    @property
+    def lock(self) -> Lease:
+        if self._lock is None:
+            raise CasnapError("the gc session is not entered (use `with GcSession(repo) as s:`)")
+        return self._lock
+
+    def plan(
+        self, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, progress: Progress | None = None
+    ) -> GcPlan:
+        """Mark from refs and tags; list unreachable objects older than ``grace_seconds``.
+
+        ``progress(count, total)`` is called as the reachable manifests are read.
+        """
+        lock = self.lock
+        plan = make_plan(self.repo, lock.id, grace_seconds, progress)
+        lock.check()
+        return plan
+
+    def execute(self, plan: GcPlan, *, progress: Progress | None = None) -> GcResult:
+        """Delete what ``plan`` lists: manifests (durably) first, then chunks and packs.
+
+        A plan from another session (a dry run earlier, say) is re-checked: only
+        what is still garbage now is deleted (``GcResult.skipped`` counts the
+        rest). ``progress(count, total)`` is called as objects are deleted.
+        """
+        started = time.monotonic()
+        lock = self.lock
+        skipped = 0
+        if plan.session != lock.id:
+            plan, skipped = intersect(plan, self.plan(grace_seconds=plan.grace_seconds))
+        store = self.repo.store
+        total = len(plan.data) + len(plan.dead_leases) + len(plan.temp_files)
+        done = [0]
+
+        def tick() -> None:
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], total)
+
+        epoch = read_gc_epoch(self.repo)
+        if plan.data:
+            # Before the first deletion: a cache built under the old epoch is stale
+            # from now on, even if this gc dies halfway.
+            lock.check()
+            epoch = _bump_epoch(self.repo, lock.id, "sweeping")
+        _delete_all(store, lock, [g.key for g in plan.manifests], tick)
+        sync_folders(store, [g.key for g in plan.manifests])
+        _delete_all(store, lock, [g.key for g in plan.chunks + plan.packs], tick)
+        if plan.data:
+            # After the last: a cache filled while this gc was sweeping is stale too.
+            epoch = _bump_epoch(self.repo, lock.id, "swept")
+        leases = 0
+        for key in plan.dead_leases:
+            record = _still_dead(store, key)
+            if record is not None:
+                store.delete(key)
+                leases += 1
+            tick()
+        temps = 0
+        for g in plan.temp_files:
+            temps += delete_temp_file(store, g.key)
+            tick()
+        return GcResult(
+            plan=plan, dry_run=False, deleted_manifests=len(plan.manifests),
+            deleted_chunks=len(plan.chunks), deleted_packs=len(plan.packs),
+            deleted_leases=leases, deleted_temp_files=temps,
+            bytes_freed=plan.bytes_to_free, skipped=skipped, epoch=epoch,
+            waited_for_takes=self.waited_for_takes, seconds=time.monotonic() - started,
+        )  # fmt: skip
+
+
+def _delete_all(store: ObjectStore, lock: Lease, keys: list[str], tick: Callable[[], None]) -> None:
+    """Delete ``keys`` in parallel, checking the lock before each; stop at the first error."""
+    if not keys:
+        return
+
+    def one(key: str) -> None:
+        lock.check()  # a gc that lost its lock must not delete: takes may be running
+        store.delete(key)
+
+    workers = Settings.from_env().io_workers
+    with ThreadPoolExecutor(workers, thread_name_prefix="casnap-gc") as pool:
+        pending: set[Future[None]] = {pool.submit(one, k) for k in keys}
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for f in finished:
+                exc = f.exception()
+                if exc is not None:
+                    for p in pending:
+                        p.cancel()
+                    raise exc
+                tick()
+
+
+def _still_dead(store: ObjectStore, key: str) -> LeaseRecord | None:
+    try:
+        record = read_record(store, key)
+    except CasnapError:
+        return None
+    return record if record is not None and not record.is_live() else None
+
+
+# -- one call --------------------------------------------------------------
+
+
+def plan_gc(
+    repo: Repository,
+    *,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    wait_seconds: float = DEFAULT_WAIT_SECONDS,
+    progress: Progress | None = None,
+) -> GcPlan:
+    """A plan made under the lock, which is released again (a dry run).
+
+    Pass it to :func:`execute_gc` later: only what is still garbage then goes.
+    """
+    with GcSession(repo, wait_seconds=wait_seconds) as session:
+        return session.plan(grace_seconds=grace_seconds, progress=progress)
+
+
+def execute_gc(
+    repo: Repository,
+    plan: GcPlan,
+    *,
+    wait_seconds: float = DEFAULT_WAIT_SECONDS,
+    progress: Progress | None = None,
+) -> GcResult:
+    """Execute a plan from :func:`plan_gc` under a new lock, re-checked first."""
+    with GcSession(repo, wait_seconds=wait_seconds) as session:
+        return session.execute(plan, progress=progress)
+
+
+def gc(
+    repo: Repository,
+    *,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    dry_run: bool = False,
+    wait_seconds: float = DEFAULT_WAIT_SECONDS,
+    progress: Progress | None = None,
+) -> GcResult:
+    """Delete every manifest, chunk and pack no ref or tag reaches and older than the grace period.
+
+    ``dry_run`` plans and deletes nothing. ``progress(count, total)`` is called
+    while marking and again while deleting. Raises :class:`casnap.repo.leases.GcBusyError`
+    or :class:`casnap.repo.leases.GcBlockedError` (having deleted nothing) when another
+    gc or takes in flight keep it out for longer than ``wait_seconds``.
+
+    Example::
+
+        result = gc(Repository.open("/ckpt/run1"), grace_seconds=0)
+        print(result.render())
+    """
+    started = time.monotonic()
+    with GcSession(repo, wait_seconds=wait_seconds) as session:
+        plan = session.plan(grace_seconds=grace_seconds, progress=progress)
+        if dry_run:
+            return GcResult(plan=plan, dry_run=True, epoch=read_gc_epoch(repo),
+                            waited_for_takes=session.waited_for_takes,
+                            seconds=time.monotonic() - started)  # fmt: skip
+        return replace(session.execute(plan, progress=progress),
+                       seconds=time.monotonic() - started)  # fmt: skip

@@ -1,0 +1,159 @@
+"""The local LMDB index: a per-machine cache of what a repository holds.
+
+Two facts are cached, so that dedup, ``log`` and ``du`` on a remote repository
+need not ask the store once per chunk or read every manifest again:
+
+- **chunk locations**: chunk hash -> where its frame lives (a loose object, or
+  pack + offset + length). An entry means "this object existed when it was
+  recorded"; it is only ever used by a take, never by gc or verify.
+- **manifest summaries**: manifest hash -> what ``log``/``du`` need (created
+  at, parents, metadata, logical bytes, the stored spans). Manifests are
+  immutable and named by their hash, so a summary never goes stale.
+
+The index is rebuildable from the store (:func:`rebuild`) and is dropped, as
+a whole, for chunk locations whenever the store's gc epoch (``.casnap/gc-epoch``,
+replaced by every gc that deleted anything) or the store's URL differs from
+what the entries were recorded under. A corrupt or unopenable index is
+deleted and recreated; the user never sees an index error (takes just probe).
+``CASNAP_INDEX=0`` turns it off; ``CASNAP_INDEX_DIR`` moves it. See
+docs/index.md for the protocol and the measured effect.
+
+Code: this module is the API the rest of casnap uses (the known-chunks view a
+take dedups against, summaries for ``log``/``du``, rebuild);
+:mod:`casnap.index.lmdb_store` is the LMDB storage layer and
+:mod:`casnap.index.summaries` the summary record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from casnap.errors import CasnapError, SnapshotNotFoundError
+from casnap.format.manifest import ChunkRef, Manifest
+from casnap.index.lmdb_store import (
+    DEFAULT_MAP_SIZE,
+    GC_EPOCH_KEY,
+    INDEX_FORMAT,
+    RepoIndex,
+    close_all,
+    drop,
+    enabled,
+    index_path,
+    open_index,
+    read_gc_epoch,
+)
+from casnap.index.summaries import ManifestSummary, summarize
+from casnap.repo.leases import hold_lease
+from casnap.repo.repository import Repository
+
+__all__ = [
+    "DEFAULT_MAP_SIZE",
+    "GC_EPOCH_KEY",
+    "INDEX_FORMAT",
+    "KnownChunks",
+    "ManifestSummary",
+    "RebuildStats",
+    "RepoIndex",
+    "close_all",
+    "drop",
+    "enabled",
+    "index_path",
+    "manifest_summaries",
+    "manifest_summary",
+    "open_index",
+    "read_gc_epoch",
+    "rebuild",
+    "record_manifest",
+    "summarize",
+]
+
+
+class KnownChunks(dict[str, ChunkRef]):
+    """Chunk locations a take may reference without writing, plus the index to ask on a miss."""
+
+    def __init__(self, index: RepoIndex | None = None) -> None:
+        super().__init__()
+        self.index = index
+
+
+# -- history -----------------------------------------------------------------
+
+
+def manifest_summaries(
+    repo: Repository, hashes: Iterable[str], *, missing_ok: bool = False
+) -> dict[str, ManifestSummary]:
+    """Summaries of ``hashes``, from the index where cached, else read from the store.
+
+    A manifest the store does not hold (and the index never saw) raises
+    :class:`casnap.SnapshotNotFoundError`, like ``Repository.read_manifest``,
+    or with ``missing_ok`` is left out of the result.
+    """
+    index = open_index(repo, chunks=False)
+    out: dict[str, ManifestSummary] = {}
+    fresh: list[ManifestSummary] = []
+    for h in dict.fromkeys(hashes):
+        cached = index.summary(h) if index is not None else None
+        if cached is None:
+            try:
+                cached = summarize(h, repo.read_manifest(h))
+            except SnapshotNotFoundError:
+                if missing_ok:
+                    continue
+                raise
+            fresh.append(cached)
+        out[h] = cached
+    if index is not None and fresh:
+        index.record_summaries(fresh)
+    return out
+
+
+def manifest_summary(repo: Repository, manifest_hash: str) -> ManifestSummary:
+    """The summary of one manifest (see :func:`manifest_summaries`).
+
+    Example::
+
+        for name in repo.list_snapshots():
+            s = manifest_summary(repo, repo.resolve(name))
+            print(name, s.step, s.logical_bytes, s.stored_bytes)
+    """
+    return manifest_summaries(repo, [manifest_hash])[manifest_hash]
+
+
+def record_manifest(repo: Repository, manifest_hash: str, manifest: Manifest) -> None:
+    """Cache the summary of a manifest just written or read (a no-op when disabled)."""
+    index = open_index(repo, chunks=False)
+    if index is not None:
+        index.record_summaries([summarize(manifest_hash, manifest)])
+
+
+@dataclass(frozen=True)
+class RebuildStats:
+    manifests: int
+    chunks: int
+
+
+def rebuild(repo: Repository) -> RebuildStats:
+    """Fill the index from the store: every manifest a ref names, and its chunks.
+
+    One get per ref and per manifest. Like a take, it holds a lease (so no gc
+    sweeps meanwhile) from before it reads the gc epoch until it has recorded
+    the last chunk, and stops early if the lease was lost.
+    """
+    manifests = chunks = 0
+    with hold_lease(repo, kind="index") as lease:
+        index = open_index(repo)
+        if index is None:
+            return RebuildStats(0, 0)
+        for name in repo.list_snapshots():
+            try:
+                h = repo.resolve(name)
+                m = repo.read_manifest(h)
+            except CasnapError:
+                continue  # deleted meanwhile
+            index.record_summaries([summarize(h, m)])
+            if not lease.valid():
+                break  # a gc may sweep from now on: learn nothing more about chunks
+            chunks += index.record_chunks({r.hash: r for r in m.chunk_refs()}.values())
+            manifests += 1
+    return RebuildStats(manifests, chunks)

@@ -1,0 +1,425 @@
+"""The local index's storage layer: LMDB environments and the entries in them.
+
+One LMDB environment per repository and machine, kept open per process
+(reopened after fork, closed when unused, deleted and recreated when damaged,
+never on a network filesystem), holding chunk locations and manifest
+summaries, each value sealed with a short blake3 check. :class:`RepoIndex` is
+one process's handle on one repository's index; :func:`open_index` checks the
+store's gc epoch before chunk entries may be used. The callers' API is
+:mod:`casnap.index`; docs/index.md has the protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import struct
+import threading
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+import blake3
+import lmdb
+
+from casnap.errors import ObjectNotFoundError, StoreError
+from casnap.format.manifest import ChunkRef
+from casnap.format.names import check_hash
+from casnap.index.summaries import ManifestSummary, decode_summary, encode_summary
+from casnap.repo.repository import Repository
+
+_log = logging.getLogger("casnap.index")  # the logger users configure (docs/index.md)
+
+INDEX_FORMAT = b"casnap-index-1"
+GC_EPOCH_KEY = "gc-epoch"  # below .casnap/; written by gc after a sweep that deleted something
+DEFAULT_MAP_SIZE = 4 << 30  # address space only: the file grows as pages are written
+
+_META_FORMAT = b"format"
+_META_CHUNKS_FOR = b"chunks-for"  # store URL + gc epoch the chunk entries were recorded under
+_CHECK = 8  # bytes of blake3 that guard every value against a damaged page
+_LOOSE = struct.Struct("<QQ")  # raw size, frame length
+_PACKED = struct.Struct("<QQQ32s")  # raw size, frame length, offset, pack digest
+_OFF = ("0", "false", "no", "off")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def enabled() -> bool:
+    """Whether takes and history use the index (``CASNAP_INDEX=0`` turns it off)."""
+    return os.environ.get("CASNAP_INDEX", "1").strip().lower() not in _OFF
+
+
+def index_path(repo_id: str) -> Path:
+    """Where the index of repository ``repo_id`` lives on this machine."""
+    base = os.environ.get("CASNAP_INDEX_DIR")
+    root = Path(base) if base else Path.home() / ".cache" / "casnap" / "index"
+    # The id comes from the store's config.json: never let it name another folder.
+    safe = repo_id if _SAFE_ID.match(repo_id) else blake3.blake3(repo_id.encode()).hexdigest()
+    return root / safe
+
+
+# -- values ------------------------------------------------------------------
+
+
+def _seal(key: bytes, body: bytes) -> bytes:
+    h = blake3.blake3(key)
+    h.update(body)
+    return body + h.digest(length=_CHECK)
+
+
+def _unseal(key: bytes, value: bytes) -> bytes | None:
+    body = value[:-_CHECK]
+    h = blake3.blake3(key)
+    h.update(body)
+    return body if len(value) > _CHECK and h.digest(length=_CHECK) == value[-_CHECK:] else None
+
+
+def _encode_chunk(ref: ChunkRef) -> bytes:
+    if ref.pack is None:
+        return _LOOSE.pack(ref.size, ref.length)
+    return _PACKED.pack(ref.size, ref.length, ref.offset, bytes.fromhex(ref.pack))
+
+
+def _decode_chunk(h: str, body: bytes) -> ChunkRef:
+    if len(body) == _LOOSE.size:
+        size, length = _LOOSE.unpack(body)
+        return ChunkRef(hash=h, size=size, length=length)
+    size, length, offset, pack = _PACKED.unpack(body)
+    return ChunkRef(hash=h, size=size, pack=pack.hex(), offset=offset, length=length)
+
+
+# -- environments ------------------------------------------------------------
+
+
+class _Env:
+    """One open LMDB environment (LMDB allows one per path per process)."""
+
+    def __init__(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        map_size = int(os.environ.get("CASNAP_INDEX_MAP_SIZE", DEFAULT_MAP_SIZE))
+        self.path = path
+        self.broken = False  # damaged: delete the files and start over
+        self.stale = False  # unusable as opened (another process grew the map): reopen
+        self.users: weakref.WeakSet[RepoIndex] = weakref.WeakSet()  # open handles
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True,
+                             lock=True, readahead=False, meminit=False)  # fmt: skip
+        try:
+            self.meta = self.env.open_db(b"meta")
+            self.chunks = self.env.open_db(b"chunks")
+            self.manifests = self.env.open_db(b"manifests")
+            with self.env.begin(write=True) as txn:
+                fmt = txn.get(_META_FORMAT, db=self.meta)
+                if fmt != INDEX_FORMAT:  # new, or written by another index version
+                    txn.drop(self.chunks, delete=False)
+                    txn.drop(self.manifests, delete=False)
+                    txn.drop(self.meta, delete=False)
+                    txn.put(_META_FORMAT, INDEX_FORMAT, db=self.meta)
+        except BaseException:
+            self.env.close()
+            raise
+
+    @property
+    def usable(self) -> bool:
+        return not (self.broken or self.stale)
+
+
+# LMDB forbids opening one path twice in a process and using an environment
+# across fork(), so open environments are kept per process, like lineage, and
+# dropped in a forked child. At most _MAX_OPEN stay open (two file descriptors
+# each); the least recently used one no RepoIndex refers to is closed first.
+_MAX_OPEN = 16
+# Errors that mean the files are damaged (delete and rebuild) rather than
+# that this process cannot use them right now.
+_DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
+            lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadChecksumError)  # fmt: skip
+_registry_lock = threading.Lock()
+_registry: dict[str, _Env] = {}  # least recently used first
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: drop the parent's environments, so this process opens its own.
+
+    py-lmdb refuses to open a path that is open "in this process", which the
+    child's copies are, so they are closed. That is safe on Linux: closing
+    touches only reader slots of the closing pid (none in the child) and
+    releases no lock the parent holds (fcntl locks are not inherited).
+    """
+    global _registry_lock
+    _registry_lock = threading.Lock()  # another thread may have held it at the fork
+    envs = list(_registry.values())
+    _registry.clear()
+    for env in envs:
+        try:
+            env.env.close()
+        except lmdb.Error:
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+# LMDB's locks do not work across machines; on these a shared folder would
+# let two hosts write one file unsynchronised.
+_REMOTE_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph",
+              "glusterfs", "9p", "afs", "fuse")  # fmt: skip
+
+
+def _filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (the longest matching mount)."""
+    target = os.path.realpath(path)
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/mounts", encoding="utf-8") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1]
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, fstype = mnt, fields[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def _handle(repo_id: str) -> RepoIndex | None:
+    """A handle on the index of ``repo_id``, opening (or rebuilding) it if needed."""
+    try:
+        path = index_path(repo_id)
+    except (RuntimeError, OSError) as exc:  # no home directory
+        _log.warning("casnap index has no place to live, running without it: %s", exc)
+        return None
+    key = str(path)
+    with _registry_lock:
+        if key not in _registry:
+            fstype = _filesystem_type(path.parent)
+            if fstype.split(".")[0] in _REMOTE_FS:
+                _log.warning("casnap index folder %s is on %s, where LMDB cannot lock; "
+                             "running without it (set CASNAP_INDEX_DIR to a local disk)",
+                             path.parent, fstype)  # fmt: skip
+                return None
+        env = _registry.get(key)
+        if env is not None and env.usable:
+            _registry[key] = _registry.pop(key)
+            return RepoIndex(env, None)  # held before the lock is released
+        if env is not None:
+            del _registry[key]
+            env.env.close()
+            if env.broken:
+                shutil.rmtree(path, ignore_errors=True)
+        for attempt in range(2):
+            try:
+                env = _Env(path)
+            except _DAMAGED as exc:
+                if attempt:
+                    _log.warning("casnap index at %s unusable, running without it: %s", path, exc)
+                    return None
+                _log.warning("casnap index at %s damaged, rebuilding it: %s", path, exc)
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            except (lmdb.Error, OSError, ValueError) as exc:  # no space, no memory, no access
+                _log.warning("casnap index at %s cannot be opened, running without it: %s",
+                             path, exc)  # fmt: skip
+                return None
+            _registry[key] = env
+            handle = RepoIndex(env, None)
+            _close_unused(keep=_MAX_OPEN)
+            return handle
+    return None
+
+
+def _close_unused(keep: int) -> None:
+    """Close least recently used environments nobody holds until ``keep`` remain (locked)."""
+    for key, env in list(_registry.items()):
+        if len(_registry) <= keep:
+            return
+        if not env.users:
+            del _registry[key]
+            env.env.close()
+
+
+def _store_identity(repo: Repository) -> str:
+    url = repo.url.removeprefix("file://")
+    return url if "://" in url else os.path.realpath(url)
+
+
+def read_gc_epoch(repo: Repository) -> bytes | None:
+    """The store's gc epoch object as bytes (None when no gc ever deleted anything)."""
+    try:
+        return repo.store.get(GC_EPOCH_KEY)
+    except ObjectNotFoundError:
+        return None
+
+
+class RepoIndex:
+    """The index of one repository, as seen by this process.
+
+    Chunk methods work only on an index opened with the gc epoch checked
+    (``open_index(repo)``); summaries work on any.
+    """
+
+    def __init__(self, env: _Env, chunks_for: bytes | None) -> None:
+        self._env = env
+        self._chunks_for = chunks_for
+        env.users.add(self)
+
+    @property
+    def path(self) -> Path:
+        return self._env.path
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """Carry on without the index this time; repair it on the next open."""
+        if isinstance(exc, _DAMAGED):
+            _log.warning("casnap index at %s failed to %s (%s); it will be rebuilt",
+                         self._env.path, what, exc)  # fmt: skip
+            self._env.broken = True
+        else:
+            _log.info("casnap index at %s failed to %s (%s); reopening it",
+                      self._env.path, what, exc)  # fmt: skip
+            self._env.stale = True
+
+    def lookup_chunk(self, h: str, size: int) -> ChunkRef | None:
+        """Where chunk ``h`` of ``size`` raw bytes is stored, if the index knows it."""
+        if self._chunks_for is None or not self._env.usable:
+            return None
+        key = bytes.fromhex(h)
+        try:
+            with self._env.env.begin(db=self._env.chunks, buffers=False) as txn:
+                value = txn.get(key)
+            if value is None:
+                return None
+            body = _unseal(key, value)
+            ref = _decode_chunk(h, body) if body is not None else None
+        except lmdb.Error as exc:
+            self._failed("read", exc)
+            return None
+        except (ValueError, struct.error):
+            return None  # a damaged entry is a miss, never a location
+        return ref if ref is not None and ref.size == size else None
+
+    def record_chunks(self, refs: Iterable[ChunkRef]) -> int:
+        """Record chunks known to exist now; refused if a gc happened since ``open_index``."""
+        if self._chunks_for is None or not self._env.usable:
+            return 0
+        items = [(bytes.fromhex(r.hash), _encode_chunk(r)) for r in refs]
+        if not items:
+            return 0
+        e = self._env
+        try:
+            with e.env.begin(write=True) as txn:
+                if txn.get(_META_CHUNKS_FOR, db=e.meta) != self._chunks_for:
+                    return 0  # a gc ran since this take looked: these facts may be old
+                for key, body in items:
+                    txn.put(key, _seal(key, body), db=e.chunks)
+        except lmdb.MapFullError:
+            self._evict()
+            return 0
+        except lmdb.Error as exc:
+            self._failed("record chunks", exc)
+            return 0
+        return len(items)
+
+    def chunk_count(self) -> int:
+        if self._chunks_for is None or not self._env.usable:
+            return 0
+        try:
+            with self._env.env.begin() as txn:
+                return int(txn.stat(self._env.chunks)["entries"])
+        except lmdb.Error as exc:
+            self._failed("read", exc)
+            return 0
+
+    def summary(self, manifest_hash: str) -> ManifestSummary | None:
+        if not self._env.usable:
+            return None
+        key = bytes.fromhex(check_hash(manifest_hash, "manifest name"))
+        try:
+            with self._env.env.begin(db=self._env.manifests) as txn:
+                value = txn.get(key)
+            body = _unseal(key, value) if value is not None else None
+            return decode_summary(manifest_hash, body) if body is not None else None
+        except lmdb.Error as exc:
+            self._failed("read", exc)
+        except (ValueError, KeyError, TypeError, struct.error):
+            pass  # a damaged entry is a miss
+        return None
+
+    def record_summaries(self, summaries: Iterable[ManifestSummary]) -> None:
+        if not self._env.usable:
+            return
+        items = [(bytes.fromhex(s.manifest), encode_summary(s)) for s in summaries]
+        try:
+            with self._env.env.begin(write=True, db=self._env.manifests) as txn:
+                for key, body in items:
+                    txn.put(key, _seal(key, body))
+        except lmdb.MapFullError:
+            self._evict()
+        except lmdb.Error as exc:
+            self._failed("record summaries", exc)
+
+    def _evict(self) -> None:
+        """The map is full: a cache may forget everything (CASNAP_INDEX_MAP_SIZE raises it)."""
+        _log.warning("casnap index at %s is full; clearing it", self._env.path)
+        e = self._env
+        try:
+            with e.env.begin(write=True) as txn:
+                txn.drop(e.chunks, delete=False)
+                txn.drop(e.manifests, delete=False)
+        except lmdb.Error as exc:
+            self._failed("clear", exc)
+
+
+def open_index(repo: Repository, *, chunks: bool = True) -> RepoIndex | None:
+    """The index of ``repo``, or None when disabled or unusable (never an error).
+
+    With ``chunks=True`` (what a take uses) the store's gc epoch is read first
+    (one small get) and chunk entries recorded under another epoch or URL are
+    dropped, so chunk lookups only return entries no gc may have invalidated.
+    A take must call this inside its gc-exclusion window (docs/index.md).
+    """
+    if not enabled():
+        return None
+    index = _handle(repo.config.repo_id)
+    if index is None or not chunks:
+        return index
+    env = index._env
+    try:
+        epoch = read_gc_epoch(repo)
+    except StoreError:
+        return index  # cannot tell what gc did: no chunk facts this time
+    marker = b"-" if epoch is None else blake3.blake3(epoch).hexdigest().encode()
+    chunks_for = _store_identity(repo).encode() + b"\n" + marker
+    try:
+        with env.env.begin(db=env.meta) as txn:
+            current = txn.get(_META_CHUNKS_FOR)
+        if current != chunks_for:
+            with env.env.begin(write=True) as txn:
+                if txn.get(_META_CHUNKS_FOR, db=env.meta) != chunks_for:
+                    txn.drop(env.chunks, delete=False)
+                    txn.put(_META_CHUNKS_FOR, chunks_for, db=env.meta)
+    except lmdb.Error as exc:
+        index._failed("check the gc epoch", exc)
+        return None
+    index._chunks_for = chunks_for
+    return index
+
+
+def drop(repo_id: str) -> None:
+    """Delete the index of repository ``repo_id`` on this machine (it is rebuilt on use)."""
+    path = index_path(repo_id)
+    with _registry_lock:
+        env = _registry.pop(str(path), None)
+        if env is not None:
+            env.env.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def close_all() -> None:
+    """Close every index this process opened (the next use reopens it)."""
+    with _registry_lock:
+        envs = list(_registry.values())
+        _registry.clear()
+    for env in envs:
+        env.env.close()

@@ -1,0 +1,228 @@
+"""Reading a repository over time from manifests alone: log, du, diff.
+
+No tensor data is read here and torch is not imported: every figure comes from
+the manifests' chunk references (sizes, hashes, frame lengths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from casnap.format.manifest import ChunkRef, Manifest, ObjectEntry, ShardedEntry, TensorEntry
+from casnap.index import manifest_summaries
+from casnap.repo.repository import Repository
+
+
+def _object_of(ref: ChunkRef) -> tuple[str, int, int]:
+    """A chunk's identity for space accounting: the object and byte range it occupies."""
+    return (ref.pack or ref.hash, ref.offset, ref.length)
+
+
+def stored_bytes(manifest: Manifest) -> int:
+    """Bytes the snapshot's chunks occupy in the store (shared chunks counted once)."""
+    return sum(length for _, _, length in {_object_of(r) for r in manifest.chunk_refs()})
+
+
+def logical_bytes(manifest: Manifest) -> int:
+    return sum(r.size for r in manifest.chunk_refs())
+
+
+@dataclass(frozen=True)
+class LogLine:
+    name: str
+    manifest: str
+    created_at: str
+    step: int | None
+    parents: tuple[str, ...]
+    logical_bytes: int
+    stored_bytes: int
+    new_bytes: int  # stored bytes not shared with any parent
+    metadata: dict[str, Any]
+
+
+def _heads(repo: Repository) -> dict[str, str]:
+    """Snapshot name -> manifest hash; refs are always read from the store, never cached."""
+    heads = {}
+    for name in repo.list_snapshots():
+        try:
+            heads[name] = repo.read_ref(name).manifest
+        except FileNotFoundError:
+            continue  # deleted while listing
+    return heads
+
+
+def log(repo: Repository) -> list[LogLine]:
+    """Every snapshot, oldest first, with its size and what it added over its parents.
+
+    Manifest summaries come from the local index when cached (manifests are
+    immutable), so a second ``log`` of a remote repository reads only refs.
+    """
+    heads = _heads(repo)
+    sums = manifest_summaries(repo, heads.values(), missing_ok=True)
+    parents = {p for s in sums.values() for p in s.parents} - sums.keys()
+    sums |= manifest_summaries(repo, parents, missing_ok=True)
+    lines = []
+    for name, mhash in heads.items():
+        s = sums.get(mhash)
+        if s is None:
+            continue
+        inherited: set[tuple[str, int, int]] = set()
+        for p in s.parents:
+            if p in sums:
+                inherited |= sums[p].spans
+        lines.append(LogLine(
+            name=name, manifest=mhash, created_at=s.created_at, step=s.step,
+            parents=tuple(s.parents), logical_bytes=s.logical_bytes,
+            stored_bytes=s.stored_bytes,
+            new_bytes=sum(x[2] for x in s.spans - inherited), metadata=dict(s.metadata),
+        ))  # fmt: skip
+    lines.sort(key=lambda line: line.created_at)
+    return lines
+
+
+@dataclass(frozen=True)
+class SnapshotUsage:
+    name: str
+    logical_bytes: int
+    stored_bytes: int  # bytes of the objects it references
+    exclusive_bytes: int  # what deleting it (then gc) would free
+
+
+@dataclass(frozen=True)
+class Usage:
+    snapshots: int
+    logical_bytes: int  # what the snapshots would take without dedup or compression
+    stored_bytes: int  # the objects they reference, each counted once
+    per_snapshot: tuple[SnapshotUsage, ...] = ()
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+def du(repo: Repository, pinned: dict[str, str] | None = None) -> Usage:
+    """Space used, overall and per snapshot. ``pinned`` maps extra roots (tags) to manifests.
+
+    An object (a loose chunk or a whole pack) counts toward a snapshot's
+    "freed if deleted" only if no other snapshot or pinned root uses it,
+    because gc frees whole objects.
+    """
+    heads = _heads(repo)
+    roots = [(n, h, True) for n, h in heads.items()]
+    roots += [(f"tag:{t}", m, False) for t, m in (pinned or {}).items()]
+    sums = manifest_summaries(repo, [h for _, h, _ in roots], missing_ok=True)
+    sizes: dict[str, int] = {}
+    uses: dict[str, set[str]] = {}
+    owners: dict[str, int] = {}
+    for name, mhash, _is_ref in roots:
+        s = sums.get(mhash)
+        if s is None:
+            continue
+        extents = s.object_extents()
+        for obj, end in extents.items():
+            sizes[obj] = max(sizes.get(obj, 0), end)
+            owners[obj] = owners.get(obj, 0) + 1
+        uses[name] = set(extents)
+    per = []
+    for name, mhash, is_ref in roots:
+        if not is_ref or name not in uses:
+            continue
+        objs = uses[name]
+        per.append(SnapshotUsage(
+            name, sums[mhash].logical_bytes, sum(sizes[o] for o in objs),
+            sum(sizes[o] for o in objs if owners[o] == 1),
+        ))  # fmt: skip
+    return Usage(
+        snapshots=len(per),
+        logical_bytes=sum(u.logical_bytes for u in per),
+        stored_bytes=sum(sizes.values()),
+        per_snapshot=tuple(per),
+    )
+
+
+def graph_lanes(lines: list[LogLine]) -> list[str]:
+    """A git-log-like lane prefix per line (oldest first) that shows branches.
+
+    A snapshot continues its parent's lane when it is the parent's first
+    child; a second child of the same parent opens a new lane to the right.
+    A snapshot whose parents are all gone (deleted by retention) reuses the
+    first lane whose tip will have no more children.
+    """
+    known = {line.manifest for line in lines}
+    lanes: list[str | None] = []  # manifest hash at the tip of each lane
+    out = []
+    for i, line in enumerate(lines):
+        lane = next((j for j, tip in enumerate(lanes)
+                     if tip is not None and tip in line.parents), None)  # fmt: skip
+        if lane is None:
+            if any(p in known for p in line.parents):  # a branch off a listed snapshot
+                free = [j for j, tip in enumerate(lanes) if tip is None]
+            else:  # a root, or its ancestors are gone: reuse a lane nobody continues
+                later = {p for other in lines[i:] for p in other.parents}
+                free = [j for j, tip in enumerate(lanes) if tip is None or tip not in later]
+            lane = free[0] if free else len(lanes)
+            if lane == len(lanes):
+                lanes.append(None)
+        lanes[lane] = line.manifest
+        out.append(" ".join("*" if j == lane else ("|" if t else " ")
+                            for j, t in enumerate(lanes)).rstrip())  # fmt: skip
+    return out
+
+
+Status = Literal["added", "removed", "changed", "unchanged"]
+
+
+@dataclass(frozen=True)
+class EntryDiff:
+    key: str
+    status: Status
+    changed_bytes: int  # raw bytes in chunks that differ
+    changed_chunks: int
+
+
+def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
+    """Per entry of ``a`` and ``b``: added, removed, changed or unchanged, from chunk hashes."""
+    out = []
+    for key in sorted(set(a.entries) | set(b.entries)):
+        ea, eb = a.entries.get(key), b.entries.get(key)
+        if ea is None or eb is None:
+            e = eb if ea is None else ea
+            chunks = _chunks_of(e)
+            out.append(EntryDiff(key, "added" if ea is None else "removed",
+                                 sum(c.size for c in chunks), len(chunks)))  # fmt: skip
+            continue
+        if isinstance(ea, (TensorEntry, ObjectEntry)) and isinstance(
+            eb, (TensorEntry, ObjectEntry)
+        ):
+            if type(ea) is type(eb) and _same_layout(ea, eb):
+                changed = [cb for ca, cb in zip(ea.chunks, eb.chunks) if ca.hash != cb.hash]
+            else:
+                changed = list(eb.chunks)
+            status: Status = "changed" if changed or not _same_layout(ea, eb) else "unchanged"
+            out.append(EntryDiff(key, status, sum(c.size for c in changed), len(changed)))
+        elif isinstance(ea, ShardedEntry) or isinstance(eb, ShardedEntry):
+            # Shards may be cut differently (another world size): compare by content.
+            before = {c.hash for c in _chunks_of(ea)}
+            changed = [c for c in _chunks_of(eb) if c.hash not in before]
+            same = ea.model_dump() == eb.model_dump()
+            out.append(EntryDiff(key, "unchanged" if same else "changed",
+                                 sum(c.size for c in changed), len(changed)))  # fmt: skip
+        else:
+            same = ea.model_dump() == eb.model_dump()
+            out.append(EntryDiff(key, "unchanged" if same else "changed", 0, 0))
+    return out
+
+
+def _chunks_of(entry: object) -> list[ChunkRef]:
+    if isinstance(entry, (TensorEntry, ObjectEntry)):
+        return list(entry.chunks)
+    if isinstance(entry, ShardedEntry):
+        return [c for shard in entry.shards for c in shard.chunks]
+    return []
+
+
+def _same_layout(a: TensorEntry | ObjectEntry, b: TensorEntry | ObjectEntry) -> bool:
+    if isinstance(a, TensorEntry) and isinstance(b, TensorEntry):
+        return a.dtype == b.dtype and a.shape == b.shape and a.chunk_size == b.chunk_size
+    return a.chunk_size == b.chunk_size and len(a.chunks) == len(b.chunks)

@@ -1,0 +1,438 @@
+"""Leases and the gc lock: how takes in flight and gc keep out of each other's way.
+
+Two kinds of record share one JSON shape (:class:`LeaseRecord`):
+
+- ``.casnap/leases/<id>`` is held by a take, from before it decides anything
+  about dedup until after its ref is written, and by anything else that turns
+  an existing object into a root (tagging a snapshot, say).
+- ``.casnap/gc.lock`` is held by the one gc that may sweep.
+
+Each side *writes its own record first and then checks for the other's*
+(Dekker's protocol, over the store). On a store whose operations are
+linearizable (a local directory, GCS) at least one of the two sees the other:
+a take that finds a live gc.lock withdraws its lease and waits for the gc to
+finish; a gc that finds a live lease waits for it to go, or gives up. So no
+take decides dedup while a gc marks and sweeps. The argument is in docs/gc.md.
+
+A record is live until its ``expires_at``. A heartbeat thread pushes that out
+while the holder runs, so only a crashed holder's record expires. A holder
+whose heartbeat could not renew it in time must assume it was declared dead:
+:meth:`Lease.check` then raises :class:`LeaseLostError` and the holder stops
+instead of committing. ``CASNAP_LEASE_TTL`` (seconds, default 120) sets the
+time to live.
+
+Example::
+
+    with hold_lease(repo, kind="tag") as lease:
+        manifest = repo.resolve("step_100")
+        lease.check()  # still ours: no gc can have swept meanwhile
+        write_the_tag(manifest)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from types import TracebackType
+
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+
+from casnap.errors import (
+    CasnapError,
+    ManifestValidationError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
+from casnap.format.manifest import canonical_json
+from casnap.repo.repository import Repository
+from casnap.store import ObjectStore
+
+_log = logging.getLogger(__name__)
+
+LEASES = "leases"
+GC_LOCK_KEY = "gc.lock"
+DEFAULT_LEASE_TTL = 120.0
+MAX_RECORD_BYTES = 64 * 1024
+# Polling for the other side starts fast (a gc sweep of a small repository
+# takes milliseconds) and backs off to this.
+_POLL_MAX = 0.25
+_POLL_MIN = 0.01
+
+
+class LeaseLostError(CasnapError, RuntimeError):
+    """A lease (or the gc lock) could not be kept alive; its holder must not commit."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class GcBusyError(CasnapError, TimeoutError):
+    """Another gc holds ``.casnap/gc.lock`` and did not release it in time."""
+
+    def __init__(self, message: str, holder: LeaseRecord | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class GcBlockedError(CasnapError, TimeoutError):
+    """Takes (leases) stayed in flight for longer than gc was willing to wait."""
+
+    def __init__(self, message: str, leases: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.leases = leases
+
+
+def lease_ttl() -> float:
+    """Seconds a lease lives without renewal (``CASNAP_LEASE_TTL``, default 120)."""
+    raw = os.environ.get("CASNAP_LEASE_TTL", "")
+    if not raw:
+        return DEFAULT_LEASE_TTL
+    try:
+        ttl = float(raw)
+    except ValueError as exc:
+        raise CasnapError(f"CASNAP_LEASE_TTL={raw!r} is not a number") from exc
+    if not ttl > 0:
+        raise CasnapError(f"CASNAP_LEASE_TTL={raw!r} must be positive")
+    return ttl
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="microseconds")
+
+
+def parse_time(text: str) -> float:
+    """Seconds since the epoch of an ISO 8601 time (naive times are UTC)."""
+    dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+class LeaseRecord(BaseModel):
+    """The JSON of a lease or of the gc lock (untrusted on read)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: StrictStr
+    kind: StrictStr  # "take", "tag", "gc", ...
+    created_at: StrictStr
+    expires_at: StrictStr
+    host: StrictStr
+    pid: StrictInt
+
+    @classmethod
+    def new(cls, kind: str, ttl: float) -> LeaseRecord:
+        now = time.time()
+        return cls(
+            id=uuid.uuid4().hex,
+            kind=kind,
+            created_at=_iso(now),
+            expires_at=_iso(now + ttl),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+
+    def expires(self) -> float:
+        return parse_time(self.expires_at)
+
+    def is_live(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) < self.expires()
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.model_dump())
+
+    def describe(self) -> str:
+        where = f"host {self.host}, pid {self.pid}, expires {self.expires_at}"
+        return f"{self.kind} {self.id[:12]} ({where})"
+
+
+def parse_record(data: bytes, key: str) -> LeaseRecord:
+    """Validate a lease or lock record; a malformed one raises ManifestValidationError."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise ManifestValidationError(f"{key} is larger than {MAX_RECORD_BYTES} bytes", key)
+    try:
+        record = LeaseRecord.model_validate(json.loads(data))
+        record.expires()
+    except (UnicodeDecodeError, ValueError, RecursionError, ValidationError) as exc:
+        raise ManifestValidationError(f"{key} is not a valid lease record: {exc}", key) from exc
+    return record
+
+
+def read_record(store: ObjectStore, key: str) -> LeaseRecord | None:
+    """The record at ``key``, or None when there is none."""
+    try:
+        data = store.get(key)
+    except ObjectNotFoundError:
+        return None
+    return parse_record(data, key)
+
+
+def read_gc_lock(store: ObjectStore) -> LeaseRecord | None:
+    """The gc lock's record (live or not), or None when no gc holds or left one."""
+    return read_record(store, GC_LOCK_KEY)
+
+
+class Lease:
+    """A held lease or gc lock, renewed by a heartbeat thread until :meth:`release`.
+
+    ``check()`` raises :class:`LeaseLostError` once the record may have
+    expired in the eyes of others. A renewal counts only if its put returned
+    ``margin`` seconds before the previous expiry (so no other process can have
+    judged the record dead in between); otherwise the lease is lost for good.
+    """
+
+    def __init__(self, store: ObjectStore, key: str, record: LeaseRecord, ttl: float) -> None:
+        self.store = store
+        self.key = key
+        self.record = record
+        self.ttl = ttl
+        self.margin = ttl / 4
+        self.period = ttl / 6
+        self._valid_until = record.expires()
+        self._lost = False
+        self._released = False
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, name=f"casnap-lease-{record.id[:8]}", daemon=True
+        )
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    def start(self) -> Lease:
+        self._thread.start()
+        return self
+
+    def valid(self) -> bool:
+        return (
+            not self._lost
+            and not self._released
+            and time.time() < (self._valid_until - self.margin)
+        )
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` unless the record is certainly still live."""
+        if not self.valid():
+            raise LeaseLostError(
+                f"{self.key} ({self.record.kind}) was not renewed in time; another process "
+                "may have treated it as dead, so this operation stops without committing",
+                self.key,
+            )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.period):
+            self._renew()
+
+    def _renew(self) -> None:
+        with self._guard:
+            if self._released or self._lost:
+                return
+            deadline = self._valid_until - self.margin
+            now = time.time()
+            if now >= deadline:
+                self._lost = True
+                return
+            record = self.record.model_copy(update={"expires_at": _iso(now + self.ttl)})
+            try:
+                self.store.put(self.key, record.to_bytes(), durable=False)
+            except StoreError as exc:
+                _log.warning("casnap: renewing %s failed (%s); retrying", self.key, exc)
+                return
+            if time.time() < deadline:
+                self.record, self._valid_until = record, now + self.ttl
+            else:
+                self._lost = True
+
+    def release(self) -> None:
+        """Stop renewing and delete the record (the gc lock only if it is still ours)."""
+        with self._guard:
+            if self._released:
+                return
+            self._released = True
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        try:
+            if self.key == GC_LOCK_KEY:
+                current = read_record(self.store, self.key)
+                if current is None or current.id != self.id:
+                    return  # broken as stale and taken by another gc: not ours to delete
+            self.store.delete(self.key)
+        except CasnapError as exc:
+            # It expires by itself; failing the operation it guarded would be worse.
+            _log.warning("casnap: could not delete %s (%s); it expires on its own", self.key, exc)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def _poll_delays(first: float = _POLL_MIN) -> Iterator[float]:
+    delay = first
+    while True:
+        yield delay
+        delay = min(delay * 2, _POLL_MAX)
+
+
+def acquire_lease(store: ObjectStore, *, kind: str = "take", ttl: float | None = None) -> Lease:
+    """Write a lease, then make sure no live gc.lock exists (else withdraw, wait, retry).
+
+    Waits as long as a live gc holds the lock; a crashed gc's lock stops
+    counting once it expires. Returns the lease with its heartbeat running.
+    """
+    ttl = lease_ttl() if ttl is None else ttl
+    announced = False
+    while True:
+        record = LeaseRecord.new(kind, ttl)
+        key = f"{LEASES}/{record.id}"
+        store.put(key, record.to_bytes(), create_only=True, durable=False)
+        try:
+            lock = read_gc_lock(store)
+        except BaseException:
+            store.delete(key)
+            raise
+        if lock is None or not lock.is_live():
+            return Lease(store, key, record, ttl).start()
+        # Withdraw before waiting: the gc waits for live leases, so keeping
+        # ours while waiting for it would deadlock.
+        store.delete(key)
+        if not announced:
+            _log.info("casnap: %s waits for gc %s to finish", kind, lock.describe())
+            announced = True
+        wait_for_gc(store)
+
+
+def wait_for_gc(store: ObjectStore) -> None:
+    """Return once no live gc.lock exists."""
+    for delay in _poll_delays():
+        lock = read_gc_lock(store)
+        if lock is None or not lock.is_live():
+            return
+        time.sleep(delay)
+
+
+@contextmanager
+def hold_lease(
+    repo: Repository, *, kind: str = "take", ttl: float | None = None
+) -> Iterator[Lease]:
+    """Hold a lease on ``repo`` for the duration of the block (see the module docstring)."""
+    lease = acquire_lease(repo.store, kind=kind, ttl=ttl)
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def acquire_gc_lock(
+    store: ObjectStore, *, ttl: float | None = None, wait_seconds: float = 0.0
+) -> Lease:
+    """Create ``gc.lock`` (create-only), breaking a lock whose holder's lease expired.
+
+    Raises :class:`GcBusyError` if another gc still holds it after ``wait_seconds``.
+    """
+    ttl = lease_ttl() if ttl is None else ttl
+    deadline = time.monotonic() + wait_seconds
+    delays = _poll_delays()
+    while True:
+        record = LeaseRecord.new("gc", ttl)
+        try:
+            store.put(GC_LOCK_KEY, record.to_bytes(), create_only=True, durable=False)
+            return Lease(store, GC_LOCK_KEY, record, ttl).start()
+        except ObjectExistsError:
+            pass
+        current = read_gc_lock(store)
+        if current is None:
+            continue  # released meanwhile
+        if not current.is_live():
+            _break_stale(store, current)
+            continue
+        if time.monotonic() >= deadline:
+            raise GcBusyError(
+                f"another gc holds {store.url}/{GC_LOCK_KEY}: {current.describe()}", current
+            )
+        time.sleep(next(delays))
+
+
+def _break_stale(store: ObjectStore, stale: LeaseRecord) -> None:
+    # Re-read first so that a lock another breaker just took over is left alone.
+    current = read_gc_lock(store)
+    if current is not None and current.id == stale.id:
+        _log.warning("casnap: breaking the stale gc lock of %s", stale.describe())
+        store.delete(GC_LOCK_KEY)
+
+
+@dataclass(frozen=True)
+class LeaseScan:
+    """The leases present, by liveness at one moment."""
+
+    live: tuple[tuple[str, LeaseRecord], ...]
+    dead: tuple[tuple[str, LeaseRecord], ...]
+    malformed: tuple[str, ...]  # counted as live: we cannot tell when they end
+
+    @property
+    def blocking(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.live) + self.malformed
+
+
+def scan_leases(store: ObjectStore, now: float | None = None) -> LeaseScan:
+    now = time.time() if now is None else now
+    live: list[tuple[str, LeaseRecord]] = []
+    dead: list[tuple[str, LeaseRecord]] = []
+    malformed: list[str] = []
+    for key in sorted(store.list(LEASES)):
+        try:
+            record = read_record(store, key)
+        except ManifestValidationError:
+            malformed.append(key)
+            continue
+        if record is None:
+            continue  # released while listing
+        (live if record.is_live(now) else dead).append((key, record))
+    return LeaseScan(tuple(live), tuple(dead), tuple(malformed))
+
+
+def wait_for_leases(store: ObjectStore, wait_seconds: float) -> int:
+    """Poll until no live lease exists; :class:`GcBlockedError` after ``wait_seconds``.
+
+    Called by gc while it holds the lock, so no new lease can stay: a take that
+    writes one now sees the lock and withdraws it. Returns how many leases
+    were live at first (the takes gc waited for).
+    """
+    deadline = time.monotonic() + wait_seconds
+    first: int | None = None
+    for delay in _poll_delays():
+        scan = scan_leases(store)
+        if first is None:
+            first = len(scan.blocking)
+        if not scan.blocking:
+            return first
+        if time.monotonic() >= deadline:
+            held = [f"{k}: {r.describe()}" for k, r in scan.live]
+            held += [f"{k}: malformed (delete it if no take is running)" for k in scan.malformed]
+            raise GcBlockedError(
+                f"gc gave up after {wait_seconds:g} s: {len(held)} take(s) still in flight "
+                f"in {store.url} ({'; '.join(held)}); nothing was deleted",
+                scan.blocking,
+            )
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+    raise AssertionError("unreachable")  # pragma: no cover

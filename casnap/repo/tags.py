@@ -1,0 +1,166 @@
+"""Tags: named pins on snapshots, and the tags a snapshot carries in its metadata.
+
+A repository tag lives at ``.casnap/tags/<tag>`` and holds canonical JSON
+``{"created_at": ..., "manifest": <hash>, "snapshot": <name>}``. It names the
+manifest the snapshot had when it was tagged, so it keeps that manifest (and
+its chunks) alive as a gc root even after the snapshot's ref is deleted.
+Tags are written create-only: moving a tag is ``remove_tag`` then ``add_tag``.
+
+A snapshot can also carry tags in its manifest, ``metadata["tags"]`` (a list
+of strings given at take time). Those describe the snapshot but pin nothing:
+they go when its ref goes. Retention (``KeepTagged``) honours both kinds.
+
+Example::
+
+    from casnap import Repository
+    from casnap.repo.tags import add_tag, list_tags, remove_tag
+
+    repo = Repository.open("/ckpt/run1")
+    add_tag(repo, "release-1", "step_000010000")
+    list_tags(repo)["release-1"].manifest  # the pinned manifest hash
+    remove_tag(repo, "release-1")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
+
+from casnap.errors import (
+    ManifestValidationError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    SnapshotNotFoundError,
+)
+from casnap.format.manifest import HashStr, canonical_json
+from casnap.format.names import check_ref_name
+from casnap.repo.leases import hold_lease
+from casnap.repo.repository import Repository, manifest_key, now_iso
+
+TAGS = "tags"
+MAX_TAG_BYTES = 64 * 1024  # a tag file is tiny; anything larger is not one of ours
+
+
+def tag_key(tag: str) -> str:
+    """The store key (below ``.casnap/``) of a tag; the name is validated like a ref name."""
+    return f"{TAGS}/{check_ref_name(tag)}"
+
+
+class _TagRecord(BaseModel):
+    """The serialized form of ``.casnap/tags/<tag>`` (untrusted on read)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    snapshot: StrictStr
+    manifest: HashStr
+    created_at: StrictStr
+
+
+@dataclass(frozen=True)
+class TagInfo:
+    """One repository tag: the snapshot it was put on and the manifest it pins."""
+
+    tag: str
+    snapshot: str
+    manifest: str
+    created_at: str
+
+
+def _parse_tag(tag: str, data: bytes) -> TagInfo:
+    what = f"tag {tag!r}"
+    if len(data) > MAX_TAG_BYTES:
+        raise ManifestValidationError(f"{what} is larger than {MAX_TAG_BYTES} bytes", tag)
+    try:
+        record = _TagRecord.model_validate(json.loads(data))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ManifestValidationError(f"{what}: not valid JSON: {exc}", tag) from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ManifestValidationError(
+            f"{what} is malformed at {where}: {first['msg']}", tag
+        ) from exc
+    return TagInfo(tag, record.snapshot, record.manifest, record.created_at)
+
+
+def add_tag(repo: Repository, tag: str, snapshot_name: str) -> TagInfo:
+    """Pin ``snapshot_name``'s current manifest under ``tag`` (create-only).
+
+    Raises :class:`casnap.ObjectExistsError` (a ``FileExistsError``) when the
+    tag exists, :class:`casnap.SnapshotNotFoundError` when the snapshot does
+    not, and :class:`casnap.InvalidNameError` for a malformed tag name.
+
+    Example: ``add_tag(repo, "best", "step_000004200")``.
+    """
+    key = tag_key(tag)
+    # Under a lease, so no gc can sweep between resolving the ref and writing the tag.
+    with hold_lease(repo, kind="tag"):
+        manifest = repo.resolve(snapshot_name)
+        record = _TagRecord(snapshot=snapshot_name, manifest=manifest, created_at=now_iso())
+        try:
+            repo.store.put(key, canonical_json(record.model_dump()), create_only=True)
+        except ObjectExistsError as exc:
+            raise ObjectExistsError(
+                f"tag {tag!r} already exists in {repo.url}; remove it first to move it", key
+            ) from exc
+        # The ref may have been deleted (and its manifest collected) before the lease;
+        # a tag must never name a missing manifest, so undo it if that happened.
+        if not repo.store.exists(manifest_key(manifest)):
+            repo.store.delete(key)
+            raise SnapshotNotFoundError(
+                f"snapshot {snapshot_name!r} was deleted while it was being tagged", snapshot_name
+            )
+    return TagInfo(tag, snapshot_name, manifest, record.created_at)
+
+
+def read_tag(repo: Repository, tag: str) -> TagInfo:
+    """One tag; :class:`casnap.ObjectNotFoundError` when it does not exist."""
+    key = tag_key(tag)
+    try:
+        data = repo.store.get(key)
+    except ObjectNotFoundError as exc:
+        raise ObjectNotFoundError(f"no tag {tag!r} in {repo.url}", key) from exc
+    return _parse_tag(tag, data)
+
+
+def remove_tag(repo: Repository, tag: str) -> TagInfo:
+    """Delete ``tag`` and return what it pinned; the snapshot's ref is untouched.
+
+    Raises :class:`casnap.ObjectNotFoundError` (a ``FileNotFoundError``) when
+    there is no such tag. Once removed, the manifest it pinned is reclaimable
+    by gc unless a ref or another tag still reaches it.
+    """
+    info = read_tag(repo, tag)
+    repo.store.delete(tag_key(tag))
+    return info
+
+
+def list_tags(repo: Repository) -> dict[str, TagInfo]:
+    """Every repository tag by name (sorted). These are gc roots: see ``TagInfo.manifest``.
+
+    A malformed tag file raises :class:`casnap.ManifestValidationError` rather
+    than being skipped, so a collector can never lose a root silently.
+    """
+    out: dict[str, TagInfo] = {}
+    for key in sorted(repo.store.list(TAGS)):
+        tag = key[len(TAGS) + 1 :]
+        try:
+            data = repo.store.get(key)
+        except ObjectNotFoundError:
+            continue  # removed while listing
+        out[tag] = _parse_tag(check_ref_name(tag), data)
+    return out
+
+
+def metadata_tags(metadata: Mapping[str, Any]) -> tuple[str, ...]:
+    """The tags a snapshot carries in ``metadata["tags"]`` (non-strings are ignored)."""
+    raw = metadata.get("tags")
+    if isinstance(raw, str):
+        return (raw,)
+    if not isinstance(raw, list):
+        return ()
+    return tuple(t for t in raw if isinstance(t, str))

@@ -1,0 +1,193 @@
+"""Reading a sharded entry into any target layout, fetching only overlapping chunks.
+
+A target is a set of boxes of the global tensor (a DTensor's or a
+ShardedTensor's local shards, or the whole tensor for a plain one). For every
+stored shard that overlaps a target box, only the chunks holding the overlap
+are fetched: in a row-major shard the overlap is a set of contiguous runs
+along the last dimension, and each run maps to a range of chunks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+
+from casnap.errors import IntegrityError, ShapeMismatchError
+from casnap.format.manifest import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, ShardRecord
+from casnap.torch_io.sharded import LocalShard, global_shape, target_regions
+from casnap.torch_io.tensors import byte_view, copy_bits, dtype_name, torch_dtype
+
+_MAX_RUNS = 1 << 16  # beyond this many runs, fetch the enclosing byte span instead
+
+
+def _overlap(
+    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: list[int], b_size: list[int]
+) -> tuple[list[int], list[int]] | None:
+    lo = [max(x, y) for x, y in zip(a_off, b_off, strict=True)]
+    hi = [min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, hi
+
+
+def _byte_runs(shard: ShardRecord, lo: list[int], hi: list[int], itemsize: int) -> list[range]:
+    """Byte ranges of the box ``lo``..``hi`` inside ``shard``'s row-major bytes."""
+    sizes, offs = shard.sizes, shard.offsets
+    if not sizes:
+        return [range(0, itemsize)]
+    strides = [itemsize * math.prod(sizes[d + 1 :]) for d in range(len(sizes))]
+    a = [low - o for low, o in zip(lo, offs, strict=True)]
+    b = [h - o for h, o in zip(hi, offs, strict=True)]
+    # Trailing dimensions taken whole merge into one run with the dimension before them.
+    d = len(sizes) - 1
+    while d > 0 and a[d] == 0 and b[d] == sizes[d]:
+        d -= 1
+    run = (b[d] - a[d]) * strides[d]
+    lead = [range(a[i], b[i]) for i in range(d)]
+    count = math.prod(len(r) for r in lead)
+    base = a[d] * strides[d]
+    if count > _MAX_RUNS:
+        first = sum(a[i] * strides[i] for i in range(d)) + base
+        last = sum((b[i] - 1) * strides[i] for i in range(d)) + base + run
+        return [range(first, last)]
+    runs = []
+    for idx in itertools.product(*lead):
+        start = sum(i * s for i, s in zip(idx, strides, strict=False)) + base
+        runs.append(range(start, start + run))
+    return runs
+
+
+class ShardedSink:
+    """Plans and performs the read of one sharded entry into ``target``.
+
+    Construction validates (dtype, global shape, coverage) without modifying
+    anything; :meth:`needed` lists the chunks to fetch, :meth:`write` receives
+    them and :meth:`finish` copies the overlaps into the target.
+    """
+
+    def __init__(self, key: str, entry: ShardedEntry, target: Any) -> None:
+        self.key = key
+        self.entry = entry
+        self.dtype = torch_dtype(entry.dtype)
+        self.itemsize = DTYPE_ITEMSIZE[entry.dtype]
+        regions = target_regions(target, key) if target is not None else None
+        if target is not None:
+            _check(key, entry, target)
+            if regions is None:
+                regions = [LocalShard((0,) * len(entry.shape), tuple(entry.shape), target)]
+            self.result = target
+        else:
+            whole = torch.empty(entry.shape, dtype=self.dtype)
+            regions = [LocalShard((0,) * len(entry.shape), tuple(entry.shape), whole)]
+            self.result = whole
+        # (target region, stored shard index, overlap lo, hi)
+        self.copies: list[tuple[LocalShard, int, list[int], list[int]]] = []
+        chunks: dict[int, set[int]] = {}
+        for region in regions:
+            covered = 0
+            for si, shard in enumerate(entry.shards):
+                box = _overlap(region.offsets, region.sizes, shard.offsets, shard.sizes)
+                if box is None:
+                    continue
+                lo, hi = box
+                covered += math.prod(h - low for low, h in zip(lo, hi, strict=True))
+                self.copies.append((region, si, lo, hi))
+                cs = shard.chunk_size
+                for run in _byte_runs(shard, lo, hi, self.itemsize):
+                    if len(run):
+                        chunks.setdefault(si, set()).update(
+                            range(run.start // cs, (run.stop - 1) // cs + 1)
+                        )
+            if covered != math.prod(region.sizes):
+                raise IntegrityError(
+                    f"{key}: the stored shards do not cover the target box at offsets "
+                    f"{list(region.offsets)} sizes {list(region.sizes)}",
+                    key,
+                )
+        self._needed = [(si, ci) for si in sorted(chunks) for ci in sorted(chunks[si])]
+        self._buffers: dict[int, tuple[torch.Tensor, memoryview]] = {}
+
+    def needed(self) -> list[tuple[int, ChunkRef]]:
+        """(route id, chunk) pairs to fetch; route ids are handed back to :meth:`write`."""
+        return [(i, self.entry.shards[si].chunks[ci]) for i, (si, ci) in enumerate(self._needed)]
+
+    def needed_of(self, shards: set[int]) -> list[tuple[int, ChunkRef]]:
+        """:meth:`needed`, restricted to the chunks of the stored shards ``shards``."""
+        return [(i, self.entry.shards[si].chunks[ci])
+                for i, (si, ci) in enumerate(self._needed) if si in shards]  # fmt: skip
+
+    @property
+    def fetch_bytes(self) -> int:
+        return sum(ref.size for _, ref in self.needed())
+
+    def shard_units(self) -> list[tuple[int, int]]:
+        """(stored shard, staging bytes) of every stored shard this read needs.
+
+        A stored shard is staged whole (the overlap boxes are sliced out of it),
+        so a reader bounded by a memory budget stages a group of shards at a
+        time: :meth:`allocate`, fetch :meth:`needed_of`, :meth:`copy_out`.
+        """
+        shards = sorted({si for si, _ in self._needed})
+        return [(si, math.prod(self.entry.shards[si].sizes) * self.itemsize) for si in shards]
+
+    def _buffer(self, si: int) -> tuple[torch.Tensor, memoryview]:
+        if si not in self._buffers:
+            t = torch.empty(self.entry.shards[si].sizes, dtype=self.dtype)
+            self._buffers[si] = (t, byte_view(t))
+        return self._buffers[si]
+
+    def allocate(self, shards: set[int]) -> None:
+        """Allocate the staging buffers of ``shards`` (before their reads start, one thread)."""
+        for si in sorted(shards):
+            self._buffer(si)
+
+    def prepare(self) -> None:
+        """Allocate every staging buffer (an unbounded read: :meth:`finish` follows)."""
+        self.allocate({si for si, _ in self._needed})
+
+    def write(self, route: int, data: Any) -> None:
+        si, ci = self._needed[route]
+        cs = self.entry.shards[si].chunk_size
+        view = self._buffers[si][1]
+        view[ci * cs : ci * cs + len(data)] = data
+
+    def copy_out(self, shards: set[int]) -> None:
+        """Copy the overlaps of ``shards`` (fetched) into the target and free their buffers."""
+        for region, si, lo, hi in self.copies:
+            if si not in shards:
+                continue
+            src_t = self._buffer(si)[0]
+            shard = self.entry.shards[si]
+            src = src_t[
+                tuple(
+                    slice(low - o, h - o) for low, h, o in zip(lo, hi, shard.offsets, strict=True)
+                )
+            ]
+            dst = region.tensor[
+                tuple(
+                    slice(low - o, h - o) for low, h, o in zip(lo, hi, region.offsets, strict=True)
+                )
+            ]
+            copy_bits(dst, src)
+        for si in shards:
+            self._buffers.pop(si, None)
+
+    def finish(self) -> Any:
+        """Copy every overlap (after an unbounded read) and return the result."""
+        self.copy_out({si for si, _ in self._needed})
+        self._buffers = {}
+        return self.result
+
+
+def _check(key: str, entry: ShardedEntry, target: Any) -> None:
+    shape = list(global_shape(target))
+    tdtype = target.dtype
+    if shape != list(entry.shape) or tdtype != torch_dtype(entry.dtype):
+        raise ShapeMismatchError(
+            f"{key}: snapshot holds {entry.dtype}{list(entry.shape)}, the target is "
+            f"{dtype_name(tdtype, key)}{shape}",
+            key,
+        )

@@ -1,0 +1,325 @@
+"""Restore and read_object: validate everything first, then read only what is needed.
+
+A restore plans before it touches anything: every requested stateful is
+matched against the manifest, shapes and dtypes of in-place targets are
+checked, strictness is enforced and pickled entries are refused without the
+opt-in. Only then are chunks read (in place into existing tensors where
+possible) and ``load_state_dict`` called, RNG state last.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from casnap.chunks.budget import ByteBudget
+from casnap.chunks.io import read_chunks
+from casnap.errors import (
+    IntegrityError,
+    MissingKeyError,
+    PickleNotAllowedError,
+    UnexpectedKeyError,
+    UnsupportedValueError,
+)
+from casnap.format.manifest import (
+    ChunkRef,
+    ContainerEntry,
+    Manifest,
+    ObjectEntry,
+    ShardedEntry,
+    TensorEntry,
+)
+from casnap.format.names import escape_key
+from casnap.format.tree import subtree
+from casnap.repo.repository import Repository
+from casnap.restore.reshard import ShardedSink
+from casnap.settings import default_memory_budget, read_workers_for
+from casnap.torch_io.flatten import inflate, leaves_of
+from casnap.torch_io.stateful import RNGState
+from casnap.torch_io.tensors import TensorSink, check_target
+
+_MAX_LISTED = 8
+
+
+@dataclass
+class _Load:
+    """What one read must fetch: tensors (with in-place targets) and pickled objects."""
+
+    tensors: dict[str, tuple[TensorEntry, torch.Tensor | None]]
+    objects: dict[str, ObjectEntry]
+    sharded: dict[str, ShardedSink]
+
+
+def _listed(keys: list[str]) -> str:
+    more = f" and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else ""
+    return ", ".join(repr(k) for k in keys[:_MAX_LISTED]) + more
+
+
+def _plan_subtree(
+    manifest: Manifest,
+    key: str,
+    target: dict[str, Any],
+    allow_pickle: bool,
+    load: _Load,
+) -> list[str]:
+    """Add the reads under ``key`` to ``load``; return the keys found in the snapshot."""
+    keys = subtree(manifest.entries, key)
+    for k in keys:
+        entry = manifest.entries[k]
+        if isinstance(entry, TensorEntry):
+            dest = target.get(k)
+            if isinstance(dest, torch.Tensor):
+                check_target(k, dest, entry.dtype, entry.shape)
+                load.tensors[k] = (entry, dest)
+            else:
+                load.tensors[k] = (entry, None)
+        elif isinstance(entry, ShardedEntry):
+            load.sharded[k] = ShardedSink(k, entry, target.get(k))  # validates the target
+        elif isinstance(entry, ObjectEntry):
+            if not allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{k}: this entry is a pickled {entry.type_name}; loading it runs code "
+                    "from the snapshot. Pass allow_pickle=True only for snapshots you trust",
+                    k,
+                )
+            load.objects[k] = entry
+    return keys
+
+
+def _strictness(
+    manifest: Manifest, prefix: str, stored: list[str], target: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """Keys the target has that the snapshot lacks, and stored keys the target does not expect.
+
+    An empty container in the target (a fresh optimizer's ``state``) accepts
+    whatever the snapshot holds below it.
+    """
+    stored_set = set(stored)
+    missing = [k for k in target if k not in stored_set]
+    unexpected = []
+    for k in stored:
+        if k in target:
+            continue
+        parent = k.rsplit("/", 1)[0]
+        if parent in target:
+            t_parent = target[parent]
+            accepts = isinstance(t_parent, (Mapping, list, tuple)) and len(t_parent) == 0
+            if not accepts and isinstance(manifest.entries.get(parent), ContainerEntry):
+                unexpected.append(k)
+    return missing, unexpected
+
+
+def _check_stateful(key: Any, stateful: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
+    for method in ("state_dict", "load_state_dict"):
+        if not callable(getattr(stateful, method, None)):
+            raise UnsupportedValueError(
+                f"app_state[{key!r}] is a {type(stateful).__name__} without {method}(); "
+                "wrap plain values in casnap.StateDict",
+                key,
+            )
+
+
+def _rank_independent(manifest: Manifest, prefix: str) -> bool:
+    """Whether every data entry below ``prefix`` is replicated or sharded."""
+    for k in subtree(manifest.entries, prefix):
+        entry = manifest.entries[k]
+        if isinstance(entry, ObjectEntry):
+            return False
+        if isinstance(entry, TensorEntry) and not entry.replicated:
+            return False
+    return True
+
+
+def rank_prefix(manifest: Manifest, key: str, rank: int) -> str:
+    """Where ``rank`` finds app_state ``key`` (docs/distributed.md, elasticity rules).
+
+    Its own ``<rank>/<key>`` if saved; else, for a rank the saving job did not
+    have, rank 0's copy when everything below it is replicated or sharded.
+    Per-rank state of a rank that was never saved raises before anything is read.
+    """
+    own = f"{rank}/{escape_key(key)}"
+    if own in manifest.entries or rank == 0:
+        return own
+    fallback = f"0/{escape_key(key)}"
+    if fallback not in manifest.entries:
+        return own
+    if _rank_independent(manifest, fallback):
+        return fallback
+    raise MissingKeyError(
+        f"app_state key {key!r} holds per-rank state, and rank {rank} has none in this "
+        f"snapshot (taken with world_size {manifest.world_size}); per-rank state restores "
+        "only onto the rank that saved it",
+        own,
+    )
+
+
+def restore_state(
+    repo: Repository,
+    manifest: Manifest,
+    app_state: Mapping[str, Any],
+    *,
+    rank: int,
+    strict: bool,
+    allow_pickle: bool,
+    memory_budget_bytes: int | None,
+) -> None:
+    for key, stateful in app_state.items():
+        _check_stateful(key, stateful)
+    plans: list[tuple[str, Any, str, dict[str, Any]]] = []
+    load = _Load({}, {}, {})
+    for key, stateful in app_state.items():
+        prefix = rank_prefix(manifest, key, rank)
+        if prefix not in manifest.entries:
+            if strict:
+                raise MissingKeyError(
+                    f"app_state key {key!r} is not in the snapshot (looked for {prefix!r})", key
+                )
+            warnings.warn(f"casnap: {key!r} is not in the snapshot; left as it is", stacklevel=3)
+            continue
+        target: dict[str, Any] = {}
+        leaves_of(stateful.state_dict(), prefix, target)
+        stored = _plan_subtree(manifest, prefix, target, allow_pickle, load)
+        missing, unexpected = _strictness(manifest, prefix, stored, target)
+        if strict and missing:
+            raise MissingKeyError(
+                f"{key!r}: the target expects keys the snapshot does not hold: {_listed(missing)}",
+                missing[0],
+            )
+        if strict and unexpected:
+            raise UnexpectedKeyError(
+                f"{key!r}: the snapshot holds keys the target does not expect: "
+                f"{_listed(unexpected)} (use strict=False to skip them)",
+                unexpected[0],
+            )
+        plans.append((key, stateful, prefix, target))
+    values = load_values(repo, load, memory_budget_bytes)
+    # RNG state goes last so that no other load_state_dict can consume randomness after it.
+    plans.sort(key=lambda p: isinstance(p[1], RNGState))
+    for _key, stateful, prefix, target in plans:
+        stateful.load_state_dict(inflate(manifest.entries, prefix, values, target))
+
+
+def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) -> dict[str, Any]:
+    """Read every planned tensor and object; returns them by key."""
+    refs: list[ChunkRef] = []
+    routes: list[tuple[str, int]] = []
+    sinks: dict[str, TensorSink] = {}
+    for key, (entry, dest) in load.tensors.items():
+        sinks[key] = TensorSink(entry.dtype, entry.shape, entry.chunk_size, dest)
+        for i, ref in enumerate(entry.chunks):
+            refs.append(ref)
+            routes.append((key, i))
+    blobs: dict[str, bytearray] = {k: bytearray(e.size) for k, e in load.objects.items()}
+    for key, obj in load.objects.items():
+        for i, ref in enumerate(obj.chunks):
+            refs.append(ref)
+            routes.append((key, i))
+
+    def sink(index: int, data: Any) -> None:
+        key, i = routes[index]
+        if key in sinks:
+            sinks[key].write(i, data)
+        else:
+            cs = load.objects[key].chunk_size
+            blobs[key][i * cs : i * cs + len(data)] = data
+
+    def landing(index: int) -> memoryview | None:
+        key, i = routes[index]
+        return sinks[key].view_for(i, refs[index].size) if key in sinks else None
+
+    limit = memory_budget_bytes or default_memory_budget()
+    workers = read_workers_for(repo.root.capabilities.local)
+    with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
+        if refs:
+            read_chunks(repo, refs, sink, pool, ByteBudget(limit), landing)
+        if load.sharded:
+            _load_sharded(repo, load.sharded, pool, limit)
+    values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
+    values.update((k, s.result) for k, s in load.sharded.items())
+    for key, blob in blobs.items():
+        try:
+            values[key] = pickle.loads(blob)  # only reached with allow_pickle=True
+        except Exception as exc:
+            raise IntegrityError(f"{key}: the pickled object cannot be loaded: {exc}", key) from exc
+    return values
+
+
+def _load_sharded(
+    repo: Repository, sharded: Mapping[str, ShardedSink], pool: ThreadPoolExecutor, limit: int
+) -> None:
+    """Read sharded entries a group of stored shards at a time, staging at most half the budget.
+
+    Each stored shard that overlaps the target is staged whole; a group's
+    staging plus the reads in flight (the other half) stay under ``limit``. A
+    single shard larger than half the budget is staged alone, as the budget's
+    rule for one oversized request has it.
+    """
+    units = [(key, si, n) for key, s in sharded.items() for si, n in s.shard_units()]
+    share = max(1, limit // 2)
+    group: dict[str, set[int]] = {}
+    staged = 0
+    for i, (key, si, nbytes) in enumerate(units):
+        group.setdefault(key, set()).add(si)
+        staged += nbytes
+        last = i == len(units) - 1
+        if last or staged + units[i + 1][2] > share:
+            _load_group(repo, sharded, group, pool, ByteBudget(max(1, limit - share)))
+            group, staged = {}, 0
+
+
+def _load_group(
+    repo: Repository,
+    sharded: Mapping[str, ShardedSink],
+    group: dict[str, set[int]],
+    pool: ThreadPoolExecutor,
+    budget: ByteBudget,
+) -> None:
+    refs: list[ChunkRef] = []
+    routes: list[tuple[str, int]] = []
+    for key, shards in group.items():
+        sharded[key].allocate(shards)
+        for route, ref in sharded[key].needed_of(shards):
+            refs.append(ref)
+            routes.append((key, route))
+
+    def sink(index: int, data: Any) -> None:
+        key, route = routes[index]
+        sharded[key].write(route, data)
+
+    read_chunks(repo, refs, sink, pool, budget)
+    for key, shards in group.items():
+        sharded[key].copy_out(shards)
+
+
+def read_entry(
+    repo: Repository,
+    manifest: Manifest,
+    path: str,
+    obj_out: Any,
+    *,
+    allow_pickle: bool,
+    memory_budget_bytes: int | None,
+) -> Any:
+    if path not in manifest.entries:
+        near = [k for k in manifest.entries if k.endswith(path) or path in k][:_MAX_LISTED]
+        hint = f"; did you mean {_listed(near)}?" if near else ""
+        raise MissingKeyError(f"no entry {path!r} in the snapshot{hint}", path)
+    target: dict[str, Any] = {}
+    if obj_out is not None:
+        leaves_of(obj_out, path, target)
+    load = _Load({}, {}, {})
+    _plan_subtree(manifest, path, target, allow_pickle, load)
+    values = load_values(repo, load, memory_budget_bytes)
+    result = inflate(manifest.entries, path, values, target)
+    if isinstance(obj_out, dict) and isinstance(result, dict) and obj_out is not result:
+        obj_out.update(result)
+        return obj_out
+    return result
