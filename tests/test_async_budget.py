@@ -45,7 +45,7 @@ def test_a_failing_background_write_surfaces_from_wait_with_its_type(tmp_path, m
     def full_disk(self, manifest):
         raise StoreError("no space left on device while writing the manifest")
 
-    monkeypatch.setattr(repository.Repository, "write_manifest", full_disk)
+    monkeypatch.setattr(repository.RepoStorage, "write_manifest", full_disk)
     pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": StateDict(w=torch.ones(10))})
     with pytest.raises(StoreError, match="no space"):
         pending.wait()

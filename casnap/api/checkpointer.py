@@ -40,7 +40,7 @@ from casnap.ops.retention import (
     plan_retention,
     read_snapshots,
 )
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 from casnap.settings import Settings
 
 _TAKE_ONLY_OPTIONS = ("chunk_size", "compression")
@@ -105,7 +105,7 @@ class Checkpointer:
         check_ref_name(self._name(0))  # a bad format fails here, not at the first take
         options = dict(storage_options or {})
         explicit = options.pop("repository", None)
-        self._repo: Repository | None = explicit if isinstance(explicit, Repository) else None
+        self._repo: RepoStorage | None = explicit if isinstance(explicit, RepoStorage) else None
         self._url: str = explicit if isinstance(explicit, str) else repo_url
         self._take_options = options
         self._store_options = {k: v for k, v in options.items() if k not in _TAKE_ONLY_OPTIONS}
@@ -267,20 +267,20 @@ class Checkpointer:
     def _name(self, step: int) -> str:
         return self.name_format.format(step=step)
 
-    def _mine(self, repo: Repository) -> list[SnapshotInfo]:
+    def _mine(self, repo: RepoStorage) -> list[SnapshotInfo]:
         """Snapshots named by this checkpointer's format for their own step, oldest first."""
         infos, _ = read_snapshots(repo, cache=self._summaries)
         return [s for s in infos if s.step is not None and s.name == self._name(s.step)]
 
-    def _open(self, *, create: bool) -> Repository | None:
+    def _open(self, *, create: bool) -> RepoStorage | None:
         if self._repo is None:
             if create:
                 chunk = self._take_options.get("chunk_size", Settings.from_env().chunk_size)
-                self._repo = Repository.open_or_create(
+                self._repo = RepoStorage.open_or_create(
                     self._url, self._store_options, chunk_size=int(chunk)
                 )
-            elif Repository.exists_at(self._url, self._store_options):
-                self._repo = Repository.open(self._url, self._store_options)
+            elif RepoStorage.exists_at(self._url, self._store_options):
+                self._repo = RepoStorage.open(self._url, self._store_options)
         return self._repo
 
     def __repr__(self) -> str:

@@ -24,7 +24,7 @@ from casnap.chunks.io import WriteStats
 from casnap.distributed.group import Group, resolve_group
 from casnap.distributed.take import prepare_distributed_take
 from casnap.format.manifest import Entry, Manifest
-from casnap.repo.repository import Repository, locate
+from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import read_entry, restore_state
 from casnap.take import lineage
 from casnap.take.job import TakeResult, TensorPrepareFunc, prepare_take
@@ -51,7 +51,7 @@ class Snapshot:
         self.path = path
         self.pg = pg
         self.storage_options = dict(storage_options or {})
-        self._repo: Repository | None = None
+        self._repo: RepoStorage | None = None
         self._name: str | None = None
         self._manifest_hash: str | None = None
         self._manifest: Manifest | None = None
@@ -154,7 +154,7 @@ class Snapshot:
         return snap
 
     # -- reading ---------------------------------------------------------
-    def _load(self) -> tuple[Repository, Manifest]:
+    def _load(self) -> tuple[RepoStorage, Manifest]:
         if self._repo is None or self._name is None:
             self._repo, self._name = locate(self.path, self.storage_options, create=False)
         if self._manifest is None:
@@ -170,7 +170,7 @@ class Snapshot:
         return self._name
 
     @property
-    def repository(self) -> Repository:
+    def repository(self) -> RepoStorage:
         return self._load()[0]
 
     @property

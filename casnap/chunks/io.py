@@ -25,7 +25,7 @@ from casnap.format import codec
 from casnap.format.manifest import ChunkRef
 from casnap.format.names import digest_of, hash_bytes
 from casnap.index import KnownChunks, RepoIndex
-from casnap.repo.repository import Repository, chunk_key, pack_key
+from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 from casnap.settings import Settings
 
 Buffer = codec.Buffer
@@ -99,7 +99,7 @@ class ChunkWriter:
 
     def __init__(
         self,
-        repo: Repository,
+        repo: RepoStorage,
         settings: Settings,
         pool: ThreadPoolExecutor,
         known: Mapping[str, ChunkRef] | None = None,
@@ -381,7 +381,7 @@ def plan_reads(refs: list[ChunkRef]) -> list[Span]:
 
 
 def read_chunks(
-    repo: Repository,
+    repo: RepoStorage,
     refs: list[ChunkRef],
     sink: Callable[[int, Buffer], None],
     pool: ThreadPoolExecutor,

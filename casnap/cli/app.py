@@ -41,7 +41,7 @@ from casnap.format.manifest import (
     TensorEntry,
 )
 from casnap.ops.history import diff, du, graph_lanes, log
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 
 # -- commands -------------------------------------------------------------
 
@@ -239,7 +239,7 @@ def cmd_du(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pinned(repo: Repository) -> dict[str, str]:
+def _pinned(repo: RepoStorage) -> dict[str, str]:
     try:
         from casnap.repo.tags import list_tags
     except ImportError:
@@ -295,7 +295,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else EXIT_PROBLEMS
 
 
-def _next_part(repo: Repository, n: int) -> tuple[int, int]:
+def _next_part(repo: RepoStorage, n: int) -> tuple[int, int]:
     """The next of ``n`` parts for this repository, remembered in a local state file."""
     import os
     from pathlib import Path

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from casnap.repo.repository import Repository, locate
+from casnap.repo.repository import RepoStorage, locate
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
 
@@ -64,11 +64,11 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def open_repo(args: argparse.Namespace) -> Repository:
-    return Repository.open(args.repo, storage_options(args))
+def open_repo(args: argparse.Namespace) -> RepoStorage:
+    return RepoStorage.open(args.repo, storage_options(args))
 
 
-def open_snapshot(args: argparse.Namespace, path: str) -> tuple[Repository, str]:
+def open_snapshot(args: argparse.Namespace, path: str) -> tuple[RepoStorage, str]:
     return locate(path, storage_options(args), create=False)
 
 

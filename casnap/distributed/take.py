@@ -57,7 +57,7 @@ from casnap.distributed.staged import give_back, stage_chunks
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.index import KnownChunks
 from casnap.repo.leases import Lease, acquire_lease
-from casnap.repo.repository import Repository, locate, now_iso
+from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
 from casnap.take import lineage
 from casnap.take.job import (
@@ -110,7 +110,7 @@ def _start(
     storage_options: dict[str, Any] | None,
     metadata: dict[str, Any] | None,
     parents: list[str] | None,
-) -> tuple[Repository, _Start, Lease]:
+) -> tuple[RepoStorage, _Start, Lease]:
     """Rank 0's part of phase 1."""
     target = resolve_target(path, storage_options, metadata, parents)
     repo, name, chunk = target.repo, target.name, target.settings.chunk_size
@@ -152,7 +152,7 @@ def prepare_distributed_take(
     """
     lease: Lease | None = None
     start: _Start | Failure | None = None
-    repo: Repository | None = None
+    repo: RepoStorage | None = None
     try:
         if group.rank == 0:
             try:
@@ -199,7 +199,7 @@ def prepare_distributed_take(
 @dataclass
 class _Commit:
     group: Group
-    repo: Repository
+    repo: RepoStorage
     settings: Settings
     info: _Start
     plans: list[RankPlan]

@@ -59,7 +59,7 @@ from casnap.repo.leases import (
     read_record,
     wait_for_leases,
 )
-from casnap.repo.repository import Repository, now_iso
+from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
 from casnap.store import ObjectStore
 
@@ -127,7 +127,7 @@ class GcResult:
 # -- the gc epoch ----------------------------------------------------------
 
 
-def read_gc_epoch(repo: Repository) -> str | None:
+def read_gc_epoch(repo: RepoStorage) -> str | None:
     """The repository's gc epoch: it changes whenever a gc may have deleted anything.
 
     None when no gc ever deleted anything. A cache of "object X exists" built
@@ -147,12 +147,12 @@ def read_gc_epoch(repo: Repository) -> str | None:
     return hash_bytes(data)  # not ours, but it still changes when the object does
 
 
-def gc_in_progress(repo: Repository) -> bool:
+def gc_in_progress(repo: RepoStorage) -> bool:
     """Whether a ``gc.lock`` exists (live, or left by a gc that may have died mid-sweep)."""
     return read_gc_lock(repo.store) is not None
 
 
-def _bump_epoch(repo: Repository, session: str, phase: str) -> str:
+def _bump_epoch(repo: RepoStorage, session: str, phase: str) -> str:
     epoch = uuid.uuid4().hex
     body = {"epoch": epoch, "gc": session, "phase": phase, "at": now_iso()}
     repo.store.put(GC_EPOCH_KEY, json.dumps(body, sort_keys=True).encode())  # durable
@@ -181,7 +181,7 @@ class GcSession:
 
     def __init__(
         self,
-        repo: Repository,
+        repo: RepoStorage,
         *,
         wait_seconds: float = DEFAULT_WAIT_SECONDS,
         lock_ttl: float | None = None,
@@ -318,7 +318,7 @@ def _still_dead(store: ObjectStore, key: str) -> LeaseRecord | None:
 
 
 def plan_gc(
-    repo: Repository,
+    repo: RepoStorage,
     *,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     wait_seconds: float = DEFAULT_WAIT_SECONDS,
@@ -333,7 +333,7 @@ def plan_gc(
 
 
 def execute_gc(
-    repo: Repository,
+    repo: RepoStorage,
     plan: GcPlan,
     *,
     wait_seconds: float = DEFAULT_WAIT_SECONDS,
@@ -345,7 +345,7 @@ def execute_gc(
 
 
 def gc(
-    repo: Repository,
+    repo: RepoStorage,
     *,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     dry_run: bool = False,
@@ -361,7 +361,7 @@ def gc(
 
     Example::
 
-        result = gc(Repository.open("/ckpt/run1"), grace_seconds=0)
+        result = gc(RepoStorage.open("/ckpt/run1"), grace_seconds=0)
         print(result.render())
     """
     started = time.monotonic()

@@ -19,7 +19,7 @@ from typing import Any
 from casnap.errors import CasnapError, SnapshotNotFoundError
 from casnap.gc.backend import Listed, scan
 from casnap.repo.leases import scan_leases
-from casnap.repo.repository import Repository, chunk_key, now_iso, pack_key
+from casnap.repo.repository import RepoStorage, chunk_key, now_iso, pack_key
 from casnap.repo.tags import list_tags
 
 # A temp file of a put is removed only once it is at least this old, whatever
@@ -145,7 +145,7 @@ class _Marks:
     warnings: list[str] = field(default_factory=list)
 
 
-def _read_roots(repo: Repository, marks: _Marks) -> None:
+def _read_roots(repo: RepoStorage, marks: _Marks) -> None:
     try:
         for name in repo.list_snapshots():
             try:
@@ -164,7 +164,7 @@ def _read_roots(repo: Repository, marks: _Marks) -> None:
 
 
 def _mark(
-    repo: Repository, manifests: Iterable[str], marks: _Marks, progress: Progress | None
+    repo: RepoStorage, manifests: Iterable[str], marks: _Marks, progress: Progress | None
 ) -> int:
     """Mark the objects of ``manifests``; returns how many of them could be read."""
     todo = sorted(manifests)
@@ -194,7 +194,7 @@ def _mark(
 
 
 def make_plan(
-    repo: Repository, session: str, grace_seconds: float, progress: Progress | None
+    repo: RepoStorage, session: str, grace_seconds: float, progress: Progress | None
 ) -> GcPlan:
     """The plan of gc session ``session`` (see :meth:`casnap.gc.collect.GcSession.plan`)."""
     if grace_seconds < 0:

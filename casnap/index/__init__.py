@@ -45,7 +45,7 @@ from casnap.index.lmdb_store import (
 )
 from casnap.index.summaries import ManifestSummary, summarize
 from casnap.repo.leases import hold_lease
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 
 __all__ = [
     "DEFAULT_MAP_SIZE",
@@ -81,12 +81,12 @@ class KnownChunks(dict[str, ChunkRef]):
 
 
 def manifest_summaries(
-    repo: Repository, hashes: Iterable[str], *, missing_ok: bool = False
+    repo: RepoStorage, hashes: Iterable[str], *, missing_ok: bool = False
 ) -> dict[str, ManifestSummary]:
     """Summaries of ``hashes``, from the index where cached, else read from the store.
 
     A manifest the store does not hold (and the index never saw) raises
-    :class:`casnap.SnapshotNotFoundError`, like ``Repository.read_manifest``,
+    :class:`casnap.SnapshotNotFoundError`, like ``RepoStorage.read_manifest``,
     or with ``missing_ok`` is left out of the result.
     """
     index = open_index(repo, chunks=False)
@@ -108,7 +108,7 @@ def manifest_summaries(
     return out
 
 
-def manifest_summary(repo: Repository, manifest_hash: str) -> ManifestSummary:
+def manifest_summary(repo: RepoStorage, manifest_hash: str) -> ManifestSummary:
     """The summary of one manifest (see :func:`manifest_summaries`).
 
     Example::
@@ -120,7 +120,7 @@ def manifest_summary(repo: Repository, manifest_hash: str) -> ManifestSummary:
     return manifest_summaries(repo, [manifest_hash])[manifest_hash]
 
 
-def record_manifest(repo: Repository, manifest_hash: str, manifest: Manifest) -> None:
+def record_manifest(repo: RepoStorage, manifest_hash: str, manifest: Manifest) -> None:
     """Cache the summary of a manifest just written or read (a no-op when disabled)."""
     index = open_index(repo, chunks=False)
     if index is not None:
@@ -133,7 +133,7 @@ class RebuildStats:
     chunks: int
 
 
-def rebuild(repo: Repository) -> RebuildStats:
+def rebuild(repo: RepoStorage) -> RebuildStats:
     """Fill the index from the store: every manifest a ref names, and its chunks.
 
     One get per ref and per manifest. Like a take, it holds a lease (so no gc

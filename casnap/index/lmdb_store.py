@@ -28,7 +28,7 @@ from casnap.errors import ObjectNotFoundError, StoreError
 from casnap.format.manifest import ChunkRef
 from casnap.format.names import check_hash
 from casnap.index.summaries import ManifestSummary, decode_summary, encode_summary
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 
 _log = logging.getLogger("casnap.index")  # the logger users configure (docs/index.md)
 
@@ -240,12 +240,12 @@ def _close_unused(keep: int) -> None:
             env.env.close()
 
 
-def _store_identity(repo: Repository) -> str:
+def _store_identity(repo: RepoStorage) -> str:
     url = repo.url.removeprefix("file://")
     return url if "://" in url else os.path.realpath(url)
 
 
-def read_gc_epoch(repo: Repository) -> bytes | None:
+def read_gc_epoch(repo: RepoStorage) -> bytes | None:
     """The store's gc epoch object as bytes (None when no gc ever deleted anything)."""
     try:
         return repo.store.get(GC_EPOCH_KEY)
@@ -371,7 +371,7 @@ class RepoIndex:
             self._failed("clear", exc)
 
 
-def open_index(repo: Repository, *, chunks: bool = True) -> RepoIndex | None:
+def open_index(repo: RepoStorage, *, chunks: bool = True) -> RepoIndex | None:
     """The index of ``repo``, or None when disabled or unusable (never an error).
 
     With ``chunks=True`` (what a take uses) the store's gc epoch is read first

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from casnap.format.manifest import ChunkRef, Manifest, ObjectEntry, ShardedEntry, TensorEntry
 from casnap.index import manifest_summaries
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 
 
 def _object_of(ref: ChunkRef) -> tuple[str, int, int]:
@@ -41,7 +41,7 @@ class LogLine:
     metadata: dict[str, Any]
 
 
-def _heads(repo: Repository) -> dict[str, str]:
+def _heads(repo: RepoStorage) -> dict[str, str]:
     """Snapshot name -> manifest hash; refs are always read from the store, never cached."""
     heads = {}
     for name in repo.list_snapshots():
@@ -52,7 +52,7 @@ def _heads(repo: Repository) -> dict[str, str]:
     return heads
 
 
-def log(repo: Repository) -> list[LogLine]:
+def log(repo: RepoStorage) -> list[LogLine]:
     """Every snapshot, oldest first, with its size and what it added over its parents.
 
     Manifest summaries come from the local index when cached (manifests are
@@ -101,7 +101,7 @@ class Usage:
         return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
 
-def du(repo: Repository, pinned: dict[str, str] | None = None) -> Usage:
+def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
     """Space used, overall and per snapshot. ``pinned`` maps extra roots (tags) to manifests.
 
     An object (a loose chunk or a whole pack) counts toward a snapshot's

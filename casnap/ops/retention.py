@@ -29,7 +29,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 from casnap.errors import CasnapError, RetentionError, SnapshotNotFoundError
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 from casnap.repo.tags import TagInfo, list_tags, metadata_tags
 
 
@@ -89,7 +89,7 @@ SummaryCache = MutableMapping[str, tuple[str, Mapping[str, Any]]]
 
 
 def read_snapshots(
-    repo: Repository,
+    repo: RepoStorage,
     names: Collection[str] | None = None,
     *,
     cache: SummaryCache | None = None,
@@ -337,7 +337,7 @@ def _now(now: datetime | None) -> datetime:
 
 
 def plan_retention(
-    repo: Repository,
+    repo: RepoStorage,
     policy: RetentionPolicy,
     now: datetime | None = None,
     *,
@@ -374,7 +374,7 @@ def plan_retention(
     return RetentionPlan(keep, delete, tuple(infos), at.isoformat(), frozenset(tags))
 
 
-def execute_retention(repo: Repository, plan: RetentionPlan) -> RetentionResult:
+def execute_retention(repo: RepoStorage, plan: RetentionPlan) -> RetentionResult:
     """Delete the refs ``plan`` deletes (only refs: manifests and chunks stay for gc).
 
     Each ref is re-read first and left alone if it changed since the plan:

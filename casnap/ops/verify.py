@@ -18,7 +18,7 @@ from casnap.chunks.io import Span, object_name, plan_reads
 from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 
 Progress = Callable[[int, int], None]
 
@@ -63,7 +63,7 @@ def in_part(chunk_hash: str, part: tuple[int, int] | None) -> bool:
 
 
 def verify(
-    repo: Repository,
+    repo: RepoStorage,
     *,
     read_data: bool = False,
     part: tuple[int, int] | None = None,
@@ -121,7 +121,7 @@ def verify(
 
 
 def _scrub(
-    repo: Repository,
+    repo: RepoStorage,
     span: Span,
     report: VerifyReport,
     owners: dict[tuple[str | None, str], set[str]],

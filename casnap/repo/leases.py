@@ -54,7 +54,7 @@ from casnap.errors import (
     StoreError,
 )
 from casnap.format.manifest import canonical_json
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 from casnap.store import ObjectStore
 
 _log = logging.getLogger(__name__)
@@ -333,7 +333,7 @@ def wait_for_gc(store: ObjectStore) -> None:
 
 @contextmanager
 def hold_lease(
-    repo: Repository, *, kind: str = "take", ttl: float | None = None
+    repo: RepoStorage, *, kind: str = "take", ttl: float | None = None
 ) -> Iterator[Lease]:
     """Hold a lease on ``repo`` for the duration of the block (see the module docstring)."""
     lease = acquire_lease(repo.store, kind=kind, ttl=ttl)

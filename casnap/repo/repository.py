@@ -62,12 +62,15 @@ def ref_key(name: str) -> str:
     return f"refs/{check_ref_name(name)}"
 
 
-class Repository:
-    """A casnap repository at ``url`` (a directory or an fsspec URL).
+class RepoStorage:
+    """The storage of a casnap repository: its config, immutable objects and refs.
+
+    This is the layer the pipelines build on; :class:`casnap.Repository` is
+    the public face (log, diff, du, gc, ...) built on top of it.
 
     Example::
 
-        repo = Repository.open("/ckpt/run1")
+        repo = RepoStorage.open("/ckpt/run1")
         for name in repo.list_snapshots():
             print(name, repo.read_manifest(repo.resolve(name)).metadata)
     """
@@ -80,7 +83,7 @@ class Repository:
 
     # -- opening ---------------------------------------------------------
     @classmethod
-    def open(cls, url: str, storage_options: dict[str, Any] | None = None) -> Repository:
+    def open(cls, url: str, storage_options: dict[str, Any] | None = None) -> RepoStorage:
         root = open_store(url, storage_options)
         try:
             data = root.get(f"{META}/{CONFIG_KEY}")
@@ -95,12 +98,12 @@ class Repository:
         storage_options: dict[str, Any] | None = None,
         *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
-    ) -> Repository:
+    ) -> RepoStorage:
         """Open the repository at ``url``, creating it if absent (safe against a racing creator)."""
         return cls.on_store(open_store(url, storage_options), chunk_size=chunk_size)
 
     @classmethod
-    def on_store(cls, root: ObjectStore, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Repository:
+    def on_store(cls, root: ObjectStore, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> RepoStorage:
         """The repository rooted at an already-open store, created if absent.
 
         Pass the result as ``storage_options={"repository": repo}`` to make
@@ -203,7 +206,7 @@ def locate(
     *,
     create: bool,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[Repository, str]:
+) -> tuple[RepoStorage, str]:
     """Find the repository holding snapshot ``path`` and the snapshot's name in it.
 
     An explicit ``storage_options["repository"]`` wins; else the nearest ancestor
@@ -217,7 +220,7 @@ def locate(
         raise SnapshotNotFoundError(f"{path!r} names no snapshot inside a repository", path)
     if explicit is not None:
         r_scheme, r_parts = split_url(
-            explicit.url if isinstance(explicit, Repository) else explicit
+            explicit.url if isinstance(explicit, RepoStorage) else explicit
         )
         if r_scheme != scheme or parts[: len(r_parts)] != r_parts or len(parts) == len(r_parts):
             raise SnapshotNotFoundError(
@@ -227,7 +230,7 @@ def locate(
     else:
         repo_parts = []
         for depth in range(len(parts) - 1, 0, -1):
-            if Repository.exists_at(_join(scheme, parts[:depth]), options):
+            if RepoStorage.exists_at(_join(scheme, parts[:depth]), options):
                 repo_parts = parts[:depth]
                 break
         if not repo_parts:
@@ -235,9 +238,9 @@ def locate(
                 raise SnapshotNotFoundError(f"no casnap repository holds {path!r}", path)
             repo_parts = parts[:-1]
     name = check_ref_name("/".join(parts[len(repo_parts) :]))
-    if isinstance(explicit, Repository):
+    if isinstance(explicit, RepoStorage):
         return explicit, name
     url = _join(scheme, repo_parts)
     if not create:
-        return Repository.open(url, options), name
-    return Repository.open_or_create(url, options, chunk_size=chunk_size), name
+        return RepoStorage.open(url, options), name
+    return RepoStorage.open_or_create(url, options, chunk_size=chunk_size), name

@@ -12,10 +12,10 @@ they go when its ref goes. Retention (``KeepTagged``) honours both kinds.
 
 Example::
 
-    from casnap import Repository
+    from casnap import RepoStorage
     from casnap.repo.tags import add_tag, list_tags, remove_tag
 
-    repo = Repository.open("/ckpt/run1")
+    repo = RepoStorage.open("/ckpt/run1")
     add_tag(repo, "release-1", "step_000010000")
     list_tags(repo)["release-1"].manifest  # the pinned manifest hash
     remove_tag(repo, "release-1")
@@ -39,7 +39,7 @@ from casnap.errors import (
 from casnap.format.manifest import HashStr, canonical_json
 from casnap.format.names import check_ref_name
 from casnap.repo.leases import hold_lease
-from casnap.repo.repository import Repository, manifest_key, now_iso
+from casnap.repo.repository import RepoStorage, manifest_key, now_iso
 
 TAGS = "tags"
 MAX_TAG_BYTES = 64 * 1024  # a tag file is tiny; anything larger is not one of ours
@@ -87,7 +87,7 @@ def _parse_tag(tag: str, data: bytes) -> TagInfo:
     return TagInfo(tag, record.snapshot, record.manifest, record.created_at)
 
 
-def add_tag(repo: Repository, tag: str, snapshot_name: str) -> TagInfo:
+def add_tag(repo: RepoStorage, tag: str, snapshot_name: str) -> TagInfo:
     """Pin ``snapshot_name``'s current manifest under ``tag`` (create-only).
 
     Raises :class:`casnap.ObjectExistsError` (a ``FileExistsError``) when the
@@ -117,7 +117,7 @@ def add_tag(repo: Repository, tag: str, snapshot_name: str) -> TagInfo:
     return TagInfo(tag, snapshot_name, manifest, record.created_at)
 
 
-def read_tag(repo: Repository, tag: str) -> TagInfo:
+def read_tag(repo: RepoStorage, tag: str) -> TagInfo:
     """One tag; :class:`casnap.ObjectNotFoundError` when it does not exist."""
     key = tag_key(tag)
     try:
@@ -127,7 +127,7 @@ def read_tag(repo: Repository, tag: str) -> TagInfo:
     return _parse_tag(tag, data)
 
 
-def remove_tag(repo: Repository, tag: str) -> TagInfo:
+def remove_tag(repo: RepoStorage, tag: str) -> TagInfo:
     """Delete ``tag`` and return what it pinned; the snapshot's ref is untouched.
 
     Raises :class:`casnap.ObjectNotFoundError` (a ``FileNotFoundError``) when
@@ -139,7 +139,7 @@ def remove_tag(repo: Repository, tag: str) -> TagInfo:
     return info
 
 
-def list_tags(repo: Repository) -> dict[str, TagInfo]:
+def list_tags(repo: RepoStorage) -> dict[str, TagInfo]:
     """Every repository tag by name (sorted). These are gc roots: see ``TagInfo.manifest``.
 
     A malformed tag file raises :class:`casnap.ManifestValidationError` rather

@@ -12,7 +12,7 @@ from casnap.chunks.budget import ByteBudget
 from casnap.chunks.io import read_chunks
 from casnap.format.manifest import ChunkRef, Manifest, TensorEntry
 from casnap.ops.history import EntryDiff
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 from casnap.settings import DEFAULT_IO_WORKERS, default_memory_budget
 from casnap.torch_io.tensors import torch_dtype
 
@@ -26,7 +26,7 @@ class Drift:
 
 
 def _values(
-    repo: Repository, refs: list[ChunkRef], dtype: torch.dtype, budget: ByteBudget
+    repo: RepoStorage, refs: list[ChunkRef], dtype: torch.dtype, budget: ByteBudget
 ) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(refs)
 
@@ -39,9 +39,9 @@ def _values(
 
 
 def drift(
-    repo_a: Repository,
+    repo_a: RepoStorage,
     a: Manifest,
-    repo_b: Repository,
+    repo_b: RepoStorage,
     b: Manifest,
     rows: list[EntryDiff],
     memory_budget_bytes: int | None = None,

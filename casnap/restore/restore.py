@@ -37,7 +37,7 @@ from casnap.format.manifest import (
 )
 from casnap.format.names import escape_key
 from casnap.format.tree import subtree
-from casnap.repo.repository import Repository
+from casnap.repo.repository import RepoStorage
 from casnap.restore.reshard import ShardedSink
 from casnap.settings import default_memory_budget, read_workers_for
 from casnap.torch_io.flatten import inflate, leaves_of
@@ -162,7 +162,7 @@ def rank_prefix(manifest: Manifest, key: str, rank: int) -> str:
 
 
 def restore_state(
-    repo: Repository,
+    repo: RepoStorage,
     manifest: Manifest,
     app_state: Mapping[str, Any],
     *,
@@ -207,7 +207,7 @@ def restore_state(
         stateful.load_state_dict(inflate(manifest.entries, prefix, values, target))
 
 
-def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) -> dict[str, Any]:
+def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None) -> dict[str, Any]:
     """Read every planned tensor and object; returns them by key."""
     refs: list[ChunkRef] = []
     routes: list[tuple[str, int]] = []
@@ -253,7 +253,7 @@ def load_values(repo: Repository, load: _Load, memory_budget_bytes: int | None) 
 
 
 def _load_sharded(
-    repo: Repository, sharded: Mapping[str, ShardedSink], pool: ThreadPoolExecutor, limit: int
+    repo: RepoStorage, sharded: Mapping[str, ShardedSink], pool: ThreadPoolExecutor, limit: int
 ) -> None:
     """Read sharded entries a group of stored shards at a time, staging at most half the budget.
 
@@ -276,7 +276,7 @@ def _load_sharded(
 
 
 def _load_group(
-    repo: Repository,
+    repo: RepoStorage,
     sharded: Mapping[str, ShardedSink],
     group: dict[str, set[int]],
     pool: ThreadPoolExecutor,
@@ -300,7 +300,7 @@ def _load_group(
 
 
 def read_entry(
-    repo: Repository,
+    repo: RepoStorage,
     manifest: Manifest,
     path: str,
     obj_out: Any,

@@ -41,7 +41,7 @@ from casnap.format.manifest import (
 )
 from casnap.format.names import escape_key
 from casnap.repo.leases import hold_lease
-from casnap.repo.repository import Repository, locate, now_iso
+from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
 from casnap.take import lineage
 from casnap.take.plan import LAST_PLAN, known_chunks, tensor_entry
@@ -55,7 +55,7 @@ TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 @dataclass
 class TakeResult:
-    repo: Repository
+    repo: RepoStorage
     name: str
     manifest_hash: str
     manifest: Manifest
@@ -65,7 +65,7 @@ class TakeResult:
 
 @dataclass
 class TakeJob:
-    repo: Repository
+    repo: RepoStorage
     name: str
     nodes: dict[str, Node]
     settings: Settings
@@ -308,7 +308,7 @@ def collect(
 class Target:
     """Where a take goes and with what: shared by single-process and distributed takes."""
 
-    repo: Repository
+    repo: RepoStorage
     name: str
     settings: Settings
     metadata: dict[str, Any]

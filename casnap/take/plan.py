@@ -18,7 +18,7 @@ from casnap import index
 from casnap.errors import CasnapError
 from casnap.format.manifest import ChunkRef, Entry, Manifest, TensorEntry
 from casnap.index import KnownChunks
-from casnap.repo.repository import Repository, manifest_key
+from casnap.repo.repository import RepoStorage, manifest_key
 from casnap.torch_io.tensors import dtype_name
 
 
@@ -53,7 +53,7 @@ class LastPlan:
 LAST_PLAN = LastPlan()
 
 
-def known_chunks(repo: Repository, parents: list[str]) -> KnownChunks:
+def known_chunks(repo: RepoStorage, parents: list[str]) -> KnownChunks:
     """Chunks a take may reference without writing: its parents', and the local index's.
 
     Called inside the take's gc-exclusion window: opening the index reads the
