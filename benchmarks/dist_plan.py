@@ -43,15 +43,14 @@ def _over_ranks(seconds: float, op: Any) -> float:
     return float(t.item())
 
 
-def _take(root: str, name: str, app: dict[str, Any]) -> tuple[int, float, float]:
+def _take(root: str, name: str, app: dict[str, Any], session: Any) -> tuple[int, float, float]:
     from casnap import Snapshot
-    from casnap.distributed.plan_cache import CACHE
 
     dist.barrier()
     t0 = time.perf_counter()
-    Snapshot.take(f"{root}/{name}", app, replicated=["model/**"])
+    Snapshot.take(f"{root}/{name}", app, replicated=["model/**"], session=session)
     took = time.perf_counter() - t0
-    last = CACHE.last
+    last = session.plan_cache.last
     assert last is not None
     # The exchange of the rank that arrives last includes no waiting for the others.
     exchange = _over_ranks(last.seconds, dist.ReduceOp.MIN)
@@ -59,17 +58,17 @@ def _take(root: str, name: str, app: dict[str, Any]) -> tuple[int, float, float]
 
 
 def worker(rank: int, world: int, out: str, tensors: int, repeat: int) -> None:
-    from casnap.distributed.plan_cache import CACHE
+    from casnap import Session
 
     join_group(rank, world, out)
     app = _state(rank, tensors)
     root = str(Path(out, "repo"))
     rows: dict[str, list[Any]] = {"cold": [], "warm": []}
     for i in range(repeat + 1):
-        CACHE.clear()
+        session = Session()  # cold: a new process's; warm: the same one's next take
         app["optim"]["step"] = i
-        cold = _take(root, f"c{i}", app)
-        warm = _take(root, f"w{i}", app)
+        cold = _take(root, f"c{i}", app, session)
+        warm = _take(root, f"w{i}", app, session)
         if i:  # round 0 writes the chunks: warm-up
             rows["cold"].append(cold)
             rows["warm"].append(warm)

@@ -7,15 +7,16 @@ A real fake-gcs-server is started. For each mode a fresh repository (and a
 fresh index folder) gets ``--takes`` successive snapshots of one fp32
 transformer-shaped state (big matrices become loose chunks, biases and
 layernorms are packed); before every take after the first, the tensors of one
-layer change (two big matrices, two biases). Before each take the process
-forgets its lineage, as a new process (a resumed or restarted job) would, so
+layer change (two big matrices, two biases). Each take runs in a new
+:class:`casnap.Session`, as in a new process (a resumed or restarted job), so
 dedup relies on the store or the index alone:
 
 - ``index``: casnap's default, the local index on.
 - ``no index``: ``CASNAP_INDEX=0``: every loose chunk is probed with a 56-byte
   ranged get, and small chunks are packed and uploaded again.
-- ``lineage, no index`` (reference): the same process keeps its lineage, so the
-  parent manifest names every unchanged chunk; the best case without an index.
+- ``lineage, no index`` (reference): every take runs in one session, which keeps
+  its lineage, so the parent manifest names every unchanged chunk; the best
+  case without an index.
 
 Requests are counted twice: per store operation (a CountingStore that also
 counts failed reads, i.e. probes of absent chunks; "other" is exists, list and
@@ -44,9 +45,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 import torch
 from harness import machine, make_state, markdown_table, state_bytes, transformer_shapes, write_json
 
-from casnap import Repository, Snapshot, StateDict, index
+from casnap import Repository, Session, Snapshot, StateDict, index
 from casnap.store import CountingStore, FsspecStore
-from casnap.take import lineage
 
 MiB = 1 << 20
 MODES = ("index", "no index", "lineage, no index")
@@ -121,19 +121,20 @@ def run_mode(
     store = CountingStore(FsspecStore(url))
     repo = Repository.on_store(store, chunk_size=args.chunk_mib * MiB)
     state = make_state(shapes, seed=0)
-    lineage.forget()
+    session = Session()  # one process's: lineage and the last plan
     takes = []
     for n in range(1, args.takes + 1):
         if n > 1:
             for key in changed_keys(shapes, n, layers):
                 state[key].add_(1e-3)
         if mode != "lineage, no index":
-            lineage.forget()  # a new process: no parent manifest to dedup against
+            session = Session()  # a new process: no parent manifest to dedup against
         store.reset()
         start = log.mark()
         t0 = _now()
         snap = Snapshot.take(f"{url}/step_{n}", {"model": StateDict(state)},
-                             storage_options={"repository": repo})  # fmt: skip
+                             storage_options={"repository": repo},
+                             session=session)  # fmt: skip
         seconds = _now() - t0
         http = log.between(start, log.mark())
         stats = snap.last_take_stats

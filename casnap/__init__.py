@@ -48,6 +48,7 @@ _LAZY = {
     "Stateful": "casnap.torch_io.stateful",
     "StateDict": "casnap.torch_io.stateful",
     "Checkpointer": "casnap.api.checkpointer",
+    "Session": "casnap.take.session",
     "export_safetensors": "casnap.export",
     "export_torch": "casnap.export",
 }
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from casnap.api.checkpointer import Checkpointer
     from casnap.api.snapshot import PendingSnapshot, Snapshot
     from casnap.export import export_safetensors, export_torch
+    from casnap.take.session import Session
     from casnap.torch_io.stateful import RNGState, StateDict, Stateful
 
 __all__ = [
@@ -104,6 +106,7 @@ __all__ = [
     "RepositoryError",
     "RepositoryNotFoundError",
     "ShapeMismatchError",
+    "Session",
     "Snapshot",
     "SnapshotExistsError",
     "SnapshotNotFoundError",

@@ -53,6 +53,14 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
+def staging_cache_bytes() -> int | None:
+    """``CASNAP_STAGING_CACHE``: idle async-staging buffers kept for the next take (None: unset)."""
+    raw = os.environ.get("CASNAP_STAGING_CACHE")
+    if raw is None or raw == "":
+        return None
+    return _env_int("CASNAP_STAGING_CACHE", 0)
+
+
 def _env_str(name: str, default: str) -> str:
     return os.environ.get(name) or default
 

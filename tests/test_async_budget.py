@@ -5,35 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from casnap import Snapshot, StateDict
+from casnap import Session, Snapshot, StateDict
 from casnap.chunks.budget import ByteBudget
 from casnap.errors import StoreError
 from casnap.restore import restore
-from casnap.take import lineage
 from casnap.torch_io import staging
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    lineage.forget()
-    staging.POOL.clear()
-    yield
-    lineage.forget()
-    staging.POOL.clear()
-
-
 def test_a_second_async_take_reuses_the_staging_buffers(tmp_path):
+    session = Session()
     state = StateDict(w=torch.randn(500_000), b=torch.randn(1000))
-    Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state}).wait()
-    allocated = staging.POOL.allocated_bytes
+    Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state}, session=session).wait()
+    allocated = session.staging.allocated_bytes
     assert allocated == 501_000 * 4
     state["w"].add_(1)
-    pending = Snapshot.async_take(str(tmp_path / "repo" / "s2"), {"m": state})
+    pending = Snapshot.async_take(str(tmp_path / "repo" / "s2"), {"m": state}, session=session)
     expected = state["w"].clone()
     state["w"].zero_()  # point in time: the snapshot keeps the staged values
     pending.wait()
-    assert staging.POOL.allocated_bytes == allocated  # nothing new allocated
-    assert staging.POOL.reused_bytes == allocated
+    assert session.staging.allocated_bytes == allocated  # nothing new allocated
+    assert session.staging.reused_bytes == allocated
     out = StateDict(w=torch.empty(500_000), b=torch.empty(1000))
     Snapshot(str(tmp_path / "repo" / "s2")).restore({"m": out})
     assert torch.equal(out["w"], expected)
@@ -42,17 +33,20 @@ def test_a_second_async_take_reuses_the_staging_buffers(tmp_path):
 def test_a_failing_background_write_surfaces_from_wait_with_its_type(tmp_path, monkeypatch):
     from casnap.repo import repository
 
-    def full_disk(self, manifest):
+    def full_disk(self, manifest, jsonable=None):
         raise StoreError("no space left on device while writing the manifest")
 
     monkeypatch.setattr(repository.RepoStorage, "write_manifest", full_disk)
-    pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": StateDict(w=torch.ones(10))})
+    session = Session()
+    pending = Snapshot.async_take(
+        str(tmp_path / "repo" / "s1"), {"m": StateDict(w=torch.ones(10))}, session=session
+    )
     with pytest.raises(StoreError, match="no space"):
         pending.wait()
     assert pending.done()
     monkeypatch.undo()
     # the staging buffers went back to the pool even though the take failed
-    assert staging.POOL._idle_bytes == 40
+    assert session.staging.idle_bytes == 40
 
 
 class RecordingBudget(ByteBudget):
@@ -93,14 +87,15 @@ def test_async_take_stages_at_most_its_budget_and_stays_point_in_time(tmp_path):
     state = StateDict({f"w{i}": torch.randn(256 * 1024) for i in range(8)})
     expected = {k: v.clone() for k, v in state.items()}
     budget = 3 << 20
+    session = Session()
     pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state},
                                   storage_options={"chunk_size": 256 * 1024},
-                                  memory_budget_bytes=budget)  # fmt: skip
+                                  memory_budget_bytes=budget, session=session)  # fmt: skip
     for t in state.values():  # every tensor, staged or live, changes right away
         t.fill_(7.0)
     snap = pending.wait()
-    assert 0 < staging.POOL.peak_in_use_bytes <= budget // 2
-    assert staging.POOL.peak_in_use_bytes < 8 << 20  # not the whole state
+    assert 0 < session.staging.peak_in_use_bytes <= budget // 2
+    assert session.staging.peak_in_use_bytes < 8 << 20  # not the whole state
     out = StateDict({k: torch.empty(256 * 1024) for k in state})
     snap.restore({"m": out})
     for k, v in expected.items():
@@ -110,12 +105,13 @@ def test_async_take_stages_at_most_its_budget_and_stays_point_in_time(tmp_path):
 def test_async_take_of_a_state_larger_than_the_budget_stages_nothing_it_cannot_hold(tmp_path):
     big = torch.randn(1 << 20)  # 4 MiB, alone over a 1 MiB budget
     state = StateDict(big=big, small=torch.arange(100.0))
+    session = Session()
     pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state},
-                                  memory_budget_bytes=1 << 20)  # fmt: skip
+                                  memory_budget_bytes=1 << 20, session=session)  # fmt: skip
     expected = big.clone()
     big.zero_()
     snap = pending.wait()
-    assert staging.POOL.peak_in_use_bytes == 400  # only the small tensor was copied
+    assert session.staging.peak_in_use_bytes == 400  # only the small tensor was copied
     out = StateDict(big=torch.empty(1 << 20), small=torch.empty(100))
     snap.restore({"m": out})
     assert torch.equal(out["big"], expected)
@@ -137,12 +133,20 @@ def test_a_failing_take_with_live_tensors_does_not_hang_async_take(tmp_path, mon
 
 
 def test_a_fresh_allocation_drops_idle_buffers_of_another_structure():
-    pool = staging.StagingPool()
+    pool = staging.StagingPool(idle_limit=1 << 20)
     a = pool.stage(torch.ones(1000))
-    pool.give_back([a], limit=1 << 20)
-    assert pool._idle_bytes == 4000
+    pool.give_back([a])
+    assert pool.idle_bytes == 4000
     pool.stage(torch.ones(500, dtype=torch.float64), limit=6000)  # 4000 + 4000 > 6000
-    assert pool._idle_bytes == 0 and pool.in_use_bytes == 4000
+    assert pool.idle_bytes == 0 and pool.in_use_bytes == 4000
+
+
+def test_without_a_session_nothing_is_kept_for_the_next_take(tmp_path):
+    state = StateDict(w=torch.randn(1000))
+    snap = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state}).wait()
+    again = Snapshot.async_take(str(tmp_path / "repo" / "s2"), {"m": state}).wait()
+    assert snap.manifest.parents == [] and again.manifest.parents == []
+    assert again.last_take_stats is not None and again.last_take_stats.chunks_written == 0
 
 
 def test_memory_budget_must_be_positive(tmp_path):

@@ -20,16 +20,8 @@ from casnap.api.checkpointer import Checkpointer
 from casnap.errors import StoreError
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy
 from casnap.store import LocalStore
-from casnap.take import lineage
 
 NAMES = [f"step_{s:09d}" for s in (5, 10, 15, 20)]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_lineage():
-    lineage.forget()
-    yield
-    lineage.forget()
 
 
 def fill(state: dict[str, StateDict], step: int) -> None:
@@ -108,7 +100,6 @@ def test_loop_takes_every_n_steps_with_metadata_and_lineage(tmp_path, async_take
 def test_retention_runs_after_each_commit_and_keeps_foreign_snapshots(tmp_path):
     root = tmp_path / "run"
     Snapshot.take(str(root / "base"), {"model": StateDict(x=torch.ones(10))})
-    lineage.forget()
     state = fresh()
     seen = []
     ckpt = Checkpointer(str(root), 5, retention=RetentionPolicy(KeepLast(2)))
@@ -193,7 +184,6 @@ def test_resume_at_the_restored_step_does_not_take_it_again(tmp_path):
     for step in (5, 10):
         fill(state, step)
         first.maybe_take(step, state)
-    lineage.forget()  # a new process
     ckpt = Checkpointer(str(root), 5)
     out = fresh()
     assert ckpt.restore_latest(out) == 10 and same_bits(out, expected(10))

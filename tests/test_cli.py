@@ -11,21 +11,13 @@ import sys
 import pytest
 import torch
 
-from casnap import Repository, Snapshot, StateDict
+from casnap import Repository, Session, Snapshot, StateDict
 from casnap.cli.app import main
 from casnap.ops.history import diff
 from casnap.restore.drift import drift
 from casnap.store import CountingStore, LocalStore
-from casnap.take import lineage
 
 CHUNK = 64 * 1024
-
-
-@pytest.fixture(autouse=True)
-def _fresh_lineage():
-    lineage.forget()
-    yield
-    lineage.forget()
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -40,12 +32,13 @@ def repo_dir(tmp_path) -> str:
     root = str(tmp_path / "repo")
     state = StateDict(big=torch.randn(200_000), small=torch.randn(100), step=0)
     opts = {"chunk_size": CHUNK}
+    session = Session()  # one training process: each take descends from the previous
     for step in (1, 2, 3):
         state["step"] = step
         if step == 3:
             state["big"][:1000].add_(1.0)  # touches only the first chunk
         Snapshot.take(f"{root}/s{step}", {"s": state}, storage_options=opts,
-                      metadata={"step": step})  # fmt: skip
+                      metadata={"step": step}, session=session)  # fmt: skip
     return root
 
 
@@ -136,11 +129,11 @@ def test_log_shows_branches(capsys, tmp_path):
     base = StateDict(w=torch.randn(10))
     Snapshot.take(f"{root}/base", {"m": base})
     for branch in ("ft_a", "ft_b"):
-        lineage.forget()
+        session = Session()  # one fine-tuning process per branch
         tuned = StateDict(w=torch.empty(10))
-        Snapshot(f"{root}/base").restore({"m": tuned})  # lineage: descends from base
+        Snapshot(f"{root}/base", session=session).restore({"m": tuned})  # descends from base
         tuned["w"].add_(1 if branch == "ft_a" else 2)
-        Snapshot.take(f"{root}/{branch}", {"m": tuned})
+        Snapshot.take(f"{root}/{branch}", {"m": tuned}, session=session)
     code, out, _ = run(capsys, "log", root)
     lines = [ln for ln in out.splitlines() if "base" in ln or "ft_" in ln]
     assert code == 0 and len(lines) == 3

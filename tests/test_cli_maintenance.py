@@ -11,14 +11,6 @@ from safetensors.torch import load_file
 
 from casnap import Repository, Snapshot, StateDict
 from casnap.cli.app import main
-from casnap.take import lineage
-
-
-@pytest.fixture(autouse=True)
-def _fresh_lineage():
-    lineage.forget()
-    yield
-    lineage.forget()
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:

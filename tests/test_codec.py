@@ -9,7 +9,6 @@ from casnap import Snapshot, StateDict
 from casnap.errors import IntegrityError
 from casnap.format import codec
 from casnap.format.names import digest_of
-from casnap.take import lineage
 from casnap.torch_io.tensors import byte_view
 
 
@@ -61,7 +60,6 @@ def test_a_grouped_frame_with_a_bad_element_size_is_refused():
 
 
 def test_bf16_snapshot_round_trips_and_is_stored_small(tmp_path):
-    lineage.forget()
     state = StateDict(w=(torch.randn(1 << 21) * 0.02).to(torch.bfloat16))
     snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": state})
     stored = sum(c.length for c in snap.get_manifest()["0/m/w"].chunks)

@@ -10,16 +10,8 @@ import torch
 
 from casnap import Repository, Snapshot, StateDict
 from casnap.store import CountingStore
-from casnap.take import lineage
 
 CHUNK = 64 * 1024
-
-
-@pytest.fixture(autouse=True)
-def _fresh_lineage():
-    lineage.forget()
-    yield
-    lineage.forget()
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
@@ -65,7 +57,6 @@ def test_unchanged_state_dedups_across_processes_by_loose_chunk(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = {"w": StateDict(w=torch.randn(100_000))}
     Snapshot.take(str(tmp_path / "repo" / "s1"), state, storage_options=opts(repo))
-    lineage.forget()
     store.reset()
     Snapshot.take(str(tmp_path / "repo" / "s2"), state, storage_options=opts(repo))
     assert data_keys(store.written_keys) == []

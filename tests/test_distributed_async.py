@@ -24,16 +24,17 @@ def _original(rank: int, step: int) -> dict[str, torch.Tensor]:
     return {"w": w, "own": own}
 
 
-def _async_take(root: str, step: int, rank: int) -> dict[str, Any]:
+def _async_take(root: str, step: int, rank: int, session: Any) -> dict[str, Any]:
     """async_take, mutate every tensor as soon as it returns, restore: the original values."""
     from casnap import Snapshot, StateDict
-    from casnap.torch_io import staging
 
+    pool = session.staging
     state = StateDict(_original(rank, step))
-    before = staging.POOL.reused_bytes
-    staging.POOL.peak_in_use_bytes = staging.POOL.in_use_bytes  # this take's peak only
+    before = pool.reused_bytes
+    pool.peak_in_use_bytes = pool.in_use_bytes  # this take's peak only
     pending = Snapshot.async_take(f"{root}/a{step}", {"s": state}, replicated=["s/w"],
-                                  storage_options={"chunk_size": CHUNK})  # fmt: skip
+                                  storage_options={"chunk_size": CHUNK},
+                                  session=session)  # fmt: skip
     state["w"].mul_(-1.0)  # right after async_take returns: never in the snapshot
     state["own"].add_(100.0)
     snap = pending.wait(60)
@@ -42,19 +43,19 @@ def _async_take(root: str, step: int, rank: int) -> dict[str, Any]:
     for k, v in _original(rank, step).items():
         assert torch.equal(fresh[k], v), (step, k)
     written = [s.raw_bytes_written for s in snap.last_take_rank_stats or []]
-    return {"staged": staging.POOL.peak_in_use_bytes, "after": staging.POOL.in_use_bytes,
-            "written": written, "reused": staging.POOL.reused_bytes - before}  # fmt: skip
+    return {"staged": pool.peak_in_use_bytes, "after": pool.in_use_bytes,
+            "written": written, "reused": pool.reused_bytes - before}  # fmt: skip
 
 
 def async_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
+    from casnap import Session
     from casnap.settings import Settings
     from casnap.take.job import staging_limit
-    from casnap.torch_io import staging
 
-    staging.POOL.clear()
-    roomy = [_async_take(root, step, rank) for step in range(2)]
+    session = Session()
+    roomy = [_async_take(root, step, rank, session) for step in range(2)]
     os.environ["CASNAP_MEMORY_BUDGET"] = str(64 * 1024)  # well below each rank's share
-    tight = _async_take(root, 2, rank)
+    tight = _async_take(root, 2, rank, session)
     limit = staging_limit(64 * 1024, Settings.from_env().with_overrides(chunk_size=CHUNK))
     return {"roomy": roomy, "tight": tight, "limit": limit}
 

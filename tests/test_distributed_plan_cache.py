@@ -70,12 +70,12 @@ def _state(rank: int, extra: bool = False) -> dict[str, Any]:
     return {"shared": StateDict(shared), "own": own}
 
 
-def _take(root: str, name: str, app: dict[str, Any]) -> tuple[Any, Any]:
+def _take(root: str, name: str, app: dict[str, Any], session: Any) -> tuple[Any, Any]:
     from casnap import Snapshot
-    from casnap.distributed.plan_cache import CACHE
 
-    snap = Snapshot.take(f"{root}/{name}", app, replicated=["shared/**"], storage_options=OPTS)
-    return snap, CACHE.last
+    snap = Snapshot.take(f"{root}/{name}", app, replicated=["shared/**"], storage_options=OPTS,
+                         session=session)  # fmt: skip
+    return snap, session.plan_cache.last
 
 
 def _assert_restores(root: str, name: str, app: dict[str, Any], rank: int, extra: bool) -> None:
@@ -94,43 +94,43 @@ def _assert_restores(root: str, name: str, app: dict[str, Any], rank: int, extra
 
 
 def cache_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
+    from casnap import Session
     from casnap.distributed import ReplicaMismatchError
-    from casnap.distributed.plan_cache import CACHE
 
+    session = Session()  # what this rank's process keeps from one take to the next
     app = _state(rank)
-    s1, first = _take(root, "s1", app)
+    s1, first = _take(root, "s1", app, session)
     app["own"]["step"] = 2  # primitives are content: the structure still holds
     app["own"]["x"].add_(1.0)
     app["shared"]["t3"].mul_(2.0)
-    s2, second = _take(root, "s2", app)
+    s2, second = _take(root, "s2", app, session)
     _assert_restores(root, "s2", app, rank, False)
-    CACHE.clear()  # every rank: the plain exchange of the same state, for comparison
-    s2b, plain = _take(root, "s2b", app)
+    session = Session()  # every rank: the plain exchange of the same state, for comparison
+    s2b, plain = _take(root, "s2b", app, session)
     assert s2b.get_manifest() == s2.get_manifest()  # bit-identical entries
 
     # A structure change on rank 1 only: it sends its structure, rank 0 stays compact.
     app = _state(rank, extra=rank == 1)
-    s3, changed = _take(root, "s3", app)
+    s3, changed = _take(root, "s3", app, session)
     _assert_restores(root, "s3", app, rank, rank == 1)
     assert "1/own/new" in s3.get_manifest() and "0/own/new" not in s3.get_manifest()
 
     # Rank 0 restarted (empty cache): a second gather recovers rank 1's structure.
     if rank == 0:
-        CACHE.clear()
+        session = Session()
     app["own"]["x"].add_(5.0)
-    s4, restarted = _take(root, "s4", app)
+    s4, restarted = _take(root, "s4", app, session)
     _assert_restores(root, "s4", app, rank, rank == 1)
-    CACHE.clear()
-    s4b, _ = _take(root, "s4b", app)
+    s4b, _ = _take(root, "s4b", app, Session())
     assert s4b.get_manifest() == s4.get_manifest()
 
     # Replicas are still checked on a reused plan.
-    s5, again = _take(root, "s5", app)
+    s5, again = _take(root, "s5", app, session)
     mismatch = ""
     if rank == 1:
         app["shared"]["t0"].add_(1.0)
     try:
-        _take(root, "s6", app)
+        _take(root, "s6", app, session)
     except ReplicaMismatchError as exc:
         mismatch = str(exc)
     return {"modes": [x.mode for x in (first, second, plain, changed, restarted, again)],

@@ -43,17 +43,9 @@ from casnap.export import (
     write_torch_archive,
 )
 from casnap.format.manifest import DTYPE_ITEMSIZE, ChunkRef, ContainerEntry, Manifest, TensorEntry
-from casnap.take import lineage
 
 CHUNK = 4096
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
-
-
-@pytest.fixture(autouse=True)
-def _no_lineage() -> Any:
-    lineage.forget()
-    yield
-    lineage.forget()
 
 
 def raw(t: torch.Tensor) -> bytes:

@@ -31,18 +31,15 @@ from casnap.repo.leases import (
 from casnap.repo.repository import chunk_key, manifest_key, pack_key
 from casnap.repo.tags import add_tag, remove_tag
 from casnap.store import CountingStore, LocalStore
-from casnap.take import lineage
 
 CHUNK = 64 * 1024
 
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
-    lineage.forget()
     monkeypatch.setenv("CASNAP_INDEX_DIR", str(tmp_path / "index"))
     monkeypatch.setenv("CASNAP_LEASE_TTL", "5")
     yield
-    lineage.forget()
 
 
 def make_state(seed: int) -> StateDict:
@@ -196,7 +193,6 @@ def test_a_plan_executed_later_deletes_only_what_is_still_garbage(repo):
     plan = plan_gc(repo, grace_seconds=0)  # the lock is released again
     assert len(plan.data) == 1 + 6 + 1
 
-    lineage.forget()
     take(repo, "s2", a, parents=[s1.manifest_hash])  # dedups against the planned garbage
     result = execute_gc(repo, plan)
 
@@ -365,9 +361,9 @@ def test_a_take_whose_lease_lapsed_does_not_commit(repo, monkeypatch):
     monkeypatch.setenv("CASNAP_LEASE_TTL", "0.4")
     real = repo.write_manifest
 
-    def slow_write_manifest(manifest):
+    def slow_write_manifest(manifest, jsonable=None):
         time.sleep(0.5)
-        return real(manifest)
+        return real(manifest, jsonable)
 
     monkeypatch.setattr(repo, "write_manifest", slow_write_manifest)
     with pytest.raises(LeaseLostError):
@@ -387,7 +383,6 @@ def test_a_take_deduping_against_garbage_that_gc_is_sweeping(repo, monkeypatch, 
     state = make_state(1)
     s1 = take(repo, "s1", state)
     repo.delete_ref("s1")  # retention: s1's chunks are now garbage
-    lineage.forget()
     outcome: list[object] = []
     commit_ref = repo.write_ref
 

@@ -11,16 +11,8 @@ from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
 from casnap import Repository, Snapshot, SnapshotExistsError, StateDict
 from casnap.store import CountingStore, FsspecStore
-from casnap.take import lineage
 
 pytestmark = pytest.mark.gcs
-
-
-@pytest.fixture(autouse=True)
-def _fresh_lineage():
-    lineage.forget()
-    yield
-    lineage.forget()
 
 
 def test_take_restore_and_dedup_on_gcs(gcs_bucket):  # noqa: F811

@@ -22,7 +22,6 @@ from casnap import Repository, Snapshot, StateDict, index
 from casnap.index import lmdb_store as index_lmdb
 from casnap.ops.history import stored_bytes
 from casnap.store import CountingStore, FsspecStore
-from casnap.take import lineage
 
 CHUNK = 64 * 1024
 
@@ -31,9 +30,7 @@ CHUNK = 64 * 1024
 def _private_index(tmp_path, monkeypatch):
     monkeypatch.setenv("CASNAP_INDEX_DIR", str(tmp_path / "index"))
     monkeypatch.delenv("CASNAP_INDEX", raising=False)
-    lineage.forget()
     yield
-    lineage.forget()
     index.close_all()
 
 
@@ -76,7 +73,6 @@ def test_a_fresh_process_take_probes_no_chunk_and_writes_no_chunk_data(tmp_path)
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     s1 = take(repo, "s1", state)
-    lineage.forget()
     store.reset()
     s2 = take(repo, "s2", state)
     assert store.requests["get_range"] == 0, "no per-chunk probe"
@@ -96,7 +92,6 @@ def test_without_the_index_the_same_take_probes_every_loose_chunk(tmp_path, monk
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     s1 = take(repo, "s1", state)
-    lineage.forget()
     store.reset()
     s2 = take(repo, "s2", state)
     assert store.requests["get_range"] == len(loose_chunks(s1))
@@ -113,14 +108,12 @@ def test_changed_tensors_are_written_and_the_rest_found_in_the_index(tmp_path):
     take(repo, "s1", state)
     state["t0"].add_(1.0)  # loose chunks
     state["t7"].add_(1.0)  # packed
-    lineage.forget()
     store.reset()
     s2 = take(repo, "s2", state)
     changed = {c.hash for k in ("0/s/t0", "0/s/t7") for c in s2.manifest.entries[k].chunks}
     # each new loose chunk is probed once (it is absent), nothing else is
     assert store.requests["get_range"] == len(changed & loose_chunks(s2))
     assert s2.last_take_stats.chunks_written == len(changed)
-    lineage.forget()
     store.reset()
     take(repo, "s3", state)  # what s2 wrote is now known as well
     assert store.requests["get_range"] == 0 and data_keys(store.written_keys) == []
@@ -136,14 +129,12 @@ def test_a_new_gc_epoch_drops_every_chunk_entry(tmp_path):
     victim = sorted(loose_chunks(s1))[0]
     os.unlink(root / ".casnap" / "chunks" / victim[:2] / victim)
     repo.store.put(index.GC_EPOCH_KEY, b'{"epoch": "%s"}' % uuid.uuid4().hex.encode())
-    lineage.forget()
     store.reset()
     take(repo, "s2", state)
     assert store.requests["get_range"] == len(loose_chunks(s1))  # nothing trusted
     written = [k for k in store.written_keys if "/chunks/" in k]
     assert written == [f".casnap/chunks/{victim[:2]}/{victim}"]  # and its small chunks repacked
     assert_restores(repo, "s2", state)
-    lineage.forget()
     store.reset()
     take(repo, "s3", state)  # re-learned under the new epoch
     assert store.requests["get_range"] == 0
@@ -158,7 +149,6 @@ def test_after_a_real_gc_a_take_rewrites_what_it_deleted(tmp_path):
     take(repo, "s2", mixed_state(1))
     repo.delete_ref("s1")
     assert gc(repo, grace_seconds=0).deleted > 0  # s1's chunks are gone
-    lineage.forget()
     store.reset()
     s3 = take(repo, "s3", old)  # the index still lists s1's chunks: it must not trust them
     assert store.requests["get_range"] == len(loose_chunks(s3))
@@ -174,7 +164,6 @@ def test_a_copy_of_the_repository_never_trusts_the_originals_entries(tmp_path):
     os.unlink(tmp_path / "b" / ".casnap" / "chunks" / victim[:2] / victim)
     copy, store = counted_repo(str(tmp_path / "b"))
     assert copy.config.repo_id == repo.config.repo_id
-    lineage.forget()
     take(copy, "s2", state)
     assert f".casnap/chunks/{victim[:2]}/{victim}" in store.written_keys
     assert_restores(copy, "s2", state)
@@ -187,9 +176,7 @@ def test_a_corrupt_index_file_is_rebuilt_silently(tmp_path):
     path = index.index_path(repo.config.repo_id)
     index.close_all()  # as if a new process
     (path / "data.mdb").write_bytes(b"\xde\xad" * 8192)
-    lineage.forget()
     take(repo, "s2", state)  # no error: the index is rebuilt, the take probes
-    lineage.forget()
     store.reset()
     take(repo, "s3", state)
     assert store.requests["get_range"] == 0, "the rebuilt index serves again"
@@ -208,7 +195,6 @@ def test_a_damaged_entry_is_a_miss_never_a_location(tmp_path):
         for key, value in list(txn.cursor()):
             txn.put(key, value[:-9] + bytes([value[-9] ^ 1]) + value[-8:])  # one bit
     env.close()
-    lineage.forget()
     store.reset()
     take(repo, "s2", state)
     assert store.requests["get_range"] == len(loose_chunks(s1))
@@ -223,7 +209,6 @@ def test_rebuild_fills_the_index_from_the_store(tmp_path):
     stats = index.rebuild(repo)
     assert stats.manifests == 1
     assert stats.chunks == len({c.hash for c in s1.manifest.chunk_refs()})
-    lineage.forget()
     store.reset()
     take(repo, "s2", state)
     assert store.requests["get_range"] == 0 and data_keys(store.written_keys) == []
@@ -234,7 +219,8 @@ def test_manifest_summaries_are_read_once_then_served_locally(tmp_path):
     state = mixed_state()
     s1 = take(repo, "s1", state)
     state["t0"].add_(1.0)
-    s2 = take(repo, "s2", state)
+    s2 = Snapshot.take(f"{repo.url}/s2", {"s": state}, storage_options=opts(repo),
+                       parents=[s1.manifest_hash])  # fmt: skip
     index.drop(repo.config.repo_id)
     store.reset()
     hashes = [repo.resolve("s1"), repo.resolve("s2")]
@@ -295,7 +281,6 @@ def test_two_processes_share_one_index(tmp_path):
         state = mixed_state(0)
         state["t1"].add_(i + 1)
         assert_restores(repo, f"p{i}-2", state)
-        lineage.forget()
         store.reset()
         take(repo, f"again{i}", state)  # learned by the other process
         assert store.requests["get_range"] == 0
@@ -303,7 +288,6 @@ def test_two_processes_share_one_index(tmp_path):
 
 def _probes_in_forked_child(root: str, out: multiprocessing.Queue) -> None:
     repo, store = counted_repo(root)
-    lineage.forget()
     take(repo, "child", mixed_state())
     out.put(store.requests["get_range"])
 
@@ -331,7 +315,6 @@ def test_on_gcs_a_fresh_process_take_sends_no_probe(gcs_bucket, monkeypatch):  #
     s1 = take(repo, "s1", state)
     for enabled, probes in (("1", 0), ("0", len(loose_chunks(s1)))):
         monkeypatch.setenv("CASNAP_INDEX", enabled)
-        lineage.forget()
         store.reset()
         take(repo, f"s-{enabled}", state)
         assert store.requests["get_range"] == probes
@@ -354,7 +337,6 @@ def test_an_index_folder_on_a_network_filesystem_is_not_used(tmp_path, monkeypat
     s1 = take(repo, "s1", state)
     assert index.open_index(repo) is None
     assert not (tmp_path / "index").exists()
-    lineage.forget()
     store.reset()
     take(repo, "s2", state)  # works, as without an index
     assert store.requests["get_range"] == len(loose_chunks(s1))

@@ -23,16 +23,8 @@ from casnap.format.manifest import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
 from casnap.store.base import Data, ObjectStore
-from casnap.take import lineage
 
 CHUNK = 64 * 1024
-
-
-@pytest.fixture(autouse=True)
-def _fresh_lineage():
-    lineage.forget()
-    yield
-    lineage.forget()
 
 
 def take(tmp_path, name: str, state: dict) -> Snapshot:

@@ -10,7 +10,6 @@ import torch
 from casnap import Snapshot, StateDict
 from casnap.store import LocalStore
 from casnap.store import local as local_module
-from casnap.take import lineage
 
 
 @pytest.fixture
@@ -42,7 +41,6 @@ def test_durable_put_first_syncs_every_deferred_folder(tmp_path, synced):
 
 
 def test_a_take_syncs_chunk_folders_once_before_the_manifest(tmp_path, synced):
-    lineage.forget()
     state = StateDict({f"w{i}": torch.randn(300_000) for i in range(6)})
     Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state})
     manifests = [i for i, f in enumerate(synced) if f.endswith(os.path.join(".casnap", "manifests"))

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 
-import casnap
 from casnap import Repository, Snapshot, StateDict
 from casnap.errors import (
     CasnapError,
@@ -57,13 +56,6 @@ class WithExtra(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.full((2, 3), 5.0))
         self.bias = torch.nn.Parameter(torch.full((2,), 6.0))
         self.extra = torch.nn.Parameter(torch.full((4,), 7.0))
-
-
-@pytest.fixture(autouse=True)
-def _no_lineage() -> Any:
-    casnap.take.lineage.forget()
-    yield
-    casnap.take.lineage.forget()
 
 
 # -- helpers ----------------------------------------------------------------
@@ -324,7 +316,7 @@ def test_non_stateful_value_in_app_state(tmp_path: Any, value: Any) -> None:
 # -- failed takes leave no ref ---------------------------------------------------------------
 
 
-def _disk_full(self: Repository, manifest: Any) -> str:
+def _disk_full(self: Repository, manifest: Any, jsonable: Any = None) -> str:
     raise OSError(28, "disk full")
 
 

@@ -42,7 +42,6 @@ from casnap.ops.retention import (
     read_snapshots,
 )
 from casnap.repo.tags import TagInfo, add_tag, list_tags, read_tag, remove_tag, tag_key
-from casnap.take import lineage
 
 STEPS = list(range(10, 130, 10))
 LOSS = {10: 5.0, 20: 4.0, 30: 4.5, 40: 3.0, 50: 3.5, 60: 2.0,
@@ -52,13 +51,6 @@ META_TAGS = {30: ["milestone"], 70: ["eval", "milestone"]}
 ALL = {"base"} | {f"s{s:03d}" for s in STEPS}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_lineage():
-    lineage.forget()
-    yield
-    lineage.forget()
-
-
 def _state(step: int) -> dict[str, StateDict]:
     return {"model": StateDict(w=torch.full((2000,), float(step)), step=step)}
 
@@ -66,7 +58,6 @@ def _state(step: int) -> dict[str, StateDict]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("retention") / "repo"
-    lineage.forget()
     Snapshot.take(str(root / "base"), _state(0))
     for step in STEPS:
         meta: dict[str, object] = {"step": step, "metrics": {}}
@@ -78,7 +69,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
             meta["tags"] = META_TAGS[step]
         Snapshot.take(str(root / f"s{step:03d}"), _state(step), metadata=meta)
     add_tag(Repository.open(str(root)), "release", "s050")
-    lineage.forget()
     return root
 
 

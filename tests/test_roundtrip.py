@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-import casnap
 from casnap import RNGState, Snapshot, StateDict
 from casnap.format.manifest import DTYPE_ITEMSIZE, ContainerEntry, PrimitiveEntry, TensorEntry
 
@@ -37,13 +36,6 @@ SPECIAL_BITS = {
     torch.bfloat16: [0x7FC1, 0xFFC0, 0x7F81, 0x8000, 0x0001],
 }  # fmt: skip
 NAN_WITH_PAYLOAD = struct.unpack("<d", bytes.fromhex("0100000000f8ff7f"))[0]
-
-
-@pytest.fixture(autouse=True)
-def _no_lineage() -> Any:
-    casnap.take.lineage.forget()
-    yield
-    casnap.take.lineage.forget()
 
 
 # -- helpers ----------------------------------------------------------------

@@ -6,33 +6,28 @@ import pytest
 import repo_helpers
 import torch
 
-from casnap import Repository, Snapshot, StateDict
+from casnap import Repository, Session, Snapshot, StateDict
 from casnap.errors import StoreError
 from casnap.format.manifest import canonical_json
 from casnap.repo.repository import manifest_key
 from casnap.store import CountingStore
-from casnap.take import lineage
-from casnap.take.plan import LAST_PLAN
 
 CHUNK = 64 * 1024
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    lineage.forget()
-    LAST_PLAN.clear()
-    yield
-    lineage.forget()
-    LAST_PLAN.clear()
+@pytest.fixture
+def session() -> Session:
+    """What one process keeps between takes: lineage and the last plan."""
+    return Session()
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
     return repo_helpers.counted_repo(root, CHUNK)
 
 
-def take(repo: Repository, name: str, state: StateDict) -> Snapshot:
+def take(repo: Repository, name: str, state: StateDict, session: Session) -> Snapshot:
     opts = {"repository": repo, "chunk_size": CHUNK}
-    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, storage_options=opts)
+    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, storage_options=opts, session=session)
 
 
 def state_of(n_small: int, seed: int = 0) -> StateDict:
@@ -55,13 +50,13 @@ def assert_same(a: StateDict, b: StateDict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_path):
+def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_path, session):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = state_of(50)
-    s1 = take(repo, "s1", state)
+    s1 = take(repo, "s1", state, session)
     state["small3"].add_(1)
     store.reset()
-    s2 = take(repo, "s2", state)
+    s2 = take(repo, "s2", state, session)
     assert s2.manifest.parents == [s1.manifest_hash]
     manifest_gets = [k for k in store.read_keys if "/manifests/" in k]
     assert manifest_gets == []  # the plan came from memory, checked by one exists()
@@ -78,33 +73,33 @@ def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_pa
     assert stored == canonical_json(s2.manifest.model_dump(mode="json"))
 
 
-def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path):
+def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path, session):
     from casnap.gc.collect import gc
 
     repo, _ = counted_repo(str(tmp_path / "repo"))
     old = state_of(20, seed=0)
-    s1 = take(repo, "s1", old)  # remembered as this process's plan
+    s1 = take(repo, "s1", old, session)  # remembered as the session's plan
     repo.delete_ref("s1")
     assert gc(repo, grace_seconds=0).deleted > 0  # its manifest, chunks and pack are gone
-    s2 = take(repo, "s2", old)  # parent: s1, from lineage and LAST_PLAN
+    s2 = take(repo, "s2", old, session)  # parent: s1, from the session's lineage and last plan
     assert s2.last_take_stats.chunks_written == len(s1.manifest.chunk_refs())  # all again
     assert_same(restored(repo, "s2", old), old)
 
 
-def test_thousands_of_small_tensors_round_trip_through_batches(tmp_path):
+def test_thousands_of_small_tensors_round_trip_through_batches(tmp_path, session):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = state_of(3000)
-    s1 = take(repo, "s1", state)
+    s1 = take(repo, "s1", state, session)
     packs = {c.pack for c in s1.manifest.chunk_refs() if c.pack}
     assert 1 <= len(packs) <= 3  # 3000 x 256 B packed into a handful of objects
     assert_same(restored(repo, "s1", state), state)
     store.reset()
-    s2 = take(repo, "s2", state)
+    s2 = take(repo, "s2", state, session)
     assert s2.last_take_stats.chunks_written == 0
     assert s2.manifest.chunk_refs() == s1.manifest.chunk_refs()
 
 
-def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, monkeypatch):
+def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, monkeypatch, session):
     from casnap import chunks
 
     repo, _ = counted_repo(str(tmp_path / "repo"))
@@ -119,11 +114,11 @@ def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, mon
 
     monkeypatch.setattr(chunks.ChunkWriter, "_append_to_pack", flaky)
     with pytest.raises(StoreError, match="disk full"):
-        take(repo, "s1", state_of(40))
+        take(repo, "s1", state_of(40), session)
     assert not repo.has_ref("s1")
     monkeypatch.undo()
     state = state_of(40)
-    take(repo, "s1", state)
+    take(repo, "s1", state, session)
     assert_same(restored(repo, "s1", state), state)
 
 

@@ -42,6 +42,7 @@ from casnap.ops.retention import (
 )
 from casnap.repo.repository import RepoStorage
 from casnap.settings import Settings
+from casnap.take.session import Session
 
 _TAKE_ONLY_OPTIONS = ("chunk_size", "compression")
 
@@ -78,7 +79,9 @@ class Checkpointer:
     - ``tags``: stored in every snapshot's ``metadata["tags"]``.
 
     Each take's parent is the previous take of this checkpointer, or the
-    snapshot :meth:`restore_latest` restored. Use it as a context manager (or
+    snapshot :meth:`restore_latest` restored: the checkpointer owns a
+    :class:`casnap.Session` (or uses ``session``), which also lets each take
+    reuse the previous one's plan and staging buffers. Use it as a context manager (or
     call :meth:`close`) so the last async take is committed.
     """
 
@@ -92,6 +95,7 @@ class Checkpointer:
         name_format: str = "step_{step:09d}",
         storage_options: dict[str, Any] | None = None,
         tags: Iterable[str] | None = None,
+        session: Session | None = None,
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool):
             raise TypeError(f"every_n_steps must be an int, got {every_n_steps!r}")
@@ -109,7 +113,8 @@ class Checkpointer:
         self._url: str = explicit if isinstance(explicit, str) else repo_url
         self._take_options = options
         self._store_options = {k: v for k, v in options.items() if k not in _TAKE_ONLY_OPTIONS}
-        self._parent: str | None = None  # manifest of the previous take or the restore
+        # Lineage, plan reuse and staging buffers from one take to the next.
+        self.session = session if session is not None else Session()
         self._steps: set[int] = set()  # steps taken (or being taken) by this checkpointer
         self._pending: PendingSnapshot | None = None
         self._pending_step: int | None = None
@@ -155,18 +160,19 @@ class Checkpointer:
             self.wait()  # the previous take's manifest is this one's parent
         path = f"{repo.url.rstrip('/')}/{name}"
         options = {**self._take_options, "repository": repo}
-        parents = [self._parent] if self._parent else None  # None: the process's lineage
         self._steps.add(step)
         try:
             if self.async_take:
                 pending = Snapshot.async_take(
-                    path, app_state, storage_options=options, metadata=metadata, parents=parents
-                )
+                    path, app_state, storage_options=options, metadata=metadata,
+                    session=self.session,
+                )  # fmt: skip
                 self._pending, self._pending_step = pending, step
                 return pending
             snap = Snapshot.take(
-                path, app_state, storage_options=options, metadata=metadata, parents=parents
-            )
+                path, app_state, storage_options=options, metadata=metadata,
+                session=self.session,
+            )  # fmt: skip
         except BaseException:
             self._steps.discard(step)
             raise
@@ -210,7 +216,6 @@ class Checkpointer:
             self.wait()
 
     def _committed(self, snap: Snapshot, name: str) -> None:
-        self._parent = snap.manifest_hash
         if self.retention is None:
             return
         repo = snap.repository
@@ -243,9 +248,9 @@ class Checkpointer:
         snap = Snapshot(
             f"{repo.url.rstrip('/')}/{newest.name}",
             storage_options={**self._take_options, "repository": repo},
+            session=self.session,
         )
-        snap.restore(app_state, **restore_kwargs)
-        self._parent = snap.manifest_hash
+        snap.restore(app_state, **restore_kwargs)  # the session's next parent
         self._steps.add(newest.step)
         return newest.step
 

@@ -26,8 +26,9 @@ from casnap.distributed.take import prepare_distributed_take
 from casnap.format.manifest import Entry, Manifest
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import read_entry, restore_state
-from casnap.take import lineage
+from casnap.take.commit import remember
 from casnap.take.job import TakeResult, TensorPrepareFunc, prepare_take
+from casnap.take.session import Session
 
 
 def _group(pg: Any) -> Group:
@@ -39,7 +40,9 @@ class Snapshot:
     """A snapshot in a casnap repository (``Snapshot(path)`` refers to an existing one).
 
     Nothing is read until the snapshot is used; a path that names no snapshot
-    raises :class:`casnap.SnapshotNotFoundError` then.
+    raises :class:`casnap.SnapshotNotFoundError` then. A restore through a
+    ``session`` (:class:`casnap.Session`) makes this snapshot the parent of
+    that session's next take into the repository.
     """
 
     def __init__(
@@ -47,10 +50,13 @@ class Snapshot:
         path: str,
         pg: Any = None,
         storage_options: dict[str, Any] | None = None,
+        *,
+        session: Session | None = None,
     ) -> None:
         self.path = path
         self.pg = pg
         self.storage_options = dict(storage_options or {})
+        self.session = session
         self._repo: RepoStorage | None = None
         self._name: str | None = None
         self._manifest_hash: str | None = None
@@ -75,13 +81,16 @@ class Snapshot:
         allow_pickle: bool = False,
         parents: list[str] | None = None,
         memory_budget_bytes: int | None = None,
+        session: Session | None = None,
     ) -> Snapshot:
         """Take a snapshot of ``app_state`` (a dict of stateful objects) at ``path``.
 
         ``metadata`` (JSON) is stored in the manifest (step, metrics, tags).
         ``allow_pickle`` permits storing values that are neither tensors,
-        primitives nor containers. ``parents`` overrides the lineage (manifest
-        hashes); by default it is this process's previous take or restore.
+        primitives nor containers. ``parents`` sets the lineage (manifest
+        hashes); by default it is ``session``'s previous take or restore into
+        this repository (none without a session). A :class:`casnap.Session`
+        also lets the next take reuse this one's plan and staging buffers.
         ``memory_budget_bytes`` bounds the take's in-flight copies (default: a
         quarter of available memory, ``CASNAP_MEMORY_BUDGET``).
         """
@@ -91,15 +100,16 @@ class Snapshot:
                 path, app_state, group=group, replicated=replicated,
                 storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
                 parents=parents, stage=False, custom_prepare=_custom_tensor_prepare_func,
-                memory_budget_bytes=memory_budget_bytes,
+                memory_budget_bytes=memory_budget_bytes, session=session,
             )  # fmt: skip
-            return cls._from_result(path, pg, storage_options, commit())
+            return cls._from_result(path, pg, storage_options, commit(), session)
         job = prepare_take(
             path, app_state, storage_options=storage_options, metadata=metadata,
             allow_pickle=allow_pickle, parents=parents, stage=False,
             custom_prepare=_custom_tensor_prepare_func, memory_budget_bytes=memory_budget_bytes,
+            session=session,
         )  # fmt: skip
-        return cls._from_result(path, pg, storage_options, job.commit())
+        return cls._from_result(path, pg, storage_options, job.commit(), session)
 
     @classmethod
     def async_take(
@@ -115,6 +125,7 @@ class Snapshot:
         allow_pickle: bool = False,
         parents: list[str] | None = None,
         memory_budget_bytes: int | None = None,
+        session: Session | None = None,
     ) -> PendingSnapshot:
         """Like :meth:`take`, but returns once the state is copied; writing continues
         in the background. Changing the live tensors afterwards never changes the
@@ -130,23 +141,29 @@ class Snapshot:
                 path, app_state, group=group, replicated=replicated,
                 storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
                 parents=parents, stage=True, custom_prepare=_custom_tensor_prepare_func,
-                memory_budget_bytes=memory_budget_bytes,
+                memory_budget_bytes=memory_budget_bytes, session=session,
             )  # fmt: skip
-            return PendingSnapshot(path, pg, storage_options, commit)
+            return PendingSnapshot(path, pg, storage_options, commit, session)
         job = prepare_take(
             path, app_state, storage_options=storage_options, metadata=metadata,
             allow_pickle=allow_pickle, parents=parents, stage=True,
             custom_prepare=_custom_tensor_prepare_func, memory_budget_bytes=memory_budget_bytes,
+            session=session,
         )  # fmt: skip
-        pending = PendingSnapshot(path, pg, storage_options, job.commit_staged)
+        pending = PendingSnapshot(path, pg, storage_options, job.commit_staged, session)
         job.live_consumed.wait()  # tensors over the budget are consumed: point-in-time
         return pending
 
     @classmethod
     def _from_result(
-        cls, path: str, pg: Any, storage_options: dict[str, Any] | None, result: TakeResult
+        cls,
+        path: str,
+        pg: Any,
+        storage_options: dict[str, Any] | None,
+        result: TakeResult,
+        session: Session | None,
     ) -> Snapshot:
-        snap = cls(path, pg, storage_options)
+        snap = cls(path, pg, storage_options, session=session)
         snap._repo, snap._name = result.repo, result.name
         snap._manifest_hash, snap._manifest = result.manifest_hash, result.manifest
         snap.last_take_stats = result.stats
@@ -211,7 +228,7 @@ class Snapshot:
             repo, manifest, app_state, rank=rank, strict=strict,
             allow_pickle=allow_pickle, memory_budget_bytes=memory_budget_bytes,
         )  # fmt: skip
-        lineage.record(repo.config.repo_id, self.manifest_hash)
+        remember(repo, self.manifest_hash, manifest, self.session)
 
     def read_object(
         self,
@@ -245,8 +262,10 @@ class PendingSnapshot:
         pg: Any,
         storage_options: dict[str, Any] | None,
         commit: Any,
+        session: Session | None = None,
     ) -> None:
         self.path = path
+        self._session = session
         self._pg = pg
         self._storage_options = storage_options
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="casnap-async")
@@ -260,4 +279,6 @@ class PendingSnapshot:
     def wait(self, timeout: float | None = None) -> Snapshot:
         """Block until the snapshot is committed; re-raises a background failure as is."""
         result = self._future.result(timeout)
-        return Snapshot._from_result(self.path, self._pg, self._storage_options, result)
+        return Snapshot._from_result(
+            self.path, self._pg, self._storage_options, result, self._session
+        )

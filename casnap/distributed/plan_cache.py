@@ -26,16 +26,16 @@ once per take, in the planning phase, in the same order):
 3. Every rank stores the same new cache entry: all structures, their
    fingerprints, and the digest of the fingerprint list.
 
-The cache is process-wide on purpose (successive takes share nothing else)
-and keyed by (group size, rank, repository id); a stale or foreign entry
-only costs the second gather, never a wrong plan.
+The cache belongs to a :class:`casnap.Session` (its ``plan_cache``): the
+takes of one session share it, keyed by (group size, rank, repository id); a
+stale or foreign entry only costs the second gather, never a wrong plan.
+Without a session every take sends its structure.
 """
 
 from __future__ import annotations
 
 import json
 import pickle
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,7 @@ from casnap.distributed.plan import (
     TensorPlan,
 )
 from casnap.format.manifest import ContainerEntry, PrimitiveEntry
+from casnap.take.session import KeyedCache
 
 DIGEST = 32  # bytes of one chunk digest in a content
 
@@ -120,28 +121,7 @@ class ExchangeStats:
 CacheKey = tuple[int, int, str]  # (group size, rank, repository id)
 
 
-class PlanCache:
-    """Process-wide store of :class:`CachedPlans` by job, guarded by a lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[CacheKey, CachedPlans] = {}
-        self.last: ExchangeStats | None = None
-
-    def get(self, key: CacheKey) -> CachedPlans | None:
-        with self._lock:
-            return self._entries.get(key)
-
-    def put(self, key: CacheKey, entry: CachedPlans) -> None:
-        with self._lock:
-            self._entries[key] = entry
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-
-CACHE = PlanCache()
+PlanCache = KeyedCache[Any, Any]  # CacheKey -> CachedPlans; ``last``: ExchangeStats
 
 
 def _hollow(ids: ChunkIds) -> ChunkIds:
@@ -295,16 +275,20 @@ def _gather_bytes(group: Group, value: Any, phase: str) -> tuple[list[Any], int]
     return [pickle.loads(d) for d in got], len(data)  # this job's own ranks wrote them
 
 
-def exchange_plans(group: Group, plan: RankPlan | Failure, key: CacheKey | None) -> list[RankPlan]:
+def exchange_plans(
+    group: Group, plan: RankPlan | Failure, key: CacheKey | None, cache: PlanCache | None
+) -> list[RankPlan]:
     """Every rank's plan, in rank order (collective; see the module docstring).
 
     Every rank calls it once per take with its own plan, or its
     :class:`Failure` (then every rank raises ``DistributedTakeError``). One
     gather when every rank sent its structure or every cache agrees; two
-    otherwise.
+    otherwise. ``cache`` is the session's (None: no session, nothing reused).
     """
+    if cache is None:
+        key = None
     t0 = time.perf_counter()
-    cached = CACHE.get(key) if key is not None and not isinstance(plan, Failure) else None
+    cached = cache.get(key) if cache and key is not None and not isinstance(plan, Failure) else None
     mine = plan if isinstance(plan, Failure) else _message(plan, cached)
     messages, sent = _gather_bytes(group, mine, "planning")
     structures: list[Structure | None] = [m.structure for m in messages]
@@ -325,8 +309,9 @@ def exchange_plans(group: Group, plan: RankPlan | Failure, key: CacheKey | None)
             structures = [s if s is not None else again[i] for i, s in enumerate(structures)]
     full = [s for s in structures if s is not None]
     plans = [join(s, m.content) for s, m in zip(full, messages)]
-    if key is not None:
-        CACHE.put(key, _cached_entry(full, [m.fingerprint for m in messages]))
+    if cache is not None and key is not None:
+        cache.put(key, _cached_entry(full, [m.fingerprint for m in messages]))
     gathers = 1 if mode != "fallback" else 2
-    CACHE.last = ExchangeStats(mode, sent, second, gathers, time.perf_counter() - t0)
+    if cache is not None:
+        cache.last = ExchangeStats(mode, sent, second, gathers, time.perf_counter() - t0)
     return plans

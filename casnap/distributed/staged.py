@@ -5,7 +5,7 @@ memory). Only after the exchange does a rank know which chunks it writes
 (``mine``, from :func:`~casnap.distributed.plan.assign`), and only those
 need a copy that training cannot change: a replicated model on N ranks
 costs each rank about 1/N of it, not all of it. The copies are
-``uint8`` buffers from :data:`casnap.torch_io.staging.POOL`, reused from one take to
+``uint8`` buffers from the session's staging pool, reused from one take to
 the next (chunks of one job mostly have the chunk size, so buckets match),
 and go back to it when the background part ends.
 
@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from casnap.distributed.plan import LocalData
-from casnap.take.job import staging_cache_limit
-from casnap.torch_io import staging
+from casnap.torch_io.staging import StagingPool
 from casnap.torch_io.tensors import byte_view
 
 
@@ -38,7 +37,7 @@ class StagedChunks:
     kept_bytes: int = 0  # bytes the background keeps alive (staged or private)
 
 
-def stage_chunks(local: LocalData, mine: list[str], limit: int) -> StagedChunks:
+def stage_chunks(local: LocalData, mine: list[str], limit: int, pool: StagingPool) -> StagedChunks:
     """Copy the live chunks of ``mine`` into pooled buffers, at most ``limit`` bytes kept.
 
     ``local.chunks`` then points at the copies. Called by every rank of an
@@ -53,17 +52,11 @@ def stage_chunks(local: LocalData, mine: list[str], limit: int) -> StagedChunks:
                 continue
             out.kept_bytes += len(view)
             if h in local.live:
-                buf = staging.POOL.stage(torch.frombuffer(view, dtype=torch.uint8), limit)
+                buf = pool.stage(torch.frombuffer(view, dtype=torch.uint8), limit)
                 out.buffers.append(buf)
                 local.chunks[h], local.owners[h] = byte_view(buf), buf
                 local.live.discard(h)
     except BaseException:
-        give_back(out.buffers)
+        pool.give_back(out.buffers)
         raise
     return out
-
-
-def give_back(buffers: list[torch.Tensor]) -> None:
-    """Return staged buffers to the pool once nothing reads them."""
-    if buffers:
-        staging.POOL.give_back(buffers, staging_cache_limit())

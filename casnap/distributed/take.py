@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from casnap import index
 from casnap.chunks.io import ChunkWriter, WriteStats
 from casnap.distributed.group import (
     DistributedTakeError,
@@ -53,13 +52,13 @@ from casnap.distributed.plan import (
     check_replicas,
 )
 from casnap.distributed.plan_cache import CacheKey, exchange_plans
-from casnap.distributed.staged import give_back, stage_chunks
+from casnap.distributed.staged import stage_chunks
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.index import KnownChunks
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
-from casnap.take import lineage
+from casnap.take.commit import commit_snapshot, remember
 from casnap.take.job import (
     TakeResult,
     TensorPrepareFunc,
@@ -68,6 +67,8 @@ from casnap.take.job import (
     staging_limit,
 )
 from casnap.take.plan import known_chunks
+from casnap.take.session import Session
+from casnap.torch_io.staging import StagingPool
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,10 @@ def _start(
     storage_options: dict[str, Any] | None,
     metadata: dict[str, Any] | None,
     parents: list[str] | None,
+    session: Session | None,
 ) -> tuple[RepoStorage, _Start, Lease]:
     """Rank 0's part of phase 1."""
-    target = resolve_target(path, storage_options, metadata, parents)
+    target = resolve_target(path, storage_options, metadata, parents, session)
     repo, name, chunk = target.repo, target.name, target.settings.chunk_size
     parents, meta = target.parents, target.metadata
     lease = acquire_lease(repo.store, kind="take")
@@ -143,6 +145,7 @@ def prepare_distributed_take(
     custom_prepare: TensorPrepareFunc | None = None,
     store: Any = None,
     memory_budget_bytes: int | None = None,
+    session: Session | None = None,
 ) -> Callable[[], TakeResult]:
     """Phases 1 and 2 (collective, every rank); returns phase 3 to run now or in the background.
 
@@ -156,7 +159,7 @@ def prepare_distributed_take(
     try:
         if group.rank == 0:
             try:
-                repo, start, lease = _start(path, storage_options, metadata, parents)
+                repo, start, lease = _start(path, storage_options, metadata, parents, session)
             except Exception as exc:
                 start = failure_of(0, exc)
         starts = all_gather(group, start, "start")
@@ -179,7 +182,7 @@ def prepare_distributed_take(
             key = (group.size, group.rank, repo.config.repo_id)
         except Exception as exc:
             plan = failure_of(group.rank, exc)
-        plans = exchange_plans(group, plan, key)
+        plans = exchange_plans(group, plan, key, session.plan_cache if session else None)
         check_replicas(plans)
         writers, _load = assign(plans)
     except BaseException:
@@ -190,7 +193,8 @@ def prepare_distributed_take(
     mine = sorted(h for h, r in writers.items() if r == group.rank)
     local.keep(mine)
     rendezvous = Rendezvous(group, info.take_id, store)
-    job = _Commit(group, repo, settings, info, plans, local, mine, rendezvous, lease)
+    pool = session.staging if session is not None else StagingPool(idle_limit=0)
+    job = _Commit(group, repo, settings, info, plans, local, mine, rendezvous, lease, session, pool)
     if stage:
         job.stage(staging_limit(memory_budget_bytes or default_memory_budget(), settings))
     return job.run
@@ -207,6 +211,8 @@ class _Commit:
     mine: list[str]
     rendezvous: Rendezvous
     lease: Lease | None
+    session: Session | None
+    pool: StagingPool  # the session's, or a private one without a session
     buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
     early: _Written | Failure | None = None  # the overflow, written before async_take returned
     _known: KnownChunks | None = None
@@ -218,7 +224,7 @@ class _Commit:
         other ranks (already past the collectives) learn of it through the store.
         """
         try:
-            staged = stage_chunks(self.local, self.mine, limit)
+            staged = stage_chunks(self.local, self.mine, limit, self.pool)
             self.buffers = staged.buffers
             if staged.overflow:
                 self.early = self._write(staged.overflow, flush=False)
@@ -253,11 +259,12 @@ class _Commit:
         finally:
             self.local = LocalData()
             buffers, self.buffers = self.buffers, []
-            give_back(buffers)
+            self.pool.give_back(buffers)
 
     def _write(self, hashes: list[str], flush: bool) -> _Written:
         if self._known is None:
-            self._known = known_chunks(self.repo, self.info.parents)
+            last_plan = self.session.last_plan if self.session is not None else None
+            self._known = known_chunks(self.repo, self.info.parents, last_plan)
         with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
             writer = ChunkWriter(self.repo, self.settings, pool, self._known)
             chunks = [(self.local.chunks[h], bytes.fromhex(h)) for h in hashes]
@@ -289,16 +296,13 @@ class _Commit:
                 metadata=self.info.metadata,
                 entries=build_entries(self.plans, refs),
             )
-            manifest_hash = self.repo.write_manifest(manifest)
-            if self.lease is not None:
-                self.lease.check()  # a stalled take may have been declared dead: no commit
-            self.repo.write_ref(self.info.name, manifest_hash)  # the commit point
+            manifest_hash = commit_snapshot(
+                self.repo, self.info.name, manifest, lease=self.lease, session=self.session
+            )
         except Exception as exc:
             self.rendezvous.post("done", 0, _Failed([failure_of(0, exc)], []))
             raise
         self.rendezvous.post("done", 0, _Done(manifest_hash, per_rank))
-        lineage.record(self.repo.config.repo_id, manifest_hash)
-        index.record_manifest(self.repo, manifest_hash, manifest)
         return TakeResult(self.repo, self.info.name, manifest_hash, manifest,
                           per_rank[0], per_rank)  # fmt: skip
 
@@ -316,7 +320,7 @@ class _Commit:
             _raise(done.failures, done.missing)
         assert isinstance(done, _Done)
         manifest = self.repo.read_manifest(done.manifest_hash)
-        lineage.record(self.repo.config.repo_id, done.manifest_hash)
+        remember(self.repo, done.manifest_hash, manifest, self.session)
         return TakeResult(self.repo, self.info.name, done.manifest_hash, manifest,
                           done.stats[self.group.rank], done.stats)  # fmt: skip
 

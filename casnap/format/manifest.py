@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import weakref
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -218,31 +218,27 @@ class Manifest(_Model):
     metadata: dict[str, JsonValue] = {}
     entries: dict[Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)], Entry]
 
-    def to_bytes(self) -> bytes:
-        return canonical_json(self.to_jsonable())
+    def to_bytes(self, jsonable: dict[str, Any] | None = None) -> bytes:
+        """The canonical JSON bytes (``jsonable``: this manifest's :meth:`to_jsonable`)."""
+        return canonical_json(jsonable if jsonable is not None else self.to_jsonable())
 
-    def to_jsonable(self, previous: Manifest | None = None) -> dict[str, Any]:
-        """``model_dump(mode="json")``, reusing ``previous``'s dumps of shared entries.
+    def to_jsonable(self, reuse: Dumped | None = None) -> dict[str, Any]:
+        """``model_dump(mode="json")``, reusing the dumps of entries shared with ``reuse``.
 
         A take of an unchanged structure shares most entry objects with its
         parent's manifest (casnap.take.job); dumping thousands of them again was
-        most of the time of serializing the manifest. The dump is remembered
-        for as long as the manifest lives (it is frozen: it cannot go stale).
+        most of the time of serializing the manifest. ``reuse`` is the parent
+        and its own dump, as the take's session remembers them; the result is
+        the same as without it (entries are frozen: a dump cannot go stale).
         """
-        cached = _JSON.get(id(self))
-        if cached is not None and cached[0]() is self:
-            return cached[1]
         shared: dict[str, Any] = {}
-        old = _JSON.get(id(previous)) if previous is not None else None
-        if previous is not None and old is not None and old[0]() is previous:
-            old_entries = old[1]["entries"]
+        if reuse is not None:
+            previous, old_entries = reuse.manifest, reuse.jsonable["entries"]
             shared = {k: old_entries[k] for k, e in self.entries.items()
                       if previous.entries.get(k) is e}  # fmt: skip
         out = self.model_dump(mode="json", exclude={"entries"})
         out["entries"] = {k: shared[k] if k in shared else e.model_dump(mode="json")
                           for k, e in self.entries.items()}  # fmt: skip
-        _JSON[id(self)] = (weakref.ref(self), out)
-        weakref.finalize(self, _JSON.pop, id(self), None)
         return out
 
     def chunk_refs(self) -> list[ChunkRef]:
@@ -255,8 +251,12 @@ class Manifest(_Model):
         return refs
 
 
-# id(manifest) -> (a weak reference to it, its JSON form); see Manifest.to_jsonable.
-_JSON: dict[int, tuple[weakref.ref[Manifest], dict[str, Any]]] = {}
+@dataclass(frozen=True)
+class Dumped:
+    """A manifest with its :meth:`Manifest.to_jsonable` form (for reuse by the next take)."""
+
+    manifest: Manifest
+    jsonable: dict[str, Any]
 
 
 class RepoConfig(_Model):

@@ -124,9 +124,10 @@ class _Env:
         return not (self.broken or self.stale)
 
 
+# The one piece of module-level mutable state in casnap (docs/architecture.md):
 # LMDB forbids opening one path twice in a process and using an environment
-# across fork(), so open environments are kept per process, like lineage, and
-# dropped in a forked child. At most _MAX_OPEN stay open (two file descriptors
+# across fork(), so open environments must be kept per process, whoever opens
+# them, and dropped in a forked child. At most _MAX_OPEN stay open (two file descriptors
 # each); the least recently used one no RepoIndex refers to is closed first.
 _MAX_OPEN = 16
 # Errors that mean the files are damaged (delete and rebuild) rather than

@@ -131,8 +131,9 @@ class RepoStorage:
         return open_store(url, storage_options).exists(f"{META}/{CONFIG_KEY}")
 
     # -- manifests -------------------------------------------------------
-    def write_manifest(self, manifest: Manifest) -> str:
-        data = manifest.to_bytes()
+    def write_manifest(self, manifest: Manifest, jsonable: dict[str, Any] | None = None) -> str:
+        """Store ``manifest`` (``jsonable``: its :meth:`Manifest.to_jsonable`); returns its hash."""
+        data = manifest.to_bytes(jsonable)
         name = hash_bytes(data)
         try:
             self.store.put(manifest_key(name), data, create_only=True)

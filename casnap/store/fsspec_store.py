@@ -14,10 +14,10 @@ from casnap.store.base import Capabilities, Data, ObjectStore, check_key, join_p
 
 # Protocols whose create-only write is a server-side precondition (atomic
 # across processes). For the rest, create-only is check-then-write, made atomic
-# only within this process by a lock.
+# only among the stores sharing one filesystem object by a lock kept on it
+# (fsspec hands every store of one protocol and options the same instance).
 _ATOMIC_CREATE = {"gs", "gcs"}
-_create_locks: dict[str, threading.Lock] = {}
-_create_locks_guard = threading.Lock()
+_CREATE_LOCK_ATTR = "_casnap_create_lock"
 
 _RANGE_NOT_SATISFIABLE = 416
 
@@ -61,8 +61,10 @@ class FsspecStore(ObjectStore):
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
         self.capabilities = Capabilities(atomic_create=protocol in _ATOMIC_CREATE, local=False)
-        with _create_locks_guard:
-            self._create_lock = _create_locks.setdefault(protocol, threading.Lock())
+        # dict.setdefault is atomic: racing stores on one filesystem get one lock.
+        self._create_lock: threading.Lock = vars(self.fs).setdefault(
+            _CREATE_LOCK_ATTR, threading.Lock()
+        )
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}" if self.root else check_key(key)

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from casnap import index
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.io import BatchItem, ChunkBatcher, ChunkWriter, WriteStats
 from casnap.errors import SnapshotExistsError, UnsupportedValueError
 from casnap.format.manifest import (
     ChunkRef,
     ContainerEntry,
+    Dumped,
     Entry,
     Manifest,
     ObjectEntry,
@@ -43,10 +43,11 @@ from casnap.format.names import escape_key
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget, io_workers_for
-from casnap.take import lineage
-from casnap.take.plan import LAST_PLAN, known_chunks, tensor_entry
-from casnap.torch_io import staging
+from casnap.take.commit import commit_snapshot
+from casnap.take.plan import known_chunks, tensor_entry
+from casnap.take.session import Session
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf, flatten
+from casnap.torch_io.staging import StagingPool
 from casnap.torch_io.stateful import RNGState
 from casnap.torch_io.tensors import host_view
 
@@ -73,6 +74,8 @@ class TakeJob:
     metadata: dict[str, Any]
     staged: bool  # tensors already copied (async): no further staging needed
     budget: ByteBudget
+    session: Session | None
+    pool: StagingPool  # the session's, or a private one without a session
     _owners: list[Any] = field(default_factory=list)
     # Async: keys left unstaged (over the budget), written first; the caller
     # returns once their chunks are consumed (set at once when there are none).
@@ -95,7 +98,8 @@ class TakeJob:
         # From before the first dedup decision until the ref makes every chunk it
         # names reachable, the lease keeps gc from sweeping (docs/gc.md).
         with hold_lease(self.repo, kind="take") as lease:
-            known = known_chunks(self.repo, self.parents)
+            last_plan = self.session.last_plan if self.session is not None else None
+            known = known_chunks(self.repo, self.parents, last_plan)
             with ThreadPoolExecutor(
                 self.settings.io_workers, thread_name_prefix="casnap-w"
             ) as pool:
@@ -140,22 +144,29 @@ class TakeJob:
                 metadata=self.metadata,
                 entries=entries,
             )
-            manifest.to_jsonable(self._previous_manifest())  # reuses unchanged entries' JSON
-            manifest_hash = self.repo.write_manifest(manifest)
-            # A take stalled past its lease may have been declared dead: never commit then.
-            lease.check()
-            self.repo.write_ref(self.name, manifest_hash)  # the commit point
-        lineage.record(self.repo.config.repo_id, manifest_hash)
-        index.record_manifest(self.repo, manifest_hash, manifest)  # `log` need not read it back
-        LAST_PLAN.put(self.repo.config.repo_id, manifest_hash, manifest)
+            manifest_hash = commit_snapshot(
+                self.repo, self.name, manifest, lease=lease, session=self.session,
+                previous=self._previous_dumped(),
+            )  # fmt: skip
         self.nodes = {}
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
 
     def _previous_manifest(self) -> Manifest | None:
+        if self.session is None:
+            return None
         for parent in self.parents:
-            manifest = LAST_PLAN.get(self.repo.config.repo_id, parent)
+            manifest = self.session.last_plan.get(self.repo.config.repo_id, parent)
             if manifest is not None:
                 return manifest
+        return None
+
+    def _previous_dumped(self) -> Dumped | None:
+        if self.session is None:
+            return None
+        for parent in self.parents:
+            dumped = self.session.last_plan.dumped(self.repo.config.repo_id, parent)
+            if dumped is not None:
+                return dumped
         return None
 
     def _previous_entries(self) -> Mapping[str, Entry]:
@@ -169,7 +180,7 @@ class TakeJob:
         finally:
             staged, self._owners = self._owners, []
             self.nodes = {}
-            staging.POOL.give_back(staged, staging_cache_limit())
+            self.pool.give_back(staged)
 
     def _submit_tensor(
         self,
@@ -268,11 +279,6 @@ def _order(app_state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
-def staging_cache_limit() -> int:
-    raw = os.environ.get("CASNAP_STAGING_CACHE")
-    return int(raw) if raw and raw.isdigit() else default_memory_budget()
-
-
 def _utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -320,6 +326,7 @@ def resolve_target(
     storage_options: dict[str, Any] | None,
     metadata: dict[str, Any] | None,
     parents: list[str] | None,
+    session: Session | None,
 ) -> Target:
     """Find or create the repository, check the name is free, validate metadata, pick parents."""
     options = dict(storage_options or {})
@@ -343,8 +350,8 @@ def resolve_target(
         canonical_json(meta)
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
-    if parents is None:
-        last = lineage.current_parent(repo.config.repo_id)
+    if parents is None:  # the session's previous take or restore, if any
+        last = session.lineage.parent(repo.config.repo_id) if session is not None else None
         parents = [last] if last else []
     return Target(repo, name, settings, meta, list(parents))
 
@@ -360,16 +367,18 @@ def prepare_take(
     stage: bool,
     custom_prepare: TensorPrepareFunc | None = None,
     memory_budget_bytes: int | None = None,
+    session: Session | None = None,
 ) -> TakeJob:
     """Phase 1 of a take (see module docstring)."""
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
         raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
-    target = resolve_target(path, storage_options, metadata, parents)
+    target = resolve_target(path, storage_options, metadata, parents, session)
     repo, name, settings = target.repo, target.name, target.settings
     meta, parents = target.metadata, target.parents
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)
-    job = TakeJob(repo, name, nodes, settings, parents, meta, stage,
-                  ByteBudget(memory_budget_bytes or default_memory_budget()))  # fmt: skip
+    budget = ByteBudget(memory_budget_bytes or default_memory_budget())
+    pool = session.staging if session is not None else StagingPool(idle_limit=0)
+    job = TakeJob(repo, name, nodes, settings, parents, meta, stage, budget, session, pool)
     if stage:
         _stage_all(job)
     else:
@@ -394,7 +403,7 @@ def staging_limit(budget: int, settings: Settings) -> int:
 def _stage_all(job: TakeJob) -> None:
     """Copy tensors into host buffers owned by the take (point-in-time for async).
 
-    The buffers come from :data:`casnap.torch_io.staging.POOL` and go back to it when
+    The buffers come from the session's staging pool and go back to it when
     the background part ends (:meth:`TakeJob.commit_staged`). Tensors that do
     not fit the staging share of the budget stay live: the commit writes them
     first, and ``async_take`` waits for that before returning.
@@ -407,7 +416,7 @@ def _stage_all(job: TakeJob) -> None:
             if staged_bytes + nbytes > limit:
                 job.live.add(key)
                 continue
-            staged = staging.POOL.stage(node.tensor, limit)
+            staged = job.pool.stage(node.tensor, limit)
             staged_bytes += nbytes
             job._owners.append(staged)
             job.nodes[key] = TensorLeaf(staged)

@@ -3,16 +3,16 @@
 An async take must copy every tensor before it returns (that is what makes
 it point-in-time), so its staging memory equals the state's size. What need
 not be paid every time is the allocation: page-faulting fresh memory costs
-as much as the copy itself on a large state. Buffers come back to this pool
+as much as the copy itself on a large state. Buffers come back to the pool
 when a take's background part finishes, and the next take of the same
-structure finds them there. The pool keeps at most ``limit`` bytes of idle
-buffers (``CASNAP_STAGING_CACHE``, default: the memory budget), and a fresh
-allocation that would push buffers in use plus idle ones over the caller's
-limit first drops the idle ones (a take whose structure changed does not pay
-for the old structure's buffers too).
+structure finds them there. The pool keeps at most ``idle_limit`` bytes of
+idle buffers, and a fresh allocation that would push buffers in use plus
+idle ones over the caller's limit first drops the idle ones (a take whose
+structure changed does not pay for the old structure's buffers too).
 
-This is process-wide on purpose: successive ``Snapshot.async_take`` calls
-share no object but the process. It is guarded by a lock.
+A pool belongs to a :class:`casnap.Session` (successive async takes through
+one session reuse its buffers); it is guarded by a lock, since the caller
+stages while a previous take's background part gives buffers back.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from casnap.torch_io.tensors import copy_bits
 
 
 class StagingPool:
-    def __init__(self) -> None:
+    def __init__(self, idle_limit: int) -> None:
+        self.idle_limit = idle_limit  # idle bytes kept for the next take
         self._lock = threading.Lock()
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._idle_bytes = 0
@@ -67,25 +68,22 @@ class StagingPool:
         copy_bits(out, src)
         return out
 
-    def give_back(self, tensors: Iterable[torch.Tensor], limit: int) -> None:
+    def give_back(self, tensors: Iterable[torch.Tensor]) -> None:
         """Return staged buffers once nothing reads them any more."""
         with self._lock:
             for t in tensors:
                 nbytes = t.numel() * t.element_size()
                 self.in_use_bytes -= nbytes
-                if self._idle_bytes + nbytes > limit:
+                if self._idle_bytes + nbytes > self.idle_limit:
                     continue  # dropped: the allocator gets it back
                 flat = t.reshape(-1)
                 self._free.setdefault((t.dtype, t.numel()), []).append(flat)
                 self._idle_bytes += nbytes
 
-    def clear(self) -> None:
-        """Drop idle buffers and reset the counters (buffers in use stay counted)."""
-        with self._lock:
-            self._free.clear()
-            self._idle_bytes = 0
-            self.peak_in_use_bytes = self.in_use_bytes
-            self.allocated_bytes = self.reused_bytes = 0
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of buffers kept for the next take."""
+        return self._idle_bytes
 
-
-POOL = StagingPool()
+    def __repr__(self) -> str:
+        return f"StagingPool(in_use={self.in_use_bytes}, idle={self._idle_bytes})"

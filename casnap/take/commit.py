@@ -1,0 +1,61 @@
+"""The commit protocol every take ends with, single-process or distributed (docs/format.md).
+
+Called by the one process that commits (rank 0 of a distributed take) once
+every chunk the manifest names is durable, inside the take's lease:
+
+1. write the manifest (named by its hash; create-only, so rewriting the same
+   bytes is harmless);
+2. check the lease is still ours: a take stalled past its lease may have been
+   declared dead and its unreferenced chunks swept, so it must not commit;
+3. write the ref, create-only: the commit point. Before it nothing is visible;
+4. remember it: the session's lineage and last plan, and the local index's
+   summary (so ``log`` need not read the manifest back).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from casnap import index
+from casnap.format.manifest import Dumped, Manifest
+from casnap.repo.leases import Lease
+from casnap.repo.repository import RepoStorage
+from casnap.take.session import Session
+
+
+def commit_snapshot(
+    repo: RepoStorage,
+    name: str,
+    manifest: Manifest,
+    *,
+    lease: Lease | None,
+    session: Session | None,
+    previous: Dumped | None = None,
+) -> str:
+    """Steps 1 to 4 above; returns the manifest's hash.
+
+    ``previous`` (the parent's manifest and its JSON form, from the session's
+    last plan) lets the serializer reuse the JSON of the entries the two share.
+    """
+    jsonable = manifest.to_jsonable(previous)
+    manifest_hash = repo.write_manifest(manifest, jsonable)
+    if lease is not None:
+        lease.check()
+    repo.write_ref(name, manifest_hash)  # the commit point
+    remember(repo, manifest_hash, manifest, session, jsonable)
+    index.record_manifest(repo, manifest_hash, manifest)
+    return manifest_hash
+
+
+def remember(
+    repo: RepoStorage,
+    manifest_hash: str,
+    manifest: Manifest,
+    session: Session | None,
+    jsonable: dict[str, Any] | None = None,
+) -> None:
+    """Make a committed (or restored) snapshot the session's parent and plan for the next take."""
+    if session is not None:
+        session.lineage.record(repo.config.repo_id, manifest_hash)
+        dumped = Dumped(manifest, jsonable) if jsonable is not None else None
+        session.last_plan.put(repo.config.repo_id, manifest_hash, manifest, dumped)

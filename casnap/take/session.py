@@ -1,0 +1,133 @@
+"""What a process remembers from one take to the next: one object, owned by whoever takes.
+
+A :class:`Session` holds
+
+- **lineage**: per repository, the manifest the next take descends from (the
+  last take or restore through this session);
+- **the last plan**: per repository, the manifest this session committed
+  last. The next take whose parent it is takes chunk locations and unchanged
+  entries from it instead of reading and validating the manifest again
+  (docs/pipeline.md, "Plan reuse");
+- **the staging pool**: host buffers of async takes, reused by the next async
+  take of the same structure instead of page-faulting fresh memory;
+- **the plan cache**: every rank's plan structure from the last distributed
+  take, so an unchanged structure is not exchanged again
+  (:mod:`casnap.distributed.plan_cache`).
+
+Lifetime: the object's. :class:`casnap.Checkpointer` and
+:class:`casnap.Repository` each own one, so their successive takes link as
+parent and child and reuse plans and buffers; ``Snapshot.take(...,
+session=s)`` and ``Snapshot(path, session=s).restore(...)`` use the one they
+are given. A take without a session starts from nothing: no implicit parent
+(pass ``parents=``), nothing reused, as every torchsnapshot call is
+independent. Nothing here is process-wide; an async take's background thread
+and the caller may use one session at once, so every part has its own lock.
+
+Example::
+
+    session = casnap.Session()
+    for step in range(0, 1000, 100):
+        train(...)
+        Snapshot.take(f"/ckpt/run1/step_{step}", app_state, session=session)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Generic, TypeVar
+
+from casnap.format.manifest import Dumped, Manifest
+from casnap.settings import default_memory_budget, staging_cache_bytes
+from casnap.torch_io.staging import StagingPool
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Lineage:
+    """Per repository id: the manifest the next take descends from."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, str] = {}
+
+    def parent(self, repo_id: str) -> str | None:
+        with self._lock:
+            return self._last.get(repo_id)
+
+    def record(self, repo_id: str, manifest: str) -> None:
+        with self._lock:
+            self._last[repo_id] = manifest
+
+
+class LastPlan:
+    """Per repository id: the manifest this session committed or restored last, with its hash.
+
+    Only a manifest that was validated (built by this session, or parsed when
+    restored) is kept, one per repository.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_repo: dict[str, tuple[str, Manifest, Dumped | None]] = {}
+
+    def put(
+        self, repo_id: str, manifest_hash: str, manifest: Manifest, dumped: Dumped | None = None
+    ) -> None:
+        """Remember ``manifest`` (``dumped``: with its JSON form, when it was serialized here)."""
+        with self._lock:
+            self._by_repo[repo_id] = (manifest_hash, manifest, dumped)
+
+    def get(self, repo_id: str, manifest_hash: str) -> Manifest | None:
+        with self._lock:
+            hit = self._by_repo.get(repo_id)
+        return hit[1] if hit is not None and hit[0] == manifest_hash else None
+
+    def dumped(self, repo_id: str, manifest_hash: str) -> Dumped | None:
+        """The remembered manifest with its JSON form, if it was serialized by this session."""
+        with self._lock:
+            hit = self._by_repo.get(repo_id)
+        return hit[2] if hit is not None and hit[0] == manifest_hash else None
+
+
+class KeyedCache(Generic[K, V]):
+    """A locked mapping, plus what the last use reported (``last``, for tests and benchmarks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[K, V] = {}
+        self.last: object = None
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._entries[key] = value
+
+
+class Session:
+    """The state successive takes and restores share (see the module docstring).
+
+    ``staging_cache_bytes`` bounds the idle staging buffers kept for the next
+    async take (default ``CASNAP_STAGING_CACHE``, else the memory budget).
+    """
+
+    def __init__(self, *, staging_cache_bytes: int | None = None) -> None:
+        idle = staging_cache_bytes
+        if idle is None:
+            idle = staging_cache_bytes_setting()
+        self.lineage = Lineage()
+        self.last_plan = LastPlan()
+        self.staging = StagingPool(idle)
+        self.plan_cache: KeyedCache[object, object] = KeyedCache()
+
+    def __repr__(self) -> str:
+        return f"<casnap.Session staging={self.staging!r}>"
+
+
+def staging_cache_bytes_setting() -> int:
+    """``CASNAP_STAGING_CACHE``, else the memory budget."""
+    configured = staging_cache_bytes()
+    return configured if configured is not None else default_memory_budget()
