@@ -50,7 +50,7 @@ def _async_take(root: str, step: int, rank: int, session: Any) -> dict[str, Any]
 def async_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     from casnap import Session
     from casnap.settings import Settings
-    from casnap.take.job import staging_limit
+    from casnap.take.target import staging_limit
 
     session = Session()
     roomy = [_async_take(root, step, rank, session) for step in range(2)]

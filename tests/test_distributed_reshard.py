@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from casnap.distributed.plan import RankPlan, TensorPlan, assign
+from casnap.distributed.plan import assign
 from casnap.format.codec import HEADER_SIZE
 from casnap.format.manifest import ChunkRef, ShardedEntry, ShardRecord
 from casnap.restore.reshard import ShardedSink
+from casnap.take.plan import RankPlan, TensorPlan
 
 
 def _entry(rows: int, cols: int, parts: int, chunk: int) -> ShardedEntry:

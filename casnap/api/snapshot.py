@@ -22,18 +22,54 @@ from typing import Any
 
 from casnap.chunks.io import WriteStats
 from casnap.distributed.group import Group, resolve_group
-from casnap.distributed.take import prepare_distributed_take
+from casnap.distributed.take import DistributedJob, prepare_distributed_take
 from casnap.format.manifest import Entry, Manifest
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import read_entry, restore_state
 from casnap.take.commit import remember
-from casnap.take.job import TakeResult, TensorPrepareFunc, prepare_take
+from casnap.take.job import TakeJob, TakeResult, prepare_take
 from casnap.take.session import Session
+from casnap.take.target import TensorPrepareFunc
 
 
 def _group(pg: Any) -> Group:
     """The ranks a call involves: ``pg``, else the default group once one is initialized."""
     return resolve_group(pg)
+
+
+def _prepare(
+    path: str,
+    app_state: dict[str, Any],
+    pg: Any,
+    replicated: list[str] | None,
+    storage_options: dict[str, Any] | None,
+    custom_prepare: TensorPrepareFunc | None,
+    metadata: dict[str, Any] | None,
+    allow_pickle: bool,
+    parents: list[str] | None,
+    memory_budget_bytes: int | None,
+    session: Session | None,
+    *,
+    stage: bool,
+) -> TakeJob | DistributedJob:
+    """The prepared take shared by :meth:`Snapshot.take` and :meth:`Snapshot.async_take`.
+
+    With a process group every rank of it calls this (collective planning);
+    a single process is a world of one through the same pipeline.
+    """
+    group = _group(pg)
+    if group.pg is not None:
+        return prepare_distributed_take(
+            path, app_state, group=group, replicated=replicated,
+            storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
+            parents=parents, stage=stage, custom_prepare=custom_prepare,
+            memory_budget_bytes=memory_budget_bytes, session=session,
+        )  # fmt: skip
+    return prepare_take(
+        path, app_state, storage_options=storage_options, metadata=metadata,
+        allow_pickle=allow_pickle, parents=parents, stage=stage, custom_prepare=custom_prepare,
+        memory_budget_bytes=memory_budget_bytes, session=session,
+    )  # fmt: skip
 
 
 class Snapshot:
@@ -94,22 +130,11 @@ class Snapshot:
         ``memory_budget_bytes`` bounds the take's in-flight copies (default: a
         quarter of available memory, ``CASNAP_MEMORY_BUDGET``).
         """
-        group = _group(pg)
-        if group.pg is not None:  # collective: every rank of the group calls take
-            commit = prepare_distributed_take(
-                path, app_state, group=group, replicated=replicated,
-                storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
-                parents=parents, stage=False, custom_prepare=_custom_tensor_prepare_func,
-                memory_budget_bytes=memory_budget_bytes, session=session,
-            )  # fmt: skip
-            return cls._from_result(path, pg, storage_options, commit(), session)
-        job = prepare_take(
-            path, app_state, storage_options=storage_options, metadata=metadata,
-            allow_pickle=allow_pickle, parents=parents, stage=False,
-            custom_prepare=_custom_tensor_prepare_func, memory_budget_bytes=memory_budget_bytes,
-            session=session,
+        job = _prepare(
+            path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
+            metadata, allow_pickle, parents, memory_budget_bytes, session, stage=False,
         )  # fmt: skip
-        return cls._from_result(path, pg, storage_options, job.commit(), session)
+        return cls._from_result(path, pg, storage_options, job.run(), session)
 
     @classmethod
     def async_take(
@@ -135,23 +160,12 @@ class Snapshot:
         set) into host buffers reused from the previous async take; tensors beyond
         that are written before this returns, so a state larger than the budget
         blocks longer instead of using more memory."""
-        group = _group(pg)
-        if group.pg is not None:  # collective planning now; writing in the background
-            commit = prepare_distributed_take(
-                path, app_state, group=group, replicated=replicated,
-                storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
-                parents=parents, stage=True, custom_prepare=_custom_tensor_prepare_func,
-                memory_budget_bytes=memory_budget_bytes, session=session,
-            )  # fmt: skip
-            return PendingSnapshot(path, pg, storage_options, commit, session)
-        job = prepare_take(
-            path, app_state, storage_options=storage_options, metadata=metadata,
-            allow_pickle=allow_pickle, parents=parents, stage=True,
-            custom_prepare=_custom_tensor_prepare_func, memory_budget_bytes=memory_budget_bytes,
-            session=session,
+        job = _prepare(
+            path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
+            metadata, allow_pickle, parents, memory_budget_bytes, session, stage=True,
         )  # fmt: skip
-        pending = PendingSnapshot(path, pg, storage_options, job.commit_staged, session)
-        job.live_consumed.wait()  # tensors over the budget are consumed: point-in-time
+        pending = PendingSnapshot(path, pg, storage_options, job.run, session)
+        job.live_consumed.wait()  # what staging could not copy is consumed: point-in-time
         return pending
 
     @classmethod

@@ -4,7 +4,8 @@ Each rank hashes its chunks locally and sends a :class:`RankPlan` (keys, entry
 kinds, chunk hashes; never data). Every rank then computes the same
 :func:`assign` from the gathered plans: each unique chunk goes to exactly one
 of the ranks holding it, balanced by bytes. Rank 0 turns the plans and the
-written chunks' locations into manifest entries (:func:`build_entries`).
+written chunks' locations into manifest entries with the same
+:func:`casnap.take.plan.build_entries` a single-process take uses.
 """
 
 from __future__ import annotations
@@ -17,64 +18,21 @@ from typing import Any
 import torch
 
 from casnap.distributed.group import ReplicaMismatchError
-from casnap.format.manifest import (
-    ChunkRef,
-    ContainerEntry,
-    Entry,
-    ObjectEntry,
-    PrimitiveEntry,
-    ShardedEntry,
-    ShardRecord,
-    TensorEntry,
-)
 from casnap.format.names import digest_of
+from casnap.take.plan import (
+    ChunkIds,
+    EntryPlan,
+    ObjectPlan,
+    RankPlan,
+    ShardedPlan,
+    ShardPlan,
+    TensorPlan,
+    chunks_of,
+    logical,
+)
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf
 from casnap.torch_io.sharded import ShardLeaf
 from casnap.torch_io.tensors import dtype_name, host_view
-
-ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    dtype: str
-    shape: tuple[int, ...]
-    replicated: bool
-    chunks: ChunkIds
-
-
-@dataclass(frozen=True)
-class ObjectPlan:
-    type_name: str
-    size: int
-    chunks: ChunkIds
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    chunks: ChunkIds
-
-
-@dataclass(frozen=True)
-class ShardedPlan:
-    layout: str
-    dtype: str
-    shape: tuple[int, ...]
-    shards: tuple[ShardPlan, ...]
-
-
-EntryPlan = TensorPlan | ObjectPlan | ShardedPlan | ContainerEntry | PrimitiveEntry
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """What one rank sends in the planning exchange."""
-
-    rank: int
-    chunk_size: int
-    entries: dict[str, EntryPlan]
 
 
 @dataclass
@@ -84,7 +42,7 @@ class LocalData:
     ``owners[h]`` keeps the memory under ``chunks[h]`` alive (a byte view does
     not). ``live`` holds the chunks whose bytes are the caller's own tensor
     memory, which training may change once the take returns: an async take
-    copies those it writes (casnap/distributed/staged.py); copies made while
+    copies those it writes (casnap.take.scheduler.stage); copies made while
     hashing (device-to-host, non-contiguous) are already private.
     """
 
@@ -98,11 +56,6 @@ class LocalData:
         self.chunks = {h: v for h, v in self.chunks.items() if h in wanted}
         self.owners = {h: o for h, o in self.owners.items() if h in wanted}
         self.live &= wanted
-
-
-def logical(key: str) -> str:
-    """A key without its rank component: ``"3/model/w"`` -> ``"model/w"``."""
-    return key.split("/", 1)[1] if "/" in key else ""
 
 
 def is_replicated(key: str, patterns: list[str]) -> bool:
@@ -169,14 +122,6 @@ def build_local(
     return RankPlan(rank, chunk_size, entries), local
 
 
-def _chunks_of(plan: EntryPlan) -> list[tuple[str, int]]:
-    if isinstance(plan, (TensorPlan, ObjectPlan)):
-        return list(plan.chunks)
-    if isinstance(plan, ShardedPlan):
-        return [c for s in plan.shards for c in s.chunks]
-    return []
-
-
 def assign(plans: list[RankPlan]) -> tuple[dict[str, int], list[int]]:
     """Writer rank of every unique chunk, and the bytes assigned to each rank.
 
@@ -188,7 +133,7 @@ def assign(plans: list[RankPlan]) -> tuple[dict[str, int], list[int]]:
     sizes: dict[str, int] = {}
     for p in plans:
         for entry in p.entries.values():
-            for h, size in _chunks_of(entry):
+            for h, size in chunks_of(entry):
                 holders.setdefault(h, set()).add(p.rank)
                 sizes[h] = size
     load = [0] * (max((p.rank for p in plans), default=0) + 1)
@@ -230,62 +175,3 @@ def check_replicas(plans: list[RankPlan]) -> None:
             "written. Make them equal, or take them as per-rank state (not replicated)",
             bad,
         )
-
-
-def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:
-    return [refs[h] for h, _ in ids]
-
-
-def _sharded_entries(plans: list[RankPlan], refs: dict[str, ChunkRef]) -> dict[str, ShardedEntry]:
-    """One entry per logical key, holding the union of every rank's shards."""
-    boxes: dict[str, dict[tuple[int, ...], ShardPlan]] = {}
-    heads: dict[str, ShardedPlan] = {}
-    for p in plans:
-        for key, entry in p.entries.items():
-            if isinstance(entry, ShardedPlan):
-                heads.setdefault(logical(key), entry)
-                for s in entry.shards:
-                    boxes.setdefault(logical(key), {}).setdefault(s.offsets, s)
-    out = {}
-    cs = plans[0].chunk_size
-    for path, head in heads.items():
-        shards = [
-            ShardRecord(
-                offsets=list(s.offsets),
-                sizes=list(s.sizes),
-                chunk_size=cs,
-                chunks=_refs(s.chunks, refs),
-            )  # fmt: skip
-            for _, s in sorted(boxes.get(path, {}).items())
-        ]
-        out[path] = ShardedEntry(
-            layout=head.layout,  # type: ignore[arg-type]
-            dtype=head.dtype,
-            shape=list(head.shape),
-            shards=shards,
-        )
-    return out
-
-
-def build_entries(plans: list[RankPlan], refs: dict[str, ChunkRef]) -> dict[str, Entry]:
-    """Every rank's manifest entries (rank 0 calls this once every chunk is durable)."""
-    sharded = _sharded_entries(plans, refs)
-    entries: dict[str, Entry] = {}
-    for p in plans:
-        cs = p.chunk_size
-        for key, e in p.entries.items():
-            if isinstance(e, TensorPlan):
-                entries[key] = TensorEntry(
-                    dtype=e.dtype, shape=list(e.shape), chunk_size=cs,
-                    chunks=_refs(e.chunks, refs), replicated=e.replicated,
-                )  # fmt: skip
-            elif isinstance(e, ObjectPlan):
-                entries[key] = ObjectEntry(
-                    serializer="pickle", type_name=e.type_name, size=e.size, chunk_size=cs,
-                    chunks=_refs(e.chunks, refs),
-                )  # fmt: skip
-            elif isinstance(e, ShardedPlan):
-                entries[key] = sharded[logical(key)]
-            else:
-                entries[key] = e
-    return entries

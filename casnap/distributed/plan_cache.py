@@ -43,7 +43,8 @@ from typing import Any
 import blake3
 
 from casnap.distributed.group import Failure, Group, all_gather
-from casnap.distributed.plan import (
+from casnap.format.manifest import ContainerEntry, PrimitiveEntry
+from casnap.take.plan import (
     ChunkIds,
     EntryPlan,
     ObjectPlan,
@@ -52,7 +53,6 @@ from casnap.distributed.plan import (
     ShardPlan,
     TensorPlan,
 )
-from casnap.format.manifest import ContainerEntry, PrimitiveEntry
 from casnap.take.session import KeyedCache
 
 DIGEST = 32  # bytes of one chunk digest in a content

@@ -10,12 +10,15 @@ Order of events (docs/distributed.md):
    shares the hashes (and its structure, unless the previous take's still
    holds: casnap/distributed/plan_cache.py); every rank computes the same
    writer assignment, and replicated values that differ fail the take here,
-   before anything is written. An async take then copies the chunks this
-   rank writes into pooled buffers, up to its memory budget, and writes the
-   rest before returning (casnap/distributed/staged.py).
-3. commit (store only; in the background for ``async_take``): each rank writes
-   its assigned chunks, flushes them and posts their locations; rank 0 waits
-   for all ranks, writes the manifest and the ref, and posts the outcome.
+   before anything is written. The chunks this rank writes become write
+   requests; an async take stages them into the session's pooled buffers,
+   up to its memory budget (:func:`casnap.take.scheduler.stage`).
+3. commit (store only; in the background for ``async_take``): each rank runs
+   its requests through the scheduler every take shares (live ones first:
+   ``async_take`` returns once they are consumed), flushes them and posts
+   their locations; rank 0 waits for all ranks, builds the entries and
+   commits with the same :func:`~casnap.take.commit.commit_snapshot` as a
+   single process, and posts the outcome.
 
 A failure on any rank in any phase makes every rank raise
 :class:`DistributedTakeError` naming the failed ranks; no ref is written.
@@ -23,15 +26,16 @@ A failure on any rank in any phase makes every rank raise
 
 from __future__ import annotations
 
-import os
+import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from casnap.chunks.budget import ByteBudget
 from casnap.chunks.io import ChunkWriter, WriteStats
 from casnap.distributed.group import (
     DistributedTakeError,
@@ -43,31 +47,25 @@ from casnap.distributed.group import (
     failure_of,
     raise_failures,
 )
-from casnap.distributed.plan import (
-    LocalData,
-    RankPlan,
-    assign,
-    build_entries,
-    build_local,
-    check_replicas,
-)
+from casnap.distributed.plan import LocalData, assign, build_local, check_replicas
 from casnap.distributed.plan_cache import CacheKey, exchange_plans
-from casnap.distributed.staged import stage_chunks
 from casnap.format.manifest import ChunkRef, Manifest
-from casnap.index import KnownChunks
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
-from casnap.settings import Settings, default_memory_budget, io_workers_for
+from casnap.settings import Settings
 from casnap.take.commit import commit_snapshot, remember
-from casnap.take.job import (
-    TakeResult,
+from casnap.take.job import TakeResult, check_budget
+from casnap.take.plan import RankPlan, build_entries, known_chunks, previous_plan
+from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage
+from casnap.take.session import Session
+from casnap.take.target import (
     TensorPrepareFunc,
     collect,
     resolve_target,
+    split_options,
     staging_limit,
+    take_settings,
 )
-from casnap.take.plan import known_chunks
-from casnap.take.session import Session
 from casnap.torch_io.staging import StagingPool
 
 
@@ -96,14 +94,6 @@ class _Done:
 class _Failed:
     failures: list[Failure]
     missing: list[int]
-
-
-def _settings(storage_options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    options = dict(storage_options or {})
-    overrides: dict[str, Any] = {
-        k: options.pop(k) for k in ("chunk_size", "compression") if k in options
-    }
-    return options, overrides
 
 
 def _start(
@@ -146,12 +136,15 @@ def prepare_distributed_take(
     store: Any = None,
     memory_budget_bytes: int | None = None,
     session: Session | None = None,
-) -> Callable[[], TakeResult]:
-    """Phases 1 and 2 (collective, every rank); returns phase 3 to run now or in the background.
+) -> DistributedJob:
+    """Phases 1 and 2 (collective, every rank); returns phase 3 (:meth:`DistributedJob.run`)
+    to run now or in the background.
 
-    ``stage=True`` (async) copies the chunks this rank writes, or writes them
-    now past the staging share of ``memory_budget_bytes`` (default
-    ``CASNAP_MEMORY_BUDGET``), so the snapshot is point-in-time when this returns.
+    ``stage=True`` (async) copies the chunks this rank writes into the
+    session's pool, up to the staging share of ``memory_budget_bytes``
+    (default ``CASNAP_MEMORY_BUDGET``); the rest stay live, are written first,
+    and the caller waits for :attr:`DistributedJob.live_consumed` so the
+    snapshot is point-in-time when ``async_take`` returns.
     """
     lease: Lease | None = None
     start: _Start | Failure | None = None
@@ -165,17 +158,14 @@ def prepare_distributed_take(
         starts = all_gather(group, start, "start")
         info = starts[0]
         assert isinstance(info, _Start)
-        options, overrides = _settings(storage_options)
+        options, overrides = split_options(storage_options)
         plan: RankPlan | Failure
         local = LocalData()
         key: CacheKey | None = None
         try:
             if repo is None:
                 repo, _ = locate(path, options, create=False)
-            overrides["chunk_size"] = info.chunk_size
-            if "CASNAP_IO_WORKERS" not in os.environ:
-                overrides["io_workers"] = io_workers_for(repo.root.capabilities.local)
-            settings = Settings.from_env().with_overrides(**overrides)
+            settings = take_settings(repo, overrides, chunk_size=info.chunk_size)
             nodes = collect(app_state, group.rank, allow_pickle, custom_prepare)
             patterns = list(replicated or []) + ddp_patterns(app_state)
             plan, local = build_local(nodes, group.rank, info.chunk_size, patterns)
@@ -192,87 +182,90 @@ def prepare_distributed_take(
     assert repo is not None
     mine = sorted(h for h, r in writers.items() if r == group.rank)
     local.keep(mine)
-    rendezvous = Rendezvous(group, info.take_id, store)
+    requests = [data_request(h, local.chunks[h], local.owners[h], live=h in local.live,
+                             digests=[bytes.fromhex(h)]) for h in mine]  # fmt: skip
+    budget = ByteBudget(check_budget(memory_budget_bytes))
     pool = session.staging if session is not None else StagingPool(idle_limit=0)
-    job = _Commit(group, repo, settings, info, plans, local, mine, rendezvous, lease, session, pool)
+    job = DistributedJob(group, repo, settings, info, plans, requests, budget,
+                         Rendezvous(group, info.take_id, store), lease, session, pool)  # fmt: skip
+    local.keep([])  # the requests hold what this rank writes; nothing else is needed
     if stage:
-        job.stage(staging_limit(memory_budget_bytes or default_memory_budget(), settings))
-    return job.run
+        job.stage(staging_limit(budget.limit, settings))
+    else:
+        job.live_consumed.set()
+    return job
 
 
 @dataclass
-class _Commit:
+class DistributedJob:
+    """Phase 3 of a distributed take on one rank: write, then commit through rank 0."""
+
     group: Group
     repo: RepoStorage
     settings: Settings
     info: _Start
     plans: list[RankPlan]
-    local: LocalData
-    mine: list[str]
+    requests: list[WriteRequest]  # the chunks this rank writes
+    budget: ByteBudget
     rendezvous: Rendezvous
     lease: Lease | None
     session: Session | None
     pool: StagingPool  # the session's, or a private one without a session
     buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
-    early: _Written | Failure | None = None  # the overflow, written before async_take returned
-    _known: KnownChunks | None = None
+    failed: Failure | None = None  # staging failed: reported by run(), like a write failure
+    # Set once every live request's chunks are consumed (at once when there are none).
+    live_consumed: threading.Event = field(default_factory=threading.Event)
 
     def stage(self, limit: int) -> None:
-        """Async, caller's thread: copy what the background writes, write the overflow now.
+        """Async, caller's thread: copy what the background writes, as far as ``limit`` allows.
 
-        A failure here is reported by :meth:`run` like a background one, so the
-        other ranks (already past the collectives) learn of it through the store.
+        Chunks past it stay live; the background writes them first and
+        ``async_take`` waits for that. A failure here is reported by
+        :meth:`run` like a background one, so the other ranks (already past
+        the collectives) learn of it through the store.
         """
         try:
-            staged = stage_chunks(self.local, self.mine, limit, self.pool)
-            self.buffers = staged.buffers
-            if staged.overflow:
-                self.early = self._write(staged.overflow, flush=False)
-                done = set(staged.overflow)
-                self.mine = [h for h in self.mine if h not in done]
-                self.local.keep(self.mine)
+            staged = stage(self.requests, limit, self.pool)
+            self.requests, self.buffers = staged.requests, staged.buffers
         except Exception as exc:
-            self.early = failure_of(self.group.rank, exc)
+            self.failed = failure_of(self.group.rank, exc)
+        if self.failed is not None or not any(r.live for r in self.requests):
+            self.live_consumed.set()
 
     def run(self) -> TakeResult:
         """Phase 3: synchronises through the store only (safe in a background thread)."""
         try:
-            written = self._write_rest()
+            written = self._write()
             self.rendezvous.post("written", self.group.rank, written)
             if self.group.rank == 0:
                 return self._commit_rank0()
             stats = written.stats if isinstance(written, _Written) else WriteStats()
             return self._await_commit(stats)
         finally:
+            self.live_consumed.set()  # also on failure: the caller must not hang
             if self.lease is not None:
                 self.lease.release()
 
-    def _write_rest(self) -> _Written | Failure:
-        """Write what :meth:`stage` left (everything for a blocking take); release the copies."""
+    def _write(self) -> _Written | Failure:
+        """Write this rank's chunks and flush them; release the staged copies either way."""
         try:
-            if isinstance(self.early, Failure):
-                return self.early
-            written = self._write(self.mine, flush=True)
-            return written if self.early is None else _merged(self.early, written)
+            if self.failed is not None:
+                return self.failed
+            last_plan = self.session.last_plan if self.session is not None else None
+            known = known_chunks(self.repo, self.info.parents, last_plan)
+            workers = self.settings.io_workers
+            with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
+                writer = ChunkWriter(self.repo, self.settings, pool, known)
+                scheduler = Scheduler(writer, self.settings, self.budget, self.live_consumed)
+                written = scheduler.run(self.requests)
+            self.repo.store.flush()  # this rank's chunks are durable before rank 0 commits
+            return _Written({h: refs[0] for h, refs in written.items()}, writer.stats)
         except Exception as exc:
             return failure_of(self.group.rank, exc)
         finally:
-            self.local = LocalData()
+            self.requests = []
             buffers, self.buffers = self.buffers, []
             self.pool.give_back(buffers)
-
-    def _write(self, hashes: list[str], flush: bool) -> _Written:
-        if self._known is None:
-            last_plan = self.session.last_plan if self.session is not None else None
-            self._known = known_chunks(self.repo, self.info.parents, last_plan)
-        with ThreadPoolExecutor(self.settings.io_workers, thread_name_prefix="casnap-w") as pool:
-            writer = ChunkWriter(self.repo, self.settings, pool, self._known)
-            chunks = [(self.local.chunks[h], bytes.fromhex(h)) for h in hashes]
-            futures = writer.add_digested(chunks)
-            refs = writer.finish(futures)
-        if flush:
-            self.repo.store.flush()  # this rank's chunks are durable before rank 0 commits
-        return _Written({r.hash: r for r in refs}, writer.stats)
 
     def _commit_rank0(self) -> TakeResult:
         ranks = list(range(self.group.size))
@@ -289,16 +282,18 @@ class _Commit:
                 assert isinstance(w, _Written)
                 refs.update(w.refs)
                 per_rank.append(w.stats)
+            previous, dumped = previous_plan(self.session, self.repo, self.info.parents)
             manifest = Manifest(
                 created_at=now_iso(),
                 world_size=self.group.size,
                 parents=self.info.parents,
                 metadata=self.info.metadata,
-                entries=build_entries(self.plans, refs),
+                entries=build_entries(self.plans, refs, previous),
             )
             manifest_hash = commit_snapshot(
-                self.repo, self.info.name, manifest, lease=self.lease, session=self.session
-            )
+                self.repo, self.info.name, manifest, lease=self.lease, session=self.session,
+                previous=dumped,
+            )  # fmt: skip
         except Exception as exc:
             self.rendezvous.post("done", 0, _Failed([failure_of(0, exc)], []))
             raise
@@ -323,13 +318,6 @@ class _Commit:
         remember(self.repo, done.manifest_hash, manifest, self.session)
         return TakeResult(self.repo, self.info.name, done.manifest_hash, manifest,
                           done.stats[self.group.rank], done.stats)  # fmt: skip
-
-
-def _merged(a: _Written, b: _Written) -> _Written:
-    """The chunks and stats of two writes of one rank (overflow, then background)."""
-    stats = WriteStats(**{f.name: getattr(a.stats, f.name) + getattr(b.stats, f.name)
-                          for f in fields(WriteStats)})  # fmt: skip
-    return _Written({**a.refs, **b.refs}, stats)
 
 
 def _raise(failures: list[Failure], missing: list[int]) -> None:

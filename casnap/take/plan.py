@@ -1,8 +1,12 @@
-"""A take's plan: what it may reference without writing, and what it can reuse.
+"""A take's plan: what each rank holds, what it may reference, and the entries it becomes.
 
-The plan of a take is its parents' manifests: where every chunk lives and
-what every entry looks like. :func:`known_chunks` gathers the chunks a take
-may reference (the parents', then the local index's); a session's
+Every take, single-process or distributed (a single process is a world of
+one), describes its state as :class:`RankPlan` values: keys, entry kinds,
+dtypes, shapes and chunk ids, never data. :func:`build_entries` is the one
+place where plans and the written chunks' locations become manifest entries.
+
+What a take may reference without writing is its parents' chunks and the
+local index's (:func:`known_chunks`); a session's
 :class:`~casnap.take.session.LastPlan` keeps the manifest it committed last,
 so the next take of the same structure needs neither to read it back nor to
 rebuild unchanged entries (docs/pipeline.md).
@@ -10,15 +14,42 @@ rebuild unchanged entries (docs/pipeline.md).
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from casnap import index
 from casnap.errors import CasnapError
-from casnap.format.manifest import ChunkRef, Entry, TensorEntry
+from casnap.format.manifest import (
+    ChunkRef,
+    ContainerEntry,
+    Dumped,
+    Entry,
+    ObjectEntry,
+    PrimitiveEntry,
+    ShardedEntry,
+    ShardRecord,
+    TensorEntry,
+)
 from casnap.index import KnownChunks
 from casnap.repo.repository import RepoStorage, manifest_key
-from casnap.take.session import LastPlan
-from casnap.torch_io.tensors import dtype_name
+from casnap.take.session import LastPlan, Session
+
+
+def previous_plan(
+    session: Session | None, repo: RepoStorage, parents: list[str]
+) -> tuple[Mapping[str, Entry], Dumped | None]:
+    """The entries of the first parent the session remembers, and its JSON form if it has it.
+
+    A take reuses unchanged entries of that manifest (:func:`build_entries`)
+    and their JSON (:meth:`Manifest.to_jsonable`); without a session, nothing.
+    """
+    if session is None:
+        return {}, None
+    for parent in parents:
+        manifest = session.last_plan.get(repo.config.repo_id, parent)
+        if manifest is not None:
+            return manifest.entries, session.last_plan.dumped(repo.config.repo_id, parent)
+    return {}, None
 
 
 def known_chunks(
@@ -54,18 +85,143 @@ def known_chunks(
     return known
 
 
-def tensor_entry(
-    key: str, t: torch.Tensor, chunk_size: int, chunks: list[ChunkRef], previous: Entry | None
+ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    dtype: str
+    shape: tuple[int, ...]
+    replicated: bool
+    chunks: ChunkIds
+
+
+@dataclass(frozen=True)
+class ObjectPlan:
+    type_name: str
+    size: int
+    chunks: ChunkIds
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    chunks: ChunkIds
+
+
+@dataclass(frozen=True)
+class ShardedPlan:
+    layout: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[ShardPlan, ...]
+
+
+EntryPlan = TensorPlan | ObjectPlan | ShardedPlan | ContainerEntry | PrimitiveEntry
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank sends in the planning exchange."""
+
+    rank: int
+    chunk_size: int
+    entries: dict[str, EntryPlan]
+
+
+def logical(key: str) -> str:
+    """A key without its rank component: ``"3/model/w"`` -> ``"model/w"``."""
+    return key.split("/", 1)[1] if "/" in key else ""
+
+
+def chunks_of(plan: EntryPlan) -> list[tuple[str, int]]:
+    if isinstance(plan, (TensorPlan, ObjectPlan)):
+        return list(plan.chunks)
+    if isinstance(plan, ShardedPlan):
+        return [c for s in plan.shards for c in s.chunks]
+    return []
+
+
+def _tensor_entry(
+    plan: TensorPlan, chunk_size: int, chunks: list[ChunkRef], previous: Entry | None
 ) -> TensorEntry:
     """The entry of one tensor; the previous take's own object when nothing changed."""
-    dtype, shape = dtype_name(t.dtype, key), list(t.shape)
+    shape = list(plan.shape)
     if (
         isinstance(previous, TensorEntry)
         and previous.chunks == chunks
-        and previous.dtype == dtype
+        and previous.dtype == plan.dtype
         and previous.shape == shape
         and previous.chunk_size == chunk_size
-        and not previous.replicated
+        and previous.replicated == plan.replicated
     ):
-        return previous  # validated when it was built; frozen, so safe to share
-    return TensorEntry(dtype=dtype, shape=shape, chunk_size=chunk_size, chunks=chunks)
+        return previous
+    return TensorEntry(dtype=plan.dtype, shape=shape, chunk_size=chunk_size, chunks=chunks,
+                       replicated=plan.replicated)  # fmt: skip
+
+
+def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:
+    return [refs[h] for h, _ in ids]
+
+
+def _sharded_entries(plans: list[RankPlan], refs: dict[str, ChunkRef]) -> dict[str, ShardedEntry]:
+    """One entry per logical key, holding the union of every rank's shards."""
+    boxes: dict[str, dict[tuple[int, ...], ShardPlan]] = {}
+    heads: dict[str, ShardedPlan] = {}
+    for p in plans:
+        for key, entry in p.entries.items():
+            if isinstance(entry, ShardedPlan):
+                heads.setdefault(logical(key), entry)
+                for s in entry.shards:
+                    boxes.setdefault(logical(key), {}).setdefault(s.offsets, s)
+    out = {}
+    cs = plans[0].chunk_size
+    for path, head in heads.items():
+        shards = [
+            ShardRecord(
+                offsets=list(s.offsets),
+                sizes=list(s.sizes),
+                chunk_size=cs,
+                chunks=_refs(s.chunks, refs),
+            )  # fmt: skip
+            for _, s in sorted(boxes.get(path, {}).items())
+        ]
+        out[path] = ShardedEntry(
+            layout=head.layout,  # type: ignore[arg-type]
+            dtype=head.dtype,
+            shape=list(head.shape),
+            shards=shards,
+        )
+    return out
+
+
+def build_entries(
+    plans: list[RankPlan], refs: dict[str, ChunkRef], previous: Mapping[str, Entry] | None = None
+) -> dict[str, Entry]:
+    """Every rank's manifest entries, from the plans and where their chunks were written.
+
+    The one place entries are built, for every take (a single process is a
+    world of one); the committing rank calls it once every chunk is durable.
+    An entry equal to ``previous``'s (the parent's, when the session holds
+    it) is that very object: validated when it was built, frozen, and its
+    JSON is reused by the serializer.
+    """
+    sharded = _sharded_entries(plans, refs)
+    entries: dict[str, Entry] = {}
+    old = previous or {}
+    for p in plans:
+        cs = p.chunk_size
+        for key, e in p.entries.items():
+            if isinstance(e, TensorPlan):
+                entries[key] = _tensor_entry(e, cs, _refs(e.chunks, refs), old.get(key))
+            elif isinstance(e, ObjectPlan):
+                entries[key] = ObjectEntry(
+                    serializer="pickle", type_name=e.type_name, size=e.size, chunk_size=cs,
+                    chunks=_refs(e.chunks, refs),
+                )  # fmt: skip
+            elif isinstance(e, ShardedPlan):
+                entries[key] = sharded[logical(key)]
+            else:
+                entries[key] = e
+    return entries

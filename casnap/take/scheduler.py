@@ -1,0 +1,254 @@
+"""Write requests with declared memory costs, staged and executed under one budget.
+
+Every take, single-process or distributed, turns what it writes into
+:class:`WriteRequest` values: the bytes of one tensor, pickled object or
+(in a distributed take) one chunk this rank was assigned, with what reading
+them costs in memory. The same two functions then run them:
+
+- :func:`stage` (async takes only, in the caller's thread): copies the
+  requests whose bytes are the caller's own memory into the session's
+  staging pool, up to the staging share of the budget, so that training may
+  change the live tensors once ``async_take`` returns. Requests beyond the
+  share stay *live*: they are written first, and ``async_take`` returns only
+  once their bytes are consumed (:attr:`Scheduler.live_consumed`).
+- :class:`Scheduler` (the commit, in the caller's or a background thread):
+  hands each request's chunks to the :class:`~casnap.chunks.ChunkWriter`,
+  holding the request's copy cost in the :class:`~casnap.chunks.ByteBudget`
+  until its last chunk is written or packed, and batching small chunks.
+
+torchsnapshot's ``io_types.py``/``scheduler.py`` are the model: requests
+declare their cost, one scheduler keeps the sum under the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from casnap.chunks.budget import ByteBudget
+from casnap.chunks.io import BatchItem, ChunkBatcher, ChunkWriter
+from casnap.format.manifest import ChunkRef
+from casnap.settings import Settings
+from casnap.torch_io.staging import StagingPool
+from casnap.torch_io.tensors import byte_view, host_view
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    """The bytes of one value to write, cut into chunks of the take's chunk size.
+
+    ``tensor`` requests read a tensor's bytes when scheduled (``cost`` is the
+    contiguous host copy that needs, 0 for contiguous CPU memory); ``data``
+    requests are bytes at hand (a pickled payload, or one chunk of a
+    distributed take, whose ``digests`` the planner computed). ``live``: the
+    bytes are the caller's own memory, which training may change once an
+    async take returns.
+    """
+
+    key: str
+    nbytes: int
+    cost: int = 0
+    elem_size: int = 0  # floats compress better with their bytes grouped (codec)
+    live: bool = False
+    tensor: torch.Tensor | None = None
+    data: memoryview | None = None
+    owner: Any = None  # keeps ``data``'s memory alive
+    digests: Sequence[bytes] | None = None
+
+    def view(self) -> tuple[memoryview, Any]:
+        """The bytes and what keeps them alive (a host copy for non-contiguous tensors)."""
+        if self.tensor is not None:
+            return host_view(self.tensor, self.key)
+        assert self.data is not None
+        return self.data, self.owner
+
+
+def tensor_request(key: str, tensor: torch.Tensor) -> WriteRequest:
+    """A request for one tensor's bytes (row-major), staged or copied when scheduled."""
+    nbytes = tensor.numel() * tensor.element_size()
+    in_place = (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+    elem = tensor.element_size() if tensor.dtype.is_floating_point else 0
+    return WriteRequest(key, nbytes, 0 if in_place else nbytes, elem, True, tensor=tensor)
+
+
+def data_request(
+    key: str,
+    data: memoryview,
+    owner: Any = None,
+    *,
+    live: bool = False,
+    digests: Sequence[bytes] | None = None,
+) -> WriteRequest:
+    """A request for bytes at hand (``live``: they are the caller's tensor memory)."""
+    return WriteRequest(key, len(data), live=live, data=data, owner=owner, digests=digests)
+
+
+@dataclass
+class Staged:
+    """What :func:`stage` did: the requests to run, and the buffers to give back after."""
+
+    requests: list[WriteRequest]
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    kept_bytes: int = 0  # bytes the background keeps alive (staged or private)
+
+
+def stage(requests: Iterable[WriteRequest], limit: int, pool: StagingPool) -> Staged:
+    """Copy live requests into ``pool`` buffers while at most ``limit`` bytes are kept.
+
+    Requests whose bytes are already private (a pickled payload, a host copy
+    made while hashing) are not copied again but count against ``limit``,
+    since the background keeps them alive. Requests past the limit keep
+    ``live=True``: the scheduler writes them first. On failure the buffers
+    staged so far go back to the pool.
+    """
+    out = Staged([])
+    try:
+        for req in requests:
+            if out.kept_bytes + req.nbytes > limit:
+                out.requests.append(req if req.live else replace(req, live=False))
+                continue
+            out.kept_bytes += req.nbytes
+            if not req.live:
+                out.requests.append(req)
+                continue
+            if req.tensor is not None:
+                buf = pool.stage(req.tensor, limit)
+                out.requests.append(replace(req, tensor=buf, cost=0, live=False))
+            else:
+                assert req.data is not None
+                buf = pool.stage(torch.frombuffer(req.data, dtype=torch.uint8), limit)
+                out.requests.append(
+                    replace(req, data=byte_view(buf), owner=buf, cost=0, live=False)
+                )
+            out.buffers.append(buf)
+    except BaseException:
+        pool.give_back(out.buffers)
+        raise
+    return out
+
+
+class Scheduler:
+    """Runs write requests through one :class:`ChunkWriter` under one byte budget.
+
+    ``live_consumed`` is set once every chunk of every request marked ``live``
+    has been written or packed (at once if there are none), also when the
+    take fails: an ``async_take`` waiting on it must never hang.
+    """
+
+    def __init__(
+        self,
+        writer: ChunkWriter,
+        settings: Settings,
+        budget: ByteBudget,
+        live_consumed: threading.Event | None = None,
+    ) -> None:
+        self.writer = writer
+        self.settings = settings
+        self.budget = budget
+        self.live_consumed = live_consumed if live_consumed is not None else threading.Event()
+        self._live = _Countdown(self.live_consumed)
+
+    def run(self, requests: Sequence[WriteRequest]) -> dict[str, list[ChunkRef]]:
+        """Write every request (live ones first); returns each request's chunk refs by key."""
+        futures: dict[str, list[Future[ChunkRef]]] = {}
+        try:
+            batch = ChunkBatcher(self.writer)
+            ordered = [r for r in requests if r.live] + [r for r in requests if not r.live]
+            for req in ordered:
+                futures[req.key] = self._submit(req, batch)
+            batch.flush()
+            self._live.arm()
+            self.writer.finish([f for fs in futures.values() for f in fs])
+        finally:
+            self.live_consumed.set()
+        return {key: [f.result() for f in fs] for key, fs in futures.items()}
+
+    def _submit(self, req: WriteRequest, batch: ChunkBatcher) -> list[Future[ChunkRef]]:
+        cs = self.settings.chunk_size
+        count = math.ceil(req.nbytes / cs) if req.nbytes else 0
+        if count == 0:
+            return []
+        if req.cost:
+            self.budget.acquire(req.cost)  # the host copy stays under the budget
+        view, owner = req.view()
+        live = self._live if req.live else None
+        if live is not None:
+            live.add(count)
+        done = _Release(count, self.budget, req.cost, owner, live)
+        digests = req.digests
+        if count == 1 and req.nbytes < self.settings.pack_limit:
+            result: Future[ChunkRef] = Future()
+            digest = digests[0] if digests else None
+            batch.add(BatchItem(view, result, done, req.elem_size, digest))
+            return [result]
+        return [
+            self.writer.add(
+                view[i * cs : (i + 1) * cs], done, req.elem_size, digests[i] if digests else None
+            )
+            for i in range(count)
+        ]
+
+
+class _Release:
+    """Called once per chunk of a request: counts live chunks, frees the copy after the last."""
+
+    def __init__(
+        self, count: int, budget: ByteBudget, cost: int, owner: Any, live: _Countdown | None
+    ) -> None:
+        self._left = count
+        self._lock = threading.Lock()
+        self._budget = budget
+        self._cost = cost
+        self._owner: Any = owner  # the staged copy stays alive until the last chunk
+        self._live = live
+
+    def __call__(self) -> None:
+        if self._live is not None:
+            self._live.done()  # this chunk's bytes are hashed and written or packed
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            if self._cost:
+                self._budget.release(self._cost)
+            self._owner = None
+
+
+class _Countdown:
+    """Sets ``event`` once every added chunk is done and :meth:`arm` was called."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self._event = event
+        self._lock = threading.Lock()
+        self._left = 0
+        self._armed = False
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._left += n
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            fire = self._armed and self._left == 0
+        if fire:
+            self._event.set()
+
+    def arm(self) -> None:
+        """Every chunk has been added: from now on, zero means finished."""
+        with self._lock:
+            self._armed = True
+            fire = self._left == 0
+        if fire:
+            self._event.set()

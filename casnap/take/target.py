@@ -1,0 +1,151 @@
+"""Where a take goes, with which settings, and what it takes: shared by every take.
+
+Called by the single-process take and by every rank of a distributed take
+(rank 0 resolves the target; every rank resolves its settings and collects
+its own state), so the rules exist once: which repository, which name,
+which settings override which (:func:`take_settings`), which parents, and
+how an ``app_state`` becomes flat nodes (:func:`collect`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from casnap.errors import SnapshotExistsError, UnsupportedValueError
+from casnap.format.manifest import canonical_json
+from casnap.format.names import escape_key
+from casnap.repo.repository import RepoStorage, locate
+from casnap.settings import Settings, io_workers_for
+from casnap.take.session import Session
+from casnap.torch_io.flatten import Node, TensorLeaf, flatten
+from casnap.torch_io.stateful import RNGState
+
+TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
+
+# Keys of ``storage_options`` that tune the take rather than open the store.
+TAKE_OPTIONS = ("chunk_size", "compression")
+
+
+def split_options(
+    storage_options: dict[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``storage_options`` as (options for the store, setting overrides for the take)."""
+    options = dict(storage_options or {})
+    overrides = {k: options.pop(k) for k in TAKE_OPTIONS if k in options}
+    return options, overrides
+
+
+def take_settings(
+    repo: RepoStorage, overrides: Mapping[str, Any], chunk_size: int | None = None
+) -> Settings:
+    """The settings of a take into ``repo``: the one place overrides are resolved.
+
+    Lowest to highest: built-in defaults, the repository's own chunk size and
+    the store's kind of I/O concurrency, ``CASNAP_*`` variables, the take's
+    ``storage_options`` overrides, and ``chunk_size`` (a distributed take's,
+    chosen once by rank 0 for every rank).
+    """
+    wanted = dict(overrides)
+    if "chunk_size" not in wanted and "CASNAP_CHUNK_SIZE" not in os.environ:
+        wanted["chunk_size"] = repo.config.chunk_size
+    if chunk_size is not None:
+        wanted["chunk_size"] = chunk_size
+    if "CASNAP_IO_WORKERS" not in os.environ:
+        wanted["io_workers"] = io_workers_for(repo.root.capabilities.local)
+    return Settings.from_env().with_overrides(**wanted)
+
+
+def _order(app_state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    # RNG state is captured first, before other state_dict() calls could consume randomness.
+    items = list(app_state.items())
+    return [kv for kv in items if isinstance(kv[1], RNGState)] + [
+        kv for kv in items if not isinstance(kv[1], RNGState)
+    ]
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def collect(
+    app_state: Mapping[str, Any], rank: int, allow_pickle: bool, prepare: TensorPrepareFunc | None
+) -> dict[str, Node]:
+    nodes: dict[str, Node] = {}
+    for key, stateful in _order(app_state):
+        if not isinstance(key, str) or not key or not _utf8(key):
+            raise UnsupportedValueError(
+                f"app_state keys must be non-empty UTF-8 strings, got {key!r}"
+            )
+        if not callable(getattr(stateful, "state_dict", None)):
+            raise UnsupportedValueError(
+                f"app_state[{key!r}] is a {type(stateful).__name__} without state_dict(); "
+                "wrap plain values in casnap.StateDict",
+                key,
+            )
+        flatten(stateful.state_dict(), f"{rank}/{escape_key(key)}", allow_pickle, nodes)
+    if prepare is not None:
+        for key, node in nodes.items():
+            if isinstance(node, TensorLeaf):
+                nodes[key] = TensorLeaf(prepare(key, node.tensor, False))
+    return nodes
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a take goes and with what: shared by single-process and distributed takes."""
+
+    repo: RepoStorage
+    name: str
+    settings: Settings
+    metadata: dict[str, Any]
+    parents: list[str]
+
+
+def resolve_target(
+    path: str,
+    storage_options: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    parents: list[str] | None,
+    session: Session | None,
+) -> Target:
+    """Find or create the repository, check the name is free, validate metadata, pick parents."""
+    options, overrides = split_options(storage_options)
+    new_repo_chunk = int(overrides.get("chunk_size", Settings.from_env().chunk_size))
+    repo, name = locate(path, options, create=True, chunk_size=new_repo_chunk)
+    settings = take_settings(repo, overrides)
+    if repo.has_ref(name):
+        raise SnapshotExistsError(
+            f"snapshot {name!r} already exists in {repo.url}; snapshots are immutable", name
+        )
+    meta = dict(metadata or {})
+    try:
+        canonical_json(meta)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
+    if parents is None:  # the session's previous take or restore, if any
+        last = session.lineage.parent(repo.config.repo_id) if session is not None else None
+        parents = [last] if last else []
+    return Target(repo, name, settings, meta, list(parents))
+
+
+def staging_limit(budget: int, settings: Settings) -> int:
+    """Bytes an async take may stage: the budget less the writer's own working set.
+
+    The writer holds encoded chunks and compression buffers of every I/O
+    worker, the open pack, and copies of live tensors that are not contiguous
+    CPU memory: a synchronous take of 1 GiB peaks 61 MiB above the live state
+    with 4 workers and 4 MiB chunks (benchmarks/suite.py, rss). That reserve,
+    4 chunks per worker plus a pack, is kept out of the staging share, but
+    never more than half the budget.
+    """
+    reserve = 4 * settings.io_workers * settings.chunk_size + settings.pack_target
+    return budget - min(reserve, budget // 2)
