@@ -21,7 +21,7 @@ import time
 import torch
 from harness import scratch_dir
 
-from casnap import Snapshot, StateDict
+from casnap import Session, Snapshot, StateDict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,13 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     state = {f"layer{i}.weight": torch.randn(args.numel, generator=g) for i in range(args.tensors)}
     app = {"model": StateDict(state)}
     retake, save = [], []
+    session = Session()  # one training process: each re-take's parent is the previous
     with scratch_dir(args.workdir) as work:
         t0 = time.perf_counter()
-        Snapshot.take(os.path.join(work, "repo", "s0"), app)
+        Snapshot.take(os.path.join(work, "repo", "s0"), app, session=session)
         first = time.perf_counter() - t0
         for i in range(1, args.repeats + 1):
             t0 = time.perf_counter()
-            Snapshot.take(os.path.join(work, "repo", f"s{i}"), app)
+            Snapshot.take(os.path.join(work, "repo", f"s{i}"), app, session=session)
             retake.append(time.perf_counter() - t0)
             path = os.path.join(work, f"t{i}.pt")
             t0 = time.perf_counter()

@@ -185,15 +185,29 @@ class TorchSnapshot(System):
 
 
 class Casnap(System):
+    """One training process: its takes and restores share one :class:`casnap.Session`
+    (lineage, plan reuse, staging buffers), as a Checkpointer's do."""
+
+    def _session(self) -> Any:
+        import casnap
+
+        session = getattr(self, "_casnap_session", None)
+        if session is None:
+            session = casnap.Session()
+            object.__setattr__(self, "_casnap_session", session)
+        return session
+
     def save(self, state: State, path: str) -> Any:
         import casnap
 
-        return casnap.Snapshot.take(path, {"model": casnap.StateDict(state)})
+        return casnap.Snapshot.take(
+            path, {"model": casnap.StateDict(state)}, session=self._session()
+        )
 
     def load(self, path: str, target: State) -> State:
         import casnap
 
-        casnap.Snapshot(path).restore({"model": casnap.StateDict(target)})
+        casnap.Snapshot(path, session=self._session()).restore({"model": casnap.StateDict(target)})
         return target
 
     def read_one(self, path: str, key: str, like: torch.Tensor) -> torch.Tensor:
@@ -206,7 +220,9 @@ class Casnap(System):
     def async_save(self, state: State, path: str) -> Pending:
         import casnap
 
-        pending = casnap.Snapshot.async_take(path, {"model": casnap.StateDict(state)})
+        pending = casnap.Snapshot.async_take(
+            path, {"model": casnap.StateDict(state)}, session=self._session()
+        )
         return Pending(pending.wait)
 
 
