@@ -1,0 +1,1 @@
+"""The public face: Snapshot, Checkpointer and Repository, built on every layer below."""

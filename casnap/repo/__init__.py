@@ -1,0 +1,1 @@
+"""A repository on a store: config, manifests and refs (RepoStorage), leases, the gc lock, tags."""

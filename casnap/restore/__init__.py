@@ -1,0 +1,1 @@
+"""Reading snapshots back: restore and read_object, resharding of sharded entries, numeric drift."""

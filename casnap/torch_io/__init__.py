@@ -1,1 +1,2 @@
-"""The torch layers: tensor bytes, state flattening, stateful helpers."""
+"""The torch layer below the pipelines: tensor bytes, state flattening, sharded values,
+stateful helpers and the staging pool."""
