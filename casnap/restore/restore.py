@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -207,21 +207,71 @@ def restore_state(
         stateful.load_state_dict(inflate(manifest.entries, prefix, values, target))
 
 
+@dataclass
+class _Reads:
+    """One batch of chunk reads: where each chunk goes, under which budget.
+
+    Plain tensors and pickled objects form one batch; sharded entries form
+    batches of stored shards that fit half the budget (each overlapping shard
+    is staged whole, then copied into the target's boxes). Every batch runs
+    through the same verified reader (:func:`casnap.chunks.read_chunks`).
+    """
+
+    refs: list[ChunkRef]
+    sink: Callable[[int, Any], None]
+    budget: ByteBudget
+    dest: Callable[[int], memoryview | None] | None = None  # read straight into the target
+    before: Callable[[], None] = lambda: None  # allocate staging
+    after: Callable[[], None] = lambda: None  # copy staging out
+
+    def run(self, repo: RepoStorage, pool: ThreadPoolExecutor) -> None:
+        self.before()
+        if self.refs:
+            read_chunks(repo, self.refs, self.sink, pool, self.budget, self.dest)
+        self.after()
+
+
 def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None) -> dict[str, Any]:
-    """Read every planned tensor and object; returns them by key."""
+    """Read every planned tensor, object and sharded entry; returns them by key.
+
+    The one read path of restore and ``read_object``: plain and sharded
+    entries become batches of reads (:class:`_Reads`) run one after another
+    through the verified reader, each under its share of the budget.
+    """
+    limit = memory_budget_bytes or default_memory_budget()
+    sinks = {
+        k: TensorSink(e.dtype, e.shape, e.chunk_size, dest) for k, (e, dest) in load.tensors.items()
+    }
+    blobs: dict[str, bytearray] = {k: bytearray(e.size) for k, e in load.objects.items()}
+    workers = read_workers_for(repo.root.capabilities.local)
+    with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
+        for reads in [
+            _plain_reads(load, sinks, blobs, limit),
+            *_sharded_reads(load.sharded, limit),
+        ]:
+            reads.run(repo, pool)
+    values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
+    values.update((k, s.result) for k, s in load.sharded.items())
+    for key, blob in blobs.items():
+        try:
+            values[key] = pickle.loads(blob)  # only reached with allow_pickle=True
+        except Exception as exc:
+            raise IntegrityError(f"{key}: the pickled object cannot be loaded: {exc}", key) from exc
+    return values
+
+
+def _plain_reads(
+    load: _Load, sinks: dict[str, TensorSink], blobs: dict[str, bytearray], limit: int
+) -> _Reads:
+    """The reads of every plain tensor and pickled object, in one batch."""
     refs: list[ChunkRef] = []
     routes: list[tuple[str, int]] = []
-    sinks: dict[str, TensorSink] = {}
-    for key, (entry, dest) in load.tensors.items():
-        sinks[key] = TensorSink(entry.dtype, entry.shape, entry.chunk_size, dest)
-        for i, ref in enumerate(entry.chunks):
-            refs.append(ref)
-            routes.append((key, i))
-    blobs: dict[str, bytearray] = {k: bytearray(e.size) for k, e in load.objects.items()}
+    for key, (entry, _dest) in load.tensors.items():
+        refs.extend(entry.chunks)
+        routes.extend((key, i) for i in range(len(entry.chunks)))
     for key, obj in load.objects.items():
-        for i, ref in enumerate(obj.chunks):
-            refs.append(ref)
-            routes.append((key, i))
+        refs.extend(obj.chunks)
+        routes.extend((key, i) for i in range(len(obj.chunks)))
 
     def sink(index: int, data: Any) -> None:
         key, i = routes[index]
@@ -235,35 +285,20 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
         key, i = routes[index]
         return sinks[key].view_for(i, refs[index].size) if key in sinks else None
 
-    limit = memory_budget_bytes or default_memory_budget()
-    workers = read_workers_for(repo.root.capabilities.local)
-    with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
-        if refs:
-            read_chunks(repo, refs, sink, pool, ByteBudget(limit), landing)
-        if load.sharded:
-            _load_sharded(repo, load.sharded, pool, limit)
-    values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
-    values.update((k, s.result) for k, s in load.sharded.items())
-    for key, blob in blobs.items():
-        try:
-            values[key] = pickle.loads(blob)  # only reached with allow_pickle=True
-        except Exception as exc:
-            raise IntegrityError(f"{key}: the pickled object cannot be loaded: {exc}", key) from exc
-    return values
+    return _Reads(refs, sink, ByteBudget(limit), landing)
 
 
-def _load_sharded(
-    repo: RepoStorage, sharded: Mapping[str, ShardedSink], pool: ThreadPoolExecutor, limit: int
-) -> None:
-    """Read sharded entries a group of stored shards at a time, staging at most half the budget.
+def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Reads]:
+    """Batches of stored shards whose staging fits half the budget (reads get the rest).
 
-    Each stored shard that overlaps the target is staged whole; a group's
-    staging plus the reads in flight (the other half) stay under ``limit``. A
-    single shard larger than half the budget is staged alone, as the budget's
-    rule for one oversized request has it.
+    Each stored shard that overlaps the target is staged whole; a batch's
+    staging plus the reads in flight stay under ``limit``. A single shard
+    larger than half the budget is staged alone, as the budget's rule for one
+    oversized request has it.
     """
     units = [(key, si, n) for key, s in sharded.items() for si, n in s.shard_units()]
     share = max(1, limit // 2)
+    batches: list[_Reads] = []
     group: dict[str, set[int]] = {}
     staged = 0
     for i, (key, si, nbytes) in enumerate(units):
@@ -271,32 +306,33 @@ def _load_sharded(
         staged += nbytes
         last = i == len(units) - 1
         if last or staged + units[i + 1][2] > share:
-            _load_group(repo, sharded, group, pool, ByteBudget(max(1, limit - share)))
+            batches.append(_shard_batch(sharded, group, ByteBudget(max(1, limit - share))))
             group, staged = {}, 0
+    return batches
 
 
-def _load_group(
-    repo: RepoStorage,
-    sharded: Mapping[str, ShardedSink],
-    group: dict[str, set[int]],
-    pool: ThreadPoolExecutor,
-    budget: ByteBudget,
-) -> None:
+def _shard_batch(
+    sharded: Mapping[str, ShardedSink], group: dict[str, set[int]], budget: ByteBudget
+) -> _Reads:
     refs: list[ChunkRef] = []
     routes: list[tuple[str, int]] = []
-    for key, shards in group.items():
-        sharded[key].allocate(shards)
-        for route, ref in sharded[key].needed_of(shards):
-            refs.append(ref)
-            routes.append((key, route))
+
+    def allocate() -> None:
+        for key, shards in group.items():
+            sharded[key].allocate(shards)
+            for route, ref in sharded[key].needed_of(shards):
+                refs.append(ref)
+                routes.append((key, route))
 
     def sink(index: int, data: Any) -> None:
         key, route = routes[index]
         sharded[key].write(route, data)
 
-    read_chunks(repo, refs, sink, pool, budget)
-    for key, shards in group.items():
-        sharded[key].copy_out(shards)
+    def copy_out() -> None:
+        for key, shards in group.items():
+            sharded[key].copy_out(shards)
+
+    return _Reads(refs, sink, budget, None, allocate, copy_out)
 
 
 def read_entry(
