@@ -7,6 +7,8 @@ keeps working for code that does not know casnap.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CasnapError(Exception):
     """Root of every error raised by casnap."""
@@ -84,8 +86,12 @@ class UnsupportedValueError(StateError, TypeError):
     """A value in the state cannot be stored (or only with pickling allowed)."""
 
 
-class PickleNotAllowedError(StateError, PermissionError):
-    """An entry needs pickle to store or load and the caller did not opt in."""
+class PickleNotAllowedError(StateError, TypeError):
+    """An entry needs pickle to store or load and the caller did not opt in.
+
+    A ``TypeError`` (a value of a type that cannot go through without the
+    opt-in), not an ``OSError``: nothing about the file system is wrong.
+    """
 
 
 class MissingKeyError(StateError, KeyError):
@@ -108,3 +114,56 @@ class ShapeMismatchError(StateError, ValueError):
 
 class RetentionError(CasnapError, ValueError):
     """A retention rule or plan that is invalid, or that would delete every snapshot."""
+
+
+class ConfigError(CasnapError, ValueError):
+    """A setting or argument has a value casnap cannot use (``name``: the variable or argument)."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class LeaseLostError(CasnapError, RuntimeError):
+    """A lease (or the gc lock) could not be kept alive; its holder must not commit."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class GcBusyError(CasnapError, TimeoutError):
+    """Another gc holds ``.casnap/gc.lock`` and did not release it in time (``holder``)."""
+
+    def __init__(self, message: str, holder: Any = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class GcBlockedError(CasnapError, TimeoutError):
+    """Takes (leases) stayed in flight for longer than gc was willing to wait."""
+
+    def __init__(self, message: str, leases: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.leases = leases
+
+
+class DistributedTakeError(CasnapError, RuntimeError):
+    """A distributed take failed on one or more ranks; no ref was written."""
+
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+class ReplicaMismatchError(DistributedTakeError, ValueError):
+    """Values declared replicated differ between ranks (``mismatches``: key -> rank groups)."""
+
+    def __init__(self, message: str, mismatches: dict[str, list[list[int]]]) -> None:
+        ranks = sorted({r for groups in mismatches.values() for g in groups for r in g})
+        super().__init__(message, tuple(ranks))
+        self.mismatches = mismatches
+
+
+class GcRefusedError(CasnapError, RuntimeError):
+    """gc cannot tell what is reachable (a root is unreadable), so it deletes nothing."""

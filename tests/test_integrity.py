@@ -133,12 +133,13 @@ def _rewrite_manifest(tmp_path, mutate) -> None:
         (lambda d: d["entries"]["0/s/w"]["chunks"][0].update(length=3), "length"),
         (lambda d: d["entries"]["0/s/w"].update(kind="lambda"), "kind"),
         (lambda d: d["entries"]["0/s/w"].update(evil=1), "evil"),
+        (lambda d: d.pop("format_version"), "no format_version"),
     ],
 )
 def test_malicious_manifests_are_refused_before_anything_is_read(tmp_path, mutate, match):
     take(tmp_path, "s1", {"s": StateDict(w=torch.randn(10))})
     _rewrite_manifest(tmp_path, mutate)
-    expected = UnsupportedFormatError if "version" in match else ManifestValidationError
+    expected = UnsupportedFormatError if "format version" in match else ManifestValidationError
     with pytest.raises(expected, match=match):
         Snapshot(str(tmp_path / "repo" / "s1")).get_manifest()
 
@@ -220,3 +221,13 @@ def test_a_failed_take_leaves_no_ref_and_earlier_snapshots_restorable(tmp_path):
     snap = take(tmp_path, "s2", {"s": state})
     stats = snap.last_take_stats
     assert stats.chunks_written < stats.chunks
+
+
+def test_a_config_without_format_version_is_refused(tmp_path):
+    take(tmp_path, "s1", {"s": StateDict(w=torch.randn(10))})
+    config = tmp_path / "repo" / ".casnap" / "config.json"
+    doc = json.loads(config.read_text())
+    del doc["format_version"]
+    config.write_bytes(canonical_json(doc))
+    with pytest.raises(ManifestValidationError, match="no format_version"):
+        Repository.open(str(tmp_path / "repo"))

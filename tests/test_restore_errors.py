@@ -267,7 +267,7 @@ def test_arbitrary_object_needs_allow_pickle(tmp_path: Any) -> None:
     state = StateDict(w=torch.arange(4.0), obj=Opaque(3))
     with pytest.raises(PickleNotAllowedError, match="0/s/obj") as info:
         Snapshot.take(f"{repo}/refused", {"s": state})
-    assert isinstance(info.value, PermissionError)
+    assert isinstance(info.value, TypeError) and not isinstance(info.value, OSError)
     assert "Opaque" in str(info.value) and "allow_pickle" in str(info.value)
     assert Repository.open(repo).list_snapshots() == []
 

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from casnap.api.snapshot import PendingSnapshot, Snapshot
+from casnap.errors import ConfigError
 from casnap.format.names import check_ref_name
 from casnap.ops.retention import (
     RetentionPolicy,
@@ -98,9 +99,13 @@ class Checkpointer:
         session: Session | None = None,
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool):
-            raise TypeError(f"every_n_steps must be an int, got {every_n_steps!r}")
+            raise ConfigError(
+                f"every_n_steps must be an int, got {every_n_steps!r}", "every_n_steps"
+            )
         if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}")
+            raise ConfigError(
+                f"every_n_steps must be at least 1, got {every_n_steps}", "every_n_steps"
+            )
         self.every_n_steps = every_n_steps
         self.retention = retention
         self.async_take = async_take

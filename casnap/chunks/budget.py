@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from casnap.errors import ConfigError
+
 
 class ByteBudget:
     """Blocks ``acquire(n)`` while more than ``limit`` bytes are held.
@@ -15,7 +17,7 @@ class ByteBudget:
 
     def __init__(self, limit: int) -> None:
         if limit <= 0:
-            raise ValueError("memory budget must be positive")
+            raise ConfigError(f"memory budget must be positive, got {limit}", "memory_budget_bytes")
         self.limit = limit
         self.held = 0
         self.peak = 0

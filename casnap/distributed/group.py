@@ -20,26 +20,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from casnap.errors import CasnapError
+from casnap.errors import (  # noqa: F401  (defined in errors.py, imported from here too)
+    CasnapError,
+    DistributedTakeError,
+    ReplicaMismatchError,
+)
 
 DEFAULT_TIMEOUT = 600.0  # seconds; CASNAP_DIST_TIMEOUT overrides
-
-
-class DistributedTakeError(CasnapError, RuntimeError):
-    """A distributed take failed on one or more ranks; no ref was written."""
-
-    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        self.failed_ranks = failed_ranks
-
-
-class ReplicaMismatchError(DistributedTakeError, ValueError):
-    """Values declared replicated differ between ranks (``mismatches``: key -> rank groups)."""
-
-    def __init__(self, message: str, mismatches: dict[str, list[list[int]]]) -> None:
-        ranks = sorted({r for groups in mismatches.values() for g in groups for r in g})
-        super().__init__(message, tuple(ranks))
-        self.mismatches = mismatches
 
 
 def dist_timeout() -> float:

@@ -300,8 +300,15 @@ def _load_json(data: bytes, what: str) -> Any:
         raise ManifestValidationError(f"{what}: not valid JSON: {exc}", what) from exc
 
 
-def _parse(model: type[_Model], data: bytes, what: str) -> Any:
+def _parse(model: type[_Model], data: bytes, what: str, *, versioned: bool = False) -> Any:
     raw = _load_json(data, what)
+    if versioned and isinstance(raw, dict) and "format_version" not in raw:
+        # A default would read any document as the current version (docs/format.md).
+        raise ManifestValidationError(
+            f"{what} has no format_version; every casnap manifest and config names its "
+            "format, so this is not one (or it is damaged)",
+            what,
+        )
     if isinstance(raw, dict) and isinstance(raw.get("format_version"), str):
         check_version(raw["format_version"], what)
     try:
@@ -323,12 +330,12 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
         raise ManifestValidationError(f"{what} is larger than {MAX_MANIFEST_BYTES} bytes", name)
     if hash_bytes(data) != name:
         raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
-    manifest: Manifest = _parse(Manifest, data, what)
+    manifest: Manifest = _parse(Manifest, data, what, versioned=True)
     return manifest
 
 
 def parse_config(data: bytes) -> RepoConfig:
-    config: RepoConfig = _parse(RepoConfig, data, "repository config")
+    config: RepoConfig = _parse(RepoConfig, data, "repository config", versioned=True)
     return config
 
 

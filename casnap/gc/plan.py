@@ -16,7 +16,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from casnap.errors import CasnapError, SnapshotNotFoundError
+from casnap.errors import (
+    CasnapError,
+    GcRefusedError,  # noqa: F401  (defined in errors.py)
+    SnapshotNotFoundError,
+)
 from casnap.gc.backend import Listed, scan
 from casnap.repo.leases import scan_leases
 from casnap.repo.repository import RepoStorage, chunk_key, now_iso, pack_key
@@ -31,10 +35,6 @@ Progress = Callable[[int, int], None]
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _SWEPT = ("manifests", "chunks", "packs")
 _SMALL = ("refs", "tags", "leases")
-
-
-class GcRefusedError(CasnapError, RuntimeError):
-    """gc cannot tell what is reachable (a root is unreadable), so it deletes nothing."""
 
 
 # -- what the plan deletes -------------------------------------------------

@@ -46,8 +46,11 @@ from types import TracebackType
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
-from casnap.errors import (
+from casnap.errors import (  # noqa: F401  (defined in errors.py)
     CasnapError,
+    GcBlockedError,
+    GcBusyError,
+    LeaseLostError,
     ManifestValidationError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -67,30 +70,6 @@ MAX_RECORD_BYTES = 64 * 1024
 # takes milliseconds) and backs off to this.
 _POLL_MAX = 0.25
 _POLL_MIN = 0.01
-
-
-class LeaseLostError(CasnapError, RuntimeError):
-    """A lease (or the gc lock) could not be kept alive; its holder must not commit."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-class GcBusyError(CasnapError, TimeoutError):
-    """Another gc holds ``.casnap/gc.lock`` and did not release it in time."""
-
-    def __init__(self, message: str, holder: LeaseRecord | None = None) -> None:
-        super().__init__(message)
-        self.holder = holder
-
-
-class GcBlockedError(CasnapError, TimeoutError):
-    """Takes (leases) stayed in flight for longer than gc was willing to wait."""
-
-    def __init__(self, message: str, leases: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.leases = leases
 
 
 def lease_ttl() -> float:

@@ -33,7 +33,7 @@ import torch
 
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.io import ChunkWriter, WriteStats
-from casnap.errors import UnsupportedValueError
+from casnap.errors import ConfigError, UnsupportedValueError
 from casnap.format.manifest import ChunkRef, ContainerEntry, Manifest, PrimitiveEntry
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
@@ -156,7 +156,10 @@ def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
 def check_budget(memory_budget_bytes: int | None) -> int:
     """The take's memory budget: the argument, else the default; refuses a non-positive one."""
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
-        raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
+        raise ConfigError(
+            f"memory_budget_bytes must be positive, got {memory_budget_bytes}",
+            "memory_budget_bytes",
+        )
     return memory_budget_bytes or default_memory_budget()
 
 
