@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from casnap.api.repository import Repository
 from casnap.errors import (
     CasnapError,
     ConfigError,
@@ -43,7 +44,6 @@ from casnap.ops.retention import (
     execute_retention,
     plan_retention,
 )
-from casnap.repo.repository import RepoStorage as Repository  # the public face replaces this alias
 from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 
 # The torch layers load on first use, so that listing, du, gc and verify (and

@@ -24,6 +24,7 @@ from casnap.errors import (
     UnexpectedKeyError,
     UnsupportedValueError,
 )
+from casnap.repo.repository import RepoStorage
 
 
 class Opaque:
@@ -341,7 +342,7 @@ def test_failed_take_leaves_no_ref_and_earlier_snapshots_restore(
         with pytest.raises(UnsupportedValueError, match="0/q/t"):
             take(f"{repo}/quantized", {"model": model, "q": StateDict(t=quantized)})
     # Fails after the chunks are written, before the commit point (the ref).
-    monkeypatch.setattr(Repository, "write_manifest", _disk_full)
+    monkeypatch.setattr(RepoStorage, "write_manifest", _disk_full)
     with pytest.raises(OSError, match="disk full"):
         Snapshot.take(f"{repo}/late", {"model": model})
     pending = Snapshot.async_take(f"{repo}/async", {"model": model})

@@ -81,6 +81,13 @@ class RepoStorage:
         self.config = config
         self.url = root.url
 
+    @classmethod
+    def _make(cls, root: ObjectStore, config: RepoConfig) -> Any:
+        """An instance of ``cls`` over ``root``, whatever ``cls``'s own constructor takes."""
+        obj = cls.__new__(cls)
+        RepoStorage.__init__(obj, root, config)
+        return obj
+
     # -- opening ---------------------------------------------------------
     @classmethod
     def open(cls, url: str, storage_options: dict[str, Any] | None = None) -> RepoStorage:
@@ -89,7 +96,7 @@ class RepoStorage:
             data = root.get(f"{META}/{CONFIG_KEY}")
         except ObjectNotFoundError as exc:
             raise RepositoryNotFoundError(f"no casnap repository at {url!r}") from exc
-        return cls(root, parse_config(data))
+        return cls._make(root, parse_config(data))
 
     @classmethod
     def open_or_create(
@@ -111,7 +118,7 @@ class RepoStorage:
         """
         key = f"{META}/{CONFIG_KEY}"
         try:
-            return cls(root, parse_config(root.get(key)))
+            return cls._make(root, parse_config(root.get(key)))
         except ObjectNotFoundError:
             pass
         config = RepoConfig(
@@ -124,7 +131,7 @@ class RepoStorage:
             root.put(key, canonical_json(config.model_dump(mode="json")), create_only=True)
         except ObjectExistsError:
             config = parse_config(root.get(key))
-        return cls(root, config)
+        return cls._make(root, config)
 
     @staticmethod
     def exists_at(url: str, storage_options: dict[str, Any] | None = None) -> bool:
