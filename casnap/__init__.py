@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from casnap import settings
 from casnap.api.repository import Repository
 from casnap.errors import (
+    ArgumentTypeError,
     CasnapError,
     ConfigError,
     DistributedTakeError,
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
     from casnap.torch_io.stateful import RNGState, StateDict, Stateful
 
 __all__ = [
+    "ArgumentTypeError",
     "CasnapError",
     "ConfigError",
     "DistributedTakeError",
@@ -117,6 +120,7 @@ __all__ = [
     "PickleNotAllowedError",
     "RNGState",
     "Repository",
+    "settings",
     "RepositoryError",
     "RepositoryNotFoundError",
     "ShapeMismatchError",

@@ -7,6 +7,7 @@ keeps working for code that does not know casnap.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -116,6 +117,14 @@ class RetentionError(CasnapError, ValueError):
     """A retention rule or plan that is invalid, or that would delete every snapshot."""
 
 
+class ArgumentTypeError(CasnapError, TypeError):
+    """An argument of a public function has the wrong type (``name``: the argument)."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 class ConfigError(CasnapError, ValueError):
     """A setting or argument has a value casnap cannot use (``name``: the variable or argument)."""
 
@@ -167,3 +176,37 @@ class ReplicaMismatchError(DistributedTakeError, ValueError):
 
 class GcRefusedError(CasnapError, RuntimeError):
     """gc cannot tell what is reachable (a root is unreadable), so it deletes nothing."""
+
+
+# -- argument checks shared by the public entry points -------------------------
+
+
+def expect_type(value: Any, types: type | tuple[type, ...], name: str, wanted: str) -> Any:
+    """``value`` if it is one of ``types`` (a bool is not an int here), else ArgumentTypeError."""
+    ok = isinstance(value, types)
+    if ok and isinstance(value, bool):
+        ok = bool in (types if isinstance(types, tuple) else (types,))
+    if not ok:
+        raise ArgumentTypeError(
+            f"{name} must be {wanted}, got {type(value).__name__} {value!r:.80}", name
+        )
+    return value
+
+
+def as_path(value: Any, name: str = "path") -> str:
+    """A path or URL argument as text: a ``str`` or ``os.PathLike``, else ArgumentTypeError."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, bytes) or not isinstance(value, str):
+        expect_type(value, str, name, "a path or URL (str or os.PathLike)")
+    return value
+
+
+def as_names(value: Any, name: str) -> list[str] | None:
+    """An optional list of strings (a bare string is refused: it is not a list of names)."""
+    if value is None:
+        return None
+    expect_type(value, (list, tuple), name, "a list of strings")
+    for item in value:
+        expect_type(item, str, f"{name}[...]", "a string")
+    return list(value)

@@ -1,17 +1,40 @@
-"""Defaults, overridable by ``CASNAP_*`` environment variables.
+"""Every tunable of casnap in one table, read one way.
 
-Settings are read when an operation starts and passed down explicitly; no
-module keeps mutable global configuration.
+Each setting has a name (``chunk_size``), an environment variable
+(``CASNAP_CHUNK_SIZE``), a kind, a default and bounds (``VARIABLES``). A value
+comes from, highest first: an active ``override(...)`` block, the environment
+variable, the default. Every value is parsed by the same policy: a value that
+cannot be used raises ``ConfigError`` naming the variable; nothing is silently
+ignored. Sizes accept plain bytes or units (``4MiB``, ``1.5GB``) through
+``pydantic.ByteSize``.
+
+Operations read settings when they start and pass them down (``Settings`` for
+a take's chunking and compression); no module keeps configuration of its own.
+``override`` is a context manager, like torchsnapshot's knobs, but scoped to
+the current thread and the tasks it starts (a ``ContextVar``), so two threads
+can use different values and nothing leaks out of the block::
+
+    with casnap.settings.override(chunk_size="1MiB", memory_budget="2GiB"):
+        Snapshot.take(path, app_state)
+
+Background work that casnap starts on behalf of a call (an ``async_take``'s
+commit) runs in a copy of the caller's context, so it sees the same values.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
-from casnap.errors import CasnapError
+from casnap.errors import ConfigError
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 # Chosen by benchmarks/chunk_size.py; see docs/chunking.md.
 DEFAULT_CHUNK_SIZE = 4 * MiB
@@ -27,46 +50,232 @@ DEFAULT_IO_WORKERS = 4
 DEFAULT_READ_WORKERS = 12
 # Object stores answer each request with latency, not bandwidth: keep many in flight.
 DEFAULT_REMOTE_IO_WORKERS = 16
+DEFAULT_LEASE_TTL = 120.0
+DEFAULT_DIST_TIMEOUT = 600.0
+DEFAULT_INDEX_MAP_SIZE = 4 * GiB
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
-def io_workers_for(local: bool) -> int:
-    """Concurrent store requests for a local or a remote store (``CASNAP_IO_WORKERS`` wins)."""
-    return _env_int("CASNAP_IO_WORKERS", DEFAULT_IO_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS)
+@dataclass(frozen=True)
+class Variable:
+    """One setting: its name, its ``CASNAP_*`` variable, how it parses and what it means."""
+
+    name: str
+    kind: str  # "size", "int", "float", "bool", "choice", "path"
+    default: Any  # a value, or None: "computed when read" (see doc)
+    doc: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> str:
+        return "CASNAP_" + self.name.upper()
+
+    def parse(self, raw: object, source: str) -> Any:
+        """The value of ``raw`` (text from the environment, or a Python value from override)."""
+        label = self.env if source == "env" else self.name
+        where = f"{label}={raw!r}"
+        value = _PARSERS[self.kind](self, raw, where, label)
+        if self.kind in ("size", "int", "float"):
+            if self.minimum is not None and value < self.minimum:
+                bound = _show(self, self.minimum)
+                raise ConfigError(f"{where}: must be at least {bound}", label)
+            if self.maximum is not None and value > self.maximum:
+                bound = _show(self, self.maximum)
+                raise ConfigError(f"{where}: must be at most {bound}", label)
+        return value
 
 
-def read_workers_for(local: bool) -> int:
-    """Concurrent reads of a restore or read_object (``CASNAP_IO_WORKERS`` wins)."""
-    default = DEFAULT_READ_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS
-    return _env_int("CASNAP_IO_WORKERS", default)
+def _show(var: Variable, bound: float) -> str:
+    return f"{int(bound)} bytes" if var.kind == "size" else f"{bound:g}"
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+def _parse_size(var: Variable, raw: object, where: str, label: str) -> int:
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    wrong = f"{where}: expected a size in bytes, like 4194304 or 4MiB"
+    if isinstance(raw, bool):
+        raise ConfigError(wrong, label)
     try:
-        value = int(raw)
+        text = raw.strip() if isinstance(raw, str) else raw
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except (ValidationError, TypeError, ValueError) as exc:
+        raise ConfigError(wrong, label) from exc
+
+
+def _parse_int(var: Variable, raw: object, where: str, label: str) -> int:
+    if isinstance(raw, bool):
+        raise ConfigError(f"{where}: expected an integer", label)
+    if isinstance(raw, int):
+        return raw
+    try:
+        return int(str(raw).strip(), 10)
     except ValueError as exc:
-        raise CasnapError(f"{name}={raw!r} is not an integer") from exc
-    if value < 0:
-        raise CasnapError(f"{name}={raw!r} must not be negative")
+        raise ConfigError(f"{where}: expected an integer", label) from exc
+
+
+def _parse_float(var: Variable, raw: object, where: str, label: str) -> float:
+    if isinstance(raw, bool):
+        raise ConfigError(f"{where}: expected a number of seconds", label)
+    try:
+        value = float(raw.strip() if isinstance(raw, str) else raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: expected a number of seconds", label) from exc
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ConfigError(f"{where}: expected a finite number of seconds", label)
     return value
 
 
+def _parse_bool(var: Variable, raw: object, where: str, label: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{where}: expected one of {', '.join(_TRUE + _FALSE)}", label)
+
+
+def _parse_choice(var: Variable, raw: object, where: str, label: str) -> str:
+    text = str(raw).strip().lower()
+    if text not in var.choices:
+        raise ConfigError(f"{where}: expected one of {', '.join(var.choices)}", label)
+    return text
+
+
+def _parse_path(var: Variable, raw: object, where: str, label: str) -> Path:
+    if not isinstance(raw, (str, os.PathLike)) or not str(raw).strip():
+        raise ConfigError(f"{where}: expected a directory path", label)
+    return Path(raw).expanduser()
+
+
+_PARSERS: dict[str, Callable[[Variable, object, str, str], Any]] = {
+    "size": _parse_size,
+    "int": _parse_int,
+    "float": _parse_float,
+    "bool": _parse_bool,
+    "choice": _parse_choice,
+    "path": _parse_path,
+}
+
+
+def _table(*variables: Variable) -> dict[str, Variable]:
+    return {v.name: v for v in variables}
+
+
+VARIABLES: Mapping[str, Variable] = _table(
+    Variable("chunk_size", "size", None, "Bytes per chunk of a new take. Unset: the repository's "
+             "own chunk size (4 MiB for a new one).", minimum=4096, maximum=GiB),
+    Variable("pack_threshold", "size", DEFAULT_PACK_THRESHOLD, "Chunks smaller than this (and "
+             "than a quarter chunk) are packed with others into one object.", minimum=0),
+    Variable("pack_target", "size", DEFAULT_PACK_TARGET, "A pack object is closed once it "
+             "holds this many bytes.", minimum=1),
+    Variable("compression", "choice", "auto", "auto: zstd where it pays; none: store raw.",
+             choices=("auto", "none")),
+    Variable("zstd_level", "int", DEFAULT_ZSTD_LEVEL, "zstd level of compressed chunks.",
+             minimum=-7, maximum=22),
+    Variable("io_workers", "int", None, "Concurrent store requests of a take, restore or "
+             "export. Unset: 4 writers and 12 readers on a local disk, 16 on a remote store.",
+             minimum=1, maximum=1024),
+    Variable("memory_budget", "size", None, "Bytes of host memory a take, restore or "
+             "export may hold. Unset: a quarter of available memory, at least 64 MiB.",
+             minimum=1),
+    Variable("staging_cache", "size", None, "Idle async-staging buffers a Session keeps for "
+             "the next take. Unset: the memory budget.", minimum=0),
+    Variable("lease_ttl", "float", DEFAULT_LEASE_TTL, "Seconds a take's lease (and gc's lock) "
+             "lives without renewal.", minimum=0.001, maximum=7 * 86400),
+    Variable("dist_timeout", "float", DEFAULT_DIST_TIMEOUT, "Seconds a rank of a distributed "
+             "take waits for the others before the take fails.", minimum=0.001, maximum=7 * 86400),
+    Variable("index", "bool", True, "Whether takes and history use the local LMDB index."),
+    Variable("index_dir", "path", None, "Where the local index lives. Unset: "
+             "~/.cache/casnap/index."),
+    Variable("index_map_size", "size", DEFAULT_INDEX_MAP_SIZE, "LMDB map size of the index "
+             "(address space, not disk).", minimum=MiB),
+    Variable("state_dir", "path", None, "Where the CLI remembers state between runs (the "
+             "part of `verify --part` to check next). Unset: ~/.cache/casnap."),
+)  # fmt: skip
+
+# What override() blocks set, per thread and task; a ContextVar, not process-wide state.
+_OVERRIDES: ContextVar[Mapping[str, Any]] = ContextVar("casnap_settings_overrides")
+
+
+def _variable(name: str) -> Variable:
+    try:
+        return VARIABLES[name]
+    except KeyError:
+        known = ", ".join(VARIABLES)
+        raise ConfigError(f"unknown setting {name!r}; known: {known}", name) from None
+
+
+def is_set(name: str) -> bool:
+    """Whether ``name`` has a value from an override or its environment variable."""
+    var = _variable(name)
+    return name in _OVERRIDES.get({}) or bool(os.environ.get(var.env, "").strip())
+
+
+def get(name: str, default: Any = None) -> Any:
+    """The value of setting ``name``: override, else environment, else ``default``/the table's.
+
+    ``default`` is for settings whose fallback is computed by the caller (the
+    table's default is None for those).
+    """
+    var = _variable(name)
+    overrides = _OVERRIDES.get({})
+    if name in overrides:
+        return overrides[name]
+    raw = os.environ.get(var.env, "")
+    if raw.strip():
+        return var.parse(raw, "env")
+    return var.default if default is None else default
+
+
+@contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Use these values inside the block (this thread and what it starts); restore them after.
+
+    Values are checked like environment variables (``ConfigError`` names the
+    bad one); ``None`` removes an override made by an outer block.
+    """
+    current = dict(_OVERRIDES.get({}))
+    for name, raw in values.items():
+        var = _variable(name)
+        if raw is None:
+            current.pop(name, None)
+        else:
+            current[name] = var.parse(raw, "override")
+    token = _OVERRIDES.set(current)
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+# -- derived values ----------------------------------------------------------
+
+
+def io_workers_for(local: bool) -> int:
+    """Concurrent store requests of a take on a local or a remote store."""
+    return get("io_workers", DEFAULT_IO_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS)
+
+
+def read_workers_for(local: bool) -> int:
+    """Concurrent reads of a restore or read_object."""
+    return get("io_workers", DEFAULT_READ_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS)
+
+
 def staging_cache_bytes() -> int | None:
-    """``CASNAP_STAGING_CACHE``: idle async-staging buffers kept for the next take (None: unset)."""
-    raw = os.environ.get("CASNAP_STAGING_CACHE")
-    if raw is None or raw == "":
-        return None
-    return _env_int("CASNAP_STAGING_CACHE", 0)
-
-
-def _env_str(name: str, default: str) -> str:
-    return os.environ.get(name) or default
+    """Idle async-staging buffers kept for the next take (None: unset)."""
+    return get("staging_cache")
 
 
 def default_memory_budget() -> int:
-    """A quarter of the memory available now, at least 64 MiB (``CASNAP_MEMORY_BUDGET``)."""
+    """The memory budget setting, else a quarter of the memory available now (at least 64 MiB)."""
+    if is_set("memory_budget"):
+        return int(get("memory_budget"))
     available = 0
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
@@ -74,15 +283,46 @@ def default_memory_budget() -> int:
                 if line.startswith("MemAvailable:"):
                     available = int(line.split()[1]) * 1024
                     break
-    except OSError:
+    except (OSError, ValueError, IndexError):
         available = 0
-    fallback = max(64 * MiB, available // 4) if available else 1024 * MiB
-    return _env_int("CASNAP_MEMORY_BUDGET", fallback)
+    return max(64 * MiB, available // 4) if available else 1024 * MiB
+
+
+def lease_ttl() -> float:
+    """Seconds a lease lives without renewal."""
+    return float(get("lease_ttl"))
+
+
+def dist_timeout() -> float:
+    """Seconds any rank waits for the others before failing the take (bounded failure)."""
+    return float(get("dist_timeout"))
+
+
+def index_enabled() -> bool:
+    """Whether takes and history use the index."""
+    return bool(get("index"))
+
+
+def index_root() -> Path:
+    """The folder that holds one index per repository."""
+    return get("index_dir", Path.home() / ".cache" / "casnap" / "index")
+
+
+def index_map_size() -> int:
+    return int(get("index_map_size"))
+
+
+def state_dir() -> Path:
+    """Where the CLI keeps state between runs."""
+    return get("state_dir", Path.home() / ".cache" / "casnap")
+
+
+# -- the settings of one take ------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Tunables of a take or restore. ``Settings.from_env()`` gives the defaults."""
+    """Tunables of a take or restore. ``Settings.from_env()`` gives the current values."""
 
     chunk_size: int = DEFAULT_CHUNK_SIZE
     pack_threshold: int = DEFAULT_PACK_THRESHOLD
@@ -93,31 +333,25 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        s = cls(
-            chunk_size=_env_int("CASNAP_CHUNK_SIZE", DEFAULT_CHUNK_SIZE),
-            pack_threshold=_env_int("CASNAP_PACK_THRESHOLD", DEFAULT_PACK_THRESHOLD),
-            pack_target=_env_int("CASNAP_PACK_TARGET", DEFAULT_PACK_TARGET),
-            compression=_env_str("CASNAP_COMPRESSION", "auto"),
-            zstd_level=_env_int("CASNAP_ZSTD_LEVEL", DEFAULT_ZSTD_LEVEL),
-            io_workers=_env_int("CASNAP_IO_WORKERS", DEFAULT_IO_WORKERS),
+        return cls(
+            chunk_size=get("chunk_size", DEFAULT_CHUNK_SIZE),
+            pack_threshold=get("pack_threshold"),
+            pack_target=get("pack_target"),
+            compression=get("compression"),
+            zstd_level=get("zstd_level"),
+            io_workers=get("io_workers", DEFAULT_IO_WORKERS),
         )
-        s.validate()
-        return s
 
     def with_overrides(self, **kwargs: object) -> Settings:
-        s = replace(self, **kwargs)  # type: ignore[arg-type]
-        s.validate()
-        return s
+        """These settings with ``kwargs`` (a take's ``storage_options``) checked and applied."""
+        checked: dict[str, Any] = {}
+        for name, raw in kwargs.items():
+            if name not in self.__dataclass_fields__:
+                raise ConfigError(f"unknown take option {name!r}", name)
+            checked[name] = _variable(name).parse(raw, "override")
+        return replace(self, **checked)
 
     @property
     def pack_limit(self) -> int:
         """Chunks below this many bytes are packed (never more than a quarter chunk)."""
         return min(self.pack_threshold, self.chunk_size // 4)
-
-    def validate(self) -> None:
-        if self.chunk_size < 4096 or self.chunk_size > 1 << 30:
-            raise CasnapError(f"chunk_size {self.chunk_size} must be in [4 KiB, 1 GiB]")
-        if self.compression not in ("auto", "none"):
-            raise CasnapError(f"compression {self.compression!r} must be 'auto' or 'none'")
-        if self.io_workers < 1:
-            raise CasnapError("io_workers must be at least 1")

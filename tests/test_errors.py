@@ -57,5 +57,7 @@ def test_a_bad_memory_budget_is_a_config_error_naming_the_argument(tmp_path):
 def test_a_bad_checkpointer_interval_is_a_config_error(tmp_path):
     with pytest.raises(casnap.ConfigError, match="every_n_steps"):
         casnap.Checkpointer(str(tmp_path / "repo"), every_n_steps=0)
-    with pytest.raises(casnap.ConfigError, match="every_n_steps"):
+    # A wrong type is an ArgumentTypeError: a CasnapError and a TypeError.
+    with pytest.raises(casnap.ArgumentTypeError, match="every_n_steps") as info:
         casnap.Checkpointer(str(tmp_path / "repo"), every_n_steps="10")  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)

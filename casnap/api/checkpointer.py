@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from casnap.api.snapshot import PendingSnapshot, Snapshot
-from casnap.errors import ConfigError
+from casnap.errors import CasnapError, ConfigError, as_names, as_path, expect_type
 from casnap.format.names import check_ref_name
 from casnap.ops.retention import (
     RetentionPolicy,
@@ -98,10 +98,14 @@ class Checkpointer:
         tags: Iterable[str] | None = None,
         session: Session | None = None,
     ) -> None:
-        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool):
-            raise ConfigError(
-                f"every_n_steps must be an int, got {every_n_steps!r}", "every_n_steps"
-            )
+        repo_url = as_path(repo_url, "repo_url")
+        expect_type(every_n_steps, int, "every_n_steps", "an int")
+        if isinstance(retention, RetentionRule):
+            retention = RetentionPolicy(retention)
+        if retention is not None:
+            expect_type(retention, RetentionPolicy, "retention", "a casnap.RetentionPolicy or None")
+        expect_type(name_format, str, "name_format", "a format string like 'step_{step:09d}'")
+        tags = as_names(tags, "tags")
         if every_n_steps < 1:
             raise ConfigError(
                 f"every_n_steps must be at least 1, got {every_n_steps}", "every_n_steps"
@@ -111,7 +115,15 @@ class Checkpointer:
         self.async_take = async_take
         self.name_format = name_format
         self.tags = [check_ref_name(t) for t in (tags or [])]
-        check_ref_name(self._name(0))  # a bad format fails here, not at the first take
+        try:  # a bad format fails here, not at the first take
+            check_ref_name(self._name(0))
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            if isinstance(exc, CasnapError):
+                raise
+            raise ConfigError(
+                f"name_format {name_format!r} must name snapshots from {{step}}: {exc!r}",
+                "name_format",
+            ) from exc
         options = dict(storage_options or {})
         explicit = options.pop("repository", None)
         self._repo: RepoStorage | None = explicit if isinstance(explicit, RepoStorage) else None
@@ -146,6 +158,13 @@ class Checkpointer:
 
         Example: ``ckpt.maybe_take(step, app_state, metrics={"loss": loss})``.
         """
+        expect_type(step, int, "step", "an int")
+        if step < 0:
+            raise ConfigError(f"step must not be negative, got {step}", "step")
+        expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
+        if metrics is not None:
+            expect_type(metrics, Mapping, "metrics", "a dict of JSON numbers or None")
+        tags = as_names(tags, "tags")
         self._poll()
         if step % self.every_n_steps != 0 or step in self._steps:
             return None
@@ -241,6 +260,7 @@ class Checkpointer:
 
         Example: ``start = ckpt.restore_latest(app_state) or 0``.
         """
+        expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         self.wait()
         repo = self._open(create=False)
         if repo is None:

@@ -17,12 +17,15 @@ unchanged chunk.
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from casnap.chunks.io import WriteStats
 from casnap.distributed.group import Group, resolve_group
 from casnap.distributed.take import DistributedJob, prepare_distributed_take
+from casnap.errors import as_names, as_path, expect_type
 from casnap.format.manifest import Entry, Manifest
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import read_entry, restore_state
@@ -57,6 +60,18 @@ def _prepare(
     With a process group every rank of it calls this (collective planning);
     a single process is a world of one through the same pipeline.
     """
+    path = as_path(path)
+    expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
+    for name, value in (("storage_options", storage_options), ("metadata", metadata)):
+        if value is not None:
+            expect_type(value, Mapping, name, "a dict or None")
+    parents = as_names(parents, "parents")
+    replicated = as_names(replicated, "replicated")
+    expect_type(allow_pickle, bool, "allow_pickle", "True or False")
+    if custom_prepare is not None and not callable(custom_prepare):
+        expect_type(custom_prepare, type(None), "_custom_tensor_prepare_func", "a callable")
+    if session is not None:
+        expect_type(session, Session, "session", "a casnap.Session")
     group = _group(pg)
     if group.pg is not None:
         return prepare_distributed_take(
@@ -89,8 +104,12 @@ class Snapshot:
         *,
         session: Session | None = None,
     ) -> None:
-        self.path = path
+        self.path = as_path(path)
         self.pg = pg
+        if storage_options is not None:
+            expect_type(storage_options, Mapping, "storage_options", "a dict or None")
+        if session is not None:
+            expect_type(session, Session, "session", "a casnap.Session")
         self.storage_options = dict(storage_options or {})
         self.session = session
         self._repo: RepoStorage | None = None
@@ -236,6 +255,7 @@ class Snapshot:
         Everything is validated before anything is modified: keys (``strict``),
         shapes and dtypes, and pickled entries (refused unless ``allow_pickle``).
         """
+        expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         rank = _group(self.pg).rank  # not collective: each rank restores its own state
         repo, manifest = self._load()
         restore_state(
@@ -257,6 +277,7 @@ class Snapshot:
         With ``obj_out`` a tensor of the right shape and dtype, the data lands
         in it in place. Example: ``snap.read_object("0/model/fc.weight")``.
         """
+        expect_type(path, str, "path", "a logical key such as '0/model/fc.weight'")
         repo, manifest = self._load()
         return read_entry(
             repo, manifest, path, obj_out,
@@ -283,7 +304,9 @@ class PendingSnapshot:
         self._pg = pg
         self._storage_options = storage_options
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="casnap-async")
-        self._future: Future[TakeResult] = self._executor.submit(commit)
+        # The background part sees the caller's settings overrides (casnap.settings.override).
+        context = contextvars.copy_context()
+        self._future: Future[TakeResult] = self._executor.submit(context.run, commit)
         self._executor.shutdown(wait=False)
 
     def done(self) -> bool:

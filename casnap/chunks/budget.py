@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from casnap.errors import ConfigError
+from casnap.errors import ConfigError, expect_type
+from casnap.settings import default_memory_budget
 
 
 class ByteBudget:
@@ -34,3 +35,18 @@ class ByteBudget:
         with self._cond:
             self.held -= n
             self._cond.notify_all()
+
+
+def check_budget(memory_budget_bytes: int | None) -> int:
+    """The memory budget of a take, restore or export: the argument, else the default.
+
+    A budget that is not a positive int is refused with a CasnapError.
+    """
+    if memory_budget_bytes is not None:
+        expect_type(memory_budget_bytes, int, "memory_budget_bytes", "a number of bytes (int)")
+    if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+        raise ConfigError(
+            f"memory_budget_bytes must be positive, got {memory_budget_bytes}",
+            "memory_budget_bytes",
+        )
+    return memory_budget_bytes or default_memory_budget()

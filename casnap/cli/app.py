@@ -297,10 +297,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _next_part(repo: RepoStorage, n: int) -> tuple[int, int]:
     """The next of ``n`` parts for this repository, remembered in a local state file."""
-    import os
-    from pathlib import Path
+    from casnap.settings import state_dir
 
-    base = Path(os.environ.get("CASNAP_STATE_DIR") or Path.home() / ".cache" / "casnap")
+    base = state_dir()
     state = base / "verify" / f"{repo.config.repo_id}-{n}"
     try:
         k = (int(state.read_text()) + 1) % n

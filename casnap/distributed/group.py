@@ -13,7 +13,6 @@ one rank becomes a :class:`DistributedTakeError` naming it on every rank.
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 import traceback
@@ -25,14 +24,6 @@ from casnap.errors import (  # noqa: F401  (defined in errors.py, imported from 
     DistributedTakeError,
     ReplicaMismatchError,
 )
-
-DEFAULT_TIMEOUT = 600.0  # seconds; CASNAP_DIST_TIMEOUT overrides
-
-
-def dist_timeout() -> float:
-    """Seconds any rank waits for the others before failing the take (bounded failure)."""
-    text = os.environ.get("CASNAP_DIST_TIMEOUT")
-    return float(text) if text else DEFAULT_TIMEOUT
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from casnap.chunks.budget import ByteBudget
+from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import ChunkWriter, WriteStats
 from casnap.distributed.group import (
     DistributedTakeError,
@@ -43,7 +43,6 @@ from casnap.distributed.group import (
     Group,
     Rendezvous,
     all_gather,
-    dist_timeout,
     failure_of,
     raise_failures,
 )
@@ -52,9 +51,9 @@ from casnap.distributed.plan_cache import CacheKey, exchange_plans
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
-from casnap.settings import Settings
+from casnap.settings import Settings, dist_timeout
 from casnap.take.commit import commit_snapshot, remember
-from casnap.take.job import TakeResult, check_budget
+from casnap.take.job import TakeResult
 from casnap.take.plan import RankPlan, build_entries, known_chunks, previous_plan
 from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage
 from casnap.take.session import Session

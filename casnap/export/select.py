@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from casnap.errors import MissingKeyError, UnsupportedValueError
+from casnap.errors import MissingKeyError, UnsupportedValueError, expect_type
 from casnap.format.manifest import (
     ContainerEntry,
     Manifest,
@@ -109,6 +109,10 @@ def plan_export(
     snapshot: Snapshot, key: str | None
 ) -> tuple[list[ExportItem], list[str], dict[str, str]]:
     """The items and skipped keys of the selection, and what identifies it."""
+    if not hasattr(snapshot, "manifest") or not hasattr(snapshot, "manifest_hash"):
+        expect_type(snapshot, type(None), "snapshot", "a casnap.Snapshot, e.g. Snapshot(path)")
+    if key is not None:
+        expect_type(key, str, "key", "a logical key or None")
     manifest = snapshot.manifest
     if key is not None:
         key = resolve_key(manifest, key)

@@ -21,11 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from casnap.chunks.budget import ByteBudget
+from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import Buffer, read_chunks
 from casnap.export.select import ExportItem
 from casnap.format.manifest import ChunkRef
-from casnap.settings import Settings, default_memory_budget
+from casnap.settings import Settings
 
 if TYPE_CHECKING:
     from casnap.api.snapshot import Snapshot
@@ -126,7 +126,7 @@ def stream(
             with lock:
                 failures.append(exc)
 
-    budget = ByteBudget(memory_budget_bytes or default_memory_budget())
+    budget = ByteBudget(check_budget(memory_budget_bytes))
     fetched = 0
     if refs:
         workers = Settings.from_env().io_workers

@@ -18,8 +18,10 @@ from typing import Any
 
 from casnap.errors import (
     CasnapError,
+    ConfigError,
     GcRefusedError,  # noqa: F401  (defined in errors.py)
     SnapshotNotFoundError,
+    expect_type,
 )
 from casnap.gc.backend import Listed, scan
 from casnap.repo.leases import scan_leases
@@ -197,8 +199,10 @@ def make_plan(
     repo: RepoStorage, session: str, grace_seconds: float, progress: Progress | None
 ) -> GcPlan:
     """The plan of gc session ``session`` (see :meth:`casnap.gc.collect.GcSession.plan`)."""
-    if grace_seconds < 0:
-        raise ValueError(f"grace_seconds must not be negative, got {grace_seconds}")
+    expect_type(grace_seconds, (int, float), "grace_seconds", "a number of seconds")
+    if not grace_seconds >= 0:
+        message = f"grace_seconds must not be negative, got {grace_seconds}"
+        raise ConfigError(message, "grace_seconds")
     now = time.time()
     marks = _Marks()
     _read_roots(repo, marks)

@@ -29,31 +29,30 @@ from casnap.format.manifest import ChunkRef
 from casnap.format.names import check_hash
 from casnap.index.summaries import ManifestSummary, decode_summary, encode_summary
 from casnap.repo.repository import RepoStorage
+from casnap.settings import DEFAULT_INDEX_MAP_SIZE as DEFAULT_MAP_SIZE  # noqa: F401  (re-exported)
+from casnap.settings import index_enabled, index_map_size, index_root
 
 _log = logging.getLogger("casnap.index")  # the logger users configure (docs/index.md)
 
 INDEX_FORMAT = b"casnap-index-1"
 GC_EPOCH_KEY = "gc-epoch"  # below .casnap/; written by gc after a sweep that deleted something
-DEFAULT_MAP_SIZE = 4 << 30  # address space only: the file grows as pages are written
 
 _META_FORMAT = b"format"
 _META_CHUNKS_FOR = b"chunks-for"  # store URL + gc epoch the chunk entries were recorded under
 _CHECK = 8  # bytes of blake3 that guard every value against a damaged page
 _LOOSE = struct.Struct("<QQ")  # raw size, frame length
 _PACKED = struct.Struct("<QQQ32s")  # raw size, frame length, offset, pack digest
-_OFF = ("0", "false", "no", "off")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def enabled() -> bool:
     """Whether takes and history use the index (``CASNAP_INDEX=0`` turns it off)."""
-    return os.environ.get("CASNAP_INDEX", "1").strip().lower() not in _OFF
+    return index_enabled()
 
 
 def index_path(repo_id: str) -> Path:
     """Where the index of repository ``repo_id`` lives on this machine."""
-    base = os.environ.get("CASNAP_INDEX_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "casnap" / "index"
+    root = index_root()
     # The id comes from the store's config.json: never let it name another folder.
     safe = repo_id if _SAFE_ID.match(repo_id) else blake3.blake3(repo_id.encode()).hexdigest()
     return root / safe
@@ -97,7 +96,7 @@ class _Env:
 
     def __init__(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        map_size = int(os.environ.get("CASNAP_INDEX_MAP_SIZE", DEFAULT_MAP_SIZE))
+        map_size = index_map_size()
         self.path = path
         self.broken = False  # damaged: delete the files and start over
         self.stale = False  # unusable as opened (another process grew the map): reopen

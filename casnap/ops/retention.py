@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
-from casnap.errors import CasnapError, RetentionError, SnapshotNotFoundError
+from casnap.errors import CasnapError, RetentionError, SnapshotNotFoundError, expect_type
 from casnap.repo.repository import RepoStorage
 from casnap.repo.tags import TagInfo, list_tags, metadata_tags
 
@@ -355,6 +355,10 @@ def plan_retention(
 
     Example: ``print(plan_retention(repo, RetentionPolicy(KeepLast(2))).render())``.
     """
+    expect_type(repo, RepoStorage, "repo", "a casnap repository")
+    if isinstance(policy, RetentionRule):
+        policy = RetentionPolicy(policy)
+    expect_type(policy, RetentionPolicy, "policy", "a casnap.RetentionPolicy (or one rule)")
     if not policy.rules and not allow_delete_all:
         raise RetentionError(
             "an empty retention policy keeps nothing and would delete every snapshot; "

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from casnap.chunks.io import Span, object_name, plan_reads
-from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError
+from casnap.errors import (
+    CasnapError,
+    ConfigError,
+    IntegrityError,
+    ObjectNotFoundError,
+    expect_type,
+)
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.repo.repository import RepoStorage
@@ -70,8 +76,11 @@ def verify(
     progress: Progress | None = None,
 ) -> VerifyReport:
     """Check every ref, manifest and chunk; see the module docstring."""
-    if part is not None and not (part[1] >= 1 and 0 <= part[0] < part[1]):
-        raise ValueError(f"part {part[0]}/{part[1]} must satisfy 0 <= k < n")
+    if part is not None:
+        expect_type(part, tuple, "part", "a (k, n) tuple of ints")
+        ok = len(part) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in part)
+        if not ok or not (part[1] >= 1 and 0 <= part[0] < part[1]):
+            raise ConfigError(f"part {part!r} must be (k, n) with 0 <= k < n", "part")
     report = VerifyReport()
     owners: dict[tuple[str | None, str], set[str]] = {}  # (pack, hash) -> snapshots
     refs: dict[tuple[str | None, str], ChunkRef] = {}

@@ -58,32 +58,18 @@ from casnap.errors import (  # noqa: F401  (defined in errors.py)
 )
 from casnap.format.manifest import canonical_json
 from casnap.repo.repository import RepoStorage
+from casnap.settings import lease_ttl
 from casnap.store import ObjectStore
 
 _log = logging.getLogger(__name__)
 
 LEASES = "leases"
 GC_LOCK_KEY = "gc.lock"
-DEFAULT_LEASE_TTL = 120.0
 MAX_RECORD_BYTES = 64 * 1024
 # Polling for the other side starts fast (a gc sweep of a small repository
 # takes milliseconds) and backs off to this.
 _POLL_MAX = 0.25
 _POLL_MIN = 0.01
-
-
-def lease_ttl() -> float:
-    """Seconds a lease lives without renewal (``CASNAP_LEASE_TTL``, default 120)."""
-    raw = os.environ.get("CASNAP_LEASE_TTL", "")
-    if not raw:
-        return DEFAULT_LEASE_TTL
-    try:
-        ttl = float(raw)
-    except ValueError as exc:
-        raise CasnapError(f"CASNAP_LEASE_TTL={raw!r} is not a number") from exc
-    if not ttl > 0:
-        raise CasnapError(f"CASNAP_LEASE_TTL={raw!r} must be positive")
-    return ttl
 
 
 def _iso(ts: float) -> str:

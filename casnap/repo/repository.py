@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
@@ -23,6 +23,8 @@ from casnap.errors import (
     RepositoryNotFoundError,
     SnapshotExistsError,
     SnapshotNotFoundError,
+    as_path,
+    expect_type,
 )
 from casnap.format.manifest import (
     FORMAT_VERSION,
@@ -91,7 +93,7 @@ class RepoStorage:
     # -- opening ---------------------------------------------------------
     @classmethod
     def open(cls, url: str, storage_options: dict[str, Any] | None = None) -> RepoStorage:
-        root = open_store(url, storage_options)
+        root = open_store(as_path(url, "url"), _options(storage_options))
         try:
             data = root.get(f"{META}/{CONFIG_KEY}")
         except ObjectNotFoundError as exc:
@@ -107,7 +109,8 @@ class RepoStorage:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> RepoStorage:
         """Open the repository at ``url``, creating it if absent (safe against a racing creator)."""
-        return cls.on_store(open_store(url, storage_options), chunk_size=chunk_size)
+        url = as_path(url, "url")
+        return cls.on_store(open_store(url, _options(storage_options)), chunk_size=chunk_size)
 
     @classmethod
     def on_store(cls, root: ObjectStore, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> RepoStorage:
@@ -135,7 +138,8 @@ class RepoStorage:
 
     @staticmethod
     def exists_at(url: str, storage_options: dict[str, Any] | None = None) -> bool:
-        return open_store(url, storage_options).exists(f"{META}/{CONFIG_KEY}")
+        url = as_path(url, "url")
+        return open_store(url, _options(storage_options)).exists(f"{META}/{CONFIG_KEY}")
 
     # -- manifests -------------------------------------------------------
     def write_manifest(self, manifest: Manifest, jsonable: dict[str, Any] | None = None) -> str:
@@ -195,8 +199,15 @@ class RepoStorage:
 
 
 # -- discovery -----------------------------------------------------------
+def _options(storage_options: Any) -> dict[str, Any] | None:
+    if storage_options is not None:
+        expect_type(storage_options, Mapping, "storage_options", "a dict or None")
+    return storage_options
+
+
 def split_url(path: str) -> tuple[str, list[str]]:
     """``("gs://", ["b", "run", "snap"])`` or ``("", ["/", ...])`` for local paths."""
+    path = as_path(path)
     if "://" in path and not path.startswith("file://"):
         scheme, rest = path.split("://", 1)
         return f"{scheme}://", [p for p in rest.split("/") if p]
@@ -221,7 +232,7 @@ def locate(
     of ``path`` that holds a repository; else (``create=True``) the path's parent
     directory becomes a new repository with default chunk size ``chunk_size``.
     """
-    options = dict(storage_options or {})
+    options = dict(_options(storage_options) or {})
     explicit = options.pop("repository", None)
     scheme, parts = split_url(path)
     if not parts or (scheme and len(parts) < 2):

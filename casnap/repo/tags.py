@@ -35,6 +35,7 @@ from casnap.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     SnapshotNotFoundError,
+    expect_type,
 )
 from casnap.format.manifest import HashStr, canonical_json
 from casnap.format.names import check_ref_name
@@ -96,6 +97,7 @@ def add_tag(repo: RepoStorage, tag: str, snapshot_name: str) -> TagInfo:
 
     Example: ``add_tag(repo, "best", "step_000004200")``.
     """
+    expect_type(repo, RepoStorage, "repo", "a casnap repository")
     key = tag_key(tag)
     # Under a lease, so no gc can sweep between resolving the ref and writing the tag.
     with hold_lease(repo, kind="tag"):
@@ -119,6 +121,7 @@ def add_tag(repo: RepoStorage, tag: str, snapshot_name: str) -> TagInfo:
 
 def read_tag(repo: RepoStorage, tag: str) -> TagInfo:
     """One tag; :class:`casnap.ObjectNotFoundError` when it does not exist."""
+    expect_type(repo, RepoStorage, "repo", "a casnap repository")
     key = tag_key(tag)
     try:
         data = repo.store.get(key)
@@ -134,6 +137,7 @@ def remove_tag(repo: RepoStorage, tag: str) -> TagInfo:
     there is no such tag. Once removed, the manifest it pinned is reclaimable
     by gc unless a ref or another tag still reaches it.
     """
+    expect_type(repo, RepoStorage, "repo", "a casnap repository")
     info = read_tag(repo, tag)
     repo.store.delete(tag_key(tag))
     return info
@@ -145,6 +149,7 @@ def list_tags(repo: RepoStorage) -> dict[str, TagInfo]:
     A malformed tag file raises :class:`casnap.ManifestValidationError` rather
     than being skipped, so a collector can never lose a root silently.
     """
+    expect_type(repo, RepoStorage, "repo", "a casnap repository")
     out: dict[str, TagInfo] = {}
     for key in sorted(repo.store.list(TAGS)):
         tag = key[len(TAGS) + 1 :]

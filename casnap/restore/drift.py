@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from casnap.chunks.budget import ByteBudget
+from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import read_chunks
 from casnap.format.manifest import ChunkRef, Manifest, TensorEntry
 from casnap.ops.history import EntryDiff
 from casnap.repo.repository import RepoStorage
-from casnap.settings import DEFAULT_IO_WORKERS, default_memory_budget
+from casnap.settings import DEFAULT_IO_WORKERS
 from casnap.torch_io.tensors import torch_dtype
 
 
@@ -54,7 +54,7 @@ def drift(
     (bool, sub-byte, float8) are compared after conversion to float64 where
     torch can convert them, and skipped otherwise.
     """
-    budget = ByteBudget(memory_budget_bytes or default_memory_budget())
+    budget = ByteBudget(check_budget(memory_budget_bytes))
     out = []
     for row in rows:
         ea, eb = a.entries.get(row.key), b.entries.get(row.key)

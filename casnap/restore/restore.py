@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from casnap.chunks.budget import ByteBudget
+from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import read_chunks
 from casnap.errors import (
     IntegrityError,
@@ -39,7 +39,7 @@ from casnap.format.names import escape_key
 from casnap.format.tree import subtree
 from casnap.repo.repository import RepoStorage
 from casnap.restore.reshard import ShardedSink
-from casnap.settings import default_memory_budget, read_workers_for
+from casnap.settings import read_workers_for
 from casnap.torch_io.flatten import inflate, leaves_of
 from casnap.torch_io.stateful import RNGState
 from casnap.torch_io.tensors import TensorSink, check_target
@@ -238,7 +238,7 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
     entries become batches of reads (:class:`_Reads`) run one after another
     through the verified reader, each under its share of the budget.
     """
-    limit = memory_budget_bytes or default_memory_budget()
+    limit = check_budget(memory_budget_bytes)
     sinks = {
         k: TensorSink(e.dtype, e.shape, e.chunk_size, dest) for k, (e, dest) in load.tensors.items()
     }

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from casnap.chunks.budget import ByteBudget
+from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import ChunkWriter, WriteStats
-from casnap.errors import ConfigError, UnsupportedValueError
+from casnap.errors import UnsupportedValueError
 from casnap.format.manifest import ChunkRef, ContainerEntry, Manifest, PrimitiveEntry
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
-from casnap.settings import Settings, default_memory_budget
+from casnap.settings import Settings
 from casnap.take.commit import commit_snapshot
 from casnap.take.plan import (
     EntryPlan,
@@ -153,16 +153,6 @@ def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
     return requests
 
 
-def check_budget(memory_budget_bytes: int | None) -> int:
-    """The take's memory budget: the argument, else the default; refuses a non-positive one."""
-    if memory_budget_bytes is not None and memory_budget_bytes <= 0:
-        raise ConfigError(
-            f"memory_budget_bytes must be positive, got {memory_budget_bytes}",
-            "memory_budget_bytes",
-        )
-    return memory_budget_bytes or default_memory_budget()
-
-
 def prepare_take(
     path: str,
     app_state: Mapping[str, Any],
@@ -178,8 +168,8 @@ def prepare_take(
 ) -> TakeJob:
     """Phase 1 of a take (see the module docstring)."""
     budget = ByteBudget(check_budget(memory_budget_bytes))
+    nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
     target = resolve_target(path, storage_options, metadata, parents, session)
-    nodes = collect(app_state, 0, allow_pickle, custom_prepare)
     requests = requests_of(nodes)
     pool = session.staging if session is not None else StagingPool(idle_limit=0)
     job = TakeJob(target.repo, target.name, nodes, requests, target.settings, target.parents,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
+from casnap.errors import ConfigError, expect_type
 from casnap.format.manifest import Dumped, Manifest
 from casnap.settings import default_memory_budget, staging_cache_bytes
 from casnap.torch_io.staging import StagingPool
@@ -116,6 +117,11 @@ class Session:
 
     def __init__(self, *, staging_cache_bytes: int | None = None) -> None:
         idle = staging_cache_bytes
+        if idle is not None:
+            expect_type(idle, int, "staging_cache_bytes", "a number of bytes (int) or None")
+            if idle < 0:
+                raise ConfigError(f"staging_cache_bytes must not be negative, got {idle}",
+                                  "staging_cache_bytes")  # fmt: skip
         if idle is None:
             idle = staging_cache_bytes_setting()
         self.lineage = Lineage()

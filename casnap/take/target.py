@@ -9,7 +9,7 @@ how an ``app_state`` becomes flat nodes (:func:`collect`).
 
 from __future__ import annotations
 
-import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +20,12 @@ from casnap.errors import SnapshotExistsError, UnsupportedValueError
 from casnap.format.manifest import canonical_json
 from casnap.format.names import escape_key
 from casnap.repo.repository import RepoStorage, locate
-from casnap.settings import Settings, io_workers_for
+from casnap.settings import Settings, io_workers_for, is_set
 from casnap.take.session import Session
 from casnap.torch_io.flatten import Node, TensorLeaf, flatten
 from casnap.torch_io.stateful import RNGState
+
+_HASH = re.compile(r"^[0-9a-f]{64}$")
 
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
@@ -51,11 +53,11 @@ def take_settings(
     chosen once by rank 0 for every rank).
     """
     wanted = dict(overrides)
-    if "chunk_size" not in wanted and "CASNAP_CHUNK_SIZE" not in os.environ:
+    if "chunk_size" not in wanted and not is_set("chunk_size"):
         wanted["chunk_size"] = repo.config.chunk_size
     if chunk_size is not None:
         wanted["chunk_size"] = chunk_size
-    if "CASNAP_IO_WORKERS" not in os.environ:
+    if "io_workers" not in wanted and not is_set("io_workers"):
         wanted["io_workers"] = io_workers_for(repo.root.capabilities.local)
     return Settings.from_env().with_overrides(**wanted)
 
@@ -119,22 +121,35 @@ def resolve_target(
 ) -> Target:
     """Find or create the repository, check the name is free, validate metadata, pick parents."""
     options, overrides = split_options(storage_options)
-    new_repo_chunk = int(overrides.get("chunk_size", Settings.from_env().chunk_size))
+    # Bad input fails here, before a repository is created or anything written.
+    new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
+    meta = dict(metadata or {})
+    try:
+        canonical_json(meta)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
     repo, name = locate(path, options, create=True, chunk_size=new_repo_chunk)
     settings = take_settings(repo, overrides)
     if repo.has_ref(name):
         raise SnapshotExistsError(
             f"snapshot {name!r} already exists in {repo.url}; snapshots are immutable", name
         )
-    meta = dict(metadata or {})
-    try:
-        canonical_json(meta)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
-    if parents is None:  # the session's previous take or restore, if any
+    if parents is None:  # the session's previous take or restore, if any (gc may have swept it)
         last = session.lineage.parent(repo.config.repo_id) if session is not None else None
-        parents = [last] if last else []
-    return Target(repo, name, settings, meta, list(parents))
+        return Target(repo, name, settings, meta, [last] if last else [])
+    return Target(repo, name, settings, meta, [_parent(repo, p) for p in parents])
+
+
+def _parent(repo: RepoStorage, parent: str) -> str:
+    """A parent given as a manifest hash or a snapshot name, as the manifest hash.
+
+    A hash is kept as given even if gc has collected that manifest (lineage may
+    outlive what it points to; ``log`` shows such a parent as gone); a name
+    must name a snapshot now.
+    """
+    if _HASH.match(parent):
+        return parent
+    return repo.resolve(parent)  # SnapshotNotFoundError when no snapshot has that name
 
 
 def staging_limit(budget: int, settings: Settings) -> int:
