@@ -1,12 +1,17 @@
-"""Write the golden repository tests/data/golden-v1 (run once per format version; commit it).
+"""Write a golden repository (run once per format version; commit it).
 
-Every future casnap must read this repository bit-exact: tests/test_golden.py
-rebuilds the expected state with `golden_state()` and compares.
+``make_golden.py`` writes tests/data/golden-v1 (format 1.0, one process);
+``make_golden.py 1.1`` writes tests/data/golden-v1.1 (format 1.1: a 2-rank
+gloo take on CPU with sharded entries). Every future casnap must read both
+bit-exact: tests/test_golden.py rebuilds the expected state with
+``golden_state()`` and ``golden_v11_*()`` and compares.
 """
 
 from __future__ import annotations
 
 import collections
+import fractions
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,5 +54,121 @@ def main() -> None:
     print(f"wrote {GOLDEN}")
 
 
+# -- format 1.1: a 2-rank gloo take with sharded entries ---------------------
+
+GOLDEN_V11 = GOLDEN.parent / "golden-v1.1"
+V11_WORLD = 2
+V11_OPTS = {"chunk_size": 4096}  # packs below 1 KiB (chunk_size // 4), loose above
+V11_REPLICATED = ["model/emb", "model/bias"]  # plain tensors the same on every rank
+
+
+def golden_v11_globals() -> dict[str, torch.Tensor]:
+    """The global (unsharded) value of every ``model`` entry of golden-v1.1 "first"."""
+    g = torch.Generator().manual_seed(20261124)
+    return {
+        "w_row": torch.randn(64, 40, generator=g),  # DTensor Shard(0): 2 x 5120 B, loose
+        "w_col": torch.randn(10, 33, generator=g).to(torch.bfloat16),  # Shard(1), uneven 17/16
+        "codes": torch.randint(-128, 128, (40, 6), generator=g, dtype=torch.int8),  # Shard(0)
+        "rep": torch.randn(20, generator=g).to(torch.float16),  # DTensor Replicate(): 1 shard
+        "st": torch.randn(15, 8, generator=g, dtype=torch.float64),  # ShardedTensor, 8/7 rows
+        "emb": torch.randn(32, 48, generator=g),  # plain, replicated=: 4096 + 2048 B, loose
+        "bias": torch.randn(12, generator=g),  # plain, replicated=, packed
+    }  # fmt: skip
+
+
+def golden_v11_second(values: dict[str, torch.Tensor]) -> None:
+    """What changed for golden-v1.1 "second": one row of rank 0's shard of w_row."""
+    values["w_row"][3].add_(1.0)
+
+
+def golden_v11_rank_state(rank: int, step: int = 1) -> dict[str, Any]:
+    """Rank ``rank``'s own (per-rank) state: tensors, primitives and a pickled object."""
+    return {
+        "x": torch.arange(6, dtype=torch.int64) * (rank + 1) - 2**40,
+        "mask": torch.arange(5) % (rank + 2) == 0,
+        "step": step,
+        "rank": rank,
+        "lr": 3e-4 * (rank + 1),
+        "name": f"rank-{rank}/π",
+        "frac": fractions.Fraction(rank + 1, 7),  # pickled (allow_pickle)
+    }
+
+
+def golden_v11_model(
+    world: int, values: dict[str, torch.Tensor], layout: str = "save"
+) -> dict[str, Any]:
+    """The ``model`` state on a ``world``-rank CPU mesh: DTensors, a ShardedTensor, plain tensors.
+
+    ``layout="save"`` is how golden-v1.1 was taken; ``"reshard"`` puts every
+    sharded value on other placements (a restore target). Call inside a
+    process group.
+    """
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    save = layout == "save"
+    placements = {  # (as taken, a resharded restore target)
+        "w_row": (Shard(0), Shard(1)), "w_col": (Shard(1), Shard(0)),
+        "codes": (Shard(0), Replicate()), "rep": (Replicate(), Shard(0)),
+    }  # fmt: skip
+    state: dict[str, Any] = {k: distribute_tensor(values[k].clone(), mesh, [p[0] if save else p[1]])
+                             for k, p in placements.items()}  # fmt: skip
+    st_dim = 0 if save else 1
+    spec = ChunkShardingSpec(dim=st_dim, placements=[f"rank:{r}/cpu" for r in range(world)])
+    st = empty(spec, *values["st"].shape, dtype=values["st"].dtype)
+    for shard in st.local_shards():
+        o, s = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(values["st"][o[0] : o[0] + s[0], o[1] : o[1] + s[1]])
+    state["st"] = st
+    state["emb"], state["bias"] = values["emb"].clone(), values["bias"].clone()
+    return state
+
+
+def _v11_rank(rank: int, world: int, init: str) -> None:
+    import torch.distributed as dist
+
+    from casnap import Snapshot, StateDict
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        values = golden_v11_globals()
+        app = {"model": StateDict(golden_v11_model(world, values)),
+               "rank_state": StateDict(golden_v11_rank_state(rank))}  # fmt: skip
+        first = Snapshot.take(str(GOLDEN_V11 / "first"), app, replicated=V11_REPLICATED,
+                              storage_options=V11_OPTS, allow_pickle=True, parents=[],
+                              metadata={"step": 1, "note": "golden v1.1"})  # fmt: skip
+        golden_v11_second(values)
+        app = {"model": StateDict(golden_v11_model(world, values)),
+               "rank_state": StateDict(golden_v11_rank_state(rank, step=2))}  # fmt: skip
+        Snapshot.take(str(GOLDEN_V11 / "second"), app, replicated=V11_REPLICATED,
+                      storage_options=V11_OPTS, allow_pickle=True,
+                      parents=[first.manifest_hash], metadata={"step": 2})  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def write_v11() -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if GOLDEN_V11.exists():
+        shutil.rmtree(GOLDEN_V11)
+    with tempfile.TemporaryDirectory(prefix="casnap-golden-") as tmp:
+        os.environ["CASNAP_INDEX_DIR"] = str(Path(tmp, "index"))  # leave no local state behind
+        mp.spawn(_v11_rank, args=(V11_WORLD, str(Path(tmp, "init"))), nprocs=V11_WORLD)
+    print(f"wrote {GOLDEN_V11}")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.path.insert(0, str(GOLDEN.parents[2]))  # this checkout's casnap, also in spawned ranks
+    if sys.argv[1:] == ["1.1"]:
+        write_v11()
+    elif not sys.argv[1:]:
+        main()
+    else:
+        sys.exit("usage: make_golden.py [1.1]  (no argument: golden-v1, format 1.0)")
