@@ -214,3 +214,16 @@ def test_export_format_and_progress(repo, tmp_path):
     assert torch.equal(next(iter(loaded.values())), expected)
     forced = repo.export("step_3", tmp_path / "w.bin2", format="safetensors")
     assert forced.format == "safetensors" and forced.skipped == ("0/m/step",)
+
+
+def test_maintenance_and_show_never_import_torch(repo):
+    code = ("import sys, casnap\n"
+            f"r, name = casnap.Repository.locate({repo.url + '/step_3'!r})\n"
+            "assert name == 'step_3' and r.show(name).metadata['step'] == 3\n"
+            "r.tag('t', 'step_1'); r.tags(); r.untag('t')\n"
+            "p = casnap.RetentionPolicy(casnap.KeepLast(1))\n"
+            "assert r.retain(p, dry_run=True).plan.delete == ('step_1', 'step_2')\n"
+            "assert r.gc(grace_seconds=0, dry_run=True).dry_run\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
