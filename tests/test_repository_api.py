@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import casnap
-from casnap import KeepLast, Repository, RetentionPolicy, StateDict
+from casnap import KeepLast, KeepTagged, Repository, RetentionPolicy, StateDict
+from casnap.format.manifest import ContainerEntry, TensorEntry
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def test_listing_log_du_and_diff(repo):
     changed = {d.key: d.status for d in again.diff("step_2", "step_3")}
     assert changed["0/m/w"] == "changed" and changed["0/m/step"] == "changed"
     drift = again.diff("step_2", "step_3", stats=True)
-    assert [d.key for d in drift] == ["0/m/w"]
+    assert [d.key for d in drift if d.rel_l2 is not None] == ["0/m/w"]
 
 
 def test_verify_tags_retain_gc(repo):
@@ -74,6 +75,155 @@ def test_the_repository_api_never_imports_torch_for_inspection(repo):
     code = ("import sys, casnap\n"
             f"r = casnap.Repository({repo.url!r})\n"
             "r.log(); r.du(); r.verify(); r.snapshots(); r.diff('step_1', 'step_3')\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# -- what the CLI needs, as Repository methods ------------------------------
+
+
+def test_locate_finds_the_repository_holding_a_snapshot_path(repo, tmp_path):
+    found, name = Repository.locate(f"{repo.url}/step_2")
+    assert isinstance(found, Repository) and name == "step_2"
+    assert found.url == repo.url and found.snapshots() == repo.snapshots()
+    with pytest.raises(casnap.SnapshotNotFoundError):
+        Repository.locate(str(tmp_path / "elsewhere" / "step_1"))
+
+
+def test_show_returns_the_header_and_the_entries_under_a_key(repo):
+    view = repo.show("step_3")
+    assert view.name == "step_3" and view.manifest == repo.resolve("step_3")
+    assert view.metadata["step"] == 3 and view.world_size == 1
+    assert view.parents == (repo.resolve("step_2"),)
+    w = view.entries["0/m/w"]
+    assert isinstance(w, TensorEntry) and w.dtype == "float32" and w.shape == [50_000]
+    assert isinstance(view.entries["0/m"], ContainerEntry)
+    assert set(repo.show("step_3", key="0/m/w").entries) == {"0/m/w"}
+    assert set(repo.show("step_3", key="0/m").entries) == {"0/m", "0/m/w", "0/m/step"}
+    assert repo.show("step_3", key="0/nothing").entries == {}
+    with pytest.raises(casnap.SnapshotNotFoundError):
+        repo.show("step_9")
+
+
+def test_diff_stats_fill_in_drift_for_changed_tensors_only(repo):
+    rows = {d.key: d for d in repo.diff("step_2", "step_3", stats=True)}
+    w = rows["0/m/w"]
+    assert w.status == "changed" and w.changed_chunks == 1
+    assert w.max_abs_diff == pytest.approx(1.0) and 0 < w.rel_l2 < 1
+    assert rows["0/m/step"].status == "changed" and rows["0/m/step"].rel_l2 is None
+    plain = {d.key: d for d in repo.diff("step_2", "step_3")}
+    assert plain["0/m/w"].max_abs_diff is None and plain["0/m/w"].changed_chunks == 1
+    same = repo.diff("step_1", "step_2", stats=True)
+    assert {d.key: d.status for d in same}["0/m/w"] == "unchanged"
+    assert all(d.rel_l2 is None for d in same)
+
+
+def test_diff_against_another_repository(repo, tmp_path):
+    other = Repository.init(str(tmp_path / "run2"), chunk_size=64 * 1024)
+    other.take("zero", {"m": StateDict(w=torch.zeros(50_000), step=3)})
+    rows = {d.key: d for d in repo.diff("step_3", "zero", stats=True, other=other)}
+    assert rows["0/m/w"].status == "changed" and rows["0/m/w"].rel_l2 == pytest.approx(1.0)
+    assert rows["0/m/step"].status == "unchanged"
+    with pytest.raises(casnap.SnapshotNotFoundError):
+        repo.diff("step_3", "step_1", other=other)  # b is looked up in `other`
+
+
+def test_du_per_snapshot_and_tags_as_roots(repo):
+    per = {u.name: u for u in repo.du().per_snapshot}
+    assert list(per) == ["step_1", "step_2", "step_3"]
+    assert per["step_1"].logical_bytes == 50_000 * 4  # the tensor; a primitive has no chunk
+    assert per["step_3"].exclusive_bytes > 0  # its first chunk is its own
+    repo.tag("pin", "step_3")
+    per = {u.name: u for u in repo.du().per_snapshot}
+    assert per["step_3"].exclusive_bytes == 0  # the tag still reaches everything it uses
+
+
+def test_verify_part_implies_read_data_and_parts_cover_every_chunk(repo):
+    whole = repo.verify(read_data=True)
+    assert repo.verify().chunks_read == 0
+    parts = [repo.verify(part=(k, 3)) for k in range(3)]
+    assert sum(p.chunks_read for p in parts) == whole.chunks_read == whole.chunks > 0
+    calls: list[tuple[int, int]] = []
+    repo.verify(read_data=True, progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1][0] == calls[-1][1]
+    with pytest.raises(ValueError):
+        repo.verify(part=(3, 3))
+
+
+def test_retain_dry_run_returns_the_plan_and_deletes_nothing(repo):
+    preview = repo.retain(RetentionPolicy(KeepLast(1)), dry_run=True)
+    assert preview.dry_run and preview.deleted == () and preview.skipped == {}
+    assert preview.plan is not None and preview.plan.delete == ("step_1", "step_2")
+    assert set(preview.plan.keep) == {"step_3"}
+    assert repo.snapshots() == ["step_1", "step_2", "step_3"]
+    repo.tag("keep", "step_1")  # tagged after the plan: executing it leaves step_1 alone
+    done = repo.retain(preview.plan)
+    assert not done.dry_run and done.plan == preview.plan
+    assert done.deleted == ("step_2",) and "tagged since the plan" in done.skipped["step_1"]
+    assert repo.snapshots() == ["step_1", "step_3"]
+
+
+def test_retain_refuses_to_delete_everything_unless_allowed(repo):
+    with pytest.raises(casnap.RetentionError):
+        repo.retain(RetentionPolicy(KeepTagged()))  # nothing is tagged
+    assert len(repo.snapshots()) == 3
+    result = repo.retain(RetentionPolicy(KeepTagged()), allow_delete_all=True)
+    assert sorted(result.deleted) == ["step_1", "step_2", "step_3"] and repo.snapshots() == []
+
+
+def test_gc_dry_run_options_and_progress(repo):
+    repo.retain(RetentionPolicy(KeepLast(1)))
+
+    def objects() -> int:
+        return len([*repo.store.list("chunks"), *repo.store.list("packs")])
+
+    before = objects()
+    preview = repo.gc(grace_seconds=0, dry_run=True)
+    assert preview.dry_run and preview.plan.bytes_to_free > 0 and preview.deleted == 0
+    assert objects() == before
+    kept = repo.gc(dry_run=True)  # the default grace (1 h) keeps the fresh garbage
+    assert kept.plan.bytes_to_free == 0
+    calls: list[tuple[int, int]] = []
+    done = repo.gc(grace_seconds=0, wait_seconds=1,
+                   progress=lambda n, total: calls.append((n, total)))  # fmt: skip
+    assert done.bytes_freed == preview.plan.bytes_to_free and done.deleted_manifests == 2
+    assert calls and repo.verify(read_data=True).ok
+    assert repo.gc(grace_seconds=0).deleted == 0  # nothing left to collect
+
+
+def test_tag_untag_and_tags_return_what_was_pinned(repo):
+    info = repo.tag("best", "step_2")
+    assert info.tag == "best" and info.snapshot == "step_2"
+    assert info.manifest == repo.resolve("step_2")
+    assert repo.tags() == {"best": info}
+    with pytest.raises(casnap.ObjectExistsError):
+        repo.tag("best", "step_3")
+    assert repo.untag("best") == info and repo.tags() == {}
+    with pytest.raises(casnap.ObjectNotFoundError):
+        repo.untag("best")
+
+
+def test_export_format_and_progress(repo, tmp_path):
+    calls: list[tuple[int, int]] = []
+    result = repo.export("step_3", tmp_path / "w.bin", key="0/m/w",
+                         progress=lambda n, total: calls.append((n, total)))  # fmt: skip
+    assert result.format == "torch" and calls and calls[-1][0] == calls[-1][1]
+    loaded = torch.load(tmp_path / "w.bin", weights_only=True)
+    expected = repo.snapshot("step_3").read_object("0/m/w")
+    assert torch.equal(next(iter(loaded.values())), expected)
+    forced = repo.export("step_3", tmp_path / "w.bin2", format="safetensors")
+    assert forced.format == "safetensors" and forced.skipped == ("0/m/step",)
+
+
+def test_maintenance_and_show_never_import_torch(repo):
+    code = ("import sys, casnap\n"
+            f"r, name = casnap.Repository.locate({repo.url + '/step_3'!r})\n"
+            "assert name == 'step_3' and r.show(name).metadata['step'] == 3\n"
+            "r.tag('t', 'step_1'); r.tags(); r.untag('t')\n"
+            "p = casnap.RetentionPolicy(casnap.KeepLast(1))\n"
+            "assert r.retain(p, dry_run=True).plan.delete == ('step_1', 'step_2')\n"
+            "assert r.gc(grace_seconds=0, dry_run=True).dry_run\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -11,34 +11,55 @@ Example::
     repo.retain(casnap.RetentionPolicy(casnap.KeepLast(3)))
     repo.gc(grace_seconds=3600)
 
-Listing, ``log``, ``du``, ``diff``, ``verify``, ``retain``, ``gc`` and tags
+Listing, ``locate``, ``show``, ``log``, ``du``, ``diff``, ``verify``, ``retain``, ``gc``
+and tags
 never import torch; ``take``, ``snapshot``, ``export`` and ``diff(...,
 stats=True)`` load the torch layers when called.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from casnap.errors import ConfigError, SnapshotNotFoundError
-from casnap.gc.collect import GcResult, gc
+from casnap.format.manifest import Manifest
+from casnap.gc.collect import DEFAULT_GRACE_SECONDS, DEFAULT_WAIT_SECONDS, GcResult, gc
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
 from casnap.ops.retention import (
+    RetentionPlan,
     RetentionPolicy,
     RetentionResult,
     execute_retention,
     plan_retention,
 )
 from casnap.ops.verify import VerifyReport, verify
-from casnap.repo.repository import RepoStorage
+from casnap.repo.repository import RepoStorage, locate
 from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 
 if TYPE_CHECKING:
     from casnap.api.snapshot import Snapshot
     from casnap.export.stream import ExportResult
+    from casnap.format.manifest import Entry
     from casnap.take.session import Session
+
+Progress = Callable[[int, int], None]  # (done, total), for a progress bar
+
+
+@dataclass(frozen=True)
+class SnapshotView:
+    """One snapshot as :meth:`Repository.show` sees it: its manifest's header and entries."""
+
+    name: str
+    manifest: str  # the manifest hash the ref named when read
+    created_at: str
+    world_size: int
+    metadata: dict[str, Any]
+    parents: tuple[str, ...]  # parent manifest hashes
+    entries: dict[str, Entry]  # key -> entry, in manifest order (containers included)
 
 
 class Repository(RepoStorage):
@@ -70,8 +91,27 @@ class Repository(RepoStorage):
     ) -> Repository:
         """Create the repository at ``url`` (or open it, if one is there already)."""
         if chunk_size is None:
-            return cls.open_or_create(url, storage_options)  # type: ignore[no-any-return]
-        return cls.open_or_create(url, storage_options, chunk_size=chunk_size)  # type: ignore[no-any-return]
+            repo = cls.open_or_create(url, storage_options)
+        else:
+            repo = cls.open_or_create(url, storage_options, chunk_size=chunk_size)
+        assert isinstance(repo, Repository)  # _make builds a cls
+        return repo
+
+    @classmethod
+    def locate(
+        cls, path: str, storage_options: dict[str, Any] | None = None
+    ) -> tuple[Repository, str]:
+        """The repository holding the snapshot at ``path``, and the snapshot's name in it.
+
+        The repository is the nearest ancestor of ``path`` that holds one
+        (:class:`casnap.SnapshotNotFoundError` if none does)::
+
+            repo, name = Repository.locate("/ckpt/run1/step_100")  # (Repository, "step_100")
+        """
+        storage, name = locate(path, storage_options, create=False)
+        if isinstance(storage, Repository):
+            return storage, name
+        return cls._make(storage.root, storage.config), name
 
     # -- reading the graph -----------------------------------------------
     def snapshots(self) -> list[str]:
@@ -82,51 +122,140 @@ class Repository(RepoStorage):
         """Every snapshot, oldest first, with lineage, step, size and the bytes it added."""
         return log(self)
 
+    def show(self, name: str, *, key: str | None = None) -> SnapshotView:
+        """Snapshot ``name``'s manifest: header and entries (only ``key`` and below, if given).
+
+        Reads the manifest only, never tensor data::
+
+            view = repo.show("step_3", key="0/model")
+            {k: e.kind for k, e in view.entries.items()}
+        """
+        mhash = self.resolve(name)
+        m: Manifest = self.read_manifest(mhash)
+        entries = {
+            k: e for k, e in m.entries.items() if key is None or k == key or k.startswith(key + "/")
+        }
+        return SnapshotView(name, mhash, m.created_at, m.world_size, dict(m.metadata),
+                            tuple(m.parents), entries)  # fmt: skip
+
     def du(self) -> Usage:
-        """Logical and stored bytes, dedup ratio, and what deleting each snapshot frees."""
+        """Logical and stored bytes, dedup ratio, and per snapshot what deleting it frees.
+
+        Tags count as roots: an object a tag still reaches is never "freed"."""
         return du(self, {t: info.manifest for t, info in list_tags(self).items()})
 
-    def diff(self, a: str, b: str, *, stats: bool = False) -> list[Any]:
-        """Per entry: added, removed, changed or unchanged between snapshots ``a`` and ``b``.
+    def diff(
+        self,
+        a: str,
+        b: str,
+        *,
+        stats: bool = False,
+        other: Repository | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> list[EntryDiff]:
+        """Per entry (sorted by key): added, removed, changed or unchanged from ``a`` to ``b``.
 
-        ``stats=True`` also reads the changed tensors' chunks for numeric drift.
+        From the manifests alone, unless ``stats=True``: then the changed chunks
+        of each changed tensor are read (and only those) and ``max_abs_diff``
+        and ``rel_l2`` are filled in; that path loads torch. ``b`` is looked up
+        in ``other`` when given (another repository), else in this one::
+
+            [d.key for d in repo.diff("step_2", "step_3") if d.status != "unchanged"]
         """
-        ma, mb = self.read_manifest(self.resolve(a)), self.read_manifest(self.resolve(b))
+        repo_b = other if other is not None else self
+        ma = self.read_manifest(self.resolve(a))
+        mb = repo_b.read_manifest(repo_b.resolve(b))
+        rows = diff(ma, mb)
         if not stats:
-            out: list[EntryDiff] = diff(ma, mb)
-            return out
-        from casnap.restore.drift import drift
+            return rows
+        from casnap.restore.drift import drift  # the torch layer: only when asked
 
-        return drift(self, ma, self, mb, diff(ma, mb))
+        found = {d.key: d for d in drift(self, ma, repo_b, mb, rows, memory_budget_bytes)}
+        return [
+            replace(r, max_abs_diff=found[r.key].max_abs_diff, rel_l2=found[r.key].rel_l2)
+            if r.key in found
+            else r
+            for r in rows
+        ]
 
     def verify(
-        self, *, read_data: bool = False, part: tuple[int, int] | None = None
+        self,
+        *,
+        read_data: bool = False,
+        part: tuple[int, int] | None = None,
+        progress: Progress | None = None,
     ) -> VerifyReport:
-        """Check every ref, manifest and chunk (``read_data``: re-hash chunk bytes)."""
-        return verify(self, read_data=read_data, part=part)
+        """Check every ref, manifest and chunk; writes nothing and repairs nothing.
+
+        ``read_data`` re-hashes every chunk's bytes; ``part=(k, n)`` re-hashes
+        only part ``k`` of ``n`` of them (and implies ``read_data``)::
+
+            report = repo.verify(part=(0, 7))  # a seventh of the chunks, e.g. one per day
+            report.ok, [p.kind for p in report.problems]
+        """
+        return verify(self, read_data=read_data or part is not None, part=part,
+                      progress=progress)  # fmt: skip
 
     # -- maintenance -----------------------------------------------------
     def retain(
-        self, policy: RetentionPolicy, *, dry_run: bool = False, now: datetime | None = None
-    ) -> RetentionResult | Any:
-        """Delete the refs ``policy`` does not keep (``dry_run``: return the plan only)."""
-        plan = plan_retention(self, policy, now)
-        return plan if dry_run else execute_retention(self, plan)
+        self,
+        policy: RetentionPolicy | RetentionPlan,
+        *,
+        dry_run: bool = False,
+        now: datetime | None = None,
+        allow_delete_all: bool = False,
+    ) -> RetentionResult:
+        """Delete the refs ``policy`` does not keep; gc reclaims their space afterwards.
 
-    def gc(self, *, grace_seconds: float | None = None, dry_run: bool = False) -> GcResult:
-        """Delete what no ref or tag reaches and is older than ``grace_seconds``."""
-        if grace_seconds is None:
-            return gc(self, dry_run=dry_run)
-        return gc(self, grace_seconds=grace_seconds, dry_run=dry_run)
+        The plan is made first and returned in ``result.plan``; ``dry_run``
+        stops there (nothing deleted). A :class:`RetentionPlan` from an
+        earlier dry run can be passed instead of a policy to execute exactly
+        it (refs changed since are skipped). A plan that deletes every
+        snapshot raises :class:`casnap.RetentionError` unless
+        ``allow_delete_all``::
+
+            preview = repo.retain(RetentionPolicy(KeepLast(3)), dry_run=True)
+            print(preview.plan.render())
+            repo.retain(preview.plan).deleted
+        """
+        if isinstance(policy, RetentionPlan):
+            plan = policy
+        else:
+            plan = plan_retention(self, policy, now, allow_delete_all=allow_delete_all)
+        if dry_run:
+            return RetentionResult((), {}, plan, dry_run=True)
+        return execute_retention(self, plan)
+
+    def gc(
+        self,
+        *,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        dry_run: bool = False,
+        wait_seconds: float = DEFAULT_WAIT_SECONDS,
+        progress: Progress | None = None,
+    ) -> GcResult:
+        """Delete what no ref or tag reaches and is older than ``grace_seconds`` (default 1 h).
+
+        Safe beside running takes: it waits up to ``wait_seconds`` for takes in
+        flight (else :class:`casnap.GcBlockedError`, having deleted nothing).
+        ``dry_run`` plans only; ``result.plan`` says what would go::
+
+            repo.gc(dry_run=True).plan.bytes_to_free
+            repo.gc(grace_seconds=0).bytes_freed
+        """
+        return gc(self, grace_seconds=grace_seconds, dry_run=dry_run,
+                  wait_seconds=wait_seconds, progress=progress)  # fmt: skip
 
     def tag(self, tag: str, snapshot: str) -> TagInfo:
         """Pin ``snapshot`` under ``tag`` against retention and gc."""
         return add_tag(self, tag, snapshot)
 
     def untag(self, tag: str) -> TagInfo:
+        """Remove ``tag``; returns what it pinned (:class:`casnap.ObjectNotFoundError` if none)."""
         return remove_tag(self, tag)
 
     def tags(self) -> dict[str, TagInfo]:
+        """Every tag by name, sorted."""
         return list_tags(self)
 
     # -- the torch side ----------------------------------------------------
@@ -155,8 +284,14 @@ class Repository(RepoStorage):
         format: str | None = None,
         key: str | None = None,
         memory_budget_bytes: int | None = None,
+        progress: Progress | None = None,
     ) -> ExportResult:
-        """Write ``snapshot`` (or one ``key``) as safetensors or, for .pt/.pth/.bin, torch.save."""
+        """Write ``snapshot`` (or one ``key``) as safetensors or, for .pt/.pth/.bin, torch.save.
+
+        ``format`` ("safetensors" or "torch") overrides the guess from the suffix::
+
+            repo.export("step_3", "model.safetensors", key="0/model").tensor_bytes
+        """
         from casnap.export import export_safetensors, export_torch
 
         fmt = format or (
@@ -167,9 +302,8 @@ class Repository(RepoStorage):
                 f"export format must be 'torch' or 'safetensors', got {fmt!r}", "format"
             )
         write = export_torch if fmt == "torch" else export_safetensors
-        return write(
-            self.snapshot(snapshot), out_path, key=key, memory_budget_bytes=memory_budget_bytes
-        )
+        return write(self.snapshot(snapshot), out_path, key=key,
+                     memory_budget_bytes=memory_budget_bytes, progress=progress)  # fmt: skip
 
     def _path(self, name: str) -> str:
         return f"{self.url.rstrip('/')}/{name}"

@@ -1,5 +1,9 @@
 """The ``casnap`` command line: log, ls, show, diff, du, verify, retain, gc, tag, export.
 
+Each command opens a :class:`casnap.Repository` and calls one of its methods
+(docs/repository.md has the map); this package only parses arguments,
+formats the results and maps errors to exit codes.
+
 Tables for people by default, ``--json`` for scripts. Exit codes: 0 success,
 1 verify found problems, 2 bad usage, 3 no such repository or snapshot,
 4 integrity or validation error, 5 any other casnap error.
@@ -13,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from casnap.api.repository import Repository
 from casnap.cli import maintenance
 from casnap.cli.common import (
     EXIT_ERROR,
@@ -40,15 +45,14 @@ from casnap.format.manifest import (
     ShardedEntry,
     TensorEntry,
 )
-from casnap.ops.history import diff, du, graph_lanes, log
-from casnap.repo.repository import RepoStorage
+from casnap.ops.history import graph_lanes
 
 # -- commands -------------------------------------------------------------
 
 
 def cmd_log(args: argparse.Namespace) -> int:
     repo = open_repo(args)
-    lines = log(repo)
+    lines = repo.log()
     lanes = graph_lanes(lines)
     names = {line.manifest: line.name for line in lines}
     data = [
@@ -88,19 +92,16 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     repo = open_repo(args)
-    names = repo.list_snapshots()
+    names = repo.snapshots()
     emit(args, names, lambda: "\n".join(names) or f"no snapshots in {repo.url}")
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     repo, name = open_snapshot(args, args.snapshot)
-    mhash = repo.resolve(name)
-    m = repo.read_manifest(mhash)
+    view = repo.show(name, key=args.key or None)
     rows, data = [], []
-    for key, e in m.entries.items():
-        if args.key and not (key == args.key or key.startswith(args.key + "/")):
-            continue
+    for key, e in view.entries.items():
         if isinstance(e, TensorEntry):
             desc = [key, "tensor", e.dtype, str(list(e.shape)), human(e.nbytes)]
             data.append(
@@ -132,17 +133,17 @@ def cmd_show(args: argparse.Namespace) -> int:
             data.append({"key": key, "kind": "container", "type": e.type, "keys": e.keys})
         rows.append(desc)
     head = (
-        f"snapshot {name}  manifest {mhash[:16]}  created {age(m.created_at)}  "
-        f"world size {m.world_size}\nmetadata {json.dumps(m.metadata)}\n"
+        f"snapshot {name}  manifest {view.manifest[:16]}  created {age(view.created_at)}  "
+        f"world size {view.world_size}\nmetadata {json.dumps(view.metadata)}\n"
     )
     emit(
         args,
         {
             "name": name,
-            "manifest": mhash,
-            "created_at": m.created_at,
-            "metadata": m.metadata,
-            "parents": m.parents,
+            "manifest": view.manifest,
+            "created_at": view.created_at,
+            "metadata": view.metadata,
+            "parents": list(view.parents),
             "entries": data,
         },
         lambda: head + table(rows, ["key", "kind", "dtype/type", "shape", "size"], {4}),
@@ -153,14 +154,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     repo_a, name_a = open_snapshot(args, args.a)
     repo_b, name_b = open_snapshot(args, args.b)
-    ma = repo_a.read_manifest(repo_a.resolve(name_a))
-    mb = repo_b.read_manifest(repo_b.resolve(name_b))
-    rows = diff(ma, mb)
-    drift_by_key: dict[str, Any] = {}
-    if args.stats:
-        from casnap.restore.drift import drift  # the torch layer: only when asked
-
-        drift_by_key = {d.key: d for d in drift(repo_a, ma, repo_b, mb, rows)}
+    rows = repo_a.diff(name_a, name_b, stats=args.stats, other=repo_b)
     shown = [r for r in rows if args.all or r.status != "unchanged"]
     data = []
     for r in shown:
@@ -170,9 +164,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
             "changed_bytes": r.changed_bytes,
             "changed_chunks": r.changed_chunks,
         }
-        if r.key in drift_by_key:
-            d = drift_by_key[r.key]
-            item.update(max_abs_diff=d.max_abs_diff, rel_l2=d.rel_l2)
+        if r.rel_l2 is not None:
+            item.update(max_abs_diff=r.max_abs_diff, rel_l2=r.rel_l2)
         data.append(item)
 
     def text() -> str:
@@ -205,9 +198,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    repo = open_repo(args)
-    pinned = _pinned(repo)
-    usage = du(repo, pinned)
+    usage = open_repo(args).du()
     data = {
         "snapshots": usage.snapshots,
         "logical_bytes": usage.logical_bytes,
@@ -239,14 +230,6 @@ def cmd_du(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pinned(repo: RepoStorage) -> dict[str, str]:
-    try:
-        from casnap.repo.tags import list_tags
-    except ImportError:
-        return {}
-    return {t: info.manifest for t, info in list_tags(repo).items()}
-
-
 def _part(text: str) -> tuple[int, int]:
     k, sep, n = text.partition("/")
     try:
@@ -259,17 +242,12 @@ def _part(text: str) -> tuple[int, int]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from casnap.ops.verify import verify
-
     repo = open_repo(args)
     part = args.part
     if args.rotate:
         part = _next_part(repo, args.rotate)
-    report = verify(
-        repo,
-        read_data=args.read_data or part is not None,
-        part=part,
-        progress=Progress("verify", not args.json),
+    report = repo.verify(
+        read_data=args.read_data, part=part, progress=Progress("verify", not args.json)
     )
 
     def text() -> str:
@@ -295,7 +273,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else EXIT_PROBLEMS
 
 
-def _next_part(repo: RepoStorage, n: int) -> tuple[int, int]:
+def _next_part(repo: Repository, n: int) -> tuple[int, int]:
     """The next of ``n`` parts for this repository, remembered in a local state file."""
     from casnap.settings import state_dir
 

@@ -1,4 +1,5 @@
-"""What every casnap command shares: exit codes, tables, sizes, progress, opening."""
+"""What every casnap command shares: exit codes, tables, sizes, progress, and opening a
+:class:`casnap.Repository` (every command works through one)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from casnap.repo.repository import RepoStorage, locate
+from casnap.api.repository import Repository
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
 
@@ -64,12 +65,14 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def open_repo(args: argparse.Namespace) -> RepoStorage:
-    return RepoStorage.open(args.repo, storage_options(args))
+def open_repo(args: argparse.Namespace) -> Repository:
+    """The repository named by ``args.repo`` (RepositoryNotFoundError if none)."""
+    return Repository(args.repo, storage_options(args))
 
 
-def open_snapshot(args: argparse.Namespace, path: str) -> tuple[RepoStorage, str]:
-    return locate(path, storage_options(args), create=False)
+def open_snapshot(args: argparse.Namespace, path: str) -> tuple[Repository, str]:
+    """The repository holding the snapshot at ``path``, and the snapshot's name."""
+    return Repository.locate(path, storage_options(args))
 
 
 def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:

@@ -1,12 +1,14 @@
 """The destructive and exporting commands of the CLI: retain, gc, tag, export.
 
 Each destructive command plans first and prints the plan; ``--dry-run``
-stops there.
+stops there. Like every command, each calls one :class:`casnap.Repository`
+method and formats what it returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +22,6 @@ from casnap.ops.retention import (
     KeepWithin,
     RetentionPolicy,
     RetentionRule,
-    execute_retention,
-    plan_retention,
 )
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -54,12 +54,14 @@ def cmd_retain(args: argparse.Namespace) -> int:
     if args.keep_tagged is not None:
         rules.append(KeepTagged(args.keep_tagged or None))
     rules += args.keep_best or []
-    repo = open_repo(args)
-    plan = plan_retention(repo, RetentionPolicy(*rules), allow_delete_all=args.allow_delete_all)
-    if args.dry_run:
+    result = open_repo(args).retain(
+        RetentionPolicy(*rules), dry_run=args.dry_run, allow_delete_all=args.allow_delete_all
+    )
+    plan = result.plan
+    assert plan is not None  # Repository.retain always returns its plan
+    if result.dry_run:
         emit(args, {**plan.to_json(), "dry_run": True}, lambda: plan.render() + "\n(dry run)")
         return 0
-    result = execute_retention(repo, plan)
     data = {
         **plan.to_json(),
         "dry_run": False,
@@ -78,11 +80,7 @@ def cmd_retain(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from casnap.gc.collect import gc
-
-    repo = open_repo(args)
-    result = gc(
-        repo,
+    result = open_repo(args).gc(
         grace_seconds=args.grace,
         dry_run=args.dry_run,
         wait_seconds=args.wait,
@@ -93,21 +91,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_tag(args: argparse.Namespace) -> int:
-    from casnap.repo.tags import add_tag, list_tags, remove_tag
-
     if args.action in ("add", "rm") and not args.tag:
         raise SystemExit(f"casnap tag {args.action}: name the tag")
     repo = open_repo(args)
     if args.action == "add":
         if not args.snapshot:
             raise SystemExit("casnap tag add: name the snapshot to tag")
-        info = add_tag(repo, args.tag, args.snapshot)
+        info = repo.tag(args.tag, args.snapshot)
         emit(args, vars(info), lambda: f"tagged {info.snapshot} as {info.tag}")
     elif args.action == "rm":
-        info = remove_tag(repo, args.tag)
+        info = repo.untag(args.tag)
         emit(args, vars(info), lambda: f"removed tag {info.tag} (was {info.snapshot})")
     else:
-        tags = list_tags(repo)
+        tags = repo.tags()
         emit(
             args,
             {t: vars(i) for t, i in tags.items()},
@@ -120,33 +116,23 @@ def cmd_tag(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from casnap.api.snapshot import Snapshot
-    from casnap.export import export_safetensors, export_torch
-
     repo, name = open_snapshot(args, args.snapshot)
-    snap = Snapshot(args.snapshot, storage_options={"repository": repo})
-    fmt = args.format or ("torch" if args.out.endswith((".pt", ".pth", ".bin")) else "safetensors")
-    export = export_torch if fmt == "torch" else export_safetensors
-    result = export(
-        snap,
+    result = repo.export(
+        name,
         args.out,
+        format=args.format,
         key=args.key,
         memory_budget_bytes=args.memory_budget,
         progress=Progress("export", not args.json),
     )
-    data = {"snapshot": name, "out": args.out, "format": fmt, **_fields(result)}
+    data = {"snapshot": name, "out": args.out, "format": result.format,
+            **dataclasses.asdict(result)}  # fmt: skip
     emit(
-        args, data, lambda: f"exported {name} to {args.out} ({fmt}, {human(data.get('bytes', 0))})"
+        args,
+        data,
+        lambda: f"exported {name} to {args.out} ({result.format}, {human(result.file_bytes)})",
     )
     return 0
-
-
-def _fields(result: Any) -> dict[str, Any]:
-    if hasattr(result, "to_json"):
-        return dict(result.to_json())
-    if hasattr(result, "__dataclass_fields__"):
-        return {k: getattr(result, k) for k in result.__dataclass_fields__}
-    return {}
 
 
 def register(add: Callable[..., Any]) -> None:

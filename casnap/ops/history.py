@@ -175,10 +175,16 @@ Status = Literal["added", "removed", "changed", "unchanged"]
 
 @dataclass(frozen=True)
 class EntryDiff:
+    """One entry of a diff. The drift figures are filled in only by a diff with
+    stats (``casnap.Repository.diff(..., stats=True)``), for changed tensors of
+    equal dtype, shape and chunking; they stay ``None`` otherwise."""
+
     key: str
     status: Status
     changed_bytes: int  # raw bytes in chunks that differ
     changed_chunks: int
+    max_abs_diff: float | None = None  # max |b - a| over the changed chunks
+    rel_l2: float | None = None  # ||b - a|| / ||a|| over the changed chunks
 
 
 def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:

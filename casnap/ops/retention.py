@@ -324,10 +324,17 @@ class RetentionPlan:
 
 @dataclass(frozen=True)
 class RetentionResult:
-    """What :func:`execute_retention` did: refs deleted, and refs it left alone and why."""
+    """What :func:`execute_retention` did: refs deleted, and refs it left alone and why.
+
+    ``plan`` is the plan that was executed; ``dry_run`` is true when it was
+    only planned (``casnap.Repository.retain(..., dry_run=True)``), in which
+    case nothing was deleted or skipped.
+    """
 
     deleted: tuple[str, ...]
     skipped: dict[str, str]
+    plan: RetentionPlan | None = None
+    dry_run: bool = False
 
 
 def _now(now: datetime | None) -> datetime:
@@ -405,4 +412,4 @@ def execute_retention(repo: RepoStorage, plan: RetentionPlan) -> RetentionResult
         else:
             repo.delete_ref(name)
             deleted.append(name)
-    return RetentionResult(tuple(deleted), skipped)
+    return RetentionResult(tuple(deleted), skipped, plan)
