@@ -16,11 +16,17 @@ class CasnapError(Exception):
 
 
 class StoreError(CasnapError, OSError):
-    """An object store operation failed (I/O, network, permissions)."""
+    """An object store operation failed (I/O, network, permissions).
 
-    def __init__(self, message: str, key: str | None = None) -> None:
+    ``transient`` says whether repeating the same call may succeed (a timeout,
+    a dropped connection, a throttled or failing server) rather than fail the
+    same way (a permission, a full disk); the retry wrapper retries only those.
+    """
+
+    def __init__(self, message: str, key: str | None = None, *, transient: bool = False) -> None:
         super().__init__(message)
         self.key = key
+        self.transient = transient
 
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):

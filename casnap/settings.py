@@ -190,6 +190,12 @@ VARIABLES: Mapping[str, Variable] = _table(
              "lives without renewal.", minimum=0.001, maximum=7 * 86400),
     Variable("dist_timeout", "float", DEFAULT_DIST_TIMEOUT, "Seconds a rank of a distributed "
              "take waits for the others before the take fails.", minimum=0.001, maximum=7 * 86400),
+    Variable("store_retries", "int", 4, "Times a remote store request that failed transiently "
+             "(timeout, dropped connection, HTTP 429/5xx) is repeated before the error is "
+             "raised.", minimum=0, maximum=100),
+    Variable("store_retry_delay", "float", 0.2, "Seconds: the longest wait before the first "
+             "retry, doubled for each further retry (at most 10 s), with random jitter.",
+             minimum=0, maximum=600),
     Variable("index", "bool", True, "Whether takes and history use the local LMDB index."),
     Variable("index_dir", "path", None, "Where the local index lives. Unset: "
              "~/.cache/casnap/index."),

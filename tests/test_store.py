@@ -9,18 +9,21 @@ from pathlib import Path
 
 import pytest
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
-from store_conformance import StoreConformance
 
 import casnap.store.local as local_module
-from casnap.errors import ObjectExistsError, ObjectNotFoundError
+from casnap.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
 from casnap.store import (
     CountingStore,
     FsspecStore,
     LocalStore,
     ObjectStore,
     PrefixStore,
+    RetryingStore,
+    RetryPolicy,
     open_store,
 )
+from casnap.store.fsspec_store import _translate as translate_fsspec
+from casnap.store.testing import FaultyStore, StoreConformance
 
 
 class TestLocalStore(StoreConformance):
@@ -94,6 +97,98 @@ class TestCountingStore(StoreConformance):
         assert store.read_keys == ["a", "a"]
 
 
+class TestRetryingStore(StoreConformance):
+    """The whole contract holds through the wrapper while 30% of calls fail transiently."""
+
+    @pytest.fixture
+    def store(self) -> Iterator[ObjectStore]:
+        for inner in _memory_store():
+            yield self._wrap(inner)
+
+    @staticmethod
+    def _wrap(inner: ObjectStore) -> ObjectStore:
+        policy = RetryPolicy(retries=30, delay=0.0)
+        return RetryingStore(FaultyStore(inner, 0.3, seed=7), policy)
+
+    def reopen(self, store: ObjectStore) -> ObjectStore:
+        return self._wrap(FsspecStore(store.url))
+
+
+# -- the retry wrapper's semantics ---------------------------------------------
+
+
+class _Calls(FaultyStore):
+    """Counts the calls that reach the faulty layer."""
+
+    def __init__(self, inner: ObjectStore, rate: float, **kw: object) -> None:
+        super().__init__(inner, rate, **kw)  # type: ignore[arg-type]
+        self.calls = 0
+
+    def _fault(self, op: str) -> str | None:
+        self.calls += 1
+        return super()._fault(op)
+
+
+def test_retry_gives_up_after_the_bound_with_a_transient_error(local: LocalStore) -> None:
+    local.put("k", b"v")
+    sleeps: list[float] = []
+    flaky = _Calls(local, 1.0, lost=0.0)
+    store = RetryingStore(flaky, RetryPolicy(retries=3, delay=0.5, max_delay=1.0),
+                          sleep=sleeps.append)  # fmt: skip
+    with pytest.raises(StoreError, match="gave up after 4 attempts") as info:
+        store.get("k")
+    assert info.value.transient
+    assert flaky.calls == 4
+    # Full jitter under a cap that doubles from `delay` up to `max_delay`.
+    assert len(sleeps) == 3
+    assert all(0 <= s <= cap for s, cap in zip(sleeps, [0.5, 1.0, 1.0]))
+
+
+def test_retry_does_not_repeat_permanent_errors(local: LocalStore) -> None:
+    flaky = _Calls(local, 0.0)
+    store = RetryingStore(flaky, RetryPolicy(retries=5, delay=0.0))
+    with pytest.raises(ObjectNotFoundError):
+        store.get("missing")
+    local.put("there", b"x")
+    with pytest.raises(ObjectExistsError):
+        store.put("there", b"y", create_only=True)
+    with pytest.raises(InvalidNameError):
+        store.get("../escape")
+    assert flaky.calls == 3  # each tried once
+    assert local.get("there") == b"x"
+
+
+def test_retried_create_whose_first_answer_was_lost_succeeds(local: LocalStore) -> None:
+    # Every first attempt takes effect and then loses its answer.
+    flaky = FaultyStore(local, 1.0, lost=1.0, ops=("put",))
+    store = RetryingStore(flaky, RetryPolicy(retries=1, delay=0.0))
+    store.put("refs/run", b"manifest-1", create_only=True)
+    assert local.get("refs/run") == b"manifest-1"
+    # Somebody else's object under the key is still a conflict.
+    local.put("refs/other", b"theirs")
+    with pytest.raises(ObjectExistsError):
+        store.put("refs/other", b"ours", create_only=True)
+    assert local.get("refs/other") == b"theirs"
+
+
+def test_fsspec_errors_are_classified() -> None:
+    class HttpError(Exception):
+        def __init__(self, code: int) -> None:
+            super().__init__(f"status {code}")
+            self.code = code
+
+    class ServerDisconnectedError(ConnectionResetError):
+        pass
+
+    assert translate_fsspec(TimeoutError("slow"), "k").transient
+    assert translate_fsspec(ServerDisconnectedError(), "k").transient
+    assert translate_fsspec(HttpError(503), "k").transient
+    assert translate_fsspec(HttpError(429), "k").transient
+    assert not translate_fsspec(HttpError(403), "k").transient
+    assert not translate_fsspec(PermissionError("no"), "k").transient
+    assert not translate_fsspec(FileNotFoundError("k"), "k").transient
+
+
 # -- LocalStore: a crash between the temp write and the rename ----------------
 
 
@@ -138,6 +233,22 @@ def test_crash_before_create_leaves_no_object(local: LocalStore) -> None:
     local.put("k/new", b"retry", create_only=True)  # the leftover does not block a retry
     assert local.get("k/new") == b"retry"
     assert list(local.list()) == ["k/new"]
+    # The leftover is listed as a temporary (with its size and age) and can be removed.
+    (temp,) = local.list_temporary()
+    assert temp.key.startswith("k/new~tmp-") and temp.size == 4 and temp.mtime is not None
+    (seen,) = local.child("k").list_temporary()
+    assert seen.key == temp.key[len("k/") :]
+    assert local.child("k").delete_temporary(seen.key) is True
+    assert local.delete_temporary(temp.key) is False
+    assert list(local.list_temporary()) == [] and _temp_files(local) == []
+
+
+def test_delete_temporary_refuses_objects_and_escapes(local: LocalStore) -> None:
+    local.put("k/obj", b"keep")
+    for key in ("k/obj", "../x~tmp-1", "k/obj~tmp-../../x", "k/obj~tmp-"):
+        with pytest.raises(InvalidNameError):
+            local.delete_temporary(key)
+    assert local.get("k/obj") == b"keep"
 
 
 def test_failed_write_removes_its_temp_file(local: LocalStore) -> None:
@@ -157,7 +268,10 @@ def test_failed_write_removes_its_temp_file(local: LocalStore) -> None:
 def test_open_store_picks_backend(tmp_path: Path) -> None:
     assert isinstance(open_store(str(tmp_path)), LocalStore)
     assert isinstance(open_store(f"file://{tmp_path}"), LocalStore)
-    assert isinstance(open_store(f"memory://casnap-test-{uuid.uuid4().hex}"), FsspecStore)
+    remote = open_store(f"memory://casnap-test-{uuid.uuid4().hex}")
+    assert isinstance(remote, RetryingStore)  # remote stores retry transient failures
+    assert isinstance(remote.unwrap(), FsspecStore)
+    assert remote.capabilities == remote.unwrap().capabilities
 
 
 @pytest.mark.gcs

@@ -1,8 +1,8 @@
 """Garbage collection: plan what no root reaches, then sweep it (docs/gc.md).
 
 :mod:`casnap.gc.collect` holds the session and the one-call API,
-:mod:`casnap.gc.plan` the mark phase and the plan, :mod:`casnap.gc.backend`
-the listing and syncing below the store contract.
+:mod:`casnap.gc.plan` the mark phase and the plan. Both use only the store
+contract (:mod:`casnap.store.base`).
 """
 
 from casnap.gc.collect import (

@@ -10,8 +10,9 @@ The gc epoch (``.casnap/gc-epoch``) is replaced before the first deletion and
 after the last, which is how local caches learn that objects may be gone.
 
 This module holds the session (lock, epoch, sweep) and the one-call API;
-:mod:`casnap.gc.plan` makes the plan and :mod:`casnap.gc.backend` lists and
-syncs the backend below the store contract.
+:mod:`casnap.gc.plan` makes the plan. Everything gc asks of the backend
+(listings with sizes and ages, leftover temp files, durable deletes) is part
+of the store contract (:mod:`casnap.store.base`).
 
 Example::
 
@@ -39,7 +40,6 @@ from typing import Any
 
 from casnap.errors import CasnapError, ObjectNotFoundError
 from casnap.format.names import hash_bytes
-from casnap.gc.backend import delete_temp_file, sync_folders
 from casnap.gc.plan import (
     TEMP_MIN_AGE,
     Garbage,
@@ -258,7 +258,9 @@ class GcSession:
             lock.check()
             epoch = _bump_epoch(self.repo, lock.id, "sweeping")
         _delete_all(store, lock, [g.key for g in plan.manifests], tick)
-        sync_folders(store, [g.key for g in plan.manifests])
+        # The manifests' deletions reach the disk before any chunk's: a crash
+        # must never leave a manifest that names a deleted chunk.
+        store.flush()
         _delete_all(store, lock, [g.key for g in plan.chunks + plan.packs], tick)
         if plan.data:
             # After the last: a cache filled while this gc was sweeping is stale too.
@@ -272,7 +274,7 @@ class GcSession:
             tick()
         temps = 0
         for g in plan.temp_files:
-            temps += delete_temp_file(store, g.key)
+            temps += store.delete_temporary(g.key)
             tick()
         return GcResult(
             plan=plan, dry_run=False, deleted_manifests=len(plan.manifests),

@@ -23,10 +23,10 @@ from casnap.errors import (
     SnapshotNotFoundError,
     expect_type,
 )
-from casnap.gc.backend import Listed, scan
-from casnap.repo.leases import scan_leases
+from casnap.repo.leases import GC_CLAIMS, LEASES, scan_leases
 from casnap.repo.repository import RepoStorage, chunk_key, now_iso, pack_key
 from casnap.repo.tags import list_tags
+from casnap.store import ObjectInfo
 
 # A temp file of a put is removed only once it is at least this old, whatever
 # the grace period: nothing legitimate keeps one open for an hour.
@@ -206,16 +206,12 @@ def make_plan(
     now = time.time()
     marks = _Marks()
     _read_roots(repo, marks)
-    listed: dict[str, list[Listed]] = {}
-    temps: list[Listed] = []
-    for kind in _SWEPT:
-        listed[kind], t = scan(repo.store, kind)
-        temps += t
-    for kind in _SMALL:  # only for leftover temp files (heartbeats write leases often)
-        temps += scan(repo.store, kind)[1]
+    store = repo.store
+    listed = {kind: list(store.list_info(kind)) for kind in _SWEPT}
+    temps = [t for kind in _SWEPT + _SMALL for t in store.list_temporary(kind)]
     unknown_age = 0
 
-    def young(obj: Listed) -> bool:
+    def young(obj: ObjectInfo) -> bool:
         nonlocal unknown_age
         if grace_seconds == 0:
             return obj.mtime is not None and obj.mtime > now  # a clock ahead of ours: keep
@@ -263,7 +259,8 @@ def make_plan(
     temp_age = max(grace_seconds, TEMP_MIN_AGE)
     old_temps = [Garbage(t.key, t.size) for t in temps
                  if t.mtime is not None and now - t.mtime >= temp_age]  # fmt: skip
-    dead = tuple(k for k, _ in scan_leases(repo.store, now).dead)
+    # Expired leases of crashed takes, and expired claims of crashed gcs.
+    dead = tuple(k for f in (LEASES, GC_CLAIMS) for k, _ in scan_leases(repo.store, now, f).dead)
     return GcPlan(
         url=repo.url, session=session, made_at=now_iso(), grace_seconds=grace_seconds,
         refs=marks.refs, tags=marks.tags, reachable_manifests=reachable,

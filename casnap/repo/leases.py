@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -65,6 +66,8 @@ _log = logging.getLogger(__name__)
 
 LEASES = "leases"
 GC_LOCK_KEY = "gc.lock"
+# Claims of gcs about to take gc.lock, on stores without atomic create (_alone).
+GC_CLAIMS = "gc-claims"
 MAX_RECORD_BYTES = 64 * 1024
 # Polling for the other side starts fast (a gc sweep of a small repository
 # takes milliseconds) and backs off to this.
@@ -313,29 +316,69 @@ def acquire_gc_lock(
 ) -> Lease:
     """Create ``gc.lock`` (create-only), breaking a lock whose holder's lease expired.
 
-    Raises :class:`GcBusyError` if another gc still holds it after ``wait_seconds``.
+    On a store whose create-only put is not atomic across processes
+    (``Capabilities.atomic_create`` false), two gcs could both see no lock and
+    both write one; there each attempt first claims the right to try
+    (:func:`_alone`), so at most one gc at a time checks and writes the lock.
+    Raises :class:`GcBusyError` if another gc still holds the lock, or keeps
+    claiming it, after ``wait_seconds``.
     """
     ttl = lease_ttl() if ttl is None else ttl
     deadline = time.monotonic() + wait_seconds
     delays = _poll_delays()
     while True:
         record = LeaseRecord.new("gc", ttl)
-        try:
-            store.put(GC_LOCK_KEY, record.to_bytes(), create_only=True, durable=False)
-            return Lease(store, GC_LOCK_KEY, record, ttl).start()
-        except ObjectExistsError:
-            pass
-        current = read_gc_lock(store)
-        if current is None:
-            continue  # released meanwhile
-        if not current.is_live():
-            _break_stale(store, current)
-            continue
+        with _alone(store, record) as rival:
+            if rival is None:
+                try:
+                    store.put(GC_LOCK_KEY, record.to_bytes(), create_only=True, durable=False)
+                    return Lease(store, GC_LOCK_KEY, record, ttl).start()
+                except ObjectExistsError:
+                    pass
+                rival = read_gc_lock(store)
+                if rival is None:
+                    continue  # released meanwhile
+                if not rival.is_live():
+                    _break_stale(store, rival)
+                    continue
         if time.monotonic() >= deadline:
             raise GcBusyError(
-                f"another gc holds {store.url}/{GC_LOCK_KEY}: {current.describe()}", current
+                f"another gc holds {store.url}/{GC_LOCK_KEY}: {rival.describe()}", rival
             )
-        time.sleep(next(delays))
+        # Jitter: two gcs that claimed at once and both backed off must not retry in step.
+        time.sleep(next(delays) * random.uniform(0.5, 1.5))
+
+
+@contextmanager
+def _alone(store: ObjectStore, record: LeaseRecord) -> Iterator[LeaseRecord | None]:
+    """Yield None if this gc may check and write ``gc.lock`` now, else a rival's claim.
+
+    On a store with atomic create the lock's own create-only put decides, so
+    there is nothing to do. Elsewhere each gc writes ``gc-claims/<id>`` and
+    *then* lists the claims (the same write-then-check as leases against the
+    lock): of two gcs claiming at once at least one sees the other, so at most
+    one goes on. Both may back off; they retry with jitter. A claim lives only
+    while its gc checks and writes the lock; a crashed gc's claim counts until
+    it expires; gc deletes expired ones with the expired leases.
+    """
+    if store.capabilities.atomic_create:
+        yield None
+        return
+    key = f"{GC_CLAIMS}/{record.id}"
+    store.put(key, record.to_bytes(), durable=False)
+    try:
+        rival = None
+        for other in store.list(GC_CLAIMS):
+            if other == key:
+                continue
+            # A malformed claim raises ManifestValidationError naming it: we
+            # cannot tell when it ends, and guessing could let two gcs sweep.
+            claim = read_record(store, other)
+            if claim is not None and claim.is_live():
+                rival = claim
+        yield rival
+    finally:
+        store.delete(key)
 
 
 def _break_stale(store: ObjectStore, stale: LeaseRecord) -> None:
@@ -359,12 +402,13 @@ class LeaseScan:
         return tuple(k for k, _ in self.live) + self.malformed
 
 
-def scan_leases(store: ObjectStore, now: float | None = None) -> LeaseScan:
+def scan_leases(store: ObjectStore, now: float | None = None, folder: str = LEASES) -> LeaseScan:
+    """The records below ``folder``: takes' leases, or (``GC_CLAIMS``) gcs' claims."""
     now = time.time() if now is None else now
     live: list[tuple[str, LeaseRecord]] = []
     dead: list[tuple[str, LeaseRecord]] = []
     malformed: list[str] = []
-    for key in sorted(store.list(LEASES)):
+    for key in sorted(store.list(folder)):
         try:
             record = read_record(store, key)
         except ManifestValidationError:

@@ -5,7 +5,22 @@ Six operations over flat, '/'-separated keys relative to the store's root:
 ``list`` (a prefix, recursively) and ``delete``. Backends are thin; backend
 exceptions are translated to casnap errors in one place per backend.
 
-Semantics every backend guarantees (tested by tests/store_conformance.py):
+Around them, with defaults a minimal backend inherits:
+
+- ``list_info(prefix)``: the same listing with each object's size and
+  modification time (:class:`ObjectInfo`; ``None`` where the backend cannot
+  say). gc uses it for its grace period and to report what it frees.
+- ``list_temporary(prefix)`` / ``delete_temporary(key)``: leftovers of puts
+  that never finished (a crashed local put's temp file), which ``list`` never
+  shows. Backends whose puts leave nothing behind inherit "none".
+- ``flush()``: makes earlier non-durable puts *and deletes* durable.
+- ``unwrap()``: the backend below views and wrappers (:class:`PrefixStore`,
+  a counting or retrying wrapper), for code that must know what it talks to.
+- ``capabilities``: what the backend promises beyond the contract
+  (:class:`Capabilities`); gc reads ``atomic_create`` to choose how it locks.
+
+Semantics every backend guarantees (tested by :mod:`casnap.store.testing`,
+which a third-party backend can run too):
 
 - A put is atomic: a reader sees either no object or the whole object.
 - ``put(..., create_only=True)`` raises :class:`ObjectExistsError` when the
@@ -14,12 +29,18 @@ Semantics every backend guarantees (tested by tests/store_conformance.py):
 - ``get``/``get_range`` of a missing key raise :class:`ObjectNotFoundError`.
   A key that is only a folder of other keys (``a`` when ``a/b`` exists) is
   missing. ``get_range`` past the end returns the bytes there are, maybe none.
-- ``delete`` of a missing key is not an error.
+- ``delete`` of a missing key is not an error. A delete is visible at once;
+  like a non-durable put it may be undone by a crash until the next
+  ``flush()`` or durable put returns.
 - ``list(prefix)`` yields every key below the folder ``prefix/`` (not an object
   named ``prefix``, not ``prefixx/...``), in no particular order, and never a
   temporary object of an unfinished put. It reflects writes made through any
   other handle: backends must not serve it, or ``exists``, from a stale cache.
 - Invalid keys raise :class:`InvalidNameError` before any I/O.
+- A failure is a :class:`StoreError` whose ``transient`` flag says whether the
+  same call may succeed if repeated (a timeout, a dropped connection, HTTP
+  429/5xx) or will fail the same way (permissions, a full disk, a bad key).
+  :class:`~casnap.store.retry.RetryingStore` retries the transient ones.
 """
 
 from __future__ import annotations
@@ -67,6 +88,15 @@ class Capabilities:
 
     atomic_create: bool  # create-only puts are atomic across processes
     local: bool  # backed by a local filesystem (cheap probes)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object of a listing, with what the backend knows about it."""
+
+    key: str
+    size: int | None  # bytes; None: the backend cannot say
+    mtime: float | None  # seconds since the epoch of its last write; None: cannot say
 
 
 class ObjectStore(ABC):
@@ -121,7 +151,24 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def delete(self, key: str) -> None:
-        """Remove the object; a missing object is not an error."""
+        """Remove the object; a missing object is not an error (durable after ``flush``)."""
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """:meth:`list` with sizes and modification times (``None`` where unknown)."""
+        for key in self.list(prefix):
+            yield ObjectInfo(key, None, None)
+
+    def list_temporary(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Leftovers of unfinished puts below ``prefix`` (keys outside the key alphabet)."""
+        return iter(())
+
+    def delete_temporary(self, key: str) -> bool:
+        """Remove a leftover that :meth:`list_temporary` returned; False if it was gone."""
+        return False
+
+    def unwrap(self) -> ObjectStore:
+        """The backend below every view and wrapper (itself for a backend)."""
+        return self
 
     def child(self, prefix: str) -> ObjectStore:
         """A view of this store rooted at ``prefix``."""
@@ -185,3 +232,25 @@ class PrefixStore(ObjectStore):
     def delete(self, key: str) -> None:
         with self._as_seen(key):
             self.inner.delete(self._k(key))
+
+    def _seen(self, infos: Iterator[ObjectInfo]) -> Iterator[ObjectInfo]:
+        cut = len(self.prefix) + 1
+        for info in infos:
+            yield ObjectInfo(info.key[cut:], info.size, info.mtime)
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        full = self._k(prefix) if prefix else self.prefix
+        with self._as_seen(prefix):
+            yield from self._seen(self.inner.list_info(full))
+
+    def list_temporary(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        full = self._k(prefix) if prefix else self.prefix
+        with self._as_seen(prefix):
+            yield from self._seen(self.inner.list_temporary(full))
+
+    def delete_temporary(self, key: str) -> bool:
+        # Temporary names are outside the key alphabet: no check_key here.
+        return self.inner.delete_temporary(f"{self.prefix}/{key}")
+
+    def unwrap(self) -> ObjectStore:
+        return self.inner.unwrap()

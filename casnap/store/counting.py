@@ -6,7 +6,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 
-from casnap.store.base import Data, ObjectStore, as_parts
+from casnap.store.base import Data, ObjectInfo, ObjectStore, as_parts
 
 
 class CountingStore(ObjectStore):
@@ -89,3 +89,18 @@ class CountingStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._count("delete")
         self.inner.delete(key)
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self._count("list")
+        return self.inner.list_info(prefix)
+
+    def list_temporary(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self._count("list")
+        return self.inner.list_temporary(prefix)
+
+    def delete_temporary(self, key: str) -> bool:
+        self._count("delete")
+        return self.inner.delete_temporary(key)
+
+    def unwrap(self) -> ObjectStore:
+        return self.inner.unwrap()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import fsspec
 
 from casnap.errors import ObjectExistsError, ObjectNotFoundError, StoreError
-from casnap.store.base import Capabilities, Data, ObjectStore, check_key, join_parts
+from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, check_key, join_parts
 
 # Protocols whose create-only write is a server-side precondition (atomic
 # across processes). For the rest, create-only is check-then-write, made atomic
@@ -20,6 +22,13 @@ _ATOMIC_CREATE = {"gs", "gcs"}
 _CREATE_LOCK_ATTR = "_casnap_create_lock"
 
 _RANGE_NOT_SATISFIABLE = 416
+# HTTP statuses a repeat of the request may not meet: timeout, throttling, server trouble.
+_TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# Exception types (by name, so that no HTTP client is imported here) a retry may cure.
+_TRANSIENT_TYPES = {
+    "ClientConnectionError", "ClientOSError", "ServerDisconnectedError", "ClientPayloadError",
+    "ServerTimeoutError", "ConnectionError", "TransportError", "ChunkedEncodingError",
+}  # fmt: skip
 
 
 def _default_options(protocol: str) -> dict[str, Any]:
@@ -124,23 +133,35 @@ class FsspecStore(ObjectStore):
         return bool(info.get("type") == "file")
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        for key, _info in self._find(prefix, detail=False):
+            yield key
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # One listing with details instead of one info() per object.
+        for key, info in self._find(prefix, detail=True):
+            if info.get("type", "file") == "file":
+                size = info.get("size")
+                yield ObjectInfo(key, int(size) if size is not None else None, _mtime_of(info))
+
+    def _find(self, prefix: str, *, detail: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         base = self._path(prefix) if prefix else self.root
         try:
-            found = self.fs.find(base)
+            found = self.fs.find(base, detail=detail)
         except FileNotFoundError:
             return
         except Exception as exc:
             raise _translate(exc, prefix) from exc
+        items = found.items() if detail else ((p, {}) for p in found)
         strip = self.fs._strip_protocol
         # The root as listings spell it: "/" + root on memory://, "bucket/dir" on gs://.
         root = strip(self._path("x"))[:-1]
         # find() of a path that is itself an object returns that object; a
         # prefix names a folder, so only keys below it count.
         below = f"{root}{prefix}/" if prefix else root
-        for path in found:
+        for path, info in items:
             path = strip(path)
             if path.startswith(below):
-                yield path[len(root) :]
+                yield path[len(root) :], info
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -152,6 +173,32 @@ class FsspecStore(ObjectStore):
             raise _translate(exc, key) from exc
 
 
+def _mtime_of(info: dict[str, Any]) -> float | None:
+    """The modification time in a listing's details, under whatever name the backend uses."""
+    for name in ("mtime", "updated", "LastModified", "last_modified", "created", "timeCreated"):
+        value = info.get(name)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
+    return None
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    status = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(status, int) and status in _TRANSIENT_STATUS:
+        return True
+    return any(t.__name__ in _TRANSIENT_TYPES for t in type(exc).__mro__)
+
+
 def _translate(exc: Exception, key: str) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
@@ -160,4 +207,5 @@ def _translate(exc: Exception, key: str) -> StoreError:
         return ObjectNotFoundError(f"object {key!r} not found", key)
     if isinstance(exc, FileExistsError):
         return ObjectExistsError(f"object {key!r} already exists", key)
-    return StoreError(f"{type(exc).__name__}: {exc} ({key!r})", key)
+    transient = _is_transient(exc)
+    return StoreError(f"{type(exc).__name__}: {exc} ({key!r})", key, transient=transient)

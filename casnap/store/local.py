@@ -10,14 +10,17 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 
-from casnap.errors import ObjectExistsError, ObjectNotFoundError, StoreError
-from casnap.store.base import Capabilities, Data, ObjectStore, as_parts, check_key
+from casnap.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, as_parts, check_key
 
 # "~" is outside the key alphabet (see check_key), so no key can look like a
 # temp file and list can skip temp files without hiding a real object.
 _TMP_MARK = "~tmp-"
 # A key whose path runs into a file, or names a folder, is simply not an object.
 _NOT_AN_OBJECT = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+# Errors a repeat of the same call may not meet (an interrupted call, a busy
+# or timed-out network file system); a full disk or a permission is permanent.
+_TRANSIENT = (errno.EINTR, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE)
 
 
 class LocalStore(ObjectStore):
@@ -26,8 +29,9 @@ class LocalStore(ObjectStore):
     A put writes ``<key>~tmp-<random>``, fsyncs it, then renames it into place
     (``os.link`` for create-only, which fails atomically if the key exists) and
     fsyncs the directory, so a crash leaves either the old state or the whole
-    object, plus at most a temp file that ``list`` ignores. A non-durable put
-    defers the directory fsync to the next durable put or ``flush()``.
+    object, plus at most a temp file that ``list`` ignores and
+    ``list_temporary`` reports. A non-durable put, and every delete, defers the
+    directory fsync to the next durable put or ``flush()``.
     """
 
     capabilities = Capabilities(atomic_create=True, local=True)
@@ -140,6 +144,27 @@ class LocalStore(ObjectStore):
             raise _translate(exc, key) from exc
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        for key, _path in self._walk(prefix, temporary=False):
+            yield key
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self._infos(prefix, temporary=False)
+
+    def list_temporary(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self._infos(prefix, temporary=True)
+
+    def _infos(self, prefix: str, *, temporary: bool) -> Iterator[ObjectInfo]:
+        for key, path in self._walk(prefix, temporary=temporary):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue  # deleted (or renamed into place) while listing
+            except OSError as exc:
+                raise _translate(exc, key) from exc
+            yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def _walk(self, prefix: str, *, temporary: bool) -> Iterator[tuple[str, str]]:
+        """(key, path) of the objects, or of the temp files, below ``prefix``."""
         base = self._path(prefix) if prefix else self.root
         if not os.path.isdir(base):
             return
@@ -149,19 +174,38 @@ class LocalStore(ObjectStore):
             for folder, _dirs, files in os.walk(base, onerror=_walk_error):
                 rel = os.path.relpath(folder, self.root)
                 for name in files:
-                    if _TMP_MARK in name:
+                    if (_TMP_MARK in name) != temporary:
                         continue
-                    yield name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+                    key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+                    yield key, os.path.join(folder, name)
         except OSError as exc:
             raise _translate(exc, prefix) from exc
 
     def delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            os.unlink(self._path(key))
+            os.unlink(path)
         except OSError as exc:
             if exc.errno in _NOT_AN_OBJECT:
                 return
             raise _translate(exc, key) from exc
+        self._defer(os.path.dirname(path))
+
+    def delete_temporary(self, key: str) -> bool:
+        # A temp file's name is an object key plus the mark and a random tail:
+        # anything else (an object, a path out of the root) is refused.
+        stem, mark, tail = key.rpartition(_TMP_MARK)
+        if not mark or not tail.isalnum():
+            raise InvalidNameError(f"{key!r} is not a temporary object of this store")
+        path = self._path(stem) + mark + tail
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            if exc.errno in _NOT_AN_OBJECT:
+                return False
+            raise _translate(exc, key) from exc
+        self._defer(os.path.dirname(path))
+        return True
 
 
 def _make_folders(folder: str, sync: Callable[[str], None]) -> None:
@@ -208,4 +252,4 @@ def _translate(exc: OSError, key: str, *, writing: bool = False) -> StoreError:
         return ObjectExistsError(f"object {key!r} already exists", key)
     if exc.errno == errno.ENOSPC:
         return StoreError(f"no space left on device while writing {key!r}", key)
-    return StoreError(f"{exc.strerror or exc} ({key!r})", key)
+    return StoreError(f"{exc.strerror or exc} ({key!r})", key, transient=exc.errno in _TRANSIENT)

@@ -1,7 +1,10 @@
-"""The object-store contract as a reusable test suite.
+"""The object-store contract as a reusable test suite, for casnap's backends and yours.
 
-Every backend runs the same tests: subclass :class:`StoreConformance` and
-provide a ``store`` fixture that yields an empty store::
+Every backend runs the same tests: subclass :class:`StoreConformance` in a
+pytest module and provide a ``store`` fixture that yields an empty store::
+
+    import pytest
+    from casnap.store.testing import StoreConformance
 
     class TestMyStore(StoreConformance):
         @pytest.fixture
@@ -11,20 +14,27 @@ provide a ``store`` fixture that yields an empty store::
         def reopen(self, store):  # optional: a second, independent handle
             return MyStore(store.root)
 
-The contract itself is documented in ``casnap/store/base.py``.
+The contract itself is documented in :mod:`casnap.store.base`. This module
+needs pytest (the ``test`` extra); nothing else in casnap imports it.
+
+:class:`FaultyStore` wraps a store and fails a chosen share of its calls with
+transient errors, before or after the call took effect (a lost response):
+what the retry wrapper and the commit protocol are tested against.
 """
 
 from __future__ import annotations
 
 import array
 import os
+import random
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from casnap.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError
-from casnap.store import ObjectStore
+from casnap.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, as_parts
 
 UNSAFE_KEYS = [
     "../x",
@@ -372,3 +382,138 @@ class StoreConformance:
             other.put("f/b/c", b"late", create_only=True)
         other.put("f/a", b"from other", create_only=True)
         assert store.get("f/a") == b"from other"
+
+    # -- listing with details, temporaries, flush, unwrap --------------------
+
+    def test_list_info_matches_list(self, store: ObjectStore) -> None:
+        before = time.time()
+        sizes = {"i/a": 0, "i/b/c": 3, "i/d": 1000}
+        for key, size in sizes.items():
+            store.put(key, os.urandom(size))
+        store.put("other", b"x")
+        infos = sorted(store.list_info("i"), key=lambda info: info.key)
+        assert [info.key for info in infos] == _keys(store, "i") == sorted(sizes)
+        for info in infos:
+            assert isinstance(info, ObjectInfo)
+            assert info.size is None or info.size == sizes[info.key]
+            # Clocks of a remote store may be a little off ours; an hour is not.
+            assert info.mtime is None or before - 3600 < info.mtime < time.time() + 3600
+        store.put("i/b/c", b"longer now")
+        (info,) = [i for i in store.list_info("i/b")]
+        assert info.size is None or info.size == len(b"longer now")
+        assert list(store.list_info("missing")) == []
+
+    def test_no_temporaries_after_finished_puts(self, store: ObjectStore) -> None:
+        store.put("t/a", b"1")
+        store.put("t/b", b"2", create_only=True)
+        store.put("t/a", b"3")
+        with pytest.raises(ObjectExistsError):
+            store.put("t/b", b"4", create_only=True)
+        assert list(store.list_temporary()) == []
+        assert list(store.list_temporary("t")) == []
+
+    def test_delete_temporary_never_deletes_an_object(self, store: ObjectStore) -> None:
+        store.put("t/obj", b"keep")
+        try:
+            assert store.delete_temporary("t/obj") is False
+        except InvalidNameError:
+            pass
+        assert store.get("t/obj") == b"keep"
+
+    def test_flush_after_puts_and_deletes(self, store: ObjectStore) -> None:
+        store.put("f/a", b"1", durable=False)
+        store.put("f/b", b"2", durable=False)
+        store.delete("f/a")
+        store.flush()
+        assert _keys(store, "f") == ["f/b"]
+        assert store.get("f/b") == b"2"
+
+    def test_unwrap_and_capabilities(self, store: ObjectStore) -> None:
+        base = store.unwrap()
+        assert isinstance(base, ObjectStore)
+        assert base.unwrap() is base
+        assert isinstance(store.capabilities, Capabilities)
+        assert store.capabilities == base.capabilities
+
+
+class FaultyStore(ObjectStore):
+    """``inner`` with a share ``rate`` of calls failing transiently (seeded, reproducible).
+
+    A failing call fails either before it reaches ``inner`` or, with
+    probability ``lost``, after it took effect (the response was lost). Only
+    the operations in ``ops`` fail. ``faults`` counts the failures injected.
+    """
+
+    OPS = ("get", "get_range", "read_into", "put", "exists", "list", "delete")
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        rate: float,
+        *,
+        lost: float = 0.5,
+        seed: int = 0,
+        ops: tuple[str, ...] = OPS,
+    ) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.capabilities = inner.capabilities
+        self.rate, self.lost, self.ops = rate, lost, ops
+        self.faults = 0
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _fault(self, op: str) -> str | None:
+        """None, "before" or "after": whether and how this call fails."""
+        if op not in self.ops:
+            return None
+        with self._lock:
+            if self._random.random() >= self.rate:
+                return None
+            self.faults += 1
+            return "after" if self._random.random() < self.lost else "before"
+
+    def _run(self, op: str, key: str, call: Callable[[], object]) -> object:
+        fault = self._fault(op)
+        if fault == "before":
+            raise StoreError(f"injected transient fault before {op} ({key!r})", key, transient=True)
+        result = call()
+        if fault == "after":
+            raise StoreError(f"injected lost response of {op} ({key!r})", key, transient=True)
+        return result
+
+    def get(self, key: str) -> bytes:
+        return self._run("get", key, lambda: self.inner.get(key))  # type: ignore[return-value]
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        call = lambda: self.inner.get_range(key, start, end)  # noqa: E731
+        return self._run("get_range", key, call)  # type: ignore[return-value]
+
+    def read_into(self, key: str, buffers: list[memoryview]) -> int:
+        call = lambda: self.inner.read_into(key, buffers)  # noqa: E731
+        return self._run("read_into", key, call)  # type: ignore[return-value]
+
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
+        parts = as_parts(data)
+        call = lambda: self.inner.put(key, parts, create_only=create_only, durable=durable)  # noqa: E731
+        self._run("put", key, call)
+
+    def exists(self, key: str) -> bool:
+        return self._run("exists", key, lambda: self.inner.exists(key))  # type: ignore[return-value]
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        keys = self._run("list", prefix, lambda: list(self.inner.list(prefix)))
+        yield from keys  # type: ignore[misc]
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        infos = self._run("list", prefix, lambda: list(self.inner.list_info(prefix)))
+        yield from infos  # type: ignore[misc]
+
+    def delete(self, key: str) -> None:
+        self._run("delete", key, lambda: self.inner.delete(key))
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def unwrap(self) -> ObjectStore:
+        return self.inner.unwrap()
