@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from casnap.errors import (
+    ManifestValidationError,
     ObjectExistsError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
@@ -162,11 +163,21 @@ class RepoStorage:
 
     # -- refs ------------------------------------------------------------
     def write_ref(self, name: str, manifest: str) -> None:
-        """Commit a snapshot: create-only, so a name is never silently replaced."""
+        """Commit a snapshot: create-only, so a name is never silently replaced.
+
+        Idempotent: if the ref already names ``manifest`` the commit is done.
+        That is what a client sees when its create took effect but the answer
+        was lost and it (or the store's own client library) tried again.
+        """
         ref = Ref(manifest=check_hash(manifest), created_at=now_iso())
         try:
             self.store.put(ref_key(name), canonical_json(ref.model_dump()), create_only=True)
         except ObjectExistsError as exc:
+            try:
+                if self.read_ref(name).manifest == ref.manifest:
+                    return
+            except (SnapshotNotFoundError, ManifestValidationError):
+                pass  # deleted meanwhile, or unreadable: either way not ours
             raise SnapshotExistsError(
                 f"snapshot {name!r} already exists in {self.url}; snapshots are immutable, "
                 "choose a new path",
