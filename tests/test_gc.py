@@ -237,22 +237,34 @@ def test_gc_refuses_to_sweep_when_a_reachable_manifest_is_unreadable(repo):
     assert stored(repo) == before and not repo.store.exists(GC_LOCK_KEY)
 
 
-def test_old_temp_files_of_interrupted_puts_are_removed(repo):
-    take(repo, "s1", make_state(1))
-    paths = []
-    for folder in (("chunks", "ab"), ("leases",)):
-        os.makedirs(os.path.join(repo.url, ".casnap", *folder), exist_ok=True)
-        paths += [os.path.join(repo.url, ".casnap", *folder, f"x{i}~tmp-{i}") for i in "01"]
+def _temp_files(repo, folder, names, age):
+    os.makedirs(os.path.join(repo.url, ".casnap", *folder), exist_ok=True)
+    paths = [os.path.join(repo.url, ".casnap", *folder, f"{n}~tmp-{n}") for n in names]
+    then = time.time() - age
     for path in paths:
         with open(path, "wb") as fh:
             fh.write(b"x" * 10)
-    then = time.time() - 7200
-    old, young = paths[0::2], paths[1::2]
-    for path in old:
         os.utime(path, (then, then))
+    return paths
+
+
+def test_temp_files_of_killed_takes_are_removed_after_the_grace_period(repo):
+    take(repo, "s1", make_state(1))
+    old_chunks = _temp_files(repo, ("chunks", "ab"), ["a0", "a1"], 7200)
+    young_chunks = _temp_files(repo, ("packs", "cd"), ["b0"], 5)
+    old_lease = _temp_files(repo, ("leases",), ["c0"], 7200)
+    young_lease = _temp_files(repo, ("leases",), ["d0"], 5)  # a take starting now
+    # The default grace period keeps what is younger than it.
+    result = gc(repo)
+    assert result.deleted_temp_files == 3
+    assert not any(map(os.path.exists, old_chunks + old_lease))
+    assert all(map(os.path.exists, young_chunks + young_lease))
+    # --grace 0: no take holds a lease, so every data folder's temp file is a dead writer's.
     result = gc(repo, grace_seconds=0)
-    assert result.deleted_temp_files == 2
-    assert not any(map(os.path.exists, old)) and all(map(os.path.exists, young))
+    assert result.deleted_temp_files == 1
+    assert not any(map(os.path.exists, young_chunks))
+    assert all(map(os.path.exists, young_lease))
+    assert_restores(repo, "s1", make_state(1))
 
 
 def test_a_malformed_ref_makes_gc_refuse(repo):
@@ -533,3 +545,40 @@ def test_gc_and_leases_on_gcs(gcs_bucket):  # noqa: F811
     assert gc(repo, grace_seconds=0).deleted == 8
     assert_restores(repo, "s2", make_state(2))
     assert_whole(repo)
+
+
+_KILLED_TAKE = """
+import os, sys, torch
+from casnap import Snapshot, StateDict
+real_replace = os.replace
+def die(src, dst):  # the process is killed between writing a chunk and renaming it
+    if "/chunks/" in dst:
+        os._exit(9)
+    real_replace(src, dst)
+os.replace = die
+state = StateDict(w=torch.randn(200_000))
+Snapshot.take(sys.argv[1], {"s": state}, storage_options={"chunk_size": 65536})
+"""
+
+
+def test_du_reports_what_a_killed_take_left_and_gc_grace_0_reclaims_it(repo, capsys):
+    import subprocess
+    import sys
+
+    from casnap.cli import main
+
+    take(repo, "s1", make_state(1))
+    env = {**os.environ, "CASNAP_LEASE_TTL": "0.5"}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_TAKE, f"{repo.url}/s2"], env=env)
+    assert proc.returncode == 9
+    time.sleep(0.6)  # its lease expires: nobody renews it
+    left = repo.du().leftovers
+    assert left.temp_files >= 1 and left.temp_bytes > 0 and left.expired_leases == 1
+    assert main(["du", repo.url]) == 0
+    assert "left by interrupted takes: " in capsys.readouterr().out
+    result = gc(repo, grace_seconds=0)
+    assert result.deleted_temp_files == left.temp_files and result.deleted_leases == 1
+    assert not repo.du().leftovers
+    assert main(["du", repo.url]) == 0
+    assert "left by interrupted takes" not in capsys.readouterr().out
+    assert_restores(repo, "s1", make_state(1))

@@ -12,6 +12,7 @@ Tables for people by default, ``--json`` for scripts. Exit codes: 0 success,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -213,6 +214,7 @@ def cmd_du(args: argparse.Namespace) -> int:
             }
             for u in usage.per_snapshot
         ],
+        "leftovers": dataclasses.asdict(usage.leftovers),
     }
 
     def text() -> str:
@@ -221,10 +223,20 @@ def cmd_du(args: argparse.Namespace) -> int:
             for u in usage.per_snapshot
         ]
         head = table(rows, ["snapshot", "logical", "stored", "freed if deleted"], {1, 2, 3})
-        return (
+        out = (
             f"{head}\n\n{usage.snapshots} snapshots: logical {human(usage.logical_bytes)}, "
             f"stored {human(usage.stored_bytes)}, dedup ratio {usage.dedup_ratio:.2f}x"
         )
+        left = usage.leftovers
+        if left:
+            out += (
+                f"\nleft by interrupted takes: {left.temp_files} temp file(s) "
+                f"({human(left.temp_bytes)}), {left.expired_leases} expired lease(s); "
+                "`casnap gc` removes them"
+            )
+        if left.live_leases:
+            out += f"\ntakes in flight now: {left.live_leases}"
+        return out
 
     emit(args, data, text)
     return 0

@@ -41,7 +41,7 @@ from typing import Any
 from casnap.errors import CasnapError, ObjectNotFoundError
 from casnap.format.names import hash_bytes
 from casnap.gc.plan import (
-    TEMP_MIN_AGE,
+    LEASE_TEMP_MIN_AGE,
     Garbage,
     GcPlan,
     GcRefusedError,
@@ -66,7 +66,7 @@ from casnap.store import ObjectStore
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
     "DEFAULT_WAIT_SECONDS",
-    "TEMP_MIN_AGE",
+    "LEASE_TEMP_MIN_AGE",
     "Garbage",
     "GcPlan",
     "GcRefusedError",

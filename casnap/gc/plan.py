@@ -28,9 +28,12 @@ from casnap.repo.repository import RepoStorage, chunk_key, now_iso, pack_key
 from casnap.repo.tags import list_tags
 from casnap.store import ObjectInfo
 
-# A temp file of a put is removed only once it is at least this old, whatever
-# the grace period: nothing legitimate keeps one open for an hour.
-TEMP_MIN_AGE = 3600.0
+# Temp files of unfinished puts. gc runs only once no take holds a lease, and
+# takes write chunks, packs, manifests, refs and tags only under one, so a temp
+# file there belongs to a dead writer and goes once older than the grace period
+# (which protects writers that hold no lease). A lease record is written before
+# its take holds anything: its temp file may be a take starting right now.
+LEASE_TEMP_MIN_AGE = 600.0
 
 Progress = Callable[[int, int], None]
 
@@ -256,9 +259,14 @@ def make_plan(
             f"the store does not report object ages: {unknown_age} unreachable object(s) "
             "kept; pass grace_seconds=0 to sweep them"
         )
-    temp_age = max(grace_seconds, TEMP_MIN_AGE)
-    old_temps = [Garbage(t.key, t.size) for t in temps
-                 if t.mtime is not None and now - t.mtime >= temp_age]  # fmt: skip
+
+    def stale(t: ObjectInfo) -> bool:
+        if t.mtime is None:
+            return False
+        min_age = max(grace_seconds, LEASE_TEMP_MIN_AGE) if t.key.startswith(LEASES + "/") else 0
+        return now - t.mtime >= max(grace_seconds, min_age)
+
+    old_temps = [Garbage(t.key, t.size) for t in temps if stale(t)]
     # Expired leases of crashed takes, and expired claims of crashed gcs.
     dead = tuple(k for f in (LEASES, GC_CLAIMS) for k, _ in scan_leases(repo.store, now, f).dead)
     return GcPlan(

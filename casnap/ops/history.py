@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from casnap.format.manifest import ChunkRef, Manifest, ObjectEntry, ShardedEntry, TensorEntry
 from casnap.index import manifest_summaries
+from casnap.repo.leases import scan_leases
 from casnap.repo.repository import RepoStorage
 
 
@@ -89,12 +90,30 @@ class SnapshotUsage:
     exclusive_bytes: int  # what deleting it (then gc) would free
 
 
+# The folders writers put objects and records into (their temp files are leftovers).
+_WRITTEN = ("chunks", "packs", "manifests", "refs", "tags", "leases")
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What crashed writers left behind, which gc reclaims (docs/gc.md)."""
+
+    temp_files: int = 0  # temp files of interrupted puts
+    temp_bytes: int = 0
+    expired_leases: int = 0  # leases of takes that died without releasing them
+    live_leases: int = 0  # takes in flight now (not leftovers; gc waits for them)
+
+    def __bool__(self) -> bool:
+        return bool(self.temp_files or self.expired_leases)
+
+
 @dataclass(frozen=True)
 class Usage:
     snapshots: int
     logical_bytes: int  # what the snapshots would take without dedup or compression
     stored_bytes: int  # the objects they reference, each counted once
     per_snapshot: tuple[SnapshotUsage, ...] = ()
+    leftovers: Leftovers = Leftovers()
 
     @property
     def dedup_ratio(self) -> float:
@@ -138,6 +157,19 @@ def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
         logical_bytes=sum(u.logical_bytes for u in per),
         stored_bytes=sum(sizes.values()),
         per_snapshot=tuple(per),
+        leftovers=leftovers(repo),
+    )
+
+
+def leftovers(repo: RepoStorage) -> Leftovers:
+    """Temp files of interrupted puts and leases of dead takes, as gc would find them."""
+    temps = [t for folder in _WRITTEN for t in repo.store.list_temporary(folder)]
+    leases = scan_leases(repo.store)
+    return Leftovers(
+        temp_files=len(temps),
+        temp_bytes=sum(t.size or 0 for t in temps),
+        expired_leases=len(leases.dead),
+        live_leases=len(leases.blocking),
     )
 
 
