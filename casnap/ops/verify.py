@@ -5,8 +5,11 @@ chunk a manifest references must exist (one listing of the store, not a probe
 per chunk). With ``read_data`` every referenced chunk is fetched, decoded and
 re-hashed; ``part=(k, n)`` restricts that to the chunks whose hash falls in
 part ``k`` of ``n``, so a long scrub can run a slice at a time. Problems are
-collected and reported, never repaired: verify writes nothing to the store.
-The local index is never consulted.
+collected and reported, never repaired. The one thing verify writes is a
+damage record for each chunk copy whose bytes fail their hash, through the
+verified reader's containment (:mod:`casnap.chunks.damage`), so that no later
+take references that copy; on a read-only store it warns instead. The local
+index is never consulted (only told to forget damaged chunks).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from casnap.chunks.damage import decode_frame
 from casnap.chunks.io import Span, object_name, plan_reads
 from casnap.errors import (
     CasnapError,
@@ -22,7 +26,6 @@ from casnap.errors import (
     ObjectNotFoundError,
     expect_type,
 )
-from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.repo.repository import RepoStorage
 
@@ -151,7 +154,7 @@ def _scrub(
         frame = view if span.end < 0 else view[ref.offset - span.start :
                                                ref.offset - span.start + ref.length]  # fmt: skip
         try:
-            codec.decode(frame, span.key, bytes.fromhex(ref.hash), ref.size)
+            decode_frame(repo, span.key, ref, frame)  # records the damage it finds
         except IntegrityError as exc:
             holders = tuple(sorted(owners[(ref.pack, ref.hash)]))
             subject = f"{span.key} ({ref.hash[:12]})"
