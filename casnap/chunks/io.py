@@ -120,9 +120,7 @@ class ChunkWriter:
             index = known.index
         self.index = index
         self.damaged = known.damaged if isinstance(known, KnownChunks) else DamageSet()
-        self.known: dict[str, ChunkRef] = {
-            h: r for h, r in (known or {}).items() if not (self.damaged and r in self.damaged)
-        }
+        self.known: dict[str, ChunkRef] = dict(known or {})  # known_chunks left damage out
         self.stats = WriteStats()
         self._lock = threading.Lock()
         self._pending: dict[str, Future[ChunkRef]] = {}

@@ -27,6 +27,7 @@ from casnap.errors import (
     expect_type,
 )
 from casnap.format.manifest import ChunkRef, Manifest
+from casnap.repo.damage import DAMAGED, list_damage
 from casnap.repo.repository import RepoStorage
 
 Progress = Callable[[int, int], None]
@@ -34,7 +35,7 @@ Progress = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class Problem:
-    kind: str  # "ref", "manifest", "missing-object", "corrupt-chunk"
+    kind: str  # "ref", "manifest", "missing-object", "corrupt-chunk", "damage-records"
     subject: str  # the ref, manifest or object concerned
     detail: str
     snapshots: tuple[str, ...] = ()
@@ -121,6 +122,8 @@ def verify(
         report.problems.append(Problem("missing-object", obj, "referenced but not in the store",
                                        tuple(sorted(names))))  # fmt: skip
 
+    _report_recorded(repo, refs, owners, report, part if read_data else (0, 0))
+
     if read_data:
         todo = [r for r in refs.values()
                 if object_name(r) not in missing and in_part(r.hash, part)]  # fmt: skip
@@ -130,6 +133,33 @@ def verify(
             if progress is not None:
                 progress(i + 1, len(spans))
     return report
+
+
+def _report_recorded(
+    repo: RepoStorage,
+    refs: dict[tuple[str | None, str], ChunkRef],
+    owners: dict[tuple[str | None, str], set[str]],
+    report: VerifyReport,
+    reread: tuple[int, int] | None,
+) -> None:
+    """Report referenced copies an earlier read recorded as damaged and this run does not re-read.
+
+    ``reread`` is the part re-hashed now (None: all; ``(0, 0)``: none). A
+    restore that met damage is then visible to a plain ``verify`` too.
+    """
+    try:
+        recorded = {(c.pack, c.chunk) for c in list_damage(repo)}
+    except CasnapError as exc:
+        report.problems.append(Problem("damage-records", DAMAGED, f"cannot list: {exc}"))
+        return
+    for key in sorted(recorded & refs.keys(), key=str):
+        if reread != (0, 0) and in_part(key[1], reread):
+            continue  # re-hashed below: reported from the bytes themselves
+        ref = refs[key]
+        subject = f"{object_name(ref)} ({ref.hash[:12]})"
+        detail = "recorded as damaged by an earlier read (docs/damage.md); run with --read-data"
+        report.problems.append(Problem("corrupt-chunk", subject, detail,
+                                       tuple(sorted(owners[key]))))  # fmt: skip
 
 
 def _scrub(
