@@ -9,7 +9,8 @@ frame stays independently readable by a ranged get.
 
 Reading (:func:`read_chunks`): frames of one pack that lie close together are
 fetched by one ranged get; every frame is decoded and verified against its
-hash before its bytes are handed on.
+hash before its bytes are handed on, and a damaged one is contained
+(:mod:`casnap.chunks.damage`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from casnap.chunks.budget import ByteBudget
+from casnap.chunks.damage import decode_frame, verify_in_place
 from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
 from casnap.format.names import digest_of, hash_bytes
 from casnap.index import KnownChunks, RepoIndex
+from casnap.repo.damage import DamagedCopy, DamageSet, clear_damage
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 from casnap.settings import Settings
 
@@ -95,6 +98,11 @@ class ChunkWriter:
     the index when :meth:`finish` returns or raises: "the object exists" is
     true from its successful put on, and only a gc (which changes the gc
     epoch, so the index drops it) can make it false (docs/index.md).
+
+    A copy recorded as damaged (``known.damaged``, docs/damage.md) is never
+    referenced: a damaged loose object is replaced by an atomic put of the
+    good bytes (which heals every snapshot naming it, and clears its record);
+    a chunk damaged inside a pack gets a new frame in this take's pack.
     """
 
     def __init__(
@@ -111,7 +119,8 @@ class ChunkWriter:
         if index is None and isinstance(known, KnownChunks):
             index = known.index
         self.index = index
-        self.known: dict[str, ChunkRef] = dict(known or {})
+        self.damaged = known.damaged if isinstance(known, KnownChunks) else DamageSet()
+        self.known: dict[str, ChunkRef] = dict(known or {})  # known_chunks left damage out
         self.stats = WriteStats()
         self._lock = threading.Lock()
         self._pending: dict[str, Future[ChunkRef]] = {}
@@ -195,6 +204,8 @@ class ChunkWriter:
             ref = self.known.get(h)
         if ref is None and self.index is not None:
             ref = self.index.lookup_chunk(h, size)  # no store request
+            if ref is not None and self.damaged and ref in self.damaged:
+                ref = None  # the index predates the damage record
         with self._lock:
             if ref is None:
                 ref = self.known.get(h)  # written by another worker meanwhile
@@ -230,17 +241,25 @@ class ChunkWriter:
 
     def _write_loose(self, data: Buffer, digest: bytes, h: str, elem_size: int) -> ChunkRef:
         key = chunk_key(h)
+        damaged = DamagedCopy(h, None)
+        heal = bool(self.damaged) and damaged in self.damaged
         try:
-            header = codec.parse_header(self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key)
-            if header.digest == digest and header.raw_length == len(data):
-                ref = ChunkRef(hash=h, size=len(data), length=header.frame_length)
-                with self._lock:
-                    self._present.append(ref)
-                return ref
+            if not heal:  # a damaged object's header may well probe fine
+                header = codec.parse_header(
+                    self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key
+                )
+                if header.digest == digest and header.raw_length == len(data):
+                    ref = ChunkRef(hash=h, size=len(data), length=header.frame_length)
+                    with self._lock:
+                        self._present.append(ref)
+                    return ref
         except (ObjectNotFoundError, IntegrityError):
             pass  # absent, or a damaged object we overwrite below
         head, payload = self._encode(data, digest, elem_size)
-        self.repo.store.put(key, [head, payload], durable=False)
+        self.repo.store.put(key, [head, payload], durable=False)  # replaces atomically
+        if heal:
+            self.repo.store.flush()  # durable before its damage record goes
+            clear_damage(self.repo, [damaged])
         length = len(head) + len(payload)
         ref = ChunkRef(hash=h, size=len(data), length=length)
         with self._lock:
@@ -421,7 +440,7 @@ def read_chunks(
             raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
         with lock:
             fetched += n
-        codec.verify_raw_in_place(head, view, n, span.key, bytes.fromhex(ref.hash), ref.size)
+        verify_in_place(repo, span.key, ref, head, view, n)
         return True
 
     def run(span: Span) -> None:
@@ -449,7 +468,7 @@ def read_chunks(
                     frame = mv
                 else:
                     frame = mv[ref.offset - span.start : ref.offset - span.start + ref.length]
-                data = codec.decode(frame, span.key, bytes.fromhex(ref.hash), ref.size)
+                data = decode_frame(repo, span.key, ref, frame)
                 sink(i, data)
         finally:
             budget.release(cost)

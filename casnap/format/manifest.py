@@ -276,6 +276,19 @@ class Ref(_Model):
     created_at: StrictStr
 
 
+class DamageRecord(_Model):
+    """``.casnap/damaged/<chunk>/<pack or "chunk">``: a read found this copy of a chunk damaged.
+
+    The key alone says which copy (takes only list the folder); the body is
+    for people and a later ``repair`` (docs/damage.md).
+    """
+
+    chunk: HashStr
+    pack: HashStr | None  # None: the loose object chunks/<chunk>
+    detected_at: StrictStr
+    detail: StrictStr
+
+
 def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")  # fmt: skip
@@ -344,10 +357,16 @@ def parse_ref(data: bytes, name: str) -> Ref:
     return ref
 
 
+def parse_damage_record(data: bytes, key: str) -> DamageRecord:
+    record: DamageRecord = _parse(DamageRecord, data, f"damage record {key!r}")
+    return record
+
+
 def json_schemas() -> dict[str, dict[str, Any]]:
     """The JSON Schemas exported into ``schema/`` (see tools/export_schema.py)."""
     return {
         "manifest-v1.schema.json": Manifest.model_json_schema(),
         "config-v1.schema.json": RepoConfig.model_json_schema(),
         "ref-v1.schema.json": Ref.model_json_schema(),
+        "damage-v1.schema.json": DamageRecord.model_json_schema(),
     }

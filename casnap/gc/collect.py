@@ -51,6 +51,7 @@ from casnap.gc.plan import (
     make_plan,
 )
 from casnap.index import GC_EPOCH_KEY
+from casnap.repo.damage import clear_damage, list_damage
 from casnap.repo.leases import (
     Lease,
     LeaseRecord,
@@ -59,7 +60,7 @@ from casnap.repo.leases import (
     read_record,
     wait_for_leases,
 )
-from casnap.repo.repository import RepoStorage, now_iso
+from casnap.repo.repository import RepoStorage, chunk_key, now_iso, pack_key
 from casnap.settings import Settings
 from casnap.store import ObjectStore
 
@@ -262,6 +263,7 @@ class GcSession:
         # must never leave a manifest that names a deleted chunk.
         store.flush()
         _delete_all(store, lock, [g.key for g in plan.chunks + plan.packs], tick)
+        _forget_damage_of(self.repo, {g.key for g in plan.chunks + plan.packs})
         if plan.data:
             # After the last: a cache filled while this gc was sweeping is stale too.
             epoch = _bump_epoch(self.repo, lock.id, "swept")
@@ -306,6 +308,23 @@ def _delete_all(store: ObjectStore, lock: Lease, keys: list[str], tick: Callable
                         p.cancel()
                     raise exc
                 tick()
+
+
+def _forget_damage_of(repo: RepoStorage, deleted: set[str]) -> None:
+    """Drop the damage records of objects this gc deleted: nothing is left to reference.
+
+    A record is never a root: it keeps nothing alive, and gc leaves alone the
+    records of objects that are still there (docs/damage.md).
+    """
+    if not deleted:
+        return
+    try:
+        records = list_damage(repo)
+    except CasnapError:
+        return  # a stale record only makes a take write a chunk it needs anyway
+    gone = [c for c in records
+            if (pack_key(c.pack) if c.pack else chunk_key(c.chunk)) in deleted]  # fmt: skip
+    clear_damage(repo, gone)
 
 
 def _still_dead(store: ObjectStore, key: str) -> LeaseRecord | None:

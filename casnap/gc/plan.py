@@ -39,7 +39,7 @@ Progress = Callable[[int, int], None]
 
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _SWEPT = ("manifests", "chunks", "packs")
-_SMALL = ("refs", "tags", "leases")
+_SMALL = ("refs", "tags", "leases", "damaged")
 
 
 # -- what the plan deletes -------------------------------------------------

@@ -44,6 +44,7 @@ from casnap.index.lmdb_store import (
     read_gc_epoch,
 )
 from casnap.index.summaries import ManifestSummary, summarize
+from casnap.repo.damage import DamageSet
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage
 
@@ -70,11 +71,17 @@ __all__ = [
 
 
 class KnownChunks(dict[str, ChunkRef]):
-    """Chunk locations a take may reference without writing, plus the index to ask on a miss."""
+    """Chunk locations a take may reference without writing, plus the index to ask on a miss.
 
-    def __init__(self, index: RepoIndex | None = None) -> None:
+    ``damaged`` holds the copies a read found damaged (docs/damage.md): no
+    location in this dict is one of them, and the writer treats an index
+    entry naming one as a miss.
+    """
+
+    def __init__(self, index: RepoIndex | None = None, damaged: DamageSet | None = None) -> None:
         super().__init__()
         self.index = index
+        self.damaged = damaged if damaged is not None else DamageSet()
 
 
 # -- history -----------------------------------------------------------------

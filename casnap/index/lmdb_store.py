@@ -321,6 +321,25 @@ class RepoIndex:
             return 0
         return len(items)
 
+    def forget_chunks(self, hashes: Iterable[str]) -> int:
+        """Drop the entries of ``hashes`` (a read found their stored copy damaged).
+
+        Works on any handle, epoch checked or not: forgetting is always safe,
+        a take then probes or writes the chunk again (docs/damage.md).
+        """
+        if not self._env.usable:
+            return 0
+        keys = [bytes.fromhex(h) for h in hashes]
+        forgotten = 0
+        try:
+            with self._env.env.begin(write=True, db=self._env.chunks) as txn:
+                for key in keys:
+                    forgotten += bool(txn.delete(key))
+        except lmdb.Error as exc:
+            self._failed("forget chunks", exc)
+            return 0
+        return forgotten
+
     def chunk_count(self) -> int:
         if self._chunks_for is None or not self._env.usable:
             return 0

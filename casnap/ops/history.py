@@ -91,7 +91,7 @@ class SnapshotUsage:
 
 
 # The folders writers put objects and records into (their temp files are leftovers).
-_WRITTEN = ("chunks", "packs", "manifests", "refs", "tags", "leases")
+_WRITTEN = ("chunks", "packs", "manifests", "refs", "tags", "leases", "damaged")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,11 @@ chunk a manifest references must exist (one listing of the store, not a probe
 per chunk). With ``read_data`` every referenced chunk is fetched, decoded and
 re-hashed; ``part=(k, n)`` restricts that to the chunks whose hash falls in
 part ``k`` of ``n``, so a long scrub can run a slice at a time. Problems are
-collected and reported, never repaired: verify writes nothing to the store.
-The local index is never consulted.
+collected and reported, never repaired. The one thing verify writes is a
+damage record for each chunk copy whose bytes fail their hash, through the
+verified reader's containment (:mod:`casnap.chunks.damage`), so that no later
+take references that copy; on a read-only store it warns instead. The local
+index is never consulted (only told to forget damaged chunks).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from casnap.chunks.damage import decode_frame
 from casnap.chunks.io import Span, object_name, plan_reads
 from casnap.errors import (
     CasnapError,
@@ -22,8 +26,8 @@ from casnap.errors import (
     ObjectNotFoundError,
     expect_type,
 )
-from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest
+from casnap.repo.damage import DAMAGED, list_damage
 from casnap.repo.repository import RepoStorage
 
 Progress = Callable[[int, int], None]
@@ -31,7 +35,7 @@ Progress = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class Problem:
-    kind: str  # "ref", "manifest", "missing-object", "corrupt-chunk"
+    kind: str  # "ref", "manifest", "missing-object", "corrupt-chunk", "damage-records"
     subject: str  # the ref, manifest or object concerned
     detail: str
     snapshots: tuple[str, ...] = ()
@@ -118,6 +122,8 @@ def verify(
         report.problems.append(Problem("missing-object", obj, "referenced but not in the store",
                                        tuple(sorted(names))))  # fmt: skip
 
+    _report_recorded(repo, refs, owners, report, part if read_data else (0, 0))
+
     if read_data:
         todo = [r for r in refs.values()
                 if object_name(r) not in missing and in_part(r.hash, part)]  # fmt: skip
@@ -127,6 +133,33 @@ def verify(
             if progress is not None:
                 progress(i + 1, len(spans))
     return report
+
+
+def _report_recorded(
+    repo: RepoStorage,
+    refs: dict[tuple[str | None, str], ChunkRef],
+    owners: dict[tuple[str | None, str], set[str]],
+    report: VerifyReport,
+    reread: tuple[int, int] | None,
+) -> None:
+    """Report referenced copies an earlier read recorded as damaged and this run does not re-read.
+
+    ``reread`` is the part re-hashed now (None: all; ``(0, 0)``: none). A
+    restore that met damage is then visible to a plain ``verify`` too.
+    """
+    try:
+        recorded = {(c.pack, c.chunk) for c in list_damage(repo)}
+    except CasnapError as exc:
+        report.problems.append(Problem("damage-records", DAMAGED, f"cannot list: {exc}"))
+        return
+    for key in sorted(recorded & refs.keys(), key=str):
+        if reread != (0, 0) and in_part(key[1], reread):
+            continue  # re-hashed below: reported from the bytes themselves
+        ref = refs[key]
+        subject = f"{object_name(ref)} ({ref.hash[:12]})"
+        detail = "recorded as damaged by an earlier read (docs/damage.md); run with --read-data"
+        report.problems.append(Problem("corrupt-chunk", subject, detail,
+                                       tuple(sorted(owners[key]))))  # fmt: skip
 
 
 def _scrub(
@@ -151,7 +184,7 @@ def _scrub(
         frame = view if span.end < 0 else view[ref.offset - span.start :
                                                ref.offset - span.start + ref.length]  # fmt: skip
         try:
-            codec.decode(frame, span.key, bytes.fromhex(ref.hash), ref.size)
+            decode_frame(repo, span.key, ref, frame)  # records the damage it finds
         except IntegrityError as exc:
             holders = tuple(sorted(owners[(ref.pack, ref.hash)]))
             subject = f"{span.key} ({ref.hash[:12]})"

@@ -24,6 +24,7 @@ from casnap.format.manifest import (
     ContainerEntry,
     Dumped,
     Entry,
+    Manifest,
     ObjectEntry,
     PrimitiveEntry,
     ShardedEntry,
@@ -31,6 +32,7 @@ from casnap.format.manifest import (
     TensorEntry,
 )
 from casnap.index import KnownChunks
+from casnap.repo.damage import damage_set
 from casnap.repo.repository import RepoStorage, manifest_key
 from casnap.take.session import LastPlan, Session
 
@@ -63,8 +65,18 @@ def known_chunks(
     manifests (one get each); every other chunk is looked up in the index by
     the ChunkWriter, so a take in a fresh process probes no chunk the index
     knows. Without the index (``CASNAP_INDEX=0``) this is the parents' chunks only.
+    Copies a read found damaged (``.casnap/damaged/``, docs/damage.md) are left
+    out, whoever vouches for them, so the writer stores those chunks again.
     """
-    known = KnownChunks(index.open_index(repo))
+    damaged = damage_set(repo)  # one listing, of a folder that is normally empty
+    known = KnownChunks(index.open_index(repo), damaged)
+
+    def add(manifest: Manifest) -> None:
+        if damaged:  # a copy a read found damaged is written again, never referenced
+            known.update((c.hash, c) for c in manifest.chunk_refs() if c not in damaged)
+        else:
+            known.update((c.hash, c) for c in manifest.chunk_refs())
+
     summaries = []
     for parent in parents:
         manifest = last_plan.get(repo.config.repo_id, parent) if last_plan else None
@@ -72,13 +84,13 @@ def known_chunks(
             # Written by this session, and still stored: gc deletes a manifest before
             # its chunks and cannot run while this take's lease is held, so its
             # chunks are all there, exactly as if it had been read back (docs/gc.md).
-            known.update((c.hash, c) for c in manifest.chunk_refs())
+            add(manifest)
             continue
         try:
             manifest = repo.read_manifest(parent)
         except CasnapError:
             continue  # a parent that is gone only costs dedup, never correctness
-        known.update((c.hash, c) for c in manifest.chunk_refs())
+        add(manifest)
         summaries.append(index.summarize(parent, manifest))
     if known.index is not None and summaries:
         known.index.record_summaries(summaries)  # free for log/du: already read

@@ -1,0 +1,57 @@
+"""Containment: the one place a verified read reacts to a damaged frame (docs/damage.md).
+
+Every read that checks a frame against its chunk's hash goes through
+:func:`decode_frame` or :func:`verify_in_place` (restore, ``read_object``,
+export and drift through :func:`casnap.chunks.io.read_chunks`; verify's scrub
+directly). When the check fails, the copy is *contained* before the
+:class:`~casnap.errors.IntegrityError` propagates:
+
+1. it is recorded in the repository (``.casnap/damaged/...``), so every take,
+   in any process on any machine, stops referencing it and writes the chunk
+   again (:mod:`casnap.repo.damage`);
+2. this machine's index forgets the chunk.
+
+Only a frame that was fetched and fails its check is damage. A missing object,
+a store error or a frame of an unknown version raise before this point and
+record nothing. Containment never deletes or moves anything, so a wrong
+verdict (a read glitch) costs one rewrite of identical bytes, never data.
+"""
+
+from __future__ import annotations
+
+from casnap import index
+from casnap.errors import IntegrityError
+from casnap.format import codec
+from casnap.format.manifest import ChunkRef
+from casnap.repo.damage import record_damage
+from casnap.repo.repository import RepoStorage
+
+Buffer = codec.Buffer
+
+
+def contain(repo: RepoStorage, ref: ChunkRef, exc: IntegrityError) -> None:
+    """Record ``ref``'s copy as damaged and make this machine's index forget the chunk."""
+    record_damage(repo, ref, str(exc))
+    handle = index.open_index(repo, chunks=False)
+    if handle is not None:
+        handle.forget_chunks([ref.hash])
+
+
+def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffer:
+    """:func:`casnap.format.codec.decode` of ``ref``'s frame, read from object ``key``."""
+    try:
+        return codec.decode(frame, key, bytes.fromhex(ref.hash), ref.size)
+    except IntegrityError as exc:
+        contain(repo, ref, exc)
+        raise
+
+
+def verify_in_place(
+    repo: RepoStorage, key: str, ref: ChunkRef, head: Buffer, data: Buffer, received: int
+) -> None:
+    """:func:`casnap.format.codec.verify_raw_in_place` of a loose raw frame read into place."""
+    try:
+        codec.verify_raw_in_place(head, data, received, key, bytes.fromhex(ref.hash), ref.size)
+    except IntegrityError as exc:
+        contain(repo, ref, exc)
+        raise

@@ -1,0 +1,132 @@
+"""Damage records: which stored copies of chunks a read found damaged (docs/damage.md).
+
+A read that decodes a frame whose bytes do not match the chunk's hash (the
+verified reader, :mod:`casnap.chunks.io`) records the damaged copy here::
+
+    .casnap/damaged/<chunk hash>/<pack id>   a frame inside a pack
+    .casnap/damaged/<chunk hash>/chunk       the loose object chunks/<h[:2]>/<h>
+
+The key alone names the damaged copy, so a take learns every record with one
+listing (normally of an empty folder) and stops trusting those copies: its
+parents' manifests, the session's last plan and the local index may all still
+name them. The body (:class:`~casnap.format.manifest.DamageRecord`) is for
+people and a later ``repair``.
+
+Recording is always safe, even when wrong: it only makes the next take that
+needs the chunk write it again. Nothing here deletes or moves a chunk.
+Recording needs write access; where there is none (a read-only mount), the
+damage is logged as a warning and the read carries on (the caller still
+raises its :class:`~casnap.errors.IntegrityError`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from casnap.errors import CasnapError
+from casnap.format.manifest import ChunkRef, DamageRecord, canonical_json
+from casnap.repo.repository import RepoStorage, now_iso
+
+DAMAGED = "damaged"
+LOOSE = "chunk"  # the last key segment of a loose object's record
+
+_log = logging.getLogger("casnap.damage")
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, order=True)
+class DamagedCopy:
+    """One damaged copy of a chunk: the loose object (``pack`` None) or a frame in ``pack``."""
+
+    chunk: str
+    pack: str | None
+
+    @property
+    def key(self) -> str:
+        return f"{DAMAGED}/{self.chunk}/{self.pack or LOOSE}"
+
+    @classmethod
+    def of(cls, ref: ChunkRef) -> DamagedCopy:
+        return cls(ref.hash, ref.pack)
+
+
+class DamageSet:
+    """The damaged copies a take must not reference."""
+
+    def __init__(self, copies: Iterable[DamagedCopy] = ()) -> None:
+        self._copies = frozenset(copies)
+        self.chunks = frozenset(c.chunk for c in self._copies)
+
+    def __contains__(self, item: object) -> bool:
+        """Whether ``item`` (a :class:`ChunkRef` or :class:`DamagedCopy`) names a damaged copy."""
+        if isinstance(item, ChunkRef):
+            if item.hash not in self.chunks:
+                return False  # the common case: one set lookup
+            item = DamagedCopy.of(item)
+        return item in self._copies
+
+    def __bool__(self) -> bool:
+        return bool(self._copies)
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+
+def list_damage(repo: RepoStorage) -> list[DamagedCopy]:
+    """Every recorded damaged copy (one listing; keys casnap did not write are ignored)."""
+    out = []
+    for key in repo.store.list(DAMAGED):
+        parts = key.split("/")
+        if len(parts) != 3 or not _HASH.match(parts[1]):
+            continue
+        where = parts[2]
+        if where == LOOSE:
+            out.append(DamagedCopy(parts[1], None))
+        elif _HASH.match(where):
+            out.append(DamagedCopy(parts[1], where))
+    return sorted(out)
+
+
+def damage_set(repo: RepoStorage) -> DamageSet:
+    """What a take consults: :func:`list_damage` as a set; empty if the store cannot list."""
+    try:
+        return DamageSet(list_damage(repo))
+    except CasnapError as exc:
+        _log.warning("cannot list damage records of %s (%s); trusting every copy", repo.url, exc)
+        return DamageSet()
+
+
+def record_damage(repo: RepoStorage, ref: ChunkRef, detail: str) -> bool:
+    """Record that the copy of ``ref`` is damaged; False (with a warning) if it cannot be written.
+
+    Idempotent: a second record of the same copy replaces the first.
+    """
+    copy = DamagedCopy.of(ref)
+    body = DamageRecord(chunk=ref.hash, pack=ref.pack, detected_at=now_iso(), detail=detail)
+    try:
+        repo.store.put(copy.key, canonical_json(body.model_dump(mode="json")))
+    except CasnapError as exc:
+        _log.warning(
+            "chunk %s in %s is damaged, but casnap could not record it (%s); takes on other "
+            "machines may still reference it: run `casnap verify --read-data` with write access",
+            ref.hash, ref.pack or "its loose object", exc,
+        )  # fmt: skip
+        return False
+    _log.warning("chunk %s in %s is damaged; recorded in %s: the next take writes it again",
+                 ref.hash, ref.pack or "its loose object", copy.key)  # fmt: skip
+    return True
+
+
+def clear_damage(repo: RepoStorage, copies: Iterable[DamagedCopy]) -> int:
+    """Delete the records of ``copies`` (rewritten, or gone with their object); returns how many."""
+    cleared = 0
+    for copy in copies:
+        try:
+            repo.store.delete(copy.key)
+            cleared += 1
+        except CasnapError as exc:
+            _log.warning("cannot delete damage record %s (%s)", copy.key, exc)
+    return cleared
