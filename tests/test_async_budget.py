@@ -71,7 +71,10 @@ def test_read_object_and_restore_stay_under_the_memory_budget(tmp_path, monkeypa
     target = StateDict(w=torch.empty(2_000_000))
     snap.restore({"m": target}, memory_budget_bytes=budget)
     assert torch.equal(target["w"], state["w"])
-    assert len(RecordingBudget.instances) == 2
+    # The 8 MB tensor is larger than half the budget: each call verifies its chunks in
+    # a first read, then reads it in place (docs/pipeline.md, "A failed restore"); the
+    # two reads run one after the other, each under the budget.
+    assert len(RecordingBudget.instances) == 4
     for b in RecordingBudget.instances:
         # one chunk (raw + frame) may exceed a tiny budget alone, never more
         assert 0 < b.peak <= max(budget, 2 * (64 * 1024 + 56))

@@ -406,6 +406,7 @@ def read_chunks(
     pool: ThreadPoolExecutor,
     budget: ByteBudget,
     dest: Callable[[int], memoryview | None] | None = None,
+    landed: Callable[[int], None] | None = None,
 ) -> int:
     """Fetch, decode and verify ``refs``; ``sink(i, data)`` receives chunk ``i``.
 
@@ -417,7 +418,9 @@ def read_chunks(
     in: a loose chunk stored raw (frame length == header + size, known from the
     manifest) is then read straight into it and verified there, with no
     intermediate buffer and no ``sink`` call. A chunk that fails verification
-    raises :class:`IntegrityError` after having been written to ``dest``.
+    raises :class:`IntegrityError` after having been written to ``dest``;
+    ``landed(i)``, when given, is called once chunk ``i`` read that way has
+    been verified (the caller keeps what ``dest`` overwrote until then).
     """
     spans = plan_reads(refs)
     fetched = 0
@@ -441,6 +444,8 @@ def read_chunks(
         with lock:
             fetched += n
         verify_in_place(repo, span.key, ref, head, view, n)
+        if landed is not None:
+            landed(i)
         return True
 
     def run(span: Span) -> None:

@@ -73,6 +73,7 @@ class ShardedSink:
         self.entry = entry
         self.dtype = torch_dtype(entry.dtype)
         self.itemsize = DTYPE_ITEMSIZE[entry.dtype]
+        self.in_place = target is not None  # the target's boxes change as shards are copied out
         regions = target_regions(target, key) if target is not None else None
         if target is not None:
             _check(key, entry, target)

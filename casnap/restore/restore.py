@@ -39,6 +39,7 @@ from casnap.format.names import escape_key
 from casnap.format.tree import subtree
 from casnap.repo.repository import RepoStorage
 from casnap.restore.reshard import ShardedSink
+from casnap.restore.undo import TensorUndo, Undo
 from casnap.settings import read_workers_for
 from casnap.torch_io.flatten import inflate, leaves_of
 from casnap.torch_io.stateful import RNGState
@@ -211,24 +212,32 @@ def restore_state(
 class _Reads:
     """One batch of chunk reads: where each chunk goes, under which budget.
 
-    Plain tensors and pickled objects form one batch; sharded entries form
-    batches of stored shards that fit half the budget (each overlapping shard
-    is staged whole, then copied into the target's boxes). Every batch runs
-    through the same verified reader (:func:`casnap.chunks.read_chunks`).
+    Plain tensors and pickled objects form batches whose in-place tensors'
+    saved bytes (:mod:`casnap.restore.undo`) fit half the budget; sharded
+    entries form batches of stored shards that fit half the budget (each
+    overlapping shard is staged whole, then copied into the target's boxes).
+    Every batch runs through the same verified reader
+    (:func:`casnap.chunks.read_chunks`).
     """
 
     refs: list[ChunkRef]
     sink: Callable[[int, Any], None]
     budget: ByteBudget
     dest: Callable[[int], memoryview | None] | None = None  # read straight into the target
+    landed: Callable[[int], None] | None = None  # a chunk read into ``dest`` verified
     before: Callable[[], None] = lambda: None  # allocate staging
     after: Callable[[], None] = lambda: None  # copy staging out
 
     def run(self, repo: RepoStorage, pool: ThreadPoolExecutor) -> None:
         self.before()
         if self.refs:
-            read_chunks(repo, self.refs, self.sink, pool, self.budget, self.dest)
+            read_chunks(repo, self.refs, self.sink, pool, self.budget, self.dest, self.landed)
         self.after()
+
+
+def _verify_first(refs: list[ChunkRef], limit: int) -> _Reads:
+    """Reads that only verify (the bytes are dropped): for targets no budget can keep whole."""
+    return _Reads(refs, lambda _i, _data: None, ByteBudget(limit))
 
 
 def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None) -> dict[str, Any]:
@@ -236,20 +245,25 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
 
     The one read path of restore and ``read_object``: plain and sharded
     entries become batches of reads (:class:`_Reads`) run one after another
-    through the verified reader, each under its share of the budget.
+    through the verified reader, each under its share of the budget. A read
+    that fails leaves every target tensor at its previous value or the
+    snapshot's, never a mix (docs/pipeline.md, "A failed restore").
     """
     limit = check_budget(memory_budget_bytes)
     sinks = {
         k: TensorSink(e.dtype, e.shape, e.chunk_size, dest) for k, (e, dest) in load.tensors.items()
     }
     blobs: dict[str, bytearray] = {k: bytearray(e.size) for k, e in load.objects.items()}
+    undo = Undo()
+    batches = [*_plain_reads(load, sinks, blobs, limit, undo), *_sharded_reads(load.sharded, limit)]
     workers = read_workers_for(repo.root.capabilities.local)
-    with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
-        for reads in [
-            _plain_reads(load, sinks, blobs, limit),
-            *_sharded_reads(load.sharded, limit),
-        ]:
-            reads.run(repo, pool)
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
+            for reads in batches:
+                reads.run(repo, pool)
+    except BaseException:
+        undo.rollback()  # every reader has stopped: the pool was shut down
+        raise
     values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
     values.update((k, s.result) for k, s in load.sharded.items())
     for key, blob in blobs.items():
@@ -261,31 +275,104 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
 
 
 def _plain_reads(
-    load: _Load, sinks: dict[str, TensorSink], blobs: dict[str, bytearray], limit: int
+    load: _Load,
+    sinks: dict[str, TensorSink],
+    blobs: dict[str, bytearray],
+    limit: int,
+    undo: Undo,
+) -> list[_Reads]:
+    """The reads of every plain tensor and pickled object, in batches.
+
+    A tensor read in place keeps what its chunks overwrite until all of them
+    landed verified (:class:`casnap.restore.undo.TensorUndo`), so a batch's
+    in-place tensors fit half the budget and its reads get the rest. A
+    tensor larger than half the budget is verified by a first read that
+    keeps nothing, then read in place without saving.
+    """
+    share = max(1, limit // 2)
+    guarded: dict[str, int] = {}  # in-place tensor -> its bytes, the most it may save
+    oversized: list[ChunkRef] = []
+    for key, (entry, _dest) in load.tensors.items():
+        sink = sinks[key]
+        if sink.target is None or sink.buffer is not sink.target or not entry.chunks:
+            continue  # a fresh tensor, or staged and copied in once complete
+        if entry.nbytes > share:
+            oversized.extend(entry.chunks)
+        else:
+            guarded[key] = entry.nbytes
+    batches: list[_Reads] = [_verify_first(oversized, limit)] if oversized else []
+    group: list[str] = []
+    saved = 0
+    keys = [*load.tensors, *load.objects]
+    for n, key in enumerate(keys):
+        group.append(key)
+        saved += guarded.get(key, 0)
+        nxt = guarded.get(keys[n + 1], 0) if n + 1 < len(keys) else None
+        if nxt is None or saved + nxt > share:
+            batches.append(_plain_batch(load, group, sinks, blobs, limit, undo, guarded, saved))
+            group, saved = [], 0
+    return batches
+
+
+def _plain_batch(
+    load: _Load,
+    keys: list[str],
+    sinks: dict[str, TensorSink],
+    blobs: dict[str, bytearray],
+    limit: int,
+    undo: Undo,
+    guarded: dict[str, int],
+    saved: int,
 ) -> _Reads:
-    """The reads of every plain tensor and pickled object, in one batch."""
     refs: list[ChunkRef] = []
     routes: list[tuple[str, int]] = []
-    for key, (entry, _dest) in load.tensors.items():
+    guards: dict[str, TensorUndo] = {}
+    for key in keys:
+        if key in load.tensors:
+            entry: TensorEntry | ObjectEntry = load.tensors[key][0]
+            if key in guarded:
+                guards[key] = undo.guard(sinks[key].view, entry.chunk_size, len(entry.chunks))
+        else:
+            entry = load.objects[key]
         refs.extend(entry.chunks)
         routes.extend((key, i) for i in range(len(entry.chunks)))
-    for key, obj in load.objects.items():
-        refs.extend(obj.chunks)
-        routes.extend((key, i) for i in range(len(obj.chunks)))
 
     def sink(index: int, data: Any) -> None:
         key, i = routes[index]
         if key in sinks:
+            guard = guards.get(key)
+            if guard is not None:
+                guard.before_write(i, len(data), verified=True)
             sinks[key].write(i, data)
+            if guard is not None:
+                guard.landed(i)
         else:
             cs = load.objects[key].chunk_size
             blobs[key][i * cs : i * cs + len(data)] = data
 
     def landing(index: int) -> memoryview | None:
         key, i = routes[index]
-        return sinks[key].view_for(i, refs[index].size) if key in sinks else None
+        if key not in sinks:
+            return None
+        size = refs[index].size
+        view = sinks[key].view_for(i, size)
+        if len(view) != size:
+            return None  # the reader decodes it through a buffer instead
+        guard = guards.get(key)
+        if guard is not None:
+            guard.before_write(i, size, verified=False)
+        return view
 
-    return _Reads(refs, sink, ByteBudget(limit), landing)
+    def landed(index: int) -> None:
+        guard = guards.get(routes[index][0])
+        if guard is not None:
+            guard.landed(routes[index][1])
+
+    def before() -> None:
+        undo.pool.limit = saved
+
+    budget = ByteBudget(max(1, limit - saved))
+    return _Reads(refs, sink, budget, landing, landed, before)
 
 
 def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Reads]:
@@ -294,11 +381,13 @@ def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Read
     Each stored shard that overlaps the target is staged whole; a batch's
     staging plus the reads in flight stay under ``limit``. A single shard
     larger than half the budget is staged alone, as the budget's rule for one
-    oversized request has it.
+    oversized request has it. An in-place target whose shards span several
+    batches would get its first batches' boxes before a later batch could
+    fail: its chunks are verified by a first read that keeps nothing.
     """
     units = [(key, si, n) for key, s in sharded.items() for si, n in s.shard_units()]
     share = max(1, limit // 2)
-    batches: list[_Reads] = []
+    groups: list[dict[str, set[int]]] = []
     group: dict[str, set[int]] = {}
     staged = 0
     for i, (key, si, nbytes) in enumerate(units):
@@ -306,8 +395,13 @@ def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Read
         staged += nbytes
         last = i == len(units) - 1
         if last or staged + units[i + 1][2] > share:
-            batches.append(_shard_batch(sharded, group, ByteBudget(max(1, limit - share))))
+            groups.append(group)
             group, staged = {}, 0
+    spread = [k for k, s in sharded.items() if s.in_place and sum(k in g for g in groups) > 1]
+    verify = [ref for k in spread for _route, ref in sharded[k].needed()]
+    batches = [_verify_first(verify, limit)] if verify else []
+    reads_budget = max(1, limit - share)
+    batches += [_shard_batch(sharded, g, ByteBudget(reads_budget)) for g in groups]
     return batches
 
 
@@ -332,7 +426,7 @@ def _shard_batch(
         for key, shards in group.items():
             sharded[key].copy_out(shards)
 
-    return _Reads(refs, sink, budget, None, allocate, copy_out)
+    return _Reads(refs, sink, budget, None, None, allocate, copy_out)
 
 
 def read_entry(
