@@ -255,3 +255,17 @@ def test_gc_drops_the_record_of_a_damaged_object_it_deletes(tmp_path):
     r.delete_ref("s1")
     r.gc(grace_seconds=0)
     assert list_damage(Repository(str(repo))) == []
+
+
+def test_a_flipped_bit_in_a_frame_version_is_damage_not_a_newer_format(tmp_path):
+    repo = tmp_path / "repo"
+    s1 = take_here(repo, "s1")
+    ref = s1.get_manifest()["0/m/w"].chunks[1]
+    path = repo / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    flip_byte(path, 4)  # the frame's version byte: 1 -> 0
+    with pytest.raises(IntegrityError, match="damaged frame header"):
+        restores_bit_exact(repo, "s1")
+    assert [d.chunk for d in list_damage(Repository(str(repo)))] == [ref.hash]
+    assert len(corrupt_chunks(Repository(str(repo)).verify(read_data=True))) == 1
+    take_in_new_process(repo, "s2")
+    assert restores_bit_exact(repo, "s2") and restores_bit_exact(repo, "s1")

@@ -149,7 +149,8 @@ def run_scenario(root: Path, protected: bool, rounds: int = ROUNDS) -> dict[str,
         for line in Path(log).read_text().splitlines():
             record = json.loads(line)
             expected[record["name"]] = record["sums"]
-    assert len(expected) == TAKERS * rounds
+    # Unleased, a take whose temp file gc swept fails (and commits nothing).
+    assert len(expected) == TAKERS * rounds if protected else 0 < len(expected) <= TAKERS * rounds
     return {"repo": repo, "expected": expected, "gc": json.loads((root / "gc.json").read_text())}
 
 

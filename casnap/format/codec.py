@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from casnap.errors import IntegrityError, UnsupportedFormatError
+from casnap.errors import IntegrityError
 from casnap.format.names import digest_of
 
 MAGIC = b"CSNF"
@@ -124,7 +124,14 @@ def parse_header(buf: Buffer, name: str) -> FrameHeader:
     if magic != MAGIC:
         raise IntegrityError(f"{name}: not a casnap chunk frame (bad magic)", name)
     if version != FRAME_VERSION:
-        raise UnsupportedFormatError(f"{name}: chunk frame version {version} is not supported")
+        # Format 1 repositories hold version-1 frames only (a new frame version
+        # comes with a new major format, refused at the config), so another
+        # byte here is damage, not a newer writer.
+        raise IntegrityError(
+            f"{name}: damaged frame header (version byte {version}; format 1 frames are "
+            f"version {FRAME_VERSION})",
+            name,
+        )
     if codec not in CODEC_NAMES:
         raise IntegrityError(f"{name}: unknown codec {codec}", name)
     if codec == CODEC_RAW and raw_len != payload_len:
