@@ -39,6 +39,7 @@ from casnap.errors import (
     IntegrityError,
     RepositoryNotFoundError,
     SnapshotNotFoundError,
+    UnsupportedFormatError,
 )
 from casnap.format.manifest import (
     ContainerEntry,
@@ -259,8 +260,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     part = args.part
     try:
         repo = open_repo(args)
-    except (RepositoryNotFoundError, IntegrityError) as exc:
+    except (RepositoryNotFoundError, IntegrityError, UnsupportedFormatError) as exc:
         # A damaged or deleted config is a problem verify reports, not an error it dies of.
+        # A foreign format version is one too: damage or a newer casnap, this casnap
+        # cannot vouch for the repository either way (the detail says which to suspect).
         found = verify_config_failure(args.repo, storage_options(args), exc)
         if found is None:
             raise

@@ -28,9 +28,10 @@ from casnap.errors import (
     IntegrityError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
+    UnsupportedFormatError,
     expect_type,
 )
-from casnap.format.manifest import ChunkRef, Manifest
+from casnap.format.manifest import ChunkRef
 from casnap.repo.damage import DAMAGED, list_damage
 from casnap.repo.repository import CONFIG_KEY, META, RepoStorage
 from casnap.repo.tags import TAGS, read_tag
@@ -242,6 +243,8 @@ def verify_config_failure(
     except CasnapError:
         return None
     detail = str(exc) if not isinstance(exc, RepositoryNotFoundError) else "missing"
+    if isinstance(exc, UnsupportedFormatError):
+        detail += " (or the config is damaged)"
     report = VerifyReport(snapshots=len(names))
     problem = Problem("config", f"{META}/{CONFIG_KEY}", detail, tuple(names))
     report.problems.append(problem)
