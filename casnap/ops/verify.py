@@ -33,7 +33,7 @@ from casnap.errors import (
 )
 from casnap.format.manifest import ChunkRef
 from casnap.repo.damage import DAMAGED, list_damage
-from casnap.repo.repository import CONFIG_KEY, META, RepoStorage
+from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key
 from casnap.repo.tags import TAGS, read_tag
 from casnap.store import open_store
 
@@ -95,7 +95,7 @@ def _problem(kind: str, subject: str, detail: str, holders: Iterable[Holder] = (
                    tuple(sorted(n for k, n in held if k == "tag")))  # fmt: skip
 
 
-def _roots(repo: RepoStorage, report: VerifyReport) -> dict[str, set[Holder]]:
+def roots(repo: RepoStorage, report: VerifyReport) -> dict[str, set[Holder]]:
     """Every manifest a ref or a tag names, with who names it; unreadable roots are problems."""
     roots: dict[str, set[Holder]] = {}
     for name in repo.list_snapshots():
@@ -134,7 +134,7 @@ def verify(
     report = VerifyReport()
     owners: dict[Key, set[Holder]] = {}
     refs: dict[Key, ChunkRef] = {}
-    for mhash, holders in sorted(_roots(repo, report).items()):
+    for mhash, holders in sorted(roots(repo, report).items()):
         try:
             m = repo.read_manifest(mhash)
         except CasnapError as exc:
@@ -157,7 +157,7 @@ def verify(
         report.problems.append(_problem("missing-object", obj, "referenced but not in the store",
                                         holders))  # fmt: skip
 
-    _report_recorded(repo, refs, owners, report, part if read_data else (0, 0))
+    _report_recorded(repo, refs, owners, report, part if read_data else (0, 0), present)
 
     if read_data:
         todo = [r for r in refs.values()
@@ -176,11 +176,15 @@ def _report_recorded(
     owners: dict[Key, set[Holder]],
     report: VerifyReport,
     reread: tuple[int, int] | None,
+    present: set[str],
 ) -> None:
     """Report referenced copies an earlier read recorded as damaged and this run does not re-read.
 
     ``reread`` is the part re-hashed now (None: all; ``(0, 0)``: none). A
-    restore that met damage is then visible to a plain ``verify`` too.
+    restore that met damage is then visible to a plain ``verify`` too. A
+    damaged pack frame whose replacement ``chunks/<h>`` exists (written by
+    ``casnap repair``) reads from the replacement: not a problem unless its
+    bytes fail too, which ``--read-data`` checks.
     """
     try:
         recorded = {(c.pack, c.chunk) for c in list_damage(repo)}
@@ -190,6 +194,8 @@ def _report_recorded(
     for key in sorted(recorded & refs.keys(), key=str):
         if reread != (0, 0) and in_part(key[1], reread):
             continue  # re-hashed below: reported from the bytes themselves
+        if key[0] is not None and chunk_key(key[1]) in present and (None, key[1]) not in recorded:
+            continue  # replaced by `casnap repair`: reads fall back to chunks/<h>
         ref = refs[key]
         subject = f"{object_name(ref)} ({ref.hash[:12]})"
         detail = "recorded as damaged by an earlier read (docs/damage.md); run with --read-data"
