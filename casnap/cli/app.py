@@ -1,12 +1,14 @@
-"""The ``casnap`` command line: log, ls, show, diff, du, verify, retain, gc, tag, export.
+"""The ``casnap`` command line: log, ls, show, diff, du, verify, retain, gc, tag, export,
+repair.
 
 Each command opens a :class:`casnap.Repository` and calls one of its methods
 (docs/repository.md has the map); this package only parses arguments,
 formats the results and maps errors to exit codes.
 
 Tables for people by default, ``--json`` for scripts. Exit codes: 0 success,
-1 verify found problems, 2 bad usage, 3 no such repository or snapshot,
-4 integrity or validation error, 5 any other casnap error.
+1 verify found problems (repair: snapshots stay unrecoverable), 2 bad usage,
+3 no such repository or snapshot, 4 integrity or validation error, 5 any
+other casnap error.
 """
 
 from __future__ import annotations
