@@ -11,24 +11,25 @@ Example::
     repo.retain(casnap.RetentionPolicy(casnap.KeepLast(3)))
     repo.gc(grace_seconds=3600)
 
-Listing, ``locate``, ``show``, ``log``, ``du``, ``diff``, ``verify``, ``retain``, ``gc``
-and tags
-never import torch; ``take``, ``snapshot``, ``export`` and ``diff(...,
-stats=True)`` load the torch layers when called.
+Listing, ``locate``, ``show``, ``log``, ``du``, ``diff``, ``verify``, ``retain``, ``gc``,
+tags and ``repair`` from snapshots never import torch; ``take``, ``snapshot``,
+``export``, ``diff(..., stats=True)`` and ``repair`` from live state load the
+torch layers when called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from casnap.errors import ConfigError, SnapshotNotFoundError
-from casnap.format.manifest import Manifest
+from casnap.errors import CasnapError, ConfigError, SnapshotNotFoundError
+from casnap.format.manifest import Manifest, TensorEntry
 from casnap.gc.collect import DEFAULT_GRACE_SECONDS, DEFAULT_WAIT_SECONDS, GcResult, gc
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
+from casnap.ops.repair import ChunkSource, RepairResult, SnapshotSource, repair
 from casnap.ops.retention import (
     RetentionPlan,
     RetentionPolicy,
@@ -197,6 +198,59 @@ class Repository(RepoStorage):
                       progress=progress)  # fmt: skip
 
     # -- maintenance -----------------------------------------------------
+    def repair(
+        self,
+        *,
+        from_snapshots: Sequence[str] = (),
+        from_files: Sequence[str | Path] = (),
+        from_states: Sequence[Any] = (),
+        read_data: bool = False,
+        dry_run: bool = False,
+        progress: Progress | None = None,
+    ) -> RepairResult:
+        """Write good copies of damaged or missing chunks; report what stays unrecoverable.
+
+        Good bytes come from this repository's other copies, then the snapshots
+        in ``from_snapshots`` (names here, or snapshot paths in any repository),
+        then live state: ``torch.save`` files in ``from_files`` and objects in
+        ``from_states`` (a state dict you still hold), cut the way takes cut
+        tensors. ``read_data`` first re-hashes every chunk (as ``verify``) to
+        find damage no read has met yet. ``dry_run`` writes no chunk. Every
+        write is verified and atomic, and nothing else is rewritten
+        (docs/damage.md, "Repair")::
+
+            result = repo.repair(from_states=[{"model": model.state_dict()}])
+            result.ok, result.unrecoverable
+        """
+        sources: list[ChunkSource] = []
+        for snap in from_snapshots:
+            if "/" not in str(snap) and self.has_ref(str(snap)):
+                other, name = self, str(snap)
+            else:
+                other, name = Repository.locate(str(snap))
+            sources.append(SnapshotSource(other, [other.read_manifest(other.resolve(name))],
+                                          f"snapshot {snap}"))  # fmt: skip
+        if from_files or from_states:
+            from casnap.torch_io.live import LiveSource, load_state_file  # the torch layer
+
+            sizes = self._chunk_sizes()
+            for path in from_files:
+                sources.append(LiveSource(load_state_file(path), sizes, f"file {path}"))
+            for i, state in enumerate(from_states):
+                sources.append(LiveSource(state, sizes, f"live state #{i}"))
+        return repair(self, sources, read_data=read_data, dry_run=dry_run, progress=progress)
+
+    def _chunk_sizes(self) -> set[int]:
+        """Every chunk size the snapshots' tensors were cut with (and the repository's)."""
+        sizes = {self.config.chunk_size}
+        for name in self.list_snapshots():
+            try:
+                m = self.read_manifest(self.resolve(name))
+            except CasnapError:
+                continue
+            sizes.update(e.chunk_size for e in m.entries.values() if isinstance(e, TensorEntry))
+        return sizes
+
     def retain(
         self,
         policy: RetentionPolicy | RetentionPlan,

@@ -11,6 +11,12 @@ directly). When the check fails, the copy is *contained* before the
    again (:mod:`casnap.repo.damage`);
 2. this machine's index forgets the chunk.
 
+A frame inside a pack that fails its check may have a **replacement**: a loose
+object ``chunks/<h>`` that ``casnap repair`` wrote with verified bytes while
+the frame's damage record stays (docs/damage.md, "Repair"). The read then
+returns the replacement's bytes instead of failing; gc keeps a replacement
+while its record and a reachable reference into the damaged frame exist.
+
 Only a frame that was fetched and fails its check is damage. A missing object,
 a store error or a frame of an unknown version raise before this point and
 record nothing. Containment never deletes or moves anything, so a wrong
@@ -20,11 +26,11 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 from __future__ import annotations
 
 from casnap import index
-from casnap.errors import IntegrityError
+from casnap.errors import IntegrityError, ObjectNotFoundError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
-from casnap.repo.damage import record_damage
-from casnap.repo.repository import RepoStorage
+from casnap.repo.damage import DamagedCopy, record_damage
+from casnap.repo.repository import RepoStorage, chunk_key
 
 Buffer = codec.Buffer
 
@@ -38,12 +44,42 @@ def contain(repo: RepoStorage, ref: ChunkRef, exc: IntegrityError) -> None:
 
 
 def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffer:
-    """:func:`casnap.format.codec.decode` of ``ref``'s frame, read from object ``key``."""
+    """:func:`casnap.format.codec.decode` of ``ref``'s frame, read from object ``key``.
+
+    A damaged pack frame with a good replacement ``chunks/<h>`` yields the
+    replacement's bytes (see the module docstring).
+    """
     try:
         return codec.decode(frame, key, bytes.fromhex(ref.hash), ref.size)
     except IntegrityError as exc:
+        if ref.pack is not None:
+            data = _replacement(repo, ref)
+            if data is not None:
+                _keep_record(repo, ref, exc)
+                return data
         contain(repo, ref, exc)
         raise
+
+
+def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:
+    """The verified bytes of the loose object ``chunks/<h>`` standing in for a damaged frame."""
+    loose = ChunkRef(hash=ref.hash, size=ref.size, length=ref.length)
+    key = chunk_key(ref.hash)
+    try:
+        blob = repo.store.get(key)
+    except ObjectNotFoundError:
+        return None
+    try:
+        return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size)
+    except IntegrityError as exc:
+        contain(repo, loose, exc)
+        return None
+
+
+def _keep_record(repo: RepoStorage, ref: ChunkRef, exc: IntegrityError) -> None:
+    """The frame's record must stay while its replacement serves reads: gc keeps it by it."""
+    if not repo.store.exists(DamagedCopy.of(ref).key):
+        record_damage(repo, ref, str(exc))
 
 
 def verify_in_place(

@@ -1,12 +1,14 @@
-"""The ``casnap`` command line: log, ls, show, diff, du, verify, retain, gc, tag, export.
+"""The ``casnap`` command line: log, ls, show, diff, du, verify, retain, gc, tag, export,
+repair.
 
 Each command opens a :class:`casnap.Repository` and calls one of its methods
 (docs/repository.md has the map); this package only parses arguments,
 formats the results and maps errors to exit codes.
 
 Tables for people by default, ``--json`` for scripts. Exit codes: 0 success,
-1 verify found problems, 2 bad usage, 3 no such repository or snapshot,
-4 integrity or validation error, 5 any other casnap error.
+1 verify found problems (repair: snapshots stay unrecoverable), 2 bad usage,
+3 no such repository or snapshot, 4 integrity or validation error, 5 any
+other casnap error.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from casnap.cli.common import (
     human,
     open_repo,
     open_snapshot,
+    storage_options,
     table,
 )
 from casnap.errors import (
@@ -38,6 +41,7 @@ from casnap.errors import (
     IntegrityError,
     RepositoryNotFoundError,
     SnapshotNotFoundError,
+    UnsupportedFormatError,
 )
 from casnap.format.manifest import (
     ContainerEntry,
@@ -47,6 +51,7 @@ from casnap.format.manifest import (
     TensorEntry,
 )
 from casnap.ops.history import graph_lanes
+from casnap.ops.verify import Problem, verify_config_failure
 
 # -- commands -------------------------------------------------------------
 
@@ -254,28 +259,35 @@ def _part(text: str) -> tuple[int, int]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    repo = open_repo(args)
     part = args.part
-    if args.rotate:
-        part = _next_part(repo, args.rotate)
-    report = repo.verify(
-        read_data=args.read_data, part=part, progress=Progress("verify", not args.json)
-    )
+    try:
+        repo = open_repo(args)
+    except (RepositoryNotFoundError, IntegrityError, UnsupportedFormatError) as exc:
+        # A damaged or deleted config is a problem verify reports, not an error it dies of.
+        # A foreign format version is one too: damage or a newer casnap, this casnap
+        # cannot vouch for the repository either way (the detail says which to suspect).
+        found = verify_config_failure(args.repo, storage_options(args), exc)
+        if found is None:
+            raise
+        report = found
+    else:
+        if args.rotate:
+            part = _next_part(repo, args.rotate)
+        report = repo.verify(
+            read_data=args.read_data, part=part, progress=Progress("verify", not args.json)
+        )
 
     def text() -> str:
-        lines = [
-            f"{p.kind}: {p.subject}: {p.detail}"
-            + (f" (snapshots: {', '.join(p.snapshots)})" if p.snapshots else "")
-            for p in report.problems
-        ]
+        lines = [render_problem(p) for p in report.problems]
         scope = (
             f", re-hashed {report.chunks_read} chunks ({human(report.bytes_read)})"
             + (f", part {part[0]}/{part[1]}" if part else "")
             if report.chunks_read or part
             else ""
         )
+        tags = f", {report.tags} tags" if report.tags else ""
         lines.append(
-            f"{report.snapshots} snapshots, {report.manifests} manifests, "
+            f"{report.snapshots} snapshots{tags}, {report.manifests} manifests, "
             f"{report.chunks} chunks{scope}: "
             + ("OK" if report.ok else f"{len(report.problems)} problem(s)")
         )
@@ -283,6 +295,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     emit(args, {**report.to_json(), "part": list(part) if part else None}, text)
     return 0 if report.ok else EXIT_PROBLEMS
+
+
+def render_problem(p: Problem) -> str:
+    """One line per problem: what, where, why, and which snapshots and tags it affects."""
+    held = [f"snapshots: {', '.join(p.snapshots)}"] if p.snapshots else []
+    held += [f"tags: {', '.join(p.tags)}"] if p.tags else []
+    return f"{p.kind}: {p.subject}: {p.detail}" + (f" ({'; '.join(held)})" if held else "")
 
 
 def _next_part(repo: Repository, n: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The destructive and exporting commands of the CLI: retain, gc, tag, export.
+"""The destructive and exporting commands of the CLI: retain, gc, tag, export, repair.
 
 Each destructive command plans first and prints the plan; ``--dry-run``
 stops there. Like every command, each calls one :class:`casnap.Repository`
@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from casnap.cli.common import Progress, emit, human, open_repo, open_snapshot
+from casnap.cli.common import EXIT_PROBLEMS, Progress, emit, human, open_repo, open_snapshot
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -135,6 +135,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_repair(args: argparse.Namespace) -> int:
+    result = open_repo(args).repair(
+        from_snapshots=args.from_snapshot or (),
+        from_files=args.from_file or (),
+        read_data=args.read_data,
+        dry_run=args.dry_run,
+        progress=Progress("repair", not args.json),
+    )
+    emit(args, result.to_json(), result.render)
+    return 0 if result.ok else EXIT_PROBLEMS
+
+
 def register(add: Callable[..., Any]) -> None:
     p = add("retain", cmd_retain, "delete the refs a retention policy does not keep (then gc)")
     p.add_argument("repo", help="repository directory or URL")
@@ -182,6 +194,31 @@ def register(add: Callable[..., Any]) -> None:
     p.add_argument("action", choices=["add", "rm", "ls"])
     p.add_argument("tag", nargs="?", default="", help="the tag")
     p.add_argument("snapshot", nargs="?", help="the snapshot name (for add)")
+    p = add(
+        "repair",
+        cmd_repair,
+        "write good copies of damaged or missing chunks; exit 1 if snapshots stay unrecoverable",
+    )
+    p.add_argument("repo", help="repository directory or URL")
+    p.add_argument(
+        "--from-snapshot",
+        action="append",
+        metavar="SNAPSHOT",
+        help="a snapshot holding the chunks: a name here, or a path in any repository (repeatable)",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_file",
+        action="append",
+        metavar="FILE",
+        help="live state saved with torch.save, e.g. the model you still hold (repeatable)",
+    )
+    p.add_argument(
+        "--read-data",
+        action="store_true",
+        help="first re-hash every chunk to find unrecorded damage",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p = add("export", cmd_export, "write a snapshot (or one key) as safetensors or torch.save")
     p.add_argument("snapshot", help="snapshot path")
     p.add_argument("out", help="output file (.safetensors, or .pt/.pth/.bin for torch.save)")

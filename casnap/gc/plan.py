@@ -19,10 +19,11 @@ from typing import Any
 from casnap.errors import (
     CasnapError,
     ConfigError,
-    GcRefusedError,  # noqa: F401  (defined in errors.py)
+    GcRefusedError,
     SnapshotNotFoundError,
     expect_type,
 )
+from casnap.repo.damage import list_damage
 from casnap.repo.leases import GC_CLAIMS, LEASES, scan_leases
 from casnap.repo.repository import RepoStorage, chunk_key, now_iso, pack_key
 from casnap.repo.tags import list_tags
@@ -147,6 +148,8 @@ class _Marks:
     refs: int = 0
     tags: int = 0
     objects: set[str] = field(default_factory=set)  # chunk/pack keys kept manifests need
+    # (chunk, pack) of damaged frames: their replacement chunks/<h> (`casnap repair`) is kept
+    damaged_frames: set[tuple[str, str]] = field(default_factory=set)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -193,6 +196,8 @@ def _mark(
         read += 1
         for ref in manifest.chunk_refs():
             marks.objects.add(pack_key(ref.pack) if ref.pack else chunk_key(ref.hash))
+            if ref.pack and (ref.hash, ref.pack) in marks.damaged_frames:
+                marks.objects.add(chunk_key(ref.hash))  # the replacement reads fall back to
         if progress is not None:
             progress(i + 1, len(todo))
     return read
@@ -209,6 +214,12 @@ def make_plan(
     now = time.time()
     marks = _Marks()
     _read_roots(repo, marks)
+    try:
+        marks.damaged_frames = {(c.chunk, c.pack) for c in list_damage(repo) if c.pack}
+    except CasnapError as exc:  # a replacement we cannot see would be swept
+        raise GcRefusedError(
+            f"gc cannot list the damage records of {repo.url}; nothing was deleted: {exc}"
+        ) from exc
     store = repo.store
     listed = {kind: list(store.list_info(kind)) for kind in _SWEPT}
     temps = [t for kind in _SWEPT + _SMALL for t in store.list_temporary(kind)]

@@ -1,7 +1,9 @@
 """verify: prove the repository is whole, without changing it.
 
-Every ref must resolve to a manifest that parses and validates, and every
-chunk a manifest references must exist (one listing of the store, not a probe
+Every ref and every tag (a tag pins a manifest as a gc root, even after its
+snapshot's ref is gone, so what it pins must be whole too) must parse and
+resolve to a manifest that parses and validates, and every chunk a manifest
+references must exist (one listing of the store, not a probe
 per chunk). With ``read_data`` every referenced chunk is fetched, decoded and
 re-hashed; ``part=(k, n)`` restricts that to the chunks whose hash falls in
 part ``k`` of ``n``, so a long scrub can run a slice at a time. Problems are
@@ -14,8 +16,9 @@ index is never consulted (only told to forget damaged chunks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from casnap.chunks.damage import decode_frame
 from casnap.chunks.io import Span, object_name, plan_reads
@@ -24,30 +27,38 @@ from casnap.errors import (
     ConfigError,
     IntegrityError,
     ObjectNotFoundError,
+    RepositoryNotFoundError,
+    UnsupportedFormatError,
     expect_type,
 )
-from casnap.format.manifest import ChunkRef, Manifest
+from casnap.format.manifest import ChunkRef
 from casnap.repo.damage import DAMAGED, list_damage
-from casnap.repo.repository import RepoStorage
+from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key
+from casnap.repo.tags import TAGS, read_tag
+from casnap.store import open_store
 
 Progress = Callable[[int, int], None]
+_OBJECTS = ("manifests", "chunks", "packs")
 
 
 @dataclass(frozen=True)
 class Problem:
-    kind: str  # "ref", "manifest", "missing-object", "corrupt-chunk", "damage-records"
-    subject: str  # the ref, manifest or object concerned
+    # "config", "ref", "tag", "manifest", "missing-object", "corrupt-chunk", "damage-records"
+    kind: str
+    subject: str  # the ref, tag, manifest or object concerned
     detail: str
-    snapshots: tuple[str, ...] = ()
+    snapshots: tuple[str, ...] = ()  # the snapshots it makes unrestorable (in whole or part)
+    tags: tuple[str, ...] = ()  # the tags whose pinned manifest it affects
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "subject": self.subject, "detail": self.detail,
-                "snapshots": list(self.snapshots)}  # fmt: skip
+                "snapshots": list(self.snapshots), "tags": list(self.tags)}  # fmt: skip
 
 
 @dataclass
 class VerifyReport:
     snapshots: int = 0
+    tags: int = 0
     manifests: int = 0
     chunks: int = 0  # distinct chunks referenced
     chunks_read: int = 0  # chunks re-hashed (read_data)
@@ -59,7 +70,8 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict[str, object]:
-        return {"ok": self.ok, "snapshots": self.snapshots, "manifests": self.manifests,
+        return {"ok": self.ok, "snapshots": self.snapshots, "tags": self.tags,
+                "manifests": self.manifests,
                 "chunks": self.chunks, "chunks_read": self.chunks_read,
                 "bytes_read": self.bytes_read,
                 "problems": [p.to_json() for p in self.problems]}  # fmt: skip
@@ -72,6 +84,40 @@ def in_part(chunk_hash: str, part: tuple[int, int] | None) -> bool:
     return int(chunk_hash[:8], 16) % n == k
 
 
+Holder = tuple[str, str]  # ("snapshot", name) or ("tag", name): what a problem affects
+Key = tuple[str | None, str]  # (pack or None, chunk hash): one stored copy of a chunk
+
+
+def _problem(kind: str, subject: str, detail: str, holders: Iterable[Holder] = ()) -> Problem:
+    held = set(holders)
+    return Problem(kind, subject, detail,
+                   tuple(sorted(n for k, n in held if k == "snapshot")),
+                   tuple(sorted(n for k, n in held if k == "tag")))  # fmt: skip
+
+
+def roots(repo: RepoStorage, report: VerifyReport) -> dict[str, set[Holder]]:
+    """Every manifest a ref or a tag names, with who names it; unreadable roots are problems."""
+    roots: dict[str, set[Holder]] = {}
+    for name in repo.list_snapshots():
+        report.snapshots += 1
+        try:
+            mhash = repo.read_ref(name).manifest
+        except CasnapError as exc:
+            report.problems.append(_problem("ref", name, str(exc), [("snapshot", name)]))
+            continue
+        roots.setdefault(mhash, set()).add(("snapshot", name))
+    for key in repo.store.list(TAGS):
+        tag = key[len(TAGS) + 1 :]
+        report.tags += 1
+        try:
+            info = read_tag(repo, tag)
+        except CasnapError as exc:
+            report.problems.append(_problem("tag", tag, str(exc), [("tag", tag)]))
+            continue
+        roots.setdefault(info.manifest, set()).add(("tag", tag))
+    return roots
+
+
 def verify(
     repo: RepoStorage,
     *,
@@ -79,50 +125,39 @@ def verify(
     part: tuple[int, int] | None = None,
     progress: Progress | None = None,
 ) -> VerifyReport:
-    """Check every ref, manifest and chunk; see the module docstring."""
+    """Check every ref, tag, manifest and chunk; see the module docstring."""
     if part is not None:
         expect_type(part, tuple, "part", "a (k, n) tuple of ints")
         ok = len(part) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in part)
         if not ok or not (part[1] >= 1 and 0 <= part[0] < part[1]):
             raise ConfigError(f"part {part!r} must be (k, n) with 0 <= k < n", "part")
     report = VerifyReport()
-    owners: dict[tuple[str | None, str], set[str]] = {}  # (pack, hash) -> snapshots
-    refs: dict[tuple[str | None, str], ChunkRef] = {}
-    manifests: dict[str, Manifest | None] = {}
-    for name in repo.list_snapshots():
-        report.snapshots += 1
+    owners: dict[Key, set[Holder]] = {}
+    refs: dict[Key, ChunkRef] = {}
+    for mhash, holders in sorted(roots(repo, report).items()):
         try:
-            mhash = repo.read_ref(name).manifest
+            m = repo.read_manifest(mhash)
         except CasnapError as exc:
-            report.problems.append(Problem("ref", name, str(exc), (name,)))
+            report.problems.append(_problem("manifest", mhash, str(exc), holders))
             continue
-        if mhash not in manifests:
-            try:
-                manifests[mhash] = repo.read_manifest(mhash)
-            except CasnapError as exc:
-                manifests[mhash] = None
-                report.problems.append(Problem("manifest", mhash, str(exc), (name,)))
-        m = manifests[mhash]
-        if m is None:
-            continue
+        report.manifests += 1
         for ref in m.chunk_refs():
             key = (ref.pack, ref.hash)
             refs[key] = ref
-            owners.setdefault(key, set()).add(name)
-    report.manifests = sum(m is not None for m in manifests.values())
+            owners.setdefault(key, set()).update(holders)
     report.chunks = len(refs)
 
     present = set(repo.store.list("chunks")) | set(repo.store.list("packs"))
-    missing: dict[str, set[str]] = {}
+    missing: dict[str, set[Holder]] = {}
     for key, ref in refs.items():
         obj = object_name(ref)
         if obj not in present:
             missing.setdefault(obj, set()).update(owners[key])
-    for obj, names in sorted(missing.items()):
-        report.problems.append(Problem("missing-object", obj, "referenced but not in the store",
-                                       tuple(sorted(names))))  # fmt: skip
+    for obj, holders in sorted(missing.items()):
+        report.problems.append(_problem("missing-object", obj, "referenced but not in the store",
+                                        holders))  # fmt: skip
 
-    _report_recorded(repo, refs, owners, report, part if read_data else (0, 0))
+    _report_recorded(repo, refs, owners, report, part if read_data else (0, 0), present)
 
     if read_data:
         todo = [r for r in refs.values()
@@ -137,15 +172,19 @@ def verify(
 
 def _report_recorded(
     repo: RepoStorage,
-    refs: dict[tuple[str | None, str], ChunkRef],
-    owners: dict[tuple[str | None, str], set[str]],
+    refs: dict[Key, ChunkRef],
+    owners: dict[Key, set[Holder]],
     report: VerifyReport,
     reread: tuple[int, int] | None,
+    present: set[str],
 ) -> None:
     """Report referenced copies an earlier read recorded as damaged and this run does not re-read.
 
     ``reread`` is the part re-hashed now (None: all; ``(0, 0)``: none). A
-    restore that met damage is then visible to a plain ``verify`` too.
+    restore that met damage is then visible to a plain ``verify`` too. A
+    damaged pack frame whose replacement ``chunks/<h>`` exists (written by
+    ``casnap repair``) reads from the replacement: not a problem unless its
+    bytes fail too, which ``--read-data`` checks.
     """
     try:
         recorded = {(c.pack, c.chunk) for c in list_damage(repo)}
@@ -155,18 +194,19 @@ def _report_recorded(
     for key in sorted(recorded & refs.keys(), key=str):
         if reread != (0, 0) and in_part(key[1], reread):
             continue  # re-hashed below: reported from the bytes themselves
+        if key[0] is not None and chunk_key(key[1]) in present and (None, key[1]) not in recorded:
+            continue  # replaced by `casnap repair`: reads fall back to chunks/<h>
         ref = refs[key]
         subject = f"{object_name(ref)} ({ref.hash[:12]})"
         detail = "recorded as damaged by an earlier read (docs/damage.md); run with --read-data"
-        report.problems.append(Problem("corrupt-chunk", subject, detail,
-                                       tuple(sorted(owners[key]))))  # fmt: skip
+        report.problems.append(_problem("corrupt-chunk", subject, detail, owners[key]))
 
 
 def _scrub(
     repo: RepoStorage,
     span: Span,
     report: VerifyReport,
-    owners: dict[tuple[str | None, str], set[str]],
+    owners: dict[Key, set[Holder]],
 ) -> None:
     """Fetch one object (or one range of a pack) and re-hash every chunk in it."""
     try:
@@ -175,8 +215,8 @@ def _scrub(
         else:
             blob = repo.store.get_range(span.key, span.start, span.end)
     except ObjectNotFoundError as exc:
-        users: set[str] = set().union(*(owners[(r.pack, r.hash)] for _, r in span.items))
-        report.problems.append(Problem("missing-object", span.key, str(exc), tuple(sorted(users))))
+        users: set[Holder] = set().union(*(owners[(r.pack, r.hash)] for _, r in span.items))
+        report.problems.append(_problem("missing-object", span.key, str(exc), users))
         return
     report.bytes_read += len(blob)
     view = memoryview(blob)
@@ -186,7 +226,32 @@ def _scrub(
         try:
             decode_frame(repo, span.key, ref, frame)  # records the damage it finds
         except IntegrityError as exc:
-            holders = tuple(sorted(owners[(ref.pack, ref.hash)]))
             subject = f"{span.key} ({ref.hash[:12]})"
-            report.problems.append(Problem("corrupt-chunk", subject, str(exc), holders))
+            report.problems.append(_problem("corrupt-chunk", subject, str(exc),
+                                            owners[(ref.pack, ref.hash)]))  # fmt: skip
         report.chunks_read += 1
+
+
+def verify_config_failure(
+    url: str, storage_options: dict[str, Any] | None, exc: CasnapError
+) -> VerifyReport | None:
+    """The report on a repository whose config is missing or damaged, so it cannot be opened.
+
+    None when nothing of a repository is at ``url`` (no refs, manifests,
+    chunks or packs): then there is no repository, not a damaged one. Else
+    every snapshot is affected (no chunk size, no format without the config).
+    """
+    meta = open_store(url, storage_options).child(META)
+    try:
+        names = sorted(k[len("refs/") :] for k in meta.list("refs"))
+        if not names and not any(next(iter(meta.list(kind)), None) for kind in _OBJECTS):
+            return None
+    except CasnapError:
+        return None
+    detail = str(exc) if not isinstance(exc, RepositoryNotFoundError) else "missing"
+    if isinstance(exc, UnsupportedFormatError):
+        detail += " (or the config is damaged)"
+    report = VerifyReport(snapshots=len(names))
+    problem = Problem("config", f"{META}/{CONFIG_KEY}", detail, tuple(names))
+    report.problems.append(problem)
+    return report

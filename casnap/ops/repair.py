@@ -1,0 +1,390 @@
+"""repair: write good copies of damaged or missing chunks, then say what stays unrecoverable.
+
+The model is restic's ``repair``, reduced to what content addressing makes
+safe (docs/damage.md, "Repair"). A chunk is named by the hash of its bytes, so
+*any* bytes that hash to the name are the chunk, wherever they come from:
+
+1. **Plan.** Every ref and tag is resolved to its manifest; every referenced
+   copy that is recorded damaged (``.casnap/damaged/``, optionally after a
+   ``read_data`` scrub that records what it finds) or missing is *bad*. For
+   each bad chunk the sources are asked in turn for bytes that hash to its
+   name: the repository's other copies of the chunk, the snapshots given
+   (in this or another repository), then the live states given (tensors
+   chunked the way takes chunk them). The plan is a value: print it, dry-run it.
+2. **Execute.** For each chunk a source supplies, the verified bytes are put
+   atomically at ``chunks/<h>``, made durable and read back. A damaged loose
+   object is thereby replaced (healing every snapshot naming it) and its
+   record deleted. A damaged pack frame keeps its record and gets a
+   *replacement*: reads of the frame fall back to ``chunks/<h>``
+   (:func:`casnap.chunks.damage.decode_frame`), and gc keeps the replacement
+   while the record and a reachable reference into the frame exist. No
+   manifest, ref, tag or pack is rewritten, so a repair killed at any point
+   leaves every snapshot at least as restorable as before.
+
+What no source supplies, and bad manifests, refs and tags, are reported per
+snapshot and tag as unrecoverable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from casnap.chunks.damage import contain
+from casnap.chunks.io import object_name
+from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError
+from casnap.format import codec
+from casnap.format.manifest import ChunkRef, Manifest
+from casnap.format.names import digest_of
+from casnap.ops.verify import Holder, VerifyReport, roots, verify
+from casnap.repo.damage import DamagedCopy, clear_damage, list_damage
+from casnap.repo.leases import hold_lease
+from casnap.repo.repository import RepoStorage, chunk_key
+
+Progress = Callable[[int, int], None]
+Buffer = codec.Buffer
+
+
+class ChunkSource(Protocol):
+    """Somewhere good bytes of a chunk may come from; what it returns is verified by repair."""
+
+    label: str
+
+    def fetch(self, chunk: str, size: int) -> Buffer | None:
+        """Bytes claimed to be chunk ``chunk`` (``size`` bytes), or None."""
+
+
+def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
+    """The verified bytes of one stored copy, or None (damage recorded if ``record``)."""
+    key = object_name(ref)
+    try:
+        if ref.pack is None:
+            blob = repo.store.get(key)
+        else:
+            blob = repo.store.get_range(key, ref.offset, ref.offset + ref.length)
+    except ObjectNotFoundError:
+        return None
+    try:
+        return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size)
+    except IntegrityError as exc:
+        if record:
+            contain(repo, ref, exc)
+        return None
+
+
+class SnapshotSource:
+    """The chunks of snapshots (manifests), read from their repository and verified."""
+
+    def __init__(self, repo: RepoStorage, manifests: Iterable[Manifest], label: str) -> None:
+        self.repo = repo
+        self.label = label
+        self.copies: dict[str, list[ChunkRef]] = {}
+        for m in manifests:
+            for ref in m.chunk_refs():
+                self.copies.setdefault(ref.hash, []).append(ref)
+
+    def fetch(self, chunk: str, size: int) -> Buffer | None:
+        for ref in self.copies.get(chunk, ()):
+            data = read_copy(self.repo, ref, record=False)
+            if data is not None:
+                return data
+        return None
+
+
+@dataclass(frozen=True)
+class BadChunk:
+    """A chunk some root needs whose referenced copies include a bad one."""
+
+    chunk: str
+    size: int
+    copies: tuple[str, ...]  # the bad copies: object keys, "missing" or "damaged"
+    holders: frozenset[Holder]
+    raw: bool  # a loose reference expects a raw frame (restore reads those in place)
+    fixable_here: bool = True  # False: a copy inside a missing pack (reads cannot fall back)
+
+
+@dataclass(frozen=True)
+class Fix:
+    chunk: str
+    source: str  # the source's label, or "" if none supplies it
+
+
+@dataclass
+class RepairPlan:
+    bad: list[BadChunk] = field(default_factory=list)
+    fixes: list[Fix] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)  # chunks whose chunks/<h> is good already
+    broken_roots: dict[Holder, str] = field(default_factory=dict)  # ref/tag/manifest problems
+    holders: set[Holder] = field(default_factory=set)
+
+    def render(self) -> str:
+        by = {f.chunk: f.source for f in self.fixes}
+        lines = [f"{len(self.bad)} bad chunk(s)"]
+        for b in self.bad:
+            src = by.get(b.chunk) or ("(no source)" if b.chunk not in self.already else "")
+            what = "already replaced" if b.chunk in self.already else f"from {src}"
+            lines.append(f"  {b.chunk[:16]} ({', '.join(b.copies)}): {what}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RootStatus:
+    """One snapshot or tag after repair: ``ok``, ``repaired`` or ``unrecoverable``."""
+
+    kind: str  # "snapshot" or "tag"
+    name: str
+    status: str
+    missing: tuple[str, ...] = ()  # chunks (or the manifest/ref problem) still unreadable
+
+    def to_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "name": self.name, "status": self.status,
+                "missing": list(self.missing)}  # fmt: skip
+
+
+@dataclass
+class RepairResult:
+    plan: RepairPlan
+    dry_run: bool
+    written: list[str] = field(default_factory=list)  # chunks written to chunks/<h>
+    roots: list[RootStatus] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every snapshot and tag is restorable (after the repair, or a dry run's)."""
+        return all(r.status != "unrecoverable" for r in self.roots)
+
+    @property
+    def unrecoverable(self) -> list[str]:
+        return [r.name for r in self.roots if r.status == "unrecoverable" and r.kind == "snapshot"]
+
+    def to_json(self) -> dict[str, object]:
+        return {"ok": self.ok, "dry_run": self.dry_run, "bad_chunks": len(self.plan.bad),
+                "written": self.written, "already_replaced": self.plan.already,
+                "roots": [r.to_json() for r in self.roots]}  # fmt: skip
+
+    def render(self) -> str:
+        verb = "would write" if self.dry_run else "wrote"
+        shown = self.plan.fixes if self.dry_run else [Fix(c, "") for c in self.written]
+        lines = [f"{verb} chunks/{f.chunk[:16]}…" + (f" from {f.source}" if f.source else "")
+                 for f in shown]  # fmt: skip
+        for r in self.roots:
+            if r.status == "ok":
+                continue
+            status = "repairable" if self.dry_run and r.status == "repaired" else r.status
+            tail = f": missing {', '.join(m[:16] for m in r.missing)}" if r.missing else ""
+            lines.append(f"{r.kind} {r.name}: {status}{tail}")
+        bad = len(self.unrecoverable) + sum(
+            r.status == "unrecoverable" and r.kind == "tag" for r in self.roots
+        )
+        lines.append(
+            f"{len(self.plan.bad)} bad chunk(s), {len(shown)} {verb.split()[-1]}; "
+            + (
+                "every snapshot restorable"
+                if self.ok
+                else f"{bad} snapshot(s)/tag(s) unrecoverable"
+            )
+            + (" (dry run)" if self.dry_run else "")
+        )
+        return "\n".join(lines)
+
+
+def find_bad(repo: RepoStorage, *, read_data: bool = False) -> RepairPlan:
+    """The bad referenced chunks (recorded damaged or missing) and the unreadable roots."""
+    plan = RepairPlan()
+    if read_data:
+        verify(repo, read_data=True)  # records every damaged copy it re-hashes
+    report = VerifyReport()
+    refs: dict[str, list[tuple[ChunkRef, frozenset[Holder]]]] = {}
+    for mhash, holders in sorted(roots(repo, report).items()):
+        plan.holders |= holders
+        try:
+            manifest = repo.read_manifest(mhash)
+        except CasnapError as exc:
+            for holder in holders:
+                plan.broken_roots[holder] = f"manifest {mhash}: {exc}"
+            continue
+        for ref in manifest.chunk_refs():
+            refs.setdefault(ref.hash, []).append((ref, frozenset(holders)))
+    for p in report.problems:  # unreadable refs and tags
+        plan.holders.add((p.kind if p.kind == "tag" else "snapshot", p.subject))
+        plan.broken_roots[(p.kind if p.kind == "tag" else "snapshot", p.subject)] = p.detail
+    recorded = set(list_damage(repo))
+    present = set(repo.store.list("chunks")) | set(repo.store.list("packs"))
+    for h, uses in sorted(refs.items()):
+        copies: list[str] = []
+        needs: set[Holder] = set()
+        in_lost_pack = False
+        for ref, who in uses:
+            key = object_name(ref)
+            if key not in present:
+                copies.append(f"{key} (missing)")
+                in_lost_pack = in_lost_pack or ref.pack is not None
+            elif DamagedCopy.of(ref) in recorded:
+                copies.append(f"{key} (damaged)")
+            else:
+                continue
+            needs |= who
+        if copies:
+            raw = any(r.pack is None and r.length == codec.HEADER_SIZE + r.size for r, _ in uses)
+            plan.bad.append(BadChunk(h, uses[0][0].size, tuple(sorted(set(copies))),
+                                     frozenset(needs), raw, not in_lost_pack))  # fmt: skip
+    return plan
+
+
+def plan_repair(
+    repo: RepoStorage,
+    sources: Sequence[ChunkSource] = (),
+    *,
+    read_data: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> RepairPlan:
+    """Find the bad chunks and, for each, the first source whose bytes hash to its name."""
+    plan = find_bad(repo, read_data=read_data)
+    recorded = set(list_damage(repo))
+    for i, bad in enumerate(plan.bad):
+        digest = bytes.fromhex(bad.chunk)
+        loose = ChunkRef(hash=bad.chunk, size=bad.size, length=codec.HEADER_SIZE + bad.size)
+        if DamagedCopy(bad.chunk, None) not in recorded and (
+            read_copy(repo, loose, record=not dry_run) is not None
+        ):
+            plan.already.append(bad.chunk)  # a good chunks/<h> stands in for a pack frame
+            continue
+        found = ""
+        if bad.fixable_here:
+            for source in [_RepoCopies(repo, bad, dry_run), *sources]:
+                data = source.fetch(bad.chunk, bad.size)
+                if data is not None and len(data) == bad.size and digest_of(data) == digest:
+                    found = source.label
+                    break
+        plan.fixes.append(Fix(bad.chunk, found))
+        if progress is not None:
+            progress(i + 1, len(plan.bad))
+    return plan
+
+
+class _RepoCopies:
+    """This repository's other copies of a chunk: every referenced frame that is not bad."""
+
+    label = "another copy in this repository"
+
+    def __init__(self, repo: RepoStorage, bad: BadChunk, dry_run: bool) -> None:
+        self.repo, self.bad, self.record = repo, bad, not dry_run
+
+    def fetch(self, chunk: str, size: int) -> Buffer | None:
+        bad_keys = {c.rsplit(" ", 1)[0] for c in self.bad.copies}
+        for ref in _referenced_copies(self.repo, chunk):
+            if object_name(ref) in bad_keys:
+                continue
+            data = read_copy(self.repo, ref, self.record)
+            if data is not None:
+                return data
+        return None
+
+
+def _referenced_copies(repo: RepoStorage, chunk: str) -> list[ChunkRef]:
+    out: dict[tuple[str | None, int], ChunkRef] = {}
+    for mhash in roots(repo, VerifyReport()):
+        try:
+            manifest = repo.read_manifest(mhash)
+        except CasnapError:
+            continue
+        out.update(((r.pack, r.offset), r) for r in manifest.chunk_refs() if r.hash == chunk)
+    return list(out.values())
+
+
+def execute_repair(
+    repo: RepoStorage,
+    plan: RepairPlan,
+    sources: Sequence[ChunkSource] = (),
+    *,
+    progress: Progress | None = None,
+) -> RepairResult:
+    """Write every chunk the plan found a source for; then report per snapshot and tag.
+
+    Held under a lease (kind ``repair``), so no gc sweeps while replacements
+    are written. Each chunk is fetched again, verified against its hash, put
+    atomically at ``chunks/<h>``, made durable and read back before a loose
+    damage record is deleted.
+    """
+    result = RepairResult(plan, dry_run=False)
+    todo = [f for f in plan.fixes if f.source]
+    by_chunk = {b.chunk: b for b in plan.bad}
+    with hold_lease(repo, kind="repair") as lease:
+        for i, fix in enumerate(todo):
+            bad = by_chunk[fix.chunk]
+            data = _fetch(repo, bad, fix.source, sources)
+            if data is None:
+                continue  # the source changed since the plan: the chunk stays bad
+            lease.check()
+            _write(repo, bad, data)
+            result.written.append(fix.chunk)
+            if progress is not None:
+                progress(i + 1, len(todo))
+    result.roots = statuses(plan, set(result.written) | set(plan.already))
+    return result
+
+
+def _fetch(
+    repo: RepoStorage, bad: BadChunk, label: str, sources: Sequence[ChunkSource]
+) -> Buffer | None:
+    for source in [_RepoCopies(repo, bad, True), *sources]:
+        if source.label != label:
+            continue
+        data = source.fetch(bad.chunk, bad.size)
+        if (
+            data is not None
+            and len(data) == bad.size
+            and digest_of(data) == bytes.fromhex(bad.chunk)
+        ):
+            return data
+    return None
+
+
+def _write(repo: RepoStorage, bad: BadChunk, data: Buffer) -> None:
+    """Put the verified bytes at chunks/<h>, durably; read them back; drop a loose record."""
+    digest = bytes.fromhex(bad.chunk)
+    # A loose reference to a raw frame is read in place by restore: keep it raw.
+    head, payload = codec.encode(data, digest, compress=not bad.raw)
+    key = chunk_key(bad.chunk)
+    repo.store.put(key, [head, payload])  # atomic replace, durable
+    loose = ChunkRef(hash=bad.chunk, size=bad.size, length=len(head) + len(payload))
+    if read_copy(repo, loose, record=True) is None:
+        raise IntegrityError(f"{key}: the repaired copy does not read back", key)
+    clear_damage(repo, [DamagedCopy(bad.chunk, None)] if _recorded_loose(repo, bad) else [])
+
+
+def _recorded_loose(repo: RepoStorage, bad: BadChunk) -> bool:
+    return repo.store.exists(DamagedCopy(bad.chunk, None).key)
+
+
+def statuses(plan: RepairPlan, fixed: set[str]) -> list[RootStatus]:
+    """Per snapshot and tag: ok, repaired (every bad chunk fixed) or unrecoverable."""
+    out = []
+    for holder in sorted(plan.holders):
+        kind, name = holder
+        if holder in plan.broken_roots:
+            out.append(RootStatus(kind, name, "unrecoverable", (plan.broken_roots[holder],)))
+            continue
+        mine = [b for b in plan.bad if holder in b.holders]
+        left = tuple(b.chunk for b in mine if b.chunk not in fixed)
+        status = "unrecoverable" if left else ("repaired" if mine else "ok")
+        out.append(RootStatus(kind, name, status, left))
+    return out
+
+
+def repair(
+    repo: RepoStorage,
+    sources: Sequence[ChunkSource] = (),
+    *,
+    read_data: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> RepairResult:
+    """Plan, then (unless ``dry_run``) execute; see the module docstring."""
+    plan = plan_repair(repo, sources, read_data=read_data, dry_run=dry_run, progress=progress)
+    if dry_run:
+        fixable = {f.chunk for f in plan.fixes if f.source} | set(plan.already)
+        return RepairResult(plan, dry_run=True, roots=statuses(plan, fixable))
+    return execute_repair(repo, plan, sources, progress=progress)
