@@ -27,6 +27,11 @@ import lmdb
 from casnap.errors import ObjectNotFoundError, StoreError
 from casnap.format.manifest import ChunkRef
 from casnap.format.names import check_hash
+from casnap.index.lmdb_files import (
+    MAX_READERS,
+    check_data_file,
+    reserve_lock_file,
+)
 from casnap.index.summaries import ManifestSummary, decode_summary, encode_summary
 from casnap.repo.repository import RepoStorage
 from casnap.settings import DEFAULT_INDEX_MAP_SIZE as DEFAULT_MAP_SIZE  # noqa: F401  (re-exported)
@@ -100,10 +105,14 @@ class _Env:
         self.path = path
         self.broken = False  # damaged: delete the files and start over
         self.stale = False  # unusable as opened (another process grew the map): reopen
+        self.off = False  # this process gave up on it (no space, read-only): never reopened
         self.users: weakref.WeakSet[RepoIndex] = weakref.WeakSet()  # open handles
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True,
-                             lock=True, readahead=False, meminit=False)  # fmt: skip
+        reserve_lock_file(path / "lock.mdb")
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True, lock=True,
+                             max_readers=MAX_READERS, writemap=False, readahead=False,
+                             meminit=False)  # fmt: skip
         try:
+            check_data_file(self.env, path / "data.mdb")
             self.meta = self.env.open_db(b"meta")
             self.chunks = self.env.open_db(b"chunks")
             self.manifests = self.env.open_db(b"manifests")
@@ -120,7 +129,7 @@ class _Env:
 
     @property
     def usable(self) -> bool:
-        return not (self.broken or self.stale)
+        return not (self.broken or self.stale or self.off)
 
 
 # The one piece of module-level mutable state in casnap (docs/architecture.md):
@@ -133,8 +142,14 @@ _MAX_OPEN = 16
 # that this process cannot use them right now.
 _DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
             lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadChecksumError)  # fmt: skip
+# Errors that pass: reopening the environment is the cure. Any other error
+# (no space, read-only, I/O error, no address space) turns the index off for
+# this process, with one warning, instead of one per take.
+_TRANSIENT = (lmdb.MapResizedError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.LockError,
+              lmdb.BadRslotError)  # fmt: skip
 _registry_lock = threading.Lock()
 _registry: dict[str, _Env] = {}  # least recently used first
+_given_up: dict[str, str] = {}  # index paths this process runs without, and why
 
 
 def _forget_after_fork() -> None:
@@ -193,12 +208,13 @@ def _handle(repo_id: str) -> RepoIndex | None:
         return None
     key = str(path)
     with _registry_lock:
+        if key in _given_up:
+            return None  # said once already
         if key not in _registry:
             fstype = _filesystem_type(path.parent)
             if fstype.split(".")[0] in _REMOTE_FS:
-                _log.warning("casnap index folder %s is on %s, where LMDB cannot lock; "
-                             "running without it (set CASNAP_INDEX_DIR to a local disk)",
-                             path.parent, fstype)  # fmt: skip
+                _give_up(key, f"{path.parent} is on {fstype}, where LMDB cannot lock "
+                              "(set CASNAP_INDEX_DIR to a local disk)")  # fmt: skip
                 return None
         env = _registry.get(key)
         if env is not None and env.usable:
@@ -214,20 +230,34 @@ def _handle(repo_id: str) -> RepoIndex | None:
                 env = _Env(path)
             except _DAMAGED as exc:
                 if attempt:
-                    _log.warning("casnap index at %s unusable, running without it: %s", path, exc)
+                    _give_up(key, f"damaged again after a rebuild: {exc}")
                     return None
                 _log.warning("casnap index at %s damaged, rebuilding it: %s", path, exc)
                 shutil.rmtree(path, ignore_errors=True)
                 continue
             except (lmdb.Error, OSError, ValueError) as exc:  # no space, no memory, no access
-                _log.warning("casnap index at %s cannot be opened, running without it: %s",
-                             path, exc)  # fmt: skip
+                _give_up(key, f"cannot be opened: {exc}")
                 return None
             _registry[key] = env
             handle = RepoIndex(env, None)
             _close_unused(keep=_MAX_OPEN)
             return handle
     return None
+
+
+def _give_up(key: str, why: str) -> None:
+    """Run without the index at ``key`` in this process from now on; warn once (locked).
+
+    Its environment, if open, is closed; handles still holding it see it off.
+    ``close_all`` or ``drop`` forgets this, so the next use tries again.
+    """
+    env = _registry.pop(key, None)
+    if env is not None:
+        env.off = True
+        env.env.close()  # py-lmdb invalidates the transactions of other threads, safely
+    if key not in _given_up:
+        _given_up[key] = why
+        _log.warning("casnap index at %s %s; this process runs without it", key, why)
 
 
 def _close_unused(keep: int) -> None:
@@ -275,10 +305,16 @@ class RepoIndex:
             _log.warning("casnap index at %s failed to %s (%s); it will be rebuilt",
                          self._env.path, what, exc)  # fmt: skip
             self._env.broken = True
-        else:
+        elif isinstance(exc, _TRANSIENT):
             _log.info("casnap index at %s failed to %s (%s); reopening it",
                       self._env.path, what, exc)  # fmt: skip
             self._env.stale = True
+        else:  # no space, read-only, an I/O error: it would fail again, and again say so
+            self._env.off = True
+            with _registry_lock:
+                if _registry.get(str(self._env.path)) is not self._env:
+                    return  # already replaced or closed; its successor speaks for itself
+                _give_up(str(self._env.path), f"failed to {what} ({exc})")
 
     def lookup_chunk(self, h: str, size: int) -> ChunkRef | None:
         """Where chunk ``h`` of ``size`` raw bytes is stored, if the index knows it."""
@@ -429,6 +465,7 @@ def drop(repo_id: str) -> None:
     """Delete the index of repository ``repo_id`` on this machine (it is rebuilt on use)."""
     path = index_path(repo_id)
     with _registry_lock:
+        _given_up.pop(str(path), None)
         env = _registry.pop(str(path), None)
         if env is not None:
             env.env.close()
@@ -440,5 +477,6 @@ def close_all() -> None:
     with _registry_lock:
         envs = list(_registry.values())
         _registry.clear()
+        _given_up.clear()
     for env in envs:
         env.env.close()
