@@ -24,18 +24,21 @@ from casnap.errors import (
     ConfigError,
     IntegrityError,
     ObjectNotFoundError,
+    ObjectRefusedError,
     expect_type,
 )
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.repo.damage import DAMAGED, list_damage
 from casnap.repo.repository import RepoStorage
+from casnap.repo.tags import TAGS, read_tag
 
 Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
 class Problem:
-    kind: str  # "ref", "manifest", "missing-object", "corrupt-chunk", "damage-records"
+    kind: str  # "ref", "tag", "manifest", "missing-object", "unreadable-object",
+    # "corrupt-chunk", "damage-records"
     subject: str  # the ref, manifest or object concerned
     detail: str
     snapshots: tuple[str, ...] = ()
@@ -109,6 +112,7 @@ def verify(
             key = (ref.pack, ref.hash)
             refs[key] = ref
             owners.setdefault(key, set()).add(name)
+    _check_tags(repo, report)
     report.manifests = sum(m is not None for m in manifests.values())
     report.chunks = len(refs)
 
@@ -133,6 +137,23 @@ def verify(
             if progress is not None:
                 progress(i + 1, len(spans))
     return report
+
+
+def _check_tags(repo: RepoStorage, report: VerifyReport) -> None:
+    """Every tag must read: a tag is a gc root, and gc refuses to sweep past one it cannot read."""
+    try:
+        keys = sorted(repo.store.list(TAGS))
+    except CasnapError as exc:
+        report.problems.append(Problem("tag", TAGS, f"cannot list: {exc}"))
+        return
+    for key in keys:
+        tag = key[len(TAGS) + 1 :]
+        try:
+            read_tag(repo, tag)
+        except ObjectNotFoundError:
+            continue  # removed since the listing
+        except CasnapError as exc:
+            report.problems.append(Problem("tag", tag, str(exc)))
 
 
 def _report_recorded(
@@ -174,9 +195,10 @@ def _scrub(
             blob = repo.store.get(span.key)
         else:
             blob = repo.store.get_range(span.key, span.start, span.end)
-    except ObjectNotFoundError as exc:
+    except (ObjectNotFoundError, ObjectRefusedError) as exc:  # refused: a FIFO, a link, ...
         users: set[str] = set().union(*(owners[(r.pack, r.hash)] for _, r in span.items))
-        report.problems.append(Problem("missing-object", span.key, str(exc), tuple(sorted(users))))
+        kind = "missing-object" if isinstance(exc, ObjectNotFoundError) else "unreadable-object"
+        report.problems.append(Problem(kind, span.key, str(exc), tuple(sorted(users))))
         return
     report.bytes_read += len(blob)
     view = memoryview(blob)

@@ -33,7 +33,8 @@ which a third-party backend can run too):
 - Only regular objects are read: where a backend can hold something else at a
   key (a local directory: a FIFO, a device, a socket, a symbolic link),
   ``get``, ``get_range`` and ``read_into`` raise :class:`ObjectRefusedError`
-  at once, without blocking or following it, and ``exists`` is false for it.
+  at once, without blocking or following it. ``exists`` is true for it (the
+  key is taken), so a reader goes on to read it and is told what is wrong.
 - ``get``/``get_range`` of a missing key raise :class:`ObjectNotFoundError`.
   A key that is only a folder of other keys (``a`` when ``a/b`` exists) is
   missing. ``get_range`` past the end returns the bytes there are, maybe none.

@@ -169,8 +169,9 @@ class FsspecStore(ObjectStore):
             return False
         except Exception as exc:
             raise _translate(exc, key) from exc
-        # A local symbolic link is not an object (as in LocalStore).
-        return bool(info.get("type") == "file" and not info.get("islink"))
+        if self.protocol in _LOCAL_PROTOCOLS:  # a FIFO or a link occupies the key too
+            return bool(info.get("type") != "directory")
+        return bool(info.get("type") == "file")
 
     def list(self, prefix: str = "") -> Iterator[str]:
         for key, _info in self._find(prefix, detail=False):

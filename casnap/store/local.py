@@ -211,10 +211,10 @@ class LocalStore(ObjectStore):
 
     def exists(self, key: str) -> bool:
         # Not os.path.isfile: it reads every error (EACCES, EIO) as "missing".
-        # lstat: a symbolic link (or FIFO, device) is not an object, so a take
-        # probing for a chunk there writes the chunk again, replacing it.
+        # Anything but a folder occupies the key (a FIFO, a link: lstat, never
+        # followed), so that a reader goes on to read it and is told what is wrong.
         try:
-            return stat.S_ISREG(os.lstat(self._path(key)).st_mode)
+            return not stat.S_ISDIR(os.lstat(self._path(key)).st_mode)
         except OSError as exc:
             if exc.errno in _NOT_AN_OBJECT:
                 return False
