@@ -309,3 +309,33 @@ def test_healthy_repository_passes_every_call(repo: Path, tmp_path: Path) -> Non
     results = run_calls(_calls(repo, tmp_path))
     assert {n: r["rc"] for n, r in results.items()} == dict.fromkeys(ALL, 0), results
     assert len(_files(repo)) < len(before)  # s0's manifest and pack were garbage
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"x":' + HUGE_INT.encode() + b"}",
+        b'{"x":-' + HUGE_INT.encode() + b"}",
+        b'{"x":NaN}',
+        b'{"x":-Infinity}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"x":"\xff"}',
+    ],
+    ids=["huge-int", "huge-negative-int", "nan", "infinity", "deep", "not-utf8"],
+)
+def test_every_record_parser_refuses_bad_json_with_a_casnap_error(body: bytes) -> None:
+    from casnap.errors import ManifestValidationError
+    from casnap.format.manifest import parse_config, parse_damage_record, parse_ref
+    from casnap.repo.leases import parse_record
+    from casnap.repo.tags import _parse_tag
+
+    parsers: list[Callable[[bytes], object]] = [
+        parse_config,
+        lambda d: parse_ref(d, "s1"),
+        lambda d: parse_damage_record(d, DAMAGE),
+        lambda d: parse_record(d, LEASE),
+        lambda d: _parse_tag("best", d),
+    ]
+    for parse in parsers:
+        with pytest.raises(ManifestValidationError):
+            parse(body)

@@ -371,7 +371,8 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
 
 
 def parse_config(data: bytes) -> RepoConfig:
-    config: RepoConfig = _parse(RepoConfig, data, "repository config .casnap/config.json", versioned=True)
+    what = "repository config .casnap/config.json"
+    config: RepoConfig = _parse(RepoConfig, data, what, versioned=True)
     return config
 
 
