@@ -77,6 +77,27 @@ class ManifestValidationError(IntegrityError):
     """A manifest failed validation (untrusted input is checked before use)."""
 
 
+class ObjectRefusedError(StoreError, IntegrityError):
+    """The store holds something at ``key`` that casnap will not read.
+
+    Not a regular file (a FIFO, a device, a socket, a symbolic link), or larger
+    than the limit for what the key should hold (``docs/format.md``). Both a
+    :class:`StoreError` (never transient: repeating the read refuses it again)
+    and an :class:`IntegrityError` (the repository is damaged or tampered with).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message, key)
+
+    @property
+    def object_name(self) -> str | None:
+        return self.key  # one name, kept right when a PrefixStore rewrites the key
+
+    @object_name.setter
+    def object_name(self, value: str | None) -> None:
+        pass  # IntegrityError.__init__ sets it; the key is the name
+
+
 class InvalidNameError(CasnapError, ValueError):
     """A snapshot, ref or object name that is malformed or could leave the repository."""
 

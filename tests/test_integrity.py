@@ -185,8 +185,8 @@ class FailingStore(ObjectStore):
                 raise StoreError(f"no space left on device while writing {key!r}", key)
         self.inner.put(key, data, create_only=create_only, durable=durable)
 
-    def get(self, key):
-        return self.inner.get(key)
+    def get(self, key, *, limit=None):
+        return self.inner.get(key, limit=limit)
 
     def get_range(self, key, start, end):
         return self.inner.get_range(key, start, end)

@@ -147,10 +147,10 @@ class DroppingStore(ObjectStore):
             raise StoreError(f"connection reset while reading {key!r}", key)
         return n
 
-    def get(self, key):
+    def get(self, key, *, limit=None):
         if key == self.key:
             raise StoreError(f"connection reset while reading {key!r}", key)
-        return self.inner.get(key)
+        return self.inner.get(key, limit=limit)
 
     def get_range(self, key, start, end):
         return self.inner.get_range(key, start, end)

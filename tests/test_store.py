@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import os
+import socket
+import tracemalloc
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
 import casnap.store.local as local_module
-from casnap.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from casnap.errors import (
+    IntegrityError,
+    InvalidNameError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectRefusedError,
+    StoreError,
+)
 from casnap.store import (
     CountingStore,
     FsspecStore,
@@ -260,6 +269,111 @@ def test_failed_write_removes_its_temp_file(local: LocalStore) -> None:
         local.put("k/obj", b"data")
     assert _temp_files(local) == []
     assert not local.exists("k/obj")
+
+
+# -- local files that are not objects ----------------------------------------
+
+
+def _plant_specials(root: Path) -> dict[str, str]:
+    """Non-regular files at keys below ``root``: key -> what the error must call it."""
+    (root / "d").mkdir(parents=True, exist_ok=True)
+    (root / "d" / "inside").write_bytes(b"a regular file")
+    os.mkfifo(root / "d" / "fifo")
+    os.symlink("/dev/zero", root / "d" / "zero")
+    os.symlink(root / "d" / "inside", root / "d" / "link-in")  # even inside the root
+    os.symlink("/etc/hostname", root / "d" / "link-out")
+    os.symlink(root / "d" / "nowhere", root / "d" / "dangling")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(root / "d" / "sock"))
+    sock.close()
+    link = "symbolic link"
+    return {"d/fifo": "FIFO", "d/zero": link, "d/link-in": link, "d/link-out": link,
+            "d/dangling": link, "d/sock": "socket"}  # fmt: skip
+
+
+def _refused(call: Callable[[], object], key: str, what: str) -> None:
+    with pytest.raises(ObjectRefusedError) as info:
+        call()
+    assert isinstance(info.value, StoreError) and isinstance(info.value, IntegrityError)
+    assert not info.value.transient
+    assert info.value.key == key
+    assert key in str(info.value) and what in str(info.value)
+
+
+@pytest.mark.timeout(20)
+def test_local_store_reads_only_regular_files(local: LocalStore) -> None:
+    specials = _plant_specials(Path(local.root))
+    for key, what in specials.items():
+        buf = [memoryview(bytearray(10))]
+        _refused(lambda k=key: local.get(k), key, what)  # a FIFO must not block
+        _refused(lambda k=key: local.get(k, limit=100), key, what)
+        _refused(lambda k=key: local.get_range(k, 0, 10), key, what)
+        _refused(lambda k=key, b=buf: local.read_into(k, b), key, what)
+        assert local.exists(key)  # the key is taken: reading it tells what is wrong
+    assert local.get("d/inside") == b"a regular file"
+    assert sorted(local.list("d")) == sorted(["d/inside", *specials])
+    # Listing does not follow links: sizes are the entries' own.
+    infos = {i.key: i for i in local.list_info("d")}
+    assert infos["d/zero"].size == len("/dev/zero")
+    # An overwrite replaces the special file itself, never what a link points to.
+    local.put("d/link-in", b"new")
+    assert local.get("d/link-in") == b"new"
+    assert (Path(local.root) / "d" / "inside").read_bytes() == b"a regular file"
+
+
+def test_local_store_refuses_a_device_by_its_type() -> None:
+    # The store rooted at /dev: no link involved, the fstat check alone refuses it.
+    _refused(lambda: LocalStore("/dev").get("zero", limit=10), "zero", "device")
+    _refused(lambda: LocalStore("/dev").get_range("null", 0, 1), "null", "device")
+
+
+@pytest.mark.timeout(20)
+def test_local_fsspec_store_reads_only_regular_files(tmp_path: Path) -> None:
+    specials = _plant_specials(tmp_path / "root")
+    store = FsspecStore(f"file://{tmp_path / 'root'}")
+    for key in specials:
+        if key == "d/dangling":
+            continue  # fsspec reports a dangling link as missing
+        with pytest.raises(ObjectRefusedError, match=key):
+            store.get(key)
+        with pytest.raises(ObjectRefusedError, match=key):
+            store.get(key, limit=10)
+        with pytest.raises(ObjectRefusedError, match=key):
+            store.get_range(key, 0, 10)
+        assert store.exists(key)
+    assert store.get("d/inside", limit=100) == b"a regular file"
+
+
+def test_limited_get_reads_no_more_than_the_limit(local: LocalStore) -> None:
+    local.put("big", os.urandom(8 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ObjectRefusedError, match="big"):
+            local.get("big", limit=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 << 20  # refused from its size: the 8 MiB were never read
+    # A sparse 3 GiB file is refused the same way.
+    with open(Path(local.root) / "huge", "wb") as fh:
+        fh.truncate(3 << 30)
+    with pytest.raises(ObjectRefusedError, match="huge"):
+        local.get("huge", limit=1 << 30)
+    # A range far past a small file's end allocates nothing it does not return.
+    local.put("small", b"0123")
+    assert local.get_range("small", 2, 1 << 50) == b"23"
+
+
+def test_retry_does_not_repeat_a_refused_read(local: LocalStore) -> None:
+    local.put("big", b"x" * 100)
+    os.mkfifo(Path(local.root) / "fifo")
+    flaky = _Calls(local, 0.0)
+    store = RetryingStore(flaky, RetryPolicy(retries=5, delay=0.0))
+    with pytest.raises(ObjectRefusedError):
+        store.get("big", limit=10)
+    with pytest.raises(ObjectRefusedError):
+        store.get("fifo")
+    assert flaky.calls == 2
 
 
 # -- open_store ----------------------------------------------------------------

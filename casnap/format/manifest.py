@@ -30,6 +30,13 @@ from casnap.format.names import HASH_HEX_LEN, check_hash, hash_bytes
 FORMAT_MAJOR = 1
 FORMAT_VERSION = "1.1"  # 1.1 added the "sharded" entry kind; 1.0 is still read
 MAX_MANIFEST_BYTES = 1 << 30
+# Refs, the config, tags, leases, gc records and damage records are a few
+# hundred bytes; a reader refuses anything larger before reading it.
+MAX_RECORD_BYTES = 64 << 10
+# Python's own default bound on int(str) (sys.get_int_max_str_digits), so no
+# record a default Python writer can produce is refused, but a reader stays
+# bounded whatever that process-wide setting is.
+MAX_INT_DIGITS = 4300
 MAX_BYTES = 1 << 62  # largest tensor / object / offset accepted from a manifest
 MAX_KEY_LENGTH = 4096
 
@@ -306,15 +313,31 @@ def check_version(version: str, what: str) -> None:
         )
 
 
-def _load_json(data: bytes, what: str) -> Any:
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (casnap never writes it)")
+
+
+def load_json(data: bytes, what: str) -> Any:
+    """Untrusted JSON of a repository record; every failure is a ManifestValidationError.
+
+    Integers are bounded (``MAX_INT_DIGITS``) and ``NaN``/``Infinity`` refused,
+    so no record can make the parser raise a bare ``ValueError`` or spend
+    quadratic time converting digits.
+    """
     try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return json.loads(data, parse_int=_bounded_int, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError too
         raise ManifestValidationError(f"{what}: not valid JSON: {exc}", what) from exc
 
 
 def _parse(model: type[_Model], data: bytes, what: str, *, versioned: bool = False) -> Any:
-    raw = _load_json(data, what)
+    raw = load_json(data, what)
     if versioned and isinstance(raw, dict) and "format_version" not in raw:
         # A default would read any document as the current version (docs/format.md).
         raise ManifestValidationError(
@@ -348,7 +371,8 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
 
 
 def parse_config(data: bytes) -> RepoConfig:
-    config: RepoConfig = _parse(RepoConfig, data, "repository config", versioned=True)
+    what = "repository config .casnap/config.json"
+    config: RepoConfig = _parse(RepoConfig, data, what, versioned=True)
     return config
 
 

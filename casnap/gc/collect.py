@@ -38,7 +38,8 @@ from dataclasses import dataclass, fields, replace
 from types import TracebackType
 from typing import Any
 
-from casnap.errors import CasnapError, ObjectNotFoundError
+from casnap.errors import CasnapError, ManifestValidationError, ObjectNotFoundError
+from casnap.format.manifest import MAX_RECORD_BYTES, load_json
 from casnap.format.names import hash_bytes
 from casnap.gc.plan import (
     LEASE_TEMP_MIN_AGE,
@@ -136,14 +137,14 @@ def read_gc_epoch(repo: RepoStorage) -> str | None:
     is valid only while the epoch is still ``e``.
     """
     try:
-        data = repo.store.get(GC_EPOCH_KEY)
+        data = repo.store.get(GC_EPOCH_KEY, limit=MAX_RECORD_BYTES)
     except ObjectNotFoundError:
         return None
     try:
-        epoch = json.loads(data)["epoch"]
+        epoch = load_json(data, GC_EPOCH_KEY)["epoch"]
         if isinstance(epoch, str) and epoch:
             return epoch
-    except (ValueError, TypeError, KeyError):
+    except (ManifestValidationError, TypeError, KeyError):
         pass
     return hash_bytes(data)  # not ours, but it still changes when the object does
 

@@ -25,7 +25,7 @@ import blake3
 import lmdb
 
 from casnap.errors import ObjectNotFoundError, StoreError
-from casnap.format.manifest import ChunkRef
+from casnap.format.manifest import MAX_RECORD_BYTES, ChunkRef
 from casnap.format.names import check_hash
 from casnap.index.lmdb_files import (
     MAX_READERS,
@@ -278,7 +278,7 @@ def _store_identity(repo: RepoStorage) -> str:
 def read_gc_epoch(repo: RepoStorage) -> bytes | None:
     """The store's gc epoch object as bytes (None when no gc ever deleted anything)."""
     try:
-        return repo.store.get(GC_EPOCH_KEY)
+        return repo.store.get(GC_EPOCH_KEY, limit=MAX_RECORD_BYTES)
     except ObjectNotFoundError:
         return None
 

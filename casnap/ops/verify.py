@@ -27,6 +27,7 @@ from casnap.errors import (
     ConfigError,
     IntegrityError,
     ObjectNotFoundError,
+    ObjectRefusedError,
     RepositoryNotFoundError,
     UnsupportedFormatError,
     expect_type,
@@ -43,7 +44,8 @@ _OBJECTS = ("manifests", "chunks", "packs")
 
 @dataclass(frozen=True)
 class Problem:
-    # "config", "ref", "tag", "manifest", "missing-object", "corrupt-chunk", "damage-records"
+    # "config", "ref", "tag", "manifest", "missing-object", "unreadable-object",
+    # "corrupt-chunk", "damage-records"
     kind: str
     subject: str  # the ref, tag, manifest or object concerned
     detail: str
@@ -214,9 +216,10 @@ def _scrub(
             blob = repo.store.get(span.key)
         else:
             blob = repo.store.get_range(span.key, span.start, span.end)
-    except ObjectNotFoundError as exc:
+    except (ObjectNotFoundError, ObjectRefusedError) as exc:  # refused: a FIFO, a link, ...
         users: set[Holder] = set().union(*(owners[(r.pack, r.hash)] for _, r in span.items))
-        report.problems.append(_problem("missing-object", span.key, str(exc), users))
+        kind = "missing-object" if isinstance(exc, ObjectNotFoundError) else "unreadable-object"
+        report.problems.append(_problem(kind, span.key, str(exc), users))
         return
     report.bytes_read += len(blob)
     view = memoryview(blob)

@@ -31,7 +31,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -55,9 +54,10 @@ from casnap.errors import (  # noqa: F401  (defined in errors.py)
     ManifestValidationError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ObjectRefusedError,
     StoreError,
 )
-from casnap.format.manifest import canonical_json
+from casnap.format.manifest import MAX_RECORD_BYTES, canonical_json, load_json
 from casnap.repo.repository import RepoStorage
 from casnap.settings import lease_ttl
 from casnap.store import ObjectStore
@@ -68,7 +68,6 @@ LEASES = "leases"
 GC_LOCK_KEY = "gc.lock"
 # Claims of gcs about to take gc.lock, on stores without atomic create (_alone).
 GC_CLAIMS = "gc-claims"
-MAX_RECORD_BYTES = 64 * 1024
 # Polling for the other side starts fast (a gc sweep of a small repository
 # takes milliseconds) and backs off to this.
 _POLL_MAX = 0.25
@@ -129,10 +128,11 @@ def parse_record(data: bytes, key: str) -> LeaseRecord:
     """Validate a lease or lock record; a malformed one raises ManifestValidationError."""
     if len(data) > MAX_RECORD_BYTES:
         raise ManifestValidationError(f"{key} is larger than {MAX_RECORD_BYTES} bytes", key)
+    raw = load_json(data, key)
     try:
-        record = LeaseRecord.model_validate(json.loads(data))
+        record = LeaseRecord.model_validate(raw)
         record.expires()
-    except (UnicodeDecodeError, ValueError, RecursionError, ValidationError) as exc:
+    except (ValueError, OverflowError, ValidationError) as exc:
         raise ManifestValidationError(f"{key} is not a valid lease record: {exc}", key) from exc
     return record
 
@@ -140,7 +140,7 @@ def parse_record(data: bytes, key: str) -> LeaseRecord:
 def read_record(store: ObjectStore, key: str) -> LeaseRecord | None:
     """The record at ``key``, or None when there is none."""
     try:
-        data = store.get(key)
+        data = store.get(key, limit=MAX_RECORD_BYTES)
     except ObjectNotFoundError:
         return None
     return parse_record(data, key)
@@ -411,7 +411,7 @@ def scan_leases(store: ObjectStore, now: float | None = None, folder: str = LEAS
     for key in sorted(store.list(folder)):
         try:
             record = read_record(store, key)
-        except ManifestValidationError:
+        except (ManifestValidationError, ObjectRefusedError):  # not a record casnap wrote
             malformed.append(key)
             continue
         if record is None:

@@ -29,6 +29,8 @@ from casnap.errors import (
 )
 from casnap.format.manifest import (
     FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    MAX_RECORD_BYTES,
     Manifest,
     Ref,
     RepoConfig,
@@ -96,7 +98,7 @@ class RepoStorage:
     def open(cls, url: str, storage_options: dict[str, Any] | None = None) -> RepoStorage:
         root = open_store(as_path(url, "url"), _options(storage_options))
         try:
-            data = root.get(f"{META}/{CONFIG_KEY}")
+            data = root.get(f"{META}/{CONFIG_KEY}", limit=MAX_RECORD_BYTES)
         except ObjectNotFoundError as exc:
             raise RepositoryNotFoundError(f"no casnap repository at {url!r}") from exc
         return cls._make(root, parse_config(data))
@@ -122,7 +124,7 @@ class RepoStorage:
         """
         key = f"{META}/{CONFIG_KEY}"
         try:
-            return cls._make(root, parse_config(root.get(key)))
+            return cls._make(root, parse_config(root.get(key, limit=MAX_RECORD_BYTES)))
         except ObjectNotFoundError:
             pass
         config = RepoConfig(
@@ -134,7 +136,7 @@ class RepoStorage:
         try:
             root.put(key, canonical_json(config.model_dump(mode="json")), create_only=True)
         except ObjectExistsError:
-            config = parse_config(root.get(key))
+            config = parse_config(root.get(key, limit=MAX_RECORD_BYTES))
         return cls._make(root, config)
 
     @staticmethod
@@ -156,7 +158,7 @@ class RepoStorage:
     def read_manifest(self, name: str) -> Manifest:
         check_hash(name, "manifest name")
         try:
-            data = self.store.get(manifest_key(name))
+            data = self.store.get(manifest_key(name), limit=MAX_MANIFEST_BYTES)
         except ObjectNotFoundError as exc:
             raise SnapshotNotFoundError(f"manifest {name} is missing from {self.url}") from exc
         return parse_manifest(data, name)
@@ -186,7 +188,7 @@ class RepoStorage:
 
     def read_ref(self, name: str) -> Ref:
         try:
-            data = self.store.get(ref_key(name))
+            data = self.store.get(ref_key(name), limit=MAX_RECORD_BYTES)
         except ObjectNotFoundError as exc:
             raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name) from exc
         return parse_ref(data, name)

@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,13 +36,13 @@ from casnap.errors import (
     SnapshotNotFoundError,
     expect_type,
 )
-from casnap.format.manifest import HashStr, canonical_json
+from casnap.format.manifest import MAX_RECORD_BYTES, HashStr, canonical_json, load_json
 from casnap.format.names import check_ref_name
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, manifest_key, now_iso
 
 TAGS = "tags"
-MAX_TAG_BYTES = 64 * 1024  # a tag file is tiny; anything larger is not one of ours
+MAX_TAG_BYTES = MAX_RECORD_BYTES  # a tag file is tiny; anything larger is not one of ours
 
 
 def tag_key(tag: str) -> str:
@@ -75,10 +74,9 @@ def _parse_tag(tag: str, data: bytes) -> TagInfo:
     what = f"tag {tag!r}"
     if len(data) > MAX_TAG_BYTES:
         raise ManifestValidationError(f"{what} is larger than {MAX_TAG_BYTES} bytes", tag)
+    raw = load_json(data, what)
     try:
-        record = _TagRecord.model_validate(json.loads(data))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ManifestValidationError(f"{what}: not valid JSON: {exc}", tag) from exc
+        record = _TagRecord.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -124,7 +122,7 @@ def read_tag(repo: RepoStorage, tag: str) -> TagInfo:
     expect_type(repo, RepoStorage, "repo", "a casnap repository")
     key = tag_key(tag)
     try:
-        data = repo.store.get(key)
+        data = repo.store.get(key, limit=MAX_TAG_BYTES)
     except ObjectNotFoundError as exc:
         raise ObjectNotFoundError(f"no tag {tag!r} in {repo.url}", key) from exc
     return _parse_tag(tag, data)
@@ -154,7 +152,7 @@ def list_tags(repo: RepoStorage) -> dict[str, TagInfo]:
     for key in sorted(repo.store.list(TAGS)):
         tag = key[len(TAGS) + 1 :]
         try:
-            data = repo.store.get(key)
+            data = repo.store.get(key, limit=MAX_TAG_BYTES)
         except ObjectNotFoundError:
             continue  # removed while listing
         out[tag] = _parse_tag(check_ref_name(tag), data)

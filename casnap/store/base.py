@@ -26,6 +26,15 @@ which a third-party backend can run too):
 - ``put(..., create_only=True)`` raises :class:`ObjectExistsError` when the
   key exists. ``Capabilities.atomic_create`` says whether that check is atomic
   against other processes (local directory, GCS) or only within this process.
+- ``get(key, limit=n)`` of an object larger than ``n`` bytes raises
+  :class:`ObjectRefusedError` without reading more than ``n + 1`` bytes of it
+  (a backend that can tell the size first refuses before reading any), so a
+  small record can never fill memory. Without ``limit`` the whole object is read.
+- Only regular objects are read: where a backend can hold something else at a
+  key (a local directory: a FIFO, a device, a socket, a symbolic link),
+  ``get``, ``get_range`` and ``read_into`` raise :class:`ObjectRefusedError`
+  at once, without blocking or following it. ``exists`` is true for it (the
+  key is taken), so a reader goes on to read it and is told what is wrong.
 - ``get``/``get_range`` of a missing key raise :class:`ObjectNotFoundError`.
   A key that is only a folder of other keys (``a`` when ``a/b`` exists) is
   missing. ``get_range`` past the end returns the bytes there are, maybe none.
@@ -39,7 +48,8 @@ which a third-party backend can run too):
 - Invalid keys raise :class:`InvalidNameError` before any I/O.
 - A failure is a :class:`StoreError` whose ``transient`` flag says whether the
   same call may succeed if repeated (a timeout, a dropped connection, HTTP
-  429/5xx) or will fail the same way (permissions, a full disk, a bad key).
+  429/5xx) or will fail the same way (permissions, a full disk, a bad key,
+  a refused object).
   :class:`~casnap.store.retry.RetryingStore` retries the transient ones.
 """
 
@@ -51,7 +61,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from casnap.errors import InvalidNameError, StoreError
+from casnap.errors import InvalidNameError, ObjectRefusedError, StoreError
 
 Buffer = bytes | bytearray | memoryview
 Data = Buffer | Sequence[Buffer]
@@ -73,6 +83,16 @@ def as_parts(data: Data) -> list[Buffer]:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return [data]
     return list(data)
+
+
+def check_limit(key: str, size: int, limit: int | None) -> None:
+    """Refuse an object of (at least) ``size`` bytes read with ``limit`` (see ``get``)."""
+    if limit is not None and size > limit:
+        raise ObjectRefusedError(
+            f"object {key!r} is larger than the {limit} bytes allowed for what it holds; "
+            "it is not one of casnap's, or it is damaged",
+            key,
+        )
 
 
 def join_parts(data: Data) -> bytes:
@@ -106,8 +126,8 @@ class ObjectStore(ABC):
     capabilities: Capabilities
 
     @abstractmethod
-    def get(self, key: str) -> bytes:
-        """The whole object."""
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        """The whole object; :class:`ObjectRefusedError` if it is larger than ``limit`` bytes."""
 
     @abstractmethod
     def get_range(self, key: str, start: int, end: int) -> bytes:
@@ -199,9 +219,9 @@ class PrefixStore(ObjectStore):
                 exc.key = exc.key[len(self.prefix) + 1 :]
             raise
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
         with self._as_seen(key):
-            return self.inner.get(self._k(key))
+            return self.inner.get(self._k(key), limit=limit)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         with self._as_seen(key):

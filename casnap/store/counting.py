@@ -41,10 +41,10 @@ class CountingStore(ObjectStore):
             if op in ("get", "get_range") and key is not None:
                 self.read_keys.append(key)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
         data = b""
         try:
-            data = self.inner.get(key)
+            data = self.inner.get(key, limit=limit)
             return data
         finally:  # a failed read (a probe of a missing object) is a request too
             self._count("get", read=len(data), key=key)

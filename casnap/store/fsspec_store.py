@@ -11,8 +11,16 @@ from typing import Any
 
 import fsspec
 
-from casnap.errors import ObjectExistsError, ObjectNotFoundError, StoreError
-from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, check_key, join_parts
+from casnap.errors import ObjectExistsError, ObjectNotFoundError, ObjectRefusedError, StoreError
+from casnap.store.base import (
+    Capabilities,
+    Data,
+    ObjectInfo,
+    ObjectStore,
+    check_key,
+    check_limit,
+    join_parts,
+)
 
 # Protocols whose create-only write is a server-side precondition (atomic
 # across processes). For the rest, create-only is check-then-write, made atomic
@@ -20,6 +28,10 @@ from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, check
 # (fsspec hands every store of one protocol and options the same instance).
 _ATOMIC_CREATE = {"gs", "gcs"}
 _CREATE_LOCK_ATTR = "_casnap_create_lock"
+
+# Protocols whose paths are local files, where a key may hold a FIFO, a device
+# or a symbolic link (an object store holds only objects).
+_LOCAL_PROTOCOLS = {"file", "local"}
 
 _RANGE_NOT_SATISFIABLE = 416
 # HTTP statuses a repeat of the request may not meet: timeout, throttling, server trouble.
@@ -78,8 +90,15 @@ class FsspecStore(ObjectStore):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}" if self.root else check_key(key)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
         path = self._path(key)  # outside the try: an invalid key is not a store failure
+        if limit is not None:
+            # One ranged read of at most limit + 1 bytes: the same single request,
+            # and an oversized object never fills memory.
+            data = self.get_range(key, 0, limit + 1)
+            check_limit(key, len(data), limit)
+            return data
+        self._check_local(path, key)
         try:
             return bytes(self.fs.cat_file(path))
         except Exception as exc:
@@ -89,6 +108,7 @@ class FsspecStore(ObjectStore):
         path = self._path(key)
         if start < 0 or end < start:
             raise ValueError(f"bad range [{start}, {end}) for {key}")
+        self._check_local(path, key)
         if end == start:
             if not self._is_object(path, key):
                 raise ObjectNotFoundError(f"object {key!r} not found", key)
@@ -101,6 +121,25 @@ class FsspecStore(ObjectStore):
             if getattr(exc, "code", None) == _RANGE_NOT_SATISFIABLE and self._is_object(path, key):
                 return b""
             raise _translate(exc, key) from exc
+
+    def _check_local(self, path: str, key: str) -> None:
+        """On a local filesystem, refuse what is not a regular file before opening it."""
+        if self.protocol not in _LOCAL_PROTOCOLS:
+            return
+        try:
+            info = self.fs.info(path)
+        except Exception as exc:
+            raise _translate(exc, key) from exc
+        if info.get("islink"):
+            raise ObjectRefusedError(
+                f"object {key!r} is a symbolic link; casnap reads only regular files", key
+            )
+        if info.get("type") == "directory":
+            raise ObjectNotFoundError(f"object {key!r} not found", key)
+        if info.get("type") != "file":
+            raise ObjectRefusedError(
+                f"object {key!r} is not a regular file; casnap reads only regular files", key
+            )
 
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         # An object store's put is durable when it returns; ``durable`` changes nothing.
@@ -130,6 +169,8 @@ class FsspecStore(ObjectStore):
             return False
         except Exception as exc:
             raise _translate(exc, key) from exc
+        if self.protocol in _LOCAL_PROTOCOLS:  # a FIFO or a link occupies the key too
+            return bool(info.get("type") != "directory")
         return bool(info.get("type") == "file")
 
     def list(self, prefix: str = "") -> Iterator[str]:

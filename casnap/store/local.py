@@ -10,8 +10,22 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 
-from casnap.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
-from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, as_parts, check_key
+from casnap.errors import (
+    InvalidNameError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectRefusedError,
+    StoreError,
+)
+from casnap.store.base import (
+    Capabilities,
+    Data,
+    ObjectInfo,
+    ObjectStore,
+    as_parts,
+    check_key,
+    check_limit,
+)
 
 # "~" is outside the key alphabet (see check_key), so no key can look like a
 # temp file and list can skip temp files without hiding a real object.
@@ -21,10 +35,22 @@ _NOT_AN_OBJECT = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
 # Errors a repeat of the same call may not meet (an interrupted call, a busy
 # or timed-out network file system); a full disk or a permission is permanent.
 _TRANSIENT = (errno.EINTR, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE)
+# Opening an object never follows a symbolic link (the last path segment) and
+# never blocks: a FIFO opens at once and is then refused by its type.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+# What opening a symbolic link (O_NOFOLLOW), a socket or a dead device answers.
+_REFUSED_OPEN = (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP)
+_READ_STEP = 1 << 20  # bytes per read() of a limited get
 
 
 class LocalStore(ObjectStore):
     """Objects are files below ``root``; every put is durable before it returns.
+
+    Only regular files are objects. A read opens the key's file without
+    following a symbolic link and without blocking, then checks on the open
+    descriptor that it is a regular file: a FIFO, a device, a socket or a
+    symbolic link at a key raises :class:`ObjectRefusedError` (folders on the
+    way may be links, like the repository root itself often is).
 
     A put writes ``<key>~tmp-<random>``, fsyncs it, then renames it into place
     (``os.link`` for create-only, which fails atomically if the key exists) and
@@ -61,18 +87,55 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
 
-    def get(self, key: str) -> bytes:
+    def _open(self, key: str) -> tuple[int, int]:
+        """A read-only descriptor of the regular file at ``key``, and its size."""
+        path = self._path(key)
         try:
-            with open(self._path(key), "rb") as fh:
-                return fh.read()
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
+            if exc.errno in _REFUSED_OPEN:
+                _refuse_special(path, key, exc)
             raise _translate(exc, key) from exc
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise ObjectNotFoundError(f"object {key!r} not found", key)  # a folder of keys
+            if not stat.S_ISREG(st.st_mode):
+                raise _refused(key, st.st_mode)
+        except OSError as exc:
+            os.close(fd)
+            if isinstance(exc, StoreError):
+                raise
+            raise _translate(exc, key) from exc
+        return fd, st.st_size
+
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        fd, size = self._open(key)
+        try:
+            check_limit(key, size, limit)  # before reading a byte
+            if limit is None:
+                with open(fd, "rb", closefd=False) as fh:
+                    return fh.read()
+            # The size was checked; reading at most limit + 1 bytes also stops
+            # a file that grows meanwhile from filling memory.
+            parts, total = [], 0
+            while total <= limit:
+                part = os.read(fd, min(_READ_STEP, limit + 1 - total))
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+            check_limit(key, total, limit)
+            return b"".join(parts)
+        except OSError as exc:
+            if isinstance(exc, StoreError):
+                raise
+            raise _translate(exc, key) from exc
+        finally:
+            os.close(fd)
 
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except OSError as exc:
-            raise _translate(exc, key) from exc
+        fd, _size = self._open(key)
         try:
             total, want = 0, sum(len(b) for b in buffers)
             views = list(buffers)
@@ -91,12 +154,24 @@ class LocalStore(ObjectStore):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         if start < 0 or end < start:
             raise ValueError(f"bad range [{start}, {end}) for {key}")
+        fd, size = self._open(key)
         try:
-            with open(self._path(key), "rb") as fh:
-                fh.seek(start)
-                return fh.read(end - start)
+            # Never more than the file holds: a range read from a hostile
+            # manifest must not allocate what the file does not have.
+            want = max(0, min(end, size) - start)
+            parts, pos = [], start
+            while want > 0:
+                part = os.pread(fd, min(want, 1 << 30), pos)
+                if not part:
+                    break
+                parts.append(part)
+                pos += len(part)
+                want -= len(part)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
         except OSError as exc:
             raise _translate(exc, key) from exc
+        finally:
+            os.close(fd)
 
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         path = self._path(key)
@@ -136,8 +211,10 @@ class LocalStore(ObjectStore):
 
     def exists(self, key: str) -> bool:
         # Not os.path.isfile: it reads every error (EACCES, EIO) as "missing".
+        # Anything but a folder occupies the key (a FIFO, a link: lstat, never
+        # followed), so that a reader goes on to read it and is told what is wrong.
         try:
-            return stat.S_ISREG(os.stat(self._path(key)).st_mode)
+            return not stat.S_ISDIR(os.lstat(self._path(key)).st_mode)
         except OSError as exc:
             if exc.errno in _NOT_AN_OBJECT:
                 return False
@@ -156,7 +233,7 @@ class LocalStore(ObjectStore):
     def _infos(self, prefix: str, *, temporary: bool) -> Iterator[ObjectInfo]:
         for key, path in self._walk(prefix, temporary=temporary):
             try:
-                st = os.stat(path)
+                st = os.lstat(path)  # the entry itself: never follow a link out of the root
             except FileNotFoundError:
                 continue  # deleted (or renamed into place) while listing
             except OSError as exc:
@@ -230,6 +307,32 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
         out.append(v[n:])
         n = 0
     return out
+
+
+def _refused(key: str, mode: int) -> ObjectRefusedError:
+    if stat.S_ISLNK(mode):
+        what = "a symbolic link"
+    elif stat.S_ISFIFO(mode):
+        what = "a FIFO"
+    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        what = "a device"
+    elif stat.S_ISSOCK(mode):
+        what = "a socket"
+    else:
+        what = "a special file"
+    return ObjectRefusedError(
+        f"object {key!r} is {what}, not a regular file; casnap reads only regular files", key
+    )
+
+
+def _refuse_special(path: str, key: str, exc: OSError) -> None:
+    """Raise ObjectRefusedError if ``open`` failed because ``path`` is not a regular file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise _refused(key, mode) from exc
 
 
 def _walk_error(exc: OSError) -> None:

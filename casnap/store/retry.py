@@ -4,8 +4,8 @@
 
 - Only failures the backend marks transient (``StoreError.transient``: a
   timeout, a dropped connection, HTTP 408/429/5xx) are retried. Everything
-  else (a missing or existing object, a bad key, a permission, a full disk) is
-  raised at once, unchanged.
+  else (a missing or existing object, a bad key, a permission, a full disk, an
+  object refused for its type or size) is raised at once, unchanged.
 - A call is tried at most ``1 + retries`` times. Before retry *n* (1-based) the
   wrapper sleeps a random time in ``[0, min(max_delay, delay * 2**(n-1))]``
   ("full jitter", so many clients do not retry in step). When the bound is
@@ -98,8 +98,8 @@ class RetryingStore(ObjectStore):
                           what, key, exc, retry, pause)  # fmt: skip
                 self._sleep(pause)
 
-    def get(self, key: str) -> bytes:
-        return self._call("get", key, lambda: self.inner.get(key))
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        return self._call("get", key, lambda: self.inner.get(key, limit=limit))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self._call("get", key, lambda: self.inner.get_range(key, start, end))

@@ -33,7 +33,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from casnap.errors import InvalidNameError, ObjectExistsError, ObjectNotFoundError, StoreError
+from casnap.errors import (
+    IntegrityError,
+    InvalidNameError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectRefusedError,
+    StoreError,
+)
 from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, as_parts
 
 UNSAFE_KEYS = [
@@ -145,6 +152,46 @@ class StoreConformance:
         assert store.get("big") == data
         mid = LARGE // 2
         assert store.get_range("big", mid - 5, mid + (1 << 20)) == data[mid - 5 : mid + (1 << 20)]
+
+    # -- get with a limit ----------------------------------------------------
+
+    def test_get_within_limit(self, store: ObjectStore) -> None:
+        store.put("small", b"0123456789")
+        store.put("empty", b"")
+        assert store.get("small", limit=10) == b"0123456789"
+        assert store.get("small", limit=1 << 20) == b"0123456789"
+        assert store.get("empty", limit=0) == b""
+        assert store.get("empty", limit=5) == b""
+
+    def test_get_over_limit_is_refused(self, store: ObjectStore) -> None:
+        store.put("record", b"x" * 100)
+        for limit in (0, 1, 99):
+            with pytest.raises(ObjectRefusedError) as info:
+                store.get("record", limit=limit)
+            err = info.value
+            assert isinstance(err, StoreError) and isinstance(err, IntegrityError)
+            assert not err.transient  # repeating the read cannot help
+            assert err.key == "record"
+            assert "record" in str(err) and str(limit) in str(err)
+        assert store.get("record") == b"x" * 100  # no limit: the whole object
+
+    def test_get_large_object_with_limit(self, store: ObjectStore) -> None:
+        data = os.urandom(LARGE)
+        store.put("big", data)
+        assert store.get("big", limit=LARGE) == data
+        with pytest.raises(ObjectRefusedError):
+            store.get("big", limit=LARGE - 1)
+        with pytest.raises(ObjectRefusedError):
+            store.get("big", limit=64 << 10)
+
+    def test_get_missing_with_limit(self, store: ObjectStore) -> None:
+        store.put("dir/obj", b"x")
+        with pytest.raises(ObjectNotFoundError):
+            store.get("nope", limit=10)
+        with pytest.raises(ObjectNotFoundError):
+            store.get("dir", limit=10)
+        with pytest.raises(InvalidNameError):
+            store.get("../x", limit=10)
 
     # -- get_range -----------------------------------------------------------
 
@@ -482,8 +529,9 @@ class FaultyStore(ObjectStore):
             raise StoreError(f"injected lost response of {op} ({key!r})", key, transient=True)
         return result
 
-    def get(self, key: str) -> bytes:
-        return self._run("get", key, lambda: self.inner.get(key))  # type: ignore[return-value]
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        call = lambda: self.inner.get(key, limit=limit)  # noqa: E731
+        return self._run("get", key, call)  # type: ignore[return-value]
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         call = lambda: self.inner.get_range(key, start, end)  # noqa: E731
