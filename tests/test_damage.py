@@ -53,14 +53,19 @@ def take_here(repo: Path, name: str, **kw) -> Snapshot:
                          storage_options={"chunk_size": CHUNK}, **kw)  # fmt: skip
 
 
-def take_in_new_process(repo: Path, name: str, parents: list[str] | None = None) -> None:
-    """A fresh process takes the intact live state (same CASNAP_INDEX_DIR: a real machine)."""
+def take_in_new_process(
+    repo: Path, name: str, parents: list[str] | None = None, index_dir: Path | None = None
+) -> None:
+    """A fresh process takes the intact live state (same CASNAP_INDEX_DIR: a real machine;
+    ``index_dir``: another machine, whose index never saw this repository)."""
     code = STATE_SRC + textwrap.dedent(f"""
         from casnap import Snapshot
         Snapshot.take({snap_path(repo, name)!r}, live_state(),
                       storage_options={{"chunk_size": {CHUNK}}}, parents={parents!r})
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if index_dir is not None:
+        env["CASNAP_INDEX_DIR"] = str(index_dir)
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
@@ -134,6 +139,24 @@ def test_packed_chunk_found_by_verify_is_written_anew_by_the_next_take(tmp_path)
     # verify keeps reporting the old snapshot, and only it, while it references the frame
     again = corrupt_chunks(Repository(str(repo)).verify(read_data=True))
     assert [p.snapshots for p in again] == [("s1",)]
+
+
+def test_a_take_that_packs_the_same_chunks_again_replaces_the_damaged_pack(tmp_path):
+    # Found by benchmarks/stress.py: a machine whose index never saw the pack
+    # packs the same small chunks in the same order, which makes the same pack
+    # bytes and so the same pack name; the damaged file must not be kept.
+    repo = tmp_path / "repo"
+    s1 = take_here(repo, "s1")
+    h, pack = damage_packed(repo, s1)
+    assert len(corrupt_chunks(Repository(str(repo)).verify(read_data=True))) == 1
+
+    take_in_new_process(repo, "s2", index_dir=tmp_path / "other-machine-index")
+
+    assert Snapshot(snap_path(repo, "s2")).get_manifest()["0/m/b"].chunks[0].pack == pack
+    assert restores_bit_exact(repo, "s2")
+    assert restores_bit_exact(repo, "s1")  # same pack name, good bytes again: s1 heals
+    assert Repository(str(repo)).verify(read_data=True).ok
+    assert list_damage(Repository(str(repo))) == []
 
 
 def test_packed_chunk_is_not_reused_through_a_parent_manifest(tmp_path):

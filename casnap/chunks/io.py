@@ -295,11 +295,19 @@ class ChunkWriter:
         parts: list[Buffer] = [b for frame in pack.frames for b in frame]
         blob = b"".join(parts)
         pid = hash_bytes(blob)
+        # The same small chunks packed in the same order make the same pack: if a
+        # read recorded a frame of it damaged, the stored copy is replaced, not kept.
+        heal = self.damaged.in_pack(pid) if pid in self.damaged.packs else []
         try:
-            try:
-                self.repo.store.put(pack_key(pid), blob, create_only=True, durable=False)
-            except ObjectExistsError:
-                pass  # identical pack already durable
+            if heal:
+                self.repo.store.put(pack_key(pid), blob, durable=False)  # replaces atomically
+                self.repo.store.flush()  # durable before its damage records go
+                clear_damage(self.repo, heal)
+            else:
+                try:
+                    self.repo.store.put(pack_key(pid), blob, create_only=True, durable=False)
+                except ObjectExistsError:
+                    pass  # identical pack already durable
             with self._lock:
                 self.stats.objects_written += 1
                 self.stats.stored_bytes_written += len(blob)

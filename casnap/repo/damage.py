@@ -59,6 +59,7 @@ class DamageSet:
     def __init__(self, copies: Iterable[DamagedCopy] = ()) -> None:
         self._copies = frozenset(copies)
         self.chunks = frozenset(c.chunk for c in self._copies)
+        self.packs = frozenset(c.pack for c in self._copies if c.pack is not None)
 
     def __contains__(self, item: object) -> bool:
         """Whether ``item`` (a :class:`ChunkRef` or :class:`DamagedCopy`) names a damaged copy."""
@@ -73,6 +74,10 @@ class DamageSet:
 
     def __len__(self) -> int:
         return len(self._copies)
+
+    def in_pack(self, pack: str) -> list[DamagedCopy]:
+        """The recorded damaged frames of pack ``pack``."""
+        return sorted(c for c in self._copies if c.pack == pack)
 
 
 def list_damage(repo: RepoStorage) -> list[DamagedCopy]:
