@@ -9,11 +9,15 @@ snapshot using the object is restored again: each must raise
 ``IntegrityError`` or be bit-exact; data that differs without an error is
 "silently wrong". Every few cases a NEW process takes the intact state again
 into the damaged repository and the new snapshots must restore bit-exact
-(damage is contained: #10 point 1).
+(damage is contained: #10 point 1): alternately with the local index of the
+machine that took the snapshots and found the damage (the same machine) and
+with an index of its own, built from the repository after the damage was
+recorded (another machine, or the same one after its index was deleted).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from collections import Counter
@@ -155,22 +159,36 @@ def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
     ctx = fast_children()
     limit = Deadline(flips, seconds)
     fig: dict[str, Any] = {"injected": 0, "by_kind": Counter(), "by_object": Counter(),
-                           "first_read": Counter(), "after": Counter(), "containment_checks": 0,
-                           "containment_failed": [], "silently_wrong": [], "wrong_errors": [],
+                           "first_read": Counter(), "after": Counter(), "containment_checks_same": 0,
+                           "containment_failed_same": [], "containment_checks_other": 0,
+                           "containment_failed_other": [], "silently_wrong": [], "wrong_errors": [],
                            "objects": len(objects)}  # fmt: skip
     while limit.more():
         case = limit.done
         limit.done += 1
         obj = rng.choice(objects)
         kind, method = rng.choice(KINDS), rng.choice(METHODS)
-        folder = workdir / f"case{case % 4}"
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.copytree(pristine, folder / "repo")
+        # A new folder, and so a new index, per case: an index this process still holds open
+        # must never describe another case's repository (the copies share one repo id).
+        folder = workdir / f"case{case}"
+        contain = bool(containment_every) and case % containment_every == 0
+        # Containment alternately on this machine (the index of the process that took the
+        # snapshots, from before the damage) and on another (an index of its own, built from
+        # the repository after the damage). An index is tied to its repository's path, so a
+        # copy of the pristine repository is "another machine" for the pristine index.
+        where = "same" if contain and (case // containment_every) % 2 == 0 else "other"
+        case_env = {**env, "CASNAP_INDEX_DIR": str(folder / "index")}
+        if where == "same":
+            with settings.override(index_dir=case_env["CASNAP_INDEX_DIR"]):
+                for name, state in expected.items():
+                    Snapshot.take(f"{folder / 'repo'}/{name}", app(state),
+                                  storage_options={"chunk_size": CHUNK})  # fmt: skip
+        else:
+            shutil.copytree(pristine, folder / "repo")
         what = damage(folder / "repo" / ".casnap" / obj, kind, rng)
         fig["injected"] += 1
         fig["by_kind"][kind] += 1
         fig["by_object"][obj.split("/")[0]] += 1
-        case_env = {**env, "CASNAP_INDEX_DIR": str(folder / "index")}
         with settings.override(index_dir=case_env["CASNAP_INDEX_DIR"]):
             repo = Repository(str(folder / "repo"))
             found = detect(method, repo, users[obj], expected, case_env)
@@ -182,8 +200,8 @@ def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
                 fig["silently_wrong"].append(label)
             if after.startswith("wrong-error") or found.startswith("wrong-error"):
                 fig["wrong_errors"].append(f"{label}: {found} / {after}")
-            if containment_every and case % containment_every == 0:
-                fig["containment_checks"] += 1
+            if contain:
+                fig[f"containment_checks_{where}"] += 1
                 proc = ctx.Process(target=fresh_takes, args=(repo.url, case_env))
                 proc.start()
                 proc.join(300)
@@ -195,7 +213,9 @@ def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
                     except Exception as exc:
                         bad.append(f"fresh_{name}: {type(exc).__name__}: {exc}")
                 if bad:
-                    fig["containment_failed"].append(f"{label}: {bad}")
+                    fig[f"containment_failed_{where}"].append(f"{label}: {bad}")
+        if not os.environ.get("STRESS_KEEP_CASES"):
+            shutil.rmtree(folder / "repo", ignore_errors=True)  # the open index stays until closed
     shutil.rmtree(pristine, ignore_errors=True)
     for key in ("by_kind", "by_object", "first_read", "after"):
         fig[key] = dict(sorted(fig[key].items()))
@@ -210,5 +230,7 @@ def invariants(fig: dict[str, Any]) -> dict[str, bool]:
     return {
         "nothing silently wrong": not fig["silently_wrong"],
         "damage reported as IntegrityError": not fig["wrong_errors"],
-        "damage contained (fresh takes restore)": not fig["containment_failed"],
+        "damage contained: a new process on the same machine": not fig["containment_failed_same"],
+        "damage contained: a new process on another machine (own index)":
+            not fig["containment_failed_other"],
     }

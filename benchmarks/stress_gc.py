@@ -76,8 +76,8 @@ def run(workdir: Path, seconds: float, seed: int, env: dict[str, str]) -> dict[s
                            "gc_deleted_objects": 0, "gc_waited_for_takes": 0, "retain_runs": 0,
                            "retain_errors": []}  # fmt: skip
     retained_away: set[str] = set()
-    limit = Deadline(None, seconds)
-    while limit.more() or any(p.is_alive() for p in procs):
+    limit = Deadline(None, None)  # counts rounds; the takers stop themselves after `seconds`
+    while any(p.is_alive() for p in procs):
         rc, out = casnap_cli("gc", url, "--grace", "0", "--wait", "2s", env=env)
         if rc == 0 and isinstance(out, dict):
             fig["gc_runs"] += 1
