@@ -14,7 +14,7 @@ Five phases, each against real repositories in its own scratch folder:
 
 Usage::
 
-    python benchmarks/stress.py --quick                     # ~1 min: what tests/test_stress_quick.py runs
+    python benchmarks/stress.py --quick   # ~35 s: what tests/test_stress_quick.py runs
     python benchmarks/stress.py --kills 100 --flips 500 --gc-seconds 60 --fault-takes 50
     python benchmarks/stress.py --minutes 30 --json bench-out/stress.json
 
@@ -42,8 +42,13 @@ from stress_common import ROOT  # noqa: E402
 
 PRESETS = {
     "quick": {"kills": 6, "flips": 40, "fuzz_cases": 50, "gc_seconds": 10.0, "fault_takes": 10},
-    "default": {"kills": 100, "flips": 500, "fuzz_cases": 1000, "gc_seconds": 60.0,
-                "fault_takes": 50},  # fmt: skip
+    "default": {
+        "kills": 100,
+        "flips": 500,
+        "fuzz_cases": 1000,
+        "gc_seconds": 60.0,
+        "fault_takes": 50,
+    },  # fmt: skip
 }
 # Shares of --minutes per phase.
 SHARES = {"kills": 0.35, "flips": 0.15, "fuzz": 0.15, "gc": 0.20, "faults": 0.15}
@@ -107,8 +112,11 @@ def fuzz_invariants(fig: dict[str, Any]) -> dict[str, bool]:
     # fuzz_repo.py's own verdict where it gives one; else no figure named for a bad outcome.
     if "ok" in fig:
         return {"fuzz: every case a clear error or a correct read": bool(fig["ok"])}
-    bad = {k: v for k, v in fig.items()
-           if any(w in k for w in ("crash", "hang", "unexpected", "wrong", "fail")) and v}
+    bad = {
+        k: v
+        for k, v in fig.items()
+        if any(w in k for w in ("crash", "hang", "unexpected", "wrong", "fail")) and v
+    }
     return {f"fuzz: no {', '.join(bad) or 'crash, hang or unexpected outcome'}": not bad}
 
 
@@ -137,16 +145,21 @@ def run_phases(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                          "invariants": invariants(fig)}  # fmt: skip
 
     s = args.seed
-    phase("kills", lambda d: stress_kills.run(d, plan["kills"], plan["kills_limit"], s, env),
-          stress_kills.invariants)
+    phase(
+        "kills",
+        lambda d: stress_kills.run(d, plan["kills"], plan["kills_limit"], s, env),
+        stress_kills.invariants,
+    )
     phase("flips", lambda d: stress_flips.run(d, plan["flips"], plan["flips_limit"], s, env,
                                               containment_every=2 if args.quick else 5),
           stress_flips.invariants)  # fmt: skip
-    phase("fuzz", lambda d: run_fuzz(d, plan["fuzz_cases"], plan["fuzz_limit"], s),
-          fuzz_invariants)
+    phase("fuzz", lambda d: run_fuzz(d, plan["fuzz_cases"], plan["fuzz_limit"], s), fuzz_invariants)
     phase("gc", lambda d: stress_gc.run(d, plan["gc_seconds"], s, env), stress_gc.invariants)
-    phase("faults", lambda d: stress_faults.run(d, plan["fault_takes"], plan["faults_limit"], s),
-          stress_faults.invariants)
+    phase(
+        "faults",
+        lambda d: stress_faults.run(d, plan["fault_takes"], plan["faults_limit"], s),
+        stress_faults.invariants,
+    )
     return {"plan": plan, "seed": args.seed, "phases": results}
 
 
@@ -178,8 +191,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         f = ph["flips"]["figures"]
         rows += [
             ("flips: damage injected (bit flip / truncation / zeroed block)",
-             f"{f['injected']} ({f['by_kind'].get('bitflip', 0)} / {f['by_kind'].get('truncate', 0)}"
-             f" / {f['by_kind'].get('zero', 0)})"),
+             f"{f['injected']} ({f['by_kind'].get('bitflip', 0)} / "
+             f"{f['by_kind'].get('truncate', 0)} / {f['by_kind'].get('zero', 0)})"),
             ("flips: detected by the first read (restore, read_object, verify API/CLI)",
              str(f["detected_first_read"])),
             ("flips: harmless (no read used the damaged bytes)", str(f["harmless"])),
@@ -193,8 +206,16 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ]  # fmt: skip
     if "fuzz" in ph:
         f = ph["fuzz"]["figures"]
-        rows.append(("fuzz", f["skipped"] if "skipped" in f else ", ".join(
-            f"{k} {v}" for k, v in f.items() if isinstance(v, (int, float, str)))))
+        rows.append(
+            (
+                "fuzz",
+                f["skipped"]
+                if "skipped" in f
+                else ", ".join(
+                    f"{k} {v}" for k, v in f.items() if isinstance(v, (int, float, str))
+                ),
+            )
+        )
     if "gc" in ph:
         f = ph["gc"]["figures"]
         rows += [
@@ -227,7 +248,9 @@ def render(report: dict[str, Any]) -> str:
         for inv, ok in result["invariants"].items():
             lines.append(f"| {name} | {result['seconds']} | {inv} | {'yes' if ok else 'NO'} |")
         if not result["invariants"]:
-            lines.append(f"| {name} | {result['seconds']} | - | {result['figures'].get('skipped')} |")
+            lines.append(
+                f"| {name} | {result['seconds']} | - | {result['figures'].get('skipped')} |"
+            )
     return "\n".join(lines)
 
 

@@ -65,7 +65,7 @@ def app(state: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def restored_sums(repo: Any, name: str, shape_of: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Restore ``name`` into fresh targets and return their checksums (raises what restore raises)."""
+    """Restore ``name`` into fresh targets and return their checksums (raises as restore does)."""
     from casnap import Snapshot
 
     out = template(shape_of)
@@ -98,7 +98,9 @@ def read_sidecar(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def casnap_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, Any]:
+def casnap_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> tuple[int, Any]:
     """Run ``casnap ARGS --json`` as a user would; (exit code, parsed JSON or the text)."""
     code = "import sys; from casnap.cli import main; sys.exit(main())"
     full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}

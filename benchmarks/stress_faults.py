@@ -86,8 +86,8 @@ def invariants(fig: dict[str, Any]) -> dict[str, bool]:
     w, wo = fig["with_retries"], fig["without_retries"]
     return {
         "with retries every take succeeds": w["succeeded"] == w["takes"] > 0,
-        "with retries every snapshot restores through the faults":
-            w["restored_through_faults"] == w["takes"],
+        "with retries every snapshot restores through the faults": w["restored_through_faults"]
+        == w["takes"],
         "every listed snapshot restores (both)": not w["listed_not_restoring"]
         and not wo["listed_not_restoring"],
         "faults were real (control fails takes)": wo["succeeded"] < wo["takes"]

@@ -17,7 +17,6 @@ recorded (another machine, or the same one after its index was deleted).
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from collections import Counter
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from stress_common import (
     CHUNK,
     Deadline,
@@ -159,13 +157,14 @@ def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
     ctx = fast_children()
     limit = Deadline(flips, seconds)
     fig: dict[str, Any] = {"injected": 0, "by_kind": Counter(), "by_object": Counter(),
-                           "first_read": Counter(), "after": Counter(), "containment_checks_same": 0,
-                           "containment_failed_same": [], "containment_checks_other": 0,
-                           "containment_failed_other": [], "silently_wrong": [], "wrong_errors": [],
-                           "objects": len(objects)}  # fmt: skip
+                           "first_read": Counter(), "after": Counter(), "silently_wrong": [],
+                           "wrong_errors": [], "objects": len(objects)}  # fmt: skip
+    for where in ("same", "other"):
+        fig[f"containment_checks_{where}"], fig[f"containment_failed_{where}"] = 0, []
     while limit.more():
         case = limit.done
         limit.done += 1
+        failures_before = _failures(fig)
         obj = rng.choice(objects)
         kind, method = rng.choice(KINDS), rng.choice(METHODS)
         # A new folder, and so a new index, per case: an index this process still holds open
@@ -214,8 +213,8 @@ def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
                         bad.append(f"fresh_{name}: {type(exc).__name__}: {exc}")
                 if bad:
                     fig[f"containment_failed_{where}"].append(f"{label}: {bad}")
-        if not os.environ.get("STRESS_KEEP_CASES"):
-            shutil.rmtree(folder / "repo", ignore_errors=True)  # the open index stays until closed
+        if _failures(fig) == failures_before:
+            shutil.rmtree(folder, ignore_errors=True)  # a failing case stays for --keep
     shutil.rmtree(pristine, ignore_errors=True)
     for key in ("by_kind", "by_object", "first_read", "after"):
         fig[key] = dict(sorted(fig[key].items()))
@@ -226,11 +225,17 @@ def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
     return fig
 
 
+def _failures(fig: dict[str, Any]) -> int:
+    keys = ("silently_wrong", "wrong_errors", "containment_failed_same", "containment_failed_other")
+    return sum(len(fig[k]) for k in keys)
+
+
 def invariants(fig: dict[str, Any]) -> dict[str, bool]:
     return {
         "nothing silently wrong": not fig["silently_wrong"],
         "damage reported as IntegrityError": not fig["wrong_errors"],
         "damage contained: a new process on the same machine": not fig["containment_failed_same"],
-        "damage contained: a new process on another machine (own index)":
-            not fig["containment_failed_other"],
+        "damage contained: a new process on another machine (own index)": not fig[
+            "containment_failed_other"
+        ],
     }

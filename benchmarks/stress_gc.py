@@ -1,4 +1,4 @@
-"""Phase "gc": deduplicating takes in two processes beside `casnap gc --grace 0` and `casnap retain`.
+"""Phase "gc": deduplicating takes in two processes beside `casnap gc --grace 0` and `retain`.
 
 The scenario of tests/test_gc_stress.py (its states, checksums and checks are
 imported from there), run for a time instead of a number of rounds, with the

@@ -29,6 +29,7 @@ from stress_common import (
     Sidecar,
     app,
     casnap_cli,
+    checksums,
     enter_child,
     fast_children,
     model_state,
@@ -59,7 +60,7 @@ def child(url: str, k: int, mode: str, sidecar: str, env: dict[str, str]) -> Non
     for step in range(10**6):
         train_step(state, k * 10_000 + step)
         name = step_format(k).format(step=step)
-        log.write(ev="intent", name=name, sums=_sums(state))
+        log.write(ev="intent", name=name, sums=checksums(state))
         retired: list[str] = []
         if mode == "take":
             Snapshot.take(f"{url}/{name}", app(state), storage_options=opts, session=session)
@@ -77,12 +78,6 @@ def child(url: str, k: int, mode: str, sidecar: str, env: dict[str, str]) -> Non
             if ckpt.last_retention is not None:
                 retired = list(ckpt.last_retention.deleted)
         log.write(ev="commit", name=name, retired=retired)
-
-
-def _sums(state: Any) -> dict[str, str]:
-    from stress_common import checksums
-
-    return checksums(state)
 
 
 def step_format(k: int) -> str:
@@ -191,8 +186,11 @@ def run(workdir: Path, kills: int | None, seconds: float | None, seed: int,
     fig["leftovers_before_gc"] = leftovers(url, env)
     fig["temp_files_before_gc"] = temp_files_by_folder(url)
     rc, out = casnap_cli("gc", url, "--grace", "0", "--wait", "60s", env=env)
-    fig["final_gc"] = ({k: v for k, v in out.items() if k != "plan"} if rc == 0 and isinstance(out, dict)
-                       else {"error": str(out)[-300:]})
+    fig["final_gc"] = (
+        {k: v for k, v in out.items() if k != "plan"}
+        if rc == 0 and isinstance(out, dict)
+        else {"error": str(out)[-300:]}
+    )
     fig["leftovers_after_gc"] = leftovers(url, env)
     fig["temp_files_after_gc"] = temp_files_by_folder(url)
     # gc keeps temp files in leases/ for 10 minutes (a take may be writing its lease now):
@@ -217,10 +215,12 @@ def invariants(fig: dict[str, Any]) -> dict[str, bool]:
     after10 = fig["leftovers_after_10min_gc"]
     return {
         "no snapshot lost": not fig["lost"] and not fig["lost_after_gc"],
-        "every listed ref restores exactly": not (fig["broken"] or fig["wrong"] or fig["unknown"]
-                                                  or fig["broken_after_gc"]),
+        "every listed ref restores exactly": not (
+            fig["broken"] or fig["wrong"] or fig["unknown"] or fig["broken_after_gc"]
+        ),
         "gc removes leftovers (leases/ after 10 min)": after10.get("temp_files") == 0
-        and after10.get("expired_leases") == 0 and after.get("expired_leases") == 0
+        and after10.get("expired_leases") == 0
+        and after.get("expired_leases") == 0
         and set(fig["temp_files_after_gc"]) <= {"leases"},
         "verify --read-data clean": fig["verify_read_data_exit"] == 0,
         "gc never failed": not fig["gc_failures"],
