@@ -39,16 +39,11 @@ def quick(tmp_path_factory) -> dict:
     return report
 
 
-# Pinned by the strict xfail at the end; which cases meet it depends on the order
-# in which a take's threads pack small chunks, so the quick run may or may not.
-KNOWN_GAP = "flips: damage contained: a new process on another machine (own index)"
-
-
 @pytest.mark.slow
 def test_every_invariant_holds_and_the_exit_code_says_so(quick):
     failed = [f"{phase}: {name}" for phase, r in quick["phases"].items()
               for name, ok in r["invariants"].items() if not ok]  # fmt: skip
-    assert set(failed) <= {KNOWN_GAP}, quick["_stdout"]
+    assert failed == [], quick["_stdout"]
     assert quick["all_invariants_held"] == (not failed)
     assert quick["_rc"] == (1 if failed else 0)
     assert "| kills: snapshots lost | 0 |" in quick["_stdout"]
@@ -121,13 +116,6 @@ def _take_in_new_process(url: str, index_dir: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,  # only the restore below; any other error is a real failure
-    reason="the chunk is packed again into a byte-identical pack, whose content-addressed id "
-    "is the damaged pack's, and the put keeps the damaged file under that key "
-    "(found by benchmarks/stress.py)",
-)
 def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path):
     from casnap import IntegrityError, Repository, Snapshot, StateDict
     from casnap.repo.damage import list_damage
