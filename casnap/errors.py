@@ -205,6 +205,31 @@ class GcRefusedError(CasnapError, RuntimeError):
     """gc cannot tell what is reachable (a root is unreadable), so it deletes nothing."""
 
 
+class TooLargeError(CasnapError, MemoryError):
+    """What a snapshot declares needs more memory than this process can allocate.
+
+    Raised before anything is allocated: ``key`` is the largest entry,
+    ``nbytes`` what the read would allocate, ``limit`` what can be allocated.
+    """
+
+    def __init__(
+        self, message: str, key: str | None = None, nbytes: int = 0, limit: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.nbytes = nbytes
+        self.limit = limit
+
+
+class OutputSpaceError(CasnapError, OSError):
+    """An export's file does not fit: larger than the file system allows or than its free space."""
+
+    def __init__(self, message: str, path: str | None = None, nbytes: int = 0) -> None:
+        super().__init__(message)
+        self.path = path
+        self.nbytes = nbytes
+
+
 # -- argument checks shared by the public entry points -------------------------
 
 

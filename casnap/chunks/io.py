@@ -35,8 +35,11 @@ Buffer = codec.Buffer
 # Small chunks go to the workers in batches of up to this many bytes or items.
 BATCH_BYTES = 1 << 20
 BATCH_ITEMS = 256
-# Ranged reads of one pack merge frames separated by less than this gap.
+# Ranged reads of one pack merge frames separated by less than this gap, into
+# ranges of at most _MAX_SPAN bytes (a larger frame is read alone): a manifest's
+# offsets never make one request, or one buffer, span more than that.
 _MERGE_GAP = 256 * 1024
+_MAX_SPAN = 64 << 20
 
 
 @dataclass
@@ -394,7 +397,8 @@ def plan_reads(refs: list[ChunkRef]) -> list[Span]:
         start = end = 0
         for it in items:
             ref = it[1]
-            if group and ref.offset - end > _MERGE_GAP:
+            far = ref.offset - end > _MERGE_GAP
+            if group and (far or max(end, ref.offset + ref.length) - start > _MAX_SPAN):
                 spans.append(Span(pack_key(pid), start, end, tuple(group)))
                 group = []
             if not group:

@@ -94,8 +94,7 @@ def export_safetensors(
     for item in items:
         offsets.append(pos)
         pos += item.entry.nbytes
-    with atomic_output(out_path) as fd:
-        os.ftruncate(fd, pos)
+    with atomic_output(out_path, pos) as fd:
         pwrite_all(fd, header, 0)
         fetched, peak, _ = stream(snapshot, items, offsets, fd, memory_budget_bytes, progress)
     return ExportResult(

@@ -11,6 +11,7 @@ raises :class:`casnap.IntegrityError`) leaves no partial file at ``out_path``.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import threading
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Literal
 
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import Buffer, read_chunks
+from casnap.errors import OutputSpaceError
 from casnap.export.select import ExportItem
 from casnap.format.manifest import ChunkRef
 from casnap.settings import Settings
@@ -48,16 +50,58 @@ class ExportResult:
     skipped: tuple[str, ...] = ()  # non-tensor keys in the selection, not exported
 
 
+# The file system cannot hold the file: too large for it, full, or over quota.
+_NO_SPACE = (errno.EFBIG, errno.ENOSPC, errno.EDQUOT)
+
+
+def check_space(directory: str, size: int, final: str) -> None:
+    """Refuse, before writing, an export larger than the free space of ``directory``.
+
+    The sizes come from the manifest (untrusted): a damaged shape must not
+    start writing terabytes. Every byte of an export is written, so a file
+    larger than the free space cannot succeed.
+    """
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return  # nothing to check against; the write itself will tell
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise OutputSpaceError(
+            f"{final}: the export would write {size} bytes, and {directory} has {free} bytes "
+            "free; the manifest declares more than fits (is it damaged?)",
+            final,
+            size,
+        )
+
+
 @contextmanager
-def atomic_output(out_path: PathLike) -> Iterator[int]:
-    """A file descriptor of a temporary file that becomes ``out_path`` on success only."""
+def atomic_output(out_path: PathLike, size: int) -> Iterator[int]:
+    """A file descriptor of a temporary file of ``size`` bytes that becomes ``out_path`` on
+    success only.
+
+    A file that does not fit (larger than the free space, or than the file
+    system allows) raises :class:`OutputSpaceError`, leaving no file behind.
+    """
     final = os.path.abspath(os.fspath(out_path))
     directory, base = os.path.split(final)
+    check_space(directory, size, final)
     tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.casnap-tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     done = False
     try:
-        yield fd
+        try:
+            os.ftruncate(fd, size)
+            yield fd
+        except (OSError, OverflowError) as exc:
+            if isinstance(exc, OutputSpaceError):
+                raise
+            if isinstance(exc, OSError) and exc.errno not in _NO_SPACE:
+                raise
+            reason = exc.strerror if isinstance(exc, OSError) else "File too large"
+            raise OutputSpaceError(
+                f"{final}: cannot write the {size} bytes of this export: {reason}", final, size
+            ) from exc
         os.fsync(fd)
         os.close(fd)
         fd = -1

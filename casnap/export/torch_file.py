@@ -131,8 +131,7 @@ def export_torch(
     first = 4  # records before data/0
     offsets = [plan.records[first + j].data_offset for j in range(len(items))]
     total = plan.cursor + len(plan.directory())
-    with atomic_output(out_path) as fd:
-        os.ftruncate(fd, total)
+    with atomic_output(out_path, total) as fd:
         fetched, peak, chunk_crcs = stream(
             snapshot, items, offsets, fd, memory_budget_bytes, progress, with_crc=True
         )

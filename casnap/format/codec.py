@@ -27,6 +27,9 @@ from casnap.errors import IntegrityError
 from casnap.format.names import digest_of
 
 MAGIC = b"CSNF"
+# The largest chunk a format-1 repository holds (docs/format.md, Limits): a frame
+# declaring more raw bytes is damage, refused before anything is allocated.
+MAX_CHUNK_SIZE = 1 << 30
 FRAME_VERSION = 1
 HEADER = struct.Struct("<4sBBH QQ 32s")
 HEADER_SIZE = HEADER.size
@@ -136,6 +139,18 @@ def parse_header(buf: Buffer, name: str) -> FrameHeader:
         raise IntegrityError(f"{name}: unknown codec {codec}", name)
     if codec == CODEC_RAW and raw_len != payload_len:
         raise IntegrityError(f"{name}: raw frame with mismatched lengths", name)
+    if raw_len > MAX_CHUNK_SIZE:
+        raise IntegrityError(
+            f"{name}: frame declares {raw_len} raw bytes, more than the largest chunk "
+            f"({MAX_CHUNK_SIZE})",
+            name,
+        )
+    if payload_len > raw_len:
+        # A writer stores a chunk raw unless compression makes it smaller.
+        raise IntegrityError(
+            f"{name}: frame payload of {payload_len} bytes is larger than its {raw_len} raw bytes",
+            name,
+        )
     if codec == CODEC_ZSTD_GROUPED:
         if elem not in GROUPABLE or raw_len % elem:
             raise IntegrityError(f"{name}: bad element size {elem} for a grouped frame", name)
@@ -164,20 +179,36 @@ def decode(frame: Buffer, name: str, expected_digest: bytes, expected_size: int)
         )
     payload = mv[HEADER_SIZE:]
     if hdr.codec in (CODEC_ZSTD, CODEC_ZSTD_GROUPED):
-        try:
-            data: Buffer = zstandard.ZstdDecompressor().decompress(
-                payload, max_output_size=hdr.raw_length
-            )
-        except zstandard.ZstdError as exc:
-            raise IntegrityError(f"{name}: corrupt zstd payload: {exc}", name) from exc
-        if len(data) != hdr.raw_length:
-            raise IntegrityError(f"{name}: decompressed to the wrong size", name)
+        data: Buffer = _decompress(payload, hdr.raw_length, name)
         if hdr.codec == CODEC_ZSTD_GROUPED:
             data = ungroup_bytes(data, hdr.elem_size)
     else:
         data = payload
     if digest_of(data) != expected_digest:
         raise IntegrityError(f"{name}: blake3 digest mismatch (stored bytes are corrupt)", name)
+    return data
+
+
+def _decompress(payload: Buffer, raw_length: int, name: str) -> bytes:
+    """Decompress a zstd payload into exactly ``raw_length`` bytes, allocating no more.
+
+    python-zstandard sizes its output by the content size the zstd frame
+    declares, whatever ``max_output_size`` says: a few bytes declaring 3 GiB
+    of zeros would allocate 3 GiB. So a declared content size must be the
+    frame header's raw length (already checked against the manifest); an
+    undeclared one is bounded by ``max_output_size``.
+    """
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if declared not in (-1, raw_length):
+            raise IntegrityError(
+                f"{name}: zstd payload declares {declared} bytes, the frame {raw_length}", name
+            )
+        data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_length)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"{name}: corrupt zstd payload: {exc}", name) from exc
+    if len(data) != raw_length:
+        raise IntegrityError(f"{name}: decompressed to the wrong size", name)
     return data
 
 

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from casnap.errors import ManifestValidationError, UnsupportedFormatError
-from casnap.format.codec import HEADER_SIZE
+from casnap.format.codec import HEADER_SIZE, MAX_CHUNK_SIZE
 from casnap.format.names import HASH_HEX_LEN, check_hash, hash_bytes
 
 FORMAT_MAJOR = 1
@@ -56,6 +56,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 HashStr = Annotated[str, Field(min_length=HASH_HEX_LEN, max_length=HASH_HEX_LEN,
                                pattern=r"^[0-9a-f]{64}$")]  # fmt: skip
 Size = Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]
+ChunkSize = Annotated[int, Field(ge=1, le=MAX_CHUNK_SIZE), StrictInt]
 JsonValue = Any
 
 
@@ -76,6 +77,12 @@ class ChunkRef(_Model):
     def _loose_at_zero(self) -> ChunkRef:
         if self.pack is None and self.offset != 0:
             raise ValueError("a loose chunk has offset 0")
+        if self.size > MAX_CHUNK_SIZE:
+            raise ValueError(f"a chunk holds at most {MAX_CHUNK_SIZE} bytes")
+        if self.length > HEADER_SIZE + self.size:
+            # A writer stores a chunk raw unless compression makes it smaller, so a
+            # longer frame is damage; the bound keeps ranged reads to what is declared.
+            raise ValueError(f"frame length {self.length} exceeds header + {self.size} raw bytes")
         return self
 
 
@@ -95,7 +102,7 @@ class TensorEntry(_Model):
     kind: Literal["tensor"] = "tensor"
     dtype: StrictStr
     shape: list[Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]]
-    chunk_size: Annotated[int, Field(ge=1, le=1 << 34), StrictInt]
+    chunk_size: ChunkSize
     chunks: list[ChunkRef]
     replicated: StrictBool = False
 
@@ -144,7 +151,7 @@ class ObjectEntry(_Model):
     serializer: Literal["pickle"]
     type_name: StrictStr
     size: Size
-    chunk_size: Annotated[int, Field(ge=1, le=1 << 34), StrictInt]
+    chunk_size: ChunkSize
     chunks: list[ChunkRef]
 
     @model_validator(mode="after")
@@ -161,7 +168,7 @@ class ShardRecord(_Model):
 
     offsets: list[Size]
     sizes: list[Size]
-    chunk_size: Annotated[int, Field(ge=1, le=1 << 34), StrictInt]
+    chunk_size: ChunkSize
     chunks: list[ChunkRef]
 
 

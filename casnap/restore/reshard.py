@@ -81,7 +81,9 @@ class ShardedSink:
                 regions = [LocalShard((0,) * len(entry.shape), tuple(entry.shape), target)]
             self.result = target
         else:
-            whole = torch.empty(entry.shape, dtype=self.dtype)
+            # Allocated by allocate() or prepare(), once the reader has checked what
+            # the whole read allocates against the memory ceiling (fresh_bytes).
+            whole = torch.empty(entry.shape, dtype=self.dtype, device="meta")
             regions = [LocalShard((0,) * len(entry.shape), tuple(entry.shape), whole)]
             self.result = whole
         # (target region, stored shard index, overlap lo, hi)
@@ -140,8 +142,23 @@ class ShardedSink:
             self._buffers[si] = (t, byte_view(t))
         return self._buffers[si]
 
+    @property
+    def fresh_bytes(self) -> int:
+        """Bytes of the new tensor this read returns (0 when restoring into a target)."""
+        return 0 if self.in_place else self.entry.nbytes
+
+    def materialize(self) -> None:
+        """Allocate the new tensor this read returns (a no-op when restoring into a target)."""
+        if self.result.device.type != "meta":
+            return
+        whole = torch.empty(self.entry.shape, dtype=self.dtype)
+        self.copies = [(LocalShard(r.offsets, r.sizes, whole) if r.tensor is self.result else r,
+                        si, lo, hi) for r, si, lo, hi in self.copies]  # fmt: skip
+        self.result = whole
+
     def allocate(self, shards: set[int]) -> None:
         """Allocate the staging buffers of ``shards`` (before their reads start, one thread)."""
+        self.materialize()
         for si in sorted(shards):
             self._buffer(si)
 
@@ -178,6 +195,7 @@ class ShardedSink:
 
     def finish(self) -> Any:
         """Copy every overlap (after an unbounded read) and return the result."""
+        self.materialize()
         self.copy_out({si for si, _ in self._needed})
         self._buffers = {}
         return self.result

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from casnap.chunks.budget import ByteBudget, check_budget
+from casnap.chunks.budget import ByteBudget, allocating, check_allocation, check_budget
 from casnap.chunks.io import read_chunks
 from casnap.errors import (
     IntegrityError,
@@ -43,7 +43,7 @@ from casnap.restore.undo import TensorUndo, Undo
 from casnap.settings import read_workers_for
 from casnap.torch_io.flatten import inflate, leaves_of
 from casnap.torch_io.stateful import RNGState
-from casnap.torch_io.tensors import TensorSink, check_target
+from casnap.torch_io.tensors import TensorSink, check_target, fills_in_place
 
 _MAX_LISTED = 8
 
@@ -250,10 +250,18 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
     snapshot's, never a mix (docs/pipeline.md, "A failed restore").
     """
     limit = check_budget(memory_budget_bytes)
-    sinks = {
-        k: TensorSink(e.dtype, e.shape, e.chunk_size, dest) for k, (e, dest) in load.tensors.items()
-    }
-    blobs: dict[str, bytearray] = {k: bytearray(e.size) for k, e in load.objects.items()}
+    check_allocation(_allocations(load), "this read")
+    sinks: dict[str, TensorSink] = {}
+    for k, (e, dest) in load.tensors.items():
+        with allocating(k, e.nbytes):
+            sinks[k] = TensorSink(e.dtype, e.shape, e.chunk_size, dest)
+    blobs: dict[str, bytearray] = {}
+    for k, o in load.objects.items():
+        with allocating(k, o.size):
+            blobs[k] = bytearray(o.size)
+    for k, s in load.sharded.items():
+        with allocating(k, s.fresh_bytes):
+            s.materialize()
     undo = Undo()
     batches = [*_plain_reads(load, sinks, blobs, limit, undo), *_sharded_reads(load.sharded, limit)]
     workers = read_workers_for(repo.root.capabilities.local)
@@ -272,6 +280,26 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
         except Exception as exc:
             raise IntegrityError(f"{key}: the pickled object cannot be loaded: {exc}", key) from exc
     return values
+
+
+def _allocations(load: _Load) -> dict[str, int]:
+    """Bytes each planned entry makes the read allocate, known from the manifest alone.
+
+    New tensors, staging copies of targets that cannot be filled in place,
+    pickled objects' bytes, new sharded tensors and the largest stored shard
+    staged for one. A manifest is untrusted: these are checked against the
+    memory ceiling before the first allocation.
+    """
+    needs: dict[str, int] = {}
+    for k, (entry, dest) in load.tensors.items():
+        if dest is None or not fills_in_place(dest):
+            needs[k] = entry.nbytes
+    for k, obj in load.objects.items():
+        needs[k] = obj.size
+    for k, sink in load.sharded.items():
+        staged = max((n for _si, n in sink.shard_units()), default=0)
+        needs[k] = sink.fresh_bytes + staged
+    return needs
 
 
 def _plain_reads(

@@ -124,6 +124,16 @@ def check_target(key: str, target: torch.Tensor, dtype: str, shape: list[int]) -
         raise ShapeMismatchError(f"{key}: the target is not a dense tensor", key)
 
 
+def fills_in_place(target: torch.Tensor) -> bool:
+    """Whether a restore writes chunks straight into ``target`` (else it stages a copy)."""
+    return (
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+    )
+
+
 class TensorSink:
     """Receives the chunks of one stored tensor and lands them in ``target``.
 
@@ -137,15 +147,7 @@ class TensorSink:
     ) -> None:
         self.chunk_size = chunk_size
         self.target = target
-        direct = (
-            target is not None
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and not target.is_conj()
-            and not target.is_neg()
-        )
-        if direct:
-            assert target is not None
+        if target is not None and fills_in_place(target):
             self.buffer = target
         else:
             self.buffer = torch.empty(shape, dtype=torch_dtype(dtype))
