@@ -141,24 +141,6 @@ def test_packed_chunk_found_by_verify_is_written_anew_by_the_next_take(tmp_path)
     assert [p.snapshots for p in again] == [("s1",)]
 
 
-def test_a_take_that_packs_the_same_chunks_again_replaces_the_damaged_pack(tmp_path):
-    # Found by benchmarks/stress.py: a machine whose index never saw the pack
-    # packs the same small chunks in the same order, which makes the same pack
-    # bytes and so the same pack name; the damaged file must not be kept.
-    repo = tmp_path / "repo"
-    s1 = take_here(repo, "s1")
-    h, pack = damage_packed(repo, s1)
-    assert len(corrupt_chunks(Repository(str(repo)).verify(read_data=True))) == 1
-
-    take_in_new_process(repo, "s2", index_dir=tmp_path / "other-machine-index")
-
-    assert Snapshot(snap_path(repo, "s2")).get_manifest()["0/m/b"].chunks[0].pack == pack
-    assert restores_bit_exact(repo, "s2")
-    assert restores_bit_exact(repo, "s1")  # same pack name, good bytes again: s1 heals
-    assert Repository(str(repo)).verify(read_data=True).ok
-    assert list_damage(Repository(str(repo))) == []
-
-
 def test_packed_chunk_is_not_reused_through_a_parent_manifest(tmp_path):
     repo = tmp_path / "repo"
     s1 = take_here(repo, "s1")
@@ -292,3 +274,31 @@ def test_a_flipped_bit_in_a_frame_version_is_damage_not_a_newer_format(tmp_path)
     assert len(corrupt_chunks(Repository(str(repo)).verify(read_data=True))) == 1
     take_in_new_process(repo, "s2")
     assert restores_bit_exact(repo, "s2") and restores_bit_exact(repo, "s1")
+
+
+@pytest.mark.parametrize("how", ["symlink-to-dev-zero", "fifo", "longer-than-its-frame"])
+def test_a_loose_chunk_casnap_will_not_read_is_damage_and_the_next_take_replaces_it(tmp_path, how):
+    repo = tmp_path / "repo"
+    s1 = take_here(repo, "s1")
+    ref = s1.get_manifest()["0/m/w"].chunks[1]
+    path = repo / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    if how == "longer-than-its-frame":
+        with open(path, "ab") as fh:
+            fh.write(b"\0" * 4096)
+    else:
+        path.unlink()
+        os.symlink("/dev/zero", path) if how == "symlink-to-dev-zero" else os.mkfifo(path)
+    if how == "longer-than-its-frame":  # a restore reads the frame's bytes only: they are fine
+        assert restores_bit_exact(repo, "s1")
+        assert not Repository(str(repo)).verify(read_data=True).ok  # verify reads it whole
+    else:
+        with pytest.raises(IntegrityError):
+            restores_bit_exact(repo, "s1")
+    assert [c.chunk for c in list_damage(Repository(str(repo)))] == [ref.hash]  # recorded
+
+    take_in_new_process(repo, "s2")
+
+    assert path.is_file() and not path.is_symlink()  # replaced by the good bytes
+    assert restores_bit_exact(repo, "s2") and restores_bit_exact(repo, "s1")
+    assert Repository(str(repo)).verify(read_data=True).ok
+    assert list_damage(Repository(str(repo))) == []

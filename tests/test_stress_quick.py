@@ -116,7 +116,11 @@ def _take_in_new_process(url: str, index_dir: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
-def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path):
+@pytest.mark.parametrize("machine", ["same", "another"])
+def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path, machine):
+    # The pack holds one frame, so writing the chunk again makes the same pack
+    # bytes, hence the same pack name, whatever the order of the take's threads;
+    # "another" machine's index never saw the repository.
     from casnap import IntegrityError, Repository, Snapshot, StateDict
     from casnap.repo.damage import list_damage
 
@@ -133,6 +137,8 @@ def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path):
     assert not Repository(str(repo)).verify(read_data=True).ok  # found and recorded
     assert len(list_damage(Repository(str(repo)))) == 1
 
+    if machine == "another":
+        index = tmp_path / "another-index"
     _take_in_new_process(str(repo / "s2"), index)  # writes b again: it must restore
 
     expected = ns["live_state"]()["m"]
@@ -142,3 +148,9 @@ def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path):
     except IntegrityError as exc:
         pytest.fail(f"s2 references the recorded damaged copy: {exc}")
     assert all(torch.equal(target["m"][k], expected[k]) for k in expected)
+    assert Snapshot(str(repo / "s2")).get_manifest()["0/m/b"].chunks[0].pack == ref.pack
+    s1 = {"m": StateDict(w=torch.zeros(6 * 16384), b=torch.zeros(100))}
+    Snapshot(str(repo / "s1")).restore(s1)  # the same pack name, good bytes again: s1 heals
+    assert all(torch.equal(s1["m"][k], expected[k]) for k in expected)
+    assert Repository(str(repo)).verify(read_data=True).ok
+    assert list_damage(Repository(str(repo))) == []  # the replacement cleared the record

@@ -26,7 +26,7 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 from __future__ import annotations
 
 from casnap import index
-from casnap.errors import IntegrityError, ObjectNotFoundError
+from casnap.errors import IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
 from casnap.repo.damage import DamagedCopy, record_damage
@@ -66,8 +66,11 @@ def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:
     loose = ChunkRef(hash=ref.hash, size=ref.size, length=ref.length)
     key = chunk_key(ref.hash)
     try:
-        blob = repo.store.get(key)
+        blob = repo.store.get(key, limit=codec.HEADER_SIZE + ref.size)  # a frame's most
     except ObjectNotFoundError:
+        return None
+    except ObjectRefusedError as exc:
+        contain(repo, loose, exc)
         return None
     try:
         return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size)

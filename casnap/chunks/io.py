@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.damage import decode_frame, verify_in_place
-from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError
+from casnap.chunks.damage import contain, decode_frame, verify_in_place
+from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
 from casnap.format.names import digest_of, hash_bytes
@@ -411,6 +411,24 @@ def plan_reads(refs: list[ChunkRef]) -> list[Span]:
     return spans
 
 
+def fetch_span(repo: RepoStorage, span: Span) -> bytes:
+    """The stored bytes of ``span``: a loose object (at most its frame's length) or a pack range.
+
+    What casnap will not read at the key (a FIFO, a link, a loose object longer
+    than its frame: :class:`ObjectRefusedError`) is damage to every chunk of
+    the span: contained like a frame that fails its check (docs/damage.md),
+    so the next take writes those chunks again, then raised.
+    """
+    try:
+        if span.end < 0:
+            return repo.store.get(span.key, limit=span.items[0][1].length)
+        return repo.store.get_range(span.key, span.start, span.end)
+    except ObjectRefusedError as exc:
+        for _, ref in span.items:
+            contain(repo, ref, exc)
+        raise
+
+
 def read_chunks(
     repo: RepoStorage,
     refs: list[ChunkRef],
@@ -453,6 +471,9 @@ def read_chunks(
             n = repo.store.read_into(span.key, [memoryview(head), view])
         except ObjectNotFoundError as exc:
             raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
+        except ObjectRefusedError as exc:  # a FIFO, a link: damage, as in fetch_span
+            contain(repo, ref, exc)
+            raise
         with lock:
             fetched += n
         verify_in_place(repo, span.key, ref, head, view, n)
@@ -469,10 +490,7 @@ def read_chunks(
         budget.acquire(cost)
         try:
             try:
-                if span.end < 0:
-                    blob = repo.store.get(span.key)
-                else:
-                    blob = repo.store.get_range(span.key, span.start, span.end)
+                blob = fetch_span(repo, span)
             except ObjectNotFoundError as exc:
                 raise IntegrityError(
                     f"{span.key} is missing from the repository", span.key

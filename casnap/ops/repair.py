@@ -33,7 +33,7 @@ from typing import Protocol
 
 from casnap.chunks.damage import contain
 from casnap.chunks.io import object_name
-from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError
+from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.format.names import digest_of
@@ -60,10 +60,14 @@ def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
     key = object_name(ref)
     try:
         if ref.pack is None:
-            blob = repo.store.get(key)
+            blob = repo.store.get(key, limit=ref.length)
         else:
             blob = repo.store.get_range(key, ref.offset, ref.offset + ref.length)
     except ObjectNotFoundError:
+        return None
+    except ObjectRefusedError as exc:  # a FIFO, a link, a loose object longer than its frame
+        if record:
+            contain(repo, ref, exc)
         return None
     try:
         return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size)

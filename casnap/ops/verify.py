@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from casnap.chunks.damage import decode_frame
-from casnap.chunks.io import Span, object_name, plan_reads
+from casnap.chunks.io import Span, fetch_span, object_name, plan_reads
 from casnap.errors import (
     CasnapError,
     ConfigError,
@@ -212,10 +212,7 @@ def _scrub(
 ) -> None:
     """Fetch one object (or one range of a pack) and re-hash every chunk in it."""
     try:
-        if span.end < 0:
-            blob = repo.store.get(span.key)
-        else:
-            blob = repo.store.get_range(span.key, span.start, span.end)
+        blob = fetch_span(repo, span)  # records a refused object as damage
     except (ObjectNotFoundError, ObjectRefusedError) as exc:  # refused: a FIFO, a link, ...
         users: set[Holder] = set().union(*(owners[(r.pack, r.hash)] for _, r in span.items))
         kind = "missing-object" if isinstance(exc, ObjectNotFoundError) else "unreadable-object"
