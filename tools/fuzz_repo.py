@@ -49,7 +49,7 @@ KINDS = ("bitflip", "truncate", "zero_block", "append_junk", "json_value", "reha
 HOSTILE_READS_KINDS = ("fifo", "symlink_dev_zero", "sparse", "bigint")
 ALL_KINDS = KINDS + HOSTILE_READS_KINDS
 OPS = ("restore", "read_object", "log", "du", "verify", "gc_dry", "retain_dry",
-       "export_safetensors", "export_torch")  # fmt: skip
+       "export_safetensors", "export_torch", "diff_stats")  # fmt: skip
 FAILURES = ("other_exception", "wrong_result", "hang", "memory", "fuzzer_error")
 _REWRITES = ("rehash", "huge_shape")  # the manifest legitimately declares other data
 _JSON_DIRS = ("manifests", "refs", "tags", "leases", "damaged")
@@ -101,8 +101,22 @@ def build(base: Path) -> dict[str, dict[str, Any]]:
 
 
 def _files(base: Path) -> list[str]:
+    """Every file of the repository, in an order that does not depend on timestamps.
+
+    Manifest names hash their ``created_at`` and the lease's name is random,
+    so they sort by owner instead: the same seed picks the same file in
+    every run.
+    """
     root = base / ".casnap"
-    return sorted(str(p.relative_to(base)) for p in root.rglob("*") if p.is_file())
+    owner = {m: names[0] for m, names in _owners(base).items()}
+
+    def stable(rel: str) -> str:
+        name = Path(rel).name
+        if "/manifests/" in rel:
+            return f".casnap/manifests/{owner.get(name, name)}"
+        return ".casnap/leases/" if "/leases/" in rel else rel
+
+    return sorted((str(p.relative_to(base)) for p in root.rglob("*") if p.is_file()), key=stable)
 
 
 # -- mutations ---------------------------------------------------------------------
@@ -350,6 +364,8 @@ def operate(op: str, case: Path, snap: str, states: dict[str, dict[str, Any]]) -
         repo.verify(read_data=True)
     elif op == "gc_dry":
         repo.gc(dry_run=True, grace_seconds=0, wait_seconds=0)
+    elif op == "diff_stats":  # reads the changed chunks of both sides (drift)
+        repo.diff("s1", snap, stats=True)
     elif op == "retain_dry":
         repo.retain(RetentionPolicy(KeepLast(1)), dry_run=True)
     elif op in ("export_safetensors", "export_torch"):
