@@ -70,7 +70,9 @@ def bomb(size: int, declare: bool = True) -> bytes:
     return b"".join([*parts, cobj.flush()])
 
 
-def frame(raw_length: int, payload: bytes, digest_hex: str, codec_id: int = codec.CODEC_ZSTD) -> bytes:
+def frame(
+    raw_length: int, payload: bytes, digest_hex: str, codec_id: int = codec.CODEC_ZSTD
+) -> bytes:
     head = codec.HEADER.pack(codec.MAGIC, codec.FRAME_VERSION, codec_id, 0, raw_length,
                              len(payload), bytes.fromhex(digest_hex))  # fmt: skip
     return head + payload
@@ -141,9 +143,15 @@ def test_zstd_bomb_in_a_loose_chunk_is_refused_before_decompressing(tmp_path):
     assert len(payload) < ref.size
     path.write_bytes(frame(ref.size, payload, ref.hash))
     compressed_length(tmp_path, snap, len(payload))  # as a compressed chunk's ref reads
-    out = assert_raised(run_limited(tmp_path, """
+    out = assert_raised(
+        run_limited(
+            tmp_path,
+            """
         Snapshot(repo + "/s1").read_object("0/s/w")
-    """), IntegrityError)
+    """,
+        ),
+        IntegrityError,
+    )
     assert out["object_name"] == f"chunks/{ref.hash[:2]}/{ref.hash}"
     assert "declares 3221225472 bytes" in out["message"]
     # contained like any damage: recorded for the next take
@@ -157,9 +165,15 @@ def test_zstd_bomb_without_a_declared_size_stops_at_the_frame_size(tmp_path):
     payload = bomb(3 * GiB, declare=False)
     path.write_bytes(frame(ref.size, payload, ref.hash))
     compressed_length(tmp_path, snap, len(payload))
-    out = assert_raised(run_limited(tmp_path, """
+    out = assert_raised(
+        run_limited(
+            tmp_path,
+            """
         Snapshot(repo + "/s1").restore({"s": casnap.StateDict(w=torch.zeros(1 << 18))})
-    """), IntegrityError)
+    """,
+        ),
+        IntegrityError,
+    )
     assert out["object_name"] == f"chunks/{ref.hash[:2]}/{ref.hash}"
 
 
@@ -178,9 +192,15 @@ def test_zstd_bomb_in_a_pack_frame_is_refused(tmp_path):
             c["length"] = len(new)
 
     rewrite_manifest(tmp_path, snap, point_at_bomb)
-    out = assert_raised(run_limited(tmp_path, """
+    out = assert_raised(
+        run_limited(
+            tmp_path,
+            """
         Snapshot(repo + "/s1").read_object("0/s/b")
-    """), IntegrityError)
+    """,
+        ),
+        IntegrityError,
+    )
     assert out["object_name"] == f"packs/{ref.pack[:2]}/{ref.pack}"
 
 
@@ -214,9 +234,15 @@ def _declare(tmp_path: Path, snap: Snapshot, key: str, nbytes: int, *, chunk: in
 def test_huge_declared_tensor_is_refused_before_allocating(tmp_path):
     snap = take(tmp_path, {"w": torch.randn(MiB // 4)})
     _declare(tmp_path, snap, "0/s/w", 8 * GiB)  # more than the child may allocate
-    out = assert_raised(run_limited(tmp_path, """
+    out = assert_raised(
+        run_limited(
+            tmp_path,
+            """
         Snapshot(repo + "/s1").read_object("0/s/w")
-    """), TooLargeError)
+    """,
+        ),
+        TooLargeError,
+    )
     assert "0/s/w" in out["message"] and "declares 8589934592 bytes" in out["message"]
     assert "MemoryError" in out["types"]
 
@@ -224,13 +250,19 @@ def test_huge_declared_tensor_is_refused_before_allocating(tmp_path):
 def test_huge_declared_tensor_in_a_restore_is_refused_and_the_target_is_untouched(tmp_path):
     snap = take(tmp_path, {"w": torch.randn(MiB // 4), "b": torch.randn(10)})
     _declare(tmp_path, snap, "0/s/w", 1 << 40)  # 1 TiB: beyond any machine's memory
-    out = assert_raised(run_limited(tmp_path, """
+    out = assert_raised(
+        run_limited(
+            tmp_path,
+            """
         b = torch.full((10,), 7.0)
         try:
             Snapshot(repo + "/s1").restore({"s": casnap.StateDict(w=None, b=b)}, strict=False)
         finally:
             assert torch.equal(b, torch.full((10,), 7.0)), "the target changed"
-    """), TooLargeError)
+    """,
+        ),
+        TooLargeError,
+    )
     assert "declares 1099511627776 bytes" in out["message"]
 
 
@@ -246,9 +278,15 @@ def test_huge_pickled_object_is_refused_before_allocating(tmp_path):
         e["chunks"] = [dict(e["chunks"][0], size=chunk) for _ in range(nbytes // chunk)]
 
     rewrite_manifest(tmp_path, snap, change)
-    out = assert_raised(run_limited(tmp_path, f"""
+    out = assert_raised(
+        run_limited(
+            tmp_path,
+            f"""
         Snapshot(repo + "/s1").read_object({key!r}, allow_pickle=True)
-    """), TooLargeError)
+    """,
+        ),
+        TooLargeError,
+    )
     assert "declares 6442450944 bytes" in out["message"]
 
 
@@ -260,9 +298,15 @@ def test_chunk_ref_with_a_huge_frame_length_is_refused_by_the_manifest_check(tmp
         doc["entries"]["0/s/b"]["chunks"][0]["length"] = 1 << 40  # a 1 TiB ranged read
 
     rewrite_manifest(tmp_path, snap, change)
-    out = assert_raised(run_limited(tmp_path, """
+    out = assert_raised(
+        run_limited(
+            tmp_path,
+            """
         Snapshot(repo + "/s1").read_object("0/s/b")
-    """), ManifestValidationError)
+    """,
+        ),
+        ManifestValidationError,
+    )
     assert "exceeds header" in out["message"]
 
 
@@ -274,9 +318,15 @@ def test_export_of_a_huge_declared_tensor_is_refused_before_writing(tmp_path):
     _declare(tmp_path, snap, "0/s/w", 1 << 50)  # 1 PiB
     (tmp_path / "out").mkdir()
     for fn in ("export_safetensors", "export_torch"):
-        out = assert_raised(run_limited(tmp_path, f"""
+        out = assert_raised(
+            run_limited(
+                tmp_path,
+                f"""
             {fn}(Snapshot(repo + "/s1"), repo + "/../out/model")
-        """), OutputSpaceError)
+        """,
+            ),
+            OutputSpaceError,
+        )
         assert "would write 11258999068" in out["message"] and "free" in out["message"]
         assert "OSError" in out["types"]
     assert os.listdir(tmp_path / "out") == []
@@ -286,8 +336,15 @@ def test_export_larger_than_the_file_size_limit_is_a_clean_error_with_no_file_le
     snap = take(tmp_path, {"w": torch.randn(MiB)})  # 4 MiB of data
     assert snap.get_manifest()["0/s/w"].nbytes == 4 * MiB
     (tmp_path / "out").mkdir()
-    out = assert_raised(run_limited(tmp_path, """
+    out = assert_raised(
+        run_limited(
+            tmp_path,
+            """
         export_safetensors(Snapshot(repo + "/s1"), repo + "/../out/model.safetensors")
-    """, fsize=MiB), OutputSpaceError)
+    """,
+            fsize=MiB,
+        ),
+        OutputSpaceError,
+    )
     assert "File too large" in out["message"]
     assert os.listdir(tmp_path / "out") == []
