@@ -19,9 +19,10 @@ Usage::
     python tools/fuzz_repo.py --seed 1 --cases 5000 --seconds 600
     python -c 'from tools.fuzz_repo import run; print(run(1, 200, 30, "/tmp/fz"))'
 
-Mutation kinds in ``HOSTILE_READS_KINDS`` need the store-level checks of the
-``hostile-reads`` branch (FIFOs, symlinks out of the repository, files too
-large to read, integers too long to parse); select kinds with ``kinds=``.
+Every mutation kind runs by default; ``kinds=`` (``--kinds``) picks some.
+``STORE_KINDS`` are those the store's read checks answer (FIFOs, symlinks,
+files too large to read, integers too long to parse; docs/format.md,
+"Reading untrusted files").
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("bitflip", "truncate", "zero_block", "append_junk", "json_value", "rehash",
          "huge_shape", "bomb")  # fmt: skip
-HOSTILE_READS_KINDS = ("fifo", "symlink_dev_zero", "sparse", "bigint")
-ALL_KINDS = KINDS + HOSTILE_READS_KINDS
+STORE_KINDS = ("fifo", "symlink_dev_zero", "sparse", "bigint")
+ALL_KINDS = KINDS + STORE_KINDS
 OPS = ("restore", "read_object", "log", "du", "verify", "gc_dry", "retain_dry",
        "export_safetensors", "export_torch", "diff_stats")  # fmt: skip
 FAILURES = ("other_exception", "wrong_result", "hang", "memory", "fuzzer_error")
@@ -544,7 +545,7 @@ def run(seed: int, cases: int | None, seconds: float | None, workdir: str, *,
     """
     if cases is None and seconds is None:
         raise ValueError("give cases, seconds or both")
-    kinds = tuple(kinds or KINDS)
+    kinds = tuple(kinds or ALL_KINDS)
     unknown = set(kinds) - set(ALL_KINDS)
     if unknown:
         raise ValueError(f"unknown mutation kinds {sorted(unknown)}")
@@ -612,8 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--kinds", default=None,
-                        help=f"comma-separated mutation kinds (default: {','.join(KINDS)}; "
-                             f"also {','.join(HOSTILE_READS_KINDS)}; 'all')")  # fmt: skip
+                        help=f"comma-separated mutation kinds (default: all: "
+                             f"{','.join(ALL_KINDS)})")  # fmt: skip
     parser.add_argument("--ops", default=None, help=f"comma-separated ({','.join(OPS)})")
     parser.add_argument("--case-timeout", type=float, default=20.0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
