@@ -28,16 +28,18 @@ files too large to read, integers too long to parse; docs/format.md,
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import queue
 import random
 import resource
-import selectors
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -484,6 +486,8 @@ def _worker(config: dict[str, Any]) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    stacks = open(work / f"stacks-{os.getpid()}", "w")  # noqa: SIM115 (lives with the worker)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # for a hang's report
     print("READY", flush=True)
     for line in sys.stdin:
         index = int(line)
@@ -500,19 +504,28 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
-        self.sel = selectors.DefaultSelector()
+        self.workdir = config["workdir"]
         self.plan: dict[str, Any] = {}
+        # A reader thread, not select() on the buffered pipe: a readline that
+        # buffered two lines (PLAN and CASE) would leave select() waiting for
+        # bytes already read, and a case that answered would look like a hang.
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
         assert self.proc.stdout is not None
-        self.sel.register(self.proc.stdout, selectors.EVENT_READ)
+        for text in self.proc.stdout:
+            self.lines.put(text)
+        self.lines.put("")  # end of output: the worker died
 
     def line(self, timeout: float) -> str | None:
         """The next protocol line, or None if the worker died or said nothing in time."""
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            if not self.sel.select(left):
+            try:
+                text = self.lines.get(timeout=left)
+            except queue.Empty:
                 return None
-            text = self.proc.stdout.readline()
             if not text:
                 return None
             if text.startswith("PLAN "):
@@ -526,10 +539,20 @@ class _Worker:
         self.proc.stdin.write(f"{index}\n")
         self.proc.stdin.flush()
 
+    def stacks(self) -> str:
+        """Every thread's stack of a stuck worker (faulthandler, on SIGUSR1)."""
+        path = Path(self.workdir) / f"stacks-{self.proc.pid}"
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        try:
+            return path.read_text()[-8000:]
+        except OSError:
+            return ""
+
     def stop(self) -> None:
+        (Path(self.workdir) / f"stacks-{self.proc.pid}").unlink(missing_ok=True)
         self.proc.kill()
         self.proc.wait()
-        self.sel.close()
 
 
 def run(seed: int, cases: int | None, seconds: float | None, workdir: str, *,
@@ -574,6 +597,8 @@ def run(seed: int, cases: int | None, seconds: float | None, workdir: str, *,
                 died = worker.proc.poll() is not None
                 info = {**worker.plan, "case": index, "outcome": "memory" if died else "hang",
                         "detail": "the worker died" if died else "no answer"}  # fmt: skip
+                if not died:
+                    info["stacks"] = worker.stacks()
                 worker.stop()
                 worker = None
             else:
