@@ -1,16 +1,17 @@
 """Warm in-place restore of this checkout against an earlier revision, in the same run.
 
-    .venv/bin/python benchmarks/restore_atomic.py [--baseline main] [--size-gib 1.0]
+    .venv/bin/python benchmarks/restore_atomic.py [--baseline main ...] [--size-gib 1.0]
         [--repeats 5] [--rounds 3] [--workdir bench-out/scratch]
 
 What an all-or-nothing restore costs (docs/pipeline.md, "A failed restore"):
 takes the benchmark state (benchmarks/harness.py) once, then, ``--rounds``
 times, restores it in place into resident tensors from the page cache in a
-fresh process per variant (``--baseline``'s ``casnap/``, extracted with
-``git archive``, and this checkout's), alternating the variants so that
+fresh process per variant (each ``--baseline``'s ``casnap/``, extracted with
+``git archive``, and this checkout's; ``--baseline`` may be repeated),
+alternating the variants so that
 drift of the machine hits both alike. Each process does one untimed restore
 and then ``--repeats`` timed ones. Prints the median of every sample per
-variant and the ratio; ``--json`` writes them.
+variant and the ratio to each baseline; ``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ print(json.dumps({"casnap": casnap.__file__, "times": times, "max_rss": rss}))
 
 def _extract(rev: str, into: str) -> str:
     """``rev``'s casnap package under ``into`` (read-only use of the repository)."""
+    os.makedirs(into, exist_ok=True)
     archive = os.path.join(into, "src.tar")
     with open(archive, "wb") as fh:
         subprocess.run(["git", "-C", ROOT, "archive", rev, "casnap"], stdout=fh, check=True)
@@ -70,13 +72,15 @@ def _run(src: str, size: float, path: str, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--baseline", default="main", help="git revision to compare with")
+    p.add_argument("--baseline", action="append", default=None,
+                   help="git revision to compare with (repeatable; default main)")  # fmt: skip
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5, help="timed restores per process")
     p.add_argument("--rounds", type=int, default=3, help="processes per variant, alternating")
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench-out", "scratch"))
     p.add_argument("--json", default=None, help="write every sample here")
     args = p.parse_args(argv)
+    baselines = args.baseline or ["main"]
     sys.path.insert(0, HERE)
     import torch  # noqa: F401  (after argparse: --help stays fast)
     from harness import GiB, make_state, scratch_dir, transformer_shapes
@@ -84,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     from casnap import Snapshot, StateDict
 
     with scratch_dir(args.workdir) as work, tempfile.TemporaryDirectory() as tmp:
-        base_src = _extract(args.baseline, tmp)
+        variants = {
+            f"baseline ({rev})": _extract(rev, os.path.join(tmp, str(n)))
+            for n, rev in enumerate(baselines)
+        }
+        variants["this checkout"] = ROOT
         _d, _n, shapes = transformer_shapes(int(args.size_gib * GiB))
         path = os.path.join(work, "repo", "s1")
         Snapshot.take(path, {"model": StateDict(make_state(shapes))})
-        variants = {f"baseline ({args.baseline})": base_src, "this checkout": ROOT}
         samples: dict[str, list[float]] = {name: [] for name in variants}
         rss: dict[str, list[int]] = {name: [] for name in variants}
         for _ in range(args.rounds):
@@ -98,14 +105,15 @@ def main(argv: list[str] | None = None) -> int:
                 samples[name] += result["times"]
                 rss[name].append(result["max_rss"])
     medians = {name: statistics.median(s) for name, s in samples.items()}
-    base, new = medians.values()
+    new = medians["this checkout"]
     print(f"warm in-place restore of {args.size_gib} GiB, median of "
           f"{args.rounds} x {args.repeats} per variant:")  # fmt: skip
     for name, med in medians.items():
         lo, hi = min(samples[name]), max(samples[name])
         print(f"  {name:24s} {med:6.3f} s  (min {lo:.3f}, max {hi:.3f}), "
               f"max RSS {max(rss[name]) / GiB:.2f} GiB")  # fmt: skip
-    print(f"  ratio this/baseline: {new / base:.3f}")
+    for rev in baselines:
+        print(f"  ratio this/baseline ({rev}): {new / medians[f'baseline ({rev})']:.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"samples": samples, "max_rss": rss, "medians": medians}, fh, indent=1)

@@ -21,9 +21,10 @@ from casnap.chunks.io import ChunkWriter
 from casnap.errors import CasnapError, StoreError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest, ShardedEntry, ShardRecord
+from casnap.repo.damage import list_damage
 from casnap.repo.repository import now_iso
 from casnap.settings import Settings
-from casnap.store import LocalStore
+from casnap.store import CountingStore, LocalStore
 from casnap.store.base import Data, ObjectStore
 from casnap.torch_io.tensors import byte_view
 
@@ -274,9 +275,8 @@ def test_errors_keep_their_type(tmp_path):
     assert isinstance(info.value, CasnapError) and info.value.__cause__ is None
 
 
-@pytest.mark.parametrize("budget", [16 * CHUNK, 40 * CHUNK])
-def test_saved_bytes_stay_within_half_the_budget(tmp_path, monkeypatch, budget):
-    """What a restore keeps to roll back counts against the memory budget."""
+def recorded_pools(monkeypatch) -> list:
+    """The undo pool of every restore that follows."""
     from casnap.restore import restore as restore_module
     from casnap.restore.undo import Undo
 
@@ -288,6 +288,13 @@ def test_saved_bytes_stay_within_half_the_budget(tmp_path, monkeypatch, budget):
             pools.append(self.pool)
 
     monkeypatch.setattr(restore_module, "Undo", Recorded)
+    return pools
+
+
+@pytest.mark.parametrize("budget", [16 * CHUNK, 40 * CHUNK])
+def test_saved_bytes_stay_within_half_the_budget(tmp_path, monkeypatch, budget):
+    """What a restore keeps to roll back counts against the memory budget."""
+    pools = recorded_pools(monkeypatch)
     state = state_of()
     take(tmp_path, state)
     target = patterned(state)
@@ -298,3 +305,80 @@ def test_saved_bytes_stay_within_half_the_budget(tmp_path, monkeypatch, budget):
     (pool,) = pools
     assert 0 < pool.peak <= budget // 2
     assert pool.in_use == 0
+
+
+# -- loose raw chunks verified on a mapping -------------------------------------
+
+
+def raw_state() -> dict[str, torch.Tensor]:
+    """Tensors of several loose raw chunks only (random floats do not compress)."""
+    gen = torch.Generator().manual_seed(1)
+    return {k: torch.randn(n * ELEMS, generator=gen) for k, n in (("a", 4), ("b", 5), ("c", 3))}
+
+
+def counted(tmp_path) -> tuple[CountingStore, dict]:
+    root = str(tmp_path / "repo")
+    store = CountingStore(LocalStore(root))
+    return store, {"repository": Repository.on_store(store)}
+
+
+def chunk_keys(snap: Snapshot, state) -> set[str]:
+    refs = [r for k in state for r in snap.get_manifest()[f"0/s/{k}"].chunks]
+    assert all(r.pack is None and is_raw(r) for r in refs)
+    return {f".casnap/chunks/{r.hash[:2]}/{r.hash}" for r in refs}
+
+
+def test_loose_raw_chunks_are_verified_on_a_mapping_and_saved_nowhere(tmp_path, monkeypatch):
+    pools = recorded_pools(monkeypatch)
+    state = raw_state()
+    snap = take(tmp_path, state)
+    keys = chunk_keys(snap, state)
+    store, options = counted(tmp_path)
+    target = patterned(state)
+    Snapshot(str(tmp_path / "repo" / "s1"), storage_options=options).restore(
+        {"s": StateDict(target)}
+    )
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert set(store.mapped_keys) == keys  # every chunk read through a mapping
+    (pool,) = pools
+    assert pool.peak == 0  # no byte of any target was saved aside
+    assert pool.held == 9 * CHUNK  # every chunk but each tensor's last held, then copied in
+
+
+@pytest.mark.parametrize("which", [0, 2, 4])
+def test_a_damaged_mapped_chunk_never_reaches_its_target(tmp_path, monkeypatch, which):
+    """The tensor keeps its previous value with nothing saved: no byte of it was written."""
+    pools = recorded_pools(monkeypatch)
+    state = raw_state()
+    snap = take(tmp_path, state)
+    chunk_keys(snap, state)
+    ref = snap.get_manifest()["0/s/b"].chunks[which]
+    damage(tmp_path, ref)
+    store, options = counted(tmp_path)
+    target = patterned(state)
+    with pytest.raises(IntegrityError, match=ref.hash):
+        Snapshot(str(tmp_path / "repo" / "s1"), storage_options=options).restore(
+            {"s": StateDict(target)}
+        )
+    assert torch.equal(target["b"], torch.full_like(target["b"], PATTERN))
+    assert_each_old_or_new(target, state, {"b"})
+    assert f".casnap/chunks/{ref.hash[:2]}/{ref.hash}" in store.mapped_keys
+    (pool,) = pools
+    assert pool.peak == 0  # nothing saved, so nothing was rolled back either
+
+
+def test_a_short_mapped_chunk_is_damage(tmp_path):
+    state = raw_state()
+    snap = take(tmp_path, state)
+    ref = snap.get_manifest()["0/s/c"].chunks[1]
+    os.truncate(object_path(tmp_path, ref), ref.length - 100)
+    store, options = counted(tmp_path)
+    target = patterned(state)
+    with pytest.raises(IntegrityError, match=ref.hash):
+        Snapshot(str(tmp_path / "repo" / "s1"), storage_options=options).restore(
+            {"s": StateDict(target)}
+        )
+    assert torch.equal(target["c"], torch.full_like(target["c"], PATTERN))
+    assert_each_old_or_new(target, state, {"c"})
+    damaged = list_damage(Repository.open(str(tmp_path / "repo")))
+    assert [d.chunk for d in damaged] == [ref.hash]  # recorded: the next take writes it again

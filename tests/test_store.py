@@ -300,6 +300,23 @@ def _refused(call: Callable[[], object], key: str, what: str) -> None:
     assert key in str(info.value) and what in str(info.value)
 
 
+def test_map_reads_a_local_object_in_place_and_wrappers_pass_it_on(local: LocalStore) -> None:
+    local.put("a/b", b"0123456789")
+    assert bytes(local.map("a/b", 100)) == b"0123456789"
+    assert bytes(local.map("a/b", 4)) == b"0123"  # never past the limit, as read_into
+    with pytest.raises(ObjectNotFoundError):
+        local.map("a/missing", 10)
+    counting = CountingStore(RetryingStore(local.child("a")))
+    assert bytes(counting.map("b", 10)) == b"0123456789"
+    assert counting.requests["get"] == 1 and counting.mapped_keys == ["b"]
+    with pytest.raises(ObjectNotFoundError) as info:
+        counting.map("missing", 10)
+    assert info.value.key == "missing" and counting.requests["get"] == 2
+    for remote in _memory_store():  # a store that cannot map: the caller reads instead
+        remote.put("b", b"x")
+        assert CountingStore(remote).map("b", 10) is None
+
+
 @pytest.mark.timeout(20)
 def test_local_store_reads_only_regular_files(local: LocalStore) -> None:
     specials = _plant_specials(Path(local.root))
@@ -309,6 +326,7 @@ def test_local_store_reads_only_regular_files(local: LocalStore) -> None:
         _refused(lambda k=key: local.get(k, limit=100), key, what)
         _refused(lambda k=key: local.get_range(k, 0, 10), key, what)
         _refused(lambda k=key, b=buf: local.read_into(k, b), key, what)
+        _refused(lambda k=key: local.map(k, 10), key, what)
         assert local.exists(key)  # the key is taken: reading it tells what is wrong
     assert local.get("d/inside") == b"a regular file"
     assert sorted(local.list("d")) == sorted(["d/inside", *specials])

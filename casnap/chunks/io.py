@@ -437,6 +437,7 @@ def read_chunks(
     budget: ByteBudget,
     dest: Callable[[int], memoryview | None] | None = None,
     landed: Callable[[int], None] | None = None,
+    mapped: Callable[[int], Callable[[Buffer], None] | None] | None = None,
 ) -> int:
     """Fetch, decode and verify ``refs``; ``sink(i, data)`` receives chunk ``i``.
 
@@ -451,6 +452,13 @@ def read_chunks(
     raises :class:`IntegrityError` after having been written to ``dest``;
     ``landed(i)``, when given, is called once chunk ``i`` read that way has
     been verified (the caller keeps what ``dest`` overwrote until then).
+
+    ``mapped(i)``, when given, may return a function that takes chunk ``i``'s
+    verified bytes instead: a loose chunk stored raw whose object the store
+    can map (:meth:`~casnap.store.base.ObjectStore.map`) is verified on the
+    mapping and only then handed to it (no ``dest`` or ``sink`` call), so no
+    unverified byte reaches the caller's memory. The bytes stay valid while
+    referenced. Where the store cannot map, ``dest`` and ``sink`` serve.
     """
     spans = plan_reads(refs)
     fetched = 0
@@ -481,9 +489,36 @@ def read_chunks(
             landed(i)
         return True
 
+    def from_mapping(span: Span) -> bool:
+        nonlocal fetched
+        if mapped is None or span.end >= 0 or len(span.items) != 1:
+            return False
+        i, ref = span.items[0]
+        if ref.length != codec.HEADER_SIZE + ref.size:
+            return False  # compressed: decoded through a buffer
+        take = mapped(i)
+        if take is None:
+            return False
+        try:
+            frame = repo.store.map(span.key, ref.length)
+        except ObjectNotFoundError as exc:
+            raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
+        except ObjectRefusedError as exc:  # a FIFO, a link: damage, as in fetch_span
+            contain(repo, ref, exc)
+            raise
+        if frame is None:
+            return False  # the store cannot map: read as usual
+        view = memoryview(frame)
+        with lock:
+            fetched += len(view)
+        head, payload = view[: codec.HEADER_SIZE], view[codec.HEADER_SIZE :]
+        verify_in_place(repo, span.key, ref, head, payload, len(view))  # a short file too
+        take(payload)
+        return True
+
     def run(span: Span) -> None:
         nonlocal fetched
-        if direct(span):
+        if from_mapping(span) or direct(span):
             return
         raw = sum(ref.size for _, ref in span.items)
         cost = raw + (span.end - span.start if span.end >= 0 else span.items[0][1].length)

@@ -227,11 +227,14 @@ class _Reads:
     landed: Callable[[int], None] | None = None  # a chunk read into ``dest`` verified
     before: Callable[[], None] = lambda: None  # allocate staging
     after: Callable[[], None] = lambda: None  # copy staging out
+    mapped: Callable[[int], Callable[[Any], None] | None] | None = None  # verified on a mapping
 
     def run(self, repo: RepoStorage, pool: ThreadPoolExecutor) -> None:
         self.before()
         if self.refs:
-            read_chunks(repo, self.refs, self.sink, pool, self.budget, self.dest, self.landed)
+            read_chunks(
+                repo, self.refs, self.sink, pool, self.budget, self.dest, self.landed, self.mapped
+            )
         self.after()
 
 
@@ -396,11 +399,19 @@ def _plain_batch(
         if guard is not None:
             guard.landed(routes[index][1])
 
+    def mapped(index: int) -> Callable[[Any], None] | None:
+        key, i = routes[index]
+        guard = guards.get(key)
+        size = refs[index].size
+        if guard is None or len(sinks[key].view_for(i, size)) != size:
+            return None  # read into place, or decoded through a buffer
+        return lambda data: guard.deliver(i, data)
+
     def before() -> None:
         undo.pool.limit = saved
 
     budget = ByteBudget(max(1, limit - saved))
-    return _Reads(refs, sink, budget, landing, landed, before)
+    return _Reads(refs, sink, budget, landing, landed, before, mapped=mapped)
 
 
 def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Reads]:

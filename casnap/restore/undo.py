@@ -13,6 +13,14 @@ of every tensor that is not complete.
 The one write that needs no copy: a verified chunk that completes its tensor
 (every other chunk has landed verified), as nothing of that tensor can fail
 after it. A tensor of one chunk decoded from a pack or from zstd costs nothing.
+
+Chunks that need no copy at all: a loose raw chunk of a local repository is
+verified on a read-only mapping of its object file before any byte of it
+moves (:meth:`~casnap.store.base.ObjectStore.map`). Such a verified chunk is
+*held* (:meth:`TensorUndo.deliver`), not written: once every chunk of the
+tensor is verified, the held chunks are copied in. Until then the target is
+untouched by them, so they have nothing to roll back; the pool serves only
+chunks that cannot be mapped (compressed, packed, remote).
 """
 
 from __future__ import annotations
@@ -33,6 +41,39 @@ def _address(buf: memoryview | bytearray | mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [  # noqa: RUF012  (CPython's Py_buffer)
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_PYBUF_ANY_CONTIGUOUS = 0x80
+
+
+def _read_address(buf: memoryview) -> int:
+    """The address of a contiguous, possibly read-only buffer's first byte (``buf`` keeps it)."""
+    info = _PyBuffer()
+    _get_buffer(buf, ctypes.byref(info), _PYBUF_ANY_CONTIGUOUS)  # raises if not contiguous
+    try:
+        return int(info.buf)
+    finally:
+        _release_buffer(ctypes.byref(info))
+
+
 def _fresh(n: int) -> bytearray | mmap.mmap:
     if _POPULATE and n >= mmap.PAGESIZE:
         return mmap.mmap(-1, n, flags=_FLAGS)
@@ -51,6 +92,7 @@ class UndoPool:
         self.limit = limit
         self.in_use = 0
         self.peak = 0  # most bytes held (in use + idle) at once
+        self.held = 0  # bytes of verified chunks held off their targets (mappings), in all
         self._idle = 0
         self._free: dict[int, list[tuple[bytearray | mmap.mmap, int]]] = {}
         self._lock = threading.Lock()
@@ -69,6 +111,10 @@ class UndoPool:
             self.peak = max(self.peak, self.in_use + self._idle)
         buf = _fresh(n)
         return buf, _address(buf)
+
+    def count_held(self, n: int) -> None:
+        with self._lock:
+            self.held += n
 
     def give(self, item: tuple[bytearray | mmap.mmap, int]) -> None:
         n = len(item[0])
@@ -92,7 +138,9 @@ class TensorUndo:
         self._base = _address(view)
         self._chunk_size = chunk_size
         self._remaining = chunks
+        self._size = len(view)
         self._saved: list[tuple[int, int, tuple[bytearray | mmap.mmap, int]]] = []
+        self._held: list[tuple[int, memoryview]] = []  # verified, not yet written
         self._lock = threading.Lock()
 
     def before_write(self, index: int, size: int, *, verified: bool) -> None:
@@ -107,15 +155,39 @@ class TensorUndo:
         with self._lock:
             self._saved.append((start, size, item))
 
+    def deliver(self, index: int, data: memoryview) -> None:
+        """Chunk ``index``'s verified bytes (``data`` must stay valid): written once all are."""
+        start = index * self._chunk_size
+        if start + len(data) > self._size:
+            raise ValueError(f"chunk {index} ends past its tensor")  # the caller checked
+        with self._lock:
+            hold = self._remaining > 1
+            if hold:
+                self._remaining -= 1
+                self._held.append((start, data))
+        if hold:
+            self._pool.count_held(len(data))
+            return
+        self._copy_in(start, data)  # the last one: nothing of this tensor can fail now
+        self.landed(index)
+
+    def _copy_in(self, start: int, data: memoryview) -> None:
+        if len(data):
+            ctypes.memmove(self._base + start, _read_address(data), len(data))  # releases the GIL
+
     def landed(self, index: int) -> None:
         with self._lock:
-            self._remaining -= 1
-            done, saved = self._remaining == 0, self._saved
-            if done:
-                self._saved = []
-        if done:
-            for _start, _size, item in saved:
-                self._pool.give(item)
+            if self._remaining > 1:
+                self._remaining -= 1
+                return
+            held, self._held = self._held, []
+        for start, data in held:  # every chunk is verified: the held ones go in
+            self._copy_in(start, data)
+        with self._lock:
+            self._remaining = 0
+            saved, self._saved = self._saved, []
+        for _start, _size, item in saved:
+            self._pool.give(item)
 
     @property
     def complete(self) -> bool:
@@ -125,6 +197,7 @@ class TensorUndo:
         """Put back every saved range (the tensor's previous value where anything landed)."""
         with self._lock:
             saved, self._saved = self._saved, []
+            self._held = []  # never written: nothing to put back
         for start, size, item in reversed(saved):
             ctypes.memmove(self._base + start, item[1], size)
             self._pool.give(item)

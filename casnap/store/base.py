@@ -14,6 +14,9 @@ Around them, with defaults a minimal backend inherits:
   that never finished (a crashed local put's temp file), which ``list`` never
   shows. Backends whose puts leave nothing behind inherit "none".
 - ``flush()``: makes earlier non-durable puts *and deletes* durable.
+- ``map(key, limit)``: the object's first ``limit`` bytes as a read-only
+  buffer mapped from where they lie (a local file), no copy; ``None`` where
+  the backend cannot map (every remote store), and the caller reads instead.
 - ``unwrap()``: the backend below views and wrappers (:class:`PrefixStore`,
   a counting or retrying wrapper), for code that must know what it talks to.
 - ``capabilities``: what the backend promises beyond the contract
@@ -32,7 +35,7 @@ which a third-party backend can run too):
   small record can never fill memory. Without ``limit`` the whole object is read.
 - Only regular objects are read: where a backend can hold something else at a
   key (a local directory: a FIFO, a device, a socket, a symbolic link),
-  ``get``, ``get_range`` and ``read_into`` raise :class:`ObjectRefusedError`
+  ``get``, ``get_range``, ``read_into`` and ``map`` raise :class:`ObjectRefusedError`
   at once, without blocking or following it. ``exists`` is true for it (the
   key is taken), so a reader goes on to read it and is told what is wrong.
 - ``get``/``get_range`` of a missing key raise :class:`ObjectNotFoundError`.
@@ -158,6 +161,17 @@ class ObjectStore(ABC):
             pos += n
         return pos
 
+    def map(self, key: str, limit: int) -> Buffer | None:
+        """The object's first ``limit`` bytes (fewer if it is shorter) as a read-only
+        buffer mapped from its file, or ``None`` if the store cannot map it.
+
+        Raises as :meth:`read_into` would (missing, refused); like it, reads
+        nothing past ``limit``. The mapping lives as long as the buffer is referenced.
+        A restore verifies a chunk on the mapping before any byte of it reaches
+        a target (docs/pipeline.md, "A failed restore"). The default: ``None``.
+        """
+        return None
+
     def flush(self) -> None:  # noqa: B027  (a no-op default, not an abstract method)
         """Make every earlier non-durable put durable (a no-op where puts always are)."""
 
@@ -237,6 +251,10 @@ class PrefixStore(ObjectStore):
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
         with self._as_seen(key):
             return self.inner.read_into(self._k(key), buffers)
+
+    def map(self, key: str, limit: int) -> Buffer | None:
+        with self._as_seen(key):
+            return self.inner.map(self._k(key), limit)
 
     def exists(self, key: str) -> bool:
         with self._as_seen(key):

@@ -6,7 +6,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 
-from casnap.store.base import Data, ObjectInfo, ObjectStore, as_parts
+from casnap.store.base import Buffer, Data, ObjectInfo, ObjectStore, as_parts
 
 
 class CountingStore(ObjectStore):
@@ -30,6 +30,7 @@ class CountingStore(ObjectStore):
             self.bytes_read = 0
             self.written_keys: list[str] = []
             self.read_keys: list[str] = []
+            self.mapped_keys: list[str] = []  # objects read through ``map`` (also counted as gets)
 
     def _count(self, op: str, read: int = 0, written: int = 0, key: str | None = None) -> None:
         with self._lock:
@@ -77,6 +78,20 @@ class CountingStore(ObjectStore):
             return n
         finally:
             self._count("get", read=n, key=key)
+
+    def map(self, key: str, limit: int) -> Buffer | None:
+        buf = None
+        try:
+            buf = self.inner.map(key, limit)
+            return buf
+        except BaseException:
+            self._count("get", key=key)  # a failed read is a request too
+            raise
+        finally:
+            if buf is not None:  # None: nothing was read, the caller reads it instead
+                self._count("get", read=len(buf), key=key)
+                with self._lock:
+                    self.mapped_keys.append(key)
 
     def exists(self, key: str) -> bool:
         self._count("exists")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import stat
 import threading
@@ -18,6 +19,7 @@ from casnap.errors import (
     StoreError,
 )
 from casnap.store.base import (
+    Buffer,
     Capabilities,
     Data,
     ObjectInfo,
@@ -41,6 +43,10 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 # What opening a symbolic link (O_NOFOLLOW), a socket or a dead device answers.
 _REFUSED_OPEN = (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP)
 _READ_STEP = 1 << 20  # bytes per read() of a limited get
+# A mapping is read-only and populated when it is made (Linux: MAP_POPULATE), so
+# reading it faults no page; without MAP_SHARED/PROT_READ (Windows) no mapping.
+_MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
+_CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
 
 
 class LocalStore(ObjectStore):
@@ -147,6 +153,40 @@ class LocalStore(ObjectStore):
                 views = _advance(views, n)
             return total
         except OSError as exc:
+            raise _translate(exc, key) from exc
+        finally:
+            os.close(fd)
+
+    def map(self, key: str, limit: int) -> Buffer | None:
+        """The first ``limit`` bytes (at most) of the file at ``key``, mapped read-only.
+
+        The file is opened as by ``get`` (a regular file, never through a link).
+
+        Reading a mapping whose file was truncated meanwhile raises SIGBUS,
+        which no Python code can catch. casnap never truncates an object: a put
+        renames a new file into place and the mapped inode stays whole, a
+        delete unlinks it (the mapping keeps it). Only another program cutting
+        the file in place could; the size is checked again once the mapping is
+        made (and populated), and a file that shrank is not mapped (``None``).
+        """
+        if not _CAN_MAP:
+            return None
+        fd, size = self._open(key)
+        try:
+            length = min(size, limit)  # a longer file: its first bytes, as read_into reads them
+            if length <= 0:
+                return b""  # mmap refuses an empty range; nothing to map
+            try:
+                mapped = mmap.mmap(fd, length, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+            except (OSError, ValueError):
+                return None  # a file system that cannot map: the caller reads instead
+            if os.fstat(fd).st_size < length:
+                mapped.close()
+                return None
+            return memoryview(mapped)
+        except OSError as exc:
+            if isinstance(exc, StoreError):
+                raise
             raise _translate(exc, key) from exc
         finally:
             os.close(fd)
