@@ -16,8 +16,9 @@ hash before its bytes are handed on, and a damaged one is contained
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from casnap.chunks.budget import ByteBudget
@@ -411,6 +412,33 @@ def plan_reads(refs: list[ChunkRef]) -> list[Span]:
     return spans
 
 
+@contextmanager
+def _refused_is_damage(repo: RepoStorage, span: Span) -> Iterator[None]:
+    """What casnap will not read at ``span``'s key is damage to every chunk of it: contained."""
+    try:
+        yield
+    except ObjectRefusedError as exc:  # a FIFO, a link, a loose object longer than its frame
+        for _, ref in span.items:
+            contain(repo, ref, exc)
+        raise
+
+
+@contextmanager
+def _missing_is_integrity_error(span: Span) -> Iterator[None]:
+    try:
+        yield
+    except ObjectNotFoundError as exc:
+        raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
+
+
+def _raw_loose(span: Span) -> tuple[int, ChunkRef] | None:
+    """The one chunk of ``span`` if it is a loose object stored raw (readable in place)."""
+    if span.end >= 0 or len(span.items) != 1:
+        return None
+    i, ref = span.items[0]
+    return (i, ref) if ref.length == codec.HEADER_SIZE + ref.size else None
+
+
 def fetch_span(repo: RepoStorage, span: Span) -> bytes:
     """The stored bytes of ``span``: a loose object (at most its frame's length) or a pack range.
 
@@ -419,14 +447,10 @@ def fetch_span(repo: RepoStorage, span: Span) -> bytes:
     the span: contained like a frame that fails its check (docs/damage.md),
     so the next take writes those chunks again, then raised.
     """
-    try:
+    with _refused_is_damage(repo, span):
         if span.end < 0:
             return repo.store.get(span.key, limit=span.items[0][1].length)
         return repo.store.get_range(span.key, span.start, span.end)
-    except ObjectRefusedError as exc:
-        for _, ref in span.items:
-            contain(repo, ref, exc)
-        raise
 
 
 def read_chunks(
@@ -466,22 +490,16 @@ def read_chunks(
 
     def direct(span: Span) -> bool:
         nonlocal fetched
-        if dest is None or span.end >= 0 or len(span.items) != 1:
-            return False
-        i, ref = span.items[0]
-        if ref.length != codec.HEADER_SIZE + ref.size:
-            return False  # compressed: must be decoded through a buffer
+        one = _raw_loose(span)
+        if dest is None or one is None:
+            return False  # compressed or packed: decoded through a buffer
+        i, ref = one
         view = dest(i)
         if view is None or len(view) != ref.size:
             return False
         head = bytearray(codec.HEADER_SIZE)
-        try:
+        with _missing_is_integrity_error(span), _refused_is_damage(repo, span):
             n = repo.store.read_into(span.key, [memoryview(head), view])
-        except ObjectNotFoundError as exc:
-            raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
-        except ObjectRefusedError as exc:  # a FIFO, a link: damage, as in fetch_span
-            contain(repo, ref, exc)
-            raise
         with lock:
             fetched += n
         verify_in_place(repo, span.key, ref, head, view, n)
@@ -491,21 +509,15 @@ def read_chunks(
 
     def from_mapping(span: Span) -> bool:
         nonlocal fetched
-        if mapped is None or span.end >= 0 or len(span.items) != 1:
+        one = _raw_loose(span)
+        if mapped is None or one is None:
             return False
-        i, ref = span.items[0]
-        if ref.length != codec.HEADER_SIZE + ref.size:
-            return False  # compressed: decoded through a buffer
+        i, ref = one
         take = mapped(i)
         if take is None:
             return False
-        try:
+        with _missing_is_integrity_error(span), _refused_is_damage(repo, span):
             frame = repo.store.map(span.key, ref.length)
-        except ObjectNotFoundError as exc:
-            raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
-        except ObjectRefusedError as exc:  # a FIFO, a link: damage, as in fetch_span
-            contain(repo, ref, exc)
-            raise
         if frame is None:
             return False  # the store cannot map: read as usual
         view = memoryview(frame)
@@ -524,12 +536,8 @@ def read_chunks(
         cost = raw + (span.end - span.start if span.end >= 0 else span.items[0][1].length)
         budget.acquire(cost)
         try:
-            try:
+            with _missing_is_integrity_error(span):
                 blob = fetch_span(repo, span)
-            except ObjectNotFoundError as exc:
-                raise IntegrityError(
-                    f"{span.key} is missing from the repository", span.key
-                ) from exc
             with lock:
                 fetched += len(blob)
             mv = memoryview(blob)
