@@ -30,7 +30,7 @@ from casnap.errors import IntegrityError, ObjectNotFoundError, ObjectRefusedErro
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
 from casnap.repo.damage import DamagedCopy, record_damage
-from casnap.repo.repository import RepoStorage, chunk_key
+from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 
 Buffer = codec.Buffer
 
@@ -63,19 +63,29 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
 
 def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:
     """The verified bytes of the loose object ``chunks/<h>`` standing in for a damaged frame."""
-    loose = ChunkRef(hash=ref.hash, size=ref.size, length=ref.length)
-    key = chunk_key(ref.hash)
+    loose = ChunkRef(hash=ref.hash, size=ref.size, length=codec.HEADER_SIZE + ref.size)
+    return read_copy(repo, loose, record=True)  # a frame's most: header + raw bytes
+
+
+def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
+    """The verified bytes of one stored copy, or None (damage recorded if ``record``)."""
+    key = pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
     try:
-        blob = repo.store.get(key, limit=codec.HEADER_SIZE + ref.size)  # a frame's most
+        if ref.pack is None:
+            blob = repo.store.get(key, limit=ref.length)
+        else:
+            blob = repo.store.get_range(key, ref.offset, ref.offset + ref.length)
     except ObjectNotFoundError:
         return None
-    except ObjectRefusedError as exc:
-        contain(repo, loose, exc)
+    except ObjectRefusedError as exc:  # a FIFO, a link, a loose object longer than its frame
+        if record:
+            contain(repo, ref, exc)
         return None
     try:
         return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size)
     except IntegrityError as exc:
-        contain(repo, loose, exc)
+        if record:
+            contain(repo, ref, exc)
         return None
 
 

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from casnap.chunks.damage import contain
+from casnap.chunks.damage import read_copy
 from casnap.chunks.io import object_name
-from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
+from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.format.names import digest_of
@@ -53,28 +53,6 @@ class ChunkSource(Protocol):
 
     def fetch(self, chunk: str, size: int) -> Buffer | None:
         """Bytes claimed to be chunk ``chunk`` (``size`` bytes), or None."""
-
-
-def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
-    """The verified bytes of one stored copy, or None (damage recorded if ``record``)."""
-    key = object_name(ref)
-    try:
-        if ref.pack is None:
-            blob = repo.store.get(key, limit=ref.length)
-        else:
-            blob = repo.store.get_range(key, ref.offset, ref.offset + ref.length)
-    except ObjectNotFoundError:
-        return None
-    except ObjectRefusedError as exc:  # a FIFO, a link, a loose object longer than its frame
-        if record:
-            contain(repo, ref, exc)
-        return None
-    try:
-        return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size)
-    except IntegrityError as exc:
-        if record:
-            contain(repo, ref, exc)
-        return None
 
 
 class SnapshotSource:
