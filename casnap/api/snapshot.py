@@ -235,25 +235,54 @@ class Snapshot:
         return self._manifest_hash
 
     @property
-    def metadata(self) -> dict[str, Any]:
-        return dict(self.manifest.metadata)
+    def metadata(self) -> SnapshotMetadata:
+        """The ``metadata`` given to the take (a dict), with torchsnapshot's
+        ``version``, ``world_size`` and ``manifest`` as attributes.
+
+        Example: ``snap.metadata["step"]``, ``snap.metadata.world_size``.
+        """
+        m = self.manifest
+        return SnapshotMetadata(m.metadata, m.format_version, m.world_size, dict(m.entries))
 
     def get_manifest(self) -> dict[str, Entry]:
-        """Entries by logical key (``"0/model/0.weight"``), as torchsnapshot returns them."""
+        """Entries by logical key (``"0/model/0.weight"``), as torchsnapshot returns them.
+
+        Every entry has torchsnapshot's ``type`` and ``replicated`` (true for a
+        tensor written once for every rank); tensors their ``dtype`` and
+        ``shape``, pickled objects ``serializer`` and ``obj_type``, floats
+        ``readable``. Example: ``snap.get_manifest()["0/model/weight"].shape``.
+        """
         return dict(self.manifest.entries)
 
     def restore(
         self,
         app_state: dict[str, Any],
-        strict: bool = True,
+        strict: bool = False,
         *,
         allow_pickle: bool = False,
         memory_budget_bytes: int | None = None,
     ) -> None:
         """Load the snapshot into ``app_state``, in place into its existing tensors.
 
-        Everything is validated before anything is modified: keys (``strict``),
-        shapes and dtypes, and pickled entries (refused unless ``allow_pickle``).
+        As in torchsnapshot, each stateful's ``load_state_dict`` receives the
+        state dict the snapshot holds for it: members the target lacks are
+        materialized (a ``None`` placeholder receives the stored value), a
+        tensor of the stored dtype and shape is filled in place and passed
+        back as the same object, and ``load_state_dict`` decides (an
+        ``nn.Module``'s own strictness applies). Every key of ``app_state``
+        must be in the snapshot. ``RNGState`` is loaded last.
+
+        Everything casnap can check is checked before anything is modified:
+        shapes and dtypes of in-place tensors, pickled entries (refused unless
+        ``allow_pickle``), damaged chunks, and with ``strict=True`` that the
+        target's keys and the snapshot's match (:class:`casnap.MissingKeyError`,
+        :class:`casnap.UnexpectedKeyError`). A ``load_state_dict`` that raises
+        does so after every read (docs/pipeline.md, "A failed restore").
+
+        Example::
+
+            model = torch.nn.Linear(4, 2)
+            Snapshot("/ckpt/run1/step_100").restore({"model": model})
         """
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         rank = _group(self.pg).rank  # not collective: each rank restores its own state
@@ -286,6 +315,31 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return f"Snapshot({self.path!r})"
+
+
+class SnapshotMetadata(dict):  # type: ignore[type-arg]
+    """What :attr:`Snapshot.metadata` returns: the take's ``metadata`` dict, plus
+    torchsnapshot's ``SnapshotMetadata`` fields as attributes.
+
+    ``version`` is the manifest's format version (docs/format.md; torchsnapshot
+    stores its package version there), ``world_size`` the number of ranks that
+    took the snapshot, ``manifest`` the entries as :meth:`Snapshot.get_manifest`
+    returns them.
+
+    Example::
+
+        meta = Snapshot.take(path, app_state, metadata={"step": 100}).metadata
+        assert meta == {"step": 100} and meta.world_size == 1
+        meta.manifest["0/model/weight"].dtype
+    """
+
+    def __init__(
+        self, user: dict[str, Any], version: str, world_size: int, manifest: dict[str, Entry]
+    ) -> None:
+        super().__init__(user)
+        self.version = version
+        self.world_size = world_size
+        self.manifest = manifest
 
 
 class PendingSnapshot:

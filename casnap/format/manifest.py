@@ -64,6 +64,19 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class _PerRank:
+    """``replicated`` for entries casnap never replicates across ranks (torchsnapshot's field).
+
+    Only dense tensors are written once for every rank (docs/distributed.md);
+    primitives, containers and pickled objects are each rank's own, and a
+    sharded entry holds every rank's shards. Read-only: not stored.
+    """
+
+    @property
+    def replicated(self) -> bool:
+        return False
+
+
 class ChunkRef(_Model):
     """Where one chunk lives: a loose object (``pack`` is null) or a frame inside a pack."""
 
@@ -110,6 +123,11 @@ class TensorEntry(_Model):
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
+    @property
+    def type(self) -> str:
+        """torchsnapshot's entry type name."""
+        return "Tensor"
+
     @model_validator(mode="after")
     def _arithmetic(self) -> TensorEntry:
         if self.dtype not in DTYPE_ITEMSIZE:
@@ -128,15 +146,27 @@ class TensorEntry(_Model):
 PrimitiveType = Literal["int", "float", "bool", "str", "none", "bytes", "complex", "dtype"]
 
 
-class PrimitiveEntry(_Model):
+class PrimitiveEntry(_PerRank, _Model):
     """A Python scalar stored inline as JSON (floats as exact hex strings)."""
 
     kind: Literal["primitive"] = "primitive"
     type: PrimitiveType
     value: StrictBool | StrictInt | StrictStr | None | list[StrictStr]
 
+    @property
+    def readable(self) -> str | None:
+        """A float's value as ``str(value)`` (torchsnapshot's field); None for other types."""
+        if self.type != "float" or not isinstance(self.value, str):
+            return None
+        if self.value.startswith("nan:"):
+            return "nan"  # a NaN with a sign or payload (docs/format.md)
+        try:
+            return str(float.fromhex(self.value))
+        except ValueError:
+            return None
 
-class ContainerEntry(_Model):
+
+class ContainerEntry(_PerRank, _Model):
     """A dict, OrderedDict, list or tuple; its members are entries under ``<key>/<member>``."""
 
     kind: Literal["container"] = "container"
@@ -144,7 +174,7 @@ class ContainerEntry(_Model):
     keys: list[StrictInt | StrictStr]
 
 
-class ObjectEntry(_Model):
+class ObjectEntry(_PerRank, _Model):
     """An arbitrary Python object, pickled. Loading it needs an explicit opt-in."""
 
     kind: Literal["object"] = "object"
@@ -153,6 +183,16 @@ class ObjectEntry(_Model):
     size: Size
     chunk_size: ChunkSize
     chunks: list[ChunkRef]
+
+    @property
+    def type(self) -> str:
+        """torchsnapshot's entry type name."""
+        return "object"
+
+    @property
+    def obj_type(self) -> str:
+        """torchsnapshot's name for :attr:`type_name`."""
+        return self.type_name
 
     @model_validator(mode="after")
     def _arithmetic(self) -> ObjectEntry:
@@ -172,7 +212,7 @@ class ShardRecord(_Model):
     chunks: list[ChunkRef]
 
 
-class ShardedEntry(_Model):
+class ShardedEntry(_PerRank, _Model):
     """A tensor stored as shards with global offsets (a DTensor or a ShardedTensor).
 
     Every rank's key holds the same entry: the global shape and every unique
@@ -189,6 +229,11 @@ class ShardedEntry(_Model):
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def type(self) -> str:
+        """torchsnapshot's entry type name."""
+        return "ShardedTensor"
 
     @model_validator(mode="after")
     def _arithmetic(self) -> ShardedEntry:

@@ -2,15 +2,15 @@
 
 A restore plans before it touches anything: every requested stateful is
 matched against the manifest, shapes and dtypes of in-place targets are
-checked, strictness is enforced and pickled entries are refused without the
-opt-in. Only then are chunks read (in place into existing tensors where
-possible) and ``load_state_dict`` called, RNG state last.
+checked, pickled entries are refused without the opt-in, and with
+``strict=True`` keys must match. Only then are chunks read (in place into
+existing tensors where possible) and ``load_state_dict`` called with the
+state dict the snapshot holds, RNG state last.
 """
 
 from __future__ import annotations
 
 import pickle
-import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,12 +24,10 @@ from casnap.errors import (
     IntegrityError,
     MissingKeyError,
     PickleNotAllowedError,
-    UnexpectedKeyError,
     UnsupportedValueError,
 )
 from casnap.format.manifest import (
     ChunkRef,
-    ContainerEntry,
     Manifest,
     ObjectEntry,
     ShardedEntry,
@@ -38,14 +36,13 @@ from casnap.format.manifest import (
 from casnap.format.names import escape_key
 from casnap.format.tree import subtree
 from casnap.repo.repository import RepoStorage
+from casnap.restore.keys import MAX_LISTED, check_keys, failed_load_note, listed
 from casnap.restore.reshard import ShardedSink
 from casnap.restore.undo import TensorUndo, Undo
 from casnap.settings import read_workers_for
 from casnap.torch_io.flatten import inflate, leaves_of
 from casnap.torch_io.stateful import RNGState
 from casnap.torch_io.tensors import TensorSink, check_target, fills_in_place
-
-_MAX_LISTED = 8
 
 
 @dataclass
@@ -55,11 +52,6 @@ class _Load:
     tensors: dict[str, tuple[TensorEntry, torch.Tensor | None]]
     objects: dict[str, ObjectEntry]
     sharded: dict[str, ShardedSink]
-
-
-def _listed(keys: list[str]) -> str:
-    more = f" and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else ""
-    return ", ".join(repr(k) for k in keys[:_MAX_LISTED]) + more
 
 
 def _plan_subtree(
@@ -91,29 +83,6 @@ def _plan_subtree(
                 )
             load.objects[k] = entry
     return keys
-
-
-def _strictness(
-    manifest: Manifest, prefix: str, stored: list[str], target: dict[str, Any]
-) -> tuple[list[str], list[str]]:
-    """Keys the target has that the snapshot lacks, and stored keys the target does not expect.
-
-    An empty container in the target (a fresh optimizer's ``state``) accepts
-    whatever the snapshot holds below it.
-    """
-    stored_set = set(stored)
-    missing = [k for k in target if k not in stored_set]
-    unexpected = []
-    for k in stored:
-        if k in target:
-            continue
-        parent = k.rsplit("/", 1)[0]
-        if parent in target:
-            t_parent = target[parent]
-            accepts = isinstance(t_parent, (Mapping, list, tuple)) and len(t_parent) == 0
-            if not accepts and isinstance(manifest.entries.get(parent), ContainerEntry):
-                unexpected.append(k)
-    return missing, unexpected
 
 
 def _check_stateful(key: Any, stateful: Any) -> None:
@@ -172,40 +141,44 @@ def restore_state(
     allow_pickle: bool,
     memory_budget_bytes: int | None,
 ) -> None:
+    """Load ``manifest`` into ``app_state``: validate all, read all, then ``load_state_dict``.
+
+    Each stateful gets the state dict the snapshot holds for it (as
+    torchsnapshot builds it): members its current state lacks are
+    materialized, a member it holds as a tensor of the stored dtype and shape
+    receives the bytes in place (the state dict hands it that same tensor),
+    and its ``load_state_dict`` decides what to accept. ``strict`` adds
+    casnap's key check: the target's keys and the snapshot's must match,
+    checked before anything is read.
+    """
     for key, stateful in app_state.items():
         _check_stateful(key, stateful)
-    plans: list[tuple[str, Any, str, dict[str, Any]]] = []
+    plans: list[tuple[str, Any, str]] = []
     load = _Load({}, {}, {})
     for key, stateful in app_state.items():
         prefix = rank_prefix(manifest, key, rank)
         if prefix not in manifest.entries:
-            if strict:
-                raise MissingKeyError(
-                    f"app_state key {key!r} is not in the snapshot (looked for {prefix!r})", key
-                )
-            warnings.warn(f"casnap: {key!r} is not in the snapshot; left as it is", stacklevel=3)
-            continue
+            raise MissingKeyError(
+                f"app_state key {key!r} is not in the snapshot (looked for {prefix!r}); "
+                "restore a subset of the app_state the snapshot was taken with",
+                key,
+            )
         target: dict[str, Any] = {}
         leaves_of(stateful.state_dict(), prefix, target)
         stored = _plan_subtree(manifest, prefix, target, allow_pickle, load)
-        missing, unexpected = _strictness(manifest, prefix, stored, target)
-        if strict and missing:
-            raise MissingKeyError(
-                f"{key!r}: the target expects keys the snapshot does not hold: {_listed(missing)}",
-                missing[0],
-            )
-        if strict and unexpected:
-            raise UnexpectedKeyError(
-                f"{key!r}: the snapshot holds keys the target does not expect: "
-                f"{_listed(unexpected)} (use strict=False to skip them)",
-                unexpected[0],
-            )
-        plans.append((key, stateful, prefix, target))
+        if strict:
+            check_keys(manifest, key, prefix, stored, target)
+        plans.append((key, stateful, prefix))
     values = load_values(repo, load, memory_budget_bytes)
     # RNG state goes last so that no other load_state_dict can consume randomness after it.
     plans.sort(key=lambda p: isinstance(p[1], RNGState))
-    for _key, stateful, prefix, target in plans:
-        stateful.load_state_dict(inflate(manifest.entries, prefix, values, target))
+    for n, (key, stateful, prefix) in enumerate(plans):
+        state = inflate(manifest.entries, prefix, values, {})  # the snapshot's own structure
+        try:
+            stateful.load_state_dict(state)
+        except Exception as exc:
+            exc.add_note(failed_load_note(key, [p[0] for p in plans[:n]]))
+            raise
 
 
 @dataclass
@@ -478,8 +451,8 @@ def read_entry(
     memory_budget_bytes: int | None,
 ) -> Any:
     if path not in manifest.entries:
-        near = [k for k in manifest.entries if k.endswith(path) or path in k][:_MAX_LISTED]
-        hint = f"; did you mean {_listed(near)}?" if near else ""
+        near = [k for k in manifest.entries if k.endswith(path) or path in k][:MAX_LISTED]
+        hint = f"; did you mean {listed(near)}?" if near else ""
         raise MissingKeyError(f"no entry {path!r} in the snapshot{hint}", path)
     target: dict[str, Any] = {}
     if obj_out is not None:

@@ -23,7 +23,7 @@ from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import Settings, io_workers_for, is_set
 from casnap.take.session import Session
 from casnap.torch_io.flatten import Node, TensorLeaf, flatten
-from casnap.torch_io.stateful import RNGState
+from casnap.torch_io.stateful import RNGState, rng_keeper
 
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
@@ -82,6 +82,7 @@ def collect(
     app_state: Mapping[str, Any], rank: int, allow_pickle: bool, prepare: TensorPrepareFunc | None
 ) -> dict[str, Node]:
     nodes: dict[str, Node] = {}
+    put_back_rng = rng_keeper(app_state)  # state_dict() calls may draw random numbers
     for key, stateful in _order(app_state):
         if not isinstance(key, str) or not key or not _utf8(key):
             raise UnsupportedValueError(
@@ -94,6 +95,7 @@ def collect(
                 key,
             )
         flatten(stateful.state_dict(), f"{rank}/{escape_key(key)}", allow_pickle, nodes)
+    put_back_rng()
     if prepare is not None:
         for key, node in nodes.items():
             if isinstance(node, TensorLeaf):

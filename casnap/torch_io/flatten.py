@@ -237,10 +237,11 @@ def inflate(
 ) -> Any:
     """Rebuild the object stored at ``key``.
 
-    ``values`` holds the loaded tensors and objects by key. Where the target
+    ``values`` holds the loaded tensors and objects by key. Where ``target``
     has a non-empty dict at a path, its keys decide the members: members the
     snapshot lacks keep the target's value and members the target lacks are
-    dropped (restore checks both against ``strict`` before calling this).
+    dropped (``read_object`` into a dict ``obj_out``). A restore passes no
+    target: it hands ``load_state_dict`` the snapshot's own structure.
     """
     if depth > MAX_DEPTH:
         raise ManifestValidationError(f"{key}: nested deeper than {MAX_DEPTH} levels", key)
