@@ -231,15 +231,30 @@ def take_steps(root: str, steps: list[int]) -> Checkpointer:
     return ckpt
 
 
-def flip_a_chunk_byte(root: Path, step: int) -> str:
-    """Flip one byte in a loose chunk of ``step``'s weights (a chunk no other step shares)."""
+def flip_a_chunk_byte(root: Path, step: int, *, delete: bool = False) -> str:
+    """Flip one byte in (or delete) a loose chunk of ``step``'s weights (a chunk no other
+    step shares)."""
     ref = Snapshot(f"{root}/{name(step)}").get_manifest()["0/model/w"].chunks[6]
     assert ref.pack is None
     path = root / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    if delete:
+        path.unlink()
+        return ref.hash
     data = bytearray(path.read_bytes())
     data[-10] ^= 0x01
     path.write_bytes(bytes(data))
     return ref.hash
+
+
+def test_a_missing_chunk_in_the_newest_snapshot_is_skipped_too(tmp_path, caplog):
+    root = tmp_path / "run"
+    take_steps(str(root), [5, 10])
+    flip_a_chunk_byte(root, 10, delete=True)
+    state = fresh()
+    with caplog.at_level(logging.WARNING, logger="casnap"):
+        assert Checkpointer(str(root), 5).restore_latest(state) == 5
+    assert same_bits(state, expected(5))
+    assert any("missing" in r.getMessage() and name(10) in r.getMessage() for r in caplog.records)
 
 
 def test_restore_latest_resumes_from_the_newest_snapshot_that_restores(tmp_path, caplog):
