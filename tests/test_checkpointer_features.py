@@ -423,3 +423,21 @@ def test_the_time_trigger_is_agreed_across_ranks(tmp_path):
     root = str(tmp_path / "run")
     assert values(run_ranks(2, time_trigger_on_two_ranks, root)) == [[2, 4, 6], [2, 4, 6]]
     assert Repository.open(root).list_snapshots() == [name(2), name(4), name(6)]
+
+
+def test_take_on_preemption_needs_the_main_thread(tmp_path):
+    import threading
+
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            Checkpointer(str(tmp_path / "run"), 5, take_on_preemption=True)
+        except BaseException as exc:  # reported to the test's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and isinstance(errors[0], ConfigError)
+    assert "main thread" in str(errors[0])
