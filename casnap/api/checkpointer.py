@@ -1,4 +1,5 @@
-"""The every-N-steps loop helper: take, async take, retention, resume from the latest.
+"""The training-loop helper: take every N steps or T seconds, on request, at the end
+and on preemption; async takes; retention; resume from the newest snapshot that restores.
 
 Example::
 
@@ -7,29 +8,55 @@ Example::
 
     app_state = {"model": model, "optim": optimizer}
     with Checkpointer(
-        "/ckpt/run1", every_n_steps=500, async_take=True,
+        "/ckpt/run1", every_n_steps=500, every_seconds=1800, async_take=True,
         retention=RetentionPolicy(KeepLast(3), KeepBest(1, "loss")),
+        take_on_close=True, take_on_preemption=True,
     ) as ckpt:
         start = ckpt.restore_latest(app_state)  # None on a fresh run
         for step in range(0 if start is None else start + 1, total_steps):
             loss = train_step()
             ckpt.maybe_take(step, app_state, metrics={"loss": loss})
+    best = ckpt.best_step()  # by the KeepBest metric
 
 A Checkpointer's snapshots are those whose name is ``name_format`` applied to
 their ``metadata["step"]``; listing, resuming and retention see only those, so
 other snapshots in the same repository (a base model, another run's
 checkpoints under another name format) are never touched.
+
+Decisions (docs/retention.md, "The Checkpointer"): a take on close is opt-in
+(``take_on_close``, like Lightning's ``save_last``; Orbax takes none) and never
+follows an exception; the SIGTERM take is opt-in; a non-finite metric is
+stored as a string and is never best; ``restore_latest`` skips a snapshot
+that fails its checks or whose restore meets damage, logs why (logger
+``casnap.checkpointer``), and raises when none restores.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
+from casnap.api.checkpointer_resume import pick_best, resume, try_restore
+from casnap.api.checkpointer_triggers import (
+    Clock,
+    PreemptionGuard,
+    Schedule,
+    any_rank,
+    preemption_signals,
+)
 from casnap.api.snapshot import PendingSnapshot, Snapshot
-from casnap.errors import CasnapError, ConfigError, as_names, as_path, expect_type
+from casnap.errors import (
+    CasnapError,
+    ConfigError,
+    SnapshotNotFoundError,
+    as_names,
+    as_path,
+    expect_type,
+)
 from casnap.format.names import check_ref_name
 from casnap.ops.retention import (
     RetentionPolicy,
@@ -37,6 +64,7 @@ from casnap.ops.retention import (
     RetentionRule,
     SnapshotInfo,
     SummaryCache,
+    encode_metric,
     execute_retention,
     plan_retention,
     read_snapshots,
@@ -46,6 +74,7 @@ from casnap.settings import Settings
 from casnap.take.session import Session
 
 _TAKE_ONLY_OPTIONS = ("chunk_size", "compression")
+log = logging.getLogger("casnap.checkpointer")
 
 
 class _KeepNames(RetentionRule):
@@ -60,17 +89,36 @@ class _KeepNames(RetentionRule):
 
 
 def _plain(value: Any) -> Any:
-    """Metric values as JSON: a 0-d tensor or numpy scalar becomes its Python number."""
+    """Metric values as JSON: a 0-d tensor or numpy scalar becomes its Python number,
+    and a NaN or infinite one the string ``"NaN"``/``"Infinity"``/``"-Infinity"``
+    (JSON has no such numbers; a diverged loss must not stop training)."""
     item = getattr(value, "item", None)
-    return item() if callable(item) else value
+    return encode_metric(item() if callable(item) else value)
 
 
 class Checkpointer:
-    """Takes a snapshot every ``every_n_steps`` steps into the repository at ``repo_url``.
+    """Takes snapshots of a training loop into the repository at ``repo_url``.
+
+    When :meth:`maybe_take` takes (any one suffices):
+
+    - ``every_n_steps``: the step is a multiple of it;
+    - ``every_seconds`` (seconds or a ``timedelta``, like Lightning's
+      ``train_time_interval``): at least that long since the last take ended
+      (or since the checkpointer was created), on a monotonic ``clock``;
+    - ``force=True`` (Orbax's ``save(step, force=True)``);
+    - ``take_on_preemption=True`` (or a signal, or several): a SIGTERM was
+      received; this take is waited for, then the signal goes to the handler
+      that was installed before (the default ends the process);
+    - ``take_on_close=True``: :meth:`close`, or leaving the ``with`` block
+      without an exception, takes the step of the last ``maybe_take`` if it
+      was not taken.
+
+    A step is never taken twice. Other options:
 
     - ``retention``: a :class:`~casnap.ops.retention.RetentionPolicy` applied to this
       checkpointer's snapshots after each commit (refs only; ``gc`` reclaims
-      space). The newest snapshot is always kept.
+      space). The newest snapshot is always kept. Its first ``KeepBest`` rule
+      is what :meth:`best` ranks by.
     - ``async_take``: write in the background; a new take first waits for the
       previous one. The state is copied before ``maybe_take`` returns.
     - ``name_format``: the snapshot name, formatted with ``step=``.
@@ -84,36 +132,45 @@ class Checkpointer:
     :class:`casnap.Session` (or uses ``session``), which also lets each take
     reuse the previous one's plan and staging buffers. Use it as a context manager (or
     call :meth:`close`) so the last async take is committed.
+
+    Under an initialized process group every rank runs the same calls; the
+    time and signal triggers are agreed with one small exchange per
+    ``maybe_take`` so that every rank takes the same steps, and
+    :meth:`restore_latest` moves to an older snapshot on every rank when one
+    rank's restore fails.
     """
 
     def __init__(
         self,
         repo_url: str,
-        every_n_steps: int,
+        every_n_steps: int | None = None,
         *,
+        every_seconds: float | timedelta | None = None,
         retention: RetentionPolicy | None = None,
         async_take: bool = False,
         name_format: str = "step_{step:09d}",
         storage_options: dict[str, Any] | None = None,
         tags: Iterable[str] | None = None,
         session: Session | None = None,
+        take_on_close: bool = False,
+        take_on_preemption: bool | int | Iterable[int] = False,
+        clock: Clock = time.monotonic,
     ) -> None:
         repo_url = as_path(repo_url, "repo_url")
-        expect_type(every_n_steps, int, "every_n_steps", "an int")
         if isinstance(retention, RetentionRule):
             retention = RetentionPolicy(retention)
         if retention is not None:
             expect_type(retention, RetentionPolicy, "retention", "a casnap.RetentionPolicy or None")
         expect_type(name_format, str, "name_format", "a format string like 'step_{step:09d}'")
+        expect_type(take_on_close, bool, "take_on_close", "True or False")
         tags = as_names(tags, "tags")
-        if every_n_steps < 1:
-            raise ConfigError(
-                f"every_n_steps must be at least 1, got {every_n_steps}", "every_n_steps"
-            )
+        self.schedule = Schedule(every_n_steps, every_seconds, clock)
         self.every_n_steps = every_n_steps
+        self.every_seconds = self.schedule.every_seconds
         self.retention = retention
         self.async_take = async_take
         self.name_format = name_format
+        self.take_on_close = take_on_close
         self.tags = [check_ref_name(t) for t in (tags or [])]
         try:  # a bad format fails here, not at the first take
             check_ref_name(self._name(0))
@@ -124,6 +181,7 @@ class Checkpointer:
                 f"name_format {name_format!r} must name snapshots from {{step}}: {exc!r}",
                 "name_format",
             ) from exc
+        signals = preemption_signals(take_on_preemption)
         options = dict(storage_options or {})
         explicit = options.pop("repository", None)
         self._repo: RepoStorage | None = explicit if isinstance(explicit, RepoStorage) else None
@@ -136,9 +194,21 @@ class Checkpointer:
         self._pending: PendingSnapshot | None = None
         self._pending_step: int | None = None
         self._summaries: SummaryCache = {}
+        self._last_call: tuple[int, dict[str, Any], Mapping[str, Any] | None, list[str]] | None
+        self._last_call = None  # the last maybe_take's arguments, for the take on close
         self.last_retention: RetentionResult | None = None
+        self._guard = PreemptionGuard(signals) if signals else None
+        if self._guard is not None:
+            self._guard.install()
 
     # -- taking ------------------------------------------------------------
+    def should_take(self, step: int) -> bool:
+        """Whether :meth:`maybe_take` would take ``step`` now by the intervals alone (not
+        counting ``force`` or a signal); e.g. to compute costly metrics only then.
+        One process only: under a process group the time trigger is agreed in
+        ``maybe_take``."""
+        return step not in self._steps and self.schedule.due(step) is not None
+
     def maybe_take(
         self,
         step: int,
@@ -146,15 +216,20 @@ class Checkpointer:
         metrics: Mapping[str, Any] | None = None,
         *,
         tags: Iterable[str] | None = None,
+        force: bool = False,
     ) -> Snapshot | PendingSnapshot | None:
-        """Take a snapshot if ``step`` is a multiple of ``every_n_steps`` and has not
-        been taken yet (by this checkpointer or, under this name, by anyone).
+        """Take a snapshot of ``step`` if a trigger says so (see the class docstring)
+        and it has not been taken yet (by this checkpointer or, under this name, by anyone).
 
-        Returns the :class:`Snapshot` (or, with ``async_take``, the
-        :class:`PendingSnapshot`), else ``None``. ``metrics`` (JSON numbers) and
-        ``tags`` (on top of the checkpointer's) go into the manifest metadata.
-        A finished async take is committed and retention applied here, and its
-        failure, if any, is raised here.
+        ``force=True`` takes regardless of the intervals. Returns the
+        :class:`Snapshot` (or, with ``async_take``, the :class:`PendingSnapshot`),
+        else ``None``. ``metrics`` (numbers or 0-d tensors; NaN and infinity are
+        stored as strings) and ``tags`` (on top of the checkpointer's) go into
+        the manifest metadata. A finished async take is committed and
+        retention applied here, and its failure, if any, is raised here.
+
+        After a preemption signal this takes the step, waits until it is
+        committed, then honours the signal (by default the process ends here).
 
         Example: ``ckpt.maybe_take(step, app_state, metrics={"loss": loss})``.
         """
@@ -163,10 +238,34 @@ class Checkpointer:
             raise ConfigError(f"step must not be negative, got {step}", "step")
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         if metrics is not None:
-            expect_type(metrics, Mapping, "metrics", "a dict of JSON numbers or None")
-        tags = as_names(tags, "tags")
+            expect_type(metrics, Mapping, "metrics", "a dict of numbers or None")
+        expect_type(force, bool, "force", "True or False")
+        extra = [check_ref_name(t) for t in (as_names(tags, "tags") or [])]
         self._poll()
-        if step % self.every_n_steps != 0 or step in self._steps:
+        if self._guard is not None:
+            self._guard.install()  # again, after a close()
+        self._last_call = (step, app_state, metrics, extra)
+        preempted = self._guard is not None and self._guard.received is not None
+        due = self.schedule.step_due(step) or force
+        if self.every_seconds is not None or self._guard is not None:
+            due = any_rank(due or preempted or self.schedule.time_due())
+        snap = self._take(step, app_state, metrics, extra) if due else None
+        if preempted:
+            assert self._guard is not None
+            log.warning("casnap: signal %s received; step %d taken, handing the signal on",
+                        self._guard.received, step)  # fmt: skip
+            self.wait()  # committed before the process may end
+            self._guard.honour()
+        return snap
+
+    def _take(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        metrics: Mapping[str, Any] | None,
+        extra: list[str],
+    ) -> Snapshot | PendingSnapshot | None:
+        if step in self._steps:
             return None
         name = self._name(step)
         repo = self._open(create=True)
@@ -174,7 +273,6 @@ class Checkpointer:
         if repo.has_ref(name):  # e.g. resuming at the step that was restored
             self._steps.add(step)
             return None
-        extra = [check_ref_name(t) for t in (tags or [])]
         metadata = {
             "step": step,
             "metrics": {str(k): _plain(v) for k, v in (metrics or {}).items()},
@@ -192,6 +290,7 @@ class Checkpointer:
                     session=self.session,
                 )  # fmt: skip
                 self._pending, self._pending_step = pending, step
+                self.schedule.restart()
                 return pending
             snap = Snapshot.take(
                 path, app_state, storage_options=options, metadata=metadata,
@@ -200,6 +299,7 @@ class Checkpointer:
         except BaseException:
             self._steps.discard(step)
             raise
+        self.schedule.restart()
         self._committed(snap, name)
         return snap
 
@@ -221,8 +321,10 @@ class Checkpointer:
         return snap
 
     def close(self) -> None:
-        """Wait for the pending take (if any). The checkpointer can still be used after."""
-        self.wait()
+        """Take the last step if ``take_on_close`` (or a preemption signal is pending) and
+        it was not taken, wait for the pending take, put the signal handlers back,
+        then hand on a pending signal. The checkpointer can still be used after."""
+        self._close(failed=False)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -233,7 +335,29 @@ class Checkpointer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        # Leaving with an exception takes nothing: the state may be mid-step.
+        self._close(failed=exc_type is not None)
+
+    def _close(self, *, failed: bool) -> None:
+        guard = self._guard
+        preempted = guard is not None and guard.received is not None
+        try:
+            want = self.take_on_close or preempted
+            if guard is not None and not failed:
+                want = any_rank(want)  # a signal may have reached only some ranks
+            if want and not failed and self._last_call is not None:
+                step, app_state, metrics, extra = self._last_call
+                self._take(step, app_state, metrics, extra)
+            self.wait()
+            if guard is not None and preempted and not failed:
+                guard.honour()  # by default the process ends here
+        finally:
+            if guard is not None:
+                if guard.received is not None:  # an error must not be hidden by a kill
+                    log.warning("casnap: signal %s was received; not handed on while "
+                                "leaving with an exception", guard.received)  # fmt: skip
+                    guard.received = None
+                guard.uninstall()
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.done():
@@ -248,14 +372,26 @@ class Checkpointer:
         plan = plan_retention(repo, policy, names=mine, cache=self._summaries)
         self.last_retention = execute_retention(repo, plan)
 
-    # -- resuming and listing ------------------------------------------------
+    # -- resuming ------------------------------------------------------------
     def restore_latest(self, app_state: dict[str, Any], **restore_kwargs: Any) -> int | None:
-        """Restore the newest snapshot of this checkpointer and return its step, or
-        ``None`` when there is none (or no repository at all).
+        """Restore the newest snapshot of this checkpointer that restores whole, and
+        return its step; ``None`` when there is none (or no repository at all).
 
         Newest is the highest ``metadata["step"]``, ties broken by creation
         time. Refs are written only at commit, so a take killed halfway is
-        never chosen. The next take's parent is the restored snapshot.
+        never chosen. Each candidate, newest first, is checked cheaply
+        (:func:`casnap.ops.verify.check_snapshot`: its manifest reads and
+        validates, none of its chunks is recorded as damaged), then restored,
+        which verifies every chunk it reads. A candidate that fails either
+        (an :class:`IntegrityError` or a missing manifest) is skipped with a
+        warning saying why, and the next older one is restored, which
+        overwrites every tensor the failed attempt may have filled (each
+        tensor is whole: its previous value or that snapshot's). Other errors
+        (a store timeout, a ``strict`` key mismatch) are raised as they are.
+        When snapshots exist but none restores, :class:`IntegrityError` lists
+        what was tried; ``app_state`` may then hold tensors of any of them.
+
+        The next take's parent is the restored snapshot.
         ``restore_kwargs`` go to :meth:`Snapshot.restore` (``strict``, ...).
 
         Example: ``start = ckpt.restore_latest(app_state) or 0``.
@@ -265,24 +401,81 @@ class Checkpointer:
         repo = self._open(create=False)
         if repo is None:
             return None
-        mine = self._mine(repo)
-        if not mine:
-            return None
-        newest = mine[-1]
-        assert newest.step is not None
-        snap = Snapshot(
-            f"{repo.url.rstrip('/')}/{newest.name}",
-            storage_options={**self._take_options, "repository": repo},
-            session=self.session,
-        )
-        snap.restore(app_state, **restore_kwargs)  # the session's next parent
-        self._steps.add(newest.step)
-        return newest.step
+        infos, unreadable = read_snapshots(repo, cache=self._summaries)
 
+        def restore_one(name: str) -> None:
+            self._snapshot(repo, name).restore(app_state, **restore_kwargs)
+
+        chosen = resume(
+            [s for s in infos if self._is_mine(s)], unreadable,
+            lambda name: try_restore(repo, name, restore_one), repo.url,
+        )  # fmt: skip
+        if chosen is None:
+            return None
+        assert chosen.step is not None
+        self._steps.add(chosen.step)
+        return chosen.step
+
+    def restore(self, app_state: dict[str, Any], step: int, **restore_kwargs: Any) -> Snapshot:
+        """Restore this checkpointer's snapshot of ``step`` (Orbax's ``restore(step)``) and
+        return it; the next take's parent is that snapshot. No fallback: any error is
+        raised, :class:`SnapshotNotFoundError` when there is no such snapshot.
+
+        Example: ``ckpt.restore(app_state, step=ckpt.best_step())``.
+        """
+        expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
+        expect_type(step, int, "step", "an int")
+        self.wait()
+        repo = self._open(create=False)
+        mine = self._mine(repo) if repo is not None else []
+        info = next((s for s in mine if s.step == step), None)
+        if repo is None or info is None:
+            steps = [s.step for s in mine]
+            shown = ", ".join(map(str, steps[-8:])) + (" ..." if len(steps) > 8 else "")
+            raise SnapshotNotFoundError(
+                f"no snapshot of step {step} by this checkpointer in {self._url} "
+                f"(its steps: {shown or 'none'})",
+                self._name(step),
+            )
+        snap = self._snapshot(repo, info.name)
+        snap.restore(app_state, **restore_kwargs)
+        self._steps.add(step)
+        return snap
+
+    # -- listing -------------------------------------------------------------
     def latest(self) -> str | None:
         """The name of this checkpointer's newest committed snapshot, or ``None``."""
         mine = self.snapshot_infos()
         return mine[-1].name if mine else None
+
+    def latest_step(self) -> int | None:
+        """The step of this checkpointer's newest committed snapshot, or ``None``."""
+        mine = self.snapshot_infos()
+        return mine[-1].step if mine else None
+
+    def best(
+        self, metric: str | None = None, mode: Literal["min", "max"] | None = None
+    ) -> str | None:
+        """The name of the best snapshot by ``metric``, or ``None`` if none has a finite value.
+
+        Without ``metric``, the retention's first ``KeepBest`` rule decides the
+        metric and mode; ``mode`` defaults to that rule's for its metric, else
+        ``"min"``. As in ``KeepBest``: NaN and infinite values are never best,
+        ties go to the newer snapshot. Example: ``ckpt.best("accuracy", "max")``.
+        """
+        info = self._best(metric, mode)
+        return info.name if info is not None else None
+
+    def best_step(
+        self, metric: str | None = None, mode: Literal["min", "max"] | None = None
+    ) -> int | None:
+        """The step of :meth:`best` (Orbax's ``best_step()``), or ``None``."""
+        info = self._best(metric, mode)
+        return info.step if info is not None else None
+
+    def _best(self, metric: str | None, mode: str | None) -> SnapshotInfo | None:
+        rules = self.retention.rules if self.retention is not None else ()
+        return pick_best(self.snapshot_infos(), rules, metric, mode)
 
     def snapshots(self) -> list[str]:
         """This checkpointer's committed snapshots, oldest first (by step)."""
@@ -297,10 +490,20 @@ class Checkpointer:
     def _name(self, step: int) -> str:
         return self.name_format.format(step=step)
 
+    def _is_mine(self, info: SnapshotInfo) -> bool:
+        return info.step is not None and info.name == self._name(info.step)
+
     def _mine(self, repo: RepoStorage) -> list[SnapshotInfo]:
         """Snapshots named by this checkpointer's format for their own step, oldest first."""
         infos, _ = read_snapshots(repo, cache=self._summaries)
-        return [s for s in infos if s.step is not None and s.name == self._name(s.step)]
+        return [s for s in infos if self._is_mine(s)]
+
+    def _snapshot(self, repo: RepoStorage, name: str) -> Snapshot:
+        return Snapshot(
+            f"{repo.url.rstrip('/')}/{name}",
+            storage_options={**self._take_options, "repository": repo},
+            session=self.session,
+        )
 
     def _open(self, *, create: bool) -> RepoStorage | None:
         if self._repo is None:
@@ -314,4 +517,7 @@ class Checkpointer:
         return self._repo
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self._url!r}, every_n_steps={self.every_n_steps})"
+        every = f"every_n_steps={self.every_n_steps}"
+        if self.every_seconds is not None:
+            every += f", every_seconds={self.every_seconds:g}"
+        return f"Checkpointer({self._url!r}, {every})"

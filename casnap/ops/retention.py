@@ -50,15 +50,40 @@ class SnapshotInfo:
         return parse_time(self.created_at)
 
     def metric(self, metric: str) -> float | None:
-        """``metadata["metrics"][metric]``, else ``metadata[metric]``, if a finite number."""
+        """``metadata["metrics"][metric]``, else ``metadata[metric]``, as a float; ``None``
+        when absent or not a number. A non-finite value stored by :func:`encode_metric`
+        (``"NaN"``, ``"Infinity"``, ``"-Infinity"``) reads back as that float."""
         metrics = self.metadata.get("metrics")
         value = metrics.get(metric) if isinstance(metrics, dict) else None
         if value is None:
             value = self.metadata.get(metric)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        number = float(value)
-        return number if math.isfinite(number) else None
+        return decode_metric(value)
+
+
+# JSON has no NaN or infinity (manifests refuse them), so a metric that is not
+# finite is stored as one of these strings and read back as the float.
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def encode_metric(value: Any) -> Any:
+    """A metric value as manifest JSON: a NaN or infinite float becomes ``"NaN"``,
+    ``"Infinity"`` or ``"-Infinity"``; anything else is returned unchanged.
+
+    Example: ``encode_metric(float("nan")) == "NaN"``.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def decode_metric(value: Any) -> float | None:
+    """The float a stored metric value means (see :func:`encode_metric`), else ``None``
+    (absent, a bool, another string, a list, ...)."""
+    if isinstance(value, str):
+        return _NON_FINITE.get(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def parse_time(text: str) -> datetime | None:
@@ -222,7 +247,8 @@ class KeepTagged(RetentionRule):
 class KeepBest(RetentionRule):
     """Keep the ``n`` best snapshots by ``metric`` (``metadata["metrics"][metric]``,
     else ``metadata[metric]``); ``mode="min"`` means lower is better. A snapshot
-    without a finite numeric value is never best; ties favour the newer one."""
+    without a finite numeric value (absent, NaN, infinite, not a number) is never
+    best, in either mode; ties favour the newer one."""
 
     n: int
     metric: str
@@ -237,7 +263,8 @@ class KeepBest(RetentionRule):
         scored = []
         for position, s in enumerate(snapshots):
             value = s.metric(self.metric)
-            if value is not None:
+            # A NaN loss is a diverged run, not a record; +inf is no best "max" either.
+            if value is not None and math.isfinite(value):
                 scored.append((value if self.mode == "min" else -value, -position, s.name))
         scored.sort()
         reason = f"best {self.n} by {self.metric} ({self.mode})"

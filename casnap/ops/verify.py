@@ -16,7 +16,7 @@ index is never consulted (only told to forget damaged chunks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,13 +172,48 @@ def verify(
     return report
 
 
+class _Probed:
+    """Object keys answered by one ``exists`` each: for a check that touches few of them."""
+
+    def __init__(self, repo: RepoStorage) -> None:
+        self.repo = repo
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.repo.store.exists(key)
+
+
+def check_snapshot(repo: RepoStorage, name: str) -> VerifyReport:
+    """Cheap checks of one snapshot, before a restore reads its data: its ref and
+    manifest read and validate, and none of the chunk copies it references has
+    been recorded as damaged by an earlier read (docs/damage.md). Reads the ref,
+    the manifest and the list of damage records; no chunk is fetched (a restore
+    verifies every chunk's hash as it reads it).
+
+    Example: ``if not check_snapshot(repo, "step_100").ok: ...``.
+    """
+    report = VerifyReport(snapshots=1)
+    holders: set[Holder] = {("snapshot", name)}
+    try:
+        mhash = repo.read_ref(name).manifest
+        manifest = repo.read_manifest(mhash)
+    except CasnapError as exc:
+        report.problems.append(_problem("manifest", name, f"{type(exc).__name__}: {exc}", holders))
+        return report
+    report.manifests = 1
+    refs = {(ref.pack, ref.hash): ref for ref in manifest.chunk_refs()}
+    report.chunks = len(refs)
+    owners = {key: holders for key in refs}
+    _report_recorded(repo, refs, owners, report, (0, 0), _Probed(repo))
+    return report
+
+
 def _report_recorded(
     repo: RepoStorage,
     refs: dict[Key, ChunkRef],
     owners: dict[Key, set[Holder]],
     report: VerifyReport,
     reread: tuple[int, int] | None,
-    present: set[str],
+    present: Container[str],
 ) -> None:
     """Report referenced copies an earlier read recorded as damaged and this run does not re-read.
 

@@ -1,0 +1,116 @@
+"""Which snapshot a :class:`~casnap.api.checkpointer.Checkpointer` resumes from, and which
+is best: the newest one that restores whole, skipping damage with a logged reason.
+
+Split from ``checkpointer.py``, which owns taking and the public methods.
+
+A candidate is checked cheaply first (:func:`casnap.ops.verify.check_snapshot`:
+its ref and manifest read and validate, none of its chunk copies is recorded
+as damaged), then restored; a restore verifies every chunk as it reads it and
+leaves each tensor whole (its previous value or the snapshot's,
+docs/pipeline.md), so when it meets damage the next older candidate's restore
+overwrites whatever the failed attempt filled. Only damage moves on to an
+older snapshot (:class:`IntegrityError`, a missing manifest); a store timeout
+or a key mismatch is raised as it is, since an older snapshot would not fix it.
+
+Example::
+
+    step = resume(candidates, unreadable, lambda name: try_restore(repo, name, restore_one))
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+
+from casnap.distributed.group import all_gather, resolve_group
+from casnap.errors import ConfigError, IntegrityError, SnapshotNotFoundError, expect_type
+from casnap.ops.retention import KeepBest, RetentionRule, SnapshotInfo
+from casnap.ops.verify import check_snapshot
+from casnap.repo.repository import RepoStorage
+
+log = logging.getLogger("casnap.checkpointer")
+
+
+def try_restore(repo: RepoStorage, name: str, restore: Callable[[str], object]) -> str | None:
+    """Check snapshot ``name`` and restore it with ``restore(name)``: ``None`` on success,
+    else why it cannot be resumed from. Under a process group every rank calls this for
+    the same candidates in the same order; one rank's failure counts for all, so
+    every rank moves on to the same older snapshot."""
+    report = check_snapshot(repo, name)
+    reason = "; ".join(p.detail for p in report.problems) or None
+    if reason is None:
+        try:
+            restore(name)
+        except (IntegrityError, SnapshotNotFoundError) as exc:
+            reason = f"restore failed ({type(exc).__name__}: {exc})"
+    group = resolve_group(None)
+    if group.distributed:
+        reasons = all_gather(group, reason, "resuming")
+        failed = [(rank, r) for rank, r in enumerate(reasons) if r is not None]
+        if failed and reason is None:
+            reason = f"failed on rank {failed[0][0]}: {failed[0][1]}"
+    return reason
+
+
+def resume(
+    candidates: Sequence[SnapshotInfo],
+    unreadable: Mapping[str, str],
+    attempt: Callable[[str], str | None],
+    where: str,
+) -> SnapshotInfo | None:
+    """The newest of ``candidates`` (oldest first) for which ``attempt(name)`` succeeds.
+
+    Logs every snapshot skipped and why (``unreadable``: snapshots whose
+    manifest cannot be read, so whose step is unknown). ``None`` when there
+    was nothing to try; :class:`IntegrityError` listing every attempt when
+    nothing restored.
+    """
+    tried = [f"{name}: {reason}" for name, reason in sorted(unreadable.items())]
+    for line in tried:
+        log.warning("casnap: snapshot %s; it cannot be resumed from", line)
+    for info in reversed(candidates):
+        reason = attempt(info.name)
+        if reason is None:
+            if tried:
+                log.warning(
+                    "casnap: resumed from %s (step %s) after skipping: %s. The skipped "
+                    "snapshots keep their names, so their steps are not taken again",
+                    info.name, info.step, "; ".join(tried),
+                )  # fmt: skip
+            return info
+        log.warning("casnap: skipping snapshot %s (step %s): %s", info.name, info.step, reason)
+        tried.append(f"{info.name}: {reason}")
+    if tried:
+        raise IntegrityError(
+            f"no snapshot in {where} could be restored; tried, newest first: "
+            + "; ".join(tried)
+            + " (app_state may hold tensors of these attempts; run `casnap verify`)"
+        )
+    return None
+
+
+def pick_best(
+    infos: Sequence[SnapshotInfo],
+    rules: Sequence[RetentionRule],
+    metric: str | None,
+    mode: str | None,
+) -> SnapshotInfo | None:
+    """The best of ``infos`` by ``metric`` and ``mode`` as :class:`KeepBest` ranks them
+    (non-finite values never best; ties to the newer). Without ``metric``, the first
+    ``KeepBest`` of ``rules`` gives it; ``mode`` defaults to that rule's, else ``"min"``."""
+    rule = next((r for r in rules if isinstance(r, KeepBest)
+                 and (metric is None or r.metric == metric)), None)  # fmt: skip
+    if metric is None:
+        if rule is None:
+            raise ConfigError(
+                "best() needs a metric: pass metric=..., or give the retention a KeepBest rule",
+                "metric",
+            )
+        metric = rule.metric
+    expect_type(metric, str, "metric", "a metric name")
+    if mode is None:
+        mode = rule.mode if rule is not None else "min"
+    picker = KeepBest(1, metric, mode)  # type: ignore[arg-type]  # a bad mode: RetentionError
+    picked = picker.select(infos, datetime.now(timezone.utc))
+    return next((s for s in infos if s.name in picked), None)
