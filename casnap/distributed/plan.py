@@ -103,7 +103,7 @@ def build_local(
             t = node.tensor
             entries[key] = TensorPlan(
                 dtype_name(t.dtype, key), tuple(t.shape), is_replicated(key, replicated),
-                _tensor_ids(t, key, chunk_size, local),
+                _tensor_ids(t, key, chunk_size, local), node.quantized,
             )  # fmt: skip
         elif isinstance(node, ObjectLeaf):
             entries[key] = ObjectPlan(

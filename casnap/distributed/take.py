@@ -48,7 +48,7 @@ from casnap.distributed.group import (
 )
 from casnap.distributed.plan import LocalData, assign, build_local, check_replicas
 from casnap.distributed.plan_cache import CacheKey, exchange_plans
-from casnap.format.manifest import ChunkRef, Manifest
+from casnap.format.manifest import ChunkRef, Manifest, format_version_for
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, dist_timeout
@@ -282,12 +282,14 @@ class DistributedJob:
                 refs.update(w.refs)
                 per_rank.append(w.stats)
             previous, dumped = previous_plan(self.session, self.repo, self.info.parents)
+            entries = build_entries(self.plans, refs, previous)
             manifest = Manifest(
+                format_version=format_version_for(entries),
                 created_at=now_iso(),
                 world_size=self.group.size,
                 parents=self.info.parents,
                 metadata=self.info.metadata,
-                entries=build_entries(self.plans, refs, previous),
+                entries=entries,
             )
             manifest_hash = commit_snapshot(
                 self.repo, self.info.name, manifest, lease=self.lease, session=self.session,

@@ -27,6 +27,7 @@ from casnap.format.manifest import (
     Manifest,
     ObjectEntry,
     PrimitiveEntry,
+    Quantization,
     ShardedEntry,
     ShardRecord,
     TensorEntry,
@@ -106,6 +107,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     replicated: bool
     chunks: ChunkIds
+    quantized: Quantization | None = None
 
 
 @dataclass(frozen=True)
@@ -167,10 +169,11 @@ def _tensor_entry(
         and previous.shape == shape
         and previous.chunk_size == chunk_size
         and previous.replicated == plan.replicated
+        and previous.quantized == plan.quantized
     ):
         return previous
     return TensorEntry(dtype=plan.dtype, shape=shape, chunk_size=chunk_size, chunks=chunks,
-                       replicated=plan.replicated)  # fmt: skip
+                       replicated=plan.replicated, quantized=plan.quantized)  # fmt: skip
 
 
 def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:
