@@ -41,8 +41,8 @@ from casnap.repo.repository import RepoStorage
 from casnap.restore.reshard import ShardedSink
 from casnap.restore.undo import TensorUndo, Undo
 from casnap.settings import read_workers_for
-from casnap.torch_io.flatten import inflate, leaves_of
 from casnap.torch_io import quantized
+from casnap.torch_io.flatten import inflate, leaves_of
 from casnap.torch_io.stateful import RNGState
 from casnap.torch_io.tensors import TensorSink, check_target, fills_in_place
 

@@ -34,7 +34,7 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 # Keys of ``storage_options`` that tune the take rather than open the store.
-TAKE_OPTIONS = ("chunk_size", "compression")
+TAKE_OPTIONS = ("chunk_size", "compression", "replica_mismatch")
 
 
 def split_options(

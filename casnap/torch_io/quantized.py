@@ -58,6 +58,7 @@ def rebuild(ints: torch.Tensor, q: Quantization) -> torch.Tensor:
     if q.qscheme == "per_tensor_affine":
         assert q.scale is not None and q.zero_point is not None  # the model checks it
         return torch._make_per_tensor_quantized_tensor(ints, float.fromhex(q.scale), q.zero_point)
+    assert q.axis is not None  # the model checks it
     scales = torch.tensor([float.fromhex(s) for s in q.scales or ()], dtype=torch.float64)
     zero_points = torch.tensor(list(q.zero_points or ()), dtype=torch.int64)
     return torch._make_per_channel_quantized_tensor(ints, scales, zero_points, q.axis)
