@@ -159,7 +159,8 @@ def assign(plans: list[RankPlan]) -> tuple[dict[str, int], list[int]]:
 def replica_divergence(plans: list[RankPlan]) -> tuple[dict[str, list[list[int]]], bool]:
     """Replicated values and shard boxes that differ across ranks: key -> groups of ranks
     holding equal values; and whether every difference is one each rank's entry can keep
-    (same dtype and shape, other bytes: see :func:`casnap.take.plan.build_entries`).
+    (any tensor; a shard box of the same dtype, shape and size: see
+    :func:`casnap.take.plan.build_entries`).
 
     Pure: every rank computes the same answer from the gathered plans.
     """
@@ -170,7 +171,6 @@ def replica_divergence(plans: list[RankPlan]) -> tuple[dict[str, list[list[int]]
             if isinstance(entry, TensorPlan) and entry.replicated:
                 value: Any = (entry.dtype, entry.shape, entry.quantized, entry.chunks)
                 seen.setdefault(logical(key), {}).setdefault(value, []).append(p.rank)
-                form.setdefault(logical(key), set()).add(value[:2])
             elif isinstance(entry, ShardedPlan):
                 for s in entry.shards:
                     box = f"{logical(key)}[offsets={list(s.offsets)}]"
@@ -178,7 +178,7 @@ def replica_divergence(plans: list[RankPlan]) -> tuple[dict[str, list[list[int]]
                     seen.setdefault(box, {}).setdefault(value, []).append(p.rank)
                     form.setdefault(box, set()).add(value[:3])
     bad = {k: sorted(v.values()) for k, v in seen.items() if len(v) > 1}
-    return bad, all(len(form[k]) == 1 for k in bad)
+    return bad, all(len(form.get(k, ())) <= 1 for k in bad)
 
 
 def settle_replicas(plans: list[RankPlan], mode: str) -> list[RankPlan]:
@@ -191,7 +191,7 @@ def settle_replicas(plans: list[RankPlan], mode: str) -> list[RankPlan]:
     state (``replicated`` false: each rank's entry names its own chunks, so
     each rank restores its own value and nothing is dropped); differing shard
     boxes are kept per rank by the entries' builder. With ``mode="error"``, or
-    when the values differ in dtype or shape, :class:`ReplicaMismatchError`
+    when shard boxes differ in dtype or shape, :class:`ReplicaMismatchError`
     on every rank before anything is written.
     """
     bad, keepable = replica_divergence(plans)
@@ -199,7 +199,7 @@ def settle_replicas(plans: list[RankPlan], mode: str) -> list[RankPlan]:
         return plans
     listed = "; ".join(f"{k}: ranks {' vs '.join(map(str, g))}" for k, g in sorted(bad.items()))
     if mode == "error" or not keepable:
-        why = "" if keepable else " in dtype or shape"
+        why = "" if keepable else " in dtype or shape of a shard"
         raise ReplicaMismatchError(
             f"values declared replicated differ between ranks{why} ({listed}); nothing was "
             "written. Make them equal, or take them as per-rank state (not replicated)",
