@@ -9,6 +9,7 @@ from casnap.api.repository import Repository
 from casnap.errors import (
     ArgumentTypeError,
     CasnapError,
+    CasnapWarning,
     ConfigError,
     DistributedTakeError,
     GcBlockedError,
@@ -25,6 +26,7 @@ from casnap.errors import (
     OutputSpaceError,
     PickleNotAllowedError,
     ReplicaMismatchError,
+    ReplicaMismatchWarning,
     RepositoryError,
     RepositoryNotFoundError,
     RetentionError,
@@ -89,6 +91,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ArgumentTypeError",
     "CasnapError",
+    "CasnapWarning",
     "ConfigError",
     "DistributedTakeError",
     "GcBlockedError",
@@ -96,6 +99,7 @@ __all__ = [
     "GcRefusedError",
     "LeaseLostError",
     "ReplicaMismatchError",
+    "ReplicaMismatchWarning",
     "Checkpointer",
     "InvalidNameError",
     "KeepBest",

@@ -201,6 +201,21 @@ class ReplicaMismatchError(DistributedTakeError, ValueError):
         self.mismatches = mismatches
 
 
+class CasnapWarning(UserWarning):
+    """Root of the warnings casnap emits (filter them with ``warnings.filterwarnings``)."""
+
+
+class ReplicaMismatchWarning(CasnapWarning):
+    """Values declared replicated differ between ranks; each rank's own value was kept.
+
+    ``mismatches``: key -> groups of ranks that agree, as :class:`ReplicaMismatchError`'s.
+    """
+
+    def __init__(self, message: str, mismatches: dict[str, list[list[int]]]) -> None:
+        super().__init__(message)
+        self.mismatches = mismatches
+
+
 class GcRefusedError(CasnapError, RuntimeError):
     """gc cannot tell what is reachable (a root is unreadable), so it deletes nothing."""
 

@@ -186,6 +186,10 @@ VARIABLES: Mapping[str, Variable] = _table(
              minimum=1),
     Variable("staging_cache", "size", None, "Idle async-staging buffers a Session keeps for "
              "the next take. Unset: the memory budget.", minimum=0),
+    Variable("replica_mismatch", "choice", "warn", "What a distributed take does when "
+             "values declared replicated differ between ranks. warn: keep each rank's own "
+             "value and warn (docs/distributed.md); error: fail the take on every rank.",
+             choices=("warn", "error")),
     Variable("lease_ttl", "float", DEFAULT_LEASE_TTL, "Seconds a take's lease (and gc's lock) "
              "lives without renewal.", minimum=0.001, maximum=7 * 86400),
     Variable("dist_timeout", "float", DEFAULT_DIST_TIMEOUT, "Seconds a rank of a distributed "
@@ -336,6 +340,7 @@ class Settings:
     compression: str = "auto"  # "auto" (zstd where it pays) or "none"
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     io_workers: int = DEFAULT_IO_WORKERS
+    replica_mismatch: str = "warn"  # or "error" (distributed takes; rank 0's value holds)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -346,6 +351,7 @@ class Settings:
             compression=get("compression"),
             zstd_level=get("zstd_level"),
             io_workers=get("io_workers", DEFAULT_IO_WORKERS),
+            replica_mismatch=get("replica_mismatch"),
         )
 
     def with_overrides(self, **kwargs: object) -> Settings:

@@ -57,11 +57,13 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     assert torch.equal(w, expected["module.3.weight"])
     assert snap_r.read_object(f"{rank}/progress/note") == f"rank {rank}"
 
-    # Replicated values that differ: error on every rank, naming the key and ranks; no ref.
+    # Replicated values that differ, with replica_mismatch="error": error on every rank,
+    # naming the key and ranks; no ref (the default warns: tests/test_replicated_divergence.py).
     mismatch = None
     bad = StateDict(w=torch.full((4,), 1.0 if rank != 2 else 2.0))
+    strict = {**opts, "replica_mismatch": "error"}
     try:
-        Snapshot.take(f"{root}/bad", {"bad": bad}, replicated=["bad/**"], storage_options=opts)
+        Snapshot.take(f"{root}/bad", {"bad": bad}, replicated=["bad/**"], storage_options=strict)
     except ReplicaMismatchError as exc:
         mismatch = (str(exc), exc.failed_ranks)
     assert mismatch is not None and "bad/w" in mismatch[0]

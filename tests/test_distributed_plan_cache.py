@@ -96,6 +96,7 @@ def _assert_restores(root: str, name: str, app: dict[str, Any], rank: int, extra
 def cache_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     from casnap import Session
     from casnap.distributed import ReplicaMismatchError
+    from casnap.settings import override
 
     session = Session()  # what this rank's process keeps from one take to the next
     app = _state(rank)
@@ -130,7 +131,8 @@ def cache_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 1:
         app["shared"]["t0"].add_(1.0)
     try:
-        _take(root, "s6", app, session)
+        with override(replica_mismatch="error"):
+            _take(root, "s6", app, session)
     except ReplicaMismatchError as exc:
         mismatch = str(exc)
     return {"modes": [x.mode for x in (first, second, plain, changed, restarted, again)],

@@ -11,13 +11,15 @@ written chunks' locations into manifest entries with the same
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 
 from casnap.distributed.group import ReplicaMismatchError
+from casnap.errors import ReplicaMismatchWarning
 from casnap.format.names import digest_of
 from casnap.take.plan import (
     ChunkIds,
@@ -103,7 +105,7 @@ def build_local(
             t = node.tensor
             entries[key] = TensorPlan(
                 dtype_name(t.dtype, key), tuple(t.shape), is_replicated(key, replicated),
-                _tensor_ids(t, key, chunk_size, local),
+                _tensor_ids(t, key, chunk_size, local), node.quantized,
             )  # fmt: skip
         elif isinstance(node, ObjectLeaf):
             entries[key] = ObjectPlan(
@@ -154,24 +156,70 @@ def assign(plans: list[RankPlan]) -> tuple[dict[str, int], list[int]]:
     return writer, load
 
 
-def check_replicas(plans: list[RankPlan]) -> None:
-    """Raise :class:`ReplicaMismatchError` if replicated values or shards differ across ranks."""
+def replica_divergence(plans: list[RankPlan]) -> tuple[dict[str, list[list[int]]], bool]:
+    """Replicated values and shard boxes that differ across ranks: key -> groups of ranks
+    holding equal values; and whether every difference is one each rank's entry can keep
+    (any tensor; a shard box of the same dtype, shape and size: see
+    :func:`casnap.take.plan.build_entries`).
+
+    Pure: every rank computes the same answer from the gathered plans.
+    """
     seen: dict[str, dict[Any, list[int]]] = {}
+    form: dict[str, set[Any]] = {}  # dtype and shape of each value, without its bytes
     for p in plans:
         for key, entry in p.entries.items():
             if isinstance(entry, TensorPlan) and entry.replicated:
-                value: Any = (entry.dtype, entry.shape, entry.chunks)
+                value: Any = (entry.dtype, entry.shape, entry.quantized, entry.chunks)
                 seen.setdefault(logical(key), {}).setdefault(value, []).append(p.rank)
             elif isinstance(entry, ShardedPlan):
                 for s in entry.shards:
                     box = f"{logical(key)}[offsets={list(s.offsets)}]"
                     value = (entry.dtype, entry.shape, s.sizes, s.chunks)
                     seen.setdefault(box, {}).setdefault(value, []).append(p.rank)
+                    form.setdefault(box, set()).add(value[:3])
     bad = {k: sorted(v.values()) for k, v in seen.items() if len(v) > 1}
-    if bad:
-        listed = "; ".join(f"{k}: ranks {' vs '.join(map(str, g))}" for k, g in sorted(bad.items()))
+    return bad, all(len(form.get(k, ())) <= 1 for k in bad)
+
+
+def settle_replicas(plans: list[RankPlan], mode: str) -> list[RankPlan]:
+    """The plans to commit once replicated values are compared across ranks.
+
+    Called by every rank after the planning exchange, with rank 0's ``mode``.
+    Equal everywhere: ``plans`` as they are. Different, with ``mode="warn"``
+    (the default): a :class:`ReplicaMismatchWarning` naming each key and the
+    groups of ranks that agree, and plans in which those tensors are per-rank
+    state (``replicated`` false: each rank's entry names its own chunks, so
+    each rank restores its own value and nothing is dropped); differing shard
+    boxes are kept per rank by the entries' builder. With ``mode="error"``, or
+    when shard boxes differ in dtype or shape, :class:`ReplicaMismatchError`
+    on every rank before anything is written.
+    """
+    bad, keepable = replica_divergence(plans)
+    if not bad:
+        return plans
+    listed = "; ".join(f"{k}: ranks {' vs '.join(map(str, g))}" for k, g in sorted(bad.items()))
+    if mode == "error" or not keepable:
+        why = "" if keepable else " in dtype or shape of a shard"
         raise ReplicaMismatchError(
-            f"values declared replicated differ between ranks ({listed}); nothing was "
+            f"values declared replicated differ between ranks{why} ({listed}); nothing was "
             "written. Make them equal, or take them as per-rank state (not replicated)",
             bad,
         )
+    warnings.warn(
+        ReplicaMismatchWarning(
+            f"casnap: values declared replicated differ between ranks ({listed}); each "
+            "rank's own value is stored and restores onto that rank (per-rank state). "
+            "Set replica_mismatch='error' (CASNAP_REPLICA_MISMATCH) to fail such a take",
+            bad,
+        ),
+        stacklevel=5,
+    )
+    diverged = set(bad)
+    return [
+        RankPlan(p.rank, p.chunk_size, {
+            k: replace(e, replicated=False)
+            if isinstance(e, TensorPlan) and e.replicated and logical(k) in diverged else e
+            for k, e in p.entries.items()
+        })
+        for p in plans
+    ]  # fmt: skip

@@ -149,7 +149,7 @@ def content_of(plan: RankPlan) -> Content:
 
 def _slot(e: EntryPlan) -> SlotPlan:
     if isinstance(e, TensorPlan):
-        return TensorPlan(e.dtype, e.shape, e.replicated, _hollow(e.chunks))
+        return TensorPlan(e.dtype, e.shape, e.replicated, _hollow(e.chunks), e.quantized)
     if isinstance(e, ObjectPlan):
         return ObjectPlan(e.type_name, e.size, _hollow(e.chunks))
     if isinstance(e, ShardedPlan):
@@ -196,7 +196,8 @@ class _Filler:
 
     def entry(self, slot: SlotPlan) -> EntryPlan:
         if isinstance(slot, TensorPlan):
-            return TensorPlan(slot.dtype, slot.shape, slot.replicated, self.ids(slot.chunks))
+            return TensorPlan(slot.dtype, slot.shape, slot.replicated, self.ids(slot.chunks),
+                              slot.quantized)  # fmt: skip
         if isinstance(slot, ObjectPlan):
             return ObjectPlan(slot.type_name, slot.size, self.ids(slot.chunks))
         if isinstance(slot, ShardedPlan):
@@ -222,7 +223,9 @@ def _sizes(ids: ChunkIds) -> list[int]:
 def _canonical(slot: SlotPlan | EntryPlan) -> list[Any]:
     """The JSON form of one entry's structure (chunk hashes and primitive values left out)."""
     if isinstance(slot, TensorPlan):
-        return ["t", slot.dtype, list(slot.shape), slot.replicated, _sizes(slot.chunks)]
+        out = ["t", slot.dtype, list(slot.shape), slot.replicated, _sizes(slot.chunks)]
+        # Quantization parameters count as structure: a change costs a full exchange.
+        return out if slot.quantized is None else [*out, slot.quantized.model_dump(mode="json")]
     if isinstance(slot, ObjectPlan):
         return ["o", slot.type_name, slot.size, _sizes(slot.chunks)]
     if isinstance(slot, ShardedPlan):

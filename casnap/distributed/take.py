@@ -9,8 +9,9 @@ Order of events (docs/distributed.md):
 2. planning (collective): every rank flattens its state, hashes its chunks and
    shares the hashes (and its structure, unless the previous take's still
    holds: casnap/distributed/plan_cache.py); every rank computes the same
-   writer assignment, and replicated values that differ fail the take here,
-   before anything is written. The chunks this rank writes become write
+   writer assignment. Replicated values that differ are kept per rank with a
+   warning, or (``replica_mismatch="error"``) fail the take here, before
+   anything is written. The chunks this rank writes become write
    requests; an async take stages them into the session's pooled buffers,
    up to its memory budget (:func:`casnap.take.scheduler.stage`).
 3. commit (store only; in the background for ``async_take``): each rank runs
@@ -46,9 +47,9 @@ from casnap.distributed.group import (
     failure_of,
     raise_failures,
 )
-from casnap.distributed.plan import LocalData, assign, build_local, check_replicas
+from casnap.distributed.plan import LocalData, assign, build_local, settle_replicas
 from casnap.distributed.plan_cache import CacheKey, exchange_plans
-from casnap.format.manifest import ChunkRef, Manifest
+from casnap.format.manifest import ChunkRef, Manifest, format_version_for
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, dist_timeout
@@ -73,6 +74,7 @@ class _Start:
     take_id: str
     name: str
     chunk_size: int
+    replica_mismatch: str  # rank 0's setting: every rank must decide alike
     parents: list[str]
     metadata: dict[str, Any]
 
@@ -107,7 +109,8 @@ def _start(
     repo, name, chunk = target.repo, target.name, target.settings.chunk_size
     parents, meta = target.parents, target.metadata
     lease = acquire_lease(repo.store, kind="take")
-    return repo, _Start(uuid.uuid4().hex, name, chunk, list(parents), meta), lease
+    mismatch = target.settings.replica_mismatch
+    return repo, _Start(uuid.uuid4().hex, name, chunk, mismatch, list(parents), meta), lease
 
 
 def ddp_patterns(app_state: Mapping[str, Any]) -> list[str]:
@@ -172,7 +175,7 @@ def prepare_distributed_take(
         except Exception as exc:
             plan = failure_of(group.rank, exc)
         plans = exchange_plans(group, plan, key, session.plan_cache if session else None)
-        check_replicas(plans)
+        plans = settle_replicas(plans, info.replica_mismatch)
         writers, _load = assign(plans)
     except BaseException:
         if lease is not None:
@@ -282,12 +285,14 @@ class DistributedJob:
                 refs.update(w.refs)
                 per_rank.append(w.stats)
             previous, dumped = previous_plan(self.session, self.repo, self.info.parents)
+            entries = build_entries(self.plans, refs, previous)
             manifest = Manifest(
+                format_version=format_version_for(entries),
                 created_at=now_iso(),
                 world_size=self.group.size,
                 parents=self.info.parents,
                 metadata=self.info.metadata,
-                entries=build_entries(self.plans, refs, previous),
+                entries=entries,
             )
             manifest_hash = commit_snapshot(
                 self.repo, self.info.name, manifest, lease=self.lease, session=self.session,

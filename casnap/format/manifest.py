@@ -29,6 +29,9 @@ from casnap.format.names import HASH_HEX_LEN, check_hash, hash_bytes
 
 FORMAT_MAJOR = 1
 FORMAT_VERSION = "1.1"  # 1.1 added the "sharded" entry kind; 1.0 is still read
+# 1.2 added a tensor's ``quantized`` field. Only a manifest that uses it says 1.2
+# (:func:`format_version_for`), so every other manifest stays readable by 1.1 readers.
+QUANTIZED_FORMAT_VERSION = "1.2"
 MAX_MANIFEST_BYTES = 1 << 30
 # Refs, the config, tags, leases, gc records and damage records are a few
 # hundred bytes; a reader refuses anything larger before reading it.
@@ -109,8 +112,53 @@ def _check_chunks(chunks: list[ChunkRef], nbytes: int, chunk_size: int) -> None:
             raise ValueError(f"chunk {i} holds {ref.size} bytes, expected {want}")
 
 
+# A quantized dtype's integer representation (``int_repr()``), which is what is stored.
+QUANTIZED_STORAGE: dict[str, str] = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}
+MAX_CHANNELS = 1 << 24  # per-channel parameters are inline JSON: bound them
+
+
+class Quantization(_Model):
+    """How a quantized tensor's stored integers map back to it (format 1.2).
+
+    The entry's ``dtype`` is the integer representation (``int8`` for
+    ``qint8``); ``dtype`` here is the quantized dtype. ``per_tensor_affine``
+    has ``scale`` (a float as exact ``float.hex``) and ``zero_point``;
+    ``per_channel_affine`` has one scale and zero point per index of ``axis``.
+    """
+
+    dtype: Literal["qint8", "quint8", "qint32"]
+    qscheme: Literal["per_tensor_affine", "per_channel_affine"]
+    scale: StrictStr | None = None
+    zero_point: StrictInt | None = None
+    axis: Annotated[int, Field(ge=0, le=63), StrictInt] | None = None
+    scales: tuple[StrictStr, ...] | None = Field(default=None, max_length=MAX_CHANNELS)
+    zero_points: tuple[StrictInt, ...] | None = Field(default=None, max_length=MAX_CHANNELS)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Quantization:
+        per_tensor = (self.scale, self.zero_point)
+        per_channel = (self.axis, self.scales, self.zero_points)
+        if self.qscheme == "per_tensor_affine":
+            if None in per_tensor or any(v is not None for v in per_channel):
+                raise ValueError("per_tensor_affine has scale and zero_point only")
+        elif any(v is not None for v in per_tensor) or None in per_channel:
+            raise ValueError("per_channel_affine has axis, scales and zero_points only")
+        elif len(self.scales or ()) != len(self.zero_points or ()):
+            raise ValueError("per_channel_affine needs as many zero_points as scales")
+        return self
+
+
+def _not_quantized(q: Quantization | None) -> bool:
+    return q is None
+
+
 class TensorEntry(_Model):
-    """A dense tensor stored as raw little-endian bytes in row-major order."""
+    """A dense tensor stored as raw little-endian bytes in row-major order.
+
+    A quantized tensor is stored as its integer representation, with
+    ``quantized`` saying how to rebuild it; the field is left out of the
+    JSON of every other tensor, so their manifests are unchanged.
+    """
 
     kind: Literal["tensor"] = "tensor"
     dtype: StrictStr
@@ -118,6 +166,7 @@ class TensorEntry(_Model):
     chunk_size: ChunkSize
     chunks: list[ChunkRef]
     replicated: StrictBool = False
+    quantized: Quantization | None = Field(default=None, exclude_if=_not_quantized)
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +189,14 @@ class TensorEntry(_Model):
             if nbytes > MAX_BYTES:
                 raise ValueError("tensor size overflows")
         _check_chunks(self.chunks, nbytes, self.chunk_size)
+        q = self.quantized
+        if q is not None:
+            if QUANTIZED_STORAGE[q.dtype] != self.dtype:
+                raise ValueError(f"a {q.dtype} tensor is stored as {QUANTIZED_STORAGE[q.dtype]}")
+            if q.axis is not None and (
+                q.axis >= len(self.shape) or len(q.scales or ()) != self.shape[q.axis]
+            ):
+                raise ValueError("per-channel parameters do not match the shape")
         return self
 
 
@@ -308,6 +365,13 @@ class Manifest(_Model):
             elif isinstance(e, ShardedEntry):
                 refs.extend(c for shard in e.shards for c in shard.chunks)
         return refs
+
+
+def format_version_for(entries: dict[str, Entry]) -> str:
+    """The format a manifest of ``entries`` is written in: the oldest that can hold them."""
+    quantized = any(isinstance(e, TensorEntry) and e.quantized is not None
+                    for e in entries.values())  # fmt: skip
+    return QUANTIZED_FORMAT_VERSION if quantized else FORMAT_VERSION
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from casnap.restore.keys import MAX_LISTED, check_keys, failed_load_note, listed
 from casnap.restore.reshard import ShardedSink
 from casnap.restore.undo import TensorUndo, Undo
 from casnap.settings import read_workers_for
+from casnap.torch_io import quantized
 from casnap.torch_io.flatten import inflate, leaves_of
 from casnap.torch_io.stateful import RNGState
 from casnap.torch_io.tensors import TensorSink, check_target, fills_in_place
@@ -52,6 +53,8 @@ class _Load:
     tensors: dict[str, tuple[TensorEntry, torch.Tensor | None]]
     objects: dict[str, ObjectEntry]
     sharded: dict[str, ShardedSink]
+    # Quantized entries, read as fresh integer tensors, then landed in these targets.
+    quantized: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 def _plan_subtree(
@@ -65,7 +68,14 @@ def _plan_subtree(
     keys = subtree(manifest.entries, key)
     for k in keys:
         entry = manifest.entries[k]
-        if isinstance(entry, TensorEntry):
+        if isinstance(entry, TensorEntry) and entry.quantized is not None:
+            dest = target.get(k)
+            dest = dest if isinstance(dest, torch.Tensor) else None
+            if dest is not None:
+                quantized.check_target(k, dest, entry)
+            load.tensors[k] = (entry, None)
+            load.quantized[k] = dest
+        elif isinstance(entry, TensorEntry):
             dest = target.get(k)
             if isinstance(dest, torch.Tensor):
                 check_target(k, dest, entry.dtype, entry.shape)
@@ -249,6 +259,8 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
         undo.rollback()  # every reader has stopped: the pool was shut down
         raise
     values: dict[str, Any] = {k: s.finish() for k, s in sinks.items()}
+    for k, dest in load.quantized.items():
+        values[k] = quantized.land(load.tensors[k][0], values[k], dest)
     values.update((k, s.result) for k, s in load.sharded.items())
     for key, blob in blobs.items():
         try:

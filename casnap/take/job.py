@@ -34,7 +34,13 @@ import torch
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import ChunkWriter, WriteStats
 from casnap.errors import UnsupportedValueError
-from casnap.format.manifest import ChunkRef, ContainerEntry, Manifest, PrimitiveEntry
+from casnap.format.manifest import (
+    ChunkRef,
+    ContainerEntry,
+    Manifest,
+    PrimitiveEntry,
+    format_version_for,
+)
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
@@ -108,12 +114,14 @@ class TakeJob:
             plan = _plan_of(self.nodes, written, self.settings.chunk_size)
             by_hash = {ref.hash: ref for refs in written.values() for ref in refs}
             previous, dumped = previous_plan(self.session, self.repo, self.parents)
+            entries = build_entries([plan], by_hash, previous)
             manifest = Manifest(
+                format_version=format_version_for(entries),
                 created_at=now_iso(),
                 world_size=1,
                 parents=self.parents,
                 metadata=self.metadata,
-                entries=build_entries([plan], by_hash, previous),
+                entries=entries,
             )
             manifest_hash = commit_snapshot(
                 self.repo, self.name, manifest, lease=lease, session=self.session,
@@ -131,7 +139,9 @@ def _plan_of(
         if isinstance(node, TensorLeaf):
             ids = tuple((r.hash, r.size) for r in written.get(key, []))
             t = node.tensor
-            entries[key] = TensorPlan(dtype_name(t.dtype, key), tuple(t.shape), False, ids)
+            entries[key] = TensorPlan(
+                dtype_name(t.dtype, key), tuple(t.shape), False, ids, node.quantized
+            )
         elif isinstance(node, ObjectLeaf):
             ids = tuple((r.hash, r.size) for r in written.get(key, []))
             entries[key] = ObjectPlan(node.type_name, len(node.payload), ids)

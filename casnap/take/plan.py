@@ -27,6 +27,7 @@ from casnap.format.manifest import (
     Manifest,
     ObjectEntry,
     PrimitiveEntry,
+    Quantization,
     ShardedEntry,
     ShardRecord,
     TensorEntry,
@@ -106,6 +107,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     replicated: bool
     chunks: ChunkIds
+    quantized: Quantization | None = None
 
 
 @dataclass(frozen=True)
@@ -167,19 +169,50 @@ def _tensor_entry(
         and previous.shape == shape
         and previous.chunk_size == chunk_size
         and previous.replicated == plan.replicated
+        and previous.quantized == plan.quantized
     ):
         return previous
     return TensorEntry(dtype=plan.dtype, shape=shape, chunk_size=chunk_size, chunks=chunks,
-                       replicated=plan.replicated)  # fmt: skip
+                       replicated=plan.replicated, quantized=plan.quantized)  # fmt: skip
 
 
 def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:
     return [refs[h] for h, _ in ids]
 
 
-def _sharded_entries(plans: list[RankPlan], refs: dict[str, ChunkRef]) -> dict[str, ShardedEntry]:
-    """One entry per logical key, holding the union of every rank's shards."""
-    boxes: dict[str, dict[tuple[int, ...], ShardPlan]] = {}
+Boxes = dict[tuple[int, ...], ShardPlan]
+
+
+def _sharded_entry(
+    head: ShardedPlan, boxes: Boxes, cs: int, refs: dict[str, ChunkRef]
+) -> ShardedEntry:
+    shards = [
+        ShardRecord(
+            offsets=list(s.offsets),
+            sizes=list(s.sizes),
+            chunk_size=cs,
+            chunks=_refs(s.chunks, refs),
+        )  # fmt: skip
+        for _, s in sorted(boxes.items())
+    ]
+    return ShardedEntry(
+        layout=head.layout,  # type: ignore[arg-type]
+        dtype=head.dtype,
+        shape=list(head.shape),
+        shards=shards,
+    )
+
+
+def _sharded_entries(
+    plans: list[RankPlan], refs: dict[str, ChunkRef]
+) -> tuple[dict[str, ShardedEntry], dict[str, Boxes], dict[str, ShardedPlan]]:
+    """One entry per logical key, holding the union of every rank's shards.
+
+    A box held by several ranks is taken from the lowest; also returned, the
+    boxes and heads that a rank whose own copy of a box differs (a replica
+    that diverged, kept with a warning: docs/distributed.md) builds its entry from.
+    """
+    boxes: dict[str, Boxes] = {}
     heads: dict[str, ShardedPlan] = {}
     for p in plans:
         for key, entry in p.entries.items():
@@ -187,25 +220,27 @@ def _sharded_entries(plans: list[RankPlan], refs: dict[str, ChunkRef]) -> dict[s
                 heads.setdefault(logical(key), entry)
                 for s in entry.shards:
                     boxes.setdefault(logical(key), {}).setdefault(s.offsets, s)
-    out = {}
     cs = plans[0].chunk_size
-    for path, head in heads.items():
-        shards = [
-            ShardRecord(
-                offsets=list(s.offsets),
-                sizes=list(s.sizes),
-                chunk_size=cs,
-                chunks=_refs(s.chunks, refs),
-            )  # fmt: skip
-            for _, s in sorted(boxes.get(path, {}).items())
-        ]
-        out[path] = ShardedEntry(
-            layout=head.layout,  # type: ignore[arg-type]
-            dtype=head.dtype,
-            shape=list(head.shape),
-            shards=shards,
-        )
-    return out
+    out = {path: _sharded_entry(head, boxes.get(path, {}), cs, refs)
+           for path, head in heads.items()}  # fmt: skip
+    return out, boxes, heads
+
+
+def _own_sharded(
+    key: str,
+    plan: ShardedPlan,
+    union: tuple[dict[str, ShardedEntry], dict[str, Boxes], dict[str, ShardedPlan]],
+    cs: int,
+    refs: dict[str, ChunkRef],
+) -> ShardedEntry:
+    """A rank's sharded entry: the shared one, unless its own copy of a box differs."""
+    entries, boxes, heads = union
+    path = logical(key)
+    shared = boxes.get(path, {})
+    if all(shared.get(s.offsets) == s for s in plan.shards):
+        return entries[path]
+    own = {**shared, **{s.offsets: s for s in plan.shards}}
+    return _sharded_entry(heads[path], own, cs, refs)
 
 
 def build_entries(
@@ -233,7 +268,7 @@ def build_entries(
                     chunks=_refs(e.chunks, refs),
                 )  # fmt: skip
             elif isinstance(e, ShardedPlan):
-                entries[key] = sharded[logical(key)]
+                entries[key] = _own_sharded(key, e, sharded, cs, refs)
             else:
                 entries[key] = e
     return entries

@@ -16,21 +16,25 @@ from typing import Any
 
 import torch
 
-from casnap.errors import SnapshotExistsError, UnsupportedValueError
+from casnap.errors import ShapeMismatchError, SnapshotExistsError, UnsupportedValueError
 from casnap.format.manifest import canonical_json
 from casnap.format.names import escape_key
 from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import Settings, io_workers_for, is_set
+from casnap.take.plan import logical
 from casnap.take.session import Session
-from casnap.torch_io.flatten import Node, TensorLeaf, flatten
+from casnap.torch_io import quantized
+from casnap.torch_io.flatten import Node, TensorLeaf, flatten, tensor_leaf
+from casnap.torch_io.sharded import LocalShard, ShardLeaf
 from casnap.torch_io.stateful import RNGState, rng_keeper
+from casnap.torch_io.tensors import check_storable
 
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 # Keys of ``storage_options`` that tune the take rather than open the store.
-TAKE_OPTIONS = ("chunk_size", "compression")
+TAKE_OPTIONS = ("chunk_size", "compression", "replica_mismatch")
 
 
 def split_options(
@@ -99,8 +103,59 @@ def collect(
     if prepare is not None:
         for key, node in nodes.items():
             if isinstance(node, TensorLeaf):
-                nodes[key] = TensorLeaf(prepare(key, node.tensor, False))
+                original = node.tensor
+                if node.quantized is not None:
+                    original = quantized.rebuild(node.tensor, node.quantized)
+                nodes[key] = tensor_leaf(_prepared(prepare, key, original), key)
+            elif isinstance(node, ShardLeaf):
+                nodes[key] = _prepared_shards(prepare, key, node)
     return nodes
+
+
+def _prepared(prepare: TensorPrepareFunc, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """torchsnapshot's ``_custom_tensor_prepare_func(path, tensor, tracing)`` applied to one
+    tensor: ``path`` is the key without its rank (``"model/0.weight"``), as torchsnapshot's
+    logical path; the result is what is stored, and it must keep the shape.
+
+    torchsnapshot calls it twice, ``tracing=True`` to learn the dtype and shape
+    while planning, then ``tracing=False`` for the bytes. A casnap take hashes
+    the bytes while planning, so it makes the one call that yields them.
+    """
+    out = prepare(logical(key), tensor, False)
+    if not isinstance(out, torch.Tensor):
+        raise UnsupportedValueError(
+            f"{key}: _custom_tensor_prepare_func returned a {type(out).__name__}, not a tensor",
+            key,
+        )
+    if out.shape != tensor.shape:
+        raise ShapeMismatchError(
+            f"{key}: _custom_tensor_prepare_func must not change the shape "
+            f"(changed from {list(tensor.shape)} to {list(out.shape)})",
+            key,
+        )
+    return out
+
+
+def _prepared_shards(prepare: TensorPrepareFunc, key: str, leaf: ShardLeaf) -> ShardLeaf:
+    """Every local shard of a sharded value through the prepare function, as torchsnapshot."""
+    shards = tuple(
+        LocalShard(s.offsets, s.sizes, _prepared(prepare, key, s.tensor)) for s in leaf.shards
+    )
+    dtypes = {s.tensor.dtype for s in shards}
+    for s in shards:
+        if s.tensor.is_quantized:
+            raise UnsupportedValueError(
+                f"{key}: the shards of a sharded tensor cannot be stored quantized; "
+                "quantize the whole tensor, or store the shards unquantized",
+                key,
+            )
+        check_storable(s.tensor, key)
+    if len(dtypes) > 1:
+        raise UnsupportedValueError(
+            f"{key}: _custom_tensor_prepare_func gave the shards different dtypes {dtypes}", key
+        )
+    dtype = dtypes.pop() if dtypes else leaf.dtype
+    return ShardLeaf(leaf.layout, dtype, leaf.shape, shards)
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,13 @@ from casnap.format.manifest import (
     Entry,
     ObjectEntry,
     PrimitiveEntry,
+    Quantization,
     ShardedEntry,
     TensorEntry,
 )
 from casnap.format.names import escape_key
 from casnap.format.tree import child_key
+from casnap.torch_io import quantized
 from casnap.torch_io.sharded import ShardLeaf, as_shard_leaf, is_sharded
 from casnap.torch_io.tensors import check_storable, dtype_name, torch_dtype
 
@@ -43,7 +45,17 @@ MAX_DEPTH = 64
 
 @dataclass(frozen=True)
 class TensorLeaf:
-    tensor: torch.Tensor
+    tensor: torch.Tensor  # what is stored: a quantized tensor's integer representation
+    quantized: Quantization | None = None  # how to rebuild a quantized tensor from it
+
+
+def tensor_leaf(value: torch.Tensor, key: str) -> TensorLeaf:
+    """The leaf of a plain tensor; refuses what cannot be stored before anything is written."""
+    if value.is_quantized:
+        ints, q = quantized.split(value, key)
+        return TensorLeaf(ints, q)
+    check_storable(value, key)
+    return TensorLeaf(value)
 
 
 @dataclass(frozen=True)
@@ -173,8 +185,7 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
             raise UnsupportedValueError(
                 f"{key}: tensor subclass {type(value).__name__} is not supported here", key
             )
-        check_storable(value, key)  # refuse before anything is staged or written
-        out[key] = TensorLeaf(value)
+        out[key] = tensor_leaf(value, key)
         return
     prim = encode_primitive(value)
     if prim is not None:
