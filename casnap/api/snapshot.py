@@ -83,7 +83,7 @@ def _prepare(
     return prepare_take(
         path, app_state, storage_options=storage_options, metadata=metadata,
         allow_pickle=allow_pickle, parents=parents, stage=stage, custom_prepare=custom_prepare,
-        memory_budget_bytes=memory_budget_bytes, session=session,
+        memory_budget_bytes=memory_budget_bytes, session=session, replicated=replicated,
     )  # fmt: skip
 
 

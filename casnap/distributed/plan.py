@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field, replace
-from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from casnap.take.plan import (
     ShardPlan,
     TensorPlan,
     chunks_of,
+    is_replicated,
     logical,
 )
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf
@@ -58,11 +58,6 @@ class LocalData:
         self.chunks = {h: v for h, v in self.chunks.items() if h in wanted}
         self.owners = {h: o for h, o in self.owners.items() if h in wanted}
         self.live &= wanted
-
-
-def is_replicated(key: str, patterns: list[str]) -> bool:
-    path = logical(key)
-    return any(fnmatchcase(path, p) for p in patterns)
 
 
 def _chunk_ids(

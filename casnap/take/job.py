@@ -51,6 +51,7 @@ from casnap.take.plan import (
     RankPlan,
     TensorPlan,
     build_entries,
+    is_replicated,
     known_chunks,
     previous_plan,
 )
@@ -86,6 +87,7 @@ class TakeJob:
     budget: ByteBudget
     session: Session | None
     pool: StagingPool  # the session's, or a private one without a session
+    replicated: list[str] = field(default_factory=list)  # fnmatch patterns of logical keys
     buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
     # Set once every live request's chunks are consumed (at once when there are none).
     live_consumed: threading.Event = field(default_factory=threading.Event)
@@ -111,7 +113,7 @@ class TakeJob:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
                 scheduler = Scheduler(writer, self.settings, self.budget, self.live_consumed)
                 written = scheduler.run(self.requests)
-            plan = _plan_of(self.nodes, written, self.settings.chunk_size)
+            plan = _plan_of(self.nodes, written, self.settings.chunk_size, self.replicated)
             by_hash = {ref.hash: ref for refs in written.values() for ref in refs}
             previous, dumped = previous_plan(self.session, self.repo, self.parents)
             entries = build_entries([plan], by_hash, previous)
@@ -131,17 +133,25 @@ class TakeJob:
 
 
 def _plan_of(
-    nodes: Mapping[str, Node], written: Mapping[str, list[ChunkRef]], chunk_size: int
+    nodes: Mapping[str, Node],
+    written: Mapping[str, list[ChunkRef]],
+    chunk_size: int,
+    replicated: list[str],
 ) -> RankPlan:
-    """The plan of a world of one, its chunk ids known once the scheduler hashed them."""
+    """The plan of a world of one, its chunk ids known once the scheduler hashed them.
+
+    Tensors matching ``replicated`` are marked so (as torchsnapshot does with one
+    process), so a job resumed on more ranks finds them on every rank.
+    """
     entries: dict[str, EntryPlan] = {}
     for key, node in nodes.items():
         if isinstance(node, TensorLeaf):
             ids = tuple((r.hash, r.size) for r in written.get(key, []))
             t = node.tensor
             entries[key] = TensorPlan(
-                dtype_name(t.dtype, key), tuple(t.shape), False, ids, node.quantized
-            )
+                dtype_name(t.dtype, key), tuple(t.shape), is_replicated(key, replicated), ids,
+                node.quantized,
+            )  # fmt: skip
         elif isinstance(node, ObjectLeaf):
             ids = tuple((r.hash, r.size) for r in written.get(key, []))
             entries[key] = ObjectPlan(node.type_name, len(node.payload), ids)
@@ -175,6 +185,7 @@ def prepare_take(
     custom_prepare: TensorPrepareFunc | None = None,
     memory_budget_bytes: int | None = None,
     session: Session | None = None,
+    replicated: list[str] | None = None,
 ) -> TakeJob:
     """Phase 1 of a take (see the module docstring)."""
     budget = ByteBudget(check_budget(memory_budget_bytes))
@@ -183,7 +194,7 @@ def prepare_take(
     requests = requests_of(nodes)
     pool = session.staging if session is not None else StagingPool(idle_limit=0)
     job = TakeJob(target.repo, target.name, nodes, requests, target.settings, target.parents,
-                  target.metadata, budget, session, pool)  # fmt: skip
+                  target.metadata, budget, session, pool, list(replicated or []))  # fmt: skip
     if stage:
         _stage(job)
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 from casnap import index
 from casnap.errors import CasnapError
@@ -147,6 +148,12 @@ class RankPlan:
 def logical(key: str) -> str:
     """A key without its rank component: ``"3/model/w"`` -> ``"model/w"``."""
     return key.split("/", 1)[1] if "/" in key else ""
+
+
+def is_replicated(key: str, patterns: list[str]) -> bool:
+    """Whether ``key``'s logical path matches one of the ``replicated`` fnmatch patterns."""
+    path = logical(key)
+    return any(fnmatchcase(path, p) for p in patterns)
 
 
 def chunks_of(plan: EntryPlan) -> list[tuple[str, int]]:
