@@ -24,6 +24,7 @@ checkpoints under another name format) are never touched.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from types import TracebackType
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 from casnap.api.snapshot import PendingSnapshot, Snapshot
 from casnap.errors import CasnapError, ConfigError, as_names, as_path, expect_type
 from casnap.format.names import check_ref_name
+from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS
+from casnap.gc.reclaim import reclaim as reclaim_retired
 from casnap.ops.retention import (
     RetentionPolicy,
     RetentionResult,
@@ -69,8 +72,10 @@ class Checkpointer:
     """Takes a snapshot every ``every_n_steps`` steps into the repository at ``repo_url``.
 
     - ``retention``: a :class:`~casnap.ops.retention.RetentionPolicy` applied to this
-      checkpointer's snapshots after each commit (refs only; ``gc`` reclaims
-      space). The newest snapshot is always kept.
+      checkpointer's snapshots after each commit, which also deletes what only
+      the retired snapshots reached (:func:`casnap.gc.reclaim.reclaim`; set
+      ``ckpt.reclaim = False`` to leave that to ``gc``). The newest snapshot
+      is always kept.
     - ``async_take``: write in the background; a new take first waits for the
       previous one. The state is copied before ``maybe_take`` returns.
     - ``name_format``: the snapshot name, formatted with ``step=``.
@@ -239,14 +244,32 @@ class Checkpointer:
         if self._pending is not None and self._pending.done():
             self.wait()
 
+    # Reclaim after retention (docs/retention.md): on by default; the wait for
+    # other processes' takes in flight is short because it blocks training.
+    reclaim: bool = True
+    reclaim_wait_seconds: float = RECLAIM_WAIT_SECONDS
+
     def _committed(self, snap: Snapshot, name: str) -> None:
+        """Apply retention, then reclaim what only the retired snapshots reached.
+
+        A reclaim that is deferred (takes of other processes stayed in flight
+        past ``reclaim_wait_seconds``, or another gc holds the lock) leaves its
+        manifests in ``last_retention.reclaimed.pending``; the next commit's
+        reclaim takes them along.
+        """
         if self.retention is None:
             return
         repo = snap.repository
         mine = {s.name for s in self._mine(repo)}
         policy = RetentionPolicy(*self.retention.rules, _KeepNames([name], "newest checkpoint"))
         plan = plan_retention(repo, policy, names=mine, cache=self._summaries)
-        self.last_retention = execute_retention(repo, plan)
+        result = execute_retention(repo, plan)
+        earlier = self.last_retention.reclaimed if self.last_retention is not None else None
+        retired = (earlier.pending if earlier is not None else ()) + result.retired_manifests
+        if self.reclaim and retired:
+            freed = reclaim_retired(repo, retired, wait_seconds=self.reclaim_wait_seconds)
+            result = replace(result, reclaimed=freed)
+        self.last_retention = result
 
     # -- resuming and listing ------------------------------------------------
     def restore_latest(self, app_state: dict[str, Any], **restore_kwargs: Any) -> int | None:
