@@ -111,8 +111,8 @@ def test_retention_runs_after_each_commit_and_keeps_foreign_snapshots(tmp_path):
     assert ckpt.last_retention is not None and ckpt.last_retention.deleted == (NAMES[1],)
     repo = Repository.open(str(root))
     assert repo.list_snapshots() == ["base", *NAMES[2:]]  # the foreign snapshot is untouched
-    # retention deleted refs only: all five manifests are still in the store
-    assert len(list(repo.iter_manifest_names())) == 5
+    # the retired snapshots' manifests were reclaimed: base's and the two kept ones remain
+    assert len(list(repo.iter_manifest_names())) == 3
 
 
 def test_async_retention_applies_when_the_take_is_observed_complete(tmp_path):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Literal
@@ -58,6 +59,8 @@ from casnap.errors import (
     expect_type,
 )
 from casnap.format.names import check_ref_name
+from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS
+from casnap.gc.reclaim import reclaim as reclaim_retired
 from casnap.ops.retention import (
     RetentionPolicy,
     RetentionResult,
@@ -116,9 +119,10 @@ class Checkpointer:
     A step is never taken twice. Other options:
 
     - ``retention``: a :class:`~casnap.ops.retention.RetentionPolicy` applied to this
-      checkpointer's snapshots after each commit (refs only; ``gc`` reclaims
-      space). The newest snapshot is always kept. Its first ``KeepBest`` rule
-      is what :meth:`best` ranks by.
+      checkpointer's snapshots after each commit, which also deletes what only
+      the retired snapshots reached (:func:`casnap.gc.reclaim.reclaim`;
+      ``reclaim=False`` leaves that to ``gc``). The newest snapshot is always
+      kept. Its first ``KeepBest`` rule is what :meth:`best` ranks by.
     - ``async_take``: write in the background; a new take first waits for the
       previous one. The state is copied before ``maybe_take`` returns.
     - ``name_format``: the snapshot name, formatted with ``step=``.
@@ -126,6 +130,9 @@ class Checkpointer:
       ``chunk_size``, ``compression``, or ``repository``: a
       :class:`~casnap.Repository` to use instead of opening ``repo_url``).
     - ``tags``: stored in every snapshot's ``metadata["tags"]``.
+    - ``reclaim`` / ``reclaim_wait_seconds``: whether retention's reclaim runs
+      after each commit, and how long it waits for other processes' takes in
+      flight before deferring to the next commit (default 1 s).
 
     Each take's parent is the previous take of this checkpointer, or the
     snapshot :meth:`restore_latest` restored: the checkpointer owns a
@@ -155,6 +162,8 @@ class Checkpointer:
         take_on_close: bool = False,
         take_on_preemption: bool | int | Iterable[int] = False,
         clock: Clock = time.monotonic,
+        reclaim: bool = True,
+        reclaim_wait_seconds: float = RECLAIM_WAIT_SECONDS,
     ) -> None:
         repo_url = as_path(repo_url, "repo_url")
         if isinstance(retention, RetentionRule):
@@ -163,6 +172,13 @@ class Checkpointer:
             expect_type(retention, RetentionPolicy, "retention", "a casnap.RetentionPolicy or None")
         expect_type(name_format, str, "name_format", "a format string like 'step_{step:09d}'")
         expect_type(take_on_close, bool, "take_on_close", "True or False")
+        expect_type(reclaim, bool, "reclaim", "True or False")
+        expect_type(reclaim_wait_seconds, (int, float), "reclaim_wait_seconds", "seconds")
+        if reclaim_wait_seconds < 0:
+            raise ConfigError(
+                f"reclaim_wait_seconds must not be negative, got {reclaim_wait_seconds}",
+                "reclaim_wait_seconds",
+            )
         tags = as_names(tags, "tags")
         self.schedule = Schedule(every_n_steps, every_seconds, clock)
         self.every_n_steps = every_n_steps
@@ -171,6 +187,10 @@ class Checkpointer:
         self.async_take = async_take
         self.name_format = name_format
         self.take_on_close = take_on_close
+        # Reclaim after retention (docs/retention.md): on by default; the wait for
+        # other processes' takes in flight is short because it blocks training.
+        self.reclaim = reclaim
+        self.reclaim_wait_seconds = float(reclaim_wait_seconds)
         self.tags = [check_ref_name(t) for t in (tags or [])]
         try:  # a bad format fails here, not at the first take
             check_ref_name(self._name(0))
@@ -364,13 +384,26 @@ class Checkpointer:
             self.wait()
 
     def _committed(self, snap: Snapshot, name: str) -> None:
+        """Apply retention, then reclaim what only the retired snapshots reached.
+
+        A reclaim that is deferred (takes of other processes stayed in flight
+        past ``reclaim_wait_seconds``, or another gc holds the lock) leaves its
+        manifests in ``last_retention.reclaimed.pending``; the next commit's
+        reclaim takes them along.
+        """
         if self.retention is None:
             return
         repo = snap.repository
         mine = {s.name for s in self._mine(repo)}
         policy = RetentionPolicy(*self.retention.rules, _KeepNames([name], "newest checkpoint"))
         plan = plan_retention(repo, policy, names=mine, cache=self._summaries)
-        self.last_retention = execute_retention(repo, plan)
+        result = execute_retention(repo, plan)
+        earlier = self.last_retention.reclaimed if self.last_retention is not None else None
+        retired = (earlier.pending if earlier is not None else ()) + result.retired_manifests
+        if self.reclaim and retired:
+            freed = reclaim_retired(repo, retired, wait_seconds=self.reclaim_wait_seconds)
+            result = replace(result, reclaimed=freed)
+        self.last_retention = result
 
     # -- resuming ------------------------------------------------------------
     def restore_latest(self, app_state: dict[str, Any], **restore_kwargs: Any) -> int | None:

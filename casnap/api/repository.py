@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from casnap.errors import CasnapError, ConfigError, SnapshotNotFoundError
 from casnap.format.manifest import Manifest, TensorEntry
 from casnap.gc.collect import DEFAULT_GRACE_SECONDS, DEFAULT_WAIT_SECONDS, GcResult, gc
+from casnap.gc.reclaim import reclaim
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
 from casnap.ops.repair import ChunkSource, RepairResult, SnapshotSource, repair
 from casnap.ops.retention import (
@@ -258,19 +259,25 @@ class Repository(RepoStorage):
         dry_run: bool = False,
         now: datetime | None = None,
         allow_delete_all: bool = False,
+        prune: bool = False,
+        wait_seconds: float = DEFAULT_WAIT_SECONDS,
     ) -> RetentionResult:
-        """Delete the refs ``policy`` does not keep; gc reclaims their space afterwards.
+        """Delete the refs ``policy`` does not keep; with ``prune``, then their space.
 
         The plan is made first and returned in ``result.plan``; ``dry_run``
         stops there (nothing deleted). A :class:`RetentionPlan` from an
         earlier dry run can be passed instead of a policy to execute exactly
         it (refs changed since are skipped). A plan that deletes every
         snapshot raises :class:`casnap.RetentionError` unless
-        ``allow_delete_all``::
+        ``allow_delete_all``. ``prune`` deletes, right after, the manifests of
+        the deleted refs and what only they reference, with no grace period
+        (:func:`casnap.gc.reclaim.reclaim`, waiting up to ``wait_seconds`` for
+        takes in flight); ``result.reclaimed`` says what it freed and kept.
+        Without it, ``gc`` reclaims the space after its grace period::
 
             preview = repo.retain(RetentionPolicy(KeepLast(3)), dry_run=True)
             print(preview.plan.render())
-            repo.retain(preview.plan).deleted
+            repo.retain(preview.plan, prune=True).reclaimed.bytes_freed
         """
         if isinstance(policy, RetentionPlan):
             plan = policy
@@ -278,7 +285,11 @@ class Repository(RepoStorage):
             plan = plan_retention(self, policy, now, allow_delete_all=allow_delete_all)
         if dry_run:
             return RetentionResult((), {}, plan, dry_run=True)
-        return execute_retention(self, plan)
+        result = execute_retention(self, plan)
+        if prune:
+            freed = reclaim(self, result.retired_manifests, wait_seconds=wait_seconds)
+            result = replace(result, reclaimed=freed)
+        return result
 
     def gc(
         self,

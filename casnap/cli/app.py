@@ -220,6 +220,10 @@ def cmd_du(args: argparse.Namespace) -> int:
             for u in usage.per_snapshot
         ],
         "leftovers": dataclasses.asdict(usage.leftovers),
+        "unreferenced": {
+            **dataclasses.asdict(usage.unreferenced),
+            "hint": usage.unreferenced.describe() if usage.unreferenced else None,
+        },
     }
 
     def text() -> str:
@@ -241,6 +245,8 @@ def cmd_du(args: argparse.Namespace) -> int:
             )
         if left.live_leases:
             out += f"\ntakes in flight now: {left.live_leases}"
+        if usage.unreferenced:
+            out += "\n" + usage.unreferenced.describe()
         return out
 
     emit(args, data, text)
@@ -291,6 +297,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"{report.chunks} chunks{scope}: "
             + ("OK" if report.ok else f"{len(report.problems)} problem(s)")
         )
+        if report.unreferenced:  # space, not damage: the exit code ignores it
+            lines.append(report.unreferenced.describe())
         return "\n".join(lines)
 
     emit(args, {**report.to_json(), "part": list(part) if part else None}, text)

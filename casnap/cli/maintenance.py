@@ -13,7 +13,15 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from casnap.cli.common import EXIT_PROBLEMS, Progress, emit, human, open_repo, open_snapshot
+from casnap.cli.common import (
+    EXIT_ERROR,
+    EXIT_PROBLEMS,
+    Progress,
+    emit,
+    human,
+    open_repo,
+    open_snapshot,
+)
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -55,28 +63,35 @@ def cmd_retain(args: argparse.Namespace) -> int:
         rules.append(KeepTagged(args.keep_tagged or None))
     rules += args.keep_best or []
     result = open_repo(args).retain(
-        RetentionPolicy(*rules), dry_run=args.dry_run, allow_delete_all=args.allow_delete_all
+        RetentionPolicy(*rules),
+        dry_run=args.dry_run,
+        allow_delete_all=args.allow_delete_all,
+        prune=args.prune,
+        wait_seconds=args.wait,
     )
     plan = result.plan
     assert plan is not None  # Repository.retain always returns its plan
     if result.dry_run:
         emit(args, {**plan.to_json(), "dry_run": True}, lambda: plan.render() + "\n(dry run)")
         return 0
+    reclaimed = result.reclaimed
     data = {
         **plan.to_json(),
         "dry_run": False,
         "deleted": list(result.deleted),
         "skipped": result.skipped,
+        "reclaimed": reclaimed.to_json() if reclaimed is not None else None,
     }
-    emit(
-        args,
-        data,
-        lambda: (
-            plan.render() + f"\ndeleted {len(result.deleted)} ref(s); "
-            "run `casnap gc` to reclaim their space"
-        ),
-    )
-    return 0
+
+    def text() -> str:
+        out = plan.render() + f"\ndeleted {len(result.deleted)} ref(s)"
+        if reclaimed is None:
+            return out + "; `casnap retain --prune` or `casnap gc` reclaims their space"
+        return out + "\n" + reclaimed.render()
+
+    emit(args, data, text)
+    # A deferred prune deleted no data: the refs are gone, the space is not (yet).
+    return EXIT_ERROR if reclaimed is not None and reclaimed.deferred is not None else 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -148,7 +163,11 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def register(add: Callable[..., Any]) -> None:
-    p = add("retain", cmd_retain, "delete the refs a retention policy does not keep (then gc)")
+    p = add(
+        "retain",
+        cmd_retain,
+        "delete the refs a retention policy does not keep (--prune: and their space)",
+    )
     p.add_argument("repo", help="repository directory or URL")
     p.add_argument("--keep-last", type=int, metavar="N", help="the newest N snapshots")
     p.add_argument("--keep-every-step", type=int, metavar="K", help="steps divisible by K")
@@ -171,6 +190,19 @@ def register(add: Callable[..., Any]) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.add_argument(
         "--allow-delete-all", action="store_true", help="permit a plan that deletes every snapshot"
+    )
+    p.add_argument(
+        "--prune",
+        action="store_true",
+        help="then delete what only the deleted snapshots reached, without gc's grace period "
+        "(like restic's forget --prune; safe beside running takes)",
+    )
+    p.add_argument(
+        "--wait",
+        type=duration,
+        default=60.0,
+        metavar="DURATION",
+        help="with --prune: how long to wait for takes in flight (default 60s)",
     )
     p = add("gc", cmd_gc, "delete objects no ref or tag reaches (safe beside running takes)")
     p.add_argument("repo", help="repository directory or URL")

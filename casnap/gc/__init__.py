@@ -1,7 +1,8 @@
 """Garbage collection: plan what no root reaches, then sweep it (docs/gc.md).
 
 :mod:`casnap.gc.collect` holds the session and the one-call API,
-:mod:`casnap.gc.plan` the mark phase and the plan. Both use only the store
+:mod:`casnap.gc.plan` the mark phase and the plan, :mod:`casnap.gc.reclaim` the
+grace-free sweep of what retention just retired. All use only the store
 contract (:mod:`casnap.store.base`).
 """
 
@@ -15,15 +16,18 @@ from casnap.gc.collect import (
     read_gc_epoch,
 )
 from casnap.gc.plan import GcPlan, GcRefusedError
+from casnap.gc.reclaim import ReclaimResult, reclaim
 
 __all__ = [
     "GcPlan",
     "GcRefusedError",
     "GcResult",
     "GcSession",
+    "ReclaimResult",
     "execute_gc",
     "gc",
     "gc_in_progress",
     "plan_gc",
     "read_gc_epoch",
+    "reclaim",
 ]

@@ -119,7 +119,8 @@ class GcResult:
         )
         if self.skipped:
             text += f"; {self.skipped} planned deletion(s) skipped (reachable again or gone)"
-        return "\n".join([text] + [f"  warning: {w}" for w in self.plan.warnings])
+        kept = [f"  {self.plan.grace_note()}"] if self.plan.young_kept else []
+        return "\n".join([text, *kept] + [f"  warning: {w}" for w in self.plan.warnings])
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
@@ -167,8 +168,9 @@ def _bump_epoch(repo: RepoStorage, session: str, phase: str) -> str:
 class GcSession:
     """Holds ``gc.lock`` with no take in flight; plan and execute inside it.
 
-    Entering writes the lock (waiting up to ``wait_seconds`` for another gc,
-    else :class:`casnap.repo.leases.GcBusyError`) and then waits up to
+    Entering writes the lock (waiting up to ``lock_wait_seconds``, default
+    ``wait_seconds``, for another gc, else
+    :class:`casnap.repo.leases.GcBusyError`) and then waits up to
     ``wait_seconds`` for the takes in flight to finish (else
     :class:`casnap.repo.leases.GcBlockedError`, having deleted nothing). Takes that
     start meanwhile wait for the session to end.
@@ -187,15 +189,19 @@ class GcSession:
         *,
         wait_seconds: float = DEFAULT_WAIT_SECONDS,
         lock_ttl: float | None = None,
+        lock_wait_seconds: float | None = None,
     ) -> None:
         self.repo = repo
         self.wait_seconds = wait_seconds
+        self.lock_wait_seconds = wait_seconds if lock_wait_seconds is None else lock_wait_seconds
         self.lock_ttl = lock_ttl
         self.waited_for_takes = 0  # takes in flight when the session began
         self._lock: Lease | None = None
 
     def __enter__(self) -> GcSession:
-        lock = acquire_gc_lock(self.repo.store, ttl=self.lock_ttl, wait_seconds=self.wait_seconds)
+        lock = acquire_gc_lock(
+            self.repo.store, ttl=self.lock_ttl, wait_seconds=self.lock_wait_seconds
+        )
         try:
             self.waited_for_takes = wait_for_leases(self.repo.store, self.wait_seconds)
         except BaseException:

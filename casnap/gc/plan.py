@@ -112,8 +112,7 @@ class GcPlan:
             f"{human_bytes(self.bytes_to_free)}",
         ]
         if self.young_kept:
-            lines.append(f"  keep: {self.young_kept} unreachable object(s) younger than the "
-                         f"grace period ({human_bytes(self.young_kept_bytes)})")  # fmt: skip
+            lines.append("  " + self.grace_note())
         if self.dead_leases:
             lines.append(f"  remove: {len(self.dead_leases)} expired lease(s) of crashed takes")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -121,6 +120,17 @@ class GcPlan:
             lines += [f"  - {g.key}" for g in self.data + self.temp_files]
             lines += [f"  - {k}" for k in self.dead_leases]
         return "\n".join(lines)
+
+    def grace_note(self) -> str:
+        """What the grace period kept, and how to free it (empty when it kept nothing)."""
+        if not self.young_kept:
+            return ""
+        return (
+            f"kept: {self.young_kept} unreachable object(s) ({human_bytes(self.young_kept_bytes)}) "
+            f"younger than the grace period ({self.grace_seconds:g} s) or needed by such a "
+            "manifest; a later gc deletes them, or now `casnap gc --grace 0` when every process "
+            "writing this repository is a current casnap (takes hold leases; docs/gc.md)"
+        )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}

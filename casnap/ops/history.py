@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from casnap.errors import CasnapError
 from casnap.format.manifest import ChunkRef, Manifest, ObjectEntry, ShardedEntry, TensorEntry
 from casnap.index import manifest_summaries
+from casnap.ops.unreferenced import Unreferenced, find_unreferenced
+from casnap.repo.damage import list_damage
 from casnap.repo.leases import scan_leases
-from casnap.repo.repository import RepoStorage
+from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 
 
 def _object_of(ref: ChunkRef) -> tuple[str, int, int]:
@@ -114,6 +117,7 @@ class Usage:
     stored_bytes: int  # the objects they reference, each counted once
     per_snapshot: tuple[SnapshotUsage, ...] = ()
     leftovers: Leftovers = Leftovers()
+    unreferenced: Unreferenced = Unreferenced()  # what gc would delete after its grace period
 
     @property
     def dedup_ratio(self) -> float:
@@ -158,7 +162,23 @@ def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
         stored_bytes=sum(sizes.values()),
         per_snapshot=tuple(per),
         leftovers=leftovers(repo),
+        unreferenced=_unreferenced(repo, set(sums), set(sizes)),
     )
+
+
+def _unreferenced(repo: RepoStorage, manifests: set[str], digests: set[str]) -> Unreferenced:
+    """Objects no root reaches; ``digests`` are the packs and loose chunks the roots use.
+
+    A summary does not say whether a digest names a pack or a loose chunk, so
+    both keys count as referenced; a damaged pack frame's replacement
+    ``chunks/<h>`` counts too, as gc keeps it (docs/damage.md).
+    """
+    keys = {k for d in digests for k in (chunk_key(d), pack_key(d))}
+    try:
+        keys |= {chunk_key(c.chunk) for c in list_damage(repo) if c.pack in digests}
+    except CasnapError:
+        pass  # a replacement then counts as unreferenced: du only reports
+    return find_unreferenced(repo, manifests, keys)
 
 
 def leftovers(repo: RepoStorage) -> Leftovers:

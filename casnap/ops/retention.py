@@ -5,8 +5,10 @@ rule keeps it, and every rule that keeps it is recorded as a reason.
 :func:`plan_retention` reads the refs, manifests and tags and returns a
 :class:`RetentionPlan`, a value to print, test or dry-run;
 :func:`execute_retention` deletes the refs the plan deletes and nothing else.
-Retention never deletes chunks or manifests: ``gc`` reclaims what no ref or
-tag reaches any more. See docs/retention.md.
+Retention itself deletes only refs; :func:`casnap.gc.reclaim.reclaim` (what
+``Repository.retain(..., prune=True)``, ``casnap retain --prune`` and the
+Checkpointer call next) deletes what only the retired snapshots reached, and
+``gc`` the rest of what no ref or tag reaches. See docs/retention.md.
 
 Example::
 
@@ -26,11 +28,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from casnap.errors import CasnapError, RetentionError, SnapshotNotFoundError, expect_type
 from casnap.repo.repository import RepoStorage
 from casnap.repo.tags import TagInfo, list_tags, metadata_tags
+
+if TYPE_CHECKING:  # gc sits beside ops: the result is only carried here, never made
+    from casnap.gc.reclaim import ReclaimResult
 
 
 # -- what retention knows about a snapshot ---------------------------------
@@ -344,7 +349,7 @@ class RetentionPlan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
         lines.append(
             f"{len(self.keep)} kept, {len(self.delete)} to delete "
-            "(refs only; gc reclaims the space)"
+            "(refs; prune or gc reclaims the space)"
         )
         return "\n".join(line.rstrip() for line in lines)
 
@@ -355,13 +360,24 @@ class RetentionResult:
 
     ``plan`` is the plan that was executed; ``dry_run`` is true when it was
     only planned (``casnap.Repository.retain(..., dry_run=True)``), in which
-    case nothing was deleted or skipped.
+    case nothing was deleted or skipped. ``reclaimed`` is what the reclaim
+    after it freed (``Repository.retain(..., prune=True)``, the Checkpointer),
+    None when none ran.
     """
 
     deleted: tuple[str, ...]
     skipped: dict[str, str]
     plan: RetentionPlan | None = None
     dry_run: bool = False
+    reclaimed: ReclaimResult | None = None
+
+    @property
+    def retired_manifests(self) -> tuple[str, ...]:
+        """The manifests of the deleted refs: what a reclaim may delete now."""
+        if self.plan is None:
+            return ()
+        manifest = {s.name: s.manifest for s in self.plan.snapshots}
+        return tuple(manifest[n] for n in self.deleted if n in manifest)
 
 
 def _now(now: datetime | None) -> datetime:
@@ -413,7 +429,7 @@ def plan_retention(
 
 
 def execute_retention(repo: RepoStorage, plan: RetentionPlan) -> RetentionResult:
-    """Delete the refs ``plan`` deletes (only refs: manifests and chunks stay for gc).
+    """Delete the refs ``plan`` deletes (only refs: a reclaim or gc deletes the rest).
 
     Each ref is re-read first and left alone if it changed since the plan:
     already gone, now naming another manifest, or tagged by a tag the plan

@@ -11,11 +11,15 @@ collected and reported, never repaired. The one thing verify writes is a
 damage record for each chunk copy whose bytes fail their hash, through the
 verified reader's containment (:mod:`casnap.chunks.damage`), so that no later
 take references that copy; on a read-only store it warns instead. The local
-index is never consulted (only told to forget damaged chunks).
+index is never consulted (only told to forget damaged chunks). Objects no ref
+or tag reaches are counted in :attr:`VerifyReport.unreferenced`: they cost
+space, not integrity, so they are never a problem and never change the exit
+code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +33,12 @@ from casnap.errors import (
     ObjectNotFoundError,
     ObjectRefusedError,
     RepositoryNotFoundError,
+    SnapshotNotFoundError,
     UnsupportedFormatError,
     expect_type,
 )
 from casnap.format.manifest import ChunkRef
+from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import DAMAGED, list_damage
 from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key
 from casnap.repo.tags import TAGS, read_tag
@@ -66,6 +72,9 @@ class VerifyReport:
     chunks_read: int = 0  # chunks re-hashed (read_data)
     bytes_read: int = 0
     problems: list[Problem] = field(default_factory=list)
+    # What no ref or tag reaches (gc's to delete): space, not damage, so never a
+    # problem. None when a root's manifest could not be read (its chunks unknown).
+    unreferenced: Unreferenced | None = None
 
     @property
     def ok(self) -> bool:
@@ -76,7 +85,9 @@ class VerifyReport:
                 "manifests": self.manifests,
                 "chunks": self.chunks, "chunks_read": self.chunks_read,
                 "bytes_read": self.bytes_read,
-                "problems": [p.to_json() for p in self.problems]}  # fmt: skip
+                "problems": [p.to_json() for p in self.problems],
+                "unreferenced": (None if self.unreferenced is None
+                                 else dataclasses.asdict(self.unreferenced))}  # fmt: skip
 
 
 def in_part(chunk_hash: str, part: tuple[int, int] | None) -> bool:
@@ -136,11 +147,14 @@ def verify(
     report = VerifyReport()
     owners: dict[Key, set[Holder]] = {}
     refs: dict[Key, ChunkRef] = {}
-    for mhash, holders in sorted(roots(repo, report).items()):
+    named = roots(repo, report)
+    whole = not report.problems  # every ref and tag read (and below: every root's manifest)
+    for mhash, holders in sorted(named.items()):
         try:
             m = repo.read_manifest(mhash)
         except CasnapError as exc:
             report.problems.append(_problem("manifest", mhash, str(exc), holders))
+            whole = whole and isinstance(exc, SnapshotNotFoundError)  # missing: references none
             continue
         report.manifests += 1
         for ref in m.chunk_refs():
@@ -149,7 +163,15 @@ def verify(
             owners.setdefault(key, set()).update(holders)
     report.chunks = len(refs)
 
-    present = set(repo.store.list("chunks")) | set(repo.store.list("packs"))
+    listed = [i for kind in ("chunks", "packs") for i in repo.store.list_info(kind)]
+    present = {i.key for i in listed}
+    if whole:
+        used = {object_name(r) for r in refs.values()}
+        try:  # a damaged frame's replacement chunks/<h> (`casnap repair`): gc keeps it
+            used |= {chunk_key(c.chunk) for c in list_damage(repo) if (c.pack, c.chunk) in refs}
+        except CasnapError:
+            pass  # reported as a problem below
+        report.unreferenced = find_unreferenced(repo, set(named), used, listed)
     missing: dict[str, set[Holder]] = {}
     for key, ref in refs.items():
         obj = object_name(ref)
