@@ -1,4 +1,4 @@
-"""The destructive and exporting commands of the CLI: retain, gc, tag, export, repair.
+"""The commands of the CLI that change a repository: init, rm, retain, gc, tag, export, repair.
 
 Each destructive command plans first and prints the plan; ``--dry-run``
 stops there. Like every command, each calls one :class:`casnap.Repository`
@@ -13,7 +13,15 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from casnap.cli.common import EXIT_PROBLEMS, Progress, emit, human, open_repo, open_snapshot
+from casnap.cli.common import (
+    EXIT_PROBLEMS,
+    Progress,
+    emit,
+    human,
+    open_repo,
+    open_snapshot,
+    storage_options,
+)
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -41,6 +49,30 @@ def best(text: str) -> KeepBest:
     if not n.isdigit() or not metric or mode not in ("", "min", "max"):
         raise argparse.ArgumentTypeError(f"--keep-best wants N:METRIC[:min|max], got {text!r}")
     return KeepBest(int(n), metric, mode or "min")  # type: ignore[arg-type]
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from casnap.api.repository import Repository
+
+    repo = Repository.init(args.repo, storage_options(args), chunk_size=args.chunk_size)
+    data = {"repo": repo.url, "repo_id": repo.config.repo_id, "shared": repo.config.shared,
+            "chunk_size": repo.config.chunk_size}  # fmt: skip
+    emit(args, data, lambda: f"shared repository at {repo.url}: snapshot paths below it go in it")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    repo, name = open_snapshot(args, args.snapshot)
+    manifest = repo.delete(name)
+    emit(
+        args,
+        {"repo": repo.url, "snapshot": name, "manifest": manifest},
+        lambda: (
+            f"deleted snapshot {name} from {repo.url}; `casnap gc {repo.url}` reclaims "
+            "the space only it used"
+        ),
+    )
+    return 0
 
 
 def cmd_retain(args: argparse.Namespace) -> int:
@@ -148,6 +180,11 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def register(add: Callable[..., Any]) -> None:
+    p = add("init", cmd_init, "create a repository shared by the snapshot paths below it")
+    p.add_argument("repo", help="repository directory or URL, e.g. /ckpt")
+    p.add_argument("--chunk-size", type=int, metavar="BYTES", help="default chunk size")
+    p = add("rm", cmd_rm, "delete one snapshot (its ref); then gc reclaims its space")
+    p.add_argument("snapshot", help="snapshot path, e.g. /ckpt/run1/step_100")
     p = add("retain", cmd_retain, "delete the refs a retention policy does not keep (then gc)")
     p.add_argument("repo", help="repository directory or URL")
     p.add_argument("--keep-last", type=int, metavar="N", help="the newest N snapshots")
