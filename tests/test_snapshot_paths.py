@@ -362,3 +362,14 @@ def test_bad_state_on_rank_0_of_a_gloo_take_creates_nothing(tmp_path):
     texts = values(run_ranks(2, _bad_state_on_rank_0, str(tmp_path)))
     assert all("rank(s) [0]" in t and "state_dict" in t for t in texts), texts
     assert repositories(tmp_path) == []
+
+
+def test_names_round_trip_in_memory_too():
+    import uuid
+
+    url = f"memory://casnap-paths-{uuid.uuid4().hex}/repo"
+    Repository.init(url)
+    for i, name in enumerate(NAMES):
+        Snapshot.take(f"{url}/{name}", state(float(i)))
+    assert Repository(url).snapshots() == sorted(NAMES)
+    assert [restored(f"{url}/{name}") for name in NAMES] == [float(i) for i in range(len(NAMES))]
