@@ -200,7 +200,7 @@ def test_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError):  # a name that could leave the repository
         Checkpointer(str(tmp_path), 5, name_format="../{step}")
     with pytest.raises(ValueError):
-        Checkpointer(str(tmp_path), 5, tags=["no spaces"])
+        Checkpointer(str(tmp_path), 5, tags=["no\ncontrol characters"])
 
 
 CHILD = """

@@ -63,3 +63,19 @@ def test_a_snapshot_name_is_taken_once_even_under_a_race(gcs_bucket):  # noqa: F
     assert repo.resolve("contended") == winners[0]
     with pytest.raises(SnapshotExistsError):
         Snapshot.take(f"{url}/contended", {"s": StateDict(x=1)})
+
+
+def test_names_with_spaces_non_ascii_and_nesting_round_trip_on_gcs(gcs_bucket):  # noqa: F811
+    # Stored keys hold '%' (run%201, %C3%BC): the GCS client must keep them as they are.
+    url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
+    repo = Repository.init(url)
+    names = ["run 1", "schritt_ü", "a", "a/b", "x%y"]
+    for i, name in enumerate(names):
+        Snapshot.take(f"{url}/{name}", {"s": StateDict(i=i)})
+    assert Repository(url).snapshots() == sorted(names)
+    for i, name in enumerate(names):
+        got = StateDict()
+        Snapshot(f"{url}/{name}").restore({"s": got})
+        assert got["i"] == i, name
+    repo.delete("a")
+    assert Repository(url).snapshots() == sorted(set(names) - {"a"})

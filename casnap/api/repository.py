@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from casnap.errors import CasnapError, ConfigError, SnapshotNotFoundError
 from casnap.format.manifest import Manifest, TensorEntry
+from casnap.format.names import check_ref_name
 from casnap.gc.collect import DEFAULT_GRACE_SECONDS, DEFAULT_WAIT_SECONDS, GcResult, gc
-from casnap.gc.reclaim import reclaim
+from casnap.gc.reclaim import ReclaimResult, reclaim
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
 from casnap.ops.repair import ChunkSource, RepairResult, SnapshotSource, repair
 from casnap.ops.retention import (
@@ -91,12 +92,22 @@ class Repository(RepoStorage):
         *,
         chunk_size: int | None = None,
     ) -> Repository:
-        """Create the repository at ``url`` (or open it, if one is there already)."""
+        """Create the repository at ``url`` to be shared by the runs below it (or open it).
+
+        A repository created here holds every snapshot path below ``url`` that
+        has no nearer repository: ``Snapshot.take(url + "/run1/step_100", ...)``
+        is snapshot ``run1/step_100`` in it. One a take created (which holds
+        only the snapshots directly in it) is marked shared from now on.
+        ``chunk_size`` applies to a new repository only::
+
+            repo = Repository.init("/ckpt")                # then takes into /ckpt/<run>/<step>
+        """
         if chunk_size is None:
-            repo = cls.open_or_create(url, storage_options)
+            repo = cls.open_or_create(url, storage_options, shared=True)
         else:
-            repo = cls.open_or_create(url, storage_options, chunk_size=chunk_size)
+            repo = cls.open_or_create(url, storage_options, chunk_size=chunk_size, shared=True)
         assert isinstance(repo, Repository)  # _make builds a cls
+        repo.share()
         return repo
 
     @classmethod
@@ -105,8 +116,9 @@ class Repository(RepoStorage):
     ) -> tuple[Repository, str]:
         """The repository holding the snapshot at ``path``, and the snapshot's name in it.
 
-        The repository is the nearest ancestor of ``path`` that holds one
-        (:class:`casnap.SnapshotNotFoundError` if none does)::
+        The repository is the path's parent, or a shared repository further
+        up (:meth:`init`), by the rules of docs/repository.md, "Where
+        snapshots live" (:class:`casnap.SnapshotNotFoundError` if none holds it)::
 
             repo, name = Repository.locate("/ckpt/run1/step_100")  # (Repository, "step_100")
         """
@@ -311,6 +323,35 @@ class Repository(RepoStorage):
         return gc(self, grace_seconds=grace_seconds, dry_run=dry_run,
                   wait_seconds=wait_seconds, progress=progress)  # fmt: skip
 
+    def delete(self, name: str) -> str:
+        """Delete snapshot ``name`` (its ref); returns the manifest hash it named.
+
+        Only the ref goes: the next :meth:`gc` (after its grace period)
+        reclaims the chunks no other snapshot or tag reaches; :meth:`du` says
+        how much that is beforehand (``exclusive_bytes``). A tag on the
+        snapshot keeps its data. :class:`casnap.SnapshotNotFoundError` if there
+        is no such snapshot::
+
+            repo.delete("step_100")
+            repo.gc(grace_seconds=0).bytes_freed
+
+        or, at once and only for this snapshot, :meth:`reclaim`.
+        """
+        manifest = self.resolve(name)
+        self.delete_ref(name)
+        return manifest
+
+    def reclaim(
+        self, manifests: Sequence[str], *, wait_seconds: float = DEFAULT_WAIT_SECONDS
+    ) -> ReclaimResult:
+        """Delete, at once, the ``manifests`` whose refs were just deleted and what only
+        they reference (no grace period; safe beside running takes, which it waits
+        for up to ``wait_seconds`` before deferring: ``result.deferred``)::
+
+            repo.reclaim([repo.delete("step_100")]).bytes_freed
+        """
+        return reclaim(self, manifests, wait_seconds=wait_seconds)
+
     def tag(self, tag: str, snapshot: str) -> TagInfo:
         """Pin ``snapshot`` under ``tag`` against retention and gc."""
         return add_tag(self, tag, snapshot)
@@ -371,7 +412,8 @@ class Repository(RepoStorage):
                      memory_budget_bytes=memory_budget_bytes, progress=progress)  # fmt: skip
 
     def _path(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}/{name}"
+        # Checked here: a local path would normalize "a/../b" or "a//b" into another name.
+        return f"{self.url.rstrip('/')}/{check_ref_name(name)}"
 
     def _take_session(self) -> Session:
         if self._session is None:

@@ -1,4 +1,4 @@
-"""The destructive and exporting commands of the CLI: retain, gc, tag, export, repair.
+"""The commands of the CLI that change a repository: init, rm, retain, gc, tag, export, repair.
 
 Each destructive command plans first and prints the plan; ``--dry-run``
 stops there. Like every command, each calls one :class:`casnap.Repository`
@@ -21,6 +21,7 @@ from casnap.cli.common import (
     human,
     open_repo,
     open_snapshot,
+    storage_options,
 )
 from casnap.ops.retention import (
     KeepBest,
@@ -49,6 +50,38 @@ def best(text: str) -> KeepBest:
     if not n.isdigit() or not metric or mode not in ("", "min", "max"):
         raise argparse.ArgumentTypeError(f"--keep-best wants N:METRIC[:min|max], got {text!r}")
     return KeepBest(int(n), metric, mode or "min")  # type: ignore[arg-type]
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from casnap.api.repository import Repository
+
+    repo = Repository.init(args.repo, storage_options(args), chunk_size=args.chunk_size)
+    data = {"repo": repo.url, "repo_id": repo.config.repo_id, "shared": repo.config.shared,
+            "chunk_size": repo.config.chunk_size}  # fmt: skip
+    emit(args, data, lambda: f"shared repository at {repo.url}: snapshot paths below it go in it")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    repo, name = open_snapshot(args, args.snapshot)
+    manifest = repo.delete(name)
+    reclaimed = repo.reclaim([manifest], wait_seconds=args.wait) if args.prune else None
+    data = {
+        "repo": repo.url,
+        "snapshot": name,
+        "manifest": manifest,
+        "reclaimed": reclaimed.to_json() if reclaimed is not None else None,
+    }
+
+    def text() -> str:
+        out = f"deleted snapshot {name} from {repo.url}"
+        if reclaimed is None:
+            return out + f"; `casnap rm --prune` or `casnap gc {repo.url}` reclaims its space"
+        return out + "\n" + reclaimed.render()
+
+    emit(args, data, text)
+    # A deferred prune deleted no data: the ref is gone, the space is not (yet).
+    return EXIT_ERROR if reclaimed is not None and reclaimed.deferred is not None else 0
 
 
 def cmd_retain(args: argparse.Namespace) -> int:
@@ -162,7 +195,29 @@ def cmd_repair(args: argparse.Namespace) -> int:
     return 0 if result.ok else EXIT_PROBLEMS
 
 
+def _prune_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--prune",
+        action="store_true",
+        help=f"then delete what only {what} reached, without gc's grace period "
+        "(like restic's forget --prune; safe beside running takes)",
+    )
+    p.add_argument(
+        "--wait",
+        type=duration,
+        default=60.0,
+        metavar="DURATION",
+        help="with --prune: how long to wait for takes in flight (default 60s)",
+    )
+
+
 def register(add: Callable[..., Any]) -> None:
+    p = add("init", cmd_init, "create a repository shared by the snapshot paths below it")
+    p.add_argument("repo", help="repository directory or URL, e.g. /ckpt")
+    p.add_argument("--chunk-size", type=int, metavar="BYTES", help="default chunk size")
+    p = add("rm", cmd_rm, "delete one snapshot (--prune: and the space only it used)")
+    p.add_argument("snapshot", help="snapshot path, e.g. /ckpt/run1/step_100")
+    _prune_arguments(p, "the deleted snapshot")
     p = add(
         "retain",
         cmd_retain,
@@ -191,19 +246,7 @@ def register(add: Callable[..., Any]) -> None:
     p.add_argument(
         "--allow-delete-all", action="store_true", help="permit a plan that deletes every snapshot"
     )
-    p.add_argument(
-        "--prune",
-        action="store_true",
-        help="then delete what only the deleted snapshots reached, without gc's grace period "
-        "(like restic's forget --prune; safe beside running takes)",
-    )
-    p.add_argument(
-        "--wait",
-        type=duration,
-        default=60.0,
-        metavar="DURATION",
-        help="with --prune: how long to wait for takes in flight (default 60s)",
-    )
+    _prune_arguments(p, "the deleted snapshots")
     p = add("gc", cmd_gc, "delete objects no ref or tag reaches (safe beside running takes)")
     p.add_argument("repo", help="repository directory or URL")
     p.add_argument(

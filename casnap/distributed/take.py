@@ -2,11 +2,14 @@
 
 Order of events (docs/distributed.md):
 
-1. start (collective): rank 0 opens or creates the repository, checks the name
-   is free, picks the parents and acquires the take's single lease; the other
-   ranks open the repository only after the lease is held, so no rank makes
-   a dedup decision outside it.
-2. planning (collective): every rank flattens its state, hashes its chunks and
+0. every rank calls its ``state_dict()``s and flattens its state, so a rank 0
+   whose state cannot be taken creates nothing (another rank's bad state fails
+   the take at planning; the repository may exist by then, no ref is written).
+1. start (collective): rank 0 validates the path, name and metadata, opens or
+   creates the repository, checks the name is free, picks the parents and
+   acquires the take's single lease; the other ranks open the repository only
+   after the lease is held, so no rank makes a dedup decision outside it.
+2. planning (collective): every rank hashes its flattened chunks and
    shares the hashes (and its structure, unless the previous take's still
    holds: casnap/distributed/plan_cache.py); every rank computes the same
    writer assignment. Replicated values that differ are kept per rank with a
@@ -66,6 +69,7 @@ from casnap.take.target import (
     staging_limit,
     take_settings,
 )
+from casnap.torch_io.flatten import Node
 from casnap.torch_io.staging import StagingPool
 
 
@@ -151,12 +155,21 @@ def prepare_distributed_take(
     lease: Lease | None = None
     start: _Start | Failure | None = None
     repo: RepoStorage | None = None
+    # Each rank's state first: rank 0 creates nothing for a state it cannot take.
+    nodes: dict[str, Node] | Failure
+    try:
+        nodes = collect(app_state, group.rank, allow_pickle, custom_prepare)
+    except Exception as exc:
+        nodes = failure_of(group.rank, exc)
     try:
         if group.rank == 0:
-            try:
-                repo, start, lease = _start(path, storage_options, metadata, parents, session)
-            except Exception as exc:
-                start = failure_of(0, exc)
+            if isinstance(nodes, Failure):
+                start = nodes
+            else:
+                try:
+                    repo, start, lease = _start(path, storage_options, metadata, parents, session)
+                except Exception as exc:
+                    start = failure_of(0, exc)
         starts = all_gather(group, start, "start")
         info = starts[0]
         assert isinstance(info, _Start)
@@ -168,10 +181,12 @@ def prepare_distributed_take(
             if repo is None:
                 repo, _ = locate(path, options, create=False)
             settings = take_settings(repo, overrides, chunk_size=info.chunk_size)
-            nodes = collect(app_state, group.rank, allow_pickle, custom_prepare)
-            patterns = list(replicated or []) + ddp_patterns(app_state)
-            plan, local = build_local(nodes, group.rank, info.chunk_size, patterns)
-            key = (group.size, group.rank, repo.config.repo_id)
+            if isinstance(nodes, Failure):
+                plan = nodes  # reported to every rank by the exchange
+            else:
+                patterns = list(replicated or []) + ddp_patterns(app_state)
+                plan, local = build_local(nodes, group.rank, info.chunk_size, patterns)
+                key = (group.size, group.rank, repo.config.repo_id)
         except Exception as exc:
             plan = failure_of(group.rank, exc)
         plans = exchange_plans(group, plan, key, session.plan_cache if session else None)

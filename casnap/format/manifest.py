@@ -390,6 +390,9 @@ class RepoConfig(_Model):
     hash: Literal["blake3"] = "blake3"
     chunk_size: Annotated[int, Field(ge=4096, le=1 << 30), StrictInt]
     created_at: StrictStr
+    # Created on purpose (``casnap init``, ``Repository.init``) to hold the runs
+    # below it; absent (older repositories, and those a take created) is false.
+    shared: StrictBool = False
 
 
 class Ref(_Model):

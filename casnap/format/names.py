@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import unicodedata
+from urllib.parse import unquote_to_bytes
 
 import blake3
 
@@ -10,8 +12,11 @@ from casnap.errors import InvalidNameError
 
 HASH_HEX_LEN = 64
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
-_REF_SEGMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@,-]{0,127}$")
 MAX_REF_DEPTH = 16
+MAX_SEGMENT_BYTES = 255  # a file name on the common local file systems
+MAX_NAME_KEY_BYTES = 255  # the stored key is one file name on a local disk
+# Bytes a stored name keeps as they are; every other byte becomes %XX (encode_name).
+_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._+=@,-")
 
 
 def digest_of(data: bytes | bytearray | memoryview) -> bytes:
@@ -33,19 +38,79 @@ def check_hash(value: str, what: str = "object name") -> str:
     return value
 
 
-def check_ref_name(name: str) -> str:
-    """A ref name: '/'-separated segments of safe characters, no '.', '..' or empty segment."""
+def check_ref_name(name: str, what: str = "snapshot name") -> str:
+    """A snapshot or tag name: ``/``-separated segments, each one a file system would accept.
+
+    Refused: an empty name or segment, ``.`` and ``..``, control characters
+    (and NUL, and unpaired surrogates, which have no UTF-8 form), a segment
+    over 255 bytes of UTF-8, more than 16 segments, and a name whose stored
+    key (:func:`encode_name`) is over 255 bytes. Everything else is accepted:
+    spaces, ``#``, non-ASCII letters, ...
+    """
     if not isinstance(name, str) or not name:
-        raise InvalidNameError("a snapshot name must be a non-empty string")
+        raise InvalidNameError(f"a {what} must be a non-empty string")
     segments = name.split("/")
     if len(segments) > MAX_REF_DEPTH:
-        raise InvalidNameError(f"snapshot name {name!r} is nested more than {MAX_REF_DEPTH} deep")
+        raise InvalidNameError(f"{what} {name!r} is nested more than {MAX_REF_DEPTH} deep")
     for seg in segments:
-        if not _REF_SEGMENT_RE.match(seg) or seg in (".", ".."):
+        if seg in ("", ".", ".."):
+            part = "an empty segment" if not seg else f"the segment {seg!r}"
             raise InvalidNameError(
-                f"snapshot name {name!r}: segment {seg!r} must start with a letter or digit "
-                "and use only letters, digits and . _ + = @ , -"
+                f"{what} {name!r} has {part}; '.', '..' and empty segments are refused"
             )
+        bad = next((c for c in seg if unicodedata.category(c) in ("Cc", "Cs")), None)
+        if bad is not None:
+            raise InvalidNameError(
+                f"{what} {name!r} contains the control character {bad!r}; "
+                "control characters are refused"
+            )
+        if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
+            raise InvalidNameError(
+                f"{what} {name!r}: a segment is longer than {MAX_SEGMENT_BYTES} bytes of UTF-8"
+            )
+    stored = len(encode_name(name))
+    if stored > MAX_NAME_KEY_BYTES:
+        raise InvalidNameError(
+            f"{what} {name!r} is too long: {stored} bytes once stored, at most "
+            f"{MAX_NAME_KEY_BYTES} (letters, digits and . _ + = @ , - count one byte, "
+            "every other byte of UTF-8 three)"
+        )
+    return name
+
+
+def encode_name(name: str) -> str:
+    """A name as one flat key component: ``%XX`` for every UTF-8 byte outside
+    ``[A-Za-z0-9._+=@,-]``, ``/`` included.
+
+    One component, so ``a`` and ``a/b`` are two sibling objects (neither is a
+    folder of the other); plain ASCII, so it is stored alike on a local disk,
+    in memory and in GCS (no Unicode normalization to change it); and a name
+    that was valid before this layout and has no ``/`` is its own key, so those refs
+    are where they always were. ``encode_name("run 1/é")`` is ``"run%201%2F%C3%A9"``.
+    """
+    return "".join(chr(b) if b in _PLAIN else f"%{b:02X}" for b in name.encode("utf-8"))
+
+
+def decode_name(key: str) -> str:
+    """The name stored under ``key`` (the part below ``refs/`` or ``tags/``).
+
+    Reads both layouts: a flat component (:func:`encode_name`) and the nested
+    one of repositories written before (``refs/a/b`` is ``a/b``). A component
+    that is not valid percent-encoded UTF-8 (someone else's file) decodes with
+    its bad bytes escaped, so a listing still shows it and a read then refuses it.
+    """
+    parts = [unquote_to_bytes(c).decode("utf-8", "backslashreplace") for c in key.split("/")]
+    return "/".join(parts)
+
+
+def legacy_key(name: str) -> str | None:
+    """Where a nested name was stored before the flat layout (``a/b`` -> ``a/b``), if it could be.
+
+    Only names with a ``/`` whose segments are all plain could be stored that
+    way; for every other name the flat key is the only place.
+    """
+    if "/" not in name or encode_name(name.replace("/", "")) != name.replace("/", ""):
+        return None
     return name
 
 

@@ -40,8 +40,8 @@ from casnap.errors import (
 from casnap.format.manifest import ChunkRef
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import DAMAGED, list_damage
-from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key
-from casnap.repo.tags import TAGS, read_tag
+from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key, names_in
+from casnap.repo.tags import read_tag, tag_names
 from casnap.store import open_store
 
 Progress = Callable[[int, int], None]
@@ -119,8 +119,7 @@ def roots(repo: RepoStorage, report: VerifyReport) -> dict[str, set[Holder]]:
             report.problems.append(_problem("ref", name, str(exc), [("snapshot", name)]))
             continue
         roots.setdefault(mhash, set()).add(("snapshot", name))
-    for key in repo.store.list(TAGS):
-        tag = key[len(TAGS) + 1 :]
+    for tag in tag_names(repo):
         report.tags += 1
         try:
             info = read_tag(repo, tag)
@@ -300,7 +299,7 @@ def verify_config_failure(
     """
     meta = open_store(url, storage_options).child(META)
     try:
-        names = sorted(k[len("refs/") :] for k in meta.list("refs"))
+        names = names_in(meta, "refs")
         if not names and not any(next(iter(meta.list(kind)), None) for kind in _OBJECTS):
             return None
     except CasnapError:

@@ -6,7 +6,8 @@ Layout below the repository root (docs/format.md)::
     .casnap/chunks/<h[:2]>/<h>      one chunk frame, h = blake3 of the raw chunk
     .casnap/packs/<p[:2]>/<p>       frames of small chunks, p = blake3 of the pack bytes
     .casnap/manifests/<m[:2]>/<m>   manifest JSON, m = blake3 of the JSON bytes
-    .casnap/refs/<name>             snapshot name -> manifest (the commit point)
+    .casnap/refs/<name>             snapshot name -> manifest (the commit point);
+                                    <name> is encode_name(name): one flat component
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from casnap.errors import (
+    ConfigError,
+    InvalidNameError,
     ManifestValidationError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -39,12 +42,22 @@ from casnap.format.manifest import (
     parse_manifest,
     parse_ref,
 )
-from casnap.format.names import check_hash, check_ref_name, hash_bytes
+from casnap.format.names import check_hash, check_ref_name, decode_name, encode_name, hash_bytes
+from casnap.format.names import legacy_key as legacy_name_key
 from casnap.settings import DEFAULT_CHUNK_SIZE
 from casnap.store import ObjectStore, open_store
 
 META = ".casnap"
 CONFIG_KEY = "config.json"
+
+
+def config_bytes(config: RepoConfig) -> bytes:
+    """The config as stored; ``shared`` only when true, so an implicit repository's
+    config is the same bytes as before the field existed (older readers open it)."""
+    doc = config.model_dump(mode="json")
+    if not doc["shared"]:
+        del doc["shared"]
+    return canonical_json(doc)
 
 
 def now_iso() -> str:
@@ -64,7 +77,26 @@ def manifest_key(m: str) -> str:
 
 
 def ref_key(name: str) -> str:
-    return f"refs/{check_ref_name(name)}"
+    """The key of snapshot ``name``'s ref: one flat, percent-encoded component."""
+    return f"refs/{encode_name(check_ref_name(name))}"
+
+
+def named_keys(folder: str, name: str) -> list[str]:
+    """Where a ref or tag ``name`` may be stored: its key, then its key in the old nested layout.
+
+    Repositories written before the flat layout kept ``a/b`` at ``refs/a/b``;
+    those are still read, and no new one is ever written there.
+    """
+    keys = [f"{folder}/{encode_name(name)}"]
+    old = legacy_name_key(name)
+    if old is not None:
+        keys.append(f"{folder}/{old}")
+    return keys
+
+
+def names_in(store: ObjectStore, folder: str) -> list[str]:
+    """The names stored below ``folder`` (``refs`` or ``tags``), decoded, sorted, both layouts."""
+    return sorted({decode_name(k[len(folder) + 1 :]) for k in store.list(folder)})
 
 
 class RepoStorage:
@@ -110,14 +142,21 @@ class RepoStorage:
         storage_options: dict[str, Any] | None = None,
         *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        shared: bool = False,
     ) -> RepoStorage:
         """Open the repository at ``url``, creating it if absent (safe against a racing creator)."""
         url = as_path(url, "url")
-        return cls.on_store(open_store(url, _options(storage_options)), chunk_size=chunk_size)
+        root = open_store(url, _options(storage_options))
+        return cls.on_store(root, chunk_size=chunk_size, shared=shared)
 
     @classmethod
-    def on_store(cls, root: ObjectStore, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> RepoStorage:
+    def on_store(
+        cls, root: ObjectStore, *, chunk_size: int = DEFAULT_CHUNK_SIZE, shared: bool = False
+    ) -> RepoStorage:
         """The repository rooted at an already-open store, created if absent.
+
+        ``shared``: a new repository is recorded as created on purpose to hold
+        the runs below it (``Repository.init``), not implicitly by a take.
 
         Pass the result as ``storage_options={"repository": repo}`` to make
         ``Snapshot`` use this exact store (for example a CountingStore).
@@ -132,12 +171,25 @@ class RepoStorage:
             repo_id=uuid.uuid4().hex,
             chunk_size=chunk_size,
             created_at=now_iso(),
+            shared=shared,
         )
         try:
-            root.put(key, canonical_json(config.model_dump(mode="json")), create_only=True)
+            root.put(key, config_bytes(config), create_only=True)
         except ObjectExistsError:
             config = parse_config(root.get(key, limit=MAX_RECORD_BYTES))
         return cls._make(root, config)
+
+    def share(self) -> None:
+        """Record that this repository holds the runs below it (``casnap init`` on an existing one).
+
+        The one change ever made to a config: it is rewritten, atomically,
+        with ``shared: true`` and everything else as it was.
+        """
+        if self.config.shared:
+            return
+        config = self.config.model_copy(update={"shared": True})
+        self.root.put(f"{META}/{CONFIG_KEY}", config_bytes(config))
+        self.config = config
 
     @staticmethod
     def exists_at(url: str, storage_options: dict[str, Any] | None = None) -> bool:
@@ -172,8 +224,11 @@ class RepoStorage:
         was lost and it (or the store's own client library) tried again.
         """
         ref = Ref(manifest=check_hash(manifest), created_at=now_iso())
+        key, *old = named_keys("refs", check_ref_name(name))
         try:
-            self.store.put(ref_key(name), canonical_json(ref.model_dump()), create_only=True)
+            if old and self.store.exists(old[0]):  # the name in the old nested layout
+                raise ObjectExistsError(f"{old[0]} exists", old[0])
+            self.store.put(key, canonical_json(ref.model_dump()), create_only=True)
         except ObjectExistsError as exc:
             try:
                 if self.read_ref(name).manifest == ref.manifest:
@@ -187,24 +242,28 @@ class RepoStorage:
             ) from exc
 
     def read_ref(self, name: str) -> Ref:
-        try:
-            data = self.store.get(ref_key(name), limit=MAX_RECORD_BYTES)
-        except ObjectNotFoundError as exc:
-            raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name) from exc
-        return parse_ref(data, name)
+        for key in named_keys("refs", check_ref_name(name)):
+            try:
+                data = self.store.get(key, limit=MAX_RECORD_BYTES)
+            except ObjectNotFoundError:
+                continue
+            return parse_ref(data, name)
+        raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name)
 
     def has_ref(self, name: str) -> bool:
-        return self.store.exists(ref_key(name))
+        return any(self.store.exists(k) for k in named_keys("refs", check_ref_name(name)))
 
     def resolve(self, name: str) -> str:
         """The manifest hash a snapshot name points to."""
         return self.read_ref(name).manifest
 
     def list_snapshots(self) -> list[str]:
-        return sorted(k[len("refs/") :] for k in self.store.list("refs"))
+        """Snapshot names, sorted (decoded: as they were given to the take)."""
+        return names_in(self.store, "refs")
 
     def delete_ref(self, name: str) -> None:
-        self.store.delete(ref_key(name))
+        for key in named_keys("refs", check_ref_name(name)):
+            self.store.delete(key)
 
     def iter_manifest_names(self) -> Iterator[str]:
         for key in self.store.list("manifests"):
@@ -223,13 +282,77 @@ def split_url(path: str) -> tuple[str, list[str]]:
     path = as_path(path)
     if "://" in path and not path.startswith("file://"):
         scheme, rest = path.split("://", 1)
-        return f"{scheme}://", [p for p in rest.split("/") if p]
+        parts = [p for p in rest.split("/") if p]
+        if any(p in (".", "..") for p in parts):  # a store may resolve them: refuse, never guess
+            raise InvalidNameError(f"{path!r}: '.' and '..' are refused in a URL's path")
+        return f"{scheme}://", parts
     local = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
     return "", [p for p in local.split(os.sep) if p]
 
 
 def _join(scheme: str, parts: list[str]) -> str:
     return scheme + "/".join(parts) if scheme else os.sep + os.sep.join(parts)
+
+
+HOW_TO_CHOOSE = (
+    "choose the repository: take into a deeper path such as /ckpt/run1/step_100 (its parent "
+    "/ckpt/run1 becomes the repository), name one with storage_options={'repository': "
+    "'/ckpt/run1'}, or create a shared one with `casnap init DIR` (docs/repository.md, "
+    "'Where snapshots live')"
+)
+
+
+def _local_parts(path: str) -> list[str]:
+    return [p for p in os.path.abspath(os.path.expanduser(path)).split(os.sep) if p]
+
+
+def _check_take_path(path: str, scheme: str, parts: list[str]) -> None:
+    """Refuse a take path whose repository nobody would predict (docs/repository.md)."""
+    if scheme:
+        return
+    home = os.path.expanduser("~")
+    if parts == _local_parts(os.getcwd()):
+        why = "names the working directory itself"
+    elif home != "~" and parts == _local_parts(home):
+        why = "is the home directory itself"
+    else:
+        return
+    raise ConfigError(f"snapshot path {path!r} {why}; {HOW_TO_CHOOSE}", "path")
+
+
+def _check_new_repository(path: str, scheme: str, repo_parts: list[str]) -> None:
+    """A take never creates a repository at ``/`` or in the home directory by itself."""
+    if scheme:
+        return
+    home = os.path.expanduser("~")
+    if not repo_parts:
+        where = "the file system root /"
+    elif home != "~" and repo_parts == _local_parts(home):
+        where = f"the home directory {_join(scheme, repo_parts)}"
+    else:
+        return
+    raise ConfigError(
+        f"snapshot path {path!r} would make {where} a repository; {HOW_TO_CHOOSE}", "path"
+    )
+
+
+def _nearest(
+    scheme: str, parts: list[str], options: dict[str, Any]
+) -> tuple[list[str], RepoStorage] | None:
+    """The nearest ancestor of the snapshot path holding a repository (never ``/`` itself)."""
+    for depth in range(len(parts) - 1, 0, -1):
+        try:
+            return parts[:depth], RepoStorage.open(_join(scheme, parts[:depth]), options)
+        except RepositoryNotFoundError:
+            continue
+    return None
+
+
+def _holds(repo: RepoStorage, name: str) -> bool:
+    try:
+        return repo.has_ref(name)
+    except InvalidNameError:
+        return False
 
 
 def locate(
@@ -241,9 +364,19 @@ def locate(
 ) -> tuple[RepoStorage, str]:
     """Find the repository holding snapshot ``path`` and the snapshot's name in it.
 
-    An explicit ``storage_options["repository"]`` wins; else the nearest ancestor
-    of ``path`` that holds a repository; else (``create=True``) the path's parent
-    directory becomes a new repository with default chunk size ``chunk_size``.
+    The rules (docs/repository.md, "Where snapshots live"):
+
+    1. An explicit ``storage_options["repository"]`` (a URL or a RepoStorage) wins.
+    2. Else the nearest ancestor of ``path`` holding a repository, if it is the
+       path's parent or was created to be shared (``config.shared``: ``casnap
+       init``, ``Repository.init``). A read (``create=False``) also uses it
+       when it holds the name: older versions put deeper snapshots there.
+    3. Else (``create=True``) the path's parent becomes a new, implicit
+       repository with default chunk size ``chunk_size``; never ``/`` or the
+       home directory, and a take path that is the working or home directory
+       is refused (:class:`casnap.ConfigError`).
+
+    The name is checked before anything is created (:class:`casnap.InvalidNameError`).
     """
     options = dict(_options(storage_options) or {})
     explicit = options.pop("repository", None)
@@ -258,21 +391,26 @@ def locate(
             raise SnapshotNotFoundError(
                 f"snapshot path {path!r} is not inside repository {explicit!r}", path
             )
-        repo_parts = r_parts
-    else:
-        repo_parts = []
-        for depth in range(len(parts) - 1, 0, -1):
-            if RepoStorage.exists_at(_join(scheme, parts[:depth]), options):
-                repo_parts = parts[:depth]
-                break
-        if not repo_parts:
-            if not create:
-                raise SnapshotNotFoundError(f"no casnap repository holds {path!r}", path)
-            repo_parts = parts[:-1]
-    name = check_ref_name("/".join(parts[len(repo_parts) :]))
-    if isinstance(explicit, RepoStorage):
-        return explicit, name
-    url = _join(scheme, repo_parts)
+        name = check_ref_name("/".join(parts[len(r_parts) :]))
+        if isinstance(explicit, RepoStorage):
+            return explicit, name
+        url = _join(scheme, r_parts)
+        if not create:
+            return RepoStorage.open(url, options), name
+        return RepoStorage.open_or_create(url, options, chunk_size=chunk_size), name
+    if create:
+        _check_take_path(path, scheme, parts)
+    found = _nearest(scheme, parts, options)
+    if found is not None:
+        repo_parts, repo = found
+        name = "/".join(parts[len(repo_parts) :])
+        if len(repo_parts) == len(parts) - 1 or repo.config.shared:
+            return repo, check_ref_name(name)
+        if not create and _holds(repo, name):
+            return repo, name
     if not create:
-        return RepoStorage.open(url, options), name
+        raise SnapshotNotFoundError(f"no casnap repository holds {path!r}", path)
+    name = check_ref_name(parts[-1])
+    _check_new_repository(path, scheme, parts[:-1])
+    url = _join(scheme, parts[:-1])
     return RepoStorage.open_or_create(url, options, chunk_size=chunk_size), name

@@ -1,6 +1,7 @@
 """Tags: named pins on snapshots, and the tags a snapshot carries in its metadata.
 
-A repository tag lives at ``.casnap/tags/<tag>`` and holds canonical JSON
+A repository tag lives at ``.casnap/tags/<tag>`` (the name encoded like a
+ref's, :func:`casnap.format.names.encode_name`) and holds canonical JSON
 ``{"created_at": ..., "manifest": <hash>, "snapshot": <name>}``. It names the
 manifest the snapshot had when it was tagged, so it keeps that manifest (and
 its chunks) alive as a gc root even after the snapshot's ref is deleted.
@@ -37,9 +38,9 @@ from casnap.errors import (
     expect_type,
 )
 from casnap.format.manifest import MAX_RECORD_BYTES, HashStr, canonical_json, load_json
-from casnap.format.names import check_ref_name
+from casnap.format.names import check_ref_name, encode_name
 from casnap.repo.leases import hold_lease
-from casnap.repo.repository import RepoStorage, manifest_key, now_iso
+from casnap.repo.repository import RepoStorage, manifest_key, named_keys, names_in, now_iso
 
 TAGS = "tags"
 MAX_TAG_BYTES = MAX_RECORD_BYTES  # a tag file is tiny; anything larger is not one of ours
@@ -47,7 +48,20 @@ MAX_TAG_BYTES = MAX_RECORD_BYTES  # a tag file is tiny; anything larger is not o
 
 def tag_key(tag: str) -> str:
     """The store key (below ``.casnap/``) of a tag; the name is validated like a ref name."""
-    return f"{TAGS}/{check_ref_name(tag)}"
+    return f"{TAGS}/{encode_name(check_ref_name(tag, 'tag name'))}"
+
+
+def _stored_key(repo: RepoStorage, tag: str) -> str:
+    """Where ``tag`` is: its key, or its key in the old nested layout if only that exists."""
+    key, *old = named_keys(TAGS, check_ref_name(tag, "tag name"))
+    if old and not repo.store.exists(key) and repo.store.exists(old[0]):
+        return old[0]
+    return key
+
+
+def tag_names(repo: RepoStorage) -> list[str]:
+    """Every tag's name, sorted, without reading the tags (``verify`` reads each itself)."""
+    return names_in(repo.store, TAGS)
 
 
 class _TagRecord(BaseModel):
@@ -96,12 +110,14 @@ def add_tag(repo: RepoStorage, tag: str, snapshot_name: str) -> TagInfo:
     Example: ``add_tag(repo, "best", "step_000004200")``.
     """
     expect_type(repo, RepoStorage, "repo", "a casnap repository")
-    key = tag_key(tag)
+    key, *old = named_keys(TAGS, check_ref_name(tag, "tag name"))
     # Under a lease, so no gc can sweep between resolving the ref and writing the tag.
     with hold_lease(repo, kind="tag"):
         manifest = repo.resolve(snapshot_name)
         record = _TagRecord(snapshot=snapshot_name, manifest=manifest, created_at=now_iso())
         try:
+            if old and repo.store.exists(old[0]):  # the tag in the old nested layout
+                raise ObjectExistsError(f"{old[0]} exists", old[0])
             repo.store.put(key, canonical_json(record.model_dump()), create_only=True)
         except ObjectExistsError as exc:
             raise ObjectExistsError(
@@ -120,7 +136,7 @@ def add_tag(repo: RepoStorage, tag: str, snapshot_name: str) -> TagInfo:
 def read_tag(repo: RepoStorage, tag: str) -> TagInfo:
     """One tag; :class:`casnap.ObjectNotFoundError` when it does not exist."""
     expect_type(repo, RepoStorage, "repo", "a casnap repository")
-    key = tag_key(tag)
+    key = _stored_key(repo, tag)
     try:
         data = repo.store.get(key, limit=MAX_TAG_BYTES)
     except ObjectNotFoundError as exc:
@@ -137,7 +153,8 @@ def remove_tag(repo: RepoStorage, tag: str) -> TagInfo:
     """
     expect_type(repo, RepoStorage, "repo", "a casnap repository")
     info = read_tag(repo, tag)
-    repo.store.delete(tag_key(tag))
+    for key in named_keys(TAGS, tag):
+        repo.store.delete(key)
     return info
 
 
@@ -149,13 +166,11 @@ def list_tags(repo: RepoStorage) -> dict[str, TagInfo]:
     """
     expect_type(repo, RepoStorage, "repo", "a casnap repository")
     out: dict[str, TagInfo] = {}
-    for key in sorted(repo.store.list(TAGS)):
-        tag = key[len(TAGS) + 1 :]
+    for tag in tag_names(repo):
         try:
-            data = repo.store.get(key, limit=MAX_TAG_BYTES)
+            out[tag] = read_tag(repo, tag)
         except ObjectNotFoundError:
             continue  # removed while listing
-        out[tag] = _parse_tag(check_ref_name(tag), data)
     return out
 
 

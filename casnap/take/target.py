@@ -9,6 +9,7 @@ how an ``app_state`` becomes flat nodes (:func:`collect`).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 # Keys of ``storage_options`` that tune the take rather than open the store.
 TAKE_OPTIONS = ("chunk_size", "compression", "replica_mismatch")
+# A snapshot's metadata lives in its manifest and in every ``log``; 1 MiB is
+# far more than steps, metrics and tags need, and bounds what a take can add there.
+MAX_METADATA_BYTES = 1 << 20
 
 
 def split_options(
@@ -178,13 +182,10 @@ def resolve_target(
 ) -> Target:
     """Find or create the repository, check the name is free, validate metadata, pick parents."""
     options, overrides = split_options(storage_options)
-    # Bad input fails here, before a repository is created or anything written.
+    # Bad input fails here, before a repository is created or anything written
+    # (the name is checked by locate before it creates one).
     new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
-    meta = dict(metadata or {})
-    try:
-        canonical_json(meta)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
+    meta = check_metadata(metadata)
     repo, name = locate(path, options, create=True, chunk_size=new_repo_chunk)
     settings = take_settings(repo, overrides)
     if repo.has_ref(name):
@@ -195,6 +196,32 @@ def resolve_target(
         last = session.lineage.parent(repo.config.repo_id) if session is not None else None
         return Target(repo, name, settings, meta, [last] if last else [])
     return Target(repo, name, settings, meta, [_parent(repo, p) for p in parents])
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``metadata`` as the manifest will hold it, or :class:`casnap.UnsupportedValueError`.
+
+    It must be JSON as it is: string keys; strings, numbers (finite), booleans,
+    None, lists and dicts as values (a tuple or an int key would come back
+    changed, so they are refused), at most 1 MiB encoded.
+    """
+    meta = dict(metadata or {})
+    try:
+        data = canonical_json(meta)
+        same = json.loads(data) == meta
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"metadata must be JSON-serializable: {exc}") from exc
+    if not same:
+        raise UnsupportedValueError(
+            "metadata must be JSON as it is: string keys, and str, int, float, bool, None, "
+            "list or dict values (a tuple or a non-string key would not read back the same)"
+        )
+    if len(data) > MAX_METADATA_BYTES:
+        raise UnsupportedValueError(
+            f"metadata is {len(data)} bytes as JSON, more than {MAX_METADATA_BYTES}; "
+            "store large values in the app_state instead"
+        )
+    return meta
 
 
 def _parent(repo: RepoStorage, parent: str) -> str:

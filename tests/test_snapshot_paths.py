@@ -1,0 +1,393 @@
+"""Where a snapshot path puts its snapshot, as a user meets it (docs/repository.md).
+
+Without an explicit repository, a snapshot path's parent is its repository;
+a repository further up holds it only if it was created to be shared
+(``casnap init``, ``Repository.init``). Paths nobody would predict are
+refused, bad input creates nothing, and any name a file system accepts
+round-trips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import casnap
+from casnap import (
+    CasnapError,
+    ConfigError,
+    InvalidNameError,
+    Repository,
+    Snapshot,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    StateDict,
+    UnsupportedValueError,
+)
+from casnap.cli.app import main
+from casnap.distributed.group import Group
+from casnap.distributed.take import prepare_distributed_take
+from casnap.repo.repository import RepoStorage
+from casnap.repo.tags import add_tag, list_tags
+
+GOLDEN = Path(__file__).parent / "data" / "golden-v1"
+
+
+def state(value: float = 1.0) -> dict[str, StateDict]:
+    return {"m": StateDict(w=torch.full((64,), float(value)), step=int(value))}
+
+
+def repositories(root: Path) -> list[str]:
+    """Every directory below ``root`` holding a repository, relative to it ("." for root)."""
+    found = [os.path.relpath(p.parent.parent, root) for p in root.rglob(".casnap/config.json")]
+    return sorted(found)
+
+
+def restored(path: str, **kwargs) -> float:
+    target = state(0.0)
+    Snapshot(path, **kwargs).restore(target)
+    return float(target["m"]["w"][0])
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# -- where a path goes ------------------------------------------------------------
+
+
+def test_the_parent_is_the_repository_and_never_captures_deeper_paths(tmp_path):
+    Snapshot.take(str(tmp_path / "x"), state(1))
+    Snapshot.take(str(tmp_path / "y" / "z"), state(2))  # not captured by tmp_path's repository
+    Snapshot.take(str(tmp_path / "y" / "w"), state(3))  # a sibling: same repository as z
+
+    assert repositories(tmp_path) == [".", "y"]
+    assert Repository(str(tmp_path)).snapshots() == ["x"]
+    assert Repository(str(tmp_path / "y")).snapshots() == ["w", "z"]
+    assert restored(str(tmp_path / "y" / "z")) == 2.0
+    # Deleting the run's directory deletes its snapshots: nothing of them is left elsewhere.
+    shutil.rmtree(tmp_path / "y")
+    assert Repository(str(tmp_path)).snapshots() == ["x"]
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(str(tmp_path / "y" / "z")).restore(state(0))
+
+
+def test_relative_paths_are_relative_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Snapshot.take("run1/step_1", state(1))
+    Snapshot.take("step_0", state(0))  # the working directory becomes the repository
+    assert repositories(tmp_path) == [".", "run1"]
+    assert Repository("run1").snapshots() == ["step_1"]
+    assert restored("run1/step_1") == 1.0
+
+
+def test_an_initialized_repository_is_shared_by_the_runs_below_it(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    code, out, _ = cli(capsys, "init", str(ckpt), "--json")
+    assert code == 0 and json.loads(out)["shared"] is True
+    Snapshot.take(str(ckpt / "run1" / "step_1"), state(1))
+    Snapshot.take(str(ckpt / "run2" / "step_1"), state(2))
+    Snapshot.take(str(ckpt / "top"), state(3))
+
+    assert repositories(tmp_path) == ["ckpt"]
+    repo = Repository(str(ckpt))
+    assert repo.snapshots() == ["run1/step_1", "run2/step_1", "top"]
+    assert restored(str(ckpt / "run2" / "step_1")) == 2.0
+    assert Repository.locate(str(ckpt / "run1" / "step_1"))[1] == "run1/step_1"
+    config = json.loads((ckpt / ".casnap" / "config.json").read_text())
+    assert config["shared"] is True
+
+
+def test_init_marks_a_repository_a_take_created_as_shared(tmp_path):
+    Snapshot.take(str(tmp_path / "ckpt" / "s0"), state(0))  # ckpt: implicit
+    Snapshot.take(str(tmp_path / "ckpt" / "run1" / "s1"), state(1))  # not captured
+    assert repositories(tmp_path) == ["ckpt", "ckpt/run1"]
+
+    repo = Repository.init(str(tmp_path / "ckpt"))
+    assert repo.config.shared and repo.snapshots() == ["s0"]
+    Snapshot.take(str(tmp_path / "ckpt" / "run2" / "s2"), state(2))  # now held by ckpt
+    # The nearest repository decides: run1's own repository keeps run1's snapshots.
+    Snapshot.take(str(tmp_path / "ckpt" / "run1" / "s3"), state(3))
+    assert repositories(tmp_path) == ["ckpt", "ckpt/run1"]
+    assert Repository(str(tmp_path / "ckpt")).snapshots() == ["run2/s2", "s0"]
+    assert Repository(str(tmp_path / "ckpt" / "run1")).snapshots() == ["s1", "s3"]
+
+
+def test_an_explicit_repository_wins(tmp_path):
+    opts = {"repository": str(tmp_path / "repo")}
+    Snapshot.take(str(tmp_path / "repo" / "a" / "b"), state(1), storage_options=opts)
+    assert repositories(tmp_path) == ["repo"]
+    assert Repository(str(tmp_path / "repo")).snapshots() == ["a/b"]
+    assert restored(str(tmp_path / "repo" / "a" / "b"), storage_options=opts) == 1.0
+
+
+def test_repositories_older_versions_wrote_keep_working(tmp_path):
+    # The golden repository's config has no "shared": it is read as implicit.
+    assert RepoStorage.open(str(GOLDEN)).config.shared is False
+    # An implicit repository that an older casnap let capture a deeper path ...
+    root = tmp_path / "old"
+    Snapshot.take(str(root / "deep" / "s"), state(5), storage_options={"repository": str(root)})
+    assert "shared" not in json.loads((root / ".casnap" / "config.json").read_text())
+    # ... still serves that snapshot by its path,
+    assert restored(str(root / "deep" / "s")) == 5.0
+    assert Repository.locate(str(root / "deep" / "s"))[1] == "deep/s"
+    # but a new take below it gets its own repository.
+    Snapshot.take(str(root / "deep" / "t"), state(6))
+    assert repositories(tmp_path) == ["old", "old/deep"]
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(str(root / "other" / "u")).restore(state(0))
+
+
+# -- refused paths ----------------------------------------------------------------
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch) -> Path:
+    """A working directory and a home directory, both inside tmp_path."""
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "work")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "path, why",
+    [
+        ("", "names the working directory itself"),
+        (".", "names the working directory itself"),
+        ("./", "names the working directory itself"),
+        ("/ckpt_x", "would make the file system root / a repository"),
+        ("~", "is the home directory itself"),
+        ("~/ckpt_x", "would make the home directory"),
+    ],
+)
+def test_unpredictable_paths_are_refused_with_how_to_choose(sandbox, path, why):
+    with pytest.raises(ConfigError) as err:
+        Snapshot.take(path, state())
+    message = str(err.value)
+    assert why in message
+    assert "storage_options={'repository'" in message and "casnap init" in message
+    assert "/ckpt/run1/step_100" in message
+    assert repositories(sandbox) == []
+    assert not os.path.exists("/ckpt_x") and not os.path.exists("/.casnap/config.json.tmp")
+
+
+def test_a_deeper_path_in_home_works_and_home_can_be_shared_on_purpose(sandbox):
+    Snapshot.take("~/runs/step_1", state(1))
+    assert repositories(sandbox) == ["home/runs"]
+    Repository.init("~")  # on purpose: now ~/ckpt_x is allowed, and held by ~
+    Snapshot.take("~/ckpt_x", state(2))
+    assert Repository("~").snapshots() == ["ckpt_x"]
+
+
+# -- nothing is created before the input is validated ------------------------------
+
+
+class _NoStateDict:
+    pass
+
+
+BAD_INPUTS = {
+    "value without state_dict": ({"m": _NoStateDict()}, {}, "s", UnsupportedValueError, "without"),
+    "plain int in app_state": ({"m": 3}, {}, "step_1", UnsupportedValueError, "state_dict"),
+    "control character in name": (state(), {}, "step\n1", InvalidNameError, "control"),
+    "metadata not JSON": (state(), {"obj": object()}, "step_1", UnsupportedValueError, "JSON"),
+    "metadata int key": (state(), {1: "x"}, "step_1", UnsupportedValueError, "string keys"),
+    "metadata NaN": (state(), {"loss": float("nan")}, "step_1", UnsupportedValueError, "JSON"),
+    "metadata too big": (state(), {"x": "a" * (1 << 20)}, "step_1", UnsupportedValueError, "MiB"),
+}
+
+
+@pytest.mark.parametrize("how", ["take", "async_take"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_creates_no_repository(tmp_path, case, how):
+    app_state, metadata, name, error, text = BAD_INPUTS[case]
+    with pytest.raises(error) as err:
+        pending = getattr(Snapshot, how)(str(tmp_path / "run" / name), app_state,
+                                         metadata=metadata)  # fmt: skip
+        pending.wait()  # only for async_take; never reached
+    assert isinstance(err.value, CasnapError)
+    assert text in str(err.value) or text == "MiB"
+    assert repositories(tmp_path) == []
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_value_without_state_dict_is_a_type_error_like_torchsnapshot(tmp_path):
+    with pytest.raises(TypeError, match="state_dict"):
+        Snapshot.take(str(tmp_path / "run" / "s"), {"m": torch.zeros(3)})
+    assert repositories(tmp_path) == []
+
+
+@pytest.mark.parametrize("case", ["value without state_dict", "metadata not JSON"])
+def test_bad_input_to_a_distributed_take_creates_nothing(tmp_path, case):
+    # rank 0's part of a distributed take, in a world of one (no collective needed)
+    app_state, metadata, name, _error, _text = BAD_INPUTS[case]
+    with pytest.raises(casnap.DistributedTakeError):
+        prepare_distributed_take(
+            str(tmp_path / "run" / name), app_state, group=Group(object(), 0, 1),
+            replicated=None, storage_options=None, metadata=metadata, allow_pickle=False,
+            parents=None, stage=False,
+        )  # fmt: skip
+    assert repositories(tmp_path) == []
+
+
+# -- names ------------------------------------------------------------------------
+
+NAMES = ["run 1", "schritt_ü", "実験", "a#b", "with%percent", ".hidden", "a", "a/b", "a/b/c"]
+
+
+def test_any_name_a_file_system_accepts_round_trips(tmp_path, capsys):
+    root = tmp_path / "repo"
+    Repository.init(str(root))
+    for i, name in enumerate(NAMES):
+        Snapshot.take(f"{root}/{name}", state(float(i)), metadata={"step": i})
+
+    repo = Repository(str(root))
+    assert repo.snapshots() == sorted(NAMES)
+    code, out, _ = cli(capsys, "ls", str(root), "--json")
+    assert code == 0 and sorted(json.loads(out)) == sorted(NAMES)
+    code, out, _ = cli(capsys, "log", str(root), "--json")
+    assert code == 0 and sorted(line["name"] for line in json.loads(out)) == sorted(NAMES)
+    for i, name in enumerate(NAMES):
+        assert restored(f"{root}/{name}") == float(i), name
+        code, out, _ = cli(capsys, "show", f"{root}/{name}", "--json")
+        assert code == 0, name
+    # `a` and `a/b` are sibling objects: every ref is one flat file, none leaves refs/.
+    refs = root / ".casnap" / "refs"
+    assert all(p.is_file() for p in refs.iterdir()) and len(list(refs.iterdir())) == len(NAMES)
+    assert cli(capsys, "verify", str(root))[0] == 0
+
+
+def test_tags_take_the_same_names(tmp_path):
+    repo = Repository.init(str(tmp_path / "repo"))
+    repo.take("a", state(1))
+    for tag in ["beste Version", "a", "a/b", "ü#1"]:
+        add_tag(repo, tag, "a")
+    assert sorted(list_tags(repo)) == sorted(["beste Version", "a", "a/b", "ü#1"])
+    repo.untag("a/b")
+    assert sorted(repo.tags()) == sorted(["beste Version", "a", "ü#1"])
+    assert repo.verify().ok
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("..", "'..'"),
+        (".", "'.'"),
+        ("a/../b", "'..'"),
+        ("a//b", "empty segment"),
+        ("/a", "empty segment"),
+        ("a\x00b", "control character"),
+        ("a\tb", "control character"),
+        ("a\x7fb", "control character"),
+        ("a\x85b", "control character"),
+        ("bad\ud800", "control character"),
+        ("x" * 256, "longer than 255 bytes"),
+        ("ü" * 50, "too long"),
+        ("/".join(["s"] * 17), "more than 16 deep"),
+    ],
+)
+def test_hostile_names_are_refused(tmp_path, name, text):
+    repo = Repository.init(str(tmp_path / "repo"))
+    with pytest.raises(InvalidNameError, match=text.replace(".", r"\.")):
+        repo.take(name, state())
+    with pytest.raises(InvalidNameError):
+        repo.write_ref(name, "0" * 64)
+    assert repo.snapshots() == []
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [".casnap"]
+
+
+def test_dot_dot_in_a_url_path_is_refused(tmp_path):
+    with pytest.raises(InvalidNameError):
+        Snapshot.take("memory://casnap-paths-test/repo/../x", state())
+
+
+def test_refs_in_the_old_nested_layout_still_read(tmp_path):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    repo.take("x/y", state(4))
+    refs = root / ".casnap" / "refs"
+    (refs / "x").mkdir()
+    (refs / "x%2Fy").rename(refs / "x" / "y")  # where casnap put x/y before the flat layout
+
+    assert repo.snapshots() == ["x/y"]
+    assert restored(str(root / "x" / "y")) == 4.0
+    with pytest.raises(SnapshotExistsError):
+        repo.take("x/y", state(5))
+    repo.delete("x/y")
+    assert repo.snapshots() == []
+
+
+# -- deleting one snapshot ----------------------------------------------------------
+
+
+def test_delete_one_snapshot_then_gc_reclaims_its_space(tmp_path, capsys):
+    run = tmp_path / "run1"
+    Snapshot.take(str(run / "step_1"), {"m": StateDict(w=torch.randn(50_000))})
+    Snapshot.take(str(run / "step_2"), {"m": StateDict(w=torch.randn(50_000))})
+    exclusive = {u.name: u.exclusive_bytes for u in Repository(str(run)).du().per_snapshot}
+
+    code, out, _ = cli(capsys, "rm", str(run / "step_1"))
+    assert code == 0 and "casnap gc" in out and "--prune" in out
+    code, out, _ = cli(capsys, "gc", str(run), "--grace", "0", "--json")
+    assert code == 0 and json.loads(out)["bytes_freed"] >= exclusive["step_1"] > 0
+    assert Repository(str(run)).snapshots() == ["step_2"]
+    assert Snapshot(str(run / "step_2")).read_object("0/m/w").shape == (50_000,)
+    assert cli(capsys, "rm", str(run / "step_1"))[0] == 3  # no such snapshot
+
+
+def test_rm_prune_frees_the_space_only_that_snapshot_used_at_once(tmp_path, capsys):
+    run = tmp_path / "run1"
+    shared = torch.randn(300_000)  # over 1 MiB each: loose chunks, not packed together
+    for step in (1, 2):
+        state_ = StateDict(shared=shared, own=torch.randn(300_000))
+        Snapshot.take(str(run / f"step_{step}"), {"m": state_})
+    exclusive = {u.name: u.exclusive_bytes for u in Repository(str(run)).du().per_snapshot}
+
+    code, out, _ = cli(capsys, "rm", str(run / "step_1"), "--prune", "--json")
+    assert code == 0
+    freed = json.loads(out)["reclaimed"]["bytes_freed"]
+    assert freed >= exclusive["step_1"] > 0  # no grace period to wait out
+    code, out, _ = cli(capsys, "du", str(run), "--json")
+    assert code == 0 and json.loads(out)["unreferenced"]["bytes"] == 0
+    kept = Snapshot(str(run / "step_2")).read_object("0/m/shared")
+    assert torch.equal(kept, shared)  # the chunk step_2 shares stays
+
+
+def _bad_state_on_rank_0(rank: int, world: int, root: str) -> str:
+    from casnap import DistributedTakeError, Snapshot
+
+    app_state = {"m": _NoStateDict()} if rank == 0 else state(rank)
+    try:
+        Snapshot.take(f"{root}/run/step_1", app_state)
+    except DistributedTakeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.dist
+def test_bad_state_on_rank_0_of_a_gloo_take_creates_nothing(tmp_path):
+    from dist_harness import run_ranks, values
+
+    texts = values(run_ranks(2, _bad_state_on_rank_0, str(tmp_path)))
+    assert all("rank(s) [0]" in t and "state_dict" in t for t in texts), texts
+    assert repositories(tmp_path) == []
+
+
+def test_names_round_trip_in_memory_too():
+    import uuid
+
+    url = f"memory://casnap-paths-{uuid.uuid4().hex}/repo"
+    Repository.init(url)
+    for i, name in enumerate(NAMES):
+        Snapshot.take(f"{url}/{name}", state(float(i)))
+    assert Repository(url).snapshots() == sorted(NAMES)
+    assert [restored(f"{url}/{name}") for name in NAMES] == [float(i) for i in range(len(NAMES))]
