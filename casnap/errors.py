@@ -8,6 +8,7 @@ keeps working for code that does not know casnap.
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 
@@ -112,6 +113,13 @@ class StateError(CasnapError):
 
 class UnsupportedValueError(StateError, TypeError):
     """A value in the state cannot be stored (or only with pickling allowed)."""
+
+
+class ObjectLoadError(StateError, pickle.UnpicklingError):
+    """A pickled entry's verified bytes cannot be unpickled here (for example its
+    class no longer exists). Not damage: the stored bytes match their hash, so
+    another snapshot of the same state would fail the same way. A restore that
+    raises it has modified nothing."""
 
 
 class PickleNotAllowedError(StateError, TypeError):

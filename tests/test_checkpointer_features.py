@@ -441,3 +441,99 @@ def test_take_on_preemption_needs_the_main_thread(tmp_path):
     worker.join()
     assert len(errors) == 1 and isinstance(errors[0], ConfigError)
     assert "main thread" in str(errors[0])
+
+
+# -- review follow-ups ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "app_state, metrics",
+    [
+        ({"m": 5}, None),  # a value without state_dict()
+        ({"m": StateDict(w=torch.zeros(3))}, {"loss": {1, 2}}),  # not JSON
+        ({"m": StateDict(w=torch.zeros(3))}, {"loss": torch.zeros(2)}),  # not one number
+    ],
+    ids=["no-state-dict", "set-metric", "vector-metric"],
+)
+def test_bad_input_to_the_first_take_creates_no_repository(tmp_path, app_state, metrics):
+    root = tmp_path / "run"
+    ckpt = Checkpointer(str(root), 1)
+    with pytest.raises((TypeError, ValueError)):
+        ckpt.maybe_take(0, app_state, metrics=metrics)
+    assert not root.exists()
+    assert ckpt.snapshots() == [] and ckpt.restore_latest(fresh()) is None
+    ckpt.maybe_take(0, fresh(), metrics={"loss": 1.0})  # good input then works
+    assert ckpt.snapshots() == [name(0)]
+
+
+def test_keep_best_with_only_nan_metrics_keeps_none_as_best(tmp_path):
+    root = str(tmp_path / "run")
+    ckpt = Checkpointer(root, 1, retention=RetentionPolicy(KeepBest(2, "loss")))
+    for step in range(1, 5):
+        ckpt.maybe_take(step, fresh(), metrics={"loss": float("nan")})
+    assert ckpt.best() is None and ckpt.best_step() is None
+    assert steps_of(ckpt) == [4]  # only the newest, which the checkpointer always keeps
+
+
+class _Gone:
+    """A class that later "disappears" (see the test below)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_an_object_that_cannot_be_unpickled_is_not_skipped_as_damage(tmp_path, monkeypatch):
+    from casnap import ObjectLoadError
+
+    root = str(tmp_path / "run")
+    ckpt = Checkpointer(root, 1)
+    ckpt.maybe_take(1, expected(1))
+    later = expected(2)
+    later["extra"] = StateDict(obj=_Gone(7))
+    Snapshot.take(f"{root}/{name(2)}", later, allow_pickle=True, metadata={"step": 2})
+    monkeypatch.delattr(sys.modules[__name__], "_Gone")  # the class is gone in this process
+
+    state = fresh()
+    state["extra"] = StateDict(obj=None)
+    with pytest.raises(ObjectLoadError, match="cannot be loaded"):
+        Checkpointer(root, 1).restore_latest(state, allow_pickle=True)
+    assert same_bits(state, fresh())  # the tensors were filled, then rolled back
+
+
+def test_a_fallback_names_the_tensors_the_older_snapshot_does_not_hold(tmp_path, caplog):
+    root = tmp_path / "run"
+    ckpt = take_steps(str(root), [5])
+    state = expected(10)
+    state["model"]["v"] = torch.ones(100)  # a tensor new in step 10
+    ckpt.maybe_take(10, state)
+    flip_a_chunk_byte(root, 10)
+    target = fresh()
+    target["model"]["v"] = torch.zeros(100)
+    with caplog.at_level(logging.WARNING, logger="casnap"):
+        assert Checkpointer(str(root), 5).restore_latest(target) == 5
+    warned = [r.getMessage() for r in caplog.records if "does not hold" in r.getMessage()]
+    assert len(warned) == 1 and "0/model/v" in warned[0]
+
+
+def test_a_reclaim_that_fails_does_not_stop_training_and_is_retried(tmp_path, monkeypatch, caplog):
+    import casnap.api.checkpointer as module
+    from casnap.errors import StoreError
+
+    real = module.reclaim_retired
+
+    def flaky(repo, retired, **kwargs):
+        raise StoreError("the store went away mid-sweep")
+
+    root = str(tmp_path / "run")
+    ckpt = Checkpointer(root, 1, retention=RetentionPolicy(KeepLast(1)))
+    ckpt.maybe_take(1, expected(1))
+    monkeypatch.setattr(module, "reclaim_retired", flaky)  # a store fault during the sweep
+    with caplog.at_level(logging.WARNING, logger="casnap"):
+        assert isinstance(ckpt.maybe_take(2, expected(2)), Snapshot)  # committed all the same
+    assert any("reclaim after retention failed" in r.getMessage() for r in caplog.records)
+    pending = ckpt.last_retention.reclaimed.pending
+    assert len(pending) == 1
+    monkeypatch.setattr(module, "reclaim_retired", real)
+    ckpt.maybe_take(3, expected(3))
+    assert ckpt.last_retention.reclaimed.deleted_manifests == 2  # step 1's, then step 2's
+    assert steps_of(ckpt) == [3]

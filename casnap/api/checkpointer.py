@@ -54,12 +54,14 @@ from casnap.errors import (
     CasnapError,
     ConfigError,
     SnapshotNotFoundError,
+    StoreError,
     as_names,
     as_path,
     expect_type,
 )
+from casnap.format.manifest import TensorEntry
 from casnap.format.names import check_ref_name
-from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS
+from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS, ReclaimResult
 from casnap.gc.reclaim import reclaim as reclaim_retired
 from casnap.ops.retention import (
     RetentionPolicy,
@@ -91,12 +93,19 @@ class _KeepNames(RetentionRule):
         return {s.name: self.reason for s in snapshots if s.name in self.names}
 
 
-def _plain(value: Any) -> Any:
+def _plain(key: Any, value: Any) -> Any:
     """Metric values as JSON: a 0-d tensor or numpy scalar becomes its Python number,
     and a NaN or infinite one the string ``"NaN"``/``"Infinity"``/``"-Infinity"``
     (JSON has no such numbers; a diverged loss must not stop training)."""
     item = getattr(value, "item", None)
-    return encode_metric(item() if callable(item) else value)
+    if callable(item):
+        try:
+            value = item()
+        except (RuntimeError, ValueError) as exc:  # a tensor of several elements
+            raise ConfigError(
+                f"metrics[{key!r}] must be a number or a one-element tensor: {exc}", "metrics"
+            ) from exc
+    return encode_metric(value)
 
 
 class Checkpointer:
@@ -288,20 +297,22 @@ class Checkpointer:
         if step in self._steps:
             return None
         name = self._name(step)
-        repo = self._open(create=True)
-        assert repo is not None
-        if repo.has_ref(name):  # e.g. resuming at the step that was restored
-            self._steps.add(step)
-            return None
         metadata = {
             "step": step,
-            "metrics": {str(k): _plain(v) for k, v in (metrics or {}).items()},
+            "metrics": {str(k): _plain(k, v) for k, v in (metrics or {}).items()},
             "tags": self.tags + [t for t in extra if t not in self.tags],
         }
         if self.async_take:
             self.wait()  # the previous take's manifest is this one's parent
-        path = f"{repo.url.rstrip('/')}/{name}"
-        options = {**self._take_options, "repository": repo}
+        repo = self._open(create=False)
+        if repo is not None and repo.has_ref(name):  # e.g. resuming at the restored step
+            self._steps.add(step)
+            return None
+        # Without a repository yet, the take creates it at this checkpointer's URL,
+        # and only once app_state and metadata are checked: bad input creates nothing.
+        url = repo.url if repo is not None else self._url
+        path = f"{url.rstrip('/')}/{name}"
+        options = {**self._take_options, "repository": repo if repo is not None else url}
         self._steps.add(step)
         try:
             if self.async_take:
@@ -319,6 +330,8 @@ class Checkpointer:
         except BaseException:
             self._steps.discard(step)
             raise
+        if self._repo is None:
+            self._repo = snap.repository
         self.schedule.restart()
         self._committed(snap, name)
         return snap
@@ -401,7 +414,14 @@ class Checkpointer:
         earlier = self.last_retention.reclaimed if self.last_retention is not None else None
         retired = (earlier.pending if earlier is not None else ()) + result.retired_manifests
         if self.reclaim and retired:
-            freed = reclaim_retired(repo, retired, wait_seconds=self.reclaim_wait_seconds)
+            try:
+                freed = reclaim_retired(repo, retired, wait_seconds=self.reclaim_wait_seconds)
+            except (StoreError, OSError) as exc:
+                # The snapshot is committed; freeing space is housekeeping, and what
+                # a sweep cut short deleted is consistent (manifests before chunks).
+                # Try again at the next commit rather than stop the training loop.
+                log.warning("casnap: reclaim after retention failed, retried next commit: %s", exc)
+                freed = ReclaimResult(retired, pending=retired, deferred=f"failed: {exc}")
             result = replace(result, reclaimed=freed)
         self.last_retention = result
 
@@ -418,8 +438,9 @@ class Checkpointer:
         which verifies every chunk it reads. A candidate that fails either
         (an :class:`IntegrityError` or a missing manifest) is skipped with a
         warning saying why, and the next older one is restored, which
-        overwrites every tensor the failed attempt may have filled (each
-        tensor is whole: its previous value or that snapshot's). Other errors
+        overwrites the tensors the failed attempt may have filled (each
+        tensor is whole: its previous value or that snapshot's); a warning
+        names those it does not hold. Other errors
         (a store timeout, a ``strict`` key mismatch) are raised as they are.
         When snapshots exist but none restores, :class:`IntegrityError` lists
         what was tried; ``app_state`` may then hold tensors of any of them.
@@ -439,9 +460,13 @@ class Checkpointer:
         def restore_one(name: str) -> None:
             self._snapshot(repo, name).restore(app_state, **restore_kwargs)
 
+        def tensors_of(name: str) -> set[str]:
+            entries = repo.read_manifest(repo.resolve(name)).entries
+            return {k for k, e in entries.items() if isinstance(e, TensorEntry)}
+
         chosen = resume(
             [s for s in infos if self._is_mine(s)], unreadable,
-            lambda name: try_restore(repo, name, restore_one), repo.url,
+            lambda name: try_restore(repo, name, restore_one), repo.url, tensors_of,
         )  # fmt: skip
         if chosen is None:
             return None

@@ -8,7 +8,8 @@ its ref and manifest read and validate, none of its chunk copies is recorded
 as damaged), then restored; a restore verifies every chunk as it reads it and
 leaves each tensor whole (its previous value or the snapshot's,
 docs/pipeline.md), so when it meets damage the next older candidate's restore
-overwrites whatever the failed attempt filled. Only damage moves on to an
+overwrites whatever the failed attempt filled that it holds too (the rest is
+named in a warning). Only damage moves on to an
 older snapshot (:class:`IntegrityError`, a missing manifest); a store timeout
 or a key mismatch is raised as it is, since an older snapshot would not fix it.
 
@@ -58,17 +59,21 @@ def resume(
     unreadable: Mapping[str, str],
     attempt: Callable[[str], str | None],
     where: str,
+    tensors_of: Callable[[str], set[str]] | None = None,
 ) -> SnapshotInfo | None:
     """The newest of ``candidates`` (oldest first) for which ``attempt(name)`` succeeds.
 
     Logs every snapshot skipped and why (``unreadable``: snapshots whose
     manifest cannot be read, so whose step is unknown). ``None`` when there
     was nothing to try; :class:`IntegrityError` listing every attempt when
-    nothing restored.
+    nothing restored. ``tensors_of(name)`` (the tensor entry keys of a
+    snapshot) lets the log name the tensors a failed attempt may have filled
+    that the chosen snapshot does not overwrite.
     """
     tried = [f"{name}: {reason}" for name, reason in sorted(unreadable.items())]
     for line in tried:
         log.warning("casnap: snapshot %s; it cannot be resumed from", line)
+    attempted: list[str] = []
     for info in reversed(candidates):
         reason = attempt(info.name)
         if reason is None:
@@ -78,9 +83,11 @@ def resume(
                     "snapshots keep their names, so their steps are not taken again",
                     info.name, info.step, "; ".join(tried),
                 )  # fmt: skip
+            _warn_leftovers(info.name, attempted, tensors_of)
             return info
         log.warning("casnap: skipping snapshot %s (step %s): %s", info.name, info.step, reason)
         tried.append(f"{info.name}: {reason}")
+        attempted.append(info.name)
     if tried:
         raise IntegrityError(
             f"no snapshot in {where} could be restored; tried, newest first: "
@@ -88,6 +95,30 @@ def resume(
             + " (app_state may hold tensors of these attempts; run `casnap verify`)"
         )
     return None
+
+
+def _warn_leftovers(
+    chosen: str, attempted: Sequence[str], tensors_of: Callable[[str], set[str]] | None
+) -> None:
+    """A failed attempt may have filled tensors (each whole) before it met damage; the
+    chosen snapshot's restore overwrites those it holds. Name the others."""
+    if not attempted or tensors_of is None:
+        return
+    try:
+        filled = set().union(*(tensors_of(name) for name in attempted))
+        left = sorted(filled - tensors_of(chosen))
+    except (
+        Exception
+    ) as exc:  # the manifests were read a moment ago; a log line is not worth failing for
+        log.warning("casnap: could not compare the skipped snapshots' entries: %r", exc)
+        return
+    if left:
+        shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+        log.warning(
+            "casnap: %s does not hold %s; if the app_state has them, they may hold the "
+            "values of a skipped snapshot",
+            chosen, shown,
+        )  # fmt: skip
 
 
 def pick_best(

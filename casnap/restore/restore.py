@@ -21,8 +21,8 @@ import torch
 from casnap.chunks.budget import ByteBudget, allocating, check_allocation, check_budget
 from casnap.chunks.io import read_chunks
 from casnap.errors import (
-    IntegrityError,
     MissingKeyError,
+    ObjectLoadError,
     PickleNotAllowedError,
     UnsupportedValueError,
 )
@@ -249,10 +249,18 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
         with allocating(k, s.fresh_bytes):
             s.materialize()
     undo = Undo()
+    # Pickled objects first, unpickled before any tensor is written: unpickling
+    # can fail on verified bytes too (a class that no longer exists), and then
+    # no target has been touched.
+    objs = list(load.objects)
+    first = [_plain_batch(load, objs, sinks, blobs, limit, undo, {}, 0)] if objs else []
     batches = [*_plain_reads(load, sinks, blobs, limit, undo), *_sharded_reads(load.sharded, limit)]
     workers = read_workers_for(repo.root.capabilities.local)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:
+            for reads in first:
+                reads.run(repo, pool)
+            objects = {key: _unpickle(key, blob) for key, blob in blobs.items()}
             for reads in batches:
                 reads.run(repo, pool)
     except BaseException:
@@ -262,12 +270,20 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
     for k, dest in load.quantized.items():
         values[k] = quantized.land(load.tensors[k][0], values[k], dest)
     values.update((k, s.result) for k, s in load.sharded.items())
-    for key, blob in blobs.items():
-        try:
-            values[key] = pickle.loads(blob)  # only reached with allow_pickle=True
-        except Exception as exc:
-            raise IntegrityError(f"{key}: the pickled object cannot be loaded: {exc}", key) from exc
+    values.update(objects)
     return values
+
+
+def _unpickle(key: str, blob: bytearray) -> Any:
+    """A pickled entry's object (only reached with ``allow_pickle=True``)."""
+    try:
+        return pickle.loads(blob)
+    except Exception as exc:
+        raise ObjectLoadError(
+            f"{key}: the pickled object cannot be loaded here: {exc!r} (its bytes verify; "
+            "is the class it needs importable?)",
+            key,
+        ) from exc
 
 
 def _allocations(load: _Load) -> dict[str, int]:
@@ -297,7 +313,7 @@ def _plain_reads(
     limit: int,
     undo: Undo,
 ) -> list[_Reads]:
-    """The reads of every plain tensor and pickled object, in batches.
+    """The reads of every plain tensor, in batches (pickled objects: :func:`load_values`).
 
     A tensor read in place keeps what its chunks overwrite until all of them
     landed verified (:class:`casnap.restore.undo.TensorUndo`), so a batch's
@@ -319,7 +335,7 @@ def _plain_reads(
     batches: list[_Reads] = [_verify_first(oversized, limit)] if oversized else []
     group: list[str] = []
     saved = 0
-    keys = [*load.tensors, *load.objects]
+    keys = list(load.tensors)  # pickled objects are read before, on their own
     for n, key in enumerate(keys):
         group.append(key)
         saved += guarded.get(key, 0)

@@ -91,19 +91,21 @@ def collect(
 ) -> dict[str, Node]:
     nodes: dict[str, Node] = {}
     put_back_rng = rng_keeper(app_state)  # state_dict() calls may draw random numbers
-    for key, stateful in _order(app_state):
-        if not isinstance(key, str) or not key or not _utf8(key):
-            raise UnsupportedValueError(
-                f"app_state keys must be non-empty UTF-8 strings, got {key!r}"
-            )
-        if not callable(getattr(stateful, "state_dict", None)):
-            raise UnsupportedValueError(
-                f"app_state[{key!r}] is a {type(stateful).__name__} without state_dict(); "
-                "wrap plain values in casnap.StateDict",
-                key,
-            )
-        flatten(stateful.state_dict(), f"{rank}/{escape_key(key)}", allow_pickle, nodes)
-    put_back_rng()
+    try:  # a take that fails here leaves the RNG as it found it too
+        for key, stateful in _order(app_state):
+            if not isinstance(key, str) or not key or not _utf8(key):
+                raise UnsupportedValueError(
+                    f"app_state keys must be non-empty UTF-8 strings, got {key!r}"
+                )
+            if not callable(getattr(stateful, "state_dict", None)):
+                raise UnsupportedValueError(
+                    f"app_state[{key!r}] is a value of type {type(stateful).__name__} "
+                    "without state_dict(); wrap plain values in casnap.StateDict",
+                    key,
+                )
+            flatten(stateful.state_dict(), f"{rank}/{escape_key(key)}", allow_pickle, nodes)
+    finally:
+        put_back_rng()
     if prepare is not None:
         for key, node in nodes.items():
             if isinstance(node, TensorLeaf):
