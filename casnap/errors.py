@@ -274,7 +274,7 @@ def as_path(value: Any, name: str = "path") -> str:
         value = os.fspath(value)
     if isinstance(value, bytes) or not isinstance(value, str):
         expect_type(value, str, name, "a path or URL (str or os.PathLike)")
-    return value
+    return str(value)
 
 
 def as_names(value: Any, name: str) -> list[str] | None:

@@ -269,17 +269,18 @@ def override(**values: Any) -> Iterator[None]:
 
 def io_workers_for(local: bool) -> int:
     """Concurrent store requests of a take on a local or a remote store."""
-    return get("io_workers", DEFAULT_IO_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS)
+    return int(get("io_workers", DEFAULT_IO_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS))
 
 
 def read_workers_for(local: bool) -> int:
     """Concurrent reads of a restore or read_object."""
-    return get("io_workers", DEFAULT_READ_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS)
+    return int(get("io_workers", DEFAULT_READ_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS))
 
 
 def staging_cache_bytes() -> int | None:
     """Idle async-staging buffers kept for the next take (None: unset)."""
-    return get("staging_cache")
+    value = get("staging_cache")
+    return None if value is None else int(value)
 
 
 def default_memory_budget() -> int:
@@ -315,7 +316,7 @@ def index_enabled() -> bool:
 
 def index_root() -> Path:
     """The folder that holds one index per repository."""
-    return get("index_dir", Path.home() / ".cache" / "casnap" / "index")
+    return Path(get("index_dir", Path.home() / ".cache" / "casnap" / "index"))
 
 
 def index_map_size() -> int:
@@ -324,7 +325,7 @@ def index_map_size() -> int:
 
 def state_dir() -> Path:
     """Where the CLI keeps state between runs."""
-    return get("state_dir", Path.home() / ".cache" / "casnap")
+    return Path(get("state_dir", Path.home() / ".cache" / "casnap"))
 
 
 # -- the settings of one take ------------------------------------------------

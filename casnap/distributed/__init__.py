@@ -7,6 +7,6 @@ chunk). ``take``: the collective take. ``reshard``: reading the stored shards
 that overlap a target's local shards.
 """
 
-from casnap.distributed.group import DistributedTakeError, ReplicaMismatchError
+from casnap.errors import DistributedTakeError, ReplicaMismatchError
 
 __all__ = ["DistributedTakeError", "ReplicaMismatchError"]

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from casnap.distributed.group import ReplicaMismatchError
-from casnap.errors import ReplicaMismatchWarning
+from casnap.errors import ReplicaMismatchError, ReplicaMismatchWarning
 from casnap.format.names import digest_of
 from casnap.take.plan import (
     ChunkIds,

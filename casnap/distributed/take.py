@@ -42,7 +42,6 @@ import torch
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import ChunkWriter, WriteStats
 from casnap.distributed.group import (
-    DistributedTakeError,
     Failure,
     Group,
     Rendezvous,
@@ -52,6 +51,7 @@ from casnap.distributed.group import (
 )
 from casnap.distributed.plan import LocalData, assign, build_local, settle_replicas
 from casnap.distributed.plan_cache import CacheKey, exchange_plans
+from casnap.errors import DistributedTakeError
 from casnap.format.manifest import ChunkRef, Manifest, format_version_for
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso

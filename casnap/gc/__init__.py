@@ -6,6 +6,7 @@ grace-free sweep of what retention just retired. All use only the store
 contract (:mod:`casnap.store.base`).
 """
 
+from casnap.errors import GcRefusedError
 from casnap.gc.collect import (
     GcResult,
     GcSession,
@@ -15,7 +16,7 @@ from casnap.gc.collect import (
     plan_gc,
     read_gc_epoch,
 )
-from casnap.gc.plan import GcPlan, GcRefusedError
+from casnap.gc.plan import GcPlan
 from casnap.gc.reclaim import ReclaimResult, reclaim
 
 __all__ = [

@@ -38,14 +38,18 @@ from dataclasses import dataclass, fields, replace
 from types import TracebackType
 from typing import Any
 
-from casnap.errors import CasnapError, ManifestValidationError, ObjectNotFoundError
+from casnap.errors import (
+    CasnapError,
+    GcRefusedError,
+    ManifestValidationError,
+    ObjectNotFoundError,
+)
 from casnap.format.manifest import MAX_RECORD_BYTES, load_json
 from casnap.format.names import hash_bytes
 from casnap.gc.plan import (
     LEASE_TEMP_MIN_AGE,
     Garbage,
     GcPlan,
-    GcRefusedError,
     Progress,
     human_bytes,
     intersect,

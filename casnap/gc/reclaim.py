@@ -42,12 +42,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from casnap.errors import CasnapError, GcRefusedError
+from casnap.errors import CasnapError, GcBlockedError, GcBusyError, GcRefusedError
 from casnap.gc.collect import GcResult, GcSession
 from casnap.gc.plan import Garbage, GcPlan, _Marks, _read_roots, human_bytes
 from casnap.index import manifest_summaries
 from casnap.repo.damage import list_damage
-from casnap.repo.leases import GcBlockedError, GcBusyError
 from casnap.repo.repository import RepoStorage, chunk_key, manifest_key, now_iso, pack_key
 
 __all__ = ["RECLAIM_WAIT_SECONDS", "ReclaimResult", "reclaim"]

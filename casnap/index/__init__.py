@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from casnap.errors import CasnapError, SnapshotNotFoundError
 from casnap.format.manifest import ChunkRef, Manifest
 from casnap.index.lmdb_store import (
-    DEFAULT_MAP_SIZE,
     GC_EPOCH_KEY,
     INDEX_FORMAT,
     RepoIndex,
@@ -47,6 +46,7 @@ from casnap.index.summaries import ManifestSummary, summarize
 from casnap.repo.damage import DamageSet
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage
+from casnap.settings import DEFAULT_INDEX_MAP_SIZE as DEFAULT_MAP_SIZE
 
 __all__ = [
     "DEFAULT_MAP_SIZE",

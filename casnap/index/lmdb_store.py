@@ -34,7 +34,6 @@ from casnap.index.lmdb_files import (
 )
 from casnap.index.summaries import ManifestSummary, decode_summary, encode_summary
 from casnap.repo.repository import RepoStorage
-from casnap.settings import DEFAULT_INDEX_MAP_SIZE as DEFAULT_MAP_SIZE  # noqa: F401  (re-exported)
 from casnap.settings import index_enabled, index_map_size, index_root
 
 _log = logging.getLogger("casnap.index")  # the logger users configure (docs/index.md)
