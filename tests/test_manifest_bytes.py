@@ -68,7 +68,14 @@ def test_reusing_a_parent_dump_gives_the_same_bytes():
 def test_config_bytes_are_pinned():
     config = RepoConfig(repo_id="0" * 32, chunk_size=4 << 20,
                         created_at="2026-11-24T00:00:00.000000+00:00")  # fmt: skip
-    assert canonical_json(config.model_dump(mode="json")) == (
+    from casnap.repo.repository import config_bytes
+
+    stored = (
         b'{"chunk_size":4194304,"created_at":"2026-11-24T00:00:00.000000+00:00",'
-        b'"format_version":"1.1","hash":"blake3","repo_id":"00000000000000000000000000000000"}'
+        b'"format_version":"1.1","hash":"blake3","repo_id":"00000000000000000000000000000000"'
     )
+    # A repository a take creates: the same bytes as before `shared` existed.
+    assert config_bytes(config) == stored + b"}"
+    # One created to be shared (casnap init) says so.
+    assert config_bytes(config.model_copy(update={"shared": True})) == stored + b',"shared":true}'
+
