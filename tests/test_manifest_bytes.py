@@ -78,4 +78,3 @@ def test_config_bytes_are_pinned():
     assert config_bytes(config) == stored + b"}"
     # One created to be shared (casnap init) says so.
     assert config_bytes(config.model_copy(update={"shared": True})) == stored + b',"shared":true}'
-
