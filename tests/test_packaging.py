@@ -1,0 +1,37 @@
+"""What a user installing casnap with pip gets: the package, its typing marker, the CLI."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_ships_py_typed_and_the_casnap_command(tmp_path):
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "casnap", src / "casnap",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "-w", str(out), str(src)],
+        check=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    (wheel,) = out.glob("casnap-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "casnap/py.typed" in names
+    assert "casnap/cli/app.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "casnap = casnap.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_the_source_tree_marks_the_package_typed():
+    assert (ROOT / "casnap" / "py.typed").is_file()
+    assert 'casnap = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
