@@ -145,6 +145,40 @@ def test_repositories_older_versions_wrote_keep_working(tmp_path):
         Snapshot(str(root / "other" / "u")).restore(state(0))
 
 
+def test_an_ancestors_snapshot_stays_readable_after_a_take_makes_a_nearer_repository(
+    tmp_path, capsys
+):
+    root = tmp_path / "old"
+    # An older casnap put deep/s and a/b/c into `old` (ancestor capture) ...
+    Snapshot.take(str(root / "deep" / "s"), state(5), storage_options={"repository": str(root)})
+    Snapshot.take(str(root / "a" / "b" / "c"), state(8), storage_options={"repository": str(root)})
+    # ... then takes made old/deep and old/a repositories of their own (the parent rule).
+    Snapshot.take(str(root / "deep" / "t"), state(6))
+    Snapshot.take(str(root / "a" / "x"), state(9))
+    assert repositories(tmp_path) == ["old", "old/a", "old/deep"]
+
+    # The old snapshots are still found by their paths: the nearest repository first, then up.
+    assert restored(str(root / "deep" / "s")) == 5.0
+    assert restored(str(root / "a" / "b" / "c")) == 8.0
+    repo, name = Repository.locate(str(root / "deep" / "s"))
+    assert (repo.url, name) == (Repository(str(root)).url, "deep/s")
+    assert cli(capsys, "show", str(root / "deep" / "s"), "--json")[0] == 0
+    assert restored(str(root / "deep" / "t")) == 6.0
+
+    # A new take still goes to the parent; the two repositories share no chunks.
+    Snapshot.take(str(root / "deep" / "t2"), state(7))
+    assert Repository(str(root / "deep")).snapshots() == ["t", "t2"]
+    assert Repository(str(root)).snapshots() == ["a/b/c", "deep/s"]
+
+    # A name no repository holds: the error says every repository it looked in.
+    with pytest.raises(SnapshotNotFoundError) as err:
+        Snapshot(str(root / "deep" / "nope")).restore(state(0))
+    assert "'nope'" in str(err.value)
+    assert Repository(str(root / "deep")).url in str(err.value)
+    assert f"{Repository(str(root)).url})" in str(err.value)
+    assert cli(capsys, "rm", str(root / "deep" / "nope"))[0] == 3
+
+
 # -- refused paths ----------------------------------------------------------------
 
 
@@ -178,6 +212,42 @@ def test_unpredictable_paths_are_refused_with_how_to_choose(sandbox, path, why):
     assert "/ckpt/run1/step_100" in message
     assert repositories(sandbox) == []
     assert not os.path.exists("/ckpt_x") and not os.path.exists("/.casnap/config.json.tmp")
+
+
+@pytest.fixture
+def deep_cwd(tmp_path, monkeypatch) -> Path:
+    """A working directory three levels below tmp_path, so that even a take that
+    should have been refused could only write inside tmp_path."""
+    work = tmp_path / "a" / "b" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "path, why",
+    [
+        ("..", "a directory the working directory is in"),
+        ("../..", "a directory the working directory is in"),
+        ("../work", "the working directory itself"),
+        ("../", "a directory the working directory is in"),
+        ("ABS:a/b", "a directory the working directory is in"),
+        ("ABS:a/b/work", "the working directory itself"),
+        ("ABS:link", "a directory the working directory is in"),  # a link to tmp_path/a
+        ("/", "the file system root /"),
+    ],
+)
+def test_the_working_directory_and_its_ancestors_are_refused(deep_cwd, path, why):
+    (deep_cwd / "link").symlink_to(deep_cwd / "a")
+    if path.startswith("ABS:"):
+        path = str(deep_cwd / path[4:])
+    with pytest.raises(ConfigError) as err:
+        Snapshot.take(path, state())
+    message = str(err.value)
+    assert why in message
+    assert "storage_options={'repository'" in message and "casnap init" in message
+    assert repositories(deep_cwd) == []
+    assert not os.path.exists("/.casnap")
 
 
 def test_a_deeper_path_in_home_works_and_home_can_be_shared_on_purpose(sandbox):
