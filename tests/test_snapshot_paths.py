@@ -361,7 +361,7 @@ def test_tags_take_the_same_names(tmp_path):
         ("a\x85b", "control character"),
         ("bad\ud800", "control character"),
         ("x" * 256, "longer than 255 bytes"),
-        ("ü" * 50, "too long"),
+        ("ü" * 128, "longer than 255 bytes"),
         ("/".join(["s"] * 17), "more than 16 deep"),
     ],
 )
@@ -461,3 +461,109 @@ def test_names_round_trip_in_memory_too():
         Snapshot.take(f"{url}/{name}", state(float(i)))
     assert Repository(url).snapshots() == sorted(NAMES)
     assert [restored(f"{url}/{name}") for name in NAMES] == [float(i) for i in range(len(NAMES))]
+
+
+# -- long names: any segment a file system accepts -----------------------------------
+
+SIXTEEN = "/".join(f"{i:02d}" + "ü" * 99 for i in range(16))  # 16 segments of 200 bytes
+LONG_NAMES = ["é" * 60, "実" * 85, "x" * 255 + "/" + "é" * 127, SIXTEEN]
+
+
+def test_long_names_round_trip_take_list_restore_tag_delete(tmp_path, capsys):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    names = ["short", *LONG_NAMES]
+    for i, name in enumerate(names):
+        Snapshot.take(f"{root}/{name}", state(float(i)), metadata={"step": i})
+
+    assert repo.snapshots() == sorted(names)
+    code, out, _ = cli(capsys, "ls", str(root), "--json")
+    assert code == 0 and json.loads(out) == sorted(names)
+    code, out, _ = cli(capsys, "log", str(root), "--json")
+    assert code == 0 and sorted(line["name"] for line in json.loads(out)) == sorted(names)
+    for i, name in enumerate(names):
+        assert restored(f"{root}/{name}") == float(i)
+        assert cli(capsys, "show", f"{root}/{name}", "--json")[0] == 0
+    with pytest.raises(SnapshotExistsError):
+        repo.take("実" * 85, state(9))
+
+    tag = "ü" * 127  # 254 bytes: a tag name too long for a flat key, too
+    info = repo.tag(tag, SIXTEEN)
+    assert repo.tags()[tag] == info and info.snapshot == SIXTEEN
+    assert cli(capsys, "verify", str(root))[0] == 0
+
+    code, _, _ = cli(capsys, "rm", f"{root}/{'é' * 60}")
+    assert code == 0
+    repo.delete(SIXTEEN)  # the tag still pins its manifest
+    assert repo.snapshots() == sorted(["short", "実" * 85, LONG_NAMES[2]])
+    assert repo.untag(tag).manifest == info.manifest and repo.tags() == {}
+    assert repo.verify().ok
+
+
+def test_long_names_take_a_fixed_length_key_and_short_ones_keep_theirs(tmp_path):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    fits = "ü" * 33  # 198 bytes once percent-encoded: still its flat key
+    for name in ("a", fits, "é" * 60):
+        repo.take(name, state())
+    refs = root / ".casnap" / "refs"
+    keys = sorted(p.name for p in refs.iterdir())
+    (hashed,) = [k for k in keys if k.startswith("%%")]
+    assert sorted(set(keys) - {hashed}) == ["%C3%BC" * 33, "a"] and len(hashed) == 66
+    # A short name's ref is what it always was; a long one's also says its name.
+    assert set(json.loads((refs / "a").read_bytes())) == {"created_at", "manifest"}
+    assert json.loads((refs / hashed).read_bytes())["name"] == "é" * 60
+
+
+def test_a_flat_key_of_up_to_255_bytes_an_older_version_wrote_still_reads(tmp_path):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    repo.take("s", state(3))
+    refs = root / ".casnap" / "refs"
+    old = "ü" * 42  # 252 bytes percent-encoded: older versions stored it flat
+    (refs / ("%C3%BC" * 42)).write_bytes((refs / "s").read_bytes())
+
+    assert repo.snapshots() == ["s", old]
+    assert restored(f"{root}/{old}") == 3.0
+    with pytest.raises(SnapshotExistsError):
+        repo.take(old, state(4))
+    repo.delete(old)
+    assert repo.snapshots() == ["s"] and repo.verify().ok
+
+
+def _retarget(record: Path, field: str, value: str | None) -> None:
+    doc = json.loads(record.read_bytes())
+    if value is None:
+        del doc[field]
+    else:
+        doc[field] = value
+    record.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("tampered", ["other name", "no name"])
+def test_a_tampered_long_name_record_is_refused(tmp_path, capsys, tampered):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    repo.take("é" * 60, state(1))
+    repo.take("ok", state(2))
+    repo.tag("ü" * 127, "ok")
+    value = "ü" * 61 if tampered == "other name" else None
+    (ref,) = (root / ".casnap" / "refs").glob("%%*")
+    _retarget(ref, "name", value)
+    (tag,) = (root / ".casnap" / "tags").glob("%%*")
+    _retarget(tag, "tag", value)
+
+    with pytest.raises(casnap.ManifestValidationError, match=ref.name):
+        repo.snapshots()
+    with pytest.raises(casnap.ManifestValidationError, match="damaged"):
+        Snapshot(f"{root}/{'é' * 60}").restore(state(0))
+    with pytest.raises(casnap.ManifestValidationError, match=tag.name):
+        repo.tags()
+    code, _, err = cli(capsys, "ls", str(root))
+    assert code == 4 and ref.name in err
+    code, out, _ = cli(capsys, "verify", str(root), "--json")
+    problems = {(p["kind"], p["subject"]) for p in json.loads(out)["problems"]}
+    assert code == 1
+    assert problems == {("ref", f".casnap/refs/{ref.name}"), ("tag", f".casnap/tags/{tag.name}")}
+    assert cli(capsys, "gc", str(root), "--grace", "0")[0] != 0  # a root it cannot read
+    assert restored(f"{root}/ok") == 2.0  # the rest of the repository still works

@@ -6,8 +6,8 @@ Layout below the repository root (docs/format.md)::
     .casnap/chunks/<h[:2]>/<h>      one chunk frame, h = blake3 of the raw chunk
     .casnap/packs/<p[:2]>/<p>       frames of small chunks, p = blake3 of the pack bytes
     .casnap/manifests/<m[:2]>/<m>   manifest JSON, m = blake3 of the JSON bytes
-    .casnap/refs/<name>             snapshot name -> manifest (the commit point);
-                                    <name> is encode_name(name): one flat component
+    .casnap/refs/<key>              snapshot name -> manifest (the commit point);
+                                    <key> is name_key(name): one flat component
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from casnap.format.manifest import (
     parse_config,
     parse_manifest,
     parse_ref,
+    record_bytes,
 )
-from casnap.format.names import check_hash, check_ref_name, decode_name, encode_name, hash_bytes
-from casnap.format.names import legacy_key as legacy_name_key
+from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key, name_key
+from casnap.repo.named import check_recorded_name, named_keys, names_in
 from casnap.settings import DEFAULT_CHUNK_SIZE
 from casnap.store import ObjectStore, open_store
 
@@ -77,26 +78,9 @@ def manifest_key(m: str) -> str:
 
 
 def ref_key(name: str) -> str:
-    """The key of snapshot ``name``'s ref: one flat, percent-encoded component."""
-    return f"refs/{encode_name(check_ref_name(name))}"
-
-
-def named_keys(folder: str, name: str) -> list[str]:
-    """Where a ref or tag ``name`` may be stored: its key, then its key in the old nested layout.
-
-    Repositories written before the flat layout kept ``a/b`` at ``refs/a/b``;
-    those are still read, and no new one is ever written there.
-    """
-    keys = [f"{folder}/{encode_name(name)}"]
-    old = legacy_name_key(name)
-    if old is not None:
-        keys.append(f"{folder}/{old}")
-    return keys
-
-
-def names_in(store: ObjectStore, folder: str) -> list[str]:
-    """The names stored below ``folder`` (``refs`` or ``tags``), decoded, sorted, both layouts."""
-    return sorted({decode_name(k[len(folder) + 1 :]) for k in store.list(folder)})
+    """The key of snapshot ``name``'s ref: one flat, percent-encoded component, or a
+    hashed one for a name too long for that (:func:`casnap.format.names.name_key`)."""
+    return f"refs/{name_key(check_ref_name(name))}"
 
 
 class RepoStorage:
@@ -223,12 +207,15 @@ class RepoStorage:
         That is what a client sees when its create took effect but the answer
         was lost and it (or the store's own client library) tried again.
         """
-        ref = Ref(manifest=check_hash(manifest), created_at=now_iso())
         key, *old = named_keys("refs", check_ref_name(name))
+        # Under a hashed key the ref says its name (listings read it from there).
+        recorded = name if is_hashed_key(key[len("refs/") :]) else None
+        ref = Ref(manifest=check_hash(manifest), created_at=now_iso(), name=recorded)
         try:
-            if old and self.store.exists(old[0]):  # the name in the old nested layout
-                raise ObjectExistsError(f"{old[0]} exists", old[0])
-            self.store.put(key, canonical_json(ref.model_dump()), create_only=True)
+            for taken in old:  # the name where an older version put it
+                if self.store.exists(taken):
+                    raise ObjectExistsError(f"{taken} exists", taken)
+            self.store.put(key, record_bytes(ref), create_only=True)
         except ObjectExistsError as exc:
             try:
                 if self.read_ref(name).manifest == ref.manifest:
@@ -247,7 +234,9 @@ class RepoStorage:
                 data = self.store.get(key, limit=MAX_RECORD_BYTES)
             except ObjectNotFoundError:
                 continue
-            return parse_ref(data, name)
+            ref = parse_ref(data, name)
+            check_recorded_name("refs", key[len("refs/") :], name, ref.name)
+            return ref
         raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name)
 
     def has_ref(self, name: str) -> bool:
@@ -258,7 +247,11 @@ class RepoStorage:
         return self.read_ref(name).manifest
 
     def list_snapshots(self) -> list[str]:
-        """Snapshot names, sorted (decoded: as they were given to the take)."""
+        """Snapshot names, sorted (decoded: as they were given to the take).
+
+        A damaged ref under a hashed key (a long name) cannot say its name: it is
+        refused (:class:`casnap.ManifestValidationError`); ``verify`` lists them all.
+        """
         return names_in(self.store, "refs")
 
     def delete_ref(self, name: str) -> None:
