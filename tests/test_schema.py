@@ -38,3 +38,19 @@ def test_a_real_manifest_validates_against_the_committed_schema(tmp_path):
     jsonschema.validate(json.loads(Path(path).read_bytes()), schema)
     config = json.loads((tmp_path / "repo" / ".casnap" / "config.json").read_text())
     jsonschema.validate(config, json.loads((ROOT / "schema" / "config-v1.schema.json").read_text()))
+
+
+def test_refs_and_tags_short_and_long_validate_against_the_committed_schemas(tmp_path):
+    from casnap import Repository
+
+    repo = Repository.init(str(tmp_path / "repo"))
+    for name in ("s1", "é" * 60):  # a flat key, and a hashed one whose record says its name
+        repo.take(name, {"s": StateDict(w=torch.zeros(2))})
+        repo.tag(f"t-{name}", name)
+    meta = tmp_path / "repo" / ".casnap"
+    for folder, schema_name, field in (("refs", "ref", "name"), ("tags", "tag", "tag")):
+        schema = json.loads((ROOT / "schema" / f"{schema_name}-v1.schema.json").read_text())
+        records = [json.loads(p.read_bytes()) for p in sorted((meta / folder).iterdir())]
+        assert len(records) == 2 and sum(field in r for r in records) == 1
+        for record in records:
+            jsonschema.validate(record, schema)

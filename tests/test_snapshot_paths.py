@@ -145,6 +145,40 @@ def test_repositories_older_versions_wrote_keep_working(tmp_path):
         Snapshot(str(root / "other" / "u")).restore(state(0))
 
 
+def test_an_ancestors_snapshot_stays_readable_after_a_take_makes_a_nearer_repository(
+    tmp_path, capsys
+):
+    root = tmp_path / "old"
+    # An older casnap put deep/s and a/b/c into `old` (ancestor capture) ...
+    Snapshot.take(str(root / "deep" / "s"), state(5), storage_options={"repository": str(root)})
+    Snapshot.take(str(root / "a" / "b" / "c"), state(8), storage_options={"repository": str(root)})
+    # ... then takes made old/deep and old/a repositories of their own (the parent rule).
+    Snapshot.take(str(root / "deep" / "t"), state(6))
+    Snapshot.take(str(root / "a" / "x"), state(9))
+    assert repositories(tmp_path) == ["old", "old/a", "old/deep"]
+
+    # The old snapshots are still found by their paths: the nearest repository first, then up.
+    assert restored(str(root / "deep" / "s")) == 5.0
+    assert restored(str(root / "a" / "b" / "c")) == 8.0
+    repo, name = Repository.locate(str(root / "deep" / "s"))
+    assert (repo.url, name) == (Repository(str(root)).url, "deep/s")
+    assert cli(capsys, "show", str(root / "deep" / "s"), "--json")[0] == 0
+    assert restored(str(root / "deep" / "t")) == 6.0
+
+    # A new take still goes to the parent; the two repositories share no chunks.
+    Snapshot.take(str(root / "deep" / "t2"), state(7))
+    assert Repository(str(root / "deep")).snapshots() == ["t", "t2"]
+    assert Repository(str(root)).snapshots() == ["a/b/c", "deep/s"]
+
+    # A name no repository holds: the error says every repository it looked in.
+    with pytest.raises(SnapshotNotFoundError) as err:
+        Snapshot(str(root / "deep" / "nope")).restore(state(0))
+    assert "'nope'" in str(err.value)
+    assert Repository(str(root / "deep")).url in str(err.value)
+    assert f"{Repository(str(root)).url})" in str(err.value)
+    assert cli(capsys, "rm", str(root / "deep" / "nope"))[0] == 3
+
+
 # -- refused paths ----------------------------------------------------------------
 
 
@@ -178,6 +212,42 @@ def test_unpredictable_paths_are_refused_with_how_to_choose(sandbox, path, why):
     assert "/ckpt/run1/step_100" in message
     assert repositories(sandbox) == []
     assert not os.path.exists("/ckpt_x") and not os.path.exists("/.casnap/config.json.tmp")
+
+
+@pytest.fixture
+def deep_cwd(tmp_path, monkeypatch) -> Path:
+    """A working directory three levels below tmp_path, so that even a take that
+    should have been refused could only write inside tmp_path."""
+    work = tmp_path / "a" / "b" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "path, why",
+    [
+        ("..", "a directory the working directory is in"),
+        ("../..", "a directory the working directory is in"),
+        ("../work", "the working directory itself"),
+        ("../", "a directory the working directory is in"),
+        ("ABS:a/b", "a directory the working directory is in"),
+        ("ABS:a/b/work", "the working directory itself"),
+        ("ABS:link", "a directory the working directory is in"),  # a link to tmp_path/a
+        ("/", "the file system root /"),
+    ],
+)
+def test_the_working_directory_and_its_ancestors_are_refused(deep_cwd, path, why):
+    (deep_cwd / "link").symlink_to(deep_cwd / "a")
+    if path.startswith("ABS:"):
+        path = str(deep_cwd / path[4:])
+    with pytest.raises(ConfigError) as err:
+        Snapshot.take(path, state())
+    message = str(err.value)
+    assert why in message
+    assert "storage_options={'repository'" in message and "casnap init" in message
+    assert repositories(deep_cwd) == []
+    assert not os.path.exists("/.casnap")
 
 
 def test_a_deeper_path_in_home_works_and_home_can_be_shared_on_purpose(sandbox):
@@ -291,7 +361,7 @@ def test_tags_take_the_same_names(tmp_path):
         ("a\x85b", "control character"),
         ("bad\ud800", "control character"),
         ("x" * 256, "longer than 255 bytes"),
-        ("ü" * 50, "too long"),
+        ("ü" * 128, "longer than 255 bytes"),
         ("/".join(["s"] * 17), "more than 16 deep"),
     ],
 )
@@ -391,3 +461,109 @@ def test_names_round_trip_in_memory_too():
         Snapshot.take(f"{url}/{name}", state(float(i)))
     assert Repository(url).snapshots() == sorted(NAMES)
     assert [restored(f"{url}/{name}") for name in NAMES] == [float(i) for i in range(len(NAMES))]
+
+
+# -- long names: any segment a file system accepts -----------------------------------
+
+SIXTEEN = "/".join(f"{i:02d}" + "ü" * 99 for i in range(16))  # 16 segments of 200 bytes
+LONG_NAMES = ["é" * 60, "実" * 85, "x" * 255 + "/" + "é" * 127, SIXTEEN]
+
+
+def test_long_names_round_trip_take_list_restore_tag_delete(tmp_path, capsys):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    names = ["short", *LONG_NAMES]
+    for i, name in enumerate(names):
+        Snapshot.take(f"{root}/{name}", state(float(i)), metadata={"step": i})
+
+    assert repo.snapshots() == sorted(names)
+    code, out, _ = cli(capsys, "ls", str(root), "--json")
+    assert code == 0 and json.loads(out) == sorted(names)
+    code, out, _ = cli(capsys, "log", str(root), "--json")
+    assert code == 0 and sorted(line["name"] for line in json.loads(out)) == sorted(names)
+    for i, name in enumerate(names):
+        assert restored(f"{root}/{name}") == float(i)
+        assert cli(capsys, "show", f"{root}/{name}", "--json")[0] == 0
+    with pytest.raises(SnapshotExistsError):
+        repo.take("実" * 85, state(9))
+
+    tag = "ü" * 127  # 254 bytes: a tag name too long for a flat key, too
+    info = repo.tag(tag, SIXTEEN)
+    assert repo.tags()[tag] == info and info.snapshot == SIXTEEN
+    assert cli(capsys, "verify", str(root))[0] == 0
+
+    code, _, _ = cli(capsys, "rm", f"{root}/{'é' * 60}")
+    assert code == 0
+    repo.delete(SIXTEEN)  # the tag still pins its manifest
+    assert repo.snapshots() == sorted(["short", "実" * 85, LONG_NAMES[2]])
+    assert repo.untag(tag).manifest == info.manifest and repo.tags() == {}
+    assert repo.verify().ok
+
+
+def test_long_names_take_a_fixed_length_key_and_short_ones_keep_theirs(tmp_path):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    fits = "ü" * 33  # 198 bytes once percent-encoded: still its flat key
+    for name in ("a", fits, "é" * 60):
+        repo.take(name, state())
+    refs = root / ".casnap" / "refs"
+    keys = sorted(p.name for p in refs.iterdir())
+    (hashed,) = [k for k in keys if k.startswith("%%")]
+    assert sorted(set(keys) - {hashed}) == ["%C3%BC" * 33, "a"] and len(hashed) == 66
+    # A short name's ref is what it always was; a long one's also says its name.
+    assert set(json.loads((refs / "a").read_bytes())) == {"created_at", "manifest"}
+    assert json.loads((refs / hashed).read_bytes())["name"] == "é" * 60
+
+
+def test_a_flat_key_of_up_to_255_bytes_an_older_version_wrote_still_reads(tmp_path):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    repo.take("s", state(3))
+    refs = root / ".casnap" / "refs"
+    old = "ü" * 42  # 252 bytes percent-encoded: older versions stored it flat
+    (refs / ("%C3%BC" * 42)).write_bytes((refs / "s").read_bytes())
+
+    assert repo.snapshots() == ["s", old]
+    assert restored(f"{root}/{old}") == 3.0
+    with pytest.raises(SnapshotExistsError):
+        repo.take(old, state(4))
+    repo.delete(old)
+    assert repo.snapshots() == ["s"] and repo.verify().ok
+
+
+def _retarget(record: Path, field: str, value: str | None) -> None:
+    doc = json.loads(record.read_bytes())
+    if value is None:
+        del doc[field]
+    else:
+        doc[field] = value
+    record.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("tampered", ["other name", "no name"])
+def test_a_tampered_long_name_record_is_refused(tmp_path, capsys, tampered):
+    root = tmp_path / "repo"
+    repo = Repository.init(str(root))
+    repo.take("é" * 60, state(1))
+    repo.take("ok", state(2))
+    repo.tag("ü" * 127, "ok")
+    value = "ü" * 61 if tampered == "other name" else None
+    (ref,) = (root / ".casnap" / "refs").glob("%%*")
+    _retarget(ref, "name", value)
+    (tag,) = (root / ".casnap" / "tags").glob("%%*")
+    _retarget(tag, "tag", value)
+
+    with pytest.raises(casnap.ManifestValidationError, match=ref.name):
+        repo.snapshots()
+    with pytest.raises(casnap.ManifestValidationError, match="damaged"):
+        Snapshot(f"{root}/{'é' * 60}").restore(state(0))
+    with pytest.raises(casnap.ManifestValidationError, match=tag.name):
+        repo.tags()
+    code, _, err = cli(capsys, "ls", str(root))
+    assert code == 4 and ref.name in err
+    code, out, _ = cli(capsys, "verify", str(root), "--json")
+    problems = {(p["kind"], p["subject"]) for p in json.loads(out)["problems"]}
+    assert code == 1
+    assert problems == {("ref", f".casnap/refs/{ref.name}"), ("tag", f".casnap/tags/{tag.name}")}
+    assert cli(capsys, "gc", str(root), "--grace", "0")[0] != 0  # a root it cannot read
+    assert restored(f"{root}/ok") == 2.0  # the rest of the repository still works

@@ -117,12 +117,14 @@ class Repository(RepoStorage):
         """The repository holding the snapshot at ``path``, and the snapshot's name in it.
 
         The repository is the path's parent, or a shared repository further
-        up (:meth:`init`), by the rules of docs/repository.md, "Where
-        snapshots live" (:class:`casnap.SnapshotNotFoundError` if none holds it)::
+        up (:meth:`init`), or the first one further up that holds the name (an
+        older casnap put deeper snapshots there), by the rules of
+        docs/repository.md, "Where snapshots live"
+        (:class:`casnap.SnapshotNotFoundError`, naming where it looked, if none holds it)::
 
             repo, name = Repository.locate("/ckpt/run1/step_100")  # (Repository, "step_100")
         """
-        storage, name = locate(path, storage_options, create=False)
+        storage, name = locate(path, storage_options, create=False, existing=True)
         if isinstance(storage, Repository):
             return storage, name
         return cls._make(storage.root, storage.config), name

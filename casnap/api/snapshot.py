@@ -210,7 +210,9 @@ class Snapshot:
     # -- reading ---------------------------------------------------------
     def _load(self) -> tuple[RepoStorage, Manifest]:
         if self._repo is None or self._name is None:
-            self._repo, self._name = locate(self.path, self.storage_options, create=False)
+            self._repo, self._name = locate(
+                self.path, self.storage_options, create=False, existing=True
+            )
         if self._manifest is None:
             self._manifest_hash = self._repo.resolve(self._name)
             self._manifest = self._repo.read_manifest(self._manifest_hash)

@@ -400,6 +400,25 @@ class Ref(_Model):
 
     manifest: HashStr
     created_at: StrictStr
+    # The snapshot's name, only in a ref stored under a hashed key (a name too long
+    # for a flat key, names.name_key): the key alone cannot be decoded back to it.
+    name: StrictStr | None = None
+
+
+class TagRecord(_Model):
+    """``.casnap/tags/<tag>``: a pin on the manifest a snapshot had when it was tagged."""
+
+    snapshot: StrictStr
+    manifest: HashStr
+    created_at: StrictStr
+    # The tag's name, only in a tag stored under a hashed key (as Ref.name).
+    tag: StrictStr | None = None
+
+
+def record_bytes(record: Ref | TagRecord) -> bytes:
+    """A ref or tag as stored: canonical JSON without the name fields that are None,
+    so a record under a flat key is the same bytes as before those fields existed."""
+    return canonical_json(record.model_dump(exclude_none=True))
 
 
 class DamageRecord(_Model):
@@ -511,5 +530,6 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "manifest-v1.schema.json": Manifest.model_json_schema(),
         "config-v1.schema.json": RepoConfig.model_json_schema(),
         "ref-v1.schema.json": Ref.model_json_schema(),
+        "tag-v1.schema.json": TagRecord.model_json_schema(),
         "damage-v1.schema.json": DamageRecord.model_json_schema(),
     }

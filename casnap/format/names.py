@@ -14,7 +14,17 @@ HASH_HEX_LEN = 64
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_REF_DEPTH = 16
 MAX_SEGMENT_BYTES = 255  # a file name on the common local file systems
-MAX_NAME_KEY_BYTES = 255  # the stored key is one file name on a local disk
+MAX_NAME_KEY_BYTES = 255  # one file name on a local disk: the longest flat key ever written
+# A flat key at most this long; a local store writes <key>~tmp-<32 hex> first (37 bytes
+# more), and both must fit one file name. Versions before hashed keys wrote flat keys
+# up to 255 bytes (on stores without that temporary file): those are still read.
+MAX_FLAT_KEY_BYTES = 200
+# A name whose flat key would be longer is stored under HASHED_PREFIX + blake3 hex of
+# its UTF-8 bytes, and its record says the name (name_key). encode_name writes "%" only
+# before two hex digits, never "%%", so a hashed key is never another name's flat key
+# (and store keys allow only [A-Za-z0-9._+=@,%-], so no other character was free).
+HASHED_PREFIX = "%%"
+_HASHED_RE = re.compile(r"^%%[0-9a-f]{64}$")
 # Bytes a stored name keeps as they are; every other byte becomes %XX (encode_name).
 _PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._+=@,-")
 
@@ -43,9 +53,9 @@ def check_ref_name(name: str, what: str = "snapshot name") -> str:
 
     Refused: an empty name or segment, ``.`` and ``..``, control characters
     (and NUL, and unpaired surrogates, which have no UTF-8 form), a segment
-    over 255 bytes of UTF-8, more than 16 segments, and a name whose stored
-    key (:func:`encode_name`) is over 255 bytes. Everything else is accepted:
-    spaces, ``#``, non-ASCII letters, ...
+    over 255 bytes of UTF-8 and more than 16 segments. Everything else is
+    accepted: spaces, ``#``, non-ASCII letters, ... however long the whole
+    name's stored key would be (:func:`name_key`).
     """
     if not isinstance(name, str) or not name:
         raise InvalidNameError(f"a {what} must be a non-empty string")
@@ -68,13 +78,6 @@ def check_ref_name(name: str, what: str = "snapshot name") -> str:
             raise InvalidNameError(
                 f"{what} {name!r}: a segment is longer than {MAX_SEGMENT_BYTES} bytes of UTF-8"
             )
-    stored = len(encode_name(name))
-    if stored > MAX_NAME_KEY_BYTES:
-        raise InvalidNameError(
-            f"{what} {name!r} is too long: {stored} bytes once stored, at most "
-            f"{MAX_NAME_KEY_BYTES} (letters, digits and . _ + = @ , - count one byte, "
-            "every other byte of UTF-8 three)"
-        )
     return name
 
 
@@ -89,6 +92,36 @@ def encode_name(name: str) -> str:
     are where they always were. ``encode_name("run 1/é")`` is ``"run%201%2F%C3%A9"``.
     """
     return "".join(chr(b) if b in _PLAIN else f"%{b:02X}" for b in name.encode("utf-8"))
+
+
+def hashed_key(name: str) -> str:
+    """The fixed-length key of a name too long for a flat key: ``%%`` + blake3 hex of its UTF-8."""
+    return HASHED_PREFIX + hash_bytes(name.encode("utf-8"))
+
+
+def is_hashed_key(key: str) -> bool:
+    """Whether a key below ``refs/`` or ``tags/`` is a hashed one (:func:`hashed_key`)."""
+    return key.startswith(HASHED_PREFIX) and "/" not in key
+
+
+def check_hashed_key(key: str) -> bool:
+    """Whether a hashed-looking key has the form :func:`hashed_key` writes (``%%`` + 64 hex)."""
+    return _HASHED_RE.match(key) is not None
+
+
+def name_key(name: str) -> str:
+    """Where a (valid) ref or tag name is stored below ``refs/`` or ``tags/``.
+
+    Its flat key (:func:`encode_name`) when that is at most 200 bytes, so the
+    key and a local store's temporary name for it fit one file name: nearly
+    every name valid before hashed keys existed, stored where it always was
+    (:func:`casnap.repo.named.named_keys` also looks at a flat key of 201 to
+    255 bytes, which older versions wrote). Else :func:`hashed_key`, 66 bytes,
+    and the record stored there carries the name itself. ``name_key("a b")`` is ``"a%20b"``;
+    ``name_key("é" * 60)`` is ``"%%"`` and 64 hex digits.
+    """
+    flat = encode_name(name)
+    return flat if len(flat) <= MAX_FLAT_KEY_BYTES else hashed_key(name)
 
 
 def decode_name(key: str) -> str:

@@ -40,8 +40,9 @@ from casnap.errors import (
 from casnap.format.manifest import ChunkRef
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import DAMAGED, list_damage
-from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key, names_in
-from casnap.repo.tags import read_tag, tag_names
+from casnap.repo.named import stored_names
+from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key
+from casnap.repo.tags import TAGS, read_tag
 from casnap.store import open_store
 
 Progress = Callable[[int, int], None]
@@ -111,7 +112,11 @@ def _problem(kind: str, subject: str, detail: str, holders: Iterable[Holder] = (
 def roots(repo: RepoStorage, report: VerifyReport) -> dict[str, set[Holder]]:
     """Every manifest a ref or a tag names, with who names it; unreadable roots are problems."""
     roots: dict[str, set[Holder]] = {}
-    for name in repo.list_snapshots():
+    names, damaged = stored_names(repo.store, "refs")
+    for key, reason in damaged:  # a long name's ref that cannot say its name
+        report.snapshots += 1
+        report.problems.append(_problem("ref", f"{META}/{key}", reason))
+    for name in names:
         report.snapshots += 1
         try:
             mhash = repo.read_ref(name).manifest
@@ -119,7 +124,11 @@ def roots(repo: RepoStorage, report: VerifyReport) -> dict[str, set[Holder]]:
             report.problems.append(_problem("ref", name, str(exc), [("snapshot", name)]))
             continue
         roots.setdefault(mhash, set()).add(("snapshot", name))
-    for tag in tag_names(repo):
+    tags, damaged = stored_names(repo.store, TAGS)
+    for key, reason in damaged:
+        report.tags += 1
+        report.problems.append(_problem("tag", f"{META}/{key}", reason))
+    for tag in tags:
         report.tags += 1
         try:
             info = read_tag(repo, tag)
@@ -299,7 +308,8 @@ def verify_config_failure(
     """
     meta = open_store(url, storage_options).child(META)
     try:
-        names = names_in(meta, "refs")
+        names, damaged = stored_names(meta, "refs")
+        names += [f"{META}/{key}" for key, _ in damaged]  # named by their key: all are affected
         if not names and not any(next(iter(meta.list(kind)), None) for kind in _OBJECTS):
             return None
     except CasnapError:

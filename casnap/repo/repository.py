@@ -6,8 +6,8 @@ Layout below the repository root (docs/format.md)::
     .casnap/chunks/<h[:2]>/<h>      one chunk frame, h = blake3 of the raw chunk
     .casnap/packs/<p[:2]>/<p>       frames of small chunks, p = blake3 of the pack bytes
     .casnap/manifests/<m[:2]>/<m>   manifest JSON, m = blake3 of the JSON bytes
-    .casnap/refs/<name>             snapshot name -> manifest (the commit point);
-                                    <name> is encode_name(name): one flat component
+    .casnap/refs/<key>              snapshot name -> manifest (the commit point);
+                                    <key> is name_key(name): one flat component
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from casnap.format.manifest import (
     parse_config,
     parse_manifest,
     parse_ref,
+    record_bytes,
 )
-from casnap.format.names import check_hash, check_ref_name, decode_name, encode_name, hash_bytes
-from casnap.format.names import legacy_key as legacy_name_key
+from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key, name_key
+from casnap.repo.named import check_recorded_name, named_keys, names_in
 from casnap.settings import DEFAULT_CHUNK_SIZE
 from casnap.store import ObjectStore, open_store
 
@@ -77,26 +78,9 @@ def manifest_key(m: str) -> str:
 
 
 def ref_key(name: str) -> str:
-    """The key of snapshot ``name``'s ref: one flat, percent-encoded component."""
-    return f"refs/{encode_name(check_ref_name(name))}"
-
-
-def named_keys(folder: str, name: str) -> list[str]:
-    """Where a ref or tag ``name`` may be stored: its key, then its key in the old nested layout.
-
-    Repositories written before the flat layout kept ``a/b`` at ``refs/a/b``;
-    those are still read, and no new one is ever written there.
-    """
-    keys = [f"{folder}/{encode_name(name)}"]
-    old = legacy_name_key(name)
-    if old is not None:
-        keys.append(f"{folder}/{old}")
-    return keys
-
-
-def names_in(store: ObjectStore, folder: str) -> list[str]:
-    """The names stored below ``folder`` (``refs`` or ``tags``), decoded, sorted, both layouts."""
-    return sorted({decode_name(k[len(folder) + 1 :]) for k in store.list(folder)})
+    """The key of snapshot ``name``'s ref: one flat, percent-encoded component, or a
+    hashed one for a name too long for that (:func:`casnap.format.names.name_key`)."""
+    return f"refs/{name_key(check_ref_name(name))}"
 
 
 class RepoStorage:
@@ -223,12 +207,15 @@ class RepoStorage:
         That is what a client sees when its create took effect but the answer
         was lost and it (or the store's own client library) tried again.
         """
-        ref = Ref(manifest=check_hash(manifest), created_at=now_iso())
         key, *old = named_keys("refs", check_ref_name(name))
+        # Under a hashed key the ref says its name (listings read it from there).
+        recorded = name if is_hashed_key(key[len("refs/") :]) else None
+        ref = Ref(manifest=check_hash(manifest), created_at=now_iso(), name=recorded)
         try:
-            if old and self.store.exists(old[0]):  # the name in the old nested layout
-                raise ObjectExistsError(f"{old[0]} exists", old[0])
-            self.store.put(key, canonical_json(ref.model_dump()), create_only=True)
+            for taken in old:  # the name where an older version put it
+                if self.store.exists(taken):
+                    raise ObjectExistsError(f"{taken} exists", taken)
+            self.store.put(key, record_bytes(ref), create_only=True)
         except ObjectExistsError as exc:
             try:
                 if self.read_ref(name).manifest == ref.manifest:
@@ -247,7 +234,9 @@ class RepoStorage:
                 data = self.store.get(key, limit=MAX_RECORD_BYTES)
             except ObjectNotFoundError:
                 continue
-            return parse_ref(data, name)
+            ref = parse_ref(data, name)
+            check_recorded_name("refs", key[len("refs/") :], name, ref.name)
+            return ref
         raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name)
 
     def has_ref(self, name: str) -> bool:
@@ -258,7 +247,11 @@ class RepoStorage:
         return self.read_ref(name).manifest
 
     def list_snapshots(self) -> list[str]:
-        """Snapshot names, sorted (decoded: as they were given to the take)."""
+        """Snapshot names, sorted (decoded: as they were given to the take).
+
+        A damaged ref under a hashed key (a long name) cannot say its name: it is
+        refused (:class:`casnap.ManifestValidationError`); ``verify`` lists them all.
+        """
         return names_in(self.store, "refs")
 
     def delete_ref(self, name: str) -> None:
@@ -306,15 +299,30 @@ def _local_parts(path: str) -> list[str]:
     return [p for p in os.path.abspath(os.path.expanduser(path)).split(os.sep) if p]
 
 
+def _is_cwd_or_ancestor(path: str) -> bool:
+    """Whether local ``path`` is the working directory or a directory above it (``/`` too),
+    by its absolute path and, so a link cannot hide it, by its resolved one."""
+    cwd, given = os.getcwd(), os.path.expanduser(path)
+    for target, here in ((os.path.abspath(given), cwd),
+                         (os.path.realpath(given), os.path.realpath(cwd))):  # fmt: skip
+        if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+            return True
+    return False
+
+
 def _check_take_path(path: str, scheme: str, parts: list[str]) -> None:
     """Refuse a take path whose repository nobody would predict (docs/repository.md)."""
     if scheme:
         return
     home = os.path.expanduser("~")
-    if parts == _local_parts(os.getcwd()):
+    if not parts:
+        why = "names the file system root /"
+    elif parts == _local_parts(os.getcwd()):
         why = "names the working directory itself"
     elif home != "~" and parts == _local_parts(home):
         why = "is the home directory itself"
+    elif _is_cwd_or_ancestor(path):
+        why = "names a directory the working directory is in (the job would run inside it)"
     else:
         return
     raise ConfigError(f"snapshot path {path!r} {why}; {HOW_TO_CHOOSE}", "path")
@@ -336,16 +344,15 @@ def _check_new_repository(path: str, scheme: str, repo_parts: list[str]) -> None
     )
 
 
-def _nearest(
+def _ancestors(
     scheme: str, parts: list[str], options: dict[str, Any]
-) -> tuple[list[str], RepoStorage] | None:
-    """The nearest ancestor of the snapshot path holding a repository (never ``/`` itself)."""
+) -> Iterator[tuple[list[str], RepoStorage]]:
+    """The ancestors of the snapshot path holding a repository, nearest first (never ``/``)."""
     for depth in range(len(parts) - 1, 0, -1):
         try:
-            return parts[:depth], RepoStorage.open(_join(scheme, parts[:depth]), options)
+            yield parts[:depth], RepoStorage.open(_join(scheme, parts[:depth]), options)
         except RepositoryNotFoundError:
             continue
-    return None
 
 
 def _holds(repo: RepoStorage, name: str) -> bool:
@@ -360,6 +367,7 @@ def locate(
     storage_options: dict[str, Any] | None,
     *,
     create: bool,
+    existing: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[RepoStorage, str]:
     """Find the repository holding snapshot ``path`` and the snapshot's name in it.
@@ -369,18 +377,26 @@ def locate(
     1. An explicit ``storage_options["repository"]`` (a URL or a RepoStorage) wins.
     2. Else the nearest ancestor of ``path`` holding a repository, if it is the
        path's parent or was created to be shared (``config.shared``: ``casnap
-       init``, ``Repository.init``). A read (``create=False``) also uses it
-       when it holds the name: older versions put deeper snapshots there.
+       init``, ``Repository.init``). A read (``create=False``) looks for the
+       name there first, then in each further ancestor holding a repository,
+       and uses the first that holds it: older versions put deeper snapshots
+       into an ancestor, and a take may since have created a nearer repository.
     3. Else (``create=True``) the path's parent becomes a new, implicit
        repository with default chunk size ``chunk_size``; never ``/`` or the
        home directory, and a take path that is the working or home directory
        is refused (:class:`casnap.ConfigError`).
 
     The name is checked before anything is created (:class:`casnap.InvalidNameError`).
+    ``existing``: a read of a snapshot that must exist; when no repository holds
+    it, :class:`casnap.SnapshotNotFoundError` names every repository looked in.
+    (Without it a read may return the repository a take would use: other ranks
+    of a distributed take find rank 0's repository before the snapshot exists.)
     """
     options = dict(_options(storage_options) or {})
     explicit = options.pop("repository", None)
     scheme, parts = split_url(path)
+    if create and explicit is None:
+        _check_take_path(path, scheme, parts)  # "/" too: a ConfigError that says what to do
     if not parts or (scheme and len(parts) < 2):
         raise SnapshotNotFoundError(f"{path!r} names no snapshot inside a repository", path)
     if explicit is not None:
@@ -398,18 +414,31 @@ def locate(
         if not create:
             return RepoStorage.open(url, options), name
         return RepoStorage.open_or_create(url, options, chunk_size=chunk_size), name
-    if create:
-        _check_take_path(path, scheme, parts)
-    found = _nearest(scheme, parts, options)
-    if found is not None:
-        repo_parts, repo = found
+    looked: list[str] = []
+    nearest: tuple[RepoStorage, str] | None = None
+    for repo_parts, repo in _ancestors(scheme, parts, options):
         name = "/".join(parts[len(repo_parts) :])
-        if len(repo_parts) == len(parts) - 1 or repo.config.shared:
-            return repo, check_ref_name(name)
-        if not create and _holds(repo, name):
+        if not looked and (len(repo_parts) == len(parts) - 1 or repo.config.shared):
+            nearest = repo, name  # the repository a take uses
+        if create:
+            break  # only the nearest decides where a take goes
+        # A read also finds the name further up: older versions put deeper snapshots
+        # into an ancestor, and a take may since have made a nearer repository.
+        looked.append(repo.url)
+        if _holds(repo, name):
             return repo, name
+    if nearest is not None:
+        repo, name = nearest[0], check_ref_name(nearest[1])
+        if existing and not create:
+            raise SnapshotNotFoundError(
+                f"no snapshot {name!r} in {repo.url}"
+                + (f" (nor at this path in {', '.join(looked[1:])})" if looked[1:] else ""),
+                name,
+            )
+        return repo, name
     if not create:
-        raise SnapshotNotFoundError(f"no casnap repository holds {path!r}", path)
+        where = f" (looked in {', '.join(looked)})" if looked else ""
+        raise SnapshotNotFoundError(f"no casnap repository holds {path!r}{where}", path)
     name = check_ref_name(parts[-1])
     _check_new_repository(path, scheme, parts[:-1])
     url = _join(scheme, parts[:-1])

@@ -1,8 +1,9 @@
 """Tags: named pins on snapshots, and the tags a snapshot carries in its metadata.
 
 A repository tag lives at ``.casnap/tags/<tag>`` (the name encoded like a
-ref's, :func:`casnap.format.names.encode_name`) and holds canonical JSON
-``{"created_at": ..., "manifest": <hash>, "snapshot": <name>}``. It names the
+ref's, :func:`casnap.format.names.name_key`) and holds canonical JSON
+``{"created_at": ..., "manifest": <hash>, "snapshot": <name>}``, plus
+``"tag": <tag>`` when the key is a hashed one (a tag name too long for a flat key). It names the
 manifest the snapshot had when it was tagged, so it keeps that manifest (and
 its chunks) alive as a gc root even after the snapshot's ref is deleted.
 Tags are written create-only: moving a tag is ``remove_tag`` then ``add_tag``.
@@ -28,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
+from pydantic import ValidationError
 
 from casnap.errors import (
     ManifestValidationError,
@@ -37,10 +38,11 @@ from casnap.errors import (
     SnapshotNotFoundError,
     expect_type,
 )
-from casnap.format.manifest import MAX_RECORD_BYTES, HashStr, canonical_json, load_json
-from casnap.format.names import check_ref_name, encode_name
+from casnap.format.manifest import MAX_RECORD_BYTES, TagRecord, load_json, record_bytes
+from casnap.format.names import check_ref_name, is_hashed_key, name_key
 from casnap.repo.leases import hold_lease
-from casnap.repo.repository import RepoStorage, manifest_key, named_keys, names_in, now_iso
+from casnap.repo.named import check_recorded_name, named_keys, names_in
+from casnap.repo.repository import RepoStorage, manifest_key, now_iso
 
 TAGS = "tags"
 MAX_TAG_BYTES = MAX_RECORD_BYTES  # a tag file is tiny; anything larger is not one of ours
@@ -48,30 +50,21 @@ MAX_TAG_BYTES = MAX_RECORD_BYTES  # a tag file is tiny; anything larger is not o
 
 def tag_key(tag: str) -> str:
     """The store key (below ``.casnap/``) of a tag; the name is validated like a ref name."""
-    return f"{TAGS}/{encode_name(check_ref_name(tag, 'tag name'))}"
+    return f"{TAGS}/{name_key(check_ref_name(tag, 'tag name'))}"
 
 
 def _stored_key(repo: RepoStorage, tag: str) -> str:
-    """Where ``tag`` is: its key, or its key in the old nested layout if only that exists."""
+    """Where ``tag`` is: its key, or where an older version put it if only that exists."""
     key, *old = named_keys(TAGS, check_ref_name(tag, "tag name"))
-    if old and not repo.store.exists(key) and repo.store.exists(old[0]):
-        return old[0]
+    if old and not repo.store.exists(key):
+        return next((k for k in old if repo.store.exists(k)), key)
     return key
 
 
 def tag_names(repo: RepoStorage) -> list[str]:
-    """Every tag's name, sorted, without reading the tags (``verify`` reads each itself)."""
+    """Every tag's name, sorted, without reading the tags (``verify`` reads each itself),
+    but for the few under a hashed key, whose record says the name (a damaged one is refused)."""
     return names_in(repo.store, TAGS)
-
-
-class _TagRecord(BaseModel):
-    """The serialized form of ``.casnap/tags/<tag>`` (untrusted on read)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    snapshot: StrictStr
-    manifest: HashStr
-    created_at: StrictStr
 
 
 @dataclass(frozen=True)
@@ -84,19 +77,22 @@ class TagInfo:
     created_at: str
 
 
-def _parse_tag(tag: str, data: bytes) -> TagInfo:
+def _parse_tag(tag: str, data: bytes, key: str | None = None) -> TagInfo:
+    """``key``: where it was read (default: where ``tag`` is written)."""
     what = f"tag {tag!r}"
     if len(data) > MAX_TAG_BYTES:
         raise ManifestValidationError(f"{what} is larger than {MAX_TAG_BYTES} bytes", tag)
     raw = load_json(data, what)
     try:
-        record = _TagRecord.model_validate(raw)
+        record = TagRecord.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ManifestValidationError(
             f"{what} is malformed at {where}: {first['msg']}", tag
         ) from exc
+    stored = key[len(TAGS) + 1 :] if key is not None else name_key(tag)
+    check_recorded_name(TAGS, stored, tag, record.tag)
     return TagInfo(tag, record.snapshot, record.manifest, record.created_at)
 
 
@@ -114,11 +110,15 @@ def add_tag(repo: RepoStorage, tag: str, snapshot_name: str) -> TagInfo:
     # Under a lease, so no gc can sweep between resolving the ref and writing the tag.
     with hold_lease(repo, kind="tag"):
         manifest = repo.resolve(snapshot_name)
-        record = _TagRecord(snapshot=snapshot_name, manifest=manifest, created_at=now_iso())
+        recorded = tag if is_hashed_key(key[len(TAGS) + 1 :]) else None  # a long name's key
+        record = TagRecord(
+            snapshot=snapshot_name, manifest=manifest, created_at=now_iso(), tag=recorded
+        )
         try:
-            if old and repo.store.exists(old[0]):  # the tag in the old nested layout
-                raise ObjectExistsError(f"{old[0]} exists", old[0])
-            repo.store.put(key, canonical_json(record.model_dump()), create_only=True)
+            for taken in old:  # the tag where an older version put it
+                if repo.store.exists(taken):
+                    raise ObjectExistsError(f"{taken} exists", taken)
+            repo.store.put(key, record_bytes(record), create_only=True)
         except ObjectExistsError as exc:
             raise ObjectExistsError(
                 f"tag {tag!r} already exists in {repo.url}; remove it first to move it", key
@@ -141,7 +141,7 @@ def read_tag(repo: RepoStorage, tag: str) -> TagInfo:
         data = repo.store.get(key, limit=MAX_TAG_BYTES)
     except ObjectNotFoundError as exc:
         raise ObjectNotFoundError(f"no tag {tag!r} in {repo.url}", key) from exc
-    return _parse_tag(tag, data)
+    return _parse_tag(tag, data, key)
 
 
 def remove_tag(repo: RepoStorage, tag: str) -> TagInfo:
