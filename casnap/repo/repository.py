@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import Iterator, Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from casnap.errors import (
     ConfigError,
@@ -83,6 +83,9 @@ def ref_key(name: str) -> str:
     return f"refs/{name_key(check_ref_name(name))}"
 
 
+_Repo = TypeVar("_Repo", bound="RepoStorage")
+
+
 class RepoStorage:
     """The storage of a casnap repository: its config, immutable objects and refs.
 
@@ -103,7 +106,7 @@ class RepoStorage:
         self.url = root.url
 
     @classmethod
-    def _make(cls, root: ObjectStore, config: RepoConfig) -> Any:
+    def _make(cls: type[_Repo], root: ObjectStore, config: RepoConfig) -> _Repo:
         """An instance of ``cls`` over ``root``, whatever ``cls``'s own constructor takes."""
         obj = cls.__new__(cls)
         RepoStorage.__init__(obj, root, config)
@@ -267,7 +270,7 @@ class RepoStorage:
 def _options(storage_options: Any) -> dict[str, Any] | None:
     if storage_options is not None:
         expect_type(storage_options, Mapping, "storage_options", "a dict or None")
-    return storage_options
+    return cast("dict[str, Any] | None", storage_options)
 
 
 def split_url(path: str) -> tuple[str, list[str]]:
