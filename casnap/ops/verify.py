@@ -44,7 +44,7 @@ from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key, nam
 from casnap.repo.tags import read_tag, tag_names
 from casnap.store import open_store
 
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
 _OBJECTS = ("manifests", "chunks", "packs")
 
 
@@ -186,10 +186,13 @@ def verify(
         todo = [r for r in refs.values()
                 if object_name(r) not in missing and in_part(r.hash, part)]  # fmt: skip
         spans = plan_reads(todo)
-        for i, span in enumerate(spans):
+        total = sum(r.size for r in todo)  # progress in bytes re-hashed
+        done = 0
+        for span in spans:
             _scrub(repo, span, report, owners)
+            done += sum(ref.size for _, ref in span.items)
             if progress is not None:
-                progress(i + 1, len(spans))
+                progress(done, total)
     return report
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from casnap.display import natural_key
 from casnap.errors import (
     ConfigError,
     InvalidNameError,
@@ -95,8 +96,9 @@ def named_keys(folder: str, name: str) -> list[str]:
 
 
 def names_in(store: ObjectStore, folder: str) -> list[str]:
-    """The names stored below ``folder`` (``refs`` or ``tags``), decoded, sorted, both layouts."""
-    return sorted({decode_name(k[len(folder) + 1 :]) for k in store.list(folder)})
+    """The names stored below ``folder`` (``refs`` or ``tags``), decoded, both layouts, in
+    natural order (``step_2`` before ``step_10``: :func:`casnap.display.natural_key`)."""
+    return sorted({decode_name(k[len(folder) + 1 :]) for k in store.list(folder)}, key=natural_key)
 
 
 class RepoStorage:
@@ -258,7 +260,7 @@ class RepoStorage:
         return self.read_ref(name).manifest
 
     def list_snapshots(self) -> list[str]:
-        """Snapshot names, sorted (decoded: as they were given to the take)."""
+        """Snapshot names in natural order (decoded: as they were given to the take)."""
         return names_in(self.store, "refs")
 
     def delete_ref(self, name: str) -> None:
