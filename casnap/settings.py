@@ -6,7 +6,7 @@ comes from, highest first: an active ``override(...)`` block, the environment
 variable, the default. Every value is parsed by the same policy: a value that
 cannot be used raises ``ConfigError`` naming the variable; nothing is silently
 ignored. Sizes accept plain bytes or units (``4MiB``, ``1.5GB``) through
-``pydantic.ByteSize``.
+``pydantic.ByteSize`` (:func:`casnap.display.parse_size`).
 
 Operations read settings when they start and pass them down (``Settings`` for
 a take's chunking and compression); no module keeps configuration of its own.
@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from casnap.display import parse_size
 from casnap.errors import ConfigError
 
 MiB = 1 << 20
@@ -94,15 +95,10 @@ def _show(var: Variable, bound: float) -> str:
 
 
 def _parse_size(var: Variable, raw: object, where: str, label: str) -> int:
-    from pydantic import ByteSize, TypeAdapter, ValidationError
-
     wrong = f"{where}: expected a size in bytes, like 4194304 or 4MiB"
-    if isinstance(raw, bool):
-        raise ConfigError(wrong, label)
     try:
-        text = raw.strip() if isinstance(raw, str) else raw
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except (ValidationError, TypeError, ValueError) as exc:
+        return parse_size(raw)  # type: ignore[arg-type]  # anything else is refused
+    except ValueError as exc:
         raise ConfigError(wrong, label) from exc
 
 

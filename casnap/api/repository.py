@@ -131,7 +131,7 @@ class Repository(RepoStorage):
 
     # -- reading the graph -----------------------------------------------
     def snapshots(self) -> list[str]:
-        """Snapshot names, sorted."""
+        """Snapshot names in natural order: ``step_2`` before ``step_10`` and ``step_100``."""
         return self.list_snapshots()
 
     def log(self) -> list[LogLine]:
@@ -363,7 +363,7 @@ class Repository(RepoStorage):
         return remove_tag(self, tag)
 
     def tags(self) -> dict[str, TagInfo]:
-        """Every tag by name, sorted."""
+        """Every tag by name, in natural order (``v2`` before ``v10``)."""
         return list_tags(self)
 
     # -- the torch side ----------------------------------------------------

@@ -22,7 +22,7 @@ before anything is created (docs/repository.md, "Where snapshots live").
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -37,6 +37,14 @@ from casnap.take.commit import remember
 from casnap.take.job import TakeJob, TakeResult, prepare_take
 from casnap.take.session import Session
 from casnap.take.target import TensorPrepareFunc
+
+Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
+
+
+def _checked(progress: Progress | None) -> Progress | None:
+    if progress is not None and not callable(progress):
+        expect_type(progress, type(None), "progress", "a callable progress(done, total) or None")
+    return progress
 
 
 def _group(pg: Any) -> Group:
@@ -141,6 +149,7 @@ class Snapshot:
         parents: list[str] | None = None,
         memory_budget_bytes: int | None = None,
         session: Session | None = None,
+        progress: Progress | None = None,
     ) -> Snapshot:
         """Take a snapshot of ``app_state`` (a dict of stateful objects) at ``path``.
 
@@ -152,11 +161,18 @@ class Snapshot:
         also lets the next take reuse this one's plan and staging buffers.
         ``memory_budget_bytes`` bounds the take's in-flight copies (default: a
         quarter of available memory, ``CASNAP_MEMORY_BUDGET``).
+        ``progress(done_bytes, total_bytes)`` is called from writer threads, in
+        order, as each chunk of this rank's tensors and objects is hashed and
+        written or found already stored; it ends at ``total_bytes``::
+
+            Snapshot.take(path, app_state, progress=lambda done, total: print(done, total))
         """
+        progress = _checked(progress)  # before anything is created
         job = _prepare(
             path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
             metadata, allow_pickle, parents, memory_budget_bytes, session, stage=False,
         )  # fmt: skip
+        job.progress = progress
         return cls._from_result(path, pg, storage_options, job.run(), session)
 
     @classmethod
@@ -174,6 +190,7 @@ class Snapshot:
         parents: list[str] | None = None,
         memory_budget_bytes: int | None = None,
         session: Session | None = None,
+        progress: Progress | None = None,
     ) -> PendingSnapshot:
         """Like :meth:`take`, but returns once the state is copied; writing continues
         in the background. Changing the live tensors afterwards never changes the
@@ -182,11 +199,14 @@ class Snapshot:
         Staging copies at most ``memory_budget_bytes`` (less the writer's working
         set) into host buffers reused from the previous async take; tensors beyond
         that are written before this returns, so a state larger than the budget
-        blocks longer instead of using more memory."""
+        blocks longer instead of using more memory. ``progress`` as for :meth:`take`
+        (called from the background writers too)."""
+        progress = _checked(progress)  # before anything is created
         job = _prepare(
             path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
             metadata, allow_pickle, parents, memory_budget_bytes, session, stage=True,
         )  # fmt: skip
+        job.progress = progress
         pending = PendingSnapshot(path, pg, storage_options, job.run, session)
         job.live_consumed.wait()  # what staging could not copy is consumed: point-in-time
         return pending
@@ -267,6 +287,7 @@ class Snapshot:
         *,
         allow_pickle: bool = False,
         memory_budget_bytes: int | None = None,
+        progress: Progress | None = None,
     ) -> None:
         """Load the snapshot into ``app_state``, in place into its existing tensors.
 
@@ -285,6 +306,9 @@ class Snapshot:
         :class:`casnap.UnexpectedKeyError`). A ``load_state_dict`` that raises
         does so after every read (docs/pipeline.md, "A failed restore").
 
+        ``progress(done_bytes, total_bytes)`` is called from reader threads, in
+        order, as each chunk is verified and lands; it ends at ``total_bytes``.
+
         Example::
 
             model = torch.nn.Linear(4, 2)
@@ -296,6 +320,7 @@ class Snapshot:
         restore_state(
             repo, manifest, app_state, rank=rank, strict=strict,
             allow_pickle=allow_pickle, memory_budget_bytes=memory_budget_bytes,
+            progress=_checked(progress),
         )  # fmt: skip
         remember(repo, self.manifest_hash, manifest, self.session)
 

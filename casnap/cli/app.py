@@ -27,15 +27,17 @@ from casnap.cli.common import (
     EXIT_INTEGRITY,
     EXIT_NOT_FOUND,
     EXIT_PROBLEMS,
-    Progress,
     age,
     emit,
     human,
     open_repo,
     open_snapshot,
+    primitive_value,
     storage_options,
     table,
 )
+from casnap.cli.progress import progress_bar
+from casnap.display import format_float
 from casnap.errors import (
     CasnapError,
     IntegrityError,
@@ -129,8 +131,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             data.append({"key": key, "kind": "sharded", "layout": e.layout, "dtype": e.dtype,
                          "shape": e.shape, "bytes": e.nbytes, "shards": len(e.shards)})  # fmt: skip
         elif isinstance(e, PrimitiveEntry):
-            desc = [key, e.type, str(e.value)[:40], "", ""]
-            data.append({"key": key, "kind": "primitive", "type": e.type, "value": e.value})
+            value, shown = primitive_value(e)
+            desc = [key, e.type, shown if len(shown) <= 40 else shown[:39] + "…", "", ""]
+            data.append({"key": key, "kind": "primitive", "type": e.type, "value": value})
         else:
             assert isinstance(e, ContainerEntry)
             if not args.all:
@@ -191,7 +194,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             ]
             if args.stats:
                 row += (
-                    [f"{item['max_abs_diff']:.3g}", f"{item['rel_l2']:.3g}"]
+                    [format_float(item["max_abs_diff"], 3), format_float(item["rel_l2"], 3)]
                     if ("rel_l2" in item)
                     else ["", ""]
                 )
@@ -279,9 +282,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         if args.rotate:
             part = _next_part(repo, args.rotate)
-        report = repo.verify(
-            read_data=args.read_data, part=part, progress=Progress("verify", not args.json)
-        )
+        with progress_bar(args, "verify") as bar:
+            report = repo.verify(read_data=args.read_data, part=part, progress=bar)
 
     def text() -> str:
         lines = [render_problem(p) for p in report.problems]

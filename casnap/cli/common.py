@@ -1,26 +1,41 @@
 """What every casnap command shares: exit codes, tables, sizes, progress, and opening a
-:class:`casnap.Repository` (every command works through one)."""
+:class:`casnap.Repository` (every command works through one).
+
+Sizes, times and floats are shown through :mod:`casnap.display`, the one
+place that formats them for people (and parses sizes typed by them)."""
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
-import sys
+import math
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any
 
 from casnap.api.repository import Repository
+from casnap.display import format_float, format_size, format_time, parse_size
+from casnap.format.manifest import PrimitiveEntry
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """Bytes for people (``1.5 MiB``): :func:`casnap.display.format_size`, as everywhere."""
+    return format_size(n)
+
+
+def size(text: str) -> int:
+    """An argparse type: bytes from ``4194304``, ``4MiB`` or ``1.5GB`` (pydantic.ByteSize)."""
+    try:
+        value = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size like 4194304, 4MiB or 1.5GB"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
+    return value
 
 
 def table(rows: list[list[str]], header: list[str], right: set[int] | None = None) -> str:
@@ -35,24 +50,6 @@ def table(rows: list[list[str]], header: list[str], right: set[int] | None = Non
         return "  ".join(cells).rstrip()
 
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
-class Progress:
-    """A one-line progress bar on stderr, shown only on a terminal."""
-
-    def __init__(self, label: str, enabled: bool) -> None:
-        self.label = label
-        self.enabled = enabled and sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or total <= 0:
-            return
-        width = 30
-        filled = int(width * done / total)
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,8 +76,38 @@ def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
     print(json.dumps(data, indent=2, default=str) if args.json else text())
 
 
-def age(iso: str) -> str:
+def _float_of(stored: str) -> float:
+    """A stored float (exact ``float.hex`` text, or ``nan:<bits>``) as a float."""
+    return math.nan if stored.startswith("nan:") else float.fromhex(stored)
+
+
+def _json_number(x: float) -> float | str:
+    # JSON has no inf or nan: those become strings Python's float() reads back.
+    return x if math.isfinite(x) else repr(x)
+
+
+def primitive_value(e: PrimitiveEntry) -> tuple[Any, str]:
+    """A primitive entry's value for ``--json`` and as shown to people.
+
+    Floats are stored as exact ``float.hex`` text; they are shown and given
+    to JSON as decimals (``repr``: the shortest text that reads back to the
+    same float), so JSON keeps them exactly. Bytes stay base64 in JSON.
+    """
+    v = e.value
     try:
-        return datetime.fromisoformat(iso).strftime("%Y-%m-%d %H:%M:%S")
-    except ValueError:
-        return iso
+        if e.type == "float" and isinstance(v, str):
+            x = _float_of(v)
+            return _json_number(x), format_float(x)
+        if e.type == "complex" and isinstance(v, list) and len(v) == 2:
+            z = complex(_float_of(v[0]), _float_of(v[1]))
+            return [_json_number(z.real), _json_number(z.imag)], repr(z)
+        if e.type == "bytes" and isinstance(v, str):
+            return v, repr(base64.b64decode(v))
+    except (ValueError, TypeError):  # malformed: show what is stored
+        pass
+    return v, str(v)
+
+
+def age(iso: str) -> str:
+    """A recorded time for people: local time zone, with its offset (:func:`format_time`)."""
+    return format_time(iso)

@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from casnap.cli.common import (
     EXIT_ERROR,
     EXIT_PROBLEMS,
-    Progress,
+    EXIT_USAGE,
+    age,
     emit,
     human,
     open_repo,
     open_snapshot,
+    size,
     storage_options,
+    table,
 )
+from casnap.cli.progress import progress_bar
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -128,12 +134,11 @@ def cmd_retain(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    result = open_repo(args).gc(
-        grace_seconds=args.grace,
-        dry_run=args.dry_run,
-        wait_seconds=args.wait,
-        progress=Progress("gc", not args.json),
-    )
+    repo = open_repo(args)
+    with progress_bar(args, "gc", unit="objects") as bar:
+        result = repo.gc(
+            grace_seconds=args.grace, dry_run=args.dry_run, wait_seconds=args.wait, progress=bar
+        )
     emit(args, result.to_json(), result.render)
     return 0
 
@@ -151,46 +156,73 @@ def cmd_tag(args: argparse.Namespace) -> int:
         info = repo.untag(args.tag)
         emit(args, vars(info), lambda: f"removed tag {info.tag} (was {info.snapshot})")
     else:
-        tags = repo.tags()
-        emit(
-            args,
-            {t: vars(i) for t, i in tags.items()},
-            lambda: (
-                "\n".join(f"{t}\t{i.snapshot}\t{i.manifest[:12]}" for t, i in tags.items())
-                or "no tags"
-            ),
-        )
+        tags = repo.tags()  # in natural order
+
+        def text() -> str:
+            rows = [[t, i.snapshot, i.manifest[:12], age(i.created_at)] for t, i in tags.items()]
+            return table(rows, ["tag", "snapshot", "manifest", "tagged"]) if rows else "no tags"
+
+        emit(args, {t: vars(i) for t, i in tags.items()}, text)
     return 0
 
 
+# The suffix picks the format; anything else is refused rather than guessed (an
+# ``out.npz`` that is really safetensors would fail far from here).
+EXPORT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def export_format(out: str, given: str | None) -> str:
+    """The export format: ``--format`` if given, else from the suffix of ``out``
+    (ValueError naming the supported suffixes if it says none)."""
+    if given:
+        return given
+    suffix = os.path.splitext(out)[1].lower()
+    if suffix not in EXPORT_FORMATS:
+        known = ", ".join(EXPORT_FORMATS)
+        raise ValueError(
+            f"cannot tell the format of {out!r} from its suffix; supported: {known} "
+            "(or name one with --format safetensors|torch)"
+        )
+    return EXPORT_FORMATS[suffix]
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    try:
+        fmt = export_format(args.out, args.format)  # before anything is read
+    except ValueError as exc:
+        print(f"casnap export: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     repo, name = open_snapshot(args, args.snapshot)
-    result = repo.export(
-        name,
-        args.out,
-        format=args.format,
-        key=args.key,
-        memory_budget_bytes=args.memory_budget,
-        progress=Progress("export", not args.json),
-    )
-    data = {"snapshot": name, "out": args.out, "format": result.format,
-            **dataclasses.asdict(result)}  # fmt: skip
+    with progress_bar(args, "export") as bar:
+        result = repo.export(
+            name,
+            args.out,
+            format=fmt,
+            key=args.key,
+            memory_budget_bytes=args.memory_budget,
+            progress=bar,
+        )
+    written = os.path.getsize(result.path)  # what is on disk, whatever the writer said
+    data = {"snapshot": name, "out": args.out, **dataclasses.asdict(result),
+            "format": result.format, "file_bytes": written}  # fmt: skip
     emit(
         args,
         data,
-        lambda: f"exported {name} to {args.out} ({result.format}, {human(result.file_bytes)})",
+        lambda: f"exported {name} to {args.out} ({result.format}, {human(written)})",
     )
     return 0
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    result = open_repo(args).repair(
-        from_snapshots=args.from_snapshot or (),
-        from_files=args.from_file or (),
-        read_data=args.read_data,
-        dry_run=args.dry_run,
-        progress=Progress("repair", not args.json),
-    )
+    repo = open_repo(args)
+    with progress_bar(args, "repair") as bar:
+        result = repo.repair(
+            from_snapshots=args.from_snapshot or (),
+            from_files=args.from_file or (),
+            read_data=args.read_data,
+            dry_run=args.dry_run,
+            progress=bar,
+        )
     emit(args, result.to_json(), result.render)
     return 0 if result.ok else EXIT_PROBLEMS
 
@@ -214,7 +246,9 @@ def _prune_arguments(p: argparse.ArgumentParser, what: str) -> None:
 def register(add: Callable[..., Any]) -> None:
     p = add("init", cmd_init, "create a repository shared by the snapshot paths below it")
     p.add_argument("repo", help="repository directory or URL, e.g. /ckpt")
-    p.add_argument("--chunk-size", type=int, metavar="BYTES", help="default chunk size")
+    p.add_argument(
+        "--chunk-size", type=size, metavar="SIZE", help="default chunk size, e.g. 4MiB or 4194304"
+    )
     p = add("rm", cmd_rm, "delete one snapshot (--prune: and the space only it used)")
     p.add_argument("snapshot", help="snapshot path, e.g. /ckpt/run1/step_100")
     _prune_arguments(p, "the deleted snapshot")
@@ -296,12 +330,14 @@ def register(add: Callable[..., Any]) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p = add("export", cmd_export, "write a snapshot (or one key) as safetensors or torch.save")
     p.add_argument("snapshot", help="snapshot path")
-    p.add_argument("out", help="output file (.safetensors, or .pt/.pth/.bin for torch.save)")
+    p.add_argument(
+        "out", help="output file: .safetensors, or .pt/.pth/.bin for torch.save (others refused)"
+    )
     p.add_argument("--format", choices=["safetensors", "torch"])
     p.add_argument("--key", help="export only this entry (and what is below it)")
     p.add_argument(
         "--memory-budget",
-        type=int,
-        metavar="BYTES",
-        help="bound on in-flight buffers (default: CASNAP_MEMORY_BUDGET)",
+        type=size,
+        metavar="SIZE",
+        help="bound on in-flight buffers, e.g. 2GiB (default: CASNAP_MEMORY_BUDGET)",
     )

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,6 +232,7 @@ class DistributedJob:
     failed: Failure | None = None  # staging failed: reported by run(), like a write failure
     # Set once every live request's chunks are consumed (at once when there are none).
     live_consumed: threading.Event = field(default_factory=threading.Event)
+    progress: Callable[[int, int], None] | None = None  # this rank's (done, total) bytes
 
     def stage(self, limit: int) -> None:
         """Async, caller's thread: copy what the background writes, as far as ``limit`` allows.
@@ -273,7 +274,9 @@ class DistributedJob:
             workers = self.settings.io_workers
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
-                scheduler = Scheduler(writer, self.settings, self.budget, self.live_consumed)
+                scheduler = Scheduler(
+                    writer, self.settings, self.budget, self.live_consumed, self.progress
+                )
                 written = scheduler.run(self.requests)
             self.repo.store.flush()  # this rank's chunks are durable before rank 0 commits
             return _Written({h: refs[0] for h, refs in written.items()}, writer.stats)

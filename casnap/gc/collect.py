@@ -386,8 +386,10 @@ def gc(
 ) -> GcResult:
     """Delete every manifest, chunk and pack no ref or tag reaches and older than the grace period.
 
-    ``dry_run`` plans and deletes nothing. ``progress(count, total)`` is called
-    while marking and again while deleting. Raises :class:`casnap.repo.leases.GcBusyError`
+    ``dry_run`` plans and deletes nothing, and writes nothing either (no lock, no
+    epoch): it works with read-only access. ``progress(count, total)`` counts
+    objects (manifests read while marking, then objects deleted), each phase
+    from 0. Raises :class:`casnap.repo.leases.GcBusyError`
     or :class:`casnap.repo.leases.GcBlockedError` (having deleted nothing) when another
     gc or takes in flight keep it out for longer than ``wait_seconds``.
 
@@ -397,11 +399,14 @@ def gc(
         print(result.render())
     """
     started = time.monotonic()
+    if dry_run:
+        # Read only: no lock, no epoch, no lease. The plan may list objects of a take in
+        # flight, which is harmless: it deletes nothing, and a plan from outside a session
+        # is re-checked under the lock before anything goes (:meth:`GcSession.execute`).
+        plan = make_plan(repo, f"dry-run-{uuid.uuid4().hex}", grace_seconds, progress)
+        return GcResult(plan=plan, dry_run=True, epoch=read_gc_epoch(repo),
+                        seconds=time.monotonic() - started)  # fmt: skip
     with GcSession(repo, wait_seconds=wait_seconds) as session:
         plan = session.plan(grace_seconds=grace_seconds, progress=progress)
-        if dry_run:
-            return GcResult(plan=plan, dry_run=True, epoch=read_gc_epoch(repo),
-                            waited_for_takes=session.waited_for_takes,
-                            seconds=time.monotonic() - started)  # fmt: skip
         return replace(session.execute(plan, progress=progress),
                        seconds=time.monotonic() - started)  # fmt: skip

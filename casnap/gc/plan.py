@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from casnap.display import format_size
 from casnap.errors import (
     CasnapError,
     ConfigError,
@@ -141,12 +142,7 @@ class GcPlan:
 
 
 def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
+    return format_size(n)  # one way of showing sizes everywhere (casnap.display)
 
 
 # -- marking ---------------------------------------------------------------

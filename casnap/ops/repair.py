@@ -42,7 +42,7 @@ from casnap.repo.damage import DamagedCopy, clear_damage, list_damage
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, chunk_key
 
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
 Buffer = codec.Buffer
 
 
@@ -171,11 +171,15 @@ class RepairResult:
         return "\n".join(lines)
 
 
-def find_bad(repo: RepoStorage, *, read_data: bool = False) -> RepairPlan:
-    """The bad referenced chunks (recorded damaged or missing) and the unreadable roots."""
+def find_bad(
+    repo: RepoStorage, *, read_data: bool = False, progress: Progress | None = None
+) -> RepairPlan:
+    """The bad referenced chunks (recorded damaged or missing) and the unreadable roots.
+
+    With ``read_data``, ``progress`` follows the re-hash (bytes, as in verify)."""
     plan = RepairPlan()
     if read_data:
-        verify(repo, read_data=True)  # records every damaged copy it re-hashes
+        verify(repo, read_data=True, progress=progress)  # records every damaged copy it re-hashes
     report = VerifyReport()
     refs: dict[str, list[tuple[ChunkRef, frozenset[Holder]]]] = {}
     for mhash, holders in sorted(roots(repo, report).items()):
@@ -223,15 +227,20 @@ def plan_repair(
     progress: Progress | None = None,
 ) -> RepairPlan:
     """Find the bad chunks and, for each, the first source whose bytes hash to its name."""
-    plan = find_bad(repo, read_data=read_data)
+    plan = find_bad(repo, read_data=read_data, progress=progress)
     recorded = set(list_damage(repo))
-    for i, bad in enumerate(plan.bad):
+    total = sum(bad.size for bad in plan.bad)
+    done = 0
+    for bad in plan.bad:
         digest = bytes.fromhex(bad.chunk)
         loose = ChunkRef(hash=bad.chunk, size=bad.size, length=codec.HEADER_SIZE + bad.size)
+        done += bad.size
         if DamagedCopy(bad.chunk, None) not in recorded and (
             read_copy(repo, loose, record=not dry_run) is not None
         ):
             plan.already.append(bad.chunk)  # a good chunks/<h> stands in for a pack frame
+            if progress is not None:
+                progress(done, total)
             continue
         found = ""
         if bad.fixable_here:
@@ -242,7 +251,7 @@ def plan_repair(
                     break
         plan.fixes.append(Fix(bad.chunk, found))
         if progress is not None:
-            progress(i + 1, len(plan.bad))
+            progress(done, total)
     return plan
 
 
@@ -293,17 +302,19 @@ def execute_repair(
     result = RepairResult(plan, dry_run=False)
     todo = [f for f in plan.fixes if f.source]
     by_chunk = {b.chunk: b for b in plan.bad}
+    total = sum(by_chunk[f.chunk].size for f in todo)
+    done = 0
     with hold_lease(repo, kind="repair") as lease:
-        for i, fix in enumerate(todo):
+        for fix in todo:
             bad = by_chunk[fix.chunk]
+            done += bad.size
             data = _fetch(repo, bad, fix.source, sources)
-            if data is None:
-                continue  # the source changed since the plan: the chunk stays bad
-            lease.check()
-            _write(repo, bad, data)
-            result.written.append(fix.chunk)
+            if data is not None:  # else the source changed since the plan: the chunk stays bad
+                lease.check()
+                _write(repo, bad, data)
+                result.written.append(fix.chunk)
             if progress is not None:
-                progress(i + 1, len(todo))
+                progress(done, total)
     result.roots = statuses(plan, set(result.written) | set(plan.already))
     return result
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
+from casnap.display import format_time
 from casnap.errors import CasnapError, RetentionError, SnapshotNotFoundError, expect_type
 from casnap.repo.repository import RepoStorage
 from casnap.repo.tags import TagInfo, list_tags, metadata_tags
@@ -340,7 +341,13 @@ class RetentionPlan:
             action = "delete" if s.name in doomed else "keep"
             step = "-" if s.step is None else str(s.step)
             rows.append(
-                (action, s.name, step, s.created_at[:19], ", ".join(self.keep.get(s.name, ())))
+                (
+                    action,
+                    s.name,
+                    step,
+                    format_time(s.created_at),
+                    ", ".join(self.keep.get(s.name, ())),
+                )
             )
         for name, reasons in sorted(self.keep.items()):
             if name not in seen:  # unreadable manifests, kept to be safe

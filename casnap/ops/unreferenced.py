@@ -20,6 +20,7 @@ import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from casnap.display import format_size
 from casnap.repo.repository import RepoStorage
 from casnap.store import ObjectInfo
 
@@ -85,9 +86,4 @@ def find_unreferenced(
 
 
 def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+    return format_size(n)  # one way of showing sizes everywhere (casnap.display)

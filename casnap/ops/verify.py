@@ -45,7 +45,7 @@ from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key
 from casnap.repo.tags import TAGS, read_tag
 from casnap.store import open_store
 
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
 _OBJECTS = ("manifests", "chunks", "packs")
 
 
@@ -195,10 +195,13 @@ def verify(
         todo = [r for r in refs.values()
                 if object_name(r) not in missing and in_part(r.hash, part)]  # fmt: skip
         spans = plan_reads(todo)
-        for i, span in enumerate(spans):
+        total = sum(r.size for r in todo)  # progress in bytes re-hashed
+        done = 0
+        for span in spans:
             _scrub(repo, span, report, owners)
+            done += sum(ref.size for _, ref in span.items)
             if progress is not None:
-                progress(i + 1, len(spans))
+                progress(done, total)
     return report
 
 

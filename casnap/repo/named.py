@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+from casnap.display import natural_key
 from casnap.errors import (
     IntegrityError,
     InvalidNameError,
@@ -107,7 +108,8 @@ def recorded_name(store: ObjectStore, folder: str, key: str) -> str:
 
 
 def stored_names(store: ObjectStore, folder: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """The names stored below ``folder`` (``refs`` or ``tags``), sorted, both layouts, and
+    """The names stored below ``folder`` (``refs`` or ``tags``), in natural order
+    (``step_2`` before ``step_10``), both layouts, and
     the hashed keys whose record cannot say its name, as ``(key, reason)``.
 
     A flat or nested key is decoded; a hashed key's record is read (one get each:
@@ -126,11 +128,11 @@ def stored_names(store: ObjectStore, folder: str) -> tuple[list[str], list[tuple
             continue  # deleted while listing
         except IntegrityError as exc:
             damaged.append((f"{folder}/{key}", str(exc)))
-    return sorted(names), sorted(damaged)
+    return sorted(names, key=natural_key), sorted(damaged)
 
 
 def names_in(store: ObjectStore, folder: str) -> list[str]:
-    """The names stored below ``folder``, sorted; a damaged hashed record is refused
+    """The names stored below ``folder``, in natural order; a damaged hashed record is refused
     (:class:`casnap.ManifestValidationError`): a listing must not lose a name silently."""
     names, damaged = stored_names(store, folder)
     if damaged:

@@ -250,7 +250,8 @@ class RepoStorage:
         return self.read_ref(name).manifest
 
     def list_snapshots(self) -> list[str]:
-        """Snapshot names, sorted (decoded: as they were given to the take).
+        """Snapshot names in natural order (``step_2`` before ``step_10``), decoded: as
+        they were given to the take.
 
         A damaged ref under a hashed key (a long name) cannot say its name: it is
         refused (:class:`casnap.ManifestValidationError`); ``verify`` lists them all.

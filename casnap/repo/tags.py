@@ -62,7 +62,7 @@ def _stored_key(repo: RepoStorage, tag: str) -> str:
 
 
 def tag_names(repo: RepoStorage) -> list[str]:
-    """Every tag's name, sorted, without reading the tags (``verify`` reads each itself),
+    """Every tag's name, in natural order, without reading the tags (``verify`` reads each itself),
     but for the few under a hashed key, whose record says the name (a damaged one is refused)."""
     return names_in(repo.store, TAGS)
 
@@ -159,7 +159,7 @@ def remove_tag(repo: RepoStorage, tag: str) -> TagInfo:
 
 
 def list_tags(repo: RepoStorage) -> dict[str, TagInfo]:
-    """Every repository tag by name (sorted). These are gc roots: see ``TagInfo.manifest``.
+    """Every repository tag by name, in natural order. Gc roots: see ``TagInfo.manifest``.
 
     A malformed tag file raises :class:`casnap.ManifestValidationError` rather
     than being skipped, so a collector can never lose a root silently.

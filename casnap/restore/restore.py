@@ -37,6 +37,7 @@ from casnap.format.names import escape_key
 from casnap.format.tree import subtree
 from casnap.repo.repository import RepoStorage
 from casnap.restore.keys import MAX_LISTED, check_keys, failed_load_note, listed
+from casnap.restore.progress import Progress, counted
 from casnap.restore.reshard import ShardedSink
 from casnap.restore.undo import TensorUndo, Undo
 from casnap.settings import read_workers_for
@@ -150,6 +151,7 @@ def restore_state(
     strict: bool,
     allow_pickle: bool,
     memory_budget_bytes: int | None,
+    progress: Progress | None = None,
 ) -> None:
     """Load ``manifest`` into ``app_state``: validate all, read all, then ``load_state_dict``.
 
@@ -179,7 +181,7 @@ def restore_state(
         if strict:
             check_keys(manifest, key, prefix, stored, target)
         plans.append((key, stateful, prefix))
-    values = load_values(repo, load, memory_budget_bytes)
+    values = load_values(repo, load, memory_budget_bytes, progress)
     # RNG state goes last so that no other load_state_dict can consume randomness after it.
     plans.sort(key=lambda p: isinstance(p[1], RNGState))
     for n, (key, stateful, prefix) in enumerate(plans):
@@ -226,8 +228,15 @@ def _verify_first(refs: list[ChunkRef], limit: int) -> _Reads:
     return _Reads(refs, lambda _i, _data: None, ByteBudget(limit))
 
 
-def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None) -> dict[str, Any]:
+def load_values(
+    repo: RepoStorage,
+    load: _Load,
+    memory_budget_bytes: int | None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Read every planned tensor, object and sharded entry; returns them by key.
+
+    ``progress(done_bytes, total_bytes)`` is called as chunks verify and land.
 
     The one read path of restore and ``read_object``: plain and sharded
     entries become batches of reads (:class:`_Reads`) run one after another
@@ -255,6 +264,9 @@ def load_values(repo: RepoStorage, load: _Load, memory_budget_bytes: int | None)
     objs = list(load.objects)
     first = [_plain_batch(load, objs, sinks, blobs, limit, undo, {}, 0)] if objs else []
     batches = [*_plain_reads(load, sinks, blobs, limit, undo), *_sharded_reads(load.sharded, limit)]
+    if progress is not None:
+        both = counted([*first, *batches], progress)  # one running total over both
+        first, batches = both[: len(first)], both[len(first) :]
     workers = read_workers_for(repo.root.capabilities.local)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="casnap-r") as pool:

@@ -24,7 +24,7 @@ with a planning exchange between the phases.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +91,7 @@ class TakeJob:
     buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
     # Set once every live request's chunks are consumed (at once when there are none).
     live_consumed: threading.Event = field(default_factory=threading.Event)
+    progress: Callable[[int, int], None] | None = None  # (done_bytes, total_bytes) written
 
     def run(self) -> TakeResult:
         """Write, then commit; the staging buffers go back to the pool either way."""
@@ -111,7 +112,9 @@ class TakeJob:
             workers = self.settings.io_workers
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
-                scheduler = Scheduler(writer, self.settings, self.budget, self.live_consumed)
+                scheduler = Scheduler(
+                    writer, self.settings, self.budget, self.live_consumed, self.progress
+                )
                 written = scheduler.run(self.requests)
             plan = _plan_of(self.nodes, written, self.settings.chunk_size, self.replicated)
             by_hash = {ref.hash: ref for refs in written.values() for ref in refs}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -144,6 +144,8 @@ class Scheduler:
     ``live_consumed`` is set once every chunk of every request marked ``live``
     has been written or packed (at once if there are none), also when the
     take fails: an ``async_take`` waiting on it must never hang.
+    ``progress(done_bytes, total_bytes)``, when given, is called (from writer
+    threads) as each chunk is hashed and written, deduplicated or packed.
     """
 
     def __init__(
@@ -152,12 +154,16 @@ class Scheduler:
         settings: Settings,
         budget: ByteBudget,
         live_consumed: threading.Event | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.writer = writer
         self.settings = settings
         self.budget = budget
         self.live_consumed = live_consumed if live_consumed is not None else threading.Event()
         self._live = _Countdown(self.live_consumed)
+        self._progress = progress
+        self._done = self._total = 0
+        self._lock = threading.Lock()
 
     def run(self, requests: Sequence[WriteRequest]) -> dict[str, list[ChunkRef]]:
         """Write every request (live ones first); returns each request's chunk refs by key."""
@@ -165,6 +171,7 @@ class Scheduler:
         try:
             batch = ChunkBatcher(self.writer)
             ordered = [r for r in requests if r.live] + [r for r in requests if not r.live]
+            self._total = sum(r.nbytes for r in ordered)
             for req in ordered:
                 futures[req.key] = self._submit(req, batch)
             batch.flush()
@@ -185,19 +192,37 @@ class Scheduler:
         live = self._live if req.live else None
         if live is not None:
             live.add(count)
-        done = _Release(count, self.budget, req.cost, owner, live)
+        release = _Release(count, self.budget, req.cost, owner, live)
         digests = req.digests
         if count == 1 and req.nbytes < self.settings.pack_limit:
             result: Future[ChunkRef] = Future()
             digest = digests[0] if digests else None
-            batch.add(BatchItem(view, result, done, req.elem_size, digest))
+            batch.add(BatchItem(view, result, self._counted(release, req.nbytes), req.elem_size,
+                                digest))  # fmt: skip
             return [result]
         return [
             self.writer.add(
-                view[i * cs : (i + 1) * cs], done, req.elem_size, digests[i] if digests else None
+                view[i * cs : (i + 1) * cs],
+                self._counted(release, min(cs, req.nbytes - i * cs)),
+                req.elem_size,
+                digests[i] if digests else None,
             )
             for i in range(count)
         ]
+
+    def _counted(self, release: _Release, nbytes: int) -> Callable[[], None]:
+        """``release``, then this chunk's bytes reported to ``progress`` (if any)."""
+        progress = self._progress
+        if progress is None:
+            return release
+
+        def done() -> None:
+            release()
+            with self._lock:  # in order: the callback sees done_bytes increase
+                self._done += nbytes
+                progress(self._done, self._total)
+
+        return done
 
 
 class _Release:
