@@ -57,12 +57,11 @@ def problem(path: str) -> str | None:
         import matplotlib.backends.backend_agg  # noqa: F401
     except ImportError:
         return f"--plot needs matplotlib, which is not installed: {INSTALL}"
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix not in FORMATS:
-        return f"--plot {path!r}: the file name must end in {', '.join(FORMATS)}"
-    parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return f"--plot {path!r} is a directory; name a file in it"
+    if os.path.splitext(path)[1].lower() not in FORMATS:
+        return f"--plot {path!r}: the file name must end in {', '.join(FORMATS)}"
+    parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         return f"--plot {path!r}: no directory {parent!r}"
     return None
@@ -86,11 +85,12 @@ def _save(fig: Any, path: str, title: str, record: dict[str, Any]) -> None:
     fig.savefig(path, metadata=meta)
 
 
-def _shorten(label: str) -> str:
-    if len(label) <= MAX_LABEL:
+def _shorten(label: str, limit: int = MAX_LABEL) -> str:
+    """``label`` with its middle replaced by "…" when longer than ``limit``: both ends name it."""
+    if len(label) <= limit:
         return label
-    half = (MAX_LABEL - 1) // 2
-    return label[:half] + "…" + label[-(MAX_LABEL - 1 - half) :]
+    half = (limit - 1) // 2
+    return label[:half] + "…" + label[-(limit - 1 - half) :]
 
 
 def _log_scale(values: Sequence[float]) -> bool:
@@ -168,8 +168,8 @@ def write_diff_plot(
     how = ("one row per entry" if not grouped else
            f"{len(shown)} rows: grouped by {picture.grouping}")  # fmt: skip
     under = f" under {picture.prefix}" if picture.prefix else ""
-    fig.suptitle(f"casnap diff {title}\n{total} entries{under} ({summary}); {how}, model order",
-                 fontsize=10)  # fmt: skip
+    heading = f"{total} entries{under} ({summary}); {how}, model order"
+    fig.suptitle(f"casnap diff {_shorten(title, 120)}\n{heading}", fontsize=10)
     # Above the bars, attached to an axes: constrained layout then keeps it clear of the
     # title and of the note below (a figure legend "outside" overlaps the suptitle).
     handles, names = strip.get_legend_handles_labels()
@@ -228,9 +228,13 @@ def write_log_plot(
     ax.set_ylabel(f"stored bytes per snapshot ({unit})")
     # Headroom: a full bar must not look cut off (the stacked bars' bottoms are sticky
     # edges, so autoscaling alone puts the tallest bar at the frame).
-    ax.set_ylim(0, max([a + b for a, b in zip(new, shared)] + [1e-9]) * 1.08)
+    ax.set_ylim(0, max((a + b for a, b in zip(new, shared)), default=0) * 1.08 or 1)
     # Above the bars, never over them (constrained layout makes room for it).
-    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), ncols=2, frameon=False)
+    if points:
+        ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), ncols=2, frameon=False)
+    else:
+        ax.text(0.5, 0.5, "no snapshots", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks([])
     ax.grid(axis="y", alpha=0.3)
     record: dict[str, Any] = {"kind": "log", "x": xkind, "unit": unit,
                               "snapshots": [p.name for p in points], "metric": metric}  # fmt: skip
@@ -262,7 +266,7 @@ def write_log_plot(
             bottom.set_xticks(xs, [_shorten(p.name) for p in points], rotation=45, ha="right",
                               fontsize=8)  # fmt: skip
     written = human(sum(p.new_bytes for p in points))
-    fig.suptitle(f"casnap log {title}: {len(points)} snapshots, {written} written in all",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(f"casnap log {_shorten(title, 90)}: {len(points)} snapshots, "
+                 f"{written} written in all", fontsize=10)  # fmt: skip
     _save(fig, path, f"casnap log {title}", record)
     return record
