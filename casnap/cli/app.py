@@ -21,12 +21,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from casnap.api.repository import Repository
-from casnap.cli import maintenance
+from casnap.cli import maintenance, plots
 from casnap.cli.common import (
     EXIT_ERROR,
     EXIT_INTEGRITY,
     EXIT_NOT_FOUND,
     EXIT_PROBLEMS,
+    EXIT_USAGE,
     age,
     emit,
     human,
@@ -36,6 +37,7 @@ from casnap.cli.common import (
     storage_options,
     table,
 )
+from casnap.cli.plot_data import metric_names
 from casnap.cli.progress import progress_bar
 from casnap.display import format_float
 from casnap.errors import (
@@ -59,8 +61,22 @@ from casnap.ops.verify import Problem, verify_config_failure
 
 
 def cmd_log(args: argparse.Namespace) -> int:
+    if args.metric and not args.plot:
+        return usage("--metric chooses what --plot draws; give --plot FILE.png too")
+    if args.plot and (why := plots.problem(args.plot)):
+        return usage(why)
     repo = open_repo(args)
     lines = repo.log()
+    if args.metric and args.metric not in (known := metric_names(lines)):
+        return usage(f"no snapshot has a metric {args.metric!r} "
+                     f"(metrics found: {', '.join(known) or 'none'})")  # fmt: skip
+    if args.plot:
+        try:
+            drawn = plots.write_log_plot(args.plot, lines, args.metric, args.repo)
+        except OSError as exc:
+            print(f"casnap: cannot write {args.plot}: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        note(f"wrote {args.plot}: {len(lines)} snapshots by {drawn['x']}")
     lanes = graph_lanes(lines)
     names = {line.manifest: line.name for line in lines}
     data = [
@@ -161,9 +177,22 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    if args.plot and (why := plots.problem(args.plot)):
+        return usage(why)
     repo_a, name_a = open_snapshot(args, args.a)
     repo_b, name_b = open_snapshot(args, args.b)
-    rows = repo_a.diff(name_a, name_b, stats=args.stats, other=repo_b)
+    # The picture's bars are the drift figures: --plot reads the changed chunks as --stats does.
+    rows = repo_a.diff(name_a, name_b, stats=args.stats or bool(args.plot), other=repo_b)
+    if args.plot:
+        entries_a, entries_b = repo_a.show(name_a).entries, repo_b.show(name_b).entries
+        try:
+            picture = plots.write_diff_plot(args.plot, rows, entries_a, entries_b,
+                                            f"{args.a} → {args.b}")  # fmt: skip
+        except OSError as exc:
+            print(f"casnap: cannot write {args.plot}: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        how = "one per entry" if picture.grouping == "entry" else f"grouped by {picture.grouping}"
+        note(f"wrote {args.plot}: {len(picture.rows)} rows, {how}")
     shown = [r for r in rows if args.all or r.status != "unchanged"]
     data = []
     for r in shown:
@@ -204,6 +233,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     emit(args, data, text)
     return 0
+
+
+def usage(message: str) -> int:
+    print(f"casnap: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def note(message: str) -> None:
+    """A line for the person at the terminal, kept off stdout so ``--json`` stays parseable."""
+    print(f"casnap: {message}", file=sys.stderr)
 
 
 def cmd_du(args: argparse.Namespace) -> int:
@@ -353,6 +392,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("log", cmd_log, "snapshots oldest first, with lineage, step, size and new bytes")
     p.add_argument("repo", help="repository directory or URL")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw bytes added and shared per snapshot over the steps (needs casnap[plot])",
+    )
+    p.add_argument(
+        "--metric",
+        metavar="NAME",
+        help="with --plot: draw metadata['metrics'][NAME] (or metadata[NAME]) in a second panel",
+    )
     p = add("ls", cmd_ls, "list the snapshot names of a repository")
     p.add_argument("repo", help="repository directory or URL")
     p = add("show", cmd_show, "the entries of a snapshot with dtype, shape and size")
@@ -368,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="numeric drift per changed tensor (reads only the changed chunks)",
     )
     p.add_argument("--all", action="store_true", help="also list unchanged entries")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw each entry's relative change in model order (implies reading the "
+        "changed chunks as --stats does; needs casnap[plot])",
+    )
     p = add("du", cmd_du, "logical and stored bytes, dedup ratio, what deleting each would free")
     p.add_argument("repo", help="repository directory or URL")
     p = add("verify", cmd_verify, "check refs, manifests and chunks; exit 1 on any problem")

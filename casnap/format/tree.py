@@ -32,3 +32,32 @@ def subtree(entries: Mapping[str, Entry], key: str) -> list[str]:
             if len(found) + len(stack) > len(entries) + 1:
                 raise ManifestValidationError(f"{key}: container entries form a cycle", key)
     return found
+
+
+def leaf_order(entries: Mapping[str, Entry]) -> list[str]:
+    """The non-container keys in the order the state was built (a model's state-dict order).
+
+    A manifest keeps its entries sorted by key, which puts ``layers.10`` before
+    ``layers.2``; the containers' member lists keep the order the state dict
+    had, so walking them depth first from the roots (the entries no container
+    lists) gives the model's order. A leaf no container reaches comes last::
+
+        leaf_order(manifest.entries)  # ['0/model/0.weight', '0/model/0.bias', '0/model/1.weight']
+    """
+    listed = {child_key(k, m) for k, e in entries.items() if isinstance(e, ContainerEntry)
+              for m in e.keys}  # fmt: skip
+    seen: set[str] = set()
+    out: list[str] = []
+    for root in [k for k in entries if k not in listed] + list(entries):
+        stack = [root]
+        while stack:
+            k = stack.pop()
+            entry = entries.get(k)
+            if entry is None or k in seen:  # a dangling member or a cycle: not ours to judge
+                continue
+            seen.add(k)
+            if isinstance(entry, ContainerEntry):
+                stack.extend(child_key(k, m) for m in reversed(entry.keys))
+            else:
+                out.append(k)
+    return out
