@@ -23,6 +23,10 @@ from casnap.cli.common import (
     open_snapshot,
     storage_options,
 )
+from casnap.cli.contract import check_output_path
+from casnap.cli.naming import resolve_name, suggest
+from casnap.cli.remote import first_contact
+from casnap.errors import ConfigError, ObjectNotFoundError, RetentionError
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -32,6 +36,7 @@ from casnap.ops.retention import (
     RetentionPolicy,
     RetentionRule,
 )
+from casnap.repo.tags import tag_names
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -55,7 +60,10 @@ def best(text: str) -> KeepBest:
 def cmd_init(args: argparse.Namespace) -> int:
     from casnap.api.repository import Repository
 
-    repo = Repository.init(args.repo, storage_options(args), chunk_size=args.chunk_size)
+    options = storage_options(args)
+    repo = first_contact(
+        args.repo, lambda: Repository.init(args.repo, options, chunk_size=args.chunk_size)
+    )
     data = {"repo": repo.url, "repo_id": repo.config.repo_id, "shared": repo.config.shared,
             "chunk_size": repo.config.chunk_size}  # fmt: skip
     emit(args, data, lambda: f"shared repository at {repo.url}: snapshot paths below it go in it")
@@ -95,13 +103,24 @@ def cmd_retain(args: argparse.Namespace) -> int:
     if args.keep_tagged is not None:
         rules.append(KeepTagged(args.keep_tagged or None))
     rules += args.keep_best or []
-    result = open_repo(args).retain(
-        RetentionPolicy(*rules),
-        dry_run=args.dry_run,
-        allow_delete_all=args.allow_delete_all,
-        prune=args.prune,
-        wait_seconds=args.wait,
-    )
+    if not rules and not args.allow_delete_all:
+        raise ConfigError(
+            "retain needs a rule saying what to keep: --keep-last N, --keep-every-step K, "
+            "--keep-within DURATION, --keep-tagged [TAG ...] or --keep-best N:METRIC "
+            "(--allow-delete-all alone deletes every snapshot)",
+            "keep",
+        )
+    try:
+        result = open_repo(args).retain(
+            RetentionPolicy(*rules),
+            dry_run=args.dry_run,
+            allow_delete_all=args.allow_delete_all,
+            prune=args.prune,
+            wait_seconds=args.wait,
+        )
+    except RetentionError as exc:  # its message names the Python argument
+        message = str(exc).replace("allow_delete_all=True", "--allow-delete-all")
+        raise RetentionError(message) from exc
     plan = result.plan
     assert plan is not None  # Repository.retain always returns its plan
     if result.dry_run:
@@ -138,17 +157,27 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+_TAG_USAGE = {
+    "add": "casnap tag REPO add TAG SNAPSHOT",
+    "rm": "casnap tag REPO rm TAG",
+    "ls": "casnap tag REPO ls",
+}
+
+
 def cmd_tag(args: argparse.Namespace) -> int:
-    if args.action in ("add", "rm") and not args.tag:
-        raise SystemExit(f"casnap tag {args.action}: name the tag")
+    wanted = {"add": (True, True), "rm": (True, False), "ls": (False, False)}[args.action]
+    if wanted != (bool(args.tag), bool(args.snapshot)):
+        raise ConfigError(f"tag {args.action} is used as: {_TAG_USAGE[args.action]}", "tag")
     repo = open_repo(args)
     if args.action == "add":
-        if not args.snapshot:
-            raise SystemExit("casnap tag add: name the snapshot to tag")
-        info = repo.tag(args.tag, args.snapshot)
+        info = repo.tag(args.tag, resolve_name(repo, args.snapshot))
         emit(args, vars(info), lambda: f"tagged {info.snapshot} as {info.tag}")
     elif args.action == "rm":
-        info = repo.untag(args.tag)
+        try:
+            info = repo.untag(args.tag)
+        except ObjectNotFoundError as exc:
+            hint = suggest(args.tag, tag_names(repo), f"`casnap tag {repo.url} ls`")
+            raise ObjectNotFoundError(f"{exc}{hint}", exc.key) from exc
         emit(args, vars(info), lambda: f"removed tag {info.tag} (was {info.snapshot})")
     else:
         tags = repo.tags()
@@ -164,6 +193,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    check_output_path(args.out)
     repo, name = open_snapshot(args, args.snapshot)
     result = repo.export(
         name,
