@@ -14,10 +14,12 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
 from casnap import Repository, Session, Snapshot, StateDict
 
@@ -98,6 +100,12 @@ def test_a_malformed_storage_option_is_usage_before_or_after_the_command(repo, t
                  ["--storage-option", "foo", "ls", str(repo)]):  # fmt: skip
         code, _, err = casnap(tmp_path, *argv)
         assert code == 2 and "--storage-option: wants KEY=VALUE, got 'foo'" in err
+
+
+def test_init_with_a_chunk_size_out_of_bounds_is_usage(tmp_path):
+    code, _, err = casnap(tmp_path, "init", str(tmp_path / "new"), "--chunk-size", "0")
+    assert code == 2 and "argument --chunk-size: must be at least 4096 bytes" in err
+    assert not (tmp_path / "new").exists()
 
 
 def test_tag_with_a_missing_argument_is_usage(repo, tmp_path):
@@ -224,3 +232,16 @@ def test_a_server_that_never_answers_is_one_line_within_the_timeout(tmp_path):
         code, line, took = _remote(tmp_path, f"http://127.0.0.1:{s.getsockname()[1]}", "2")
     assert code == 5 and took < 60
     assert "no answer from gs://bucket/run1 within 2 s" in line
+
+
+@pytest.mark.gcs
+def test_a_remote_that_answers_works_through_the_bound(gcs_bucket, tmp_path):  # noqa: F811
+    url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
+    for step in (100, 1000, 200):
+        Snapshot.take(f"{url}/step_{step}", {"m": StateDict(w=torch.ones(4) * step)},
+                      metadata={"step": step})  # fmt: skip
+    env = {"CASNAP_REMOTE_TIMEOUT": "60"}  # os.environ names the emulator (the fixture)
+    code, out, _ = casnap(tmp_path, "--json", "ls", url, env=env)
+    assert code == 0 and json.loads(out) == ["step_100", "step_1000", "step_200"]
+    code, out, _ = casnap(tmp_path, "show", f"{url}/latest", "--json", env=env)
+    assert code == 0 and json.loads(out)["name"] == "step_1000"

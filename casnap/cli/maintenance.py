@@ -37,6 +37,7 @@ from casnap.ops.retention import (
     RetentionRule,
 )
 from casnap.repo.tags import tag_names
+from casnap.settings import VARIABLES
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -47,6 +48,14 @@ def duration(text: str) -> float:
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m, 6h, 7d")
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def chunk_size(text: str) -> int:
+    """Bytes from ``65536`` or ``4MiB``, within the bounds of the ``chunk_size`` setting."""
+    try:
+        return int(VARIABLES["chunk_size"].parse(text, "override"))
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from exc
 
 
 def best(text: str) -> KeepBest:
@@ -244,7 +253,8 @@ def _prune_arguments(p: argparse.ArgumentParser, what: str) -> None:
 def register(add: Callable[..., Any]) -> None:
     p = add("init", cmd_init, "create a repository shared by the snapshot paths below it")
     p.add_argument("repo", help="repository directory or URL, e.g. /ckpt")
-    p.add_argument("--chunk-size", type=int, metavar="BYTES", help="default chunk size")
+    p.add_argument("--chunk-size", type=chunk_size, metavar="BYTES",
+                   help="default chunk size (4 KiB to 1 GiB, e.g. 4MiB)")  # fmt: skip
     p = add("rm", cmd_rm, "delete one snapshot (--prune: and the space only it used)")
     p.add_argument("snapshot", help="snapshot path, e.g. /ckpt/run1/step_100")
     _prune_arguments(p, "the deleted snapshot")
