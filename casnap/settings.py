@@ -196,6 +196,10 @@ VARIABLES: Mapping[str, Variable] = _table(
     Variable("store_retry_delay", "float", 0.2, "Seconds: the longest wait before the first "
              "retry, doubled for each further retry (at most 10 s), with random jitter.",
              minimum=0, maximum=600),
+    Variable("remote_timeout", "float", 20.0, "Seconds the command line waits for a remote "
+             "store's first answer (opening the repository) before it gives up with one "
+             "line naming the URL; 0 waits as long as the store's own retries take.",
+             minimum=0, maximum=7 * 86400),
     Variable("index", "bool", True, "Whether takes and history use the local LMDB index."),
     Variable("index_dir", "path", None, "Where the local index lives. Unset: "
              "~/.cache/casnap/index."),

@@ -62,8 +62,11 @@ def test_retain_plans_then_deletes_refs_and_gc_reclaims(capsys, repo_dir):
 
 
 def test_retain_refuses_to_delete_everything(capsys, repo_dir):
-    code = main(["retain", repo_dir])
-    assert code == 5
+    code = main(["retain", repo_dir])  # no rule at all: bad usage
+    assert code == 2 and "--keep-last" in capsys.readouterr().err
+    code = main(["retain", repo_dir, "--keep-tagged"])  # a rule that keeps none of them
+    err = capsys.readouterr().err
+    assert code == 2 and "--allow-delete-all" in err and "allow_delete_all" not in err
     assert len(Repository.open(repo_dir).list_snapshots()) == 6
 
 

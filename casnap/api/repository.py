@@ -112,7 +112,11 @@ class Repository(RepoStorage):
 
     @classmethod
     def locate(
-        cls, path: str, storage_options: dict[str, Any] | None = None
+        cls,
+        path: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        must_exist: bool = True,
     ) -> tuple[Repository, str]:
         """The repository holding the snapshot at ``path``, and the snapshot's name in it.
 
@@ -123,8 +127,12 @@ class Repository(RepoStorage):
         (:class:`casnap.SnapshotNotFoundError`, naming where it looked, if none holds it)::
 
             repo, name = Repository.locate("/ckpt/run1/step_100")  # (Repository, "step_100")
+
+        ``must_exist=False`` returns the repository a take to ``path`` would use
+        even when it holds no such snapshot (the CLI then resolves ``latest``
+        and tag names in it).
         """
-        storage, name = locate(path, storage_options, create=False, existing=True)
+        storage, name = locate(path, storage_options, create=False, existing=must_exist)
         if isinstance(storage, Repository):
             return storage, name
         return cls._make(storage.root, storage.config), name

@@ -7,8 +7,10 @@ formats the results and maps errors to exit codes.
 
 Tables for people by default, ``--json`` for scripts. Exit codes: 0 success,
 1 verify found problems (repair: snapshots stay unrecoverable), 2 bad usage,
-3 no such repository or snapshot, 4 integrity or validation error, 5 any
-other casnap error.
+3 no such repository, snapshot or tag, 4 integrity or validation error, 5 any
+other error, 141 stdout closed early (casnap/cli/contract.py has the table).
+Global options (``--json``, ``--storage-option``, ``-v``, ``-q``, ``--debug``)
+go before or after the command.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from casnap.api.repository import Repository
 from casnap.cli import maintenance, plots
 from casnap.cli.common import (
     EXIT_ERROR,
-    EXIT_INTEGRITY,
-    EXIT_NOT_FOUND,
     EXIT_PROBLEMS,
     EXIT_USAGE,
     age,
@@ -37,14 +37,19 @@ from casnap.cli.common import (
     storage_options,
     table,
 )
+from casnap.cli.contract import (
+    add_global_options,
+    closed_pipe,
+    merge_global_options,
+    run_command,
+    version,
+)
 from casnap.cli.plot_data import metric_names
 from casnap.cli.progress import progress_bar
 from casnap.display import format_float
 from casnap.errors import (
-    CasnapError,
     IntegrityError,
     RepositoryNotFoundError,
-    SnapshotNotFoundError,
     UnsupportedFormatError,
 )
 from casnap.format.manifest import (
@@ -306,6 +311,16 @@ def _part(text: str) -> tuple[int, int]:
     return part
 
 
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"wants a whole number of parts >= 1, got {text!r}")
+    return n
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     part = args.part
     try:
@@ -373,16 +388,16 @@ def _next_part(repo: Repository, n: int) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="casnap", description="Inspect and maintain casnap repositories."
+        prog="casnap",
+        description="Inspect and maintain casnap repositories. A snapshot is named by its "
+        "path (REPO/NAME), by a tag (REPO/TAG) or as REPO/latest.",
+        epilog="exit codes: 0 ok, 1 problems found, 2 usage, 3 not found, 4 integrity, "
+        "5 other error, 141 output closed early",
     )
+    parser.add_argument("--version", action="version", version=f"casnap {version()}")
+    add_global_options(parser, after=False)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="machine-readable output")
-    common.add_argument(
-        "--storage-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="an fsspec storage option (repeatable), e.g. token=anon",
-    )
+    add_global_options(common, after=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> Any:
@@ -437,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--rotate",
-        type=int,
+        type=_count,
         metavar="N",
         help="re-hash the next part of N each run (implies --read-data)",
     )
@@ -446,21 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run ``casnap ARGV``; the exit code (casnap/cli/contract.py has the table)."""
     try:
-        return int(args.func(args))
-    except (SnapshotNotFoundError, RepositoryNotFoundError) as exc:
-        print(f"casnap: {exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND
-    except IntegrityError as exc:
-        print(f"casnap: integrity error: {exc}", file=sys.stderr)
-        return EXIT_INTEGRITY
-    except CasnapError as exc:
-        print(f"casnap: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        return 130
+        args = build_parser().parse_args(argv)  # bad usage: argparse exits 2
+    except BrokenPipeError:  # --help into a closed pipe
+        return closed_pipe()
+    merge_global_options(args)
+    return run_command(args, args.func)
 
 
 if __name__ == "__main__":

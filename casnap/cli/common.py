@@ -14,7 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from casnap.api.repository import Repository
+from casnap.cli.naming import resolve_name
+from casnap.cli.remote import first_contact
 from casnap.display import format_float, format_size, format_time, parse_size
+from casnap.errors import ConfigError
 from casnap.format.manifest import PrimitiveEntry
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
@@ -57,19 +60,23 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     for item in args.storage_option or []:
         key, _, value = item.partition("=")
         if not key or not _:
-            raise SystemExit(f"casnap: --storage-option wants KEY=VALUE, got {item!r}")
+            raise ConfigError(f"--storage-option wants KEY=VALUE, got {item!r}", "storage_option")
         opts[key] = value
     return opts
 
 
 def open_repo(args: argparse.Namespace) -> Repository:
     """The repository named by ``args.repo`` (RepositoryNotFoundError if none)."""
-    return Repository(args.repo, storage_options(args))
+    options = storage_options(args)
+    return first_contact(args.repo, lambda: Repository(args.repo, options))
 
 
 def open_snapshot(args: argparse.Namespace, path: str) -> tuple[Repository, str]:
-    """The repository holding the snapshot at ``path``, and the snapshot's name."""
-    return Repository.locate(path, storage_options(args))
+    """The repository holding the snapshot at ``path``, and the snapshot's name
+    (``latest`` and tags resolved: casnap/cli/naming.py)."""
+    options = storage_options(args)
+    repo, name = first_contact(path, lambda: Repository.locate(path, options, must_exist=False))
+    return repo, resolve_name(repo, name)
 
 
 def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:

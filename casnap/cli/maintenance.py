@@ -11,14 +11,12 @@ import argparse
 import dataclasses
 import os
 import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from casnap.cli.common import (
     EXIT_ERROR,
     EXIT_PROBLEMS,
-    EXIT_USAGE,
     age,
     emit,
     human,
@@ -28,7 +26,11 @@ from casnap.cli.common import (
     storage_options,
     table,
 )
+from casnap.cli.contract import check_output_path
+from casnap.cli.naming import resolve_name, suggest
 from casnap.cli.progress import progress_bar
+from casnap.cli.remote import first_contact
+from casnap.errors import ConfigError, ObjectNotFoundError, RetentionError
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -38,6 +40,8 @@ from casnap.ops.retention import (
     RetentionPolicy,
     RetentionRule,
 )
+from casnap.repo.tags import tag_names
+from casnap.settings import VARIABLES
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -48,6 +52,16 @@ def duration(text: str) -> float:
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m, 6h, 7d")
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def chunk_size(text: str) -> int:
+    """Bytes from ``65536`` or ``4MiB``, within the bounds of the ``chunk_size`` setting."""
+    if not text.strip().lstrip("-").isdigit():  # a plain number: the bounds say what is wrong
+        size(text)  # "'lots' is not a size like ...": the message every size option gives
+    try:
+        return int(VARIABLES["chunk_size"].parse(text, "override"))
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from exc
 
 
 def best(text: str) -> KeepBest:
@@ -61,7 +75,10 @@ def best(text: str) -> KeepBest:
 def cmd_init(args: argparse.Namespace) -> int:
     from casnap.api.repository import Repository
 
-    repo = Repository.init(args.repo, storage_options(args), chunk_size=args.chunk_size)
+    options = storage_options(args)
+    repo = first_contact(
+        args.repo, lambda: Repository.init(args.repo, options, chunk_size=args.chunk_size)
+    )
     data = {"repo": repo.url, "repo_id": repo.config.repo_id, "shared": repo.config.shared,
             "chunk_size": repo.config.chunk_size}  # fmt: skip
     emit(args, data, lambda: f"shared repository at {repo.url}: snapshot paths below it go in it")
@@ -101,13 +118,24 @@ def cmd_retain(args: argparse.Namespace) -> int:
     if args.keep_tagged is not None:
         rules.append(KeepTagged(args.keep_tagged or None))
     rules += args.keep_best or []
-    result = open_repo(args).retain(
-        RetentionPolicy(*rules),
-        dry_run=args.dry_run,
-        allow_delete_all=args.allow_delete_all,
-        prune=args.prune,
-        wait_seconds=args.wait,
-    )
+    if not rules and not args.allow_delete_all:
+        raise ConfigError(
+            "retain needs a rule saying what to keep: --keep-last N, --keep-every-step K, "
+            "--keep-within DURATION, --keep-tagged [TAG ...] or --keep-best N:METRIC "
+            "(--allow-delete-all alone deletes every snapshot)",
+            "keep",
+        )
+    try:
+        result = open_repo(args).retain(
+            RetentionPolicy(*rules),
+            dry_run=args.dry_run,
+            allow_delete_all=args.allow_delete_all,
+            prune=args.prune,
+            wait_seconds=args.wait,
+        )
+    except RetentionError as exc:  # its message names the Python argument
+        message = str(exc).replace("allow_delete_all=True", "--allow-delete-all")
+        raise RetentionError(message) from exc
     plan = result.plan
     assert plan is not None  # Repository.retain always returns its plan
     if result.dry_run:
@@ -143,17 +171,27 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+_TAG_USAGE = {
+    "add": "casnap tag REPO add TAG SNAPSHOT",
+    "rm": "casnap tag REPO rm TAG",
+    "ls": "casnap tag REPO ls",
+}
+
+
 def cmd_tag(args: argparse.Namespace) -> int:
-    if args.action in ("add", "rm") and not args.tag:
-        raise SystemExit(f"casnap tag {args.action}: name the tag")
+    wanted = {"add": (True, True), "rm": (True, False), "ls": (False, False)}[args.action]
+    if wanted != (bool(args.tag), bool(args.snapshot)):
+        raise ConfigError(f"tag {args.action} is used as: {_TAG_USAGE[args.action]}", "tag")
     repo = open_repo(args)
     if args.action == "add":
-        if not args.snapshot:
-            raise SystemExit("casnap tag add: name the snapshot to tag")
-        info = repo.tag(args.tag, args.snapshot)
+        info = repo.tag(args.tag, resolve_name(repo, args.snapshot))
         emit(args, vars(info), lambda: f"tagged {info.snapshot} as {info.tag}")
     elif args.action == "rm":
-        info = repo.untag(args.tag)
+        try:
+            info = repo.untag(args.tag)
+        except ObjectNotFoundError as exc:
+            hint = suggest(args.tag, tag_names(repo), f"`casnap tag {repo.url} ls`")
+            raise ObjectNotFoundError(f"{exc}{hint}", exc.key) from exc
         emit(args, vars(info), lambda: f"removed tag {info.tag} (was {info.snapshot})")
     else:
         tags = repo.tags()  # in natural order
@@ -187,11 +225,11 @@ def export_format(out: str, given: str | None) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    check_output_path(args.out)
     try:
         fmt = export_format(args.out, args.format)  # before anything is read
     except ValueError as exc:
-        print(f"casnap export: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise ConfigError(f"export: {exc}", "out") from exc
     repo, name = open_snapshot(args, args.snapshot)
     with progress_bar(args, "export") as bar:
         result = repo.export(
@@ -246,9 +284,8 @@ def _prune_arguments(p: argparse.ArgumentParser, what: str) -> None:
 def register(add: Callable[..., Any]) -> None:
     p = add("init", cmd_init, "create a repository shared by the snapshot paths below it")
     p.add_argument("repo", help="repository directory or URL, e.g. /ckpt")
-    p.add_argument(
-        "--chunk-size", type=size, metavar="SIZE", help="default chunk size, e.g. 4MiB or 4194304"
-    )
+    p.add_argument("--chunk-size", type=chunk_size, metavar="SIZE",
+                   help="default chunk size (4 KiB to 1 GiB, e.g. 4MiB or 4194304)")  # fmt: skip
     p = add("rm", cmd_rm, "delete one snapshot (--prune: and the space only it used)")
     p.add_argument("snapshot", help="snapshot path, e.g. /ckpt/run1/step_100")
     _prune_arguments(p, "the deleted snapshot")
