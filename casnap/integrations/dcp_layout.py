@@ -1,0 +1,142 @@
+"""How a DCP checkpoint is laid out in a casnap manifest (shared by the writer and the reader).
+
+A DCP save names each value by a *fqn* (``model.layer.weight``) and, with the
+default planner's flattening, records the path it came from in the state
+dict (``planner_data``: ``{"model.layer.weight": ("model", "layer.weight")}``).
+casnap stores each fqn under the logical key a casnap take of the same state
+would use: ``0/<path component>/<path component>``, each component escaped
+(docs/format.md). An fqn without a recorded path is ``0/<fqn>``. So
+``Snapshot(path).read_object("0/model/layer.weight")`` reads what DCP saved.
+
+The manifest's ``metadata["dcp"]`` keeps what DCP's ``Metadata`` needs beyond
+the entries: the DCP version and the planner data (as JSON). Entries are
+casnap's own kinds, so ``log``, ``du``, ``diff``, ``verify``, ``gc`` and
+retention see every chunk:
+
+- a tensor saved whole (one chunk at offset 0): a ``tensor`` entry;
+- a tensor saved as several boxes (DTensor, ShardedTensor): a ``sharded``
+  entry, one shard per DCP chunk, with its global offsets;
+- a non-tensor value: a ``primitive`` entry when it is a JSON scalar, else an
+  ``object`` entry holding DCP's own ``torch.save`` bytes;
+- ``container`` entries for the paths' prefixes, so a subtree reads as a dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from casnap.errors import ManifestValidationError, UnsupportedValueError
+from casnap.format.manifest import ContainerEntry, Entry
+from casnap.format.names import escape_key, unescape_key
+
+DCP_METADATA = "dcp"  # the key of DCP's own fields in a manifest's metadata
+RANK = "0"  # DCP's state is one global namespace: every key is below rank 0
+
+PathT = tuple[str | int, ...]
+
+
+def path_key(path: PathT) -> str:
+    """The logical key of a state-dict path (``("model", "w")`` -> ``0/model/w``)."""
+    return "/".join([RANK, *(escape_key(str(p)) for p in path)])
+
+
+def planner_paths(planner_data: Any) -> dict[str, PathT]:
+    """The default planner's fqn -> path mapping; {} without one.
+
+    Only that form is stored (as JSON): a custom planner's own data would need
+    pickling, which casnap keeps off the load path.
+    """
+    if planner_data is None:
+        return {}
+    if not isinstance(planner_data, Mapping):
+        raise UnsupportedValueError(
+            f"DCP planner data of type {type(planner_data).__name__} cannot be stored; casnap "
+            "stores the default planner's fqn -> state-dict path mapping only"
+        )
+    out: dict[str, PathT] = {}
+    for fqn, path in planner_data.items():
+        if (
+            not isinstance(fqn, str)
+            or not isinstance(path, (tuple, list))
+            or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
+        ):
+            raise UnsupportedValueError(
+                f"DCP planner data for {fqn!r} is not a state-dict path ({path!r})"
+            )
+        out[fqn] = tuple(path)
+    return out
+
+
+def fqn_keys(fqns: Iterable[str], paths: Mapping[str, PathT]) -> dict[str, str]:
+    """fqn -> logical key; two fqns that would share a key are refused."""
+    keys: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for fqn in fqns:
+        path = paths.get(fqn) or (fqn,)
+        key = path_key(path)
+        if key in seen:
+            raise UnsupportedValueError(
+                f"DCP values {seen[key]!r} and {fqn!r} would be stored under the same key {key!r}"
+            )
+        seen[key] = fqn
+        keys[fqn] = key
+    return keys
+
+
+def containers(keys: Iterable[str]) -> dict[str, Entry]:
+    """``container`` entries (dicts) for every proper prefix of ``keys`` below the rank.
+
+    DCP cannot tell a list from a dict with int keys (an optimizer's
+    ``state``), so every container is a dict; its member names are the
+    stored components.
+    """
+    members: dict[str, dict[str, None]] = {}
+    for key in keys:
+        parts = key.split("/")
+        for depth in range(2, len(parts)):
+            members.setdefault("/".join(parts[:depth]), {})[parts[depth]] = None
+    return {
+        prefix: ContainerEntry(type="dict", keys=[unescape_key(m) for m in names])
+        for prefix, names in members.items()
+    }
+
+
+def key_fqns(keys: Iterable[str], paths: Mapping[str, PathT]) -> dict[str, str]:
+    """Logical key -> fqn for the leaf ``keys`` of a manifest (the inverse of :func:`fqn_keys`)."""
+    known = {path_key(p): f for f, p in paths.items()}
+    out: dict[str, str] = {}
+    for key in keys:
+        fqn = known.get(key)
+        if fqn is None:
+            parts = key.split("/")
+            if len(parts) != 2 or parts[0] != RANK:
+                raise ManifestValidationError(
+                    f"entry {key!r} is not one a DCP save wrote (no fqn maps to it)", key
+                )
+            fqn = unescape_key(parts[1])
+        out[key] = fqn
+    return out
+
+
+def dcp_record(version: str | None, paths: Mapping[str, PathT]) -> dict[str, Any]:
+    """``metadata["dcp"]`` of a manifest: DCP's version and the planner's paths (JSON)."""
+    return {"version": version, "planner_data": {f: list(p) for f, p in paths.items()}}
+
+
+def read_record(metadata: Mapping[str, Any], what: str) -> tuple[str | None, dict[str, PathT]]:
+    """(version, fqn -> path) from a manifest's metadata; a snapshot without it is refused."""
+    record = metadata.get(DCP_METADATA)
+    if not isinstance(record, Mapping):
+        raise ManifestValidationError(
+            f"{what} was not written by casnap's DCP writer (no metadata[{DCP_METADATA!r}]); "
+            "read it with casnap.Snapshot instead",
+            what,
+        )
+    version = record.get("version")
+    raw = record.get("planner_data") or {}
+    try:
+        paths = planner_paths({f: tuple(p) for f, p in dict(raw).items()})
+    except (TypeError, ValueError, UnsupportedValueError) as exc:
+        raise ManifestValidationError(f"{what}: malformed DCP planner data", what) from exc
+    return (version if isinstance(version, str) else None), paths

@@ -1,0 +1,435 @@
+"""``CasnapWriter``: a torch.distributed.checkpoint ``StorageWriter`` that saves into casnap.
+
+DCP calls, in this order (``torch/distributed/checkpoint/storage.py``):
+
+1. (all ranks) ``reset(checkpoint_id)`` when one is given, then
+   ``set_up_storage_writer(is_coordinator, rank=...)``;
+2. (all ranks) ``prepare_local_plan(plan)``: nothing to add;
+3. (coordinator) ``prepare_global_plan(plans)``: find or create the
+   repository (``Repository.locate`` rules), take the save's lease (gc sweeps
+   nothing from here until the ref is written), choose the chunk size and the
+   parents, and hand them to every rank in the plans' ``storage_data``;
+4. (all ranks) ``write_data(plan, planner)``: each rank cuts its items into
+   chunks and writes those the repository lacks (casnap's scheduler and
+   ``ChunkWriter``: hashing, dedup against the parents and the local index,
+   packing of small chunks); results carry the chunk references;
+5. (coordinator) ``finish(metadata, results)``: build the manifest
+   (casnap.integrations.dcp_layout), write it, then the ref: the commit point.
+
+Saving again to a name that exists (DCP's default ``overwrite=True``) keeps the
+old version as the snapshot ``<name>@<12 hex of its manifest>`` and then
+replaces the ref, so the previous save stays in the history until retention
+drops it. Cross-rank dedup: DCP's planner already gives each replicated
+tensor to one rank; identical loose chunks of different ranks land on one
+object (content addressing), small packed ones may be packed by each rank.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from casnap import index
+from casnap.chunks.budget import ByteBudget
+from casnap.chunks.io import ChunkWriter, WriteStats
+from casnap.errors import ConfigError, SnapshotExistsError, UnsupportedValueError
+from casnap.format.manifest import (
+    ChunkRef,
+    Entry,
+    Manifest,
+    ObjectEntry,
+    PrimitiveEntry,
+    Ref,
+    ShardedEntry,
+    ShardRecord,
+    TensorEntry,
+    record_bytes,
+)
+from casnap.format.names import is_hashed_key
+from casnap.integrations.dcp_layout import (
+    DCP_METADATA,
+    containers,
+    dcp_record,
+    fqn_keys,
+    planner_paths,
+)
+from casnap.repo.leases import Lease, acquire_lease
+from casnap.repo.named import named_keys
+from casnap.repo.repository import RepoStorage, locate, now_iso
+from casnap.settings import Settings, default_memory_budget
+from casnap.take.commit import commit_snapshot, remember
+from casnap.take.plan import known_chunks
+from casnap.take.scheduler import Scheduler, data_request, tensor_request
+from casnap.take.session import Session
+from casnap.take.target import check_metadata, split_options, take_settings
+from casnap.torch_io.flatten import encode_primitive
+from casnap.torch_io.tensors import dtype_name
+
+HISTORY_SEP = "@"  # <name>@<12 hex>: an earlier save to the same checkpoint id
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """What the coordinator tells every rank (a SavePlan's ``storage_data``)."""
+
+    url: str
+    name: str
+    store_options: dict[str, Any]
+    overrides: dict[str, Any]
+    chunk_size: int
+    parents: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor item as written (a WriteResult's ``storage_data``)."""
+
+    dtype: str
+    sizes: tuple[int, ...]
+    chunk_size: int
+    chunks: tuple[ChunkRef, ...]
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """A non-tensor item: inline as a primitive, or DCP's ``torch.save`` bytes as chunks."""
+
+    primitive: PrimitiveEntry | None
+    size: int
+    chunk_size: int
+    chunks: tuple[ChunkRef, ...]
+
+
+def _as_path(checkpoint_id: str | os.PathLike[str]) -> str:
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if not isinstance(checkpoint_id, str) or not checkpoint_id:
+        raise ConfigError(f"a checkpoint id must be a non-empty path or URL, got {checkpoint_id!r}")
+    return checkpoint_id
+
+
+class CasnapWriter(StorageWriter):
+    """Save DCP checkpoints as casnap snapshots: deduplicated, verified, gc-able.
+
+    ``path`` (or DCP's ``checkpoint_id=``) is a snapshot path, as for
+    ``casnap.Snapshot.take``: ``/ckpt/run1/step_100`` is snapshot ``step_100``
+    of the repository ``/ckpt/run1`` (docs/repository.md, "Where snapshots
+    live"). ``storage_options`` are those of a take (``repository``,
+    ``chunk_size``, ``compression``, fsspec options). ``metadata`` (JSON) goes
+    into each snapshot's manifest (``step`` orders retention). With
+    ``overwrite=False`` saving to a name that exists raises
+    :class:`casnap.SnapshotExistsError`. FileSystemWriter's other arguments
+    (``single_file_per_rank``, ``sync_files``, ``thread_count``, …) are
+    accepted and ignored: casnap's writes are always durable before the commit.
+
+    Example::
+
+        import torch.distributed.checkpoint as dcp
+        from casnap.integrations.dcp import CasnapWriter, CasnapReader
+
+        dcp.save({"model": model.state_dict()}, storage_writer=CasnapWriter("/ckpt/run1/step_100"))
+        dcp.load(state, storage_reader=CasnapReader("/ckpt/run1/step_100"))
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        overwrite: bool = True,
+        session: Session | None = None,
+        **_filesystem_writer_options: Any,
+    ) -> None:
+        super().__init__()
+        self.path: str | None = _as_path(path) if path is not None else None
+        self.storage_options = dict(storage_options or {})
+        self.metadata = check_metadata(metadata)
+        if DCP_METADATA in self.metadata:
+            raise UnsupportedValueError(f"metadata key {DCP_METADATA!r} is the DCP writer's own")
+        self.overwrite = overwrite
+        self.session = session if session is not None else Session()
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self.rank = 0
+        #: This rank's writes in the last save (chunks, bytes written after dedup).
+        self.last_write_stats: WriteStats | None = None
+        #: The manifest hash the last save committed (coordinator only).
+        self.last_manifest: str | None = None
+        self._repo: RepoStorage | None = None
+        self._lease: Lease | None = None
+        self._name = ""  # the snapshot's name in self._repo
+        self._replaces: str | None = None  # the manifest a re-save replaces
+        self._lock = threading.Lock()
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    # -- DCP's StorageWriter ---------------------------------------------
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The snapshot path the next save writes (DCP logs it)."""
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            _as_path(checkpoint_id)
+        except ConfigError:
+            return False
+        return True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._release()  # a save that failed on another rank never reached finish()
+        if checkpoint_id:
+            self.path = _as_path(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._release()
+        if self.path is None:
+            raise ConfigError("CasnapWriter needs a path: CasnapWriter(path) or checkpoint_id=")
+        if not kwargs.get("use_collectives", True) and _world() > 1:
+            raise ConfigError(
+                "CasnapWriter needs DCP's collectives (use_collectives=True): one save is one "
+                "snapshot, committed once by the coordinator"
+            )
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) Locate the snapshot, take the lease, choose chunk size and parents."""
+        assert self.path is not None
+        options, overrides = split_options(self.storage_options)
+        new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
+        repo, name = locate(self.path, options, create=True, chunk_size=new_repo_chunk)
+        settings = take_settings(repo, overrides)
+        replaces = repo.resolve(name) if repo.has_ref(name) else None
+        if replaces is not None and not self.overwrite:
+            raise SnapshotExistsError(f"checkpoint {self.path!r} exists and overwrite=False", name)
+        last = self.session.lineage.parent(repo.config.repo_id)
+        parents = tuple(p for p in (replaces or last,) if p)
+        # From before any rank's first dedup decision until the ref is written.
+        self._lease = acquire_lease(repo.store, kind="take")
+        self._finalizer = weakref.finalize(self, self._lease.release)
+        self._repo, self._name, self._replaces = repo, name, replaces
+        store_options = {k: v for k, v in options.items() if k != "repository"}
+        target = SaveTarget(repo.url, name, store_options, overrides, settings.chunk_size, parents)
+        return [replace(plan, storage_data=target) for plan in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """(all ranks) Write this rank's items; each result names the chunks it became."""
+        try:
+            results = self._write(plan, planner)
+        except BaseException:
+            if self.is_coordinator:
+                self._release()
+            raise
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Write the manifest, then the ref: the commit point."""
+        try:
+            self._commit(metadata, results)
+        finally:
+            self._release()
+
+    # -- the work --------------------------------------------------------
+    def _open(self, target: SaveTarget) -> RepoStorage:
+        if self._repo is not None and self._repo.url == target.url:
+            return self._repo
+        return RepoStorage.open(target.url, target.store_options or None)
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        target = plan.storage_data
+        if not isinstance(target, SaveTarget):
+            raise ConfigError("CasnapWriter.write_data got a plan it did not prepare")
+        repo = self._open(target)
+        settings = take_settings(repo, target.overrides, chunk_size=target.chunk_size)
+        requests = []
+        kinds: list[torch.Tensor | PrimitiveEntry | int] = []
+        for i, item in enumerate(plan.items):
+            key = f"{i}:{item.index.fqn}"
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                raw = data.getvalue()
+                primitive = _primitive(raw)
+                kinds.append(primitive if primitive is not None else len(raw))
+                if primitive is None:
+                    requests.append(data_request(key, memoryview(raw), raw))
+            else:
+                assert isinstance(data, torch.Tensor)
+                kinds.append(data)
+                requests.append(tensor_request(key, data))
+        last_plan = self.session.last_plan
+        known = known_chunks(repo, list(target.parents), last_plan)
+        with ThreadPoolExecutor(settings.io_workers, thread_name_prefix="casnap-dcp") as pool:
+            writer = ChunkWriter(repo, settings, pool, known)
+            budget = ByteBudget(default_memory_budget())
+            written = Scheduler(writer, settings, budget).run(requests)
+        # Chunks are put non-durably; the coordinator's durable manifest put covers only
+        # its own process, so every rank makes its chunks durable before reporting them.
+        repo.store.flush()
+        self.last_write_stats = writer.stats
+        results = []
+        for i, (item, kind) in enumerate(zip(plan.items, kinds, strict=True)):
+            refs = tuple(written.get(f"{i}:{item.index.fqn}", ()))
+            stored: StoredTensor | StoredBytes
+            if isinstance(kind, torch.Tensor):
+                stored = StoredTensor(dtype_name(kind.dtype, item.index.fqn), tuple(kind.shape),
+                                      settings.chunk_size, refs)  # fmt: skip
+                size = kind.numel() * kind.element_size()
+            elif isinstance(kind, PrimitiveEntry):
+                stored, size = StoredBytes(kind, 0, settings.chunk_size, ()), 0
+            else:
+                stored, size = StoredBytes(None, kind, settings.chunk_size, refs), kind
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=stored))
+        return results
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        repo, lease = self._repo, self._lease
+        assert repo is not None and lease is not None and self.path is not None
+        stored: dict[str, list[tuple[Any, Any]]] = {}
+        for rank in results:
+            for wr in rank:
+                stored.setdefault(wr.index.fqn, []).append((wr.index, wr.storage_data))
+        paths = planner_paths(metadata.planner_data)
+        keys = fqn_keys(metadata.state_dict_metadata, paths)
+        entries: dict[str, Entry] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            entries[keys[fqn]] = _entry(fqn, md, stored.get(fqn, []))
+        entries.update(containers(entries))
+        target_name = self._name
+        parents = [self._replaces] if self._replaces else []
+        if not parents:
+            last = self.session.lineage.parent(repo.config.repo_id)
+            parents = [last] if last else []
+        manifest = Manifest(
+            created_at=now_iso(),
+            world_size=len(results),
+            parents=parents,
+            metadata={**self.metadata, DCP_METADATA: dcp_record(metadata.version, paths)},
+            entries=entries,
+        )
+        if self._replaces is None:
+            self.last_manifest = commit_snapshot(
+                repo, target_name, manifest, lease=lease, session=self.session
+            )
+            return
+        self.last_manifest = _commit_replacing(
+            repo, target_name, manifest, self._replaces, lease, self.session
+        )
+
+    def _release(self) -> None:
+        with self._lock:
+            lease, self._lease = self._lease, None
+            finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        if lease is not None:
+            lease.release()
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _primitive(raw: bytes) -> PrimitiveEntry | None:
+    """A JSON scalar stored inline instead of DCP's ``torch.save`` bytes, when it is one.
+
+    The bytes were made by this process's planner a moment ago; ``weights_only``
+    loads plain Python values only, and anything else stays DCP's bytes.
+    """
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception:
+        return None
+    if isinstance(value, torch.dtype):
+        return None  # DCP hands loaded bytes back as they were; keep them exact
+    return encode_primitive(value)
+
+
+def _entry(fqn: str, md: Any, mine: list[tuple[Any, Any]]) -> Entry:
+    """The manifest entry of one DCP value, from its metadata and the ranks' results for it."""
+    if isinstance(md, BytesStorageMetadata):
+        if len(mine) != 1 or not isinstance(mine[0][1], StoredBytes):
+            raise UnsupportedValueError(f"{fqn}: DCP reported {len(mine)} writes of one value")
+        s = mine[0][1]
+        if s.primitive is not None:
+            return s.primitive
+        return ObjectEntry(serializer="pickle", type_name="torch.save", size=s.size,
+                           chunk_size=s.chunk_size, chunks=list(s.chunks))  # fmt: skip
+    assert isinstance(md, TensorStorageMetadata)
+    dtype = dtype_name(md.properties.dtype, fqn)
+    shape = list(md.size)
+    shards = []
+    by_offset = {tuple(idx.offset or ()): s for idx, s in mine}
+    for chunk in md.chunks:
+        box = by_offset.get(tuple(chunk.offsets))
+        if not isinstance(box, StoredTensor):
+            raise UnsupportedValueError(f"{fqn}: no write of the box at {list(chunk.offsets)}")
+        shards.append(ShardRecord(offsets=list(chunk.offsets), sizes=list(chunk.sizes),
+                                  chunk_size=box.chunk_size, chunks=list(box.chunks)))  # fmt: skip
+    if len(shards) == 1 and not any(shards[0].offsets) and shards[0].sizes == shape:
+        one = shards[0]
+        return TensorEntry(dtype=dtype, shape=shape, chunk_size=one.chunk_size, chunks=one.chunks)
+    return ShardedEntry(layout="dtensor", dtype=dtype, shape=shape, shards=shards)
+
+
+def _commit_replacing(
+    repo: RepoStorage,
+    name: str,
+    manifest: Manifest,
+    old: str,
+    lease: Lease,
+    session: Session,
+) -> str:
+    """Commit ``manifest`` as ``name``, which names ``old``: keep ``old`` as history first.
+
+    1. the manifest (create-only); 2. ``<name>@<old[:12]>`` -> ``old``, create-only
+    (idempotent: a retry after a crash finds it); 3. the lease is still ours;
+    4. replace the ref (one atomic put): the commit point. A crash before 4
+    leaves ``name`` as it was.
+    """
+    jsonable = manifest.to_jsonable()
+    manifest_hash = repo.write_manifest(manifest, jsonable)
+    repo.write_ref(f"{name}{HISTORY_SEP}{old[:12]}", old)
+    lease.check()
+    if repo.resolve(name) != old:
+        raise SnapshotExistsError(
+            f"snapshot {name!r} changed while this save ran (another writer); not replaced", name
+        )
+    key, *older = named_keys("refs", name)
+    recorded = name if is_hashed_key(key[len("refs/") :]) else None
+    ref = Ref(manifest=manifest_hash, created_at=now_iso(), name=recorded)
+    repo.store.put(key, record_bytes(ref))  # atomic replace: the commit point
+    for stale in older:  # the name where an older casnap version put it
+        repo.store.delete(stale)
+    remember(repo, manifest_hash, manifest, session, jsonable)
+    index.record_manifest(repo, manifest_hash, manifest)
+    return manifest_hash
