@@ -11,6 +11,7 @@ from casnap.errors import (
     CasnapError,
     CasnapWarning,
     ConfigError,
+    CopyIntegrityError,
     DistributedTakeError,
     GcBlockedError,
     GcBusyError,
@@ -41,6 +42,7 @@ from casnap.errors import (
     UnsupportedFormatError,
     UnsupportedValueError,
 )
+from casnap.ops.copy import CopyResult, copy
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -94,6 +96,9 @@ __all__ = [
     "CasnapError",
     "CasnapWarning",
     "ConfigError",
+    "CopyIntegrityError",
+    "CopyResult",
+    "copy",
     "DistributedTakeError",
     "GcBlockedError",
     "GcBusyError",

@@ -74,6 +74,21 @@ class IntegrityError(CasnapError, ValueError):
         self.object_name = object_name
 
 
+class CopyIntegrityError(IntegrityError):
+    """A copy left snapshots out: an object they need is damaged or missing at the source.
+
+    ``failed`` maps each such snapshot to why; the other snapshots were copied,
+    and ``result`` (a :class:`casnap.ops.copy.CopyResult`) says what was sent.
+    """
+
+    def __init__(
+        self, message: str, failed: dict[str, str] | None = None, result: object = None
+    ) -> None:
+        super().__init__(message)
+        self.failed = dict(failed or {})
+        self.result = result
+
+
 class ManifestValidationError(IntegrityError):
     """A manifest failed validation (untrusted input is checked before use)."""
 

@@ -41,6 +41,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Literal
 
+from casnap.api.checkpointer_mirror import is_rank_zero, make_mirror
 from casnap.api.checkpointer_resume import pick_best, resume, try_restore
 from casnap.api.checkpointer_triggers import (
     Clock,
@@ -142,6 +143,14 @@ class Checkpointer:
     - ``reclaim`` / ``reclaim_wait_seconds``: whether retention's reclaim runs
       after each commit, and how long it waits for other processes' takes in
       flight before deferring to the next commit (default 1 s).
+    - ``mirror``: a second repository (``"gs://bucket/run1"``, or a
+      :class:`~casnap.Repository`) each committed
+      snapshot is copied to in a background thread, with
+      ``mirror_storage_options``; ``mirror_retention`` (default: ``retention``)
+      is applied there after each copy; training waits only when
+      ``mirror_queue`` snapshots already wait for the copier. Failures are
+      logged and retried at the next commit; :meth:`wait` and :meth:`close`
+      wait for the mirror (casnap/api/checkpointer_mirror.py, docs/copy.md).
 
     Each take's parent is the previous take of this checkpointer, or the
     snapshot :meth:`restore_latest` restored: the checkpointer owns a
@@ -173,6 +182,10 @@ class Checkpointer:
         clock: Clock = time.monotonic,
         reclaim: bool = True,
         reclaim_wait_seconds: float = RECLAIM_WAIT_SECONDS,
+        mirror: str | RepoStorage | None = None,
+        mirror_storage_options: dict[str, Any] | None = None,
+        mirror_retention: RetentionPolicy | RetentionRule | None | Literal["same"] = "same",
+        mirror_queue: int = 2,
     ) -> None:
         repo_url = as_path(repo_url, "repo_url")
         if isinstance(retention, RetentionRule):
@@ -226,6 +239,10 @@ class Checkpointer:
         self._last_call: tuple[int, dict[str, Any], Mapping[str, Any] | None, list[str]] | None
         self._last_call = None  # the last maybe_take's arguments, for the take on close
         self.last_retention: RetentionResult | None = None
+        self.mirror = make_mirror(
+            mirror, mirror_storage_options, retention, mirror_retention, self._is_mine,
+            queue_size=mirror_queue, reclaim=reclaim,
+        )  # fmt: skip
         self._guard = PreemptionGuard(signals) if signals else None
         if self._guard is not None:
             self._guard.install()
@@ -283,7 +300,7 @@ class Checkpointer:
             assert self._guard is not None
             log.warning("casnap: signal %s received; step %d taken, handing the signal on",
                         self._guard.received, step)  # fmt: skip
-            self.wait()  # committed before the process may end
+            self._wait_take()  # committed before the process may end (the mirror may lag)
             self._guard.honour()
         return snap
 
@@ -303,7 +320,7 @@ class Checkpointer:
             "tags": self.tags + [t for t in extra if t not in self.tags],
         }
         if self.async_take:
-            self.wait()  # the previous take's manifest is this one's parent
+            self._wait_take()  # the previous take's manifest is this one's parent
         repo = self._open(create=False)
         if repo is not None and repo.has_ref(name):  # e.g. resuming at the restored step
             self._steps.add(step)
@@ -338,7 +355,15 @@ class Checkpointer:
 
     def wait(self) -> Snapshot | None:
         """Wait for the pending async take, commit it, apply retention and return it
-        (``None`` if nothing is pending). A background failure is raised here."""
+        (``None`` if nothing is pending). A background failure is raised here.
+        With a ``mirror``, then wait until every committed snapshot was copied
+        there (what still failed is logged and in ``mirror.unmirrored``)."""
+        snap = self._wait_take()
+        if self.mirror is not None:
+            self.mirror.flush()
+        return snap
+
+    def _wait_take(self) -> Snapshot | None:
         pending, step = self._pending, self._pending_step
         if pending is None:
             return None
@@ -381,7 +406,9 @@ class Checkpointer:
             if want and not failed and self._last_call is not None:
                 step, app_state, metrics, extra = self._last_call
                 self._take(step, app_state, metrics, extra)
-            self.wait()
+            self._wait_take()
+            if self.mirror is not None:
+                self.mirror.close()  # logs what could not be copied
             if guard is not None and preempted and not failed:
                 guard.honour()  # by default the process ends here
         finally:
@@ -394,7 +421,7 @@ class Checkpointer:
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.done():
-            self.wait()
+            self._wait_take()
 
     def _committed(self, snap: Snapshot, name: str) -> None:
         """Apply retention, then reclaim what only the retired snapshots reached.
@@ -404,6 +431,14 @@ class Checkpointer:
         manifests in ``last_retention.reclaimed.pending``; the next commit's
         reclaim takes them along.
         """
+        self._retain(snap, name)
+        if self.mirror is not None and is_rank_zero():  # one copier per repository
+            policy = self.mirror.retention
+            if policy is not None:
+                policy = RetentionPolicy(*policy.rules, _KeepNames([name], "newest checkpoint"))
+            self.mirror.submit(snap.repository, name, policy)
+
+    def _retain(self, snap: Snapshot, name: str) -> None:
         if self.retention is None:
             return
         repo = snap.repository
@@ -451,7 +486,7 @@ class Checkpointer:
         Example: ``start = ckpt.restore_latest(app_state) or 0``.
         """
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
-        self.wait()
+        self._wait_take()
         repo = self._open(create=False)
         if repo is None:
             return None
@@ -483,7 +518,7 @@ class Checkpointer:
         """
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         expect_type(step, int, "step", "an int")
-        self.wait()
+        self._wait_take()
         repo = self._open(create=False)
         mine = self._mine(repo) if repo is not None else []
         info = next((s for s in mine if s.step == step), None)

@@ -30,6 +30,8 @@ from casnap.format.manifest import Manifest, TensorEntry
 from casnap.format.names import check_ref_name
 from casnap.gc.collect import DEFAULT_GRACE_SECONDS, DEFAULT_WAIT_SECONDS, GcResult, gc
 from casnap.gc.reclaim import ReclaimResult, reclaim
+from casnap.ops.copy import CopyResult
+from casnap.ops.copy import copy as copy_snapshots
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
 from casnap.ops.repair import ChunkSource, RepairResult, SnapshotSource, repair
 from casnap.ops.retention import (
@@ -361,6 +363,36 @@ class Repository(RepoStorage):
             repo.reclaim([repo.delete("step_100")]).bytes_freed
         """
         return reclaim(self, manifests, wait_seconds=wait_seconds)
+
+    def copy_to(
+        self,
+        dst: RepoStorage | str,
+        names: Sequence[str] | None = None,
+        *,
+        force: bool = False,
+        dry_run: bool = False,
+        progress: Progress | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> CopyResult:
+        """Copy snapshots ``names`` (default: all) to the repository ``dst`` (created if absent).
+
+        Sends only the objects ``dst`` lacks, each checked against its name
+        first, and writes each snapshot's ref last; an interrupted copy, run
+        again, sends only the rest. ``storage_options`` open ``dst``;
+        ``progress(bytes_done, bytes_total)``; ``dry_run`` returns the plan
+        (``result.plan``) and writes nothing. Raises
+        :class:`casnap.CopyIntegrityError` when a snapshot needs a damaged
+        source object (the others are copied), :class:`casnap.SnapshotExistsError`
+        when ``dst`` has a name with other content and not ``force``
+        (docs/copy.md)::
+
+            result = casnap.Repository("/ckpt/run1").copy_to("gs://bucket/run1")
+            print(result.render())
+        """
+        return copy_snapshots(
+            self, dst, names, force=force, dry_run=dry_run, progress=progress,
+            dst_storage_options=storage_options,
+        )  # fmt: skip
 
     def tag(self, tag: str, snapshot: str) -> TagInfo:
         """Pin ``snapshot`` under ``tag`` against retention and gc."""

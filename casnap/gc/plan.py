@@ -26,7 +26,8 @@ from casnap.errors import (
 )
 from casnap.repo.damage import list_damage
 from casnap.repo.leases import GC_CLAIMS, LEASES, scan_leases
-from casnap.repo.repository import RepoStorage, chunk_key, now_iso, pack_key
+from casnap.repo.reach import object_refs
+from casnap.repo.repository import RepoStorage, chunk_key, now_iso
 from casnap.repo.tags import list_tags
 from casnap.store import ObjectInfo
 
@@ -200,8 +201,8 @@ def _mark(
             marks.warnings.append(f"unreadable unreachable manifest {m} kept: {exc}")
             continue
         read += 1
-        for ref in manifest.chunk_refs():
-            marks.objects.add(pack_key(ref.pack) if ref.pack else chunk_key(ref.hash))
+        for key, ref in object_refs(manifest):  # the reachability copy uses too
+            marks.objects.add(key)
             if ref.pack and (ref.hash, ref.pack) in marks.damaged_frames:
                 marks.objects.add(chunk_key(ref.hash))  # the replacement reads fall back to
         if progress is not None:

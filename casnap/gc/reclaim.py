@@ -47,7 +47,8 @@ from casnap.gc.collect import GcResult, GcSession
 from casnap.gc.plan import Garbage, GcPlan, _Marks, _read_roots, human_bytes
 from casnap.index import manifest_summaries
 from casnap.repo.damage import list_damage
-from casnap.repo.repository import RepoStorage, chunk_key, manifest_key, now_iso, pack_key
+from casnap.repo.reach import object_refs
+from casnap.repo.repository import RepoStorage, chunk_key, manifest_key, now_iso
 
 __all__ = ["RECLAIM_WAIT_SECONDS", "ReclaimResult", "reclaim"]
 
@@ -211,9 +212,8 @@ def _plan(
             warnings.append(f"retired manifest {m} unreadable, left to gc: {type(exc).__name__}")
             continue
         deletable.append(m)
-        for ref in manifest.chunk_refs():
+        for key, ref in object_refs(manifest):
             digest = ref.pack or ref.hash
-            key = pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
             objects[key] = ("packs" if ref.pack else "chunks", digest)
             spans.add((digest, ref.offset, ref.length))
     going = set(deletable)

@@ -1,0 +1,246 @@
+"""The Checkpointer's mirror: each committed snapshot is copied to a second repository
+in the background (fast local disk first, a durable copy after), with retention there.
+
+After every commit the :class:`~casnap.api.checkpointer.Checkpointer` hands the
+snapshot's name to :meth:`Mirror.submit`; a worker thread copies it with
+:func:`casnap.ops.copy.copy` (only the objects the mirror lacks, verified,
+ref last), then applies the retention policy to this checkpointer's
+snapshots in the mirror and reclaims what only the retired ones reached.
+Training waits only when ``queue_size`` snapshots are already waiting for
+the worker (backpressure: the durable copy is never further behind).
+
+Failures never reach the training loop: a store error is logged and the
+snapshot is tried again with the next commit (or at :meth:`Mirror.flush`);
+a snapshot that local retention deleted before the worker reached it is
+skipped (the same policy drops it in the mirror anyway); a damaged local
+object is logged as an error and that snapshot is not retried (it never
+heals by itself; the next snapshots are copied). :meth:`Mirror.flush`
+(the checkpointer's ``wait()`` and ``close()``) waits for the queue, retries
+what failed once more, and returns the names still not mirrored.
+
+Example::
+
+    ckpt = Checkpointer("/local/run1", every_n_steps=500, mirror="gs://bucket/run1",
+                        retention=RetentionPolicy(KeepLast(3)))
+    ...
+    ckpt.close()                       # waits for the mirror too
+    print(ckpt.mirror.unmirrored)      # () when every snapshot reached the mirror
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from casnap.errors import CasnapError, ConfigError, CopyIntegrityError, as_path, expect_type
+from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS, reclaim
+from casnap.ops.copy import copy
+from casnap.ops.retention import (
+    RetentionPolicy,
+    RetentionResult,
+    RetentionRule,
+    SnapshotInfo,
+    execute_retention,
+    plan_retention,
+    read_snapshots,
+)
+from casnap.repo.repository import RepoStorage
+
+log = logging.getLogger("casnap.checkpointer")
+
+
+@dataclass(frozen=True)
+class _Job:
+    src: RepoStorage
+    name: str | None  # None: only retry what failed (flush)
+    policy: RetentionPolicy | None
+
+
+class Mirror:
+    """Copies committed snapshots from the checkpointer's repository to ``url``.
+
+    ``retention``: applied in the mirror, to the snapshots ``is_mine`` accepts,
+    after each copy (the checkpointer passes its own policy, with its newest
+    snapshot kept). ``queue_size``: snapshots that may wait for the worker
+    before :meth:`submit` blocks.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None,
+        is_mine: Callable[[SnapshotInfo], bool],
+        *,
+        retention: RetentionPolicy | None = None,
+        queue_size: int = 2,
+        reclaim: bool = True,
+    ) -> None:
+        expect_type(url, str, "mirror", "a repository URL such as 'gs://bucket/run1'")
+        expect_type(queue_size, int, "mirror_queue", "a positive int")
+        if queue_size < 1:
+            raise ConfigError(f"mirror_queue must be at least 1, got {queue_size}", "mirror_queue")
+        self.url = url
+        self.retention = retention
+        self.storage_options = dict(storage_options or {})
+        self.is_mine = is_mine
+        self.reclaim = reclaim
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
+        self._retry: dict[str, None] = {}  # names to copy again, in commit order
+        self._dst: RepoStorage | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.copied: list[str] = []  # every snapshot the mirror received, in order
+        self.last_error: BaseException | None = None
+        self.last_retention: RetentionResult | None = None
+
+    @property
+    def unmirrored(self) -> tuple[str, ...]:
+        """Snapshots whose copy failed and waits for the next commit (or :meth:`flush`)."""
+        with self._lock:
+            return tuple(self._retry)
+
+    def submit(self, src: RepoStorage, name: str, policy: RetentionPolicy | None) -> None:
+        """Queue ``name`` of ``src`` for the mirror; blocks only while the queue is full."""
+        self._start()
+        self._queue.put(_Job(src, name, policy))
+
+    def flush(self) -> tuple[str, ...]:
+        """Wait until every queued snapshot was tried, retry the failed ones once more, and
+        return those still not mirrored (each was logged)."""
+        if self._thread is None:
+            return self.unmirrored
+        if self.unmirrored:
+            self._queue.put(_Job(self._last_src, None, self._last_policy))
+        self._queue.join()
+        return self.unmirrored
+
+    def close(self) -> tuple[str, ...]:
+        """:meth:`flush`, then stop the worker (a later :meth:`submit` starts another)."""
+        left = self.flush()
+        thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+            self._thread = None
+        if left:
+            log.error("casnap: %d snapshot(s) were not copied to the mirror %s: %s",
+                      len(left), self.url, ", ".join(left))  # fmt: skip
+        return left
+
+    # -- the worker ------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="casnap-mirror", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._last_src, self._last_policy = job.src, job.policy
+                self._mirror(job)
+            except BaseException as exc:  # never let the worker die: log, retry next commit
+                self.last_error = exc
+                log.warning("casnap: mirror to %s failed, retried at the next commit: %s",
+                            self.url, exc)  # fmt: skip
+            finally:
+                self._queue.task_done()
+
+    _last_src: RepoStorage
+    _last_policy: RetentionPolicy | None = None
+
+    def _mirror(self, job: _Job) -> None:
+        with self._lock:
+            if job.name is not None:
+                self._retry[job.name] = None
+            wanted = list(self._retry)
+        # Local retention may have deleted some meanwhile: the same policy drops them here.
+        names = [n for n in wanted if job.src.has_ref(n)]
+        with self._lock:
+            for n in wanted:
+                if n not in names:
+                    self._retry.pop(n, None)
+        if not names:
+            return
+        if self._dst is None:
+            self._dst = RepoStorage.open_or_create(
+                self.url, self.storage_options, chunk_size=job.src.config.chunk_size
+            )
+        try:
+            result = copy(job.src, self._dst, names)
+            done = list(result.copied + result.present)
+        except CopyIntegrityError as exc:  # damaged locally: retrying cannot help
+            log.error("casnap: mirror to %s: %s", self.url, exc)
+            self.last_error = exc
+            done = [n for n in names if n not in exc.failed]
+            with self._lock:
+                for n in exc.failed:
+                    self._retry.pop(n, None)
+        with self._lock:
+            for n in done:
+                self._retry.pop(n, None)
+            self.copied += [n for n in done if n not in self.copied]
+        if job.policy is not None:
+            self._retain(self._dst, job.policy)
+
+    def _retain(self, dst: RepoStorage, policy: RetentionPolicy) -> None:
+        infos, _ = read_snapshots(dst)
+        mine = {s.name for s in infos if self.is_mine(s)}
+        plan = plan_retention(dst, policy, names=mine)
+        result = execute_retention(dst, plan)
+        if self.reclaim and result.retired_manifests:
+            try:
+                reclaim(dst, result.retired_manifests, wait_seconds=RECLAIM_WAIT_SECONDS)
+            except CasnapError as exc:  # housekeeping: the next gc of the mirror frees it
+                log.warning("casnap: reclaim in mirror %s failed: %s", self.url, exc)
+        self.last_retention = result
+
+
+def make_mirror(
+    url: str | RepoStorage | None,
+    storage_options: dict[str, Any] | None,
+    retention: RetentionPolicy | None,
+    mirror_retention: RetentionPolicy | RetentionRule | None | str,
+    is_mine: Callable[[SnapshotInfo], bool],
+    *,
+    queue_size: int,
+    reclaim: bool,
+) -> Mirror | None:
+    """The Checkpointer's mirror from its options (None without ``mirror``);
+    ``mirror_retention="same"`` is the checkpointer's own ``retention``."""
+    if url is None:
+        return None
+    if isinstance(url, RepoStorage):  # an open repository (a store of the caller's choosing)
+        mirror = make_mirror(url.url, storage_options, retention, mirror_retention, is_mine,
+                             queue_size=queue_size, reclaim=reclaim)  # fmt: skip
+        assert mirror is not None
+        mirror._dst = url
+        return mirror
+    if isinstance(mirror_retention, str):
+        if mirror_retention != "same":
+            raise ConfigError(
+                f"mirror_retention must be a RetentionPolicy, None or 'same', got "
+                f"{mirror_retention!r}",
+                "mirror_retention",
+            )
+        mirror_retention = retention
+    elif isinstance(mirror_retention, RetentionRule):
+        mirror_retention = RetentionPolicy(mirror_retention)
+    elif mirror_retention is not None:
+        expect_type(mirror_retention, RetentionPolicy, "mirror_retention",
+                    "a casnap.RetentionPolicy, None or 'same'")  # fmt: skip
+    return Mirror(as_path(url, "mirror"), storage_options, is_mine, retention=mirror_retention,
+                  queue_size=queue_size, reclaim=reclaim)  # fmt: skip
+
+
+def is_rank_zero() -> bool:
+    """Whether this process copies to the mirror: one process, or rank 0 of the group."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

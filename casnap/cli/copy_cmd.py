@@ -1,0 +1,79 @@
+"""``casnap copy SRC DST [SNAPSHOT...]``: replicate snapshots into another repository.
+
+Calls :meth:`casnap.Repository.copy_to` and prints what it did: snapshots
+copied, objects and bytes sent, objects skipped because the destination had
+them. Exit codes: 0 copied (or nothing to do), 3 a named snapshot or the
+source is missing, 4 some snapshots need a damaged or missing source object
+(the others were copied), 5 the destination holds a name with other content
+(``--force`` replaces it) or a store failed (run again: it resumes).
+
+Example::
+
+    casnap copy /ckpt/run1 gs://bucket/run1              # every snapshot
+    casnap copy /ckpt/run1 gs://bucket/run1 latest best  # a snapshot and a tag's
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from casnap.cli.common import emit, open_repo, storage_options
+from casnap.cli.naming import resolve_name
+from casnap.cli.progress import progress_bar
+from casnap.cli.remote import first_contact
+from casnap.errors import CopyIntegrityError
+from casnap.ops.copy import CopyResult, open_destination
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    src = open_repo(args)
+    names = [resolve_name(src, n) for n in args.snapshots] or None
+    dst_options = dict(storage_options(args))
+    for item in args.dst_storage_option or []:
+        key, _, value = item.partition("=")
+        dst_options[key] = value
+    # The first request to the destination is bounded like every remote opening.
+    dst = first_contact(
+        args.dst, lambda: open_destination(args.dst, dst_options, src, create=not args.dry_run)
+    )
+    with progress_bar(args, "copy") as bar:
+        try:
+            result = src.copy_to(dst, names, force=args.force, dry_run=args.dry_run, progress=bar)
+        except CopyIntegrityError as exc:
+            if isinstance(exc.result, CopyResult):  # say what was copied before the error line
+                emit(args, exc.result.to_json(), exc.result.render)
+            raise
+    emit(args, result.to_json(), result.render)
+    return 0
+
+
+def _option(text: str) -> str:
+    key, sep, _ = text.partition("=")
+    if not key or not sep:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
+    return text
+
+
+def register(add: Callable[..., Any]) -> None:
+    p = add(
+        "copy",
+        cmd_copy,
+        "copy snapshots to another repository: only missing objects, verified, resumable",
+    )
+    p.add_argument("repo", metavar="SRC", help="source repository directory or URL")
+    p.add_argument("dst", metavar="DST", help="destination repository (created if absent)")
+    p.add_argument(
+        "snapshots",
+        nargs="*",
+        metavar="SNAPSHOT",
+        help="snapshot names, tags or latest (default: every snapshot)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="replace a snapshot DST holds with other content"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print what would be sent, send nothing")
+    p.add_argument("--dst-storage-option", action="append", type=_option, metavar="KEY=VALUE",
+                   help="an fsspec option for DST only (repeatable); --storage-option "
+                   "applies to both")  # fmt: skip
