@@ -44,11 +44,16 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from casnap.api.snapshot import Snapshot
 from casnap.errors import (
     ArgumentTypeError,
-    SnapshotExistsError,
     SnapshotNotFoundError,
     expect_type,
 )
-from casnap.integrations.pointer import Pointer, Retirer, read_pointer, write_pointer
+from casnap.integrations.pointer import (
+    Pointer,
+    Retirer,
+    read_pointer,
+    take_versioned,
+    write_pointer,
+)
 from casnap.take.session import Session
 from casnap.torch_io.stateful import StateDict
 
@@ -58,7 +63,6 @@ __all__ = ["POINTER_KIND", "CasnapCheckpointIO", "checkpoint_snapshot"]
 
 POINTER_KIND = "lightning-checkpoint"
 _KEY = "checkpoint"  # the app_state key the whole checkpoint dict is stored under
-_MAX_VERSIONS = 1000  # name@1 ... name@999 for re-saves of one path
 
 
 def _fs_path(path: Any) -> str:
@@ -201,20 +205,11 @@ class CasnapCheckpointIO(CheckpointIO):
             "lightning": {"path": os.path.basename(path)},
         }
         app_state = {_KEY: StateDict(checkpoint)}
-        snap = None
-        for version in range(_MAX_VERSIONS):
-            target = path if version == 0 else f"{path}@{version}"
-            try:
-                snap = Snapshot.take(
-                    target, app_state, storage_options=storage_options, metadata=metadata,
-                    allow_pickle=self.allow_pickle, memory_budget_bytes=self.memory_budget_bytes,
-                    session=self._session,
-                )  # fmt: skip
-                break
-            except SnapshotExistsError:
-                continue  # the previous save of this path holds the name: take the next
-        if snap is None:
-            raise SnapshotExistsError(f"{path}: {_MAX_VERSIONS} versions exist", path)
+        snap = take_versioned(
+            path, app_state, storage_options=storage_options, metadata=metadata,
+            allow_pickle=self.allow_pickle, memory_budget_bytes=self.memory_budget_bytes,
+            session=self._session,
+        )  # fmt: skip
         repo = snap.repository
         write_pointer(path, Pointer(repo.url, snap.name, snap.manifest_hash), POINTER_KIND)
         if old is not None and (old.repository, old.snapshot) != (repo.url, snap.name):

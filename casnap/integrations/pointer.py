@@ -28,17 +28,28 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from casnap.api.repository import Repository
-from casnap.errors import CasnapError, SnapshotNotFoundError
+from casnap.errors import CasnapError, SnapshotExistsError, SnapshotNotFoundError
+
+if TYPE_CHECKING:
+    from casnap.api.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_POINTER_BYTES", "Pointer", "Retirer", "read_pointer", "write_pointer"]
+__all__ = [
+    "MAX_POINTER_BYTES",
+    "Pointer",
+    "Retirer",
+    "read_pointer",
+    "take_versioned",
+    "write_pointer",
+]
 
 MAX_POINTER_BYTES = 64 * 1024  # a pointer is a few hundred bytes; a checkpoint file is larger
 _VERSION = 1
+_MAX_VERSIONS = 1000  # name@1 ... name@999 for the re-saves of one path
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,24 @@ def write_pointer(path: str, pointer: Pointer, kind: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def take_versioned(path: str, app_state: dict[str, Any], **kwargs: Any) -> Snapshot:
+    """``Snapshot.take`` at ``path``, or at ``path@1``, ``path@2``, ... if that name is taken.
+
+    Snapshots are immutable, but a library saves again to the same path (Lightning's
+    ``last.ckpt``, a resumed run's ``checkpoint-N``): the new snapshot gets the
+    first free version, the caller moves its pointer to it and retires the old one.
+    """
+    from casnap.api.snapshot import Snapshot  # the torch layer
+
+    for version in range(_MAX_VERSIONS):
+        target = path if version == 0 else f"{path}@{version}"
+        try:
+            return Snapshot.take(target, app_state, **kwargs)
+        except SnapshotExistsError:
+            continue  # an earlier save of this path holds the name: take the next
+    raise SnapshotExistsError(f"{path}: {_MAX_VERSIONS} versions exist", path)
 
 
 class Retirer:
