@@ -70,8 +70,8 @@ class NumpyRNGState:
     """NumPy's global RNG (``np.random``) as a stateful: the HF Trainer seeds and saves it too."""
 
     def state_dict(self) -> dict[str, Any]:
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        return {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
+        kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        return {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
                 "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
