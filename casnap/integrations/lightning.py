@@ -1,0 +1,334 @@
+"""A PyTorch Lightning ``CheckpointIO`` that stores checkpoints as casnap snapshots.
+
+Example::
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from casnap.integrations.lightning import CasnapCheckpointIO
+
+    trainer = L.Trainer(plugins=[CasnapCheckpointIO()],
+                        callbacks=[ModelCheckpoint(dirpath="/ckpt/run1", save_top_k=2,
+                                                   monitor="val_loss")])
+    trainer.fit(model)
+    trainer.fit(model, ckpt_path="last")       # or a path ModelCheckpoint wrote
+
+Lightning hands :meth:`CasnapCheckpointIO.save_checkpoint` the checkpoint dict
+and a path such as ``/ckpt/run1/epoch=0-step=10.ckpt``. The dict is taken as a
+snapshot by casnap's rules (docs/repository.md, "Where snapshots live"): the
+path's parent ``/ckpt/run1`` is the repository (created by the first save)
+and ``epoch=0-step=10.ckpt`` the snapshot's name, so successive checkpoints
+share every unchanged chunk and ``casnap ls/du/verify/gc /ckpt/run1`` work on
+them. At the path itself a small pointer file is left
+(:mod:`casnap.integrations.pointer`), so that everything Lightning does with
+checkpoint files keeps working: ``ModelCheckpoint``'s existence checks and
+version counter, ``ckpt_path="last"`` (which lists ``last*.ckpt`` files and
+compares modification times), ``save_last="link"`` (a symbolic link to the
+pointer), ``ckpt_path="best"``. :meth:`~CasnapCheckpointIO.remove_checkpoint`
+(``save_top_k``) deletes the pointer, then the snapshot, then reclaims at once
+what only that snapshot used. docs/lightning-hf.md has the details.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from casnap.api.snapshot import Snapshot
+from casnap.errors import (
+    ArgumentTypeError,
+    SnapshotNotFoundError,
+    expect_type,
+)
+from casnap.integrations.pointer import (
+    Pointer,
+    Retirer,
+    read_pointer,
+    take_versioned,
+    write_pointer,
+)
+from casnap.take.session import Session
+from casnap.torch_io.stateful import StateDict
+
+log = logging.getLogger(__name__)
+
+__all__ = ["POINTER_KIND", "CasnapCheckpointIO", "checkpoint_snapshot"]
+
+POINTER_KIND = "lightning-checkpoint"
+_KEY = "checkpoint"  # the app_state key the whole checkpoint dict is stored under
+
+
+def _fs_path(path: Any) -> str:
+    return os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _exists(path: str) -> bool:
+    if _is_url(path):
+        import fsspec
+
+        fs, stripped = fsspec.core.url_to_fs(path)
+        return bool(fs.exists(stripped))
+    return os.path.lexists(path)
+
+
+def checkpoint_snapshot(path: str) -> Snapshot:
+    """The snapshot a checkpoint path names: through its pointer file, else by casnap's rules.
+
+    For reading a checkpoint outside a ``Trainer``::
+
+        snap = checkpoint_snapshot("/ckpt/run1/epoch=0-step=10.ckpt")
+        state_dict = snap.read_object("0/checkpoint/state_dict")
+        model.load_state_dict(state_dict)
+    """
+    path = _fs_path(path)
+    pointer = read_pointer(path, POINTER_KIND) if _exists(path) else None
+    if pointer is None:
+        return Snapshot(path)  # SnapshotNotFoundError (a FileNotFoundError) if none
+    repo = pointer.open_repository()
+    if repo.resolve(pointer.snapshot) != pointer.manifest:
+        raise SnapshotNotFoundError(
+            f"{path} names snapshot {pointer.snapshot!r} of manifest {pointer.manifest}, but "
+            f"{repo.url} holds another snapshot under that name now",
+            pointer.snapshot,
+        )
+    return repo.snapshot(pointer.snapshot)
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+class CasnapCheckpointIO(CheckpointIO):
+    """Lightning checkpoints as deduplicated, verified casnap snapshots.
+
+    ``Trainer(plugins=[CasnapCheckpointIO()])`` and, for saving in a
+    background thread, ``Trainer(plugins=[AsyncCheckpointIO(CasnapCheckpointIO())])``.
+
+    - ``allow_pickle``: store values that are neither tensors, primitives nor
+      containers (a ``Namespace`` in ``hyper_parameters``) by pickling them, and
+      load them back (never when Lightning asks for ``weights_only=True``).
+      Without it such a value fails the save with :class:`casnap.PickleNotAllowedError`
+      naming its key.
+    - ``memory_budget_bytes``: bounds the in-flight copies of a save and a load.
+    - ``reclaim_wait_seconds``: how long deleting a checkpoint waits for a save in
+      flight before leaving the space to the next save (which frees it).
+
+    ``save_checkpoint``'s ``storage_options`` go to the take (fsspec options,
+    or ``{"repository": url}`` to name the repository explicitly). A checkpoint
+    file that is not a casnap pointer (written by ``TorchCheckpointIO``) is
+    loaded and removed as Lightning would, so a run can switch to casnap and
+    resume from its old checkpoints.
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        memory_budget_bytes: int | None = None,
+        reclaim_wait_seconds: float = 1.0,
+    ) -> None:
+        super().__init__()
+        expect_type(allow_pickle, bool, "allow_pickle", "True or False")
+        self.allow_pickle = allow_pickle
+        self.memory_budget_bytes = memory_budget_bytes
+        self._session = Session()
+        self._retirer = Retirer(reclaim_wait_seconds)
+        self._lock = threading.Lock()
+        self._saving: set[str] = set()  # paths whose save is running (AsyncCheckpointIO's thread)
+        self._remove_after_save: set[str] = set()  # removed while their save was running
+        # AsyncCheckpointIO saves in its own thread, in the order Lightning asked, and
+        # may still hold saves queued when ModelCheckpoint removes one of them: a
+        # removal of a path with no pointer yet, from a thread that never saved, is
+        # remembered, and that path's queued save is skipped.
+        self._save_threads: set[int] = set()
+        self._removed_before_save: set[str] = set()
+
+    # -- saving ------------------------------------------------------------
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Take ``checkpoint`` as a snapshot named by ``path``'s file name; point ``path`` at it.
+
+        A path saved again (``last.ckpt``) gets a new snapshot (``last.ckpt@1``,
+        then ``last.ckpt`` again, ...); the pointer moves to it atomically and
+        the old one is deleted and reclaimed, so a crash at any point leaves a
+        pointer to a complete checkpoint.
+        """
+        path = _fs_path(path)
+        expect_type(checkpoint, dict, "checkpoint", "a dict")
+        if storage_options is not None:
+            expect_type(storage_options, dict, "storage_options", "a dict or None")
+        with self._lock:
+            self._save_threads.add(threading.get_ident())
+            if path in self._removed_before_save:
+                self._removed_before_save.discard(path)
+                log.info("casnap: %s was removed before its queued save ran; not saved", path)
+                return
+            self._saving.add(path)
+        try:
+            self._save(checkpoint, path, storage_options)
+        finally:
+            with self._lock:
+                self._saving.discard(path)
+                removed = path in self._remove_after_save
+                self._remove_after_save.discard(path)
+        if removed:
+            self.remove_checkpoint(path)
+        self._retirer.flush()  # what earlier removals had to leave to a later reclaim
+
+    def _save(self, checkpoint: dict[str, Any], path: str, storage_options: Any) -> None:
+        old = (
+            read_pointer(path, POINTER_KIND) if _exists(path) and not os.path.islink(path) else None
+        )
+        if not _is_url(path):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        metadata = {
+            "step": int(checkpoint.get("global_step", 0)),
+            "epoch": int(checkpoint.get("epoch", 0)),
+            "lightning": {"path": os.path.basename(path)},
+        }
+        app_state = {_KEY: StateDict(checkpoint)}
+        snap = take_versioned(
+            path, app_state, storage_options=storage_options, metadata=metadata,
+            allow_pickle=self.allow_pickle, memory_budget_bytes=self.memory_budget_bytes,
+            session=self._session,
+        )  # fmt: skip
+        repo = snap.repository
+        write_pointer(path, Pointer(repo.url, snap.name, snap.manifest_hash), POINTER_KIND)
+        if old is not None and (old.repository, old.snapshot) != (repo.url, snap.name):
+            self._retire(old)
+
+    # -- loading -----------------------------------------------------------
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """The checkpoint dict ``path`` names, every chunk verified as it is read.
+
+        Tensors load to CPU, or to ``map_location`` when it is a device or a
+        device string (Lightning moves the state to the model's device itself).
+        A file that is not a casnap pointer is loaded by ``TorchCheckpointIO``.
+        """
+        path = _fs_path(path)
+        if _exists(path) and read_pointer(path, POINTER_KIND) is None:
+            return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
+        snap = checkpoint_snapshot(path)
+        allow = self.allow_pickle and weights_only is not True
+        checkpoint = snap.read_object(
+            f"0/{_KEY}", memory_budget_bytes=self.memory_budget_bytes, allow_pickle=allow
+        )
+        if not isinstance(checkpoint, dict):
+            raise ArgumentTypeError(f"{path}: snapshot holds no Lightning checkpoint", path)
+        device = _device(map_location)
+        return _to_device(checkpoint, device) if device is not None else checkpoint
+
+    # -- removing ----------------------------------------------------------
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path``: its pointer, its snapshot, and its space at once.
+
+        A symbolic link (``save_last="link"``) is removed alone, as is a pointer
+        whose snapshot another pointer in the directory still names (a copied
+        ``last.ckpt``). A path whose save is still running in another thread
+        (``AsyncCheckpointIO``) is removed when that save ends, and one whose
+        save is still queued there is not saved at all.
+        """
+        path = _fs_path(path)
+        with self._lock:
+            if path in self._saving:
+                self._remove_after_save.add(path)
+                return
+        if not _exists(path):
+            with self._lock:
+                if self._save_threads and threading.get_ident() not in self._save_threads:
+                    self._removed_before_save.add(path)
+            return
+        if not _is_url(path) and os.path.islink(path):
+            os.remove(path)
+            return
+        pointer = read_pointer(path, POINTER_KIND)
+        if pointer is None:  # a torch.save file: remove it as Lightning does
+            TorchCheckpointIO().remove_checkpoint(path)
+            return
+        _remove_file(path)  # first: no pointer may name a snapshot that is gone
+        if not self._named_elsewhere(path, pointer):
+            self._retire(pointer)
+
+    def _retire(self, pointer: Pointer) -> None:
+        try:
+            repo = pointer.open_repository()
+        except FileNotFoundError:
+            return
+        self._retirer.retire(repo, pointer.snapshot, pointer.manifest)
+
+    @staticmethod
+    def _named_elsewhere(path: str, pointer: Pointer) -> bool:
+        """Whether another pointer file beside ``path`` names the same snapshot."""
+        if _is_url(path):
+            return False
+        folder = os.path.dirname(os.path.abspath(path))
+        for entry in os.scandir(folder):
+            if entry.is_file() and entry.path != os.path.abspath(path):
+                try:
+                    if entry.stat().st_size > 4096:
+                        continue
+                    other = read_pointer(entry.path, POINTER_KIND)
+                except OSError:
+                    continue
+                if other is not None and other == pointer:
+                    return True
+        return False
+
+    def teardown(self) -> None:
+        """Finish the reclaims deferred by saves in flight (waiting for them this time)."""
+        self._retirer.flush(wait_seconds=60.0)
+
+    @property
+    def bytes_freed(self) -> int:
+        """Bytes the removals of this plugin have freed so far."""
+        return self._retirer.bytes_freed
+
+
+def _remove_file(path: str) -> None:
+    if _is_url(path):
+        import fsspec
+
+        fs, stripped = fsspec.core.url_to_fs(path)
+        fs.rm(stripped)
+    else:
+        os.remove(path)
+
+
+_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|meta)(:\d+)?$")
+
+
+def _device(map_location: Any) -> torch.device | None:
+    if isinstance(map_location, torch.device):
+        return map_location
+    if isinstance(map_location, str) and _DEVICE.match(map_location):
+        return torch.device(map_location)
+    if map_location is None or isinstance(map_location, (dict, Callable)):  # type: ignore[arg-type]
+        return None  # storage-level remapping: tensors stay on CPU, Lightning moves them
+    raise ArgumentTypeError(
+        f"map_location must be a device, a device string, a dict or a callable, "
+        f"got {map_location!r:.80}",
+        "map_location",
+    )
