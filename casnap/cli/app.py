@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from casnap.api.repository import Repository
-from casnap.cli import maintenance, plots
+from casnap.cli import import_cmd, maintenance, plots
 from casnap.cli.common import (
     EXIT_ERROR,
     EXIT_PROBLEMS,
@@ -457,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-hash the next part of N each run (implies --read-data)",
     )
     maintenance.register(add)
+    import_cmd.register(add)
     return parser
 
 
