@@ -31,6 +31,7 @@ from casnap.integrations.import_sources import (
     damaged,
     first_line,
     refused_pickle,
+    release_free_memory,
 )
 from casnap.torch_io.tensors import byte_view
 
@@ -128,9 +129,26 @@ def _dcp_loader(
                          planner=_dcp_planner(path, {}, []), no_dist=True)  # fmt: skip
         except Exception as exc:  # a .distcp file truncated or changed since the save
             raise damaged(path, f"reading tensor {fqn!r} failed: {first_line(exc)}") from exc
-        return byte_view(out), out
+        return byte_view(out), _Loaded(out)
 
     return load
+
+
+class _Loaded:
+    """Owner of a tensor DCP read: once released, the allocator gives its memory back.
+
+    glibc's malloc raises its mmap threshold after the first large free, so
+    the copies DCP makes (each a tensor's size) are served from arenas that
+    keep them: without the trim a 256 MiB checkpoint grew the process by
+    150 MiB under a 16 MiB budget.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor: torch.Tensor | None = tensor
+
+    def __del__(self) -> None:
+        self._tensor = None
+        release_free_memory()
 
 
 def _nest(flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]) -> dict[str, Any]:

@@ -138,6 +138,18 @@ def _madvise_dontneed(address: int, length: int) -> None:
         pass
 
 
+def release_free_memory() -> None:
+    """Ask glibc to return freed heap memory to the system (``malloc_trim``; elsewhere a no-op)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class _TorchPages:
     """Owner of a tensor of torch's (private, never written) mapping of a ``torch.save``
     file: drops its storage's pages when released; keeps the copy, if one was made."""
