@@ -32,7 +32,13 @@ import torch
 
 from casnap.api.snapshot import Snapshot
 from casnap.chunks.budget import ByteBudget, check_budget
-from casnap.errors import ConfigError, UnsupportedValueError, as_path, expect_type
+from casnap.errors import (
+    ConfigError,
+    PickleNotAllowedError,
+    UnsupportedValueError,
+    as_path,
+    expect_type,
+)
 from casnap.format.manifest import ContainerEntry
 from casnap.format.names import escape_key
 from casnap.format.tree import child_key
@@ -205,7 +211,15 @@ def _walk(value: Any, key: str, nodes: dict[str, Node], lazy: dict[str, WriteReq
         for k, member in items:
             _walk(member, child_key(key, k), nodes, lazy, depth + 1)
         return
-    flatten(value, key, False, nodes, depth)  # primitives, loaded tensors, plain containers
+    try:
+        flatten(value, key, False, nodes, depth)  # primitives, loaded tensors, plain containers
+    except PickleNotAllowedError as exc:  # weights_only let it through (a Counter, a set)
+        what = f"{type(value).__module__}.{type(value).__qualname__}"
+        raise SourceFormatError(
+            f"{exc.key or key}: the source holds a {what}, which casnap stores only by "
+            "pickling it, and import does not pickle",
+            "source",
+        ) from exc
 
 
 def _lazy(value: Any, depth: int = 0) -> bool:
