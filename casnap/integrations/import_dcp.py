@@ -91,7 +91,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _dcp_reader(path: str, metadata: Any) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     class _Reader(FileSystemReader):  # the metadata read (and vetted) once, not per load
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -101,7 +101,7 @@ def _dcp_reader(path: str, metadata: Any) -> Any:
 
 
 def _dcp_planner(path: str, loaded: dict[str, Any], refused: list[SourceFormatError]) -> Any:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class _Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -120,12 +120,12 @@ def _dcp_loader(
     path: str, metadata: Any, fqn: str, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> Load:
     def load() -> tuple[memoryview, Any]:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         out = torch.empty(shape, dtype=dtype)
         try:
             with _quiet():
-                dcp.load({fqn: out}, storage_reader=_dcp_reader(path, metadata),
+                dcp_load({fqn: out}, storage_reader=_dcp_reader(path, metadata),
                          planner=_dcp_planner(path, {}, []), no_dist=True)  # fmt: skip
         except Exception as exc:  # a .distcp file truncated or changed since the save
             raise damaged(path, f"reading tensor {fqn!r} failed: {first_line(exc)}") from exc
@@ -162,7 +162,8 @@ def _nest(flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]) -> dict[str, 
             if not isinstance(node, dict):
                 raise damaged(fqn, "DCP metadata nests a value under another value")
         node[path[-1]] = value
-    return _lists(root)
+    nested: dict[str, Any] = _lists(root)
+    return nested
 
 
 def _lists(value: Any) -> Any:
@@ -187,8 +188,8 @@ def open_dcp(path: str, stateful: str) -> Source:
     checkpoint saved without that mapping (``flatten_state_dict=False``) keeps
     its top-level keys as statefuls.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     metadata = read_dcp_metadata(path)
     flat: dict[str, Any] = {}
@@ -204,7 +205,7 @@ def open_dcp(path: str, stateful: str) -> Source:
         refused: list[SourceFormatError] = []
         try:
             with _quiet():
-                dcp.load({fqn: None for fqn in byte_items},
+                dcp_load({fqn: None for fqn in byte_items},
                          storage_reader=_dcp_reader(path, metadata),
                          planner=_dcp_planner(path, loaded, refused), no_dist=True)  # fmt: skip
         except Exception as exc:  # DCP wraps what its planner raised (CheckpointException)

@@ -364,9 +364,9 @@ def open_hf(path: str, stateful: str) -> Source:
                 if name in tensors:
                     raise damaged(str(root), f"tensor {name!r} is in more than one shard")
                 tensors[name] = tensor
-        for name, file in (weight_map or {}).items():
+        for name, shard in (weight_map or {}).items():
             if name not in tensors:
-                raise damaged(str(index), f"weight_map puts {name!r} in {file}, which lacks it")
+                raise damaged(str(index), f"weight_map puts {name!r} in {shard}, which lacks it")
         source.state = {stateful: dict(sorted(tensors.items()))}
         source.info["files"] = [f.name for f in files]
         if index is not None:
