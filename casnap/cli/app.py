@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from casnap.api.repository import Repository
-from casnap.cli import copy_cmd, maintenance, plots
+from casnap.cli import copy_cmd, import_cmd, maintenance, plots
 from casnap.cli.common import (
     EXIT_ERROR,
     EXIT_PROBLEMS,
@@ -458,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     maintenance.register(add)
     copy_cmd.register(add)
+    import_cmd.register(add)
     return parser
 
 

@@ -60,9 +60,14 @@ class WriteRequest:
     data: memoryview | None = None
     owner: Any = None  # keeps ``data``'s memory alive
     digests: Sequence[bytes] | None = None
+    # Reads the bytes when the request is scheduled (an import streaming a file):
+    # called under the budget (``cost``), the result dropped after the last chunk.
+    load: Callable[[], tuple[memoryview, Any]] | None = None
 
     def view(self) -> tuple[memoryview, Any]:
         """The bytes and what keeps them alive (a host copy for non-contiguous tensors)."""
+        if self.load is not None:
+            return self.load()
         if self.tensor is not None:
             return host_view(self.tensor, self.key)
         assert self.data is not None
@@ -92,6 +97,19 @@ def data_request(
 ) -> WriteRequest:
     """A request for bytes at hand (``live``: they are the caller's tensor memory)."""
     return WriteRequest(key, len(data), live=live, data=data, owner=owner, digests=digests)
+
+
+def lazy_request(
+    key: str, nbytes: int, load: Callable[[], tuple[memoryview, Any]], elem_size: int = 0
+) -> WriteRequest:
+    """A request whose bytes ``load()`` produces when it is scheduled, not before.
+
+    Its cost is ``nbytes``: the scheduler calls ``load`` (in its submitting
+    thread) only once the budget has room, and drops what ``load`` returned
+    after the last chunk, so a source far larger than the budget streams
+    through it (:mod:`casnap.integrations.importers`).
+    """
+    return WriteRequest(key, nbytes, nbytes, elem_size, False, load=load)
 
 
 @dataclass
