@@ -25,8 +25,10 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from casnap import index
-from casnap.errors import IntegrityError, ObjectNotFoundError, ObjectRefusedError
+from casnap.errors import DeltaBaseError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
 from casnap.repo.damage import DamagedCopy, record_damage
@@ -47,10 +49,24 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     """:func:`casnap.format.codec.decode` of ``ref``'s frame, read from object ``key``.
 
     A damaged pack frame with a good replacement ``chunks/<h>`` yields the
-    replacement's bytes (see the module docstring).
+    replacement's bytes (see the module docstring). A delta (``ref.base``)
+    is rebuilt from its base chain, read first (:func:`base_bytes`); a base
+    that cannot be read raises :class:`DeltaBaseError` naming it, and only
+    the copy that failed its own check is recorded as damaged.
     """
+    base = None
+    if ref.base is not None:
+        base = (bytes.fromhex(ref.base.hash), base_bytes(repo, ref.base, key))
+    return _decode_one(repo, key, ref, frame, base)
+
+
+def _decode_one(
+    repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer, base: tuple[bytes, Buffer] | None
+) -> Buffer:
     try:
-        return codec.decode(frame, key, bytes.fromhex(ref.hash), ref.size)
+        return codec.decode(frame, key, bytes.fromhex(ref.hash), ref.size, base)
+    except DeltaBaseError:
+        raise  # not this frame's fault
     except IntegrityError as exc:
         if ref.pack is not None:
             data = _replacement(repo, ref)
@@ -61,6 +77,58 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
         raise
 
 
+def fetch_frame(repo: RepoStorage, ref: ChunkRef) -> bytes:
+    """The stored frame of ``ref`` (at most its declared length), unchecked."""
+    if ref.pack is None:
+        return repo.store.get(chunk_key(ref.hash), limit=ref.length)
+    return repo.store.get_range(pack_key(ref.pack), ref.offset, ref.offset + ref.length)
+
+
+def base_bytes(repo: RepoStorage, base: ChunkRef, user: str) -> Buffer:
+    """The verified bytes of chunk ``base``, which the delta in object ``user`` needs.
+
+    The frames of the chain (``base`` and its own bases) are fetched first,
+    concurrently on a remote store (one round trip for the chain, not one per
+    link), then decoded from the whole frame up, each checked against its
+    hash like any read. Any failure is a :class:`DeltaBaseError` naming the
+    base's object; a damaged base frame is recorded (contained) as such.
+    """
+    chain = base.chain()
+    try:
+        frames = _fetch_chain(repo, chain)
+        data: Buffer | None = None
+        for ref, frame in zip(reversed(chain), reversed(frames), strict=True):
+            link = (bytes.fromhex(ref.base.hash), data) if ref.base is not None else None
+            data = _decode_one(repo, _name(ref), ref, frame, link)  # type: ignore[arg-type]
+    except (ObjectNotFoundError, IntegrityError) as exc:
+        what = "is missing" if isinstance(exc, ObjectNotFoundError) else "cannot be read"
+        raise DeltaBaseError(
+            f"{user}: delta base {_name(base)} (chunk {base.hash[:12]}) {what}: {exc}", _name(base)
+        ) from exc
+    assert data is not None
+    return data
+
+
+def _name(ref: ChunkRef) -> str:
+    return pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
+
+
+def _fetch_chain(repo: RepoStorage, chain: list[ChunkRef]) -> list[bytes]:
+    """Every frame of ``chain``; concurrently where each request waits on a network."""
+
+    def one(ref: ChunkRef) -> bytes:
+        try:
+            return fetch_frame(repo, ref)
+        except ObjectRefusedError as exc:  # a FIFO, a link: damage to that copy
+            contain(repo, ref, exc)
+            raise
+
+    if len(chain) == 1 or repo.root.capabilities.local:
+        return [one(ref) for ref in chain]  # a local read is a page-cache copy: no gain
+    with ThreadPoolExecutor(len(chain), thread_name_prefix="casnap-chain") as pool:
+        return list(pool.map(one, chain))
+
+
 def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:
     """The verified bytes of the loose object ``chunks/<h>`` standing in for a damaged frame."""
     loose = ChunkRef(hash=ref.hash, size=ref.size, length=codec.HEADER_SIZE + ref.size)
@@ -69,12 +137,15 @@ def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:
 
 def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
     """The verified bytes of one stored copy, or None (damage recorded if ``record``)."""
-    key = pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
+    key = _name(ref)
+    base = None
+    if ref.base is not None:
+        try:
+            base = (bytes.fromhex(ref.base.hash), base_bytes(repo, ref.base, key))
+        except DeltaBaseError:
+            return None  # this copy cannot be rebuilt, though it is not known to be damaged
     try:
-        if ref.pack is None:
-            blob = repo.store.get(key, limit=ref.length)
-        else:
-            blob = repo.store.get_range(key, ref.offset, ref.offset + ref.length)
+        blob = fetch_frame(repo, ref)
     except ObjectNotFoundError:
         return None
     except ObjectRefusedError as exc:  # a FIFO, a link, a loose object longer than its frame
@@ -82,7 +153,7 @@ def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
             contain(repo, ref, exc)
         return None
     try:
-        return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size)
+        return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size, base)
     except IntegrityError as exc:
         if record:
             contain(repo, ref, exc)

@@ -5,15 +5,20 @@ A frame is a fixed 56-byte header followed by the payload::
     offset size  field
     0      4     magic b"CSNF"
     4      1     frame format version (1)
-    5      1     codec: 0 raw, 1 zstd, 2 zstd over byte-grouped elements
-    6      2     element size for codec 2 (2, 4 or 8), else zero
+    5      1     codec: 0 raw, 1 zstd, 2 zstd over byte-grouped elements,
+                 3 delta (format 2: zstd over the byte-grouped XOR with a base chunk)
+    6      2     element size for codec 2 (2, 4 or 8), group width for codec 3
+                 (1, 2, 4 or 8), else zero
     8      8     raw length (uncompressed bytes), little-endian uint64
     16     8     payload length (stored bytes), little-endian uint64
     24     32    blake3 digest of the raw bytes
 
 The chunk's identity is the digest of its raw bytes, so the codec never
-changes a chunk's name. Decoding checks every field before allocating and
-verifies the digest before returning.
+changes a chunk's name. A delta frame's payload starts with the 32-byte
+digest of its base chunk (same raw length); the rest is the zstd-compressed,
+byte-grouped XOR of the chunk with that base, so decoding it needs the
+base's verified bytes (:func:`decode` with ``base``). Decoding checks every
+field before allocating and verifies the digest before returning.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from casnap.errors import IntegrityError
+from casnap.errors import DeltaBaseError, IntegrityError
 from casnap.format.names import digest_of
 
 MAGIC = b"CSNF"
@@ -36,8 +41,16 @@ HEADER_SIZE = HEADER.size
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 CODEC_ZSTD_GROUPED = 2
-CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_GROUPED: "zstd-grouped"}
+CODEC_DELTA = 3
+CODEC_NAMES = {
+    CODEC_RAW: "raw",
+    CODEC_ZSTD: "zstd",
+    CODEC_ZSTD_GROUPED: "zstd-grouped",
+    CODEC_DELTA: "delta",
+}
 GROUPABLE = (2, 4, 8)
+DELTA_GROUPS = (1, 2, 4, 8)
+DIGEST_SIZE = 32
 # Compression is tried on a sample first and used only when the sample shrinks
 # to this fraction or less: below that, the CPU it costs is worth more than the
 # bytes it saves (fp32 weights shrink only to ~0.84 even byte-grouped, bf16 to
@@ -154,16 +167,30 @@ def parse_header(buf: Buffer, name: str) -> FrameHeader:
     if codec == CODEC_ZSTD_GROUPED:
         if elem not in GROUPABLE or raw_len % elem:
             raise IntegrityError(f"{name}: bad element size {elem} for a grouped frame", name)
+    elif codec == CODEC_DELTA:
+        if elem not in DELTA_GROUPS or raw_len % elem:
+            raise IntegrityError(f"{name}: bad group width {elem} for a delta frame", name)
+        if payload_len < DIGEST_SIZE:
+            raise IntegrityError(f"{name}: delta frame too short for its base digest", name)
     elif elem != 0:
         raise IntegrityError(f"{name}: element size set on a {CODEC_NAMES[codec]} frame", name)
     return FrameHeader(codec, elem, raw_len, payload_len, bytes(digest))
 
 
-def decode(frame: Buffer, name: str, expected_digest: bytes, expected_size: int) -> Buffer:
+def decode(
+    frame: Buffer,
+    name: str,
+    expected_digest: bytes,
+    expected_size: int,
+    base: tuple[bytes, Buffer] | None = None,
+) -> Buffer:
     """Decode one frame and verify it is the chunk the caller asked for.
 
     Raises IntegrityError naming ``name`` on any mismatch: header fields, the
     declared size, truncation, the decompressed size, or the blake3 digest.
+    A delta frame needs ``base``: the (digest, verified bytes) of the base
+    chunk the manifest names; a delta frame without it, or whose recorded
+    base is another chunk, is refused (:class:`DeltaBaseError`).
     """
     mv = memoryview(frame)
     hdr = parse_header(mv, name)
@@ -178,8 +205,10 @@ def decode(frame: Buffer, name: str, expected_digest: bytes, expected_size: int)
             f"{name}: frame is {len(mv)} bytes, header declares {hdr.frame_length}", name
         )
     payload = mv[HEADER_SIZE:]
-    if hdr.codec in (CODEC_ZSTD, CODEC_ZSTD_GROUPED):
-        data: Buffer = _decompress(payload, hdr.raw_length, name)
+    if hdr.codec == CODEC_DELTA:  # a whole frame where a delta was expected is fine
+        data: Buffer = _undelta(hdr, payload, name, base)
+    elif hdr.codec in (CODEC_ZSTD, CODEC_ZSTD_GROUPED):
+        data = _decompress(payload, hdr.raw_length, name)
         if hdr.codec == CODEC_ZSTD_GROUPED:
             data = ungroup_bytes(data, hdr.elem_size)
     else:
@@ -187,6 +216,95 @@ def decode(frame: Buffer, name: str, expected_digest: bytes, expected_size: int)
     if digest_of(data) != expected_digest:
         raise IntegrityError(f"{name}: blake3 digest mismatch (stored bytes are corrupt)", name)
     return data
+
+
+def _undelta(
+    hdr: FrameHeader, payload: memoryview, name: str, base: tuple[bytes, Buffer] | None
+) -> Buffer:
+    """The chunk a delta frame rebuilds from its verified base (digest checked by the caller)."""
+    recorded = bytes(payload[:DIGEST_SIZE])
+    if base is None:
+        raise DeltaBaseError(f"{name}: a delta frame (base {recorded.hex()}) read without "
+                             "its base; the manifest does not name one", name)  # fmt: skip
+    base_digest, base_bytes = base
+    if recorded != base_digest:  # the frame's own bytes disagree with its manifest: damage
+        raise IntegrityError(f"{name}: delta frame is against base {recorded.hex()}, the "
+                             f"manifest names {base_digest.hex()}", name)  # fmt: skip
+    if len(base_bytes) != hdr.raw_length:
+        raise IntegrityError(f"{name}: delta base holds {len(base_bytes)} bytes, the frame "
+                             f"{hdr.raw_length}", name)  # fmt: skip
+    diff = _decompress(payload[DIGEST_SIZE:], hdr.raw_length, name)
+    if hdr.elem_size > 1:
+        diff = bytes(ungroup_bytes(diff, hdr.elem_size))
+    return xor_bytes(diff, base_bytes)
+
+
+def xor_bytes(a: Buffer, b: Buffer) -> bytearray:
+    """``a`` XOR ``b`` (equal lengths), at memory speed where numpy is installed."""
+    try:
+        import numpy as np  # noqa: PLC0415 (optional; torch brings it)
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        n = len(a)
+        x = int.from_bytes(bytes(a), "little") ^ int.from_bytes(bytes(b), "little")
+        return bytearray(x.to_bytes(n, "little"))
+    out = bytearray(len(a))
+    dst = np.frombuffer(out, dtype=np.uint8)
+    np.bitwise_xor(np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8), out=dst)
+    return out
+
+
+def encode_delta(
+    data: Buffer,
+    digest: bytes,
+    base: Buffer,
+    base_digest: bytes,
+    *,
+    group: int,
+    level: int = 1,
+) -> tuple[bytes, bytes]:
+    """``data`` as a delta frame against ``base`` (same length): header and payload.
+
+    The payload is ``base_digest`` then zstd of the XOR grouped by ``group``
+    bytes (the element size of floats: exponent bytes barely change between
+    two versions of a weight, so their XOR is mostly zeros). The caller
+    decides whether it pays (:mod:`casnap.chunks.delta`).
+    """
+    if len(base) != len(data) or group not in DELTA_GROUPS or len(data) % group:
+        raise ValueError("a delta needs a base of the same length and a group width dividing it")
+    diff: Buffer = xor_bytes(data, base)
+    if group > 1:
+        diff = group_bytes(diff, group)
+    payload = base_digest + zstandard.ZstdCompressor(level=level).compress(diff)
+    header = HEADER.pack(MAGIC, FRAME_VERSION, CODEC_DELTA, group, len(data), len(payload), digest)
+    return header, payload
+
+
+def delta_sample_size(data: Buffer, base: Buffer, group: int, level: int = 1) -> int:
+    """What a delta of the sample ``data`` against ``base`` compresses to (an estimate)."""
+    n = min(len(data), len(base))
+    n -= n % group
+    diff = xor_bytes(memoryview(data)[:n], memoryview(base)[:n])
+    cctx = zstandard.ZstdCompressor(level=level)
+    if group == 1:
+        return len(cctx.compress(diff))
+    raw = bytes(diff)
+    return sum(len(cctx.compress(raw[i::group])) for i in range(group))
+
+
+def plain_sample_size(data: Buffer, elem_size: int, level: int = 1) -> int:
+    """What :func:`encode` would store for the sample ``data`` (raw unless zstd pays)."""
+    sample = memoryview(data)[:_SAMPLE]
+    best = len(sample)
+    cctx = zstandard.ZstdCompressor(level=level)
+    plain = len(cctx.compress(sample))
+    if plain < best * _WORTH_IT:
+        best = plain
+    if elem_size in GROUPABLE and len(sample) % elem_size == 0:
+        raw = bytes(sample)
+        grouped = sum(len(cctx.compress(raw[i::elem_size])) for i in range(elem_size))
+        if grouped < min(best, len(sample) * _WORTH_IT):
+            best = grouped
+    return best
 
 
 def _decompress(payload: Buffer, raw_length: int, name: str) -> bytes:

@@ -200,7 +200,7 @@ def _mark(
             marks.warnings.append(f"unreadable unreachable manifest {m} kept: {exc}")
             continue
         read += 1
-        for ref in manifest.chunk_refs():
+        for ref in manifest.stored_refs():  # delta bases too: the manifest names them
             marks.objects.add(pack_key(ref.pack) if ref.pack else chunk_key(ref.hash))
             if ref.pack and (ref.hash, ref.pack) in marks.damaged_frames:
                 marks.objects.add(chunk_key(ref.hash))  # the replacement reads fall back to

@@ -211,7 +211,7 @@ def _plan(
             warnings.append(f"retired manifest {m} unreadable, left to gc: {type(exc).__name__}")
             continue
         deletable.append(m)
-        for ref in manifest.chunk_refs():
+        for ref in manifest.stored_refs():
             digest = ref.pack or ref.hash
             key = pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
             objects[key] = ("packs" if ref.pack else "chunks", digest)
