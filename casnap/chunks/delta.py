@@ -65,7 +65,7 @@ class DeltaEncoder:
         and the chunk is then written whole.
         """
         size = len(data)
-        if base.size != size or base.depth + 1 > self.max_chain or size < SAMPLE:
+        if base.size != size or base.depth + 1 > self.max_chain:
             return None
         group = elem_size if elem_size in codec.GROUPABLE and size % elem_size == 0 else 1
         user = chunk_key(digest.hex())
