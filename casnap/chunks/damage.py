@@ -26,6 +26,7 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from casnap import index
 from casnap.errors import (
@@ -72,6 +73,50 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     return _decode_one(repo, key, ref, frame, base)
 
 
+def rebuild_into(repo: RepoStorage, ref: ChunkRef, view: memoryview) -> bool:
+    """Rebuild delta ``ref`` straight into ``view`` (its final memory); False if not done.
+
+    Only for a chain that ends in a loose raw frame (the usual case: the
+    whole chunk written by an earlier take): it is read into ``view``, each
+    delta applied there, and the result's digest checked there, so a sparse
+    chain costs what reading the whole chunk does. False (``view`` possibly
+    overwritten) when anything fails; the caller then takes the careful path.
+    """
+    chain = ref.chain()
+    whole = chain[-1]
+    if whole.pack is not None or whole.length != codec.HEADER_SIZE + whole.size:
+        return False
+    if len(view) != ref.size:
+        return False
+    try:
+        frames = _fetch_chain(repo, chain[:-1])
+        head = bytearray(codec.HEADER_SIZE)
+        n = repo.store.read_into(chunk_key(whole.hash), [memoryview(head), view])
+        hdr = codec.parse_header(head, chunk_key(whole.hash))
+        if n != whole.length or hdr.codec != codec.CODEC_RAW or hdr.digest.hex() != whole.hash:
+            return False
+        out = view.cast("B")
+        for link, raw in zip(reversed(chain[:-1]), reversed(frames), strict=True):
+            if not _apply(raw, link, out):
+                return False
+    except (CasnapError, ValueError):
+        return False
+    return digest_of(view).hex() == ref.hash
+
+
+def _apply(raw: Buffer, link: ChunkRef, out: Any) -> bool:
+    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta."""
+    key = _name(link)
+    hdr = codec.parse_header(raw, key)
+    if hdr.codec != codec.CODEC_DELTA or hdr.frame_length != len(raw):
+        return False
+    if hdr.digest.hex() != link.hash or hdr.raw_length != link.size or link.base is None:
+        return False
+    payload = memoryview(raw)[codec.HEADER_SIZE :]
+    codec.apply_delta(hdr, payload, key, bytes.fromhex(link.base.hash), out)
+    return True
+
+
 def _rebuild(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffer | None:
     """The delta ``ref`` rebuilt with one digest check, of the result; None if anything fails.
 
@@ -88,14 +133,8 @@ def _rebuild(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffe
         out = bytearray(codec.decode(frames[-1], _name(whole), bytes.fromhex(whole.hash),
                                      whole.size, check_digest=False))  # fmt: skip
         for link, raw in zip(reversed(chain[:-1]), reversed(frames[:-1]), strict=True):
-            hdr = codec.parse_header(raw, key)
-            if hdr.codec != codec.CODEC_DELTA or hdr.frame_length != len(raw):
+            if not _apply(raw, link, out):
                 return None
-            if hdr.digest.hex() != link.hash or hdr.raw_length != link.size:
-                return None
-            assert link.base is not None
-            payload = memoryview(raw)[codec.HEADER_SIZE :]
-            codec.apply_delta(hdr, payload, key, bytes.fromhex(link.base.hash), out)
     except (CasnapError, ValueError):
         return None
     return out if digest_of(out).hex() == ref.hash else None

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.damage import contain, decode_frame, verify_in_place
+from casnap.chunks.damage import contain, decode_frame, rebuild_into, verify_in_place
 from casnap.chunks.delta import DeltaEncoder
 from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
@@ -464,7 +464,11 @@ def plan_reads(refs: list[ChunkRef]) -> list[Span]:
     by_pack: dict[str, list[tuple[int, ChunkRef]]] = {}
     loose_seen: dict[str, list[tuple[int, ChunkRef]]] = {}
     for i, ref in enumerate(refs):
-        if ref.pack is None:
+        if ref.base is not None and ref.pack is not None:
+            # A delta is rebuilt from its chain, which costs about a whole chunk's
+            # read: one span each, so the workers rebuild a pack's deltas in parallel.
+            spans.append(Span(pack_key(ref.pack), ref.offset, ref.offset + ref.length, ((i, ref),)))
+        elif ref.pack is None:
             loose_seen.setdefault(ref.hash, []).append((i, ref))
         else:
             by_pack.setdefault(ref.pack, []).append((i, ref))
@@ -606,9 +610,27 @@ def read_chunks(
         take(payload)
         return True
 
+    def delta_in_place(span: Span) -> bool:
+        """A delta rebuilt in its final memory (``dest``), verified there."""
+        if dest is None or len(span.items) != 1 or span.items[0][1].base is None:
+            return False
+        i, ref = span.items[0]
+        view = dest(i)
+        if view is None:
+            return False
+        if not rebuild_into(repo, ref, view):
+            # The careful path decodes link by link and names what failed (raising);
+            # ``dest`` was handed out, so its bytes land there, then ``landed``.
+            with _missing_is_integrity_error(span):
+                blob = fetch_span(repo, span)
+            view[:] = memoryview(decode_frame(repo, span.key, ref, memoryview(blob))).cast("B")
+        if landed is not None:
+            landed(i)
+        return True
+
     def run(span: Span) -> None:
         nonlocal fetched
-        if from_mapping(span) or direct(span):
+        if from_mapping(span) or direct(span) or delta_in_place(span):
             return
         # A delta also holds its base's bytes and its decoded XOR while it is rebuilt.
         raw = sum(ref.size * (3 if ref.base else 1) for _, ref in span.items)

@@ -316,7 +316,7 @@ def encode_delta(
 
 
 def apply_delta(
-    hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes, out: bytearray
+    hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes, out: bytearray | memoryview
 ) -> None:
     """XOR the runs of delta frame ``payload`` into ``out`` (the base's bytes, in place).
 
