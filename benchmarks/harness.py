@@ -287,7 +287,7 @@ def human_bytes(n: int | None) -> str:
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     right = [i > 0 for i in range(len(headers))]
 
     def line(cells: list[str]) -> str:

@@ -18,6 +18,7 @@ targets) and ``suite.png`` into ``--out``. Scenarios (all by default):
   rss             peak RSS above the live state, take and restore, each in a fresh process
   read_object     one --read-tensor-mib tensor out of a --read-size-gib snapshot, fresh process
   bf16            a bf16 weight matrix: bytes stored over raw bytes
+  delta           casnap with delta chunks on against off (benchmarks/delta.py; not by default)
 
 See benchmarks/README.md ("suite.py") for the methods and how to read the numbers.
 """
@@ -55,7 +56,7 @@ from harness import (
 from suite_systems import CASNAP, PEER, SYSTEMS, System, system_root
 
 SCENARIOS = ("take", "restore", "retake", "frozen", "lora", "sparse", "all", "series",
-             "async", "rss", "read_object", "bf16")  # fmt: skip
+             "async", "rss", "read_object", "bf16", "delta")  # fmt: skip
 INCREMENTAL = {"retake": "unchanged", "frozen": "frozen", "lora": "lora", "sparse": "sparse",
                "all": "all"}  # fmt: skip
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_probe.py")
@@ -302,6 +303,21 @@ def read_object(run: Run) -> None:
     del big
 
 
+def delta(run: Run) -> None:
+    """benchmarks/delta.py at the suite's size: its figures go to ``info["delta"]``."""
+    import delta as delta_bench  # benchmarks/delta.py
+
+    size_mib = max(16, int(run.args.size_gib * 1024) // 4)
+    args = delta_bench.parser().parse_args([
+        "--size-mib", str(size_mib), "--bf16-mib", str(run.args.bf16_mib // 2),
+        "--repeats", str(run.args.repeats), "--series", str(run.args.series),
+        "--workdir", run.args.workdir,
+    ])  # fmt: skip
+    args.scenarios = list(delta_bench.SCENARIOS)
+    run.info["delta"] = delta_bench.measure(args)
+    _progress("delta: casnap on/off")
+
+
 def bf16(run: Run) -> None:
     weights = st.bf16_weight(run.args.bf16_mib * MiB)
     run.info["bf16"] = {"raw_bytes": st.nbytes(weights), "shape": list(weights["mlp.weight"].shape)}
@@ -341,7 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0, help="state size (default 1.0)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per timed step (median)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+    p.add_argument("--scenarios", default=",".join(s for s in SCENARIOS if s != "delta"),
                    help=f"comma-separated subset of {','.join(SCENARIOS)}")  # fmt: skip
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)}")  # fmt: skip
@@ -398,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             incremental(run, scenario)
         else:
             {"series": series, "async": async_take, "rss": rss, "read_object": read_object,
-             "bf16": bf16}[scenario](run)  # fmt: skip
+             "bf16": bf16, "delta": delta}[scenario](run)  # fmt: skip
         timings[scenario] = time.perf_counter() - t0
         gc.collect()
     payload: dict[str, Any] = {

@@ -259,8 +259,32 @@ def markdown(p: Payload) -> str:
     for t in p["targets"]:
         mark = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
         lines.append(f"- {t['target']}: **{mark}** ({t['shown']})")
+    lines += _delta_lines(p["info"].get("delta"))
     lines.append("")
     return "\n".join(lines)
+
+
+def _delta_lines(d: dict[str, Any] | None) -> list[str]:
+    """Issue #13's targets, from benchmarks/delta.py's figures (``--scenarios delta``)."""
+    if not d:
+        return []
+    shown = {
+        "sparse": ("sparse 1% rows: bytes written ≤ 3× changed",
+                   lambda r: f"{r['on']['over_changed']:.2f}× changed, off "
+                             f"{r['off']['over_changed']:.1f}×"),
+        "bf16": ("bf16 fine-tuned: bytes written ≤ 0.55 × raw",
+                 lambda r: f"{r['on']['over_raw']:.3f}× raw, off {r['off']['over_raw']:.3f}×"),
+        "series": ("restore of the newest of a series: deltas on ≤ 1.2 × off",
+                   lambda r: f"{r['restore_on_over_off']:.2f}×"),
+        "all": ("all parameters changed: take time on ≤ 1.0 × off",
+                lambda r: f"{r['take_on_over_off']:.2f}×"),
+    }  # fmt: skip
+    out = ["", "## Delta chunks (benchmarks/delta.py)", ""]
+    for name, (what, fmt) in shown.items():
+        if name in d:
+            mark = "met" if d[name]["target"]["met"] else "NOT met"
+            out.append(f"- {what}: **{mark}** ({fmt(d[name])})")
+    return out
 
 
 # -- the plot ----------------------------------------------------------------------

@@ -89,6 +89,12 @@ class CopyIntegrityError(IntegrityError):
         self.result = result
 
 
+class DeltaBaseError(IntegrityError):
+    """A delta chunk cannot be rebuilt because its base cannot be read (missing or
+    damaged: the message names it) or was not given; the delta's own frame is not
+    known to be damaged, so it is never recorded as such (docs/format.md, "Delta chunks")."""
+
+
 class ManifestValidationError(IntegrityError):
     """A manifest failed validation (untrusted input is checked before use)."""
 

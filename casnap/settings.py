@@ -45,6 +45,9 @@ DEFAULT_PACK_THRESHOLD = 512 * 1024
 DEFAULT_PACK_TARGET = 4 * MiB
 DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_IO_WORKERS = 4
+# Four deltas then a whole chunk: a restore of the newest snapshot reads at most
+# five frames per chunk, fetched concurrently (benchmarks/delta.py measures it).
+DEFAULT_DELTA_MAX_CHAIN = 4
 # Cold reads from a local disk gain from a deeper queue than writes do: a cold
 # 1 GiB restore (virtio disk, 2 cores) took 1.32 s with 4 readers, 1.29 s with
 # 8 and 1.18 s with 12, torch.load 1.32 s (benchmarks/read_workers.py).
@@ -174,6 +177,14 @@ VARIABLES: Mapping[str, Variable] = _table(
              choices=("auto", "none")),
     Variable("zstd_level", "int", DEFAULT_ZSTD_LEVEL, "zstd level of compressed chunks.",
              minimum=-7, maximum=22),
+    Variable("delta", "bool", True, "Whether a take may store a changed chunk as a delta "
+             "against the same chunk of its parent snapshot, where that pays (docs/format.md, "
+             "\"Delta chunks\"). A snapshot holding deltas is format 2.0, which casnap "
+             "versions before deltas refuse to read."),
+    Variable("delta_max_chain", "int", DEFAULT_DELTA_MAX_CHAIN, "The longest chain of "
+             "deltas a take writes: a chunk whose base is already this many deltas deep is "
+             "written whole, so a restore reads at most this many deltas and one whole chunk.",
+             minimum=1, maximum=64),
     Variable("io_workers", "int", None, "Concurrent store requests of a take, restore or "
              "export. Unset: 4 writers and 12 readers on a local disk, 16 on a remote store.",
              minimum=1, maximum=1024),
@@ -342,6 +353,8 @@ class Settings:
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     io_workers: int = DEFAULT_IO_WORKERS
     replica_mismatch: str = "warn"  # or "error" (distributed takes; rank 0's value holds)
+    delta: bool = True  # changed chunks as deltas against the parent's (docs/format.md)
+    delta_max_chain: int = DEFAULT_DELTA_MAX_CHAIN
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -353,6 +366,8 @@ class Settings:
             zstd_level=get("zstd_level"),
             io_workers=get("io_workers", DEFAULT_IO_WORKERS),
             replica_mismatch=get("replica_mismatch"),
+            delta=get("delta"),
+            delta_max_chain=get("delta_max_chain"),
         )
 
     def with_overrides(self, **kwargs: object) -> Settings:

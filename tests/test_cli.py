@@ -31,7 +31,7 @@ def repo_dir(tmp_path) -> str:
     """Three snapshots: a big tensor that changes once, a small one, a step counter."""
     root = str(tmp_path / "repo")
     state = StateDict(big=torch.randn(200_000), small=torch.randn(100), step=0)
-    opts = {"chunk_size": CHUNK}
+    opts = {"chunk_size": CHUNK, "delta": False}  # whole chunks: deltas in test_delta.py
     session = Session()  # one training process: each take descends from the previous
     for step in (1, 2, 3):
         state["step"] = step

@@ -120,7 +120,7 @@ def _rewrite_manifest(tmp_path, mutate) -> None:
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda d: d.update(format_version="2.0"), "format version 2.0"),
+        (lambda d: d.update(format_version="3.0"), "format version 3.0"),  # 2.0 has deltas
         (lambda d: d["entries"]["0/s/w"].update(shape=[2**40, 2**40]), "overflow"),
         (lambda d: d["entries"]["0/s/w"].update(shape=[-1]), "shape"),
         (lambda d: d["entries"]["0/s/w"].update(dtype="float1024"), "dtype"),

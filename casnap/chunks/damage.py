@@ -25,10 +25,20 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 from casnap import index
-from casnap.errors import IntegrityError, ObjectNotFoundError, ObjectRefusedError
+from casnap.errors import (
+    CasnapError,
+    DeltaBaseError,
+    IntegrityError,
+    ObjectNotFoundError,
+    ObjectRefusedError,
+)
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
+from casnap.format.names import digest_of
 from casnap.repo.damage import DamagedCopy, record_damage
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 
@@ -47,10 +57,96 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     """:func:`casnap.format.codec.decode` of ``ref``'s frame, read from object ``key``.
 
     A damaged pack frame with a good replacement ``chunks/<h>`` yields the
-    replacement's bytes (see the module docstring).
+    replacement's bytes (see the module docstring). A delta (``ref.base``)
+    is rebuilt from its base chain, read first (:func:`base_bytes`); a base
+    that cannot be read raises :class:`DeltaBaseError` naming it, and only
+    the copy that failed its own check is recorded as damaged.
     """
+    if ref.base is None:
+        return _decode_one(repo, key, ref, frame, None)
+    fast = _rebuild(repo, key, ref, frame)
+    if fast is not None:
+        return fast
+    # Something in the chain is wrong: rebuild link by link, each verified, so the
+    # copy at fault is the one named (and recorded, if damaged).
+    base = (bytes.fromhex(ref.base.hash), base_bytes(repo, ref.base, key))
+    return _decode_one(repo, key, ref, frame, base)
+
+
+def rebuild_into(repo: RepoStorage, ref: ChunkRef, view: memoryview) -> bool:
+    """Rebuild delta ``ref`` straight into ``view`` (its final memory); False if not done.
+
+    Only for a chain that ends in a loose raw frame (the usual case: the
+    whole chunk written by an earlier take): it is read into ``view``, each
+    delta applied there, and the result's digest checked there, so a sparse
+    chain costs what reading the whole chunk does. False (``view`` possibly
+    overwritten) when anything fails; the caller then takes the careful path.
+    """
+    chain = ref.chain()
+    whole = chain[-1]
+    if whole.pack is not None or whole.length != codec.HEADER_SIZE + whole.size:
+        return False
+    if len(view) != ref.size:
+        return False
     try:
-        return codec.decode(frame, key, bytes.fromhex(ref.hash), ref.size)
+        frames = _fetch_chain(repo, chain[:-1])
+        head = bytearray(codec.HEADER_SIZE)
+        n = repo.store.read_into(chunk_key(whole.hash), [memoryview(head), view])
+        hdr = codec.parse_header(head, chunk_key(whole.hash))
+        if n != whole.length or hdr.codec != codec.CODEC_RAW or hdr.digest.hex() != whole.hash:
+            return False
+        out = view.cast("B")
+        for link, raw in zip(reversed(chain[:-1]), reversed(frames), strict=True):
+            if not _apply(raw, link, out):
+                return False
+    except (CasnapError, ValueError):
+        return False
+    return digest_of(view).hex() == ref.hash
+
+
+def _apply(raw: Buffer, link: ChunkRef, out: Any) -> bool:
+    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta."""
+    key = _name(link)
+    hdr = codec.parse_header(raw, key)
+    if hdr.codec != codec.CODEC_DELTA or hdr.frame_length != len(raw):
+        return False
+    if hdr.digest.hex() != link.hash or hdr.raw_length != link.size or link.base is None:
+        return False
+    payload = memoryview(raw)[codec.HEADER_SIZE :]
+    codec.apply_delta(hdr, payload, key, bytes.fromhex(link.base.hash), out)
+    return True
+
+
+def _rebuild(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffer | None:
+    """The delta ``ref`` rebuilt with one digest check, of the result; None if anything fails.
+
+    The whole frame at the chain's end is decoded without its own check and
+    every delta is XORed into it in place: a sparse chain costs about what
+    reading the whole chunk does. The result's digest covers every link
+    (a damaged one yields other bytes), so the careful path is only needed
+    to say which link failed.
+    """
+    chain = ref.chain()
+    try:
+        frames = [frame, *_fetch_chain(repo, chain[1:])]
+        whole = chain[-1]
+        out = bytearray(codec.decode(frames[-1], _name(whole), bytes.fromhex(whole.hash),
+                                     whole.size, check_digest=False))  # fmt: skip
+        for link, raw in zip(reversed(chain[:-1]), reversed(frames[:-1]), strict=True):
+            if not _apply(raw, link, out):
+                return None
+    except (CasnapError, ValueError):
+        return None
+    return out if digest_of(out).hex() == ref.hash else None
+
+
+def _decode_one(
+    repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer, base: tuple[bytes, Buffer] | None
+) -> Buffer:
+    try:
+        return codec.decode(frame, key, bytes.fromhex(ref.hash), ref.size, base)
+    except DeltaBaseError:
+        raise  # not this frame's fault
     except IntegrityError as exc:
         if ref.pack is not None:
             data = _replacement(repo, ref)
@@ -61,6 +157,65 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
         raise
 
 
+def fetch_frame(repo: RepoStorage, ref: ChunkRef) -> bytes:
+    """The stored frame of ``ref`` (at most its declared length), unchecked."""
+    if ref.pack is None:
+        return repo.store.get(chunk_key(ref.hash), limit=ref.length)
+    return repo.store.get_range(pack_key(ref.pack), ref.offset, ref.offset + ref.length)
+
+
+def base_bytes(repo: RepoStorage, base: ChunkRef, user: str) -> Buffer:
+    """The verified bytes of chunk ``base``, which the delta in object ``user`` needs.
+
+    The frames of the chain (``base`` and its own bases) are fetched first,
+    concurrently on a remote store (one round trip for the chain, not one per
+    link), then decoded from the whole frame up, each checked against its
+    hash like any read. Any failure is a :class:`DeltaBaseError` naming the
+    base's object; a damaged base frame is recorded (contained) as such.
+    """
+    if base.base is not None:  # one digest check for the chain, unless it fails
+        try:
+            fast = _rebuild(repo, _name(base), base, fetch_frame(repo, base))
+        except CasnapError:
+            fast = None
+        if fast is not None:
+            return fast
+    chain = base.chain()
+    try:
+        frames = _fetch_chain(repo, chain)
+        data: Buffer | None = None
+        for ref, frame in zip(reversed(chain), reversed(frames), strict=True):
+            link = (bytes.fromhex(ref.base.hash), data) if ref.base is not None else None
+            data = _decode_one(repo, _name(ref), ref, frame, link)  # type: ignore[arg-type]
+    except (ObjectNotFoundError, IntegrityError) as exc:
+        what = "is missing" if isinstance(exc, ObjectNotFoundError) else "cannot be read"
+        raise DeltaBaseError(
+            f"{user}: delta base {_name(base)} (chunk {base.hash[:12]}) {what}: {exc}", _name(base)
+        ) from exc
+    assert data is not None
+    return data
+
+
+def _name(ref: ChunkRef) -> str:
+    return pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
+
+
+def _fetch_chain(repo: RepoStorage, chain: list[ChunkRef]) -> list[bytes]:
+    """Every frame of ``chain``; concurrently where each request waits on a network."""
+
+    def one(ref: ChunkRef) -> bytes:
+        try:
+            return fetch_frame(repo, ref)
+        except ObjectRefusedError as exc:  # a FIFO, a link: damage to that copy
+            contain(repo, ref, exc)
+            raise
+
+    if len(chain) == 1 or repo.root.capabilities.local:
+        return [one(ref) for ref in chain]  # a local read is a page-cache copy: no gain
+    with ThreadPoolExecutor(len(chain), thread_name_prefix="casnap-chain") as pool:
+        return list(pool.map(one, chain))
+
+
 def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:
     """The verified bytes of the loose object ``chunks/<h>`` standing in for a damaged frame."""
     loose = ChunkRef(hash=ref.hash, size=ref.size, length=codec.HEADER_SIZE + ref.size)
@@ -69,12 +224,15 @@ def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:
 
 def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
     """The verified bytes of one stored copy, or None (damage recorded if ``record``)."""
-    key = pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
+    key = _name(ref)
+    base = None
+    if ref.base is not None:
+        try:
+            base = (bytes.fromhex(ref.base.hash), base_bytes(repo, ref.base, key))
+        except DeltaBaseError:
+            return None  # this copy cannot be rebuilt, though it is not known to be damaged
     try:
-        if ref.pack is None:
-            blob = repo.store.get(key, limit=ref.length)
-        else:
-            blob = repo.store.get_range(key, ref.offset, ref.offset + ref.length)
+        blob = fetch_frame(repo, ref)
     except ObjectNotFoundError:
         return None
     except ObjectRefusedError as exc:  # a FIFO, a link, a loose object longer than its frame
@@ -82,7 +240,7 @@ def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
             contain(repo, ref, exc)
         return None
     try:
-        return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size)
+        return codec.decode(blob, key, bytes.fromhex(ref.hash), ref.size, base)
     except IntegrityError as exc:
         if record:
             contain(repo, ref, exc)

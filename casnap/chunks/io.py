@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.damage import contain, decode_frame, verify_in_place
+from casnap.chunks.damage import contain, decode_frame, rebuild_into, verify_in_place
+from casnap.chunks.delta import DeltaEncoder
 from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
@@ -51,6 +52,7 @@ class WriteStats:
     raw_bytes_written: int = 0  # raw bytes of the chunks written
     stored_bytes_written: int = 0  # frame bytes written (after compression)
     objects_written: int = 0  # store objects put (loose chunks + packs)
+    deltas_written: int = 0  # chunks written as deltas against a parent's chunk
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,15 @@ class BatchItem:
     on_done: Callable[[], None] | None = None
     elem_size: int = 0
     digest: bytes | None = None  # computed by the caller (see ChunkWriter._process)
+    base: ChunkRef | None = None  # the parent's chunk here, for a delta (casnap.chunks.delta)
 
 
 @dataclass
 class _Pack:
     frames: list[tuple[bytes, Buffer]] = field(default_factory=list)
-    waiters: list[tuple[Future[ChunkRef], str, int, int, int]] = field(default_factory=list)
+    waiters: list[tuple[Future[ChunkRef], str, int, int, int, ChunkRef | None]] = field(
+        default_factory=list
+    )
     size: int = 0
 
 
@@ -131,6 +136,24 @@ class ChunkWriter:
         self._pack = _Pack()
         self._work: list[Future[None]] = []
         self._present: list[ChunkRef] = []  # stored by this writer: for the index
+        # Per tensor key, the parent's (chunk size, chunk refs): the bases of deltas.
+        self.bases: Mapping[str, tuple[int, Sequence[ChunkRef]]] = (
+            known.bases if isinstance(known, KnownChunks) else {}
+        )
+        self.delta = (
+            DeltaEncoder(repo, settings.delta_max_chain, settings.zstd_level)
+            if settings.delta and settings.compression == "auto"
+            else None
+        )
+
+    def base_of(self, key: str, index: int, chunk_size: int) -> ChunkRef | None:
+        """The delta base of chunk ``index`` of tensor ``key``: the parent's chunk there."""
+        if self.delta is None:
+            return None
+        found = self.bases.get(key)
+        if found is None or found[0] != chunk_size or index >= len(found[1]):
+            return None
+        return found[1][index]
 
     def add(
         self,
@@ -138,10 +161,14 @@ class ChunkWriter:
         on_done: Callable[[], None] | None = None,
         elem_size: int = 0,
         digest: bytes | None = None,
+        base: ChunkRef | None = None,
     ) -> Future[ChunkRef]:
-        """Schedule one chunk; ``data`` must stay unchanged until the future resolves."""
+        """Schedule one chunk; ``data`` must stay unchanged until the future resolves.
+
+        ``base`` (see :meth:`base_of`) lets a changed chunk be written as a delta.
+        """
         result: Future[ChunkRef] = Future()
-        work = self.pool.submit(self._process, data, result, elem_size, digest)
+        work = self.pool.submit(self._process, data, result, elem_size, digest, base)
         with self._lock:
             self._work.append(work)
         if on_done is not None:
@@ -179,7 +206,7 @@ class ChunkWriter:
         first: BaseException | None = None
         for item in items:
             try:
-                self._process(item.data, item.result, item.elem_size, item.digest)
+                self._process(item.data, item.result, item.elem_size, item.digest, item.base)
             except BaseException as exc:
                 if not item.result.done():
                     item.result.set_exception(exc)
@@ -196,6 +223,7 @@ class ChunkWriter:
         result: Future[ChunkRef],
         elem_size: int = 0,
         known_digest: bytes | None = None,
+        base: ChunkRef | None = None,
     ) -> None:
         # A digest computed by the caller (the distributed planner) is trusted:
         # the frame's own digest is re-verified on every read anyway.
@@ -227,7 +255,16 @@ class ChunkWriter:
             twin.add_done_callback(lambda f: _copy_result(f, result))
             return
         if size >= self.settings.pack_limit:
-            ref = self._write_loose(data, digest, h, elem_size)
+            # A damaged object's header may well probe fine: it is written again.
+            heal = bool(self.damaged) and DamagedCopy(h, None) in self.damaged
+            ref = None if heal else self._probe_loose(digest, h, size)
+            if ref is not None:
+                with self._lock:
+                    self._present.append(ref)
+            elif self._try_delta(data, digest, h, result, elem_size, base):
+                return
+            else:
+                ref = self._write_loose(data, digest, h, elem_size, heal)
             with self._lock:
                 self.known[h] = ref
             result.set_result(ref)
@@ -243,22 +280,51 @@ class ChunkWriter:
             elem_size=elem_size,
         )
 
-    def _write_loose(self, data: Buffer, digest: bytes, h: str, elem_size: int) -> ChunkRef:
+    def _try_delta(
+        self,
+        data: Buffer,
+        digest: bytes,
+        h: str,
+        result: Future[ChunkRef],
+        elem_size: int,
+        base: ChunkRef | None,
+    ) -> bool:
+        """Append ``data`` as a delta frame to the pack if that pays (casnap.chunks.delta).
+
+        Delta frames always go to packs: a pack is never replaced, whereas
+        ``chunks/<h>`` may be rewritten whole by any writer that finds it
+        unreadable, which would break every delta reference to it.
+        """
+        if self.delta is None or base is None or base.hash == h:
+            return False
+        if self.damaged and any(link in self.damaged for link in base.chain()):
+            return False
+        frame = self.delta.encode(data, digest, elem_size, base)
+        if frame is None:
+            return False
+        with self._lock:
+            self.stats.deltas_written += 1
+        self._append_frame(frame, h, len(data), result, base)
+        return True
+
+    def _probe_loose(self, digest: bytes, h: str, size: int) -> ChunkRef | None:
+        """``chunks/<h>`` as a reference if it exists and its header is this chunk's."""
+        key = chunk_key(h)
+        try:
+            header = codec.parse_header(self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key)
+        except (ObjectNotFoundError, IntegrityError):
+            return None  # absent, or a damaged object a whole write replaces
+        same = header.digest == digest and header.raw_length == size
+        if same and header.codec != codec.CODEC_DELTA:  # a loose delta is no writer's: replaced
+            return ChunkRef(hash=h, size=size, length=header.frame_length)
+        return None
+
+    def _write_loose(
+        self, data: Buffer, digest: bytes, h: str, elem_size: int, heal: bool
+    ) -> ChunkRef:
+        """Put ``chunks/<h>`` (probed absent, or ``heal``: recorded damaged)."""
         key = chunk_key(h)
         damaged = DamagedCopy(h, None)
-        heal = bool(self.damaged) and damaged in self.damaged
-        try:
-            if not heal:  # a damaged object's header may well probe fine
-                header = codec.parse_header(
-                    self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key
-                )
-                if header.digest == digest and header.raw_length == len(data):
-                    ref = ChunkRef(hash=h, size=len(data), length=header.frame_length)
-                    with self._lock:
-                        self._present.append(ref)
-                    return ref
-        except (ObjectNotFoundError, IntegrityError):
-            pass  # absent, or a damaged object we overwrite below
         head, payload = self._encode(data, digest, elem_size)
         self.repo.store.put(key, [head, payload], durable=False)  # replaces atomically
         if heal:
@@ -277,16 +343,25 @@ class ChunkWriter:
     def _append_to_pack(
         self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef], elem_size: int
     ) -> None:
-        head, payload = self._encode(data, digest, elem_size)
-        payload = bytes(payload)  # the pack outlives the caller's buffer
+        self._append_frame(self._encode(data, digest, elem_size), h, len(data), result, None)
+
+    def _append_frame(
+        self,
+        frame: tuple[bytes, Buffer],
+        h: str,
+        size: int,
+        result: Future[ChunkRef],
+        base: ChunkRef | None,
+    ) -> None:
+        head, payload = frame[0], bytes(frame[1])  # the pack outlives the caller's buffer
         length = len(head) + len(payload)
         full: _Pack | None = None
         with self._lock:
             pack = self._pack
-            pack.waiters.append((result, h, len(data), pack.size, length))
+            pack.waiters.append((result, h, size, pack.size, length, base))
             pack.frames.append((head, payload))
             pack.size += length
-            self.stats.raw_bytes_written += len(data)
+            self.stats.raw_bytes_written += size
             self.stats.chunks_written += 1
             if pack.size >= self.settings.pack_target:
                 full, self._pack = pack, _Pack()
@@ -319,8 +394,8 @@ class ChunkWriter:
             for fut, *_ in pack.waiters:
                 fut.set_exception(exc)
             raise
-        for fut, h, size, offset, length in pack.waiters:
-            ref = ChunkRef(hash=h, size=size, pack=pid, offset=offset, length=length)
+        for fut, h, size, offset, length, base in pack.waiters:
+            ref = ChunkRef(hash=h, size=size, pack=pid, offset=offset, length=length, base=base)
             with self._lock:
                 self.known[h] = ref
                 self._present.append(ref)
@@ -348,6 +423,9 @@ class ChunkWriter:
     def _record_present(self) -> None:
         with self._lock:
             present, self._present = self._present, []
+        # The index records where a frame is, not its delta base: deltas stay out of it
+        # (a take finds them through its parent's manifest).
+        present = [r for r in present if r.base is None]
         if self.index is not None and present:
             self.index.record_chunks(present)  # one LMDB transaction per take
 
@@ -386,7 +464,11 @@ def plan_reads(refs: list[ChunkRef]) -> list[Span]:
     by_pack: dict[str, list[tuple[int, ChunkRef]]] = {}
     loose_seen: dict[str, list[tuple[int, ChunkRef]]] = {}
     for i, ref in enumerate(refs):
-        if ref.pack is None:
+        if ref.base is not None and ref.pack is not None:
+            # A delta is rebuilt from its chain, which costs about a whole chunk's
+            # read: one span each, so the workers rebuild a pack's deltas in parallel.
+            spans.append(Span(pack_key(ref.pack), ref.offset, ref.offset + ref.length, ((i, ref),)))
+        elif ref.pack is None:
             loose_seen.setdefault(ref.hash, []).append((i, ref))
         else:
             by_pack.setdefault(ref.pack, []).append((i, ref))
@@ -436,7 +518,7 @@ def _raw_loose(span: Span) -> tuple[int, ChunkRef] | None:
     if span.end >= 0 or len(span.items) != 1:
         return None
     i, ref = span.items[0]
-    return (i, ref) if ref.length == codec.HEADER_SIZE + ref.size else None
+    return (i, ref) if ref.length == codec.HEADER_SIZE + ref.size and ref.base is None else None
 
 
 def fetch_span(repo: RepoStorage, span: Span) -> bytes:
@@ -528,11 +610,30 @@ def read_chunks(
         take(payload)
         return True
 
+    def delta_in_place(span: Span) -> bool:
+        """A delta rebuilt in its final memory (``dest``), verified there."""
+        if dest is None or len(span.items) != 1 or span.items[0][1].base is None:
+            return False
+        i, ref = span.items[0]
+        view = dest(i)
+        if view is None:
+            return False
+        if not rebuild_into(repo, ref, view):
+            # The careful path decodes link by link and names what failed (raising);
+            # ``dest`` was handed out, so its bytes land there, then ``landed``.
+            with _missing_is_integrity_error(span):
+                blob = fetch_span(repo, span)
+            view[:] = memoryview(decode_frame(repo, span.key, ref, memoryview(blob))).cast("B")
+        if landed is not None:
+            landed(i)
+        return True
+
     def run(span: Span) -> None:
         nonlocal fetched
-        if from_mapping(span) or direct(span):
+        if from_mapping(span) or direct(span) or delta_in_place(span):
             return
-        raw = sum(ref.size for _, ref in span.items)
+        # A delta also holds its base's bytes and its decoded XOR while it is rebuilt.
+        raw = sum(ref.size * (3 if ref.base else 1) for _, ref in span.items)
         cost = raw + (span.end - span.start if span.end >= 0 else span.items[0][1].length)
         budget.acquire(cost)
         try:

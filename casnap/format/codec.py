@@ -5,25 +5,31 @@ A frame is a fixed 56-byte header followed by the payload::
     offset size  field
     0      4     magic b"CSNF"
     4      1     frame format version (1)
-    5      1     codec: 0 raw, 1 zstd, 2 zstd over byte-grouped elements
-    6      2     element size for codec 2 (2, 4 or 8), else zero
+    5      1     codec: 0 raw, 1 zstd, 2 zstd over byte-grouped elements,
+                 3 delta (format 2: zstd over the byte-grouped XOR with a base chunk)
+    6      2     element size for codec 2 (2, 4 or 8), group width for codec 3
+                 (1, 2, 4 or 8), else zero
     8      8     raw length (uncompressed bytes), little-endian uint64
     16     8     payload length (stored bytes), little-endian uint64
     24     32    blake3 digest of the raw bytes
 
 The chunk's identity is the digest of its raw bytes, so the codec never
-changes a chunk's name. Decoding checks every field before allocating and
-verifies the digest before returning.
+changes a chunk's name. A delta frame's payload starts with the 32-byte
+digest of its base chunk (same raw length); the rest is the zstd-compressed,
+byte-grouped XOR of the chunk with that base, so decoding it needs the
+base's verified bytes (:func:`decode` with ``base``). Decoding checks every
+field before allocating and verifies the digest before returning.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import zstandard
 
-from casnap.errors import IntegrityError
+from casnap.errors import DeltaBaseError, IntegrityError
 from casnap.format.names import digest_of
 
 MAGIC = b"CSNF"
@@ -36,8 +42,16 @@ HEADER_SIZE = HEADER.size
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 CODEC_ZSTD_GROUPED = 2
-CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_GROUPED: "zstd-grouped"}
+CODEC_DELTA = 3
+CODEC_NAMES = {
+    CODEC_RAW: "raw",
+    CODEC_ZSTD: "zstd",
+    CODEC_ZSTD_GROUPED: "zstd-grouped",
+    CODEC_DELTA: "delta",
+}
 GROUPABLE = (2, 4, 8)
+DELTA_GROUPS = (1, 2, 4, 8)
+DIGEST_SIZE = 32
 # Compression is tried on a sample first and used only when the sample shrinks
 # to this fraction or less: below that, the CPU it costs is worth more than the
 # bytes it saves (fp32 weights shrink only to ~0.84 even byte-grouped, bf16 to
@@ -154,16 +168,33 @@ def parse_header(buf: Buffer, name: str) -> FrameHeader:
     if codec == CODEC_ZSTD_GROUPED:
         if elem not in GROUPABLE or raw_len % elem:
             raise IntegrityError(f"{name}: bad element size {elem} for a grouped frame", name)
+    elif codec == CODEC_DELTA:
+        if elem not in DELTA_GROUPS or raw_len % elem:
+            raise IntegrityError(f"{name}: bad group width {elem} for a delta frame", name)
+        if payload_len < DIGEST_SIZE:
+            raise IntegrityError(f"{name}: delta frame too short for its base digest", name)
     elif elem != 0:
         raise IntegrityError(f"{name}: element size set on a {CODEC_NAMES[codec]} frame", name)
     return FrameHeader(codec, elem, raw_len, payload_len, bytes(digest))
 
 
-def decode(frame: Buffer, name: str, expected_digest: bytes, expected_size: int) -> Buffer:
+def decode(
+    frame: Buffer,
+    name: str,
+    expected_digest: bytes,
+    expected_size: int,
+    base: tuple[bytes, Buffer] | None = None,
+    *,
+    check_digest: bool = True,
+) -> Buffer:
     """Decode one frame and verify it is the chunk the caller asked for.
 
     Raises IntegrityError naming ``name`` on any mismatch: header fields, the
     declared size, truncation, the decompressed size, or the blake3 digest.
+    A delta frame needs ``base``: the (digest, verified bytes) of the base
+    chunk the manifest names; a delta frame without it is refused
+    (:class:`DeltaBaseError`). ``check_digest=False`` leaves the final
+    digest check to a caller that checks a result built from these bytes.
     """
     mv = memoryview(frame)
     hdr = parse_header(mv, name)
@@ -178,18 +209,180 @@ def decode(frame: Buffer, name: str, expected_digest: bytes, expected_size: int)
             f"{name}: frame is {len(mv)} bytes, header declares {hdr.frame_length}", name
         )
     payload = mv[HEADER_SIZE:]
-    if hdr.codec in (CODEC_ZSTD, CODEC_ZSTD_GROUPED):
-        data: Buffer = _decompress(payload, hdr.raw_length, name)
+    if hdr.codec == CODEC_DELTA:  # a whole frame where a delta was expected is fine
+        data: Buffer = _undelta(hdr, payload, name, base)
+    elif hdr.codec in (CODEC_ZSTD, CODEC_ZSTD_GROUPED):
+        data = _decompress(payload, hdr.raw_length, name)
         if hdr.codec == CODEC_ZSTD_GROUPED:
             data = ungroup_bytes(data, hdr.elem_size)
     else:
         data = payload
-    if digest_of(data) != expected_digest:
+    if check_digest and digest_of(data) != expected_digest:
         raise IntegrityError(f"{name}: blake3 digest mismatch (stored bytes are corrupt)", name)
     return data
 
 
-def _decompress(payload: Buffer, raw_length: int, name: str) -> bytes:
+def _undelta(
+    hdr: FrameHeader, payload: memoryview, name: str, base: tuple[bytes, Buffer] | None
+) -> Buffer:
+    """The chunk a delta frame rebuilds from its verified base (digest checked by the caller)."""
+    if base is None:
+        recorded = bytes(payload[:DIGEST_SIZE]).hex()
+        raise DeltaBaseError(f"{name}: a delta frame (base {recorded}) read without "
+                             "its base; the manifest does not name one", name)  # fmt: skip
+    base_digest, base_bytes = base
+    if len(base_bytes) != hdr.raw_length:
+        raise IntegrityError(f"{name}: delta base holds {len(base_bytes)} bytes, the frame "
+                             f"{hdr.raw_length}", name)  # fmt: skip
+    out = bytearray(base_bytes)
+    apply_delta(hdr, payload, name, base_digest, out)
+    return out
+
+
+# A delta stores only the runs of 256-byte blocks where the chunk differs from its
+# base: a sparse update (1% of an embedding's rows) is then decoded in time
+# proportional to what changed, not to the chunk. 256 is a multiple of every
+# group width, so grouping never splits an element.
+DELTA_BLOCK = 256
+_RUNS = struct.Struct("<I")
+_RUN = struct.Struct("<II")
+
+
+def _np() -> Any:
+    import numpy as np  # noqa: PLC0415 (torch brings it; only deltas need it)
+
+    return np
+
+
+def xor_bytes(a: Buffer, b: Buffer) -> bytearray:
+    """``a`` XOR ``b`` (equal lengths)."""
+    np = _np()
+    out = bytearray(len(a))
+    np.bitwise_xor(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8),
+                   out=np.frombuffer(out, np.uint8))  # fmt: skip
+    return out
+
+
+def _runs_of(diff: Any) -> list[tuple[int, int]]:
+    """(start, length) of the runs of non-zero DELTA_BLOCK-byte blocks of ``diff``."""
+    np = _np()
+    n = len(diff)
+    full = n // DELTA_BLOCK * DELTA_BLOCK
+    mask = diff[:full].reshape(-1, DELTA_BLOCK).any(axis=1)
+    if full < n:
+        mask = np.append(mask, bool(diff[full:].any()))
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.view(np.int8), [0]))))
+    return [(int(a) * DELTA_BLOCK, min(int(b) * DELTA_BLOCK, n) - int(a) * DELTA_BLOCK)
+            for a, b in zip(edges[::2], edges[1::2], strict=True)]  # fmt: skip
+
+
+def delta_body(data: Buffer, base: Buffer, group: int) -> bytes:
+    """What a delta frame compresses: the runs that differ, then their XOR, byte-grouped.
+
+    ``u32 count``, ``count`` x ``(u32 start, u32 length)``, then the XOR of
+    those runs concatenated and grouped by ``group`` bytes (the element size of
+    floats: exponent bytes barely change between two versions of a weight).
+    """
+    np = _np()
+    diff = np.bitwise_xor(np.frombuffer(data, np.uint8), np.frombuffer(base, np.uint8))
+    runs = _runs_of(diff)
+    kept = np.concatenate([diff[a : a + n] for a, n in runs]) if runs else diff[:0]
+    if group > 1 and len(kept):
+        kept = kept.reshape(-1, group).T
+    head = _RUNS.pack(len(runs)) + b"".join(_RUN.pack(a, n) for a, n in runs)
+    body: bytes = kept.tobytes()
+    return head + body
+
+
+def encode_delta(
+    data: Buffer,
+    digest: bytes,
+    base: Buffer,
+    base_digest: bytes,
+    *,
+    group: int,
+    level: int = 1,
+) -> tuple[bytes, bytes]:
+    """``data`` as a delta frame against ``base`` (same length): header and payload.
+
+    The payload is ``base_digest`` then zstd of :func:`delta_body`. The caller
+    decides whether it pays (:mod:`casnap.chunks.delta`).
+    """
+    if len(base) != len(data) or group not in DELTA_GROUPS or len(data) % group:
+        raise ValueError("a delta needs a base of the same length and a group width dividing it")
+    body = delta_body(data, base, group)
+    payload = base_digest + zstandard.ZstdCompressor(level=level).compress(body)
+    header = HEADER.pack(MAGIC, FRAME_VERSION, CODEC_DELTA, group, len(data), len(payload), digest)
+    return header, payload
+
+
+def apply_delta(
+    hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes, out: bytearray | memoryview
+) -> None:
+    """XOR the runs of delta frame ``payload`` into ``out`` (the base's bytes, in place).
+
+    Checks that the frame is against ``base_digest`` and that every run lies
+    inside the chunk, in order, with as many bytes as the body holds; the
+    caller verifies the result's digest.
+    """
+    mv = memoryview(payload)
+    recorded = bytes(mv[:DIGEST_SIZE])
+    if recorded != base_digest:  # the frame's own bytes disagree with its manifest: damage
+        raise IntegrityError(f"{name}: delta frame is against base {recorded.hex()}, the "
+                             f"manifest names {base_digest.hex()}", name)  # fmt: skip
+    n, group = hdr.raw_length, hdr.elem_size
+    most = _RUNS.size + _RUN.size * (n // DELTA_BLOCK + 1) + n
+    body = memoryview(_decompress(mv[DIGEST_SIZE:], most, name, exact=False))
+    if len(body) < _RUNS.size:
+        raise IntegrityError(f"{name}: truncated delta body", name)
+    (count,) = _RUNS.unpack_from(body, 0)
+    start = _RUNS.size + _RUN.size * count
+    if count > n // DELTA_BLOCK + 1 or start > len(body):
+        raise IntegrityError(f"{name}: delta body declares {count} runs", name)
+    runs = [_RUN.unpack_from(body, _RUNS.size + _RUN.size * k) for k in range(count)]
+    end = 0
+    for a, length in runs:
+        if a < end or a + length > n or length % group or length == 0:
+            raise IntegrityError(f"{name}: delta run ({a}, {length}) out of order or bounds", name)
+        end = a + length
+    np = _np()
+    kept = np.frombuffer(body, np.uint8, offset=start)
+    if len(kept) != sum(length for _, length in runs):
+        raise IntegrityError(f"{name}: delta body holds {len(kept)} bytes, its runs more", name)
+    if group > 1 and len(kept):
+        kept = kept.reshape(group, -1).T.reshape(-1)
+    dst = np.frombuffer(out, np.uint8)
+    pos = 0
+    for a, length in runs:
+        np.bitwise_xor(dst[a : a + length], kept[pos : pos + length], out=dst[a : a + length])
+        pos += length
+
+
+def delta_sample_size(data: Buffer, base: Buffer, group: int, level: int = 1) -> int:
+    """What a delta of the sample ``data`` against ``base`` compresses to (an estimate)."""
+    n = min(len(data), len(base))
+    n -= n % group
+    body = delta_body(memoryview(data)[:n], memoryview(base)[:n], group)
+    return len(zstandard.ZstdCompressor(level=level).compress(body))
+
+
+def plain_sample_size(data: Buffer, elem_size: int, level: int = 1) -> int:
+    """What :func:`encode` would store for the sample ``data`` (raw unless zstd pays)."""
+    sample = memoryview(data)[:_SAMPLE]
+    best = len(sample)
+    cctx = zstandard.ZstdCompressor(level=level)
+    plain = len(cctx.compress(sample))
+    if plain < best * _WORTH_IT:
+        best = plain
+    if elem_size in GROUPABLE and len(sample) % elem_size == 0:
+        raw = bytes(sample)
+        grouped = sum(len(cctx.compress(raw[i::elem_size])) for i in range(elem_size))
+        if grouped < min(best, len(sample) * _WORTH_IT):
+            best = grouped
+    return best
+
+
+def _decompress(payload: Buffer, raw_length: int, name: str, *, exact: bool = True) -> bytes:
     """Decompress a zstd payload into exactly ``raw_length`` bytes, allocating no more.
 
     python-zstandard sizes its output by the content size the zstd frame
@@ -200,6 +393,8 @@ def _decompress(payload: Buffer, raw_length: int, name: str) -> bytes:
     """
     try:
         declared = zstandard.frame_content_size(payload)
+        if not exact and 0 <= declared <= raw_length:
+            raw_length = declared  # a delta body: at most ``raw_length``, exactly what it says
         if declared not in (-1, raw_length):
             raise IntegrityError(
                 f"{name}: zstd payload declares {declared} bytes, the frame {raw_length}", name
@@ -207,7 +402,7 @@ def _decompress(payload: Buffer, raw_length: int, name: str) -> bytes:
         data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_length)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"{name}: corrupt zstd payload: {exc}", name) from exc
-    if len(data) != raw_length:
+    if len(data) != raw_length and (exact or declared != -1):
         raise IntegrityError(f"{name}: decompressed to the wrong size", name)
     return data
 

@@ -32,6 +32,14 @@ FORMAT_VERSION = "1.1"  # 1.1 added the "sharded" entry kind; 1.0 is still read
 # 1.2 added a tensor's ``quantized`` field. Only a manifest that uses it says 1.2
 # (:func:`format_version_for`), so every other manifest stays readable by 1.1 readers.
 QUANTIZED_FORMAT_VERSION = "1.2"
+# 2.0 added delta chunks (a chunk reference's ``base``). A reader of major 1
+# must refuse such a manifest rather than read a delta frame as damage, so only
+# a manifest that holds a delta says 2.0; every other manifest is written as before.
+DELTA_FORMAT_VERSION = "2.0"
+MANIFEST_MAJORS = (1, 2)  # what this casnap reads; the config stays major 1
+# The longest delta chain a reader follows (a writer's bound, CASNAP_DELTA_MAX_CHAIN,
+# is at most this): it bounds the recursion of validation and of every read.
+MAX_DELTA_CHAIN = 64
 MAX_MANIFEST_BYTES = 1 << 30
 # Refs, the config, tags, leases, gc records and damage records are a few
 # hundred bytes; a reader refuses anything larger before reading it.
@@ -80,17 +88,48 @@ class _PerRank:
         return False
 
 
+def _no_base(base: ChunkRef | None) -> bool:
+    return base is None
+
+
 class ChunkRef(_Model):
-    """Where one chunk lives: a loose object (``pack`` is null) or a frame inside a pack."""
+    """Where one chunk lives: a loose object (``pack`` is null) or a frame inside a pack.
+
+    ``base`` (format 2.0): the frame is a delta against that chunk, which the
+    reader rebuilds first (recursively: a base may be a delta too). Left out
+    of the JSON when absent, so other references are unchanged.
+    """
 
     hash: HashStr
     size: Size  # raw (uncompressed) bytes
     pack: HashStr | None = None
     offset: Size = 0  # frame offset inside the pack; 0 for a loose chunk
     length: Annotated[int, Field(ge=HEADER_SIZE, le=MAX_BYTES), StrictInt]  # frame bytes
+    base: ChunkRef | None = Field(default=None, exclude_if=_no_base)
+
+    @property
+    def depth(self) -> int:
+        """Delta links to follow to rebuild this chunk: 0 for a whole frame."""
+        n, ref = 0, self.base
+        while ref is not None:
+            n, ref = n + 1, ref.base
+        return n
+
+    def chain(self) -> list[ChunkRef]:
+        """This reference and its bases, newest first, the whole frame last."""
+        out, ref = [self], self.base
+        while ref is not None:
+            out.append(ref)
+            ref = ref.base
+        return out
 
     @model_validator(mode="after")
     def _loose_at_zero(self) -> ChunkRef:
+        if self.base is not None:
+            if self.base.size != self.size or self.base.hash == self.hash:
+                raise ValueError("a delta's base is another chunk of the same size")
+            if self.base.depth >= MAX_DELTA_CHAIN:
+                raise ValueError(f"a delta chain is at most {MAX_DELTA_CHAIN} links long")
         if self.pack is None and self.offset != 0:
             raise ValueError("a loose chunk has offset 0")
         if self.size > MAX_CHUNK_SIZE:
@@ -357,18 +396,34 @@ class Manifest(_Model):
                           for k, e in self.entries.items()}  # fmt: skip
         return out
 
+    def stored_refs(self) -> list[ChunkRef]:
+        """Every stored frame reading this manifest needs: its chunks and their delta bases.
+
+        gc keeps, verify checks and ``du`` counts these; a chunk's bases may
+        belong to snapshots that no longer exist.
+        """
+        refs = self.chunk_refs()
+        if not any(r.base is not None for r in refs):
+            return refs
+        return [link for r in refs for link in r.chain()]
+
     def chunk_refs(self) -> list[ChunkRef]:
-        refs: list[ChunkRef] = []
-        for e in self.entries.values():
-            if isinstance(e, (TensorEntry, ObjectEntry)):
-                refs.extend(e.chunks)
-            elif isinstance(e, ShardedEntry):
-                refs.extend(c for shard in e.shards for c in shard.chunks)
-        return refs
+        """The chunks of every entry (a delta's base is in :meth:`stored_refs`)."""
+        return [c for e in self.entries.values() for c in _chunks_of(e)]
+
+
+def _chunks_of(e: Entry) -> list[ChunkRef]:
+    if isinstance(e, (TensorEntry, ObjectEntry)):
+        return e.chunks
+    if isinstance(e, ShardedEntry):
+        return [c for shard in e.shards for c in shard.chunks]
+    return []
 
 
 def format_version_for(entries: dict[str, Entry]) -> str:
     """The format a manifest of ``entries`` is written in: the oldest that can hold them."""
+    if any(c.base is not None for e in entries.values() for c in _chunks_of(e)):
+        return DELTA_FORMAT_VERSION
     quantized = any(isinstance(e, TensorEntry) and e.quantized is not None
                     for e in entries.values())  # fmt: skip
     return QUANTIZED_FORMAT_VERSION if quantized else FORMAT_VERSION
@@ -439,15 +494,16 @@ def canonical_json(obj: Any) -> bytes:
                       allow_nan=False).encode("utf-8")  # fmt: skip
 
 
-def check_version(version: str, what: str) -> None:
+def check_version(version: str, what: str, majors: tuple[int, ...] = (FORMAT_MAJOR,)) -> None:
     try:
         major = int(version.split(".", 1)[0])
     except ValueError as exc:
         raise UnsupportedFormatError(f"{what}: malformed format_version {version!r}") from exc
-    if major != FORMAT_MAJOR:
+    if major not in majors:
+        shown = " and ".join(str(m) for m in majors)
         raise UnsupportedFormatError(
             f"{what} has format version {version}; this casnap reads major version "
-            f"{FORMAT_MAJOR} only — upgrade casnap to read it"
+            f"{shown} only — upgrade casnap to read it"
         )
 
 
@@ -474,7 +530,14 @@ def load_json(data: bytes, what: str) -> Any:
         raise ManifestValidationError(f"{what}: not valid JSON: {exc}", what) from exc
 
 
-def _parse(model: type[_Model], data: bytes, what: str, *, versioned: bool = False) -> Any:
+def _parse(
+    model: type[_Model],
+    data: bytes,
+    what: str,
+    *,
+    versioned: bool = False,
+    majors: tuple[int, ...] = (FORMAT_MAJOR,),
+) -> Any:
     raw = load_json(data, what)
     if versioned and isinstance(raw, dict) and "format_version" not in raw:
         # A default would read any document as the current version (docs/format.md).
@@ -484,7 +547,7 @@ def _parse(model: type[_Model], data: bytes, what: str, *, versioned: bool = Fal
             what,
         )
     if isinstance(raw, dict) and isinstance(raw.get("format_version"), str):
-        check_version(raw["format_version"], what)
+        check_version(raw["format_version"], what, majors)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -504,8 +567,21 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
         raise ManifestValidationError(f"{what} is larger than {MAX_MANIFEST_BYTES} bytes", name)
     if hash_bytes(data) != name:
         raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
-    manifest: Manifest = _parse(Manifest, data, what, versioned=True)
+    manifest: Manifest = _parse(Manifest, data, what, versioned=True, majors=MANIFEST_MAJORS)
+    _check_delta_version(manifest, what)
     return manifest
+
+
+def _check_delta_version(manifest: Manifest, what: str) -> None:
+    """A delta reference in a manifest of major 1 is refused: major-1 readers cannot read it."""
+    if manifest.format_version.split(".", 1)[0] == "1" and any(
+        r.base is not None for r in manifest.chunk_refs()
+    ):
+        raise ManifestValidationError(
+            f"{what} has format version {manifest.format_version} but holds delta chunks "
+            f"(format {DELTA_FORMAT_VERSION})",
+            what,
+        )
 
 
 def parse_config(data: bytes) -> RepoConfig:

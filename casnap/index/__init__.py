@@ -82,6 +82,9 @@ class KnownChunks(dict[str, ChunkRef]):
         super().__init__()
         self.index = index
         self.damaged = damaged if damaged is not None else DamageSet()
+        # Per tensor key of the first parent: (chunk size, chunk refs), the bases a
+        # changed chunk may be stored as a delta against (casnap.chunks.delta).
+        self.bases: dict[str, tuple[int, tuple[ChunkRef, ...]]] = {}
 
 
 # -- history -----------------------------------------------------------------

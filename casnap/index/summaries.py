@@ -64,7 +64,9 @@ def summarize(manifest_hash: str, manifest: Manifest) -> ManifestSummary:
         metadata=dict(manifest.metadata),
         logical_bytes=sum(r.size for r in refs),
         chunk_refs=len(refs),
-        spans=frozenset((r.pack or r.hash, r.offset, r.length) for r in refs),
+        # Every frame the snapshot needs, a delta's bases too: retention's reclaim and
+        # du count what the snapshot keeps alive from these.
+        spans=frozenset((r.pack or r.hash, r.offset, r.length) for r in manifest.stored_refs()),
     )
 
 

@@ -25,7 +25,7 @@ def _object_of(ref: ChunkRef) -> tuple[str, int, int]:
 
 def stored_bytes(manifest: Manifest) -> int:
     """Bytes the snapshot's chunks occupy in the store (shared chunks counted once)."""
-    return sum(length for _, _, length in {_object_of(r) for r in manifest.chunk_refs()})
+    return sum(length for _, _, length in {_object_of(r) for r in manifest.stored_refs()})
 
 
 def logical_bytes(manifest: Manifest) -> int:

@@ -63,7 +63,7 @@ class SnapshotSource:
         self.label = label
         self.copies: dict[str, list[ChunkRef]] = {}
         for m in manifests:
-            for ref in m.chunk_refs():
+            for ref in m.stored_refs():
                 self.copies.setdefault(ref.hash, []).append(ref)
 
     def fetch(self, chunk: str, size: int) -> Buffer | None:
@@ -190,7 +190,7 @@ def find_bad(
             for holder in holders:
                 plan.broken_roots[holder] = f"manifest {mhash}: {exc}"
             continue
-        for ref in manifest.chunk_refs():
+        for ref in manifest.stored_refs():
             refs.setdefault(ref.hash, []).append((ref, frozenset(holders)))
     for p in report.problems:  # unreadable refs and tags
         plan.holders.add((p.kind if p.kind == "tag" else "snapshot", p.subject))
@@ -281,7 +281,7 @@ def _referenced_copies(repo: RepoStorage, chunk: str) -> list[ChunkRef]:
             manifest = repo.read_manifest(mhash)
         except CasnapError:
             continue
-        out.update(((r.pack, r.offset), r) for r in manifest.chunk_refs() if r.hash == chunk)
+        out.update(((r.pack, r.offset), r) for r in manifest.stored_refs() if r.hash == chunk)
     return list(out.values())
 
 

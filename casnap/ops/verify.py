@@ -165,7 +165,7 @@ def verify(
             whole = whole and isinstance(exc, SnapshotNotFoundError)  # missing: references none
             continue
         report.manifests += 1
-        for ref in m.chunk_refs():
+        for ref in m.stored_refs():  # a delta's bases must be whole too
             key = (ref.pack, ref.hash)
             refs[key] = ref
             owners.setdefault(key, set()).update(holders)
@@ -233,7 +233,7 @@ def check_snapshot(repo: RepoStorage, name: str) -> VerifyReport:
         report.problems.append(_problem("manifest", name, f"{type(exc).__name__}: {exc}", holders))
         return report
     report.manifests = 1
-    refs = {(ref.pack, ref.hash): ref for ref in manifest.chunk_refs()}
+    refs = {(ref.pack, ref.hash): ref for ref in manifest.stored_refs()}
     report.chunks = len(refs)
     owners = {key: holders for key in refs}
     _report_recorded(repo, refs, owners, report, (0, 0), _Probed(repo))

@@ -2,10 +2,11 @@
 
 A snapshot is readable when its manifest and every store object its chunk
 references point into exist: loose chunks ``chunks/<h>`` and packs
-``packs/<p>``. Parents are lineage only (a reader never needs them), so they
-are not reached. A format change that makes a chunk need other objects (a
-delta chunk needing its base, say) changes :func:`object_refs` and every
-user follows: gc keeps those objects, reclaim counts them, copy sends them.
+``packs/<p>``, and for a delta chunk every base of its chain (the manifest
+records them: :meth:`Manifest.stored_refs`). Parents are lineage only (a
+reader never needs them), so they are not reached. A format change that makes
+a chunk need other objects changes :func:`object_refs` and every user follows:
+gc keeps those objects, reclaim counts them, copy sends them.
 
 Example::
 
@@ -27,11 +28,12 @@ def object_key(ref: ChunkRef) -> str:
 
 
 def object_refs(manifest: Manifest) -> Iterator[tuple[str, ChunkRef]]:
-    """Each chunk reference of ``manifest`` with the key of the object holding it.
+    """Each stored frame ``manifest`` needs (chunks and delta bases) with the key of
+    the object holding it.
 
     An object holding several referenced frames (a pack) comes once per frame.
     """
-    for ref in manifest.chunk_refs():
+    for ref in manifest.stored_refs():
         yield object_key(ref), ref
 
 

@@ -74,6 +74,8 @@ def known_chunks(
     known = KnownChunks(index.open_index(repo), damaged)
 
     def add(manifest: Manifest) -> None:
+        if not known.bases and manifest.entries:  # the first parent's: the take's lineage
+            known.bases = delta_bases(manifest)
         if damaged:  # a copy a read found damaged is written again, never referenced
             known.update((c.hash, c) for c in manifest.chunk_refs() if c not in damaged)
         else:
@@ -97,6 +99,13 @@ def known_chunks(
     if known.index is not None and summaries:
         known.index.record_summaries(summaries)  # free for log/du: already read
     return known
+
+
+def delta_bases(manifest: Manifest) -> dict[str, tuple[int, tuple[ChunkRef, ...]]]:
+    """Each dense tensor's (chunk size, chunks): a changed chunk's natural delta base is
+    the chunk at the same offset of the same key in the parent snapshot."""
+    return {key: (e.chunk_size, tuple(e.chunks)) for key, e in manifest.entries.items()
+            if isinstance(e, TensorEntry) and e.chunks}  # fmt: skip
 
 
 ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order

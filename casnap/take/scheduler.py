@@ -224,6 +224,7 @@ class Scheduler:
                 self._counted(release, min(cs, req.nbytes - i * cs)),
                 req.elem_size,
                 digests[i] if digests else None,
+                self.writer.base_of(req.key, i, cs) if req.tensor is not None else None,
             )
             for i in range(count)
         ]

@@ -35,7 +35,7 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 # Keys of ``storage_options`` that tune the take rather than open the store.
-TAKE_OPTIONS = ("chunk_size", "compression", "replica_mismatch")
+TAKE_OPTIONS = ("chunk_size", "compression", "replica_mismatch", "delta", "delta_max_chain")
 # A snapshot's metadata lives in its manifest and in every ``log``; 1 MiB is
 # far more than steps, metrics and tags need, and bounds what a take can add there.
 MAX_METADATA_BYTES = 1 << 20
