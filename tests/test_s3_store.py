@@ -9,6 +9,8 @@ import http.server
 import socket
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -167,25 +169,32 @@ def test_s3_error_codes_are_classified(status, code, transient):
     assert type(err) is StoreError and err.key == "k"
 
 
-class _NoConditionalWrites(http.server.BaseHTTPRequestHandler):
-    """An S3 server of the kind that predates conditional writes and refuses the header
-    with 501 NotImplemented, as S3 does for headers it does not implement."""
+class _OldServer(http.server.BaseHTTPRequestHandler):
+    """An S3 server from before conditional writes: it refuses ``If-None-Match`` on
+    PUT with 501 NotImplemented (as S3 does for a header it does not implement),
+    or, with ``ignore`` set, ignores it and overwrites. It keeps no objects."""
 
+    ignore = False
     # HTTP/1.1, so that the client's "Expect: 100-continue" is answered before the body.
     protocol_version = "HTTP/1.1"
 
     def do_PUT(self) -> None:  # noqa: N802  (http.server's naming)
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if "If-None-Match" in self.headers:
+        if "If-None-Match" in self.headers and not self.ignore:
             body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented</Code>"
                     b"<Message>A header you provided implies functionality that is not "
                     b"implemented</Message></Error>")  # fmt: skip
-            self.send_response(501)
-            self.send_header("Content-Type", "application/xml")
+            self._answer(501, body)
         else:
-            body = b""
-            self.send_response(200)
-            self.send_header("ETag", '"0"')
+            self._answer(200, b"")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._answer(204, b"")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("ETag", '"0"')
+        self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -194,22 +203,50 @@ class _NoConditionalWrites(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.timeout(60)
-def test_a_server_that_refuses_conditional_writes_is_named_with_the_fix():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoConditionalWrites)
+class _IgnoringServer(_OldServer):
+    ignore = True
+
+
+@contextmanager
+def _serve(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-        store = S3Store("s3://old/repo", {"endpoint_url": endpoint, "key": "k", "secret": "s"})
-        store.put("chunk", b"x")  # a plain PUT works
-        with pytest.raises(StoreError, match="conditional_writes=false") as info:
-            store.put("refs/main", b"x", create_only=True)
-        assert not info.value.transient and info.value.key == "refs/main"
-        assert "does not support conditional writes" in str(info.value)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         thread.join()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("handler", "says"),
+    [(_OldServer, "does not support conditional writes"), (_IgnoringServer, "ignores")],
+)
+def test_a_server_without_conditional_writes_fails_the_create_naming_the_fix(handler, says):
+    with _serve(handler) as endpoint:
+        options = {"endpoint_url": endpoint, "key": "k", "secret": "s"}
+        store = S3Store("s3://old/repo", {**options, "skip_instance_cache": True})
+        store.put("chunk", b"x")  # a plain PUT works
+        with pytest.raises(StoreError, match="conditional_writes=false") as info:
+            store.put("refs/main", b"x", create_only=True)
+        assert says in str(info.value) and not info.value.transient
+        # The fix named: create-only is then check-then-write (TestS3StoreWithout-
+        # ConditionalWrites), and atomic_create is not claimed.
+        fallback = S3Store("s3://old/repo", {**options, "conditional_writes": "false"})
+        assert not fallback.capabilities.atomic_create
+
+
+def test_conditional_writes_are_proven_once_per_client_and_leave_nothing(s3_bucket):  # noqa: F811
+    store = S3Store(f"{s3_bucket.url}/{uuid.uuid4().hex}",
+                    {**s3_bucket.options, "skip_instance_cache": True})  # fmt: skip
+    assert store._probe_pending
+    store.put("a", b"1", create_only=True)
+    assert vars(store.fs).get("_casnap_conditional_writes_proven") is True
+    assert sorted(store.list()) == ["a"]  # the probe object is gone
+    aws = S3Store("s3://bucket/x", {"anon": True, "skip_instance_cache": True})
+    assert not aws._probe_pending and aws.capabilities.atomic_create  # AWS itself is trusted
 
 
 # -- options ---------------------------------------------------------------------
@@ -221,6 +258,7 @@ def test_options_given_as_text_on_the_command_line_are_read_as_booleans(s3_bucke
     store.put("a", b"1", create_only=True)
     with pytest.raises(ObjectExistsError):
         store.put("a", b"2", create_only=True)
+    assert _store(s3_bucket, conditional_writes="Auto").capabilities.atomic_create
     with pytest.raises(ConfigError, match="conditional_writes='maybe'"):
         _store(s3_bucket, conditional_writes="maybe")
 

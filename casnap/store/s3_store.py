@@ -12,7 +12,10 @@ What casnap's contract needs from S3, and where it comes from (docs/s3.md):
   them with ``conditional_writes=False``: create-only is then a check followed
   by a PUT, atomic only within this process, and the store does not claim
   ``atomic_create`` (gc then takes its lock the way docs/gc.md describes for
-  such stores).
+  such stores). By default (``"auto"``) AWS is trusted and any other endpoint
+  is proven once, before the first create-only put (a probe object written
+  twice, then deleted); a server that refuses or ignores the condition fails
+  that put with an error naming the option.
 - There is no rename, and casnap needs none: every object is written once, whole.
 
 Options (``storage_options``, also ``--storage-option KEY=VALUE`` on the
@@ -22,7 +25,7 @@ command line, where ``true``/``false`` are read as booleans) go to
 AWS sources apply: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
 ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_DEFAULT_REGION``,
 ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, instance roles. casnap adds one
-option of its own, ``conditional_writes`` (default true).
+option of its own, ``conditional_writes``: ``"auto"`` (the default), true or false.
 
 Example::
 
@@ -32,7 +35,10 @@ Example::
 
 from __future__ import annotations
 
+import os
+import uuid
 from typing import Any
+from urllib.parse import urlsplit
 
 from casnap.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, StoreError
 from casnap.store.base import Data
@@ -54,6 +60,7 @@ _TRANSIENT_TYPES = {
 }  # fmt: skip
 _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
 _PRECONDITION_FAILED = 412
+_PROBED_ATTR = "_casnap_conditional_writes_proven"
 _BOOLEAN_OPTIONS = ("anon", "use_ssl", "conditional_writes", "requester_pays")
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
@@ -62,7 +69,9 @@ class S3Store(FsspecStore):
     """Objects below ``s3://bucket/prefix``; create-only puts are S3 conditional writes.
 
     ``capabilities.atomic_create`` is true unless the store was opened with
-    ``conditional_writes=False`` (for a server that lacks them).
+    ``conditional_writes=False`` (for a server that lacks them); with the
+    default ``"auto"`` a server other than AWS is proven to honour conditional
+    writes before the first create-only put, or that put fails.
 
     Example::
 
@@ -74,7 +83,12 @@ class S3Store(FsspecStore):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         options = _s3_options(storage_options)
-        self.conditional_writes: bool = options.pop("conditional_writes")
+        conditional = options.pop("conditional_writes")
+        self.conditional_writes: bool = conditional is not False
+        # "auto" trusts AWS itself and proves any other server once, before the
+        # first create-only put, since a server that ignores the header would
+        # silently overwrite (docs/s3.md, "Servers without conditional writes").
+        self._probe_pending = conditional == "auto" and _custom_endpoint(options) is not None
         retries = int(options.pop("retries"))
         try:
             from s3fs import S3FileSystem
@@ -94,6 +108,8 @@ class S3Store(FsspecStore):
 
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         try:
+            if create_only and self._probe_pending and not vars(self.fs).get(_PROBED_ATTR):
+                self._probe_conditional_writes()
             super().put(key, data, create_only=create_only, durable=durable)
         except StoreError as exc:
             if create_only and self.conditional_writes and _refuses_condition(exc):
@@ -105,6 +121,29 @@ class S3Store(FsspecStore):
                     key,
                 ) from exc
             raise
+
+    def _probe_conditional_writes(self) -> None:
+        """Prove that the server refuses a second conditional PUT of one key (then
+        remembered on the s3fs client); raise if it overwrote instead."""
+        probe = f"conditional-write-probe-{uuid.uuid4().hex}"
+        try:
+            super().put(probe, b"1", create_only=True)
+            try:
+                super().put(probe, b"2", create_only=True)
+            except ObjectExistsError:
+                vars(self.fs)[_PROBED_ATTR] = True
+                return
+            raise StoreError(
+                f"the S3 server behind {self.url!r} ignores conditional writes "
+                "(If-None-Match: *): a create-only put overwrote an object; open the "
+                "repository with the storage option conditional_writes=false (docs/s3.md)",
+                probe,
+            )
+        finally:
+            try:
+                self.delete(probe)
+            except StoreError:
+                pass  # a leftover probe object is harmless; the failure above matters
 
     def _translate(self, exc: Exception, key: str) -> StoreError:
         if isinstance(exc, StoreError):
@@ -132,17 +171,36 @@ def _s3_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
         # One retry policy, RetryingStore's (bounded, documented): s3fs would
         # otherwise repeat each failed call 5 times inside every casnap attempt.
         "retries": 1,
-        "conditional_writes": True,
+        "conditional_writes": "auto",
         **(storage_options or {}),
     }
     for name in _BOOLEAN_OPTIONS:
         value = options.get(name)
-        if isinstance(value, str):
+        if name == "conditional_writes" and (
+            value is None or (isinstance(value, str) and value.strip().lower() == "auto")
+        ):
+            options[name] = "auto"
+        elif isinstance(value, str):
             word = value.strip().lower()
             if word not in _TRUE | _FALSE:
-                raise ConfigError(f"storage option {name}={value!r} is not true or false", name)
+                allowed = "true, false or auto" if name == "conditional_writes" else "true or false"
+                raise ConfigError(f"storage option {name}={value!r} is not {allowed}", name)
             options[name] = word in _TRUE
     return options
+
+
+def _custom_endpoint(options: dict[str, Any]) -> str | None:
+    """The endpoint the client will talk to if it is not AWS itself (None for AWS)."""
+    endpoint = (
+        options.get("endpoint_url")
+        or (options.get("client_kwargs") or {}).get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    if not endpoint:
+        return None
+    host = urlsplit(str(endpoint)).hostname or ""
+    return None if host == "amazonaws.com" or host.endswith(".amazonaws.com") else str(endpoint)
 
 
 def _s3_error(exc: BaseException) -> tuple[int | None, str | None]:
