@@ -75,13 +75,18 @@ class FsspecStore(ObjectStore):
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         options = {**_default_options(protocol), **(storage_options or {})}
         try:
-            self.fs, root = _open_fs(protocol, url, options)
+            fs, root = _open_fs(protocol, url, options)
         except (ImportError, ValueError) as exc:
             raise StoreError(f"cannot open store {url!r}: {exc}") from exc
+        self._attach(fs, root, url, protocol, atomic_create=protocol in _ATOMIC_CREATE)
+
+    def _attach(self, fs: Any, root: str, url: str, protocol: str, *, atomic_create: bool) -> None:
+        """Serve the objects below ``root`` on the opened filesystem ``fs``."""
+        self.fs = fs
         self.protocol = protocol
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
-        self.capabilities = Capabilities(atomic_create=protocol in _ATOMIC_CREATE, local=False)
+        self.capabilities = Capabilities(atomic_create=atomic_create, local=False)
         # dict.setdefault is atomic: racing stores on one filesystem get one lock.
         self._create_lock: threading.Lock = vars(self.fs).setdefault(
             _CREATE_LOCK_ATTR, threading.Lock()
@@ -102,7 +107,7 @@ class FsspecStore(ObjectStore):
         try:
             return bytes(self.fs.cat_file(path))
         except Exception as exc:
-            raise _translate(exc, key) from exc
+            raise self._translate(exc, key) from exc
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         path = self._path(key)
@@ -116,11 +121,11 @@ class FsspecStore(ObjectStore):
         try:
             return bytes(self.fs.cat_file(path, start=start, end=end))
         except Exception as exc:
-            # GCS answers a range that starts at or past the end with 416;
+            # GCS and S3 answer a range that starts at or past the end with 416;
             # the contract says that is an empty read of an existing object.
-            if getattr(exc, "code", None) == _RANGE_NOT_SATISFIABLE and self._is_object(path, key):
+            if _status_of(exc) == _RANGE_NOT_SATISFIABLE and self._is_object(path, key):
                 return b""
-            raise _translate(exc, key) from exc
+            raise self._translate(exc, key) from exc
 
     def _check_local(self, path: str, key: str) -> None:
         """On a local filesystem, refuse what is not a regular file before opening it."""
@@ -129,7 +134,7 @@ class FsspecStore(ObjectStore):
         try:
             info = self.fs.info(path)
         except Exception as exc:
-            raise _translate(exc, key) from exc
+            raise self._translate(exc, key) from exc
         if info.get("islink"):
             raise ObjectRefusedError(
                 f"object {key!r} is a symbolic link; casnap reads only regular files", key
@@ -154,7 +159,7 @@ class FsspecStore(ObjectStore):
             else:
                 self.fs.pipe_file(path, payload, mode="create" if create_only else "overwrite")
         except Exception as exc:
-            raise _translate(exc, key) from exc
+            raise self._translate(exc, key) from exc
 
     def exists(self, key: str) -> bool:
         return self._is_object(self._path(key), key)
@@ -168,7 +173,7 @@ class FsspecStore(ObjectStore):
         except FileNotFoundError:
             return False
         except Exception as exc:
-            raise _translate(exc, key) from exc
+            raise self._translate(exc, key) from exc
         if self.protocol in _LOCAL_PROTOCOLS:  # a FIFO or a link occupies the key too
             return bool(info.get("type") != "directory")
         return bool(info.get("type") == "file")
@@ -191,7 +196,7 @@ class FsspecStore(ObjectStore):
         except FileNotFoundError:
             return
         except Exception as exc:
-            raise _translate(exc, prefix) from exc
+            raise self._translate(exc, prefix) from exc
         items = found.items() if detail else ((p, {}) for p in found)
         strip = self.fs._strip_protocol
         # The root as listings spell it: "/" + root on memory://, "bucket/dir" on gs://.
@@ -204,6 +209,10 @@ class FsspecStore(ObjectStore):
             if path.startswith(below):
                 yield path[len(root) :], info
 
+    def _translate(self, exc: Exception, key: str) -> StoreError:
+        """The casnap error for a failure of the filesystem (a backend may know more codes)."""
+        return _translate(exc, key)
+
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
@@ -211,7 +220,7 @@ class FsspecStore(ObjectStore):
         except (FileNotFoundError, IsADirectoryError):
             return
         except Exception as exc:
-            raise _translate(exc, key) from exc
+            raise self._translate(exc, key) from exc
 
 
 def _mtime_of(info: dict[str, Any]) -> float | None:
@@ -231,11 +240,28 @@ def _mtime_of(info: dict[str, Any]) -> float | None:
     return None
 
 
+def _status_of(exc: BaseException) -> int | None:
+    """The HTTP status behind a failure: gcsfs's ``code``, aiohttp's ``status``, or the
+    botocore response that s3fs keeps as the ``__cause__`` of the error it raises."""
+    for err in (exc, exc.__cause__):
+        if err is None:
+            continue
+        status = getattr(err, "code", None) or getattr(err, "status", None)
+        if isinstance(status, int) and not isinstance(status, bool):
+            return status
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+    return None
+
+
 def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError)):
         return True
-    status = getattr(exc, "code", None) or getattr(exc, "status", None)
-    if isinstance(status, int) and status in _TRANSIENT_STATUS:
+    status = _status_of(exc)
+    if status is not None and status in _TRANSIENT_STATUS:
         return True
     return any(t.__name__ in _TRANSIENT_TYPES for t in type(exc).__mro__)
 

@@ -1,0 +1,232 @@
+"""Amazon S3 (and S3-compatible servers) as an object store, through s3fs.
+
+What casnap's contract needs from S3, and where it comes from (docs/s3.md):
+
+- **Atomic put**: a single-object PUT is atomic; a reader sees the old object
+  or the new one, never a mix, and since December 2020 S3 is strongly
+  read-after-write consistent for PUT, DELETE and LIST.
+- **Create-only put**: a PUT with ``If-None-Match: *`` (S3 conditional writes,
+  August 2024) fails with 412 when the key exists, decided by the server, so it
+  is atomic across processes. Servers without conditional writes (older MinIO
+  or Ceph RGW, some appliances) either refuse the header or ignore it; open
+  them with ``conditional_writes=False``: create-only is then a check followed
+  by a PUT, atomic only within this process, and the store does not claim
+  ``atomic_create`` (gc then takes its lock the way docs/gc.md describes for
+  such stores). By default (``"auto"``) AWS is trusted and any other endpoint
+  is proven once, before the first create-only put (a probe object written
+  twice, then deleted); a server that refuses or ignores the condition fails
+  that put with an error naming the option.
+- There is no rename, and casnap needs none: every object is written once, whole.
+
+Options (``storage_options``, also ``--storage-option KEY=VALUE`` on the
+command line, where ``true``/``false`` are read as booleans) go to
+:class:`s3fs.S3FileSystem`: ``endpoint_url``, ``key``, ``secret``, ``token``,
+``anon``, ``client_kwargs={"region_name": ...}``, ... Without them the usual
+AWS sources apply: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
+``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_DEFAULT_REGION``,
+``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, instance roles. casnap adds one
+option of its own, ``conditional_writes``: ``"auto"`` (the default), true or false.
+
+Example::
+
+    store = S3Store("s3://bucket/run1", {"endpoint_url": "http://localhost:9000"})
+    store.put("refs/main", b"...", create_only=True)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+from casnap.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, StoreError
+from casnap.store.base import Data
+from casnap.store.fsspec_store import FsspecStore, _status_of
+from casnap.store.fsspec_store import _translate as _translate_fsspec
+
+# S3 error codes a repeat of the request may meet with success. 409
+# ConditionalRequestConflict: another conditional write to the key was in
+# flight; S3 asks the client to retry (the retry then meets 412 or succeeds).
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+    "TooManyRequestsException", "RequestTimeout", "InternalError", "ServiceUnavailable",
+    "ConditionalRequestConflict", "OperationAborted", "XAmzContentSHA256Mismatch",
+}  # fmt: skip
+# botocore's network failures (by name: botocore is imported only with s3fs).
+_TRANSIENT_TYPES = {
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "HTTPClientError", "ResponseStreamingError", "IncompleteReadError",
+}  # fmt: skip
+_NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
+_PRECONDITION_FAILED = 412
+_PROBED_ATTR = "_casnap_conditional_writes_proven"
+_BOOLEAN_OPTIONS = ("anon", "use_ssl", "conditional_writes", "requester_pays")
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+class S3Store(FsspecStore):
+    """Objects below ``s3://bucket/prefix``; create-only puts are S3 conditional writes.
+
+    ``capabilities.atomic_create`` is true unless the store was opened with
+    ``conditional_writes=False`` (for a server that lacks them); with the
+    default ``"auto"`` a server other than AWS is proven to honour conditional
+    writes before the first create-only put, or that put fails.
+
+    Example::
+
+        store = S3Store("s3://bucket/run1", {"endpoint_url": "http://127.0.0.1:5000",
+                                             "key": "...", "secret": "..."})
+        store.put("a", b"1", create_only=True)
+        store.put("a", b"2", create_only=True)  # raises ObjectExistsError
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        options = _s3_options(storage_options)
+        conditional = options.pop("conditional_writes")
+        self.conditional_writes: bool = conditional is not False
+        # "auto" trusts AWS itself and proves any other server once, before the
+        # first create-only put, since a server that ignores the header would
+        # silently overwrite (docs/s3.md, "Servers without conditional writes").
+        self._probe_pending = conditional == "auto" and _custom_endpoint(options) is not None
+        retries = int(options.pop("retries"))
+        try:
+            from s3fs import S3FileSystem
+        except ImportError as exc:
+            raise StoreError(
+                f"cannot open store {url!r}: s3:// needs s3fs (pip install 'casnap[s3]')"
+            ) from exc
+        try:
+            fs = S3FileSystem(**options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"bad storage options for {url!r}: {exc}", "storage_options") from exc
+        # A class attribute in s3fs, not an argument: set on this instance.
+        fs.retries = retries
+        protocol = url.split("://", 1)[0]
+        root = S3FileSystem._strip_protocol(url)
+        self._attach(fs, root, url, protocol, atomic_create=self.conditional_writes)
+
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
+        try:
+            if create_only and self._probe_pending and not vars(self.fs).get(_PROBED_ATTR):
+                self._probe_conditional_writes()
+            super().put(key, data, create_only=create_only, durable=durable)
+        except StoreError as exc:
+            if create_only and self.conditional_writes and _refuses_condition(exc):
+                raise StoreError(
+                    f"the S3 server behind {self.url!r} does not support conditional writes "
+                    "(If-None-Match: *), which casnap uses to create objects only once; "
+                    "open the repository with the storage option conditional_writes=false "
+                    "(create-only is then atomic only within one process; docs/s3.md)",
+                    key,
+                ) from exc
+            raise
+
+    def _probe_conditional_writes(self) -> None:
+        """Prove that the server refuses a second conditional PUT of one key (then
+        remembered on the s3fs client); raise if it overwrote instead."""
+        probe = f"conditional-write-probe-{uuid.uuid4().hex}"
+        try:
+            super().put(probe, b"1", create_only=True)
+            try:
+                super().put(probe, b"2", create_only=True)
+            except ObjectExistsError:
+                vars(self.fs)[_PROBED_ATTR] = True
+                return
+            raise StoreError(
+                f"the S3 server behind {self.url!r} ignores conditional writes "
+                "(If-None-Match: *): a create-only put overwrote an object; open the "
+                "repository with the storage option conditional_writes=false (docs/s3.md)",
+                probe,
+            )
+        finally:
+            try:
+                self.delete(probe)
+            except StoreError:
+                pass  # a leftover probe object is harmless; the failure above matters
+
+    def _translate(self, exc: Exception, key: str) -> StoreError:
+        if isinstance(exc, StoreError):
+            return exc
+        status, code = _s3_error(exc)
+        if code == "NoSuchBucket":
+            return ObjectNotFoundError(f"the bucket of {self.url!r} does not exist ({key!r})", key)
+        if code in _NOT_FOUND_CODES:
+            return ObjectNotFoundError(f"object {key!r} not found", key)
+        # Only create-only puts carry a precondition, so 412 means "it exists".
+        if status == _PRECONDITION_FAILED or code == "PreconditionFailed":
+            return ObjectExistsError(f"object {key!r} already exists", key)
+        err = _translate_fsspec(exc, key)
+        if type(err) is StoreError and (code in _TRANSIENT_CODES or _network_failure(exc)):
+            err.transient = True
+        return err
+
+
+def _s3_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """s3fs's options with casnap's defaults, booleans given as text read as booleans."""
+    options: dict[str, Any] = {
+        # A listing cached by one handle goes stale when another process
+        # writes; gc decides what to delete from listings.
+        "use_listings_cache": False,
+        # One retry policy, RetryingStore's (bounded, documented): s3fs would
+        # otherwise repeat each failed call 5 times inside every casnap attempt.
+        "retries": 1,
+        "conditional_writes": "auto",
+        **(storage_options or {}),
+    }
+    for name in _BOOLEAN_OPTIONS:
+        value = options.get(name)
+        if name == "conditional_writes" and (
+            value is None or (isinstance(value, str) and value.strip().lower() == "auto")
+        ):
+            options[name] = "auto"
+        elif isinstance(value, str):
+            word = value.strip().lower()
+            if word not in _TRUE | _FALSE:
+                allowed = "true, false or auto" if name == "conditional_writes" else "true or false"
+                raise ConfigError(f"storage option {name}={value!r} is not {allowed}", name)
+            options[name] = word in _TRUE
+    return options
+
+
+def _custom_endpoint(options: dict[str, Any]) -> str | None:
+    """The endpoint the client will talk to if it is not AWS itself (None for AWS)."""
+    endpoint = (
+        options.get("endpoint_url")
+        or (options.get("client_kwargs") or {}).get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    if not endpoint:
+        return None
+    host = urlsplit(str(endpoint)).hostname or ""
+    return None if host == "amazonaws.com" or host.endswith(".amazonaws.com") else str(endpoint)
+
+
+def _s3_error(exc: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and S3 error code of a failure, from the botocore response s3fs keeps."""
+    err: BaseException | None = exc
+    for _ in range(4):  # StoreError -> s3fs's OSError -> botocore's ClientError
+        if err is None:
+            break
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            return _status_of(err), str(code) if code is not None else None
+        err = err.__cause__
+    return _status_of(exc), None
+
+
+def _network_failure(exc: BaseException) -> bool:
+    err: BaseException | None = exc
+    while err is not None:
+        if any(t.__name__ in _TRANSIENT_TYPES for t in type(err).__mro__):
+            return True
+        err = err.__cause__
+    return False
+
+
+def _refuses_condition(exc: StoreError) -> bool:
+    """Whether a create-only put failed because the server does not do conditional writes."""
+    status, code = _s3_error(exc)
+    return status == 501 or code == "NotImplemented"
