@@ -246,3 +246,17 @@ def test_the_settings_turn_deltas_off(tmp_path: Path, monkeypatch: pytest.Monkey
     _, snaps = _series(tmp_path, 2)
     assert snaps[1].last_take_stats.deltas_written == 0
     assert casnap.settings.get("delta_max_chain") == 4
+
+
+def test_a_copy_of_a_delta_snapshot_sends_its_bases(tmp_path: Path) -> None:
+    # The bases belong to s0, which is neither copied nor kept at the source: copy
+    # follows the manifest's base records (casnap/repo/reach.py), as gc does.
+    states, snaps = _series(tmp_path / "src", 2)
+    assert snaps[1].last_take_stats.deltas_written >= 1
+    src = Repository(str(tmp_path / "src"))
+    src.delete("s0")
+    src.gc(grace_seconds=0)
+    src.copy_to(str(tmp_path / "dst"), ["s1"])
+    assert Repository(str(tmp_path / "dst")).snapshots() == ["s1"]
+    assert torch.equal(_restore(f"{tmp_path}/dst/s1"), states[1])
+    assert Repository(str(tmp_path / "dst")).verify(read_data=True).ok
