@@ -30,8 +30,8 @@ T = TypeVar("T")
 _log = logging.getLogger(__name__)
 # In-process stores answer at once; only a network can keep the command waiting.
 _LOCAL_SCHEMES = ("file://", "memory://")
-# The HTTP client whose retries we outwait; it logs each failed attempt's cause.
-_CLIENT_LOGGERS = ("gcsfs",)
+# The HTTP clients whose retries we outwait; each logs a failed attempt's cause.
+_CLIENT_LOGGERS = ("gcsfs", "s3fs")
 
 
 def is_remote(url: str) -> bool:
