@@ -124,6 +124,8 @@ class ChunkWriter:
             index = known.index
         self.index = index
         self.damaged = known.damaged if isinstance(known, KnownChunks) else DamageSet()
+        # A repository the take created holds no chunk: a probe could only miss.
+        self.probe = not (isinstance(known, KnownChunks) and known.fresh)
         self.known: dict[str, ChunkRef] = dict(known or {})  # known_chunks left damage out
         self.stats = WriteStats()
         self._lock = threading.Lock()
@@ -248,7 +250,7 @@ class ChunkWriter:
         damaged = DamagedCopy(h, None)
         heal = bool(self.damaged) and damaged in self.damaged
         try:
-            if not heal:  # a damaged object's header may well probe fine
+            if not heal and self.probe:  # a damaged object's header may well probe fine
                 header = codec.parse_header(
                     self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key
                 )
