@@ -1,9 +1,26 @@
 """4-rank take of a DDP model: casnap vs torch.distributed.checkpoint, same state, same run.
 
-    .venv/bin/python benchmarks/dist_take.py [--ranks 4] [--mib 64] [--repeat 3]
+    .venv/bin/python benchmarks/dist_take.py [--ranks 4] [--mib 64] [--repeat 7]
+        [--mode both|fresh|series]
 
-Prints one JSON line: per-rank bytes written by casnap, and the median wall time
-of a take (fresh directory each time, max over ranks) for casnap and DCP.
+Each repeat times one casnap take and one DCP save of the same DDP state, back
+to back (a barrier before and after each, so a figure is the slowest rank's).
+Two ways of taking, both against a DCP save into a new folder:
+
+- ``fresh``: every take goes into a new repository (a first take: repository
+  and index created, nothing to deduplicate against).
+- ``series``: successive takes into one repository through one
+  :class:`casnap.Session`, every weight changed before each take (a training
+  loop; nothing deduplicates, the plan and the open index are reused). The
+  first take of the series is a warm-up and is not counted.
+
+Both sides pay the same durability: DCP's ``FileSystemWriter`` is given
+``sync_files=True`` (its default) and fsyncs each file it writes; casnap's
+local store fsyncs each chunk, manifest and ref and their folders.
+
+Prints one JSON line: per mode, casnap's bytes written per rank and their
+max/mean, the median take and save times, and the median of the per-repeat
+ratios casnap/DCP (paired: robust to a machine whose load changes).
 """
 
 from __future__ import annotations
@@ -29,41 +46,61 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def worker(rank: int, world: int, out: str, mib: int, repeat: int) -> None:
+def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    from casnap import Snapshot
+    from casnap import Session, Snapshot
 
+    session = Session() if mode == "series" else None
+    casnap_times, dcp_times, per_rank = [], [], None
+    rounds = repeat + 1 if mode == "series" else repeat
+    for i in range(rounds):
+        if mode == "series":
+            with torch.no_grad():  # every chunk changes, as after a training step
+                for p in model.parameters():
+                    p.add_(1.0)
+        series = mode == "series"
+        path = base / mode / "repo" / f"step{i}" if series else base / mode / f"r{i}" / "s"
+
+        def take(path: Path = path) -> None:
+            nonlocal per_rank
+            snap = Snapshot.take(str(path), {"model": model}, session=session)
+            per_rank = [s.raw_bytes_written for s in snap.last_take_rank_stats or []]
+
+        def save(i: int = i) -> None:
+            folder = str(base / mode / f"dcp{i}")
+            writer = FileSystemWriter(folder, sync_files=True)
+            dcp.save({"model": model.state_dict()}, storage_writer=writer)
+
+        c, d = _timed(take), _timed(save)
+        if mode == "series" and i == 0:
+            continue  # warm-up: creates the repository and its index
+        casnap_times.append(c)
+        dcp_times.append(d)
+    assert per_rank
+    return {
+        "casnap_bytes_per_rank": per_rank,
+        "max_over_mean_bytes": max(per_rank) / statistics.mean(per_rank),
+        "casnap_take_s": statistics.median(casnap_times),
+        "dcp_save_s": statistics.median(dcp_times),
+        "casnap_over_dcp": statistics.median(
+            c / d for c, d in zip(casnap_times, dcp_times, strict=True)
+        ),
+        "casnap_samples_s": casnap_times, "dcp_samples_s": dcp_times,
+    }  # fmt: skip
+
+
+def worker(rank: int, world: int, out: str, mib: int, repeat: int, modes: list[str]) -> None:
     join_group(rank, world, out)
     torch.manual_seed(0)
     layers = max(1, mib // 4)  # 1024x1024 float32 = 4 MiB each
     model = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(layers)])
     )
-    base = Path(out)
-    casnap_times, dcp_times, per_rank = [], [], None
-    for i in range(repeat):
-
-        def take(i: int = i) -> None:
-            nonlocal per_rank
-            snap = Snapshot.take(str(base / f"casnap{i}" / "s"), {"model": model})
-            per_rank = [s.raw_bytes_written for s in snap.last_take_rank_stats or []]
-
-        casnap_times.append(_timed(take))
-        dcp_times.append(
-            _timed(
-                lambda i=i: dcp.save(
-                    {"model": model.state_dict()}, checkpoint_id=str(base / f"dcp{i}")
-                )
-            )  # fmt: skip
-        )
-    result = {
-        "ranks": world, "model_mib": layers * 4,
-        "casnap_bytes_per_rank": per_rank,
-        "casnap_take_s": statistics.median(casnap_times),
-        "dcp_save_s": statistics.median(dcp_times),
-        "casnap_over_dcp": statistics.median(casnap_times) / statistics.median(dcp_times),
-    }  # fmt: skip
+    result: dict[str, Any] = {"ranks": world, "model_mib": layers * 4, "repeat": repeat}
+    for mode in modes:
+        result[mode] = _run_mode(mode, model, Path(out), repeat)
     finish_rank(rank, out, result)
 
 
@@ -71,9 +108,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--mode", choices=("both", "fresh", "series"), default="both")
     args = ap.parse_args()
-    result = spawn_ranks(worker, args.ranks, args.mib, args.repeat)
+    modes = ["fresh", "series"] if args.mode == "both" else [args.mode]
+    result = spawn_ranks(worker, args.ranks, args.mib, args.repeat, modes)
     sys.stdout.write(json.dumps(result) + "\n")
 
 

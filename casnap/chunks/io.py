@@ -129,6 +129,8 @@ class ChunkWriter:
             index = known.index
         self.index = index
         self.damaged = known.damaged if isinstance(known, KnownChunks) else DamageSet()
+        # A repository the take created holds no chunk: a probe could only miss.
+        self.probe = not (isinstance(known, KnownChunks) and known.fresh)
         self.known: dict[str, ChunkRef] = dict(known or {})  # known_chunks left damage out
         self.stats = WriteStats()
         self._lock = threading.Lock()
@@ -257,7 +259,7 @@ class ChunkWriter:
         if size >= self.settings.pack_limit:
             # A damaged object's header may well probe fine: it is written again.
             heal = bool(self.damaged) and DamagedCopy(h, None) in self.damaged
-            ref = None if heal else self._probe_loose(digest, h, size)
+            ref = None if heal or not self.probe else self._probe_loose(digest, h, size)
             if ref is not None:
                 with self._lock:
                     self._present.append(ref)

@@ -99,6 +99,19 @@ def all_gather(group: Group, value: Any, phase: str) -> list[Any]:
     return values
 
 
+def _poll_cap(world: int) -> float:
+    """Longest sleep between two polls of the store, in seconds.
+
+    A poll that sleeps past the moment the value arrives is pure latency on
+    every take (with a 50 ms cap it was a tenth of a 4-rank take), while each
+    waiting rank's poll is a request to the one c10d store server. 5 ms up to
+    32 ranks (a few hundred requests a second in all); beyond that the cap
+    grows with the world size, so the store sees at most ~6,400 polls a second
+    however many ranks wait.
+    """
+    return 0.005 * max(1.0, world / 32)
+
+
 class Rendezvous:
     """Keyed exchange through the c10d store, for the background part of a take.
 
@@ -145,7 +158,7 @@ class Rendezvous:
         """
         deadline = time.monotonic() + timeout
         got: dict[int, Any] = {}
-        delay = 0.002
+        delay, cap = 0.001, _poll_cap(self.group.size)
         while True:
             for r in ranks:
                 if r not in got and self._has(self._key(name, r)):
@@ -155,5 +168,5 @@ class Rendezvous:
             missing = [r for r in ranks if r not in got]
             if not missing or time.monotonic() >= deadline:
                 return got, missing
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, cap)

@@ -81,6 +81,7 @@ class _Start:
     replica_mismatch: str  # rank 0's setting: every rank must decide alike
     parents: list[str]
     metadata: dict[str, Any]
+    fresh: bool  # rank 0 created the repository: no rank probes for chunks
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def _start(
     parents, meta = target.parents, target.metadata
     lease = acquire_lease(repo.store, kind="take")
     mismatch = target.settings.replica_mismatch
-    return repo, _Start(uuid.uuid4().hex, name, chunk, mismatch, list(parents), meta), lease
+    start = _Start(uuid.uuid4().hex, name, chunk, mismatch, list(parents), meta, target.fresh)
+    return repo, start, lease
 
 
 def ddp_patterns(app_state: Mapping[str, Any]) -> list[str]:
@@ -270,7 +272,7 @@ class DistributedJob:
             if self.failed is not None:
                 return self.failed
             last_plan = self.session.last_plan if self.session is not None else None
-            known = known_chunks(self.repo, self.info.parents, last_plan)
+            known = known_chunks(self.repo, self.info.parents, last_plan, self.info.fresh)
             workers = self.settings.io_workers
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)

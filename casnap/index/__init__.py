@@ -75,16 +75,20 @@ class KnownChunks(dict[str, ChunkRef]):
 
     ``damaged`` holds the copies a read found damaged (docs/damage.md): no
     location in this dict is one of them, and the writer treats an index
-    entry naming one as a miss.
+    entry naming one as a miss. ``fresh``: the repository was created by this
+    take, so the writer probes the store for no chunk (none can be there).
     """
 
-    def __init__(self, index: RepoIndex | None = None, damaged: DamageSet | None = None) -> None:
+    def __init__(
+        self, index: RepoIndex | None = None, damaged: DamageSet | None = None, fresh: bool = False
+    ) -> None:
         super().__init__()
         self.index = index
         self.damaged = damaged if damaged is not None else DamageSet()
         # Per tensor key of the first parent: (chunk size, chunk refs), the bases a
         # changed chunk may be stored as a delta against (casnap.chunks.delta).
         self.bases: dict[str, tuple[int, tuple[ChunkRef, ...]]] = {}
+        self.fresh = fresh
 
 
 # -- history -----------------------------------------------------------------

@@ -112,10 +112,12 @@ class _Env:
                              meminit=False)  # fmt: skip
         try:
             check_data_file(self.env, path / "data.mdb")
-            self.meta = self.env.open_db(b"meta")
-            self.chunks = self.env.open_db(b"chunks")
-            self.manifests = self.env.open_db(b"manifests")
+            # One write transaction for the databases and the format mark: each
+            # commit is two fsyncs, paid by every rank of a take into a new repository.
             with self.env.begin(write=True) as txn:
+                self.meta = self.env.open_db(b"meta", txn=txn)
+                self.chunks = self.env.open_db(b"chunks", txn=txn)
+                self.manifests = self.env.open_db(b"manifests", txn=txn)
                 fmt = txn.get(_META_FORMAT, db=self.meta)
                 if fmt != INDEX_FORMAT:  # new, or written by another index version
                     txn.drop(self.chunks, delete=False)

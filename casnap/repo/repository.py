@@ -104,6 +104,9 @@ class RepoStorage:
         self.store = root.child(META)
         self.config = config
         self.url = root.url
+        # Set when this object created the repository, until the first take into it
+        # consumes it (casnap.take.target.resolve_target): nothing to deduplicate against.
+        self.created = False
 
     @classmethod
     def _make(cls: type[_Repo], root: ObjectStore, config: RepoConfig) -> _Repo:
@@ -130,15 +133,25 @@ class RepoStorage:
         *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         shared: bool = False,
+        seen_absent: bool = False,
     ) -> RepoStorage:
-        """Open the repository at ``url``, creating it if absent (safe against a racing creator)."""
+        """Open the repository at ``url``, creating it if absent (safe against a racing creator).
+
+        ``seen_absent``: the caller has just found no config there, so it is not
+        read again before the create-only put (which still loses to a racing creator).
+        """
         url = as_path(url, "url")
         root = open_store(url, _options(storage_options))
-        return cls.on_store(root, chunk_size=chunk_size, shared=shared)
+        return cls.on_store(root, chunk_size=chunk_size, shared=shared, seen_absent=seen_absent)
 
     @classmethod
     def on_store(
-        cls, root: ObjectStore, *, chunk_size: int = DEFAULT_CHUNK_SIZE, shared: bool = False
+        cls,
+        root: ObjectStore,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        shared: bool = False,
+        seen_absent: bool = False,
     ) -> RepoStorage:
         """The repository rooted at an already-open store, created if absent.
 
@@ -149,10 +162,11 @@ class RepoStorage:
         ``Snapshot`` use this exact store (for example a CountingStore).
         """
         key = f"{META}/{CONFIG_KEY}"
-        try:
-            return cls._make(root, parse_config(root.get(key, limit=MAX_RECORD_BYTES)))
-        except ObjectNotFoundError:
-            pass
+        if not seen_absent:
+            try:
+                return cls._make(root, parse_config(root.get(key, limit=MAX_RECORD_BYTES)))
+            except ObjectNotFoundError:
+                pass
         config = RepoConfig(
             format_version=FORMAT_VERSION,
             repo_id=uuid.uuid4().hex,
@@ -163,8 +177,10 @@ class RepoStorage:
         try:
             root.put(key, config_bytes(config), create_only=True)
         except ObjectExistsError:
-            config = parse_config(root.get(key, limit=MAX_RECORD_BYTES))
-        return cls._make(root, config)
+            return cls._make(root, parse_config(root.get(key, limit=MAX_RECORD_BYTES)))
+        repo = cls._make(root, config)
+        repo.created = True
+        return repo
 
     def share(self) -> None:
         """Record that this repository holds the runs below it (``casnap init`` on an existing one).
@@ -446,4 +462,6 @@ def locate(
     name = check_ref_name(parts[-1])
     _check_new_repository(path, scheme, parts[:-1])
     url = _join(scheme, parts[:-1])
-    return RepoStorage.open_or_create(url, options, chunk_size=chunk_size), name
+    # _ancestors has just found no config at the parent (its first probe).
+    repo = RepoStorage.open_or_create(url, options, chunk_size=chunk_size, seen_absent=True)
+    return repo, name

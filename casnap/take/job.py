@@ -88,6 +88,7 @@ class TakeJob:
     session: Session | None
     pool: StagingPool  # the session's, or a private one without a session
     replicated: list[str] = field(default_factory=list)  # fnmatch patterns of logical keys
+    fresh: bool = False  # the take created the repository: nothing to probe for
     buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
     # Set once every live request's chunks are consumed (at once when there are none).
     live_consumed: threading.Event = field(default_factory=threading.Event)
@@ -108,7 +109,7 @@ class TakeJob:
         # names reachable, the lease keeps gc from sweeping (docs/gc.md).
         with hold_lease(self.repo, kind="take") as lease:
             last_plan = self.session.last_plan if self.session is not None else None
-            known = known_chunks(self.repo, self.parents, last_plan)
+            known = known_chunks(self.repo, self.parents, last_plan, self.fresh)
             workers = self.settings.io_workers
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
@@ -197,7 +198,8 @@ def prepare_take(
     requests = requests_of(nodes)
     pool = session.staging if session is not None else StagingPool(idle_limit=0)
     job = TakeJob(target.repo, target.name, nodes, requests, target.settings, target.parents,
-                  target.metadata, budget, session, pool, list(replicated or []))  # fmt: skip
+                  target.metadata, budget, session, pool, list(replicated or []),
+                  fresh=target.fresh)  # fmt: skip
     if stage:
         _stage(job)
     else:

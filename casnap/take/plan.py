@@ -34,7 +34,7 @@ from casnap.format.manifest import (
     TensorEntry,
 )
 from casnap.index import KnownChunks
-from casnap.repo.damage import damage_set
+from casnap.repo.damage import DamageSet, damage_set
 from casnap.repo.repository import RepoStorage, manifest_key
 from casnap.take.session import LastPlan, Session
 
@@ -57,7 +57,7 @@ def previous_plan(
 
 
 def known_chunks(
-    repo: RepoStorage, parents: list[str], last_plan: LastPlan | None = None
+    repo: RepoStorage, parents: list[str], last_plan: LastPlan | None = None, fresh: bool = False
 ) -> KnownChunks:
     """Chunks a take may reference without writing: its parents', and the local index's.
 
@@ -69,9 +69,11 @@ def known_chunks(
     knows. Without the index (``CASNAP_INDEX=0``) this is the parents' chunks only.
     Copies a read found damaged (``.casnap/damaged/``, docs/damage.md) are left
     out, whoever vouches for them, so the writer stores those chunks again.
+    ``fresh`` (the take created the repository): no damage listing, and the
+    writer probes for no chunk.
     """
-    damaged = damage_set(repo)  # one listing, of a folder that is normally empty
-    known = KnownChunks(index.open_index(repo), damaged)
+    damaged = DamageSet() if fresh else damage_set(repo)  # one listing, normally empty
+    known = KnownChunks(index.open_index(repo), damaged, fresh)
 
     def add(manifest: Manifest) -> None:
         if not known.bases and manifest.entries:  # the first parent's: the take's lineage

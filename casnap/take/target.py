@@ -173,6 +173,8 @@ class Target:
     settings: Settings
     metadata: dict[str, Any]
     parents: list[str]
+    # The repository was created for this take: no chunk, ref or damage record to look for.
+    fresh: bool = False
 
 
 def resolve_target(
@@ -190,14 +192,18 @@ def resolve_target(
     meta = check_metadata(metadata)
     repo, name = locate(path, options, create=True, chunk_size=new_repo_chunk)
     settings = take_settings(repo, overrides)
-    if repo.has_ref(name):
+    # A repository created just now holds nothing to find (another process writing
+    # into it at once costs at most a chunk written twice, and its ref is written
+    # create-only): the first take skips the ref check and every chunk probe.
+    fresh, repo.created = repo.created, False
+    if not fresh and repo.has_ref(name):
         raise SnapshotExistsError(
             f"snapshot {name!r} already exists in {repo.url}; snapshots are immutable", name
         )
     if parents is None:  # the session's previous take or restore, if any (gc may have swept it)
         last = session.lineage.parent(repo.config.repo_id) if session is not None else None
-        return Target(repo, name, settings, meta, [last] if last else [])
-    return Target(repo, name, settings, meta, [_parent(repo, p) for p in parents])
+        return Target(repo, name, settings, meta, [last] if last else [], fresh)
+    return Target(repo, name, settings, meta, [_parent(repo, p) for p in parents], fresh)
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

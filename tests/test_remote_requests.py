@@ -1,0 +1,70 @@
+"""Requests a take sends to a GCS server (a real fake-gcs-server), counted per store operation."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
+
+from casnap import Repository, Session, Snapshot, StateDict
+from casnap.store import CountingStore, FsspecStore
+
+pytestmark = pytest.mark.gcs
+
+CHUNK = 64 * 1024
+
+
+def _state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    # 8 loose chunks of 64 KiB in "w", and small tensors that are packed
+    return {"w": torch.randn(8 * CHUNK // 4, generator=gen), "b": torch.randn(10, generator=gen)}
+
+
+def _chunk_reads(store: CountingStore) -> list[str]:
+    return [k for k in store.read_keys if "/chunks/" in k or "/packs/" in k]
+
+
+def test_first_take_into_a_new_repository_probes_for_nothing(gcs_bucket):  # noqa: F811
+    url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
+    store = CountingStore(FsspecStore(url))
+    repo = Repository.on_store(store, chunk_size=CHUNK)  # created here: nothing stored yet
+    state = _state()
+    store.reset()
+    Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, storage_options={"repository": repo})
+
+    # Every loose chunk is put without a probe first, the name is not looked up
+    # (the ref is written create-only anyway), and no damage record is listed.
+    assert _chunk_reads(store) == []
+    assert store.requests["exists"] == 0 and store.requests["list"] == 0
+    chunk_puts = [k for k in store.written_keys if "/chunks/" in k]
+    assert len(chunk_puts) == 8
+    # Beyond the objects themselves (chunks, one pack, manifest, ref): the lease's
+    # put and delete, and two small reads (gc lock, gc epoch).
+    assert sum(store.requests.values()) == len(store.written_keys) + 1 + 2
+
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    Snapshot(f"{url}/s1").restore({"m": StateDict(got)})
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_later_takes_still_look_before_writing(gcs_bucket):  # noqa: F811
+    """Only the take that found the repository new skips the look-ups."""
+    url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
+    store = CountingStore(FsspecStore(url))
+    repo = Repository.on_store(store, chunk_size=CHUNK)
+    state = _state()
+    opts = {"repository": repo}
+    Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, storage_options=opts)
+
+    state["w"][: CHUNK // 4].add_(1.0)  # one new chunk; the index does not know it
+    store.reset()
+    Snapshot.take(f"{url}/s2", {"m": StateDict(state)}, storage_options=opts, session=Session())
+    assert store.requests["exists"] == 1  # is the name free?
+    assert len(_chunk_reads(store)) == 1  # the new chunk is probed before its put
+    assert [k for k in store.written_keys if "/chunks/" in k] == [_chunk_reads(store)[0]]
+
+    # A repository opened (not created) by this process: probes as before.
+    reopened = Repository.on_store(CountingStore(FsspecStore(url)))
+    assert reopened.created is False
