@@ -32,6 +32,12 @@ FORMAT_VERSION = "1.1"  # 1.1 added the "sharded" entry kind; 1.0 is still read
 # 1.2 added a tensor's ``quantized`` field. Only a manifest that uses it says 1.2
 # (:func:`format_version_for`), so every other manifest stays readable by 1.1 readers.
 QUANTIZED_FORMAT_VERSION = "1.2"
+# 1.3 added ``rank_groups``: entries that several ranks hold as one value are written
+# once, with the ranks holding them (a distributed take of 1,024 ranks otherwise writes
+# its sharded entries 1,024 times). Only distributed takes write 1.3 (docs/format.md).
+GROUPED_FORMAT_VERSION = "1.3"
+# What a manifest may expand to (rank_groups multiply): far above 1,024 ranks x 10,000 keys.
+MAX_ENTRIES = 1 << 26
 MAX_MANIFEST_BYTES = 1 << 30
 # Refs, the config, tags, leases, gc records and damage records are a few
 # hundred bytes; a reader refuses anything larger before reading it.
@@ -324,15 +330,33 @@ Entry = Annotated[
 DataEntry = TensorEntry | ObjectEntry
 
 
+RankRange = tuple[Annotated[int, Field(ge=0), StrictInt], Annotated[int, Field(ge=0), StrictInt]]
+Key = Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)]
+
+
+class RankGroup(_Model):
+    """Entries held alike by several ranks (format 1.3): ``entries[path]`` is the entry of
+    the key ``f"{rank}/{path}"`` for every rank in the inclusive ``ranks`` ranges."""
+
+    ranks: list[RankRange] = Field(min_length=1)
+    entries: dict[Key, Entry]
+
+
 class Manifest(_Model):
-    """One snapshot: every entry of every rank, its lineage and user metadata."""
+    """One snapshot: every entry of every rank, its lineage and user metadata.
+
+    In memory ``entries`` holds every key (``rank_groups`` is empty: a parsed
+    manifest's groups are expanded, each entry object shared by its keys);
+    :meth:`to_jsonable` writes a manifest of format 1.3 or later with groups.
+    """
 
     format_version: StrictStr = FORMAT_VERSION
     created_at: StrictStr
     world_size: Annotated[int, Field(ge=1), StrictInt] = 1
     parents: list[HashStr] = []
     metadata: dict[str, JsonValue] = {}
-    entries: dict[Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)], Entry]
+    entries: dict[Key, Entry]
+    rank_groups: list[RankGroup] = []
 
     def to_bytes(self, jsonable: dict[str, Any] | None = None) -> bytes:
         """The canonical JSON bytes (``jsonable``: this manifest's :meth:`to_jsonable`)."""
@@ -347,15 +371,52 @@ class Manifest(_Model):
         and its own dump, as the take's session remembers them; the result is
         the same as without it (entries are frozen: a dump cannot go stale).
         """
+        plain: dict[str, Entry] = self.entries
+        groups: list[tuple[list[tuple[int, int]], dict[str, Entry]]] = []
+        if _version_at_least(self.format_version, GROUPED_FORMAT_VERSION):
+            plain, groups = _group_by_ranks(self.entries)
         shared: dict[str, Any] = {}
         if reuse is not None:
             previous, old_entries = reuse.manifest, reuse.jsonable["entries"]
-            shared = {k: old_entries[k] for k, e in self.entries.items()
-                      if previous.entries.get(k) is e}  # fmt: skip
-        out = self.model_dump(mode="json", exclude={"entries"})
+            shared = {k: old_entries[k] for k, e in plain.items()
+                      if previous.entries.get(k) is e and k in old_entries}  # fmt: skip
+        out = self.model_dump(mode="json", exclude={"entries", "rank_groups"})
         out["entries"] = {k: shared[k] if k in shared else e.model_dump(mode="json")
-                          for k, e in self.entries.items()}  # fmt: skip
+                          for k, e in plain.items()}  # fmt: skip
+        if groups:
+            out["rank_groups"] = [
+                {"ranks": [list(r) for r in ranks],
+                 "entries": {p: e.model_dump(mode="json") for p, e in held.items()}}
+                for ranks, held in groups
+            ]  # fmt: skip
         return out
+
+    def expanded(self) -> Manifest:
+        """This manifest with its ``rank_groups`` merged into ``entries`` (what readers see).
+
+        Raises ``ValueError`` for a group naming a rank outside ``world_size``, a
+        key held twice, or more than ``MAX_ENTRIES`` keys in all.
+        """
+        if not self.rank_groups:
+            return self
+        entries = dict(self.entries)
+        total = len(entries)
+        for group in self.rank_groups:
+            for lo, hi in group.ranks:
+                if not lo <= hi < self.world_size:
+                    raise ValueError(
+                        f"rank range [{lo}, {hi}] outside world_size {self.world_size}"
+                    )
+                total += (hi - lo + 1) * len(group.entries)
+                if total > MAX_ENTRIES:
+                    raise ValueError(f"rank_groups expand to more than {MAX_ENTRIES} entries")
+                for rank in range(lo, hi + 1):
+                    for path, entry in group.entries.items():
+                        key = f"{rank}/{path}"
+                        if key in entries or len(key) > MAX_KEY_LENGTH:
+                            raise ValueError(f"entry {key[:80]!r} is given twice or too long")
+                        entries[key] = entry
+        return self.model_copy(update={"entries": entries, "rank_groups": []})
 
     def chunk_refs(self) -> list[ChunkRef]:
         refs: list[ChunkRef] = []
@@ -365,6 +426,52 @@ class Manifest(_Model):
             elif isinstance(e, ShardedEntry):
                 refs.extend(c for shard in e.shards for c in shard.chunks)
         return refs
+
+
+def _version_at_least(version: str, than: str) -> bool:
+    try:
+        return tuple(map(int, version.split("."))) >= tuple(map(int, than.split(".")))
+    except ValueError:
+        return False
+
+
+def _ranges(ranks: list[int]) -> list[tuple[int, int]]:
+    """Ascending ranks as inclusive ranges: [0, 1, 2, 5] -> [(0, 2), (5, 5)]."""
+    out: list[tuple[int, int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r - 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return out
+
+
+def _group_by_ranks(
+    entries: dict[str, Entry],
+) -> tuple[dict[str, Entry], list[tuple[list[tuple[int, int]], dict[str, Entry]]]]:
+    """Entries as (keys held by one rank, groups of paths several ranks hold as one object).
+
+    Identity, not equality, decides (an entry object shared by the keys of
+    several ranks: what a distributed take builds), so this costs one pass.
+    """
+    holders: dict[tuple[str, int], list[int]] = {}
+    objects: dict[int, Entry] = {}
+    plain: dict[str, Entry] = {}
+    for key, entry in entries.items():
+        rank, sep, path = key.partition("/")
+        if not sep or not rank.isdigit() or str(int(rank)) != rank:
+            plain[key] = entry
+            continue
+        holders.setdefault((path, id(entry)), []).append(int(rank))
+        objects[id(entry)] = entry
+    by_ranks: dict[tuple[int, ...], dict[str, Entry]] = {}
+    for (path, oid), ranks in holders.items():
+        if len(ranks) == 1:
+            plain[f"{ranks[0]}/{path}"] = objects[oid]
+        else:
+            by_ranks.setdefault(tuple(sorted(ranks)), {})[path] = objects[oid]
+    groups = [(_ranges(list(r)), held) for r, held in sorted(by_ranks.items())]
+    return plain, groups
 
 
 def format_version_for(entries: dict[str, Entry]) -> str:
@@ -505,7 +612,10 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
     if hash_bytes(data) != name:
         raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
     manifest: Manifest = _parse(Manifest, data, what, versioned=True)
-    return manifest
+    try:
+        return manifest.expanded()
+    except ValueError as exc:
+        raise ManifestValidationError(f"{what} is malformed at rank_groups: {exc}", name) from exc
 
 
 def parse_config(data: bytes) -> RepoConfig:
