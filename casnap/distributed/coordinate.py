@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from casnap.distributed.plan import assign, settle_replicas
+from casnap.distributed.plan import assign_sized, settle_replicas
 from casnap.distributed.plan_cache import Gathered, join
 from casnap.format.manifest import (
     GROUPED_FORMAT_VERSION,
@@ -34,7 +34,7 @@ from casnap.format.manifest import (
     PrimitiveEntry,
 )
 from casnap.repo.repository import now_iso
-from casnap.take.plan import RankPlan, build_entries, chunks_of
+from casnap.take.plan import RankPlan, build_entries
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,7 @@ def coordinate(gathered: Gathered, mode: str) -> Planned:
     plans = [join(gathered.structure(r), messages[r].content) for r in reps]
     by_rank = {p.rank: ms for p, ms in zip(plans, members)}
     plans = settle_replicas(plans, mode, by_rank)
-    writers, load = assign(plans, by_rank)
-    sizes = {h: n for p in plans for e in p.entries.values() for h, n in chunks_of(e)}
+    writers, load, sizes = assign_sized(plans, by_rank)
     prims = [m.content.primitives for m in messages]
     return Planned(plans, members, rep_of, prims, writers, load, sizes)
 

@@ -126,7 +126,16 @@ Members = Mapping[int, Sequence[int]]  # a plan's rank -> every rank holding tha
 def assign(
     plans: list[RankPlan], members: Members | None = None
 ) -> tuple[dict[str, int], list[int]]:
-    """Writer rank of every unique chunk, and the bytes assigned to each rank.
+    """Writer rank of every unique chunk, and the bytes assigned to each rank
+    (:func:`assign_sized`, without the sizes)."""
+    writer, load, _ = assign_sized(plans, members)
+    return writer, load
+
+
+def assign_sized(
+    plans: list[RankPlan], members: Members | None = None
+) -> tuple[dict[str, int], list[int], dict[str, int]]:
+    """Writer rank of every unique chunk, the bytes assigned to each rank, each chunk's size.
 
     Deterministic from the plans alone, so every rank computes the same answer.
     ``members`` maps a plan's rank to all the ranks whose plan it stands for
@@ -172,7 +181,7 @@ def assign(
             writer[h] = r
             load[r] += sizes[h]
             heapq.heappush(heap, (load[r], r))
-    return writer, load
+    return writer, load, sizes
 
 
 def replica_divergence(
