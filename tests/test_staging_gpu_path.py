@@ -141,8 +141,8 @@ def test_second_async_take_while_the_first_writes_keeps_the_rest_live(tmp_path: 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback without CUDA")
 def test_pinned_allocation_falls_back_to_plain_memory_without_cuda() -> None:
-    pool = StagingPool(1 << 20, pin=True)
-    out = pool.stage(torch.arange(10, dtype=torch.int64))
+    pool = StagingPool(1 << 20, pin=True, engine=ThreadCopies(), device_path_for_cpu=True)
+    out = pool.stage(torch.arange(10, dtype=torch.int64))  # the device path asks for pinning
     assert torch.equal(out, torch.arange(10)) and not out.is_pinned()
     assert pool.pinned_bytes == 0 and pool.pin is False
 

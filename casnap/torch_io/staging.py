@@ -83,10 +83,19 @@ class CudaCopies:
     """Device-to-host copies on one CUDA stream per slot, an event per copy."""
 
     def __init__(self, slots: int = 2) -> None:
-        self._streams = [torch.cuda.Stream() for _ in range(slots)]  # type: ignore[no-untyped-call]
+        self.slots = slots
+        self._streams: dict[torch.device, list[torch.cuda.Stream]] = {}  # per source device
+
+    def _stream(self, device: torch.device, slot: int) -> torch.cuda.Stream:
+        streams = self._streams.get(device)
+        if streams is None:
+            with torch.cuda.device(device):
+                streams = [torch.cuda.Stream() for _ in range(self.slots)]  # type: ignore[no-untyped-call]
+            self._streams[device] = streams
+        return streams[slot % self.slots]
 
     def start(self, dst: torch.Tensor, src: torch.Tensor, slot: int) -> Ready:
-        stream = self._streams[slot % len(self._streams)]
+        stream = self._stream(src.device, slot)
         # The copy must see every kernel queued on the producer's stream before the take.
         stream.wait_stream(torch.cuda.current_stream(src.device))
         with torch.cuda.stream(stream):
@@ -197,7 +206,10 @@ class StagingPool:
         self._engine = engine
         self._slots = itertools.count()
         self._lock = threading.Lock()
-        self._free: dict[int, list[torch.Tensor]] = {}  # flat uint8 buffers by size
+        # Flat uint8 buffers by (size, pinned): only the device path pins, since page-locking
+        # costs more than it saves for a copy from CPU memory.
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        self._pinned: set[int] = set()  # data_ptr of the pinned buffers the pool holds
         self._idle_bytes = 0
         self.in_use_bytes = 0  # handed out, not yet given back
         self.peak_in_use_bytes = 0
@@ -216,10 +228,11 @@ class StagingPool:
         """Whether ``tensor`` is staged by pieces on the copy engine."""
         return tensor.device.type not in ("cpu", "meta") or self.device_path_for_cpu
 
-    def _take(self, nbytes: int, limit: int | None) -> torch.Tensor:
+    def _take(self, nbytes: int, limit: int | None, pinned: bool = False) -> torch.Tensor:
         """A flat uint8 buffer of ``nbytes``: an idle one of that size, or a fresh one."""
+        pinned = pinned and self.pin
         with self._lock:
-            bucket = self._free.get(nbytes)
+            bucket = self._free.get((nbytes, pinned))
             buf = bucket.pop() if bucket else None
             if buf is not None:
                 self._idle_bytes -= nbytes
@@ -231,18 +244,25 @@ class StagingPool:
                         f"over the limit of {limit}"
                     )
                 if limit is not None and self.in_use_bytes + self._idle_bytes + nbytes > limit:
-                    self._free.clear()
-                    self._idle_bytes = 0
+                    self._drop_idle()
                 self.allocated_bytes += nbytes
             self.in_use_bytes += nbytes
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
             self.peak_held_bytes = max(self.peak_held_bytes, self.in_use_bytes + self._idle_bytes)
         if buf is None:
-            buf = self._allocate(nbytes)
+            buf = self._allocate(nbytes, pinned)
         return buf
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        if self.pin:
+    def _drop_idle(self) -> None:
+        """Forget every idle buffer (the allocator gets them back). Called under the lock."""
+        for bucket in self._free.values():
+            for b in bucket:
+                self._pinned.discard(b.data_ptr())
+        self._free.clear()
+        self._idle_bytes = 0
+
+    def _allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if pinned:
             try:
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             except RuntimeError:  # no CUDA driver, or the lock limit: plain memory still works
@@ -250,6 +270,8 @@ class StagingPool:
             else:
                 with self._lock:
                     self.pinned_bytes += nbytes
+                    if nbytes:
+                        self._pinned.add(buf.data_ptr())
                 return buf
         return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -284,7 +306,7 @@ class StagingPool:
 
         Returns at once; :meth:`PieceCopy.wait` waits for the copy.
         """
-        buf = self._take(stop - start, limit)
+        buf = self._take(stop - start, limit, pinned=True)
         if stop == start:
             return PieceCopy(self, buf, None)
         try:
@@ -300,10 +322,13 @@ class StagingPool:
             for t in tensors:
                 nbytes = t.numel() * t.element_size()
                 self.in_use_bytes -= nbytes
+                ptr = t.data_ptr()
                 if self._idle_bytes + nbytes > self.idle_limit:
+                    self._pinned.discard(ptr)
                     continue  # dropped: the allocator gets it back
                 flat = t.reshape(-1).view(torch.uint8)  # every buffer is bytes underneath
-                self._free.setdefault(nbytes, []).append(flat)
+                pinned = nbytes > 0 and ptr in self._pinned
+                self._free.setdefault((nbytes, pinned), []).append(flat)
                 self._idle_bytes += nbytes
 
     @property
