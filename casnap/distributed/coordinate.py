@@ -95,22 +95,20 @@ def assemble_entries(
     the same objects, except its own primitive values.
     """
     built = build_entries(planned.plans, dict(refs), previous)
-    own: list[list[tuple[str, Entry]]] = [[] for _ in planned.plans]
-    for i, p in enumerate(planned.plans):
+    tails: list[list[str]] = []
+    objs: list[list[Entry]] = []
+    for p in planned.plans:
         cut = len(f"{p.rank}/")
-        own[i] = [(key[cut:], built[key]) for key in p.entries]
+        tails.append([key[cut:] for key in p.entries])
+        objs.append([built[key] for key in p.entries])
     entries: dict[str, Entry] = {}
     for r, i in enumerate(planned.rep_of):
-        rep = planned.plans[i].rank
-        if r == rep:
-            entries.update((f"{r}/{tail}", e) for tail, e in own[i])
-            continue
         prefix = f"{r}/"
-        if planned.primitives[r] == planned.primitives[rep]:
-            entries.update((prefix + tail, e) for tail, e in own[i])
+        if planned.primitives[r] == planned.primitives[planned.plans[i].rank]:
+            entries.update(zip([prefix + t for t in tails[i]], objs[i]))
             continue
         values = iter(planned.primitives[r])
-        for tail, e in own[i]:
+        for tail, e in zip(tails[i], objs[i]):
             if isinstance(e, PrimitiveEntry):
                 kind, value = next(values)
                 e = PrimitiveEntry(type=kind, value=value)  # type: ignore[arg-type]

@@ -457,13 +457,22 @@ def _group_by_ranks(
     holders: dict[tuple[str, int], list[int]] = {}
     objects: dict[int, Entry] = {}
     plain: dict[str, Entry] = {}
+    rank_of: dict[str, int] = {}  # each rank's prefix parsed once, not once per key
     for key, entry in entries.items():
-        rank, sep, path = key.partition("/")
-        if not sep or not rank.isdigit() or str(int(rank)) != rank:
-            plain[key] = entry
-            continue
-        holders.setdefault((path, id(entry)), []).append(int(rank))
-        objects[id(entry)] = entry
+        prefix, sep, path = key.partition("/")
+        rank = rank_of.get(prefix)
+        if rank is None:
+            if not sep or not prefix.isdigit() or str(int(prefix)) != prefix:
+                plain[key] = entry
+                continue
+            rank = rank_of[prefix] = int(prefix)
+        where = (path, id(entry))
+        held = holders.get(where)
+        if held is None:
+            holders[where] = [rank]
+            objects[id(entry)] = entry
+        else:
+            held.append(rank)
     by_ranks: dict[tuple[int, ...], dict[str, Entry]] = {}
     for (path, oid), ranks in holders.items():
         if len(ranks) == 1:
