@@ -356,7 +356,8 @@ class Manifest(_Model):
     parents: list[HashStr] = []
     metadata: dict[str, JsonValue] = {}
     entries: dict[Key, Entry]
-    rank_groups: list[RankGroup] = []
+    # Read from JSON, expanded by the parser; written by to_jsonable only: never dumped as a field.
+    rank_groups: list[RankGroup] = Field(default=[], exclude=True)
 
     def to_bytes(self, jsonable: dict[str, Any] | None = None) -> bytes:
         """The canonical JSON bytes (``jsonable``: this manifest's :meth:`to_jsonable`)."""
