@@ -10,8 +10,10 @@ written chunks' locations into manifest entries with the same
 
 from __future__ import annotations
 
+import heapq
 import math
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -118,39 +120,73 @@ def build_local(
     return RankPlan(rank, chunk_size, entries), local
 
 
-def assign(plans: list[RankPlan]) -> tuple[dict[str, int], list[int]]:
-    """Writer rank of every unique chunk, and the bytes assigned to each rank.
+Members = Mapping[int, Sequence[int]]  # a plan's rank -> every rank holding that very plan
 
-    Deterministic from the plans alone, so every rank computes the same answer.
-    Chunks only one rank holds go to it; the rest, largest first, go to the
-    least-loaded rank holding them (ties to the lowest rank).
-    """
-    holders: dict[str, set[int]] = {}
-    sizes: dict[str, int] = {}
-    for p in plans:
-        for entry in p.entries.values():
-            for h, size in chunks_of(entry):
-                holders.setdefault(h, set()).add(p.rank)
-                sizes[h] = size
-    load = [0] * (max((p.rank for p in plans), default=0) + 1)
-    writer: dict[str, int] = {}
-    shared = []
-    for h in sorted(holders):
-        if len(holders[h]) == 1:
-            (r,) = holders[h]
-            writer[h] = r
-            load[r] += sizes[h]
-        else:
-            shared.append(h)
-    shared.sort(key=lambda h: (-sizes[h], h))
-    for h in shared:
-        r = min(holders[h], key=lambda x: (load[x], x))
-        writer[h] = r
-        load[r] += sizes[h]
+
+def assign(
+    plans: list[RankPlan], members: Members | None = None
+) -> tuple[dict[str, int], list[int]]:
+    """Writer rank of every unique chunk, and the bytes assigned to each rank
+    (:func:`assign_sized`, without the sizes)."""
+    writer, load, _ = assign_sized(plans, members)
     return writer, load
 
 
-def replica_divergence(plans: list[RankPlan]) -> tuple[dict[str, list[list[int]]], bool]:
+def assign_sized(
+    plans: list[RankPlan], members: Members | None = None
+) -> tuple[dict[str, int], list[int], dict[str, int]]:
+    """Writer rank of every unique chunk, the bytes assigned to each rank, each chunk's size.
+
+    Deterministic from the plans alone, so every rank computes the same answer.
+    ``members`` maps a plan's rank to all the ranks whose plan it stands for
+    (the replicas that sent the same body: :mod:`casnap.distributed.coordinate`);
+    by default each plan is its own rank's. Chunks are grouped by the set of
+    ranks holding them: chunks only one rank holds go to it; each other
+    group's chunks, largest first, go to the least-loaded rank of the group
+    (ties to the lowest rank), groups taken in order. A chunk is looked at
+    once per plan holding it, and each group costs a heap over its ranks: no
+    work grows with ranks x chunks.
+    """
+    holders: dict[str, list[int]] = {}  # chunk -> indices of the plans holding it
+    sizes: dict[str, int] = {}
+    for i, p in enumerate(plans):
+        for entry in p.entries.values():
+            for h, size in chunks_of(entry):
+                seen = holders.setdefault(h, [])
+                if not seen or seen[-1] != i:
+                    seen.append(i)
+                sizes[h] = size
+    ranks_of = [sorted(members[p.rank]) if members else [p.rank] for p in plans]
+    world = max((r for rs in ranks_of for r in rs), default=0) + 1
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for h, idx in holders.items():
+        groups.setdefault(tuple(idx), []).append(h)
+    load = [0] * world
+    writer: dict[str, int] = {}
+    # Single-holder groups first: their chunks have no choice, and the rest balance around them.
+    order = sorted(groups, key=lambda g: (len(g) > 1 or len(ranks_of[g[0]]) > 1, g))
+    for g in order:
+        ranks = sorted({r for i in g for r in ranks_of[i]})
+        chunks = sorted(groups[g], key=lambda h: (-sizes[h], h))
+        if len(ranks) == 1:
+            (r,) = ranks
+            for h in chunks:
+                writer[h] = r
+                load[r] += sizes[h]
+            continue
+        heap = [(load[r], r) for r in ranks]
+        heapq.heapify(heap)
+        for h in chunks:
+            _, r = heapq.heappop(heap)
+            writer[h] = r
+            load[r] += sizes[h]
+            heapq.heappush(heap, (load[r], r))
+    return writer, load, sizes
+
+
+def replica_divergence(
+    plans: list[RankPlan], members: Members | None = None
+) -> tuple[dict[str, list[list[int]]], bool]:
     """Replicated values and shard boxes that differ across ranks: key -> groups of ranks
     holding equal values; and whether every difference is one each rank's entry can keep
     (any tensor; a shard box of the same dtype, shape and size: see
@@ -161,21 +197,24 @@ def replica_divergence(plans: list[RankPlan]) -> tuple[dict[str, list[list[int]]
     seen: dict[str, dict[Any, list[int]]] = {}
     form: dict[str, set[Any]] = {}  # dtype and shape of each value, without its bytes
     for p in plans:
+        ranks = list(members[p.rank]) if members else [p.rank]
         for key, entry in p.entries.items():
             if isinstance(entry, TensorPlan) and entry.replicated:
                 value: Any = (entry.dtype, entry.shape, entry.quantized, entry.chunks)
-                seen.setdefault(logical(key), {}).setdefault(value, []).append(p.rank)
+                seen.setdefault(logical(key), {}).setdefault(value, []).extend(ranks)
             elif isinstance(entry, ShardedPlan):
                 for s in entry.shards:
                     box = f"{logical(key)}[offsets={list(s.offsets)}]"
                     value = (entry.dtype, entry.shape, s.sizes, s.chunks)
-                    seen.setdefault(box, {}).setdefault(value, []).append(p.rank)
+                    seen.setdefault(box, {}).setdefault(value, []).extend(ranks)
                     form.setdefault(box, set()).add(value[:3])
-    bad = {k: sorted(v.values()) for k, v in seen.items() if len(v) > 1}
+    bad = {k: sorted(sorted(g) for g in v.values()) for k, v in seen.items() if len(v) > 1}
     return bad, all(len(form.get(k, ())) <= 1 for k in bad)
 
 
-def settle_replicas(plans: list[RankPlan], mode: str) -> list[RankPlan]:
+def settle_replicas(
+    plans: list[RankPlan], mode: str, members: Members | None = None
+) -> list[RankPlan]:
     """The plans to commit once replicated values are compared across ranks.
 
     Called by every rank after the planning exchange, with rank 0's ``mode``.
@@ -188,7 +227,7 @@ def settle_replicas(plans: list[RankPlan], mode: str) -> list[RankPlan]:
     when shard boxes differ in dtype or shape, :class:`ReplicaMismatchError`
     on every rank before anything is written.
     """
-    bad, keepable = replica_divergence(plans)
+    bad, keepable = replica_divergence(plans, members)
     if not bad:
         return plans
     listed = "; ".join(f"{k}: ranks {' vs '.join(map(str, g))}" for k, g in sorted(bad.items()))
@@ -206,7 +245,7 @@ def settle_replicas(plans: list[RankPlan], mode: str) -> list[RankPlan]:
             "Set replica_mismatch='error' (CASNAP_REPLICA_MISMATCH) to fail such a take",
             bad,
         ),
-        stacklevel=5,
+        stacklevel=6,  # the user code calling take: through coordinate()
     )
     diverged = set(bad)
     return [

@@ -85,20 +85,28 @@ class Content:
 
 @dataclass(frozen=True)
 class PlanMessage:
-    """One rank's part of the planning gather; ``structure`` is None when compact."""
+    """One rank's part of the planning gather; ``structure`` is None when compact.
+
+    ``structure`` travels pickled and is unpickled only where it is needed:
+    the coordinator decodes one structure per distinct ``body`` (replicas of
+    an HSDP or DDP job send equal bodies), not one per rank.
+    ``body`` names the plan up to its rank: blake3 of the rank-free structure
+    fingerprint and the chunk digests (primitive values excluded).
+    """
 
     rank: int
     fingerprint: bytes
     cached: bytes | None  # digest of this rank's cached all-rank structures, if any
-    structure: Structure | None
+    structure: bytes | None  # a pickled Structure
     content: Content
+    body: bytes = b""
 
 
 @dataclass(frozen=True)
 class CachedPlans:
-    """Every rank's structure from the last take of one job, as every rank stored it."""
+    """Every rank's structure (pickled) from the last take of one job, as every rank stored it."""
 
-    structures: tuple[Structure, ...]
+    structures: tuple[bytes, ...]
     fingerprints: tuple[bytes, ...]
     digest: bytes
 
@@ -236,28 +244,48 @@ def _canonical(slot: SlotPlan | EntryPlan) -> list[Any]:
     return ["p"]
 
 
+def _fingerprints(of: Structure | RankPlan) -> tuple[bytes, bytes]:
+    """(fingerprint, rank-free fingerprint) of a structure: see :func:`fingerprint`."""
+    items = of.entries.items() if isinstance(of, RankPlan) else of.entries
+    doc = [of.chunk_size, [[k.partition("/")[2], _canonical(s)] for k, s in items]]
+    text = json.dumps(doc, ensure_ascii=True, separators=(",", ":"))
+    free = blake3.blake3(text.encode("ascii")).digest()
+    return blake3.blake3(f"{of.rank}:".encode("ascii") + free).digest(), free
+
+
 def fingerprint(of: Structure | RankPlan) -> bytes:
     """blake3 of the structure's canonical JSON: equal structures, equal fingerprints.
 
-    A plan's fingerprint is its structure's, computed without building the structure.
+    A plan's fingerprint is its structure's, computed without building the
+    structure. It names the rank too; the keys' rank prefix is left out of the
+    JSON, so two ranks holding the same structure share the rank-free part.
     """
-    items = of.entries.items() if isinstance(of, RankPlan) else of.entries
-    doc = [of.rank, of.chunk_size, [[k, _canonical(s)] for k, s in items]]
-    text = json.dumps(doc, ensure_ascii=True, separators=(",", ":"))
-    return blake3.blake3(text.encode("ascii")).digest()
+    return _fingerprints(of)[0]
 
 
-def _cached_entry(structures: list[Structure], fingerprints: list[bytes]) -> CachedPlans:
+def body_of(free: bytes, content: Content) -> bytes:
+    """What a plan is up to its rank: equal bodies have equal entries but for the rank
+    prefix of their keys (and the values of primitive entries, which travel apart)."""
+    return blake3.blake3(free + content.digests).digest()
+
+
+def _cached_entry(structures: list[bytes], fingerprints: list[bytes]) -> CachedPlans:
     digest = blake3.blake3(b"".join(fingerprints)).digest()
     return CachedPlans(tuple(structures), tuple(fingerprints), digest)
 
 
-def _message(plan: RankPlan, cached: CachedPlans | None) -> PlanMessage:
-    fp = fingerprint(plan)
+def _pickled(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def message_of(plan: RankPlan, cached: CachedPlans | None = None) -> PlanMessage:
+    """What a rank sends for ``plan``: compact when ``cached`` holds its structure."""
+    fp, free = _fingerprints(plan)
     reuse = cached is not None and cached.fingerprints[plan.rank] == fp
-    structure = None if reuse else split(plan)[0]  # built only when it must travel
+    structure = None if reuse else _pickled(split(plan)[0])  # built only when it must travel
     digest = cached.digest if cached is not None else None
-    return PlanMessage(plan.rank, fp, digest, structure, content_of(plan))
+    content = content_of(plan)
+    return PlanMessage(plan.rank, fp, digest, structure, content, body_of(free, content))
 
 
 def _reusable(messages: list[PlanMessage]) -> bool:
@@ -273,28 +301,41 @@ def _gather_bytes(group: Group, value: Any, phase: str) -> tuple[list[Any], int]
     """``all_gather`` of ``value`` pickled once here (its size is the payload we report)."""
     if isinstance(value, Failure):
         return all_gather(group, value, phase), 0
-    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    data = _pickled(value)
     got = all_gather(group, data, phase)
     return [pickle.loads(d) for d in got], len(data)  # this job's own ranks wrote them
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """Every rank's planning message, with every structure at hand (pickled)."""
+
+    messages: list[PlanMessage]
+    structures: list[bytes]
+
+    def structure(self, rank: int) -> Structure:
+        decoded: Structure = pickle.loads(self.structures[rank])  # this job's own ranks sent it
+        return decoded
+
+
 def exchange_plans(
     group: Group, plan: RankPlan | Failure, key: CacheKey | None, cache: PlanCache | None
-) -> list[RankPlan]:
-    """Every rank's plan, in rank order (collective; see the module docstring).
+) -> Gathered:
+    """Every rank's planning message, in rank order (collective; see the module docstring).
 
     Every rank calls it once per take with its own plan, or its
     :class:`Failure` (then every rank raises ``DistributedTakeError``). One
     gather when every rank sent its structure or every cache agrees; two
     otherwise. ``cache`` is the session's (None: no session, nothing reused).
+    The plans are built from it by :func:`casnap.distributed.coordinate.coordinate`.
     """
     if cache is None:
         key = None
     t0 = time.perf_counter()
     cached = cache.get(key) if cache and key is not None and not isinstance(plan, Failure) else None
-    mine = plan if isinstance(plan, Failure) else _message(plan, cached)
+    mine = plan if isinstance(plan, Failure) else message_of(plan, cached)
     messages, sent = _gather_bytes(group, mine, "planning")
-    structures: list[Structure | None] = [m.structure for m in messages]
+    structures: list[bytes | None] = [m.structure for m in messages]
     mode, second = "full", 0
     if any(s is None for s in structures):
         if _reusable(messages):
@@ -311,10 +352,9 @@ def exchange_plans(
             again, second = _gather_bytes(group, own, "planning (structures)")
             structures = [s if s is not None else again[i] for i, s in enumerate(structures)]
     full = [s for s in structures if s is not None]
-    plans = [join(s, m.content) for s, m in zip(full, messages)]
     if cache is not None and key is not None:
         cache.put(key, _cached_entry(full, [m.fingerprint for m in messages]))
     gathers = 1 if mode != "fallback" else 2
     if cache is not None:
         cache.last = ExchangeStats(mode, sent, second, gathers, time.perf_counter() - t0)
-    return plans
+    return Gathered(messages, full)

@@ -41,6 +41,7 @@ import torch
 
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.io import ChunkWriter, WriteStats
+from casnap.distributed.coordinate import Planned, assemble_entries, coordinate, manifest_of
 from casnap.distributed.group import (
     Failure,
     Group,
@@ -49,16 +50,16 @@ from casnap.distributed.group import (
     failure_of,
     raise_failures,
 )
-from casnap.distributed.plan import LocalData, assign, build_local, settle_replicas
+from casnap.distributed.plan import LocalData, build_local
 from casnap.distributed.plan_cache import CacheKey, exchange_plans
 from casnap.errors import DistributedTakeError
-from casnap.format.manifest import ChunkRef, Manifest, format_version_for
+from casnap.format.manifest import ChunkRef
 from casnap.repo.leases import Lease, acquire_lease
-from casnap.repo.repository import RepoStorage, locate, now_iso
+from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import Settings, dist_timeout
 from casnap.take.commit import commit_snapshot, remember
 from casnap.take.job import TakeResult
-from casnap.take.plan import RankPlan, build_entries, known_chunks, previous_plan
+from casnap.take.plan import RankPlan, known_chunks, previous_plan
 from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage
 from casnap.take.session import Session
 from casnap.take.target import (
@@ -191,9 +192,9 @@ def prepare_distributed_take(
                 key = (group.size, group.rank, repo.config.repo_id)
         except Exception as exc:
             plan = failure_of(group.rank, exc)
-        plans = exchange_plans(group, plan, key, session.plan_cache if session else None)
-        plans = settle_replicas(plans, info.replica_mismatch)
-        writers, _load = assign(plans)
+        gathered = exchange_plans(group, plan, key, session.plan_cache if session else None)
+        planned = coordinate(gathered, info.replica_mismatch)
+        writers = planned.writers
     except BaseException:
         if lease is not None:
             lease.release()
@@ -205,7 +206,7 @@ def prepare_distributed_take(
                              digests=[bytes.fromhex(h)]) for h in mine]  # fmt: skip
     budget = ByteBudget(check_budget(memory_budget_bytes))
     pool = session.staging if session is not None else StagingPool(idle_limit=0)
-    job = DistributedJob(group, repo, settings, info, plans, requests, budget,
+    job = DistributedJob(group, repo, settings, info, planned, requests, budget,
                          Rendezvous(group, info.take_id, store), lease, session, pool)  # fmt: skip
     local.keep([])  # the requests hold what this rank writes; nothing else is needed
     if stage:
@@ -223,7 +224,7 @@ class DistributedJob:
     repo: RepoStorage
     settings: Settings
     info: _Start
-    plans: list[RankPlan]
+    planned: Planned
     requests: list[WriteRequest]  # the chunks this rank writes
     budget: ByteBudget
     rendezvous: Rendezvous
@@ -305,15 +306,9 @@ class DistributedJob:
                 refs.update(w.refs)
                 per_rank.append(w.stats)
             previous, dumped = previous_plan(self.session, self.repo, self.info.parents)
-            entries = build_entries(self.plans, refs, previous)
-            manifest = Manifest(
-                format_version=format_version_for(entries),
-                created_at=now_iso(),
-                world_size=self.group.size,
-                parents=self.info.parents,
-                metadata=self.info.metadata,
-                entries=entries,
-            )
+            entries = assemble_entries(self.planned, refs, previous)
+            manifest = manifest_of(entries, self.group.size, self.info.parents,
+                                   self.info.metadata)  # fmt: skip
             manifest_hash = commit_snapshot(
                 self.repo, self.info.name, manifest, lease=self.lease, session=self.session,
                 previous=dumped,

@@ -40,6 +40,12 @@ MANIFEST_MAJORS = (1, 2)  # what this casnap reads; the config stays major 1
 # The longest delta chain a reader follows (a writer's bound, CASNAP_DELTA_MAX_CHAIN,
 # is at most this): it bounds the recursion of validation and of every read.
 MAX_DELTA_CHAIN = 64
+# 1.3 added ``rank_groups``: entries that several ranks hold as one value are written
+# once, with the ranks holding them (a distributed take of 1,024 ranks otherwise writes
+# its sharded entries 1,024 times). Only distributed takes write 1.3 (docs/format.md).
+GROUPED_FORMAT_VERSION = "1.3"
+# What a manifest may expand to (rank_groups multiply): far above 1,024 ranks x 10,000 keys.
+MAX_ENTRIES = 1 << 26
 MAX_MANIFEST_BYTES = 1 << 30
 # Refs, the config, tags, leases, gc records and damage records are a few
 # hundred bytes; a reader refuses anything larger before reading it.
@@ -363,15 +369,34 @@ Entry = Annotated[
 DataEntry = TensorEntry | ObjectEntry
 
 
+RankRange = tuple[Annotated[int, Field(ge=0), StrictInt], Annotated[int, Field(ge=0), StrictInt]]
+Key = Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)]
+
+
+class RankGroup(_Model):
+    """Entries held alike by several ranks (format 1.3): ``entries[path]`` is the entry of
+    the key ``f"{rank}/{path}"`` for every rank in the inclusive ``ranks`` ranges."""
+
+    ranks: list[RankRange] = Field(min_length=1)
+    entries: dict[Key, Entry]
+
+
 class Manifest(_Model):
-    """One snapshot: every entry of every rank, its lineage and user metadata."""
+    """One snapshot: every entry of every rank, its lineage and user metadata.
+
+    In memory ``entries`` holds every key (``rank_groups`` is empty: a parsed
+    manifest's groups are expanded, each entry object shared by its keys);
+    :meth:`to_jsonable` writes a manifest of format 1.3 or later with groups.
+    """
 
     format_version: StrictStr = FORMAT_VERSION
     created_at: StrictStr
     world_size: Annotated[int, Field(ge=1), StrictInt] = 1
     parents: list[HashStr] = []
     metadata: dict[str, JsonValue] = {}
-    entries: dict[Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)], Entry]
+    entries: dict[Key, Entry]
+    # Read from JSON, expanded by the parser; written by to_jsonable only: never dumped as a field.
+    rank_groups: list[RankGroup] = Field(default=[], exclude=True)
 
     def to_bytes(self, jsonable: dict[str, Any] | None = None) -> bytes:
         """The canonical JSON bytes (``jsonable``: this manifest's :meth:`to_jsonable`)."""
@@ -386,14 +411,24 @@ class Manifest(_Model):
         and its own dump, as the take's session remembers them; the result is
         the same as without it (entries are frozen: a dump cannot go stale).
         """
+        plain: dict[str, Entry] = self.entries
+        groups: list[tuple[list[tuple[int, int]], dict[str, Entry]]] = []
+        if _version_at_least(self.format_version, GROUPED_FORMAT_VERSION):
+            plain, groups = _group_by_ranks(self.entries)
         shared: dict[str, Any] = {}
         if reuse is not None:
             previous, old_entries = reuse.manifest, reuse.jsonable["entries"]
-            shared = {k: old_entries[k] for k, e in self.entries.items()
-                      if previous.entries.get(k) is e}  # fmt: skip
-        out = self.model_dump(mode="json", exclude={"entries"})
+            shared = {k: old_entries[k] for k, e in plain.items()
+                      if previous.entries.get(k) is e and k in old_entries}  # fmt: skip
+        out = self.model_dump(mode="json", exclude={"entries", "rank_groups"})
         out["entries"] = {k: shared[k] if k in shared else e.model_dump(mode="json")
-                          for k, e in self.entries.items()}  # fmt: skip
+                          for k, e in plain.items()}  # fmt: skip
+        if groups:
+            out["rank_groups"] = [
+                {"ranks": [list(r) for r in ranks],
+                 "entries": {p: e.model_dump(mode="json") for p, e in held.items()}}
+                for ranks, held in groups
+            ]  # fmt: skip
         return out
 
     def stored_refs(self) -> list[ChunkRef]:
@@ -407,6 +442,33 @@ class Manifest(_Model):
             return refs
         return [link for r in refs for link in r.chain()]
 
+    def expanded(self) -> Manifest:
+        """This manifest with its ``rank_groups`` merged into ``entries`` (what readers see).
+
+        Raises ``ValueError`` for a group naming a rank outside ``world_size``, a
+        key held twice, or more than ``MAX_ENTRIES`` keys in all.
+        """
+        if not self.rank_groups:
+            return self
+        entries = dict(self.entries)
+        total = len(entries)
+        for group in self.rank_groups:
+            for lo, hi in group.ranks:
+                if not lo <= hi < self.world_size:
+                    raise ValueError(
+                        f"rank range [{lo}, {hi}] outside world_size {self.world_size}"
+                    )
+                total += (hi - lo + 1) * len(group.entries)
+                if total > MAX_ENTRIES:
+                    raise ValueError(f"rank_groups expand to more than {MAX_ENTRIES} entries")
+                for rank in range(lo, hi + 1):
+                    for path, entry in group.entries.items():
+                        key = f"{rank}/{path}"
+                        if key in entries or len(key) > MAX_KEY_LENGTH:
+                            raise ValueError(f"entry {key[:80]!r} is given twice or too long")
+                        entries[key] = entry
+        return self.model_copy(update={"entries": entries, "rank_groups": []})
+
     def chunk_refs(self) -> list[ChunkRef]:
         """The chunks of every entry (a delta's base is in :meth:`stored_refs`)."""
         return [c for e in self.entries.values() for c in _chunks_of(e)]
@@ -418,6 +480,61 @@ def _chunks_of(e: Entry) -> list[ChunkRef]:
     if isinstance(e, ShardedEntry):
         return [c for shard in e.shards for c in shard.chunks]
     return []
+
+
+def _version_at_least(version: str, than: str) -> bool:
+    try:
+        return tuple(map(int, version.split("."))) >= tuple(map(int, than.split(".")))
+    except ValueError:
+        return False
+
+
+def _ranges(ranks: list[int]) -> list[tuple[int, int]]:
+    """Ascending ranks as inclusive ranges: [0, 1, 2, 5] -> [(0, 2), (5, 5)]."""
+    out: list[tuple[int, int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r - 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return out
+
+
+def _group_by_ranks(
+    entries: dict[str, Entry],
+) -> tuple[dict[str, Entry], list[tuple[list[tuple[int, int]], dict[str, Entry]]]]:
+    """Entries as (keys held by one rank, groups of paths several ranks hold as one object).
+
+    Identity, not equality, decides (an entry object shared by the keys of
+    several ranks: what a distributed take builds), so this costs one pass.
+    """
+    holders: dict[tuple[str, int], list[int]] = {}
+    objects: dict[int, Entry] = {}
+    plain: dict[str, Entry] = {}
+    rank_of: dict[str, int] = {}  # each rank's prefix parsed once, not once per key
+    for key, entry in entries.items():
+        prefix, sep, path = key.partition("/")
+        rank = rank_of.get(prefix)
+        if rank is None:
+            if not sep or not prefix.isdigit() or str(int(prefix)) != prefix:
+                plain[key] = entry
+                continue
+            rank = rank_of[prefix] = int(prefix)
+        where = (path, id(entry))
+        held = holders.get(where)
+        if held is None:
+            holders[where] = [rank]
+            objects[id(entry)] = entry
+        else:
+            held.append(rank)
+    by_ranks: dict[tuple[int, ...], dict[str, Entry]] = {}
+    for (path, oid), ranks in holders.items():
+        if len(ranks) == 1:
+            plain[f"{ranks[0]}/{path}"] = objects[oid]
+        else:
+            by_ranks.setdefault(tuple(sorted(ranks)), {})[path] = objects[oid]
+    groups = [(_ranges(list(r)), held) for r, held in sorted(by_ranks.items())]
+    return plain, groups
 
 
 def format_version_for(entries: dict[str, Entry]) -> str:
@@ -568,6 +685,10 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
     if hash_bytes(data) != name:
         raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
     manifest: Manifest = _parse(Manifest, data, what, versioned=True, majors=MANIFEST_MAJORS)
+    try:
+        manifest = manifest.expanded()
+    except ValueError as exc:
+        raise ManifestValidationError(f"{what} is malformed at rank_groups: {exc}", name) from exc
     _check_delta_version(manifest, what)
     return manifest
 

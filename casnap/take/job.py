@@ -114,8 +114,9 @@ class TakeJob:
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
                 scheduler = Scheduler(
-                    writer, self.settings, self.budget, self.live_consumed, self.progress
-                )
+                    writer, self.settings, self.budget, self.live_consumed, self.progress,
+                    self.pool, sum(b.numel() * b.element_size() for b in self.buffers),
+                )  # fmt: skip
                 written = scheduler.run(self.requests)
             plan = _plan_of(self.nodes, written, self.settings.chunk_size, self.replicated)
             by_hash = {ref.hash: ref for refs in written.values() for ref in refs}
@@ -196,7 +197,8 @@ def prepare_take(
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
     target = resolve_target(path, storage_options, metadata, parents, session)
     requests = requests_of(nodes)
-    pool = session.staging if session is not None else StagingPool(idle_limit=0)
+    # Pinning pays only when the buffer is reused: a take without a session keeps none.
+    pool = session.staging if session is not None else StagingPool(idle_limit=0, pin=False)
     job = TakeJob(target.repo, target.name, nodes, requests, target.settings, target.parents,
                   target.metadata, budget, session, pool, list(replicated or []),
                   fresh=target.fresh)  # fmt: skip

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -35,7 +36,7 @@ from casnap.chunks.budget import ByteBudget
 from casnap.chunks.io import BatchItem, ChunkBatcher, ChunkWriter
 from casnap.format.manifest import ChunkRef
 from casnap.settings import Settings
-from casnap.torch_io.staging import StagingPool
+from casnap.torch_io.staging import PieceCopy, StagingFull, StagingPool, raw_bytes
 from casnap.torch_io.tensors import byte_view, host_view
 
 
@@ -131,26 +132,41 @@ def stage(requests: Iterable[WriteRequest], limit: int, pool: StagingPool) -> St
     staged so far go back to the pool.
     """
     out = Staged([])
+    copies: list[PieceCopy] = []  # device copies in flight: all waited for before returning
     try:
         for req in requests:
             if out.kept_bytes + req.nbytes > limit:
                 out.requests.append(req if req.live else replace(req, live=False))
                 continue
-            out.kept_bytes += req.nbytes
             if not req.live:
+                out.kept_bytes += req.nbytes
                 out.requests.append(req)
                 continue
-            if req.tensor is not None:
-                buf = pool.stage(req.tensor, limit)
-                out.requests.append(replace(req, tensor=buf, cost=0, live=False))
-            else:
-                assert req.data is not None
-                buf = pool.stage(torch.frombuffer(req.data, dtype=torch.uint8), limit)
-                out.requests.append(
-                    replace(req, data=byte_view(buf), owner=buf, cost=0, live=False)
-                )
+            try:
+                if req.tensor is not None and pool.uses_device_path(req.tensor):
+                    raw = raw_bytes(req.tensor)
+                    copy = pool.copy_piece(raw, 0, req.nbytes, limit, pool.next_slot())
+                    copies.append(copy)
+                    buf = copy.buffer.view(req.tensor.dtype).view(req.tensor.shape)
+                    staged = replace(req, tensor=buf, cost=0, live=False)
+                elif req.tensor is not None:
+                    buf = pool.stage(req.tensor, limit)
+                    staged = replace(req, tensor=buf, cost=0, live=False)
+                else:
+                    assert req.data is not None
+                    buf = pool.stage(torch.frombuffer(req.data, dtype=torch.uint8), limit)
+                    staged = replace(req, data=byte_view(buf), owner=buf, cost=0, live=False)
+            except StagingFull:  # buffers of an earlier take still in use: stays live
+                out.requests.append(req)
+                continue
+            out.kept_bytes += req.nbytes
+            out.requests.append(staged)
             out.buffers.append(buf)
+        for copy in copies:  # the copies overlap each other; the caller may go on after this
+            copy.wait()
     except BaseException:
+        for copy in copies:
+            copy.wait()
         pool.give_back(out.buffers)
         raise
     return out
@@ -173,8 +189,15 @@ class Scheduler:
         budget: ByteBudget,
         live_consumed: threading.Event | None = None,
         progress: Callable[[int, int], None] | None = None,
+        staging: StagingPool | None = None,
+        staged_bytes: int = 0,
     ) -> None:
         self.writer = writer
+        self.staging = staging  # device tensors are copied through its pinned buffers
+        if staged_bytes:
+            # Buffers an async take staged hold their share of the budget until the end,
+            # so copies made now fit in the rest; never all of it: a chunk must still fit.
+            budget.acquire(min(staged_bytes, max(0, budget.limit - settings.chunk_size)))
         self.settings = settings
         self.budget = budget
         self.live_consumed = live_consumed if live_consumed is not None else threading.Event()
@@ -204,6 +227,11 @@ class Scheduler:
         count = math.ceil(req.nbytes / cs) if req.nbytes else 0
         if count == 0:
             return []
+        pool = self.staging
+        # A live tensor on the device path (a staged one is host memory of the pool already).
+        if req.live and req.tensor is not None and pool is not None and \
+                pool.uses_device_path(req.tensor):  # fmt: skip
+            return self._submit_pieces(req, pool, batch)
         if req.cost:
             self.budget.acquire(req.cost)  # the host copy stays under the budget
         view, owner = req.view()
@@ -229,7 +257,57 @@ class Scheduler:
             for i in range(count)
         ]
 
-    def _counted(self, release: _Release, nbytes: int) -> Callable[[], None]:
+    def _submit_pieces(
+        self, req: WriteRequest, pool: StagingPool, batch: ChunkBatcher
+    ) -> list[Future[ChunkRef]]:
+        """A device tensor, copied chunk by chunk into pool buffers one piece ahead of the
+        writer: chunk i is handed to a worker once its own copy landed, while chunk i+1
+        copies. Each piece holds its bytes of the budget until its chunk is written."""
+        assert req.tensor is not None
+        cs, n = self.settings.chunk_size, req.nbytes
+        count = math.ceil(n / cs) if n else 0
+        raw, slot = raw_bytes(req.tensor), pool.next_slot()
+        live = self._live if req.live else None
+        if live is not None:
+            live.add(count)
+        futures: list[Future[ChunkRef]] = []
+
+        def submit(i: int, piece: PieceCopy) -> None:
+            piece.wait()  # this chunk's copy only: the next one keeps running
+            if live is not None:
+                live.done()  # in a private host buffer now: training may change the tensor
+            size = len(piece.view)
+
+            def done() -> None:
+                piece.give_back()
+                self.budget.release(size)
+
+            digest = req.digests[i] if req.digests else None
+            on_done = self._counted(done, size)
+            if count == 1 and n < self.settings.pack_limit:
+                result: Future[ChunkRef] = Future()
+                batch.add(BatchItem(piece.view, result, on_done, req.elem_size, digest))
+                futures.append(result)
+            else:
+                futures.append(self.writer.add(piece.view, on_done, req.elem_size, digest))
+
+        ahead: deque[tuple[int, PieceCopy]] = deque()
+        for i in range(count):
+            size = min(cs, n - i * cs)
+            self.budget.acquire(size)
+            try:
+                ahead.append((i, pool.copy_piece(raw, i * cs, i * cs + size, slot=slot)))
+            except BaseException:
+                self.budget.release(size)
+                raise
+            # One piece ahead, unless two pieces do not fit the budget (it would wait forever).
+            if len(ahead) > 1 or 2 * cs > self.budget.limit:
+                submit(*ahead.popleft())
+        while ahead:
+            submit(*ahead.popleft())
+        return futures
+
+    def _counted(self, release: Callable[[], None], nbytes: int) -> Callable[[], None]:
         """``release``, then this chunk's bytes reported to ``progress`` (if any)."""
         progress = self._progress
         if progress is None:

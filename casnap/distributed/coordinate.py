@@ -1,0 +1,148 @@
+"""The coordinator's step of a distributed take, pure: gathered messages in, plan and entries out.
+
+Every rank runs :func:`coordinate` on the gathered planning messages (the
+same input, so the same answer); rank 0 runs :func:`assemble_entries` once
+every chunk is written. Neither communicates, so the real take and
+``benchmarks/plan_scale.py`` (a simulated world of 1,024 ranks, from
+metadata alone) run the same code.
+
+Replicas make most plans equal up to their rank: in an HSDP job every box of
+a node group is held again by the same position in every other group; in DDP
+every rank holds the whole model. Each message carries its *body* (the
+plan up to its rank: rank-free structure and chunk digests), and the work
+that grows with the plans' contents is done once per distinct body: one
+structure decoded and joined, the replica check and the writer assignment
+over those plans with the ranks each stands for, the entries built once and
+given to every member's keys (the very same objects). What remains per rank
+is its message and its keys: no step costs ranks x chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from casnap.distributed.plan import assign_sized, settle_replicas
+from casnap.distributed.plan_cache import Gathered, join
+from casnap.format.manifest import (
+    GROUPED_FORMAT_VERSION,
+    MAX_KEY_LENGTH,
+    ChunkRef,
+    Entry,
+    Manifest,
+    PrimitiveEntry,
+    format_version_for,
+)
+from casnap.repo.repository import now_iso
+from casnap.take.plan import RankPlan, build_entries
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan of a distributed take, as every rank computes it.
+
+    ``plans``: one per distinct body (the lowest rank's); ``members[i]``: the
+    ranks ``plans[i]`` stands for; ``rep_of[r]``: the index of rank r's plan;
+    ``primitives[r]``: rank r's primitive values (outside the body).
+    """
+
+    plans: list[RankPlan]
+    members: list[list[int]]
+    rep_of: list[int]
+    primitives: list[tuple[tuple[str, object], ...]]
+    writers: dict[str, int]  # unique chunk -> writing rank
+    load: list[int]  # bytes assigned to each rank
+    sizes: dict[str, int]  # unique chunk -> raw size
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rep_of)
+
+
+def coordinate(gathered: Gathered, mode: str) -> Planned:
+    """Plans, replica check and writer assignment from the gathered messages (every rank).
+
+    ``mode`` is rank 0's ``replica_mismatch`` ("warn" or "error"), as for
+    :func:`~casnap.distributed.plan.settle_replicas`.
+    """
+    messages = gathered.messages
+    by_body: dict[bytes, int] = {}
+    reps: list[int] = []  # rank whose plan stands for each body
+    rep_of: list[int] = []
+    for m in messages:
+        i = by_body.setdefault(m.body or m.rank.to_bytes(8, "big"), len(reps))
+        if i == len(reps):
+            reps.append(m.rank)
+        rep_of.append(i)
+    members: list[list[int]] = [[] for _ in reps]
+    for r, i in enumerate(rep_of):
+        members[i].append(r)
+    plans = [join(gathered.structure(r), messages[r].content) for r in reps]
+    by_rank = {p.rank: ms for p, ms in zip(plans, members)}
+    plans = settle_replicas(plans, mode, by_rank)
+    writers, load, sizes = assign_sized(plans, by_rank)
+    prims = [m.content.primitives for m in messages]
+    return Planned(plans, members, rep_of, prims, writers, load, sizes)
+
+
+def assemble_entries(
+    planned: Planned, refs: Mapping[str, ChunkRef], previous: Mapping[str, Entry] | None = None
+) -> dict[str, Entry]:
+    """Every rank's manifest entries (rank 0, once every chunk is written).
+
+    The entries of each distinct plan are built once
+    (:func:`~casnap.take.plan.build_entries`); each member rank's keys name
+    the same objects, except its own primitive values.
+    """
+    built = build_entries(planned.plans, dict(refs), previous)
+    tails: list[list[str]] = []
+    objs: list[list[Entry]] = []
+    for p in planned.plans:
+        cut = len(f"{p.rank}/")
+        tails.append([key[cut:] for key in p.entries])
+        objs.append([built[key] for key in p.entries])
+    entries: dict[str, Entry] = {}
+    for r, i in enumerate(planned.rep_of):
+        prefix = f"{r}/"
+        if planned.primitives[r] == planned.primitives[planned.plans[i].rank]:
+            entries.update(zip([prefix + t for t in tails[i]], objs[i]))
+            continue
+        values = iter(planned.primitives[r])
+        for tail, e in zip(tails[i], objs[i]):
+            if isinstance(e, PrimitiveEntry):
+                kind, value = next(values)
+                e = PrimitiveEntry(type=kind, value=value)  # type: ignore[arg-type]
+            entries[prefix + tail] = e
+    return entries
+
+
+def manifest_of(
+    entries: dict[str, Entry], world_size: int, parents: list[str], metadata: dict[str, Any]
+) -> Manifest:
+    """The manifest of built entries, validated without validating each entry again.
+
+    Every entry object was validated when it was built (pydantic models,
+    frozen); a world of 1,024 ranks names the same objects from hundreds of
+    thousands of keys, and revalidating each would cost seconds. The rest is
+    validated as usual (the shell), and the keys are checked here.
+    """
+    for key in entries:
+        if not 0 < len(key) <= MAX_KEY_LENGTH:
+            raise ValueError(f"manifest key of {len(key)} characters: {key[:80]!r}")
+    distinct = {str(id(e)): e for e in entries.values()}  # ranks share entry objects
+    shell = Manifest(
+        # written with rank groups (one copy per value); 2.0 where an entry reuses
+        # a parent's delta chunk, since a 1.x reader must refuse those
+        format_version=max(GROUPED_FORMAT_VERSION, format_version_for(distinct), key=_version_key),
+        created_at=now_iso(),
+        world_size=world_size,
+        parents=parents,
+        metadata=metadata,
+        entries={},
+    )
+    return shell.model_copy(update={"entries": entries})
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
