@@ -20,12 +20,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.damage import contain, decode_frame, verify_in_place
 from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
+from casnap.format.manifest_bytes import trusted_chunk_ref
 from casnap.format.names import digest_of, hash_bytes
 from casnap.index import KnownChunks, RepoIndex
 from casnap.repo.damage import DamagedCopy, DamageSet, clear_damage
@@ -129,7 +131,7 @@ class ChunkWriter:
         self._lock = threading.Lock()
         self._pending: dict[str, Future[ChunkRef]] = {}
         self._pack = _Pack()
-        self._work: list[Future[None]] = []
+        self._work: list[Future[Any]] = []
         self._present: list[ChunkRef] = []  # stored by this writer: for the index
 
     def add(
@@ -190,13 +192,75 @@ class ChunkWriter:
         if first is not None:
             raise first
 
+    def add_small(self, chunks: Sequence[tuple[Buffer, int, bytes | None]]) -> Future[list[str]]:
+        """Schedule small chunks ``(data, elem_size, digest or None)`` as one work item.
+
+        Unlike :meth:`add_batch`, no chunk gets a future of its own (a future
+        and its callbacks cost more than hashing and packing 256 bytes): the
+        returned future gives the chunks' hashes, in order, and once
+        :meth:`finish` has returned :meth:`ref_of` gives each one's ChunkRef.
+        ``data`` must stay unchanged until the future resolves.
+        """
+        work: Future[list[str]] = self.pool.submit(self._process_small, chunks)
+        with self._lock:
+            self._work.append(work)
+        return work
+
+    def ref_of(self, h: str) -> ChunkRef:
+        """Where chunk ``h`` (hashed by this writer) is stored; only after :meth:`finish`."""
+        return self.known[h]
+
+    def _process_small(self, chunks: Sequence[tuple[Buffer, int, bytes | None]]) -> list[str]:
+        """:meth:`_process` of each chunk, with one lock and one index read for the group."""
+        digests = [d if d is not None else digest_of(data) for data, _, d in chunks]
+        hashes = [d.hex() for d in digests]
+        known = self.known
+        with self._lock:
+            self.stats.chunks += len(chunks)
+            self.stats.raw_bytes += sum([len(c[0]) for c in chunks])
+            refs = [known.get(h) for h in hashes]
+        misses = [i for i, ref in enumerate(refs) if ref is None]
+        if misses and self.index is not None:
+            found = self.index.lookup_chunks([(hashes[i], len(chunks[i][0])) for i in misses])
+            for i, ref in zip(misses, found, strict=True):
+                if ref is not None and not (self.damaged and ref in self.damaged):
+                    refs[i] = ref  # else: the index predates the damage record
+        new: list[tuple[int, Future[ChunkRef]]] = []
+        with self._lock:
+            for i, h in enumerate(hashes):
+                ref = refs[i]
+                if ref is not None:
+                    known[h] = ref
+                elif h not in known and h not in self._pending:  # else written or pending
+                    result: Future[ChunkRef] = Future()  # a twin may wait on it
+                    self._pending[h] = result
+                    new.append((i, result))
+        frames = []
+        for i, result in new:
+            data, elem, _ = chunks[i]
+            if len(data) >= self.settings.pack_limit:
+                ref = self._write_loose(data, digests[i], hashes[i], elem)
+                with self._lock:
+                    known[hashes[i]] = ref
+                result.set_result(ref)
+            else:
+                head, payload = self._encode(data, digests[i], elem)
+                frames.append((result, hashes[i], len(data), head, bytes(payload)))
+        self._append_frames(frames)
+        return hashes  # each one's ref is known[h] once finish() flushed the last pack
+
     def _process(
         self,
         data: Buffer,
-        result: Future[ChunkRef],
+        result: Future[ChunkRef] | None,
         elem_size: int = 0,
         known_digest: bytes | None = None,
-    ) -> None:
+    ) -> str:
+        """Hash, dedup and write or pack one chunk; returns its hash.
+
+        ``result`` (None for :meth:`add_small`) receives the chunk's ref; without
+        one, the ref is ``known[h]`` once :meth:`finish` has flushed the last pack.
+        """
         # A digest computed by the caller (the distributed planner) is trusted:
         # the frame's own digest is re-verified on every read anyway.
         digest = known_digest if known_digest is not None else digest_of(data)
@@ -219,13 +283,18 @@ class ChunkWriter:
             if ref is None:
                 twin = self._pending.get(h)
                 if twin is None:
+                    if result is None:  # a twin may need a future to wait on
+                        result = Future()
                     self._pending[h] = result
         if ref is not None:
-            result.set_result(ref)
-            return
+            if result is not None:
+                result.set_result(ref)
+            return h
         if twin is not None:  # same bytes earlier in this take
-            twin.add_done_callback(lambda f: _copy_result(f, result))
-            return
+            if result is not None:
+                twin.add_done_callback(lambda f: _copy_result(f, result))
+            return h  # else: its ref is known[h] once the twin's pack is flushed
+        assert result is not None
         if size >= self.settings.pack_limit:
             ref = self._write_loose(data, digest, h, elem_size)
             with self._lock:
@@ -233,6 +302,7 @@ class ChunkWriter:
             result.set_result(ref)
         else:
             self._append_to_pack(data, digest, h, result, elem_size)
+        return h
 
     def _encode(self, data: Buffer, digest: bytes, elem_size: int) -> tuple[bytes, Buffer]:
         return codec.encode(
@@ -253,7 +323,7 @@ class ChunkWriter:
                     self.repo.store.get_range(key, 0, codec.HEADER_SIZE), key
                 )
                 if header.digest == digest and header.raw_length == len(data):
-                    ref = ChunkRef(hash=h, size=len(data), length=header.frame_length)
+                    ref = trusted_chunk_ref(h, len(data), None, 0, header.frame_length)
                     with self._lock:
                         self._present.append(ref)
                     return ref
@@ -265,7 +335,7 @@ class ChunkWriter:
             self.repo.store.flush()  # durable before its damage record goes
             clear_damage(self.repo, [damaged])
         length = len(head) + len(payload)
-        ref = ChunkRef(hash=h, size=len(data), length=length)
+        ref = trusted_chunk_ref(h, len(data), None, 0, length)
         with self._lock:
             self.stats.chunks_written += 1
             self.stats.objects_written += 1
@@ -278,20 +348,26 @@ class ChunkWriter:
         self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef], elem_size: int
     ) -> None:
         head, payload = self._encode(data, digest, elem_size)
-        payload = bytes(payload)  # the pack outlives the caller's buffer
-        length = len(head) + len(payload)
-        full: _Pack | None = None
+        # bytes(): the pack outlives the caller's buffer
+        self._append_frames([(result, h, len(data), head, bytes(payload))])
+
+    def _append_frames(self, frames: list[tuple[Future[ChunkRef], str, int, bytes, bytes]]) -> None:
+        """Append encoded frames to the open pack, writing each pack that fills up."""
+        full: list[_Pack] = []
         with self._lock:
-            pack = self._pack
-            pack.waiters.append((result, h, len(data), pack.size, length))
-            pack.frames.append((head, payload))
-            pack.size += length
-            self.stats.raw_bytes_written += len(data)
-            self.stats.chunks_written += 1
-            if pack.size >= self.settings.pack_target:
-                full, self._pack = pack, _Pack()
-        if full is not None:
-            self._flush(full)
+            for result, h, size, head, payload in frames:
+                pack = self._pack
+                length = len(head) + len(payload)
+                pack.waiters.append((result, h, size, pack.size, length))
+                pack.frames.append((head, payload))
+                pack.size += length
+                self.stats.raw_bytes_written += size
+                self.stats.chunks_written += 1
+                if pack.size >= self.settings.pack_target:
+                    full.append(pack)
+                    self._pack = _Pack()
+        for pack in full:
+            self._flush(pack)
 
     def _flush(self, pack: _Pack) -> None:
         if not pack.frames:
@@ -319,11 +395,13 @@ class ChunkWriter:
             for fut, *_ in pack.waiters:
                 fut.set_exception(exc)
             raise
-        for fut, h, size, offset, length in pack.waiters:
-            ref = ChunkRef(hash=h, size=size, pack=pid, offset=offset, length=length)
-            with self._lock:
-                self.known[h] = ref
-                self._present.append(ref)
+        done = [(fut, trusted_chunk_ref(h, size, pid, offset, length))  # what this writer wrote
+                for fut, h, size, offset, length in pack.waiters]  # fmt: skip
+        with self._lock:
+            for _, ref in done:
+                self.known[ref.hash] = ref
+            self._present.extend([ref for _, ref in done])
+        for fut, ref in done:
             fut.set_result(ref)
 
     def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -334,28 +335,16 @@ class Manifest(_Model):
     metadata: dict[str, JsonValue] = {}
     entries: dict[Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)], Entry]
 
-    def to_bytes(self, jsonable: dict[str, Any] | None = None) -> bytes:
-        """The canonical JSON bytes (``jsonable``: this manifest's :meth:`to_jsonable`)."""
-        return canonical_json(jsonable if jsonable is not None else self.to_jsonable())
+    def to_bytes(self, texts: Mapping[str, str] | None = None) -> bytes:
+        """The canonical JSON bytes (``texts``: this manifest's entry texts, see
+        :func:`casnap.format.manifest_bytes.entry_texts`)."""
+        from casnap.format.manifest_bytes import manifest_bytes  # it builds on this module
 
-    def to_jsonable(self, reuse: Dumped | None = None) -> dict[str, Any]:
-        """``model_dump(mode="json")``, reusing the dumps of entries shared with ``reuse``.
+        return manifest_bytes(self, texts)
 
-        A take of an unchanged structure shares most entry objects with its
-        parent's manifest (casnap.take.job); dumping thousands of them again was
-        most of the time of serializing the manifest. ``reuse`` is the parent
-        and its own dump, as the take's session remembers them; the result is
-        the same as without it (entries are frozen: a dump cannot go stale).
-        """
-        shared: dict[str, Any] = {}
-        if reuse is not None:
-            previous, old_entries = reuse.manifest, reuse.jsonable["entries"]
-            shared = {k: old_entries[k] for k, e in self.entries.items()
-                      if previous.entries.get(k) is e}  # fmt: skip
-        out = self.model_dump(mode="json", exclude={"entries"})
-        out["entries"] = {k: shared[k] if k in shared else e.model_dump(mode="json")
-                          for k, e in self.entries.items()}  # fmt: skip
-        return out
+    def to_jsonable(self) -> dict[str, Any]:
+        """``model_dump(mode="json")``: what :meth:`to_bytes` writes, as Python values."""
+        return self.model_dump(mode="json")
 
     def chunk_refs(self) -> list[ChunkRef]:
         refs: list[ChunkRef] = []
@@ -376,10 +365,10 @@ def format_version_for(entries: dict[str, Entry]) -> str:
 
 @dataclass(frozen=True)
 class Dumped:
-    """A manifest with its :meth:`Manifest.to_jsonable` form (for reuse by the next take)."""
+    """A manifest with the JSON text of each entry (for reuse by the next take's serializer)."""
 
     manifest: Manifest
-    jsonable: dict[str, Any]
+    texts: Mapping[str, str]  # key -> casnap.format.manifest_bytes.entry_text(key, entry)
 
 
 class RepoConfig(_Model):

@@ -18,7 +18,7 @@ import shutil
 import struct
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import blake3
@@ -333,6 +333,30 @@ class RepoIndex:
         except (ValueError, struct.error):
             return None  # a damaged entry is a miss, never a location
         return ref if ref is not None and ref.size == size else None
+
+    def lookup_chunks(self, wanted: Sequence[tuple[str, int]]) -> list[ChunkRef | None]:
+        """:meth:`lookup_chunk` of each ``(hash, size)``, in one read transaction."""
+        out: list[ChunkRef | None] = [None] * len(wanted)
+        if self._chunks_for is None or not self._env.usable or not wanted:
+            return out
+        try:
+            with self._env.env.begin(db=self._env.chunks, buffers=False) as txn:
+                for i, (h, size) in enumerate(wanted):
+                    key = bytes.fromhex(h)
+                    value = txn.get(key)
+                    if value is None:
+                        continue
+                    try:
+                        body = _unseal(key, value)
+                        ref = _decode_chunk(h, body) if body is not None else None
+                    except (ValueError, struct.error):
+                        continue  # a damaged entry is a miss, never a location
+                    if ref is not None and ref.size == size:
+                        out[i] = ref
+        except lmdb.Error as exc:
+            self._failed("read", exc)
+            return [None] * len(wanted)
+        return out
 
     def record_chunks(self, refs: Iterable[ChunkRef]) -> int:
         """Record chunks known to exist now; refused if a gc happened since ``open_index``."""

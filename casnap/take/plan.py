@@ -33,6 +33,7 @@ from casnap.format.manifest import (
     ShardRecord,
     TensorEntry,
 )
+from casnap.format.manifest_bytes import trusted_tensor_entry
 from casnap.index import KnownChunks
 from casnap.repo.damage import damage_set
 from casnap.repo.repository import RepoStorage, manifest_key
@@ -152,6 +153,8 @@ def logical(key: str) -> str:
 
 def is_replicated(key: str, patterns: list[str]) -> bool:
     """Whether ``key``'s logical path matches one of the ``replicated`` fnmatch patterns."""
+    if not patterns:
+        return False
     path = logical(key)
     return any(fnmatchcase(path, p) for p in patterns)
 
@@ -179,8 +182,10 @@ def _tensor_entry(
         and previous.quantized == plan.quantized
     ):
         return previous
-    return TensorEntry(dtype=plan.dtype, shape=shape, chunk_size=chunk_size, chunks=chunks,
-                       replicated=plan.replicated, quantized=plan.quantized)  # fmt: skip
+    # Built from what this process flattened and hashed: the validators would
+    # only re-derive it (a manifest read back is validated: parse_manifest).
+    return trusted_tensor_entry(plan.dtype, shape, chunk_size, chunks, plan.replicated,
+                                plan.quantized)  # fmt: skip
 
 
 def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:

@@ -22,6 +22,7 @@ declare their cost, one scheduler keeps the sum under the budget.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -37,6 +38,11 @@ from casnap.format.manifest import ChunkRef
 from casnap.settings import Settings
 from casnap.torch_io.staging import StagingPool
 from casnap.torch_io.tensors import byte_view, host_view
+
+# Single-chunk requests below the pack limit go to the writer in groups of up
+# to this many bytes or requests, each group one work item (ChunkWriter.add_small).
+SMALL_GROUP_BYTES = 1 << 20
+SMALL_GROUP_ITEMS = 1024
 
 
 @dataclass(frozen=True)
@@ -168,18 +174,69 @@ class Scheduler:
     def run(self, requests: Sequence[WriteRequest]) -> dict[str, list[ChunkRef]]:
         """Write every request (live ones first); returns each request's chunk refs by key."""
         futures: dict[str, list[Future[ChunkRef]]] = {}
+        small: list[tuple[list[str], Future[list[str]]]] = []
         try:
             batch = ChunkBatcher(self.writer)
             ordered = [r for r in requests if r.live] + [r for r in requests if not r.live]
             self._total = sum(r.nbytes for r in ordered)
+            limit = self.settings.pack_limit
+            group: list[WriteRequest] = []
+            group_bytes = 0
             for req in ordered:
-                futures[req.key] = self._submit(req, batch)
+                if 0 < req.nbytes < limit and req.nbytes <= self.settings.chunk_size:
+                    group.append(req)
+                    group_bytes += req.nbytes
+                    if group_bytes >= SMALL_GROUP_BYTES or len(group) >= SMALL_GROUP_ITEMS:
+                        small.append(self._submit_small(group, group_bytes))
+                        group, group_bytes = [], 0
+                else:
+                    futures[req.key] = self._submit(req, batch)
+            if group:
+                small.append(self._submit_small(group, group_bytes))
             batch.flush()
             self._live.arm()
             self.writer.finish([f for fs in futures.values() for f in fs])
         finally:
             self.live_consumed.set()
-        return {key: [f.result() for f in fs] for key, fs in futures.items()}
+        out = {key: [f.result() for f in fs] for key, fs in futures.items()}
+        ref_of = self.writer.ref_of
+        for keys, work in small:
+            for key, h in zip(keys, work.result(), strict=True):
+                out[key] = [ref_of(h)]
+        return out
+
+    def _submit_small(
+        self, group: list[WriteRequest], nbytes: int
+    ) -> tuple[list[str], Future[list[str]]]:
+        """One work item for many single-chunk requests, their bytes copied here.
+
+        Copying a small tensor's bytes (one ``string_at``) costs less than
+        viewing them in place, and frees it at once: training may change a live
+        tensor as soon as this returns. The copies are held in the budget until
+        the work item is done.
+        """
+        self.budget.acquire(nbytes)
+        try:
+            chunks = [(_copy_of(req), req.elem_size, req.digests[0] if req.digests else None)
+                      for req in group]  # fmt: skip
+        except BaseException:
+            self.budget.release(nbytes)
+            raise
+        work = self.writer.add_small(chunks)
+        work.add_done_callback(self._small_done(nbytes))
+        return [req.key for req in group], work
+
+    def _small_done(self, nbytes: int) -> Callable[[Future[list[str]]], None]:
+        progress = self._progress
+
+        def done(_work: Future[list[str]]) -> None:
+            self.budget.release(nbytes)
+            if progress is not None:
+                with self._lock:
+                    self._done += nbytes
+                    progress(self._done, self._total)
+
+        return done
 
     def _submit(self, req: WriteRequest, batch: ChunkBatcher) -> list[Future[ChunkRef]]:
         cs = self.settings.chunk_size
@@ -223,6 +280,18 @@ class Scheduler:
                 progress(self._done, self._total)
 
         return done
+
+
+def _copy_of(req: WriteRequest) -> bytes | memoryview:
+    """A small request's bytes, as a private copy unless they are private already."""
+    t = req.tensor
+    if t is not None:
+        if req.cost == 0:  # contiguous CPU memory: tensor_request and stage() checked
+            return ctypes.string_at(t.data_ptr(), req.nbytes)
+        view, _owner = host_view(t, req.key)
+        return bytes(view)
+    assert req.data is not None
+    return bytes(req.data) if req.live else req.data
 
 
 class _Release:
