@@ -69,7 +69,8 @@ class BatchItem:
 @dataclass
 class _Pack:
     frames: list[tuple[bytes, Buffer]] = field(default_factory=list)
-    waiters: list[tuple[Future[ChunkRef], str, int, int, int]] = field(default_factory=list)
+    # (future or None for add_small's chunks, hash, raw size, offset, frame length)
+    waiters: list[tuple[Future[ChunkRef] | None, str, int, int, int]] = field(default_factory=list)
     size: int = 0
 
 
@@ -129,7 +130,10 @@ class ChunkWriter:
         self.known: dict[str, ChunkRef] = dict(known or {})  # known_chunks left damage out
         self.stats = WriteStats()
         self._lock = threading.Lock()
-        self._pending: dict[str, Future[ChunkRef]] = {}
+        # Chunks being written: by hash, the future of the first, None for add_small's
+        # (no future); futures of identical chunks waiting on one of those.
+        self._pending: dict[str, Future[ChunkRef] | None] = {}
+        self._waiting: dict[str, list[Future[ChunkRef]]] = {}
         self._pack = _Pack()
         self._work: list[Future[Any]] = []
         self._present: list[ChunkRef] = []  # stored by this writer: for the index
@@ -225,42 +229,38 @@ class ChunkWriter:
             for i, ref in zip(misses, found, strict=True):
                 if ref is not None and not (self.damaged and ref in self.damaged):
                     refs[i] = ref  # else: the index predates the damage record
-        new: list[tuple[int, Future[ChunkRef]]] = []
+        new: list[int] = []
         with self._lock:
             for i, h in enumerate(hashes):
                 ref = refs[i]
                 if ref is not None:
                     known[h] = ref
                 elif h not in known and h not in self._pending:  # else written or pending
-                    result: Future[ChunkRef] = Future()  # a twin may wait on it
-                    self._pending[h] = result
-                    new.append((i, result))
-        frames = []
-        for i, result in new:
+                    self._pending[h] = None
+                    new.append(i)
+        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes]] = []
+        for i in new:
             data, elem, _ = chunks[i]
-            if len(data) >= self.settings.pack_limit:
+            if len(data) >= self.settings.pack_limit:  # not from the scheduler: written loose
                 ref = self._write_loose(data, digests[i], hashes[i], elem)
                 with self._lock:
                     known[hashes[i]] = ref
-                result.set_result(ref)
+                    waiting = self._waiting.pop(hashes[i], [])
+                for fut in waiting:
+                    fut.set_result(ref)
             else:
                 head, payload = self._encode(data, digests[i], elem)
-                frames.append((result, hashes[i], len(data), head, bytes(payload)))
+                frames.append((None, hashes[i], len(data), head, bytes(payload)))
         self._append_frames(frames)
         return hashes  # each one's ref is known[h] once finish() flushed the last pack
 
     def _process(
         self,
         data: Buffer,
-        result: Future[ChunkRef] | None,
+        result: Future[ChunkRef],
         elem_size: int = 0,
         known_digest: bytes | None = None,
-    ) -> str:
-        """Hash, dedup and write or pack one chunk; returns its hash.
-
-        ``result`` (None for :meth:`add_small`) receives the chunk's ref; without
-        one, the ref is ``known[h]`` once :meth:`finish` has flushed the last pack.
-        """
+    ) -> None:
         # A digest computed by the caller (the distributed planner) is trusted:
         # the frame's own digest is re-verified on every read anyway.
         digest = known_digest if known_digest is not None else digest_of(data)
@@ -281,20 +281,17 @@ class ChunkWriter:
                 self.known[h] = ref
             twin = None
             if ref is None:
-                twin = self._pending.get(h)
-                if twin is None:
-                    if result is None:  # a twin may need a future to wait on
-                        result = Future()
+                if h not in self._pending:
                     self._pending[h] = result
+                elif (twin := self._pending[h]) is None:  # add_small's: no future to chain
+                    self._waiting.setdefault(h, []).append(result)
+                    return  # resolved when its pack (or loose object) is written
         if ref is not None:
-            if result is not None:
-                result.set_result(ref)
-            return h
+            result.set_result(ref)
+            return
         if twin is not None:  # same bytes earlier in this take
-            if result is not None:
-                twin.add_done_callback(lambda f: _copy_result(f, result))
-            return h  # else: its ref is known[h] once the twin's pack is flushed
-        assert result is not None
+            twin.add_done_callback(lambda f: _copy_result(f, result))
+            return
         if size >= self.settings.pack_limit:
             ref = self._write_loose(data, digest, h, elem_size)
             with self._lock:
@@ -302,7 +299,6 @@ class ChunkWriter:
             result.set_result(ref)
         else:
             self._append_to_pack(data, digest, h, result, elem_size)
-        return h
 
     def _encode(self, data: Buffer, digest: bytes, elem_size: int) -> tuple[bytes, Buffer]:
         return codec.encode(
@@ -351,7 +347,9 @@ class ChunkWriter:
         # bytes(): the pack outlives the caller's buffer
         self._append_frames([(result, h, len(data), head, bytes(payload))])
 
-    def _append_frames(self, frames: list[tuple[Future[ChunkRef], str, int, bytes, bytes]]) -> None:
+    def _append_frames(
+        self, frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes]]
+    ) -> None:
         """Append encoded frames to the open pack, writing each pack that fills up."""
         full: list[_Pack] = []
         with self._lock:
@@ -392,7 +390,9 @@ class ChunkWriter:
                 self.stats.objects_written += 1
                 self.stats.stored_bytes_written += len(blob)
         except BaseException as exc:
-            for fut, *_ in pack.waiters:
+            with self._lock:
+                waiting = [f for _, h, *_ in pack.waiters for f in self._waiting.pop(h, [])]
+            for fut in [f for f, *_ in pack.waiters if f is not None] + waiting:
                 fut.set_exception(exc)
             raise
         done = [(fut, trusted_chunk_ref(h, size, pid, offset, length))  # what this writer wrote
@@ -401,7 +401,15 @@ class ChunkWriter:
             for _, ref in done:
                 self.known[ref.hash] = ref
             self._present.extend([ref for _, ref in done])
+            waiting = (
+                [(f, ref) for _, ref in done for f in self._waiting.pop(ref.hash, [])]
+                if self._waiting
+                else []
+            )
         for fut, ref in done:
+            if fut is not None:
+                fut.set_result(ref)
+        for fut, ref in waiting:
             fut.set_result(ref)
 
     def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:

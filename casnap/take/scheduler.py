@@ -180,13 +180,15 @@ class Scheduler:
             ordered = [r for r in requests if r.live] + [r for r in requests if not r.live]
             self._total = sum(r.nbytes for r in ordered)
             limit = self.settings.pack_limit
+            # A few groups' copies fit the budget at once, while hashing runs behind.
+            group_limit = max(1, min(SMALL_GROUP_BYTES, self.budget.limit // 4))
             group: list[WriteRequest] = []
             group_bytes = 0
             for req in ordered:
                 if 0 < req.nbytes < limit and req.nbytes <= self.settings.chunk_size:
                     group.append(req)
                     group_bytes += req.nbytes
-                    if group_bytes >= SMALL_GROUP_BYTES or len(group) >= SMALL_GROUP_ITEMS:
+                    if group_bytes >= group_limit or len(group) >= SMALL_GROUP_ITEMS:
                         small.append(self._submit_small(group, group_bytes))
                         group, group_bytes = [], 0
                 else:
