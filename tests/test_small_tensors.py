@@ -109,13 +109,13 @@ def test_a_chunk_identical_to_a_grouped_one_gets_the_same_location(tmp_path, sec
     with ThreadPoolExecutor(2) as pool:
         writer = ChunkWriter(repo, Settings(), pool)
         data = b"\x01" * 300
-        first = writer.add_small([(data, 0, None)])
+        first = writer.add_small([data], [0])
         futures: list[Future] = []
         if second == "add":
             first.result()  # its frame is in the open pack, not yet written
             futures.append(writer.add(bytes(data)))
         else:
-            writer.add_small([(bytes(data), 0, None)])
+            writer.add_small([bytes(data)], [0])
         writer.finish(futures)
     h = first.result()[0]
     ref = writer.ref_of(h)
@@ -135,7 +135,7 @@ def test_a_failed_pack_fails_chunks_waiting_on_a_grouped_one(tmp_path, monkeypat
 
     with ThreadPoolExecutor(2) as pool:
         writer = ChunkWriter(repo, Settings(), pool)
-        writer.add_small([(b"\x02" * 300, 0, None)]).result()
+        writer.add_small([b"\x02" * 300], [0]).result()
         twin = writer.add(b"\x02" * 300)
         done = threading.Event()
         twin.add_done_callback(lambda _f: done.set())

@@ -196,8 +196,14 @@ class ChunkWriter:
         if first is not None:
             raise first
 
-    def add_small(self, chunks: Sequence[tuple[Buffer, int, bytes | None]]) -> Future[list[str]]:
-        """Schedule small chunks ``(data, elem_size, digest or None)`` as one work item.
+    def add_small(
+        self,
+        data: Sequence[Buffer],
+        elem_sizes: Sequence[int],
+        digests: Sequence[bytes | None] | None = None,
+    ) -> Future[list[str]]:
+        """Schedule small chunks as one work item: ``data[i]``, its ``elem_sizes[i]``, and
+        ``digests[i]`` when the caller computed it (three lists: no tuple per chunk).
 
         Unlike :meth:`add_batch`, no chunk gets a future of its own (a future
         and its callbacks cost more than hashing and packing 256 bytes): the
@@ -205,7 +211,7 @@ class ChunkWriter:
         :meth:`finish` has returned :meth:`ref_of` gives each one's ChunkRef.
         ``data`` must stay unchanged until the future resolves.
         """
-        work: Future[list[str]] = self.pool.submit(self._process_small, chunks)
+        work: Future[list[str]] = self.pool.submit(self._process_small, data, elem_sizes, digests)
         with self._lock:
             self._work.append(work)
         return work
@@ -214,18 +220,27 @@ class ChunkWriter:
         """Where chunk ``h`` (hashed by this writer) is stored; only after :meth:`finish`."""
         return self.known[h]
 
-    def _process_small(self, chunks: Sequence[tuple[Buffer, int, bytes | None]]) -> list[str]:
+    def _process_small(
+        self,
+        chunks: Sequence[Buffer],
+        elem_sizes: Sequence[int],
+        given: Sequence[bytes | None] | None,
+    ) -> list[str]:
         """:meth:`_process` of each chunk, with one lock and one index read for the group."""
-        digests = [d if d is not None else digest_of(data) for data, _, d in chunks]
+        if given is None:
+            digests = [digest_of(data) for data in chunks]
+        else:
+            digests = [d if d is not None else digest_of(data)
+                       for data, d in zip(chunks, given, strict=True)]  # fmt: skip
         hashes = [d.hex() for d in digests]
         known = self.known
         with self._lock:
             self.stats.chunks += len(chunks)
-            self.stats.raw_bytes += sum([len(c[0]) for c in chunks])
+            self.stats.raw_bytes += sum([len(data) for data in chunks])
             refs = [known.get(h) for h in hashes]
         misses = [i for i, ref in enumerate(refs) if ref is None]
         if misses and self.index is not None:
-            found = self.index.lookup_chunks([(hashes[i], len(chunks[i][0])) for i in misses])
+            found = self.index.lookup_chunks([(hashes[i], len(chunks[i])) for i in misses])
             for i, ref in zip(misses, found, strict=True):
                 if ref is not None and not (self.damaged and ref in self.damaged):
                     refs[i] = ref  # else: the index predates the damage record
@@ -240,7 +255,7 @@ class ChunkWriter:
                     new.append(i)
         frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes]] = []
         for i in new:
-            data, elem, _ = chunks[i]
+            data, elem = chunks[i], elem_sizes[i]
             if len(data) >= self.settings.pack_limit:  # not from the scheduler: written loose
                 ref = self._write_loose(data, digests[i], hashes[i], elem)
                 with self._lock:

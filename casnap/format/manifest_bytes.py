@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from casnap.format.manifest import (
+    MAX_KEY_LENGTH,
     ChunkRef,
     Dumped,
     Entry,
@@ -36,15 +37,20 @@ from casnap.format.manifest import (
 )
 
 M = TypeVar("M", ChunkRef, TensorEntry)
-_REF_FIELDS = frozenset({"hash", "size", "pack", "offset", "length"})
-_TENSOR_FIELDS = frozenset({"dtype", "shape", "chunk_size", "chunks", "replicated", "quantized"})
+_REF_FIELDS = {"hash", "size", "pack", "offset", "length"}
+_TENSOR_FIELDS = {"dtype", "shape", "chunk_size", "chunks", "replicated", "quantized"}
 
 
-def _trusted(cls: type[M], values: dict[str, Any], fields: frozenset[str]) -> M:
-    """A model holding ``values`` as validation would leave them, without validating."""
+def _trusted(cls: type[M], values: dict[str, Any], fields: set[str]) -> M:
+    """A model holding ``values`` as validation would leave them, without validating.
+
+    ``fields`` (the fields set) is shared by every model built here: one object
+    less per chunk and entry for the garbage collector to track. Nothing
+    mutates a frozen model's fields set (``model_copy`` copies it first).
+    """
     model = object.__new__(cls)
     object.__setattr__(model, "__dict__", values)
-    object.__setattr__(model, "__pydantic_fields_set__", set(fields))
+    object.__setattr__(model, "__pydantic_fields_set__", fields)
     object.__setattr__(model, "__pydantic_extra__", None)
     object.__setattr__(model, "__pydantic_private__", None)
     return model
@@ -68,6 +74,19 @@ def trusted_tensor_entry(
     values = {"kind": "tensor", "dtype": dtype, "shape": shape, "chunk_size": chunk_size,
               "chunks": chunks, "replicated": replicated, "quantized": quantized}  # fmt: skip
     return _trusted(TensorEntry, values, _TENSOR_FIELDS)
+
+
+def trusted_manifest(entries: dict[str, Entry], **fields: Any) -> Manifest:
+    """``Manifest(entries=entries, **fields)`` where ``entries`` are models already built.
+
+    Validating a manifest runs every entry's validators again (pydantic
+    revalidates the members of a discriminated union); here only the other
+    fields and the keys' lengths are checked. A key out of bounds falls back
+    to full validation, which raises as it always did.
+    """
+    if any(not 0 < len(k) <= MAX_KEY_LENGTH for k in entries):
+        return Manifest(entries=entries, **fields)
+    return Manifest(entries={}, **fields).model_copy(update={"entries": entries})
 
 
 def _ref_text(r: ChunkRef) -> str:

@@ -103,7 +103,7 @@ def known_chunks(
 ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorPlan:
     dtype: str
     shape: tuple[int, ...]
@@ -134,7 +134,8 @@ class ShardedPlan:
     shards: tuple[ShardPlan, ...]
 
 
-EntryPlan = TensorPlan | ObjectPlan | ShardedPlan | ContainerEntry | PrimitiveEntry
+# A TensorEntry: built by tensor_entry where the chunks are at hand (casnap.take.job).
+EntryPlan = TensorPlan | ObjectPlan | ShardedPlan | ContainerEntry | PrimitiveEntry | TensorEntry
 
 
 @dataclass(frozen=True)
@@ -167,25 +168,36 @@ def chunks_of(plan: EntryPlan) -> list[tuple[str, int]]:
     return []
 
 
-def _tensor_entry(
-    plan: TensorPlan, chunk_size: int, chunks: list[ChunkRef], previous: Entry | None
+def tensor_entry(
+    dtype: str,
+    shape: list[int],
+    chunk_size: int,
+    chunks: list[ChunkRef],
+    replicated: bool,
+    quantized: Quantization | None,
+    previous: Entry | None,
 ) -> TensorEntry:
     """The entry of one tensor; the previous take's own object when nothing changed."""
-    shape = list(plan.shape)
     if (
         isinstance(previous, TensorEntry)
-        and previous.chunks == chunks
-        and previous.dtype == plan.dtype
+        and previous.chunks == chunks  # the very same ChunkRefs when unchanged: cheap
+        and previous.dtype == dtype
         and previous.shape == shape
         and previous.chunk_size == chunk_size
-        and previous.replicated == plan.replicated
-        and previous.quantized == plan.quantized
+        and previous.replicated == replicated
+        and previous.quantized == quantized
     ):
         return previous
     # Built from what this process flattened and hashed: the validators would
     # only re-derive it (a manifest read back is validated: parse_manifest).
-    return trusted_tensor_entry(plan.dtype, shape, chunk_size, chunks, plan.replicated,
-                                plan.quantized)  # fmt: skip
+    return trusted_tensor_entry(dtype, shape, chunk_size, chunks, replicated, quantized)
+
+
+def _tensor_entry(
+    plan: TensorPlan, chunk_size: int, chunks: list[ChunkRef], previous: Entry | None
+) -> TensorEntry:
+    return tensor_entry(plan.dtype, list(plan.shape), chunk_size, chunks, plan.replicated,
+                        plan.quantized, previous)  # fmt: skip
 
 
 def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:

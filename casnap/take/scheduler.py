@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,7 +45,7 @@ SMALL_GROUP_BYTES = 1 << 20
 SMALL_GROUP_ITEMS = 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WriteRequest:
     """The bytes of one value to write, cut into chunks of the take's chunk size.
 
@@ -79,7 +79,7 @@ def tensor_request(key: str, tensor: torch.Tensor) -> WriteRequest:
     """A request for one tensor's bytes (row-major), staged or copied when scheduled."""
     nbytes = tensor.numel() * tensor.element_size()
     in_place = (
-        tensor.device.type == "cpu"
+        tensor.is_cpu  # not .device.type: that builds a device object, per tensor
         and tensor.is_contiguous()
         and not tensor.is_conj()
         and not tensor.is_neg()
@@ -171,7 +171,7 @@ class Scheduler:
         self._done = self._total = 0
         self._lock = threading.Lock()
 
-    def run(self, requests: Sequence[WriteRequest]) -> dict[str, list[ChunkRef]]:
+    def run(self, requests: Sequence[WriteRequest]) -> Written:
         """Write every request (live ones first); returns each request's chunk refs by key."""
         futures: dict[str, list[Future[ChunkRef]]] = {}
         small: list[tuple[list[str], Future[list[str]]]] = []
@@ -200,11 +200,11 @@ class Scheduler:
             self.writer.finish([f for fs in futures.values() for f in fs])
         finally:
             self.live_consumed.set()
-        out = {key: [f.result() for f in fs] for key, fs in futures.items()}
+        out = Written({key: [f.result() for f in fs] for key, fs in futures.items()})
         ref_of = self.writer.ref_of
         for keys, work in small:
             for key, h in zip(keys, work.result(), strict=True):
-                out[key] = [ref_of(h)]
+                out.single[key] = ref_of(h)
         return out
 
     def _submit_small(
@@ -219,12 +219,14 @@ class Scheduler:
         """
         self.budget.acquire(nbytes)
         try:
-            chunks = [(_copy_of(req), req.elem_size, req.digests[0] if req.digests else None)
-                      for req in group]  # fmt: skip
+            data = [_copy_of(req) for req in group]
         except BaseException:
             self.budget.release(nbytes)
             raise
-        work = self.writer.add_small(chunks)
+        digests = None
+        if any(req.digests for req in group):
+            digests = [req.digests[0] if req.digests else None for req in group]
+        work = self.writer.add_small(data, [req.elem_size for req in group], digests)
         work.add_done_callback(self._small_done(nbytes))
         return [req.key for req in group], work
 
@@ -294,6 +296,33 @@ def _copy_of(req: WriteRequest) -> bytes | memoryview:
         return bytes(view)
     assert req.data is not None
     return bytes(req.data) if req.live else req.data
+
+
+class Written(Mapping[str, list[ChunkRef]]):
+    """Each request's chunk refs by key, as :meth:`Scheduler.run` returns them.
+
+    A single-chunk request's list is made when asked for: an unchanged
+    re-take compares it with the previous entry's and drops it, so 20,000
+    small tensors leave no 20,000 lists behind for the garbage collector.
+    """
+
+    def __init__(self, lists: dict[str, list[ChunkRef]]) -> None:
+        self.lists = lists
+        self.single: dict[str, ChunkRef] = {}
+
+    def __getitem__(self, key: str) -> list[ChunkRef]:
+        ref = self.single.get(key)
+        return [ref] if ref is not None else self.lists[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.lists
+        yield from self.single
+
+    def __len__(self) -> int:
+        return len(self.lists) + len(self.single)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.single or key in self.lists
 
 
 class _Release:
