@@ -38,6 +38,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import blake3
@@ -109,6 +110,10 @@ def read_and_hash(path: str, target: State) -> None:
             blake3.blake3(view, max_threads=2).digest()
 
 
+def restore_into(snap: str, target: State) -> None:
+    casnap.Snapshot(snap).restore({"model": casnap.StateDict(target)})
+
+
 def _cold(cold_ok: bool) -> None:
     if cold_ok:
         drop_page_cache()
@@ -128,34 +133,35 @@ def measure(size: int, read_size: int, repeats: int, work: str) -> dict[str, Any
     for i in range(repeats):
         for threads in (1, 8):
             _cold(cold_ok)  # no dirty pages of the previous step
-            rec(f"raw write+fsync x{threads}", _timed(
-                lambda threads=threads: raw_write(state, f"{work}/raw{i}-{threads}", threads))[0])  # fmt: skip
+            folder = f"{work}/raw{i}-{threads}"
+            rec(
+                f"raw write+fsync x{threads}", _timed(partial(raw_write, state, folder, threads))[0]
+            )
         _cold(cold_ok)
-        repo = f"{work}/repo{i}"
-        rec("casnap first take", _timed(lambda: casnap.Snapshot.take(
-            f"{repo}/s", {"model": casnap.StateDict(state)}))[0])  # fmt: skip
+        snap = f"{work}/repo{i}/s"
+        take = partial(casnap.Snapshot.take, snap, {"model": casnap.StateDict(state)})
+        rec("casnap first take", _timed(take)[0])
         # warm: the raw file and the chunks were just written and are in the page cache
-        read_and_hash(f"{work}/raw{i}-1/part0", target)  # settle: both equally warm
-        rec("warm read+blake3 (2 cores)", _timed(
-            lambda: read_and_hash(f"{work}/raw{i}-1/part0", target))[0])  # fmt: skip
-        rec("casnap restore in place (warm)", _timed(lambda: casnap.Snapshot(f"{repo}/s").restore(
-            {"model": casnap.StateDict(target)}))[0])  # fmt: skip
+        raw = f"{work}/raw{i}-1/part0"
+        read_and_hash(raw, target)  # settle: both equally warm
+        rec("warm read+blake3 (2 cores)", _timed(partial(read_and_hash, raw, target))[0])
+        rec("casnap restore in place (warm)", _timed(partial(restore_into, snap, target))[0])
         pt = f"{work}/t{i}.pt"
         torch.save(state, pt)
         fsync_path(pt)
         for cache in ("cold", "warm"):
             if cache == "cold":
                 _cold(cold_ok)
-            dt, loaded = _timed(lambda: torch.load(pt, weights_only=True))
+            dt, loaded = _timed(partial(torch.load, pt, weights_only=True))
             rec(f"torch.load ({cache})", dt)
             del loaded
             if cache == "cold":
                 _cold(cold_ok)
-            fresh = {"model": casnap.StateDict(empty_like_state(state, touch=False))}
-            dt, _ = _timed(lambda fresh=fresh: casnap.Snapshot(f"{repo}/s").restore(fresh))
+            fresh = empty_like_state(state, touch=False)
+            dt, _ = _timed(partial(restore_into, snap, fresh))
             rec(f"casnap restore, new tensors ({cache})", dt)
             if i == 0:
-                assert same_state(dict(fresh["model"]), state), "restore is not bit-exact"
+                assert same_state(fresh, state), "restore is not bit-exact"
             del fresh
         for folder in (f"raw{i}-1", f"raw{i}-8"):
             for name in os.listdir(f"{work}/{folder}"):
@@ -171,7 +177,7 @@ def read_one(size: int, repeats: int, work: str, cold_ok: bool) -> dict[str, Any
     """One tensor (the largest) out of a cold ``size``-byte snapshot and safetensors file."""
     _d, _n, shapes = transformer_shapes(size)
     state = make_state(shapes)
-    key = max(state, key=lambda k: state[k].nbytes)
+    key = sorted(state.items(), key=lambda kv: kv[1].nbytes)[-1][0]
     st_path = f"{work}/big.safetensors"
     save_file(state, st_path)
     fsync_path(st_path)
@@ -235,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"dense state {out['state_bytes'] / 2**20:.0f} MiB, medians of {args.repeats}"
-          f"{'' if out['cold'] else ' (page cache could not be dropped: cold rows are warm)'}:")  # fmt: skip
+    warm = "" if out["cold"] else " (page cache could not be dropped: cold rows are warm)"
+    print(f"dense state {out['state_bytes'] / 2**20:.0f} MiB, medians of {args.repeats}{warm}:")
     for name, v in out["medians_s"].items():
         print(f"  {name:38s} {v:7.3f} s")
     r = out["read_object"]
