@@ -9,8 +9,8 @@ Issue #14, measured in one run on the same transformer-shaped fp32 state:
   the same bytes (one writer thread into one file, or 8 threads into 8 files);
   target <= 1.15. The in-place restore (warm) ÷ a warm read of the same bytes
   into existing memory plus blake3 of them on both cores; target <= 1.5.
-- point 3: restore into new tensors (``torch.empty`` targets, untouched: a
-  process that resumes and lets the restore allocate) ÷ ``torch.load`` of
+- point 3: restore into new tensors (an empty ``StateDict``: a process that
+  resumes and lets the restore allocate) ÷ ``torch.load`` of
   the same state, warm and cold; target <= 1.0. ``read_object`` of one tensor
   (the largest) from a cold ``--read-size-mib`` snapshot ÷ safetensors'
   ``safe_open(...).get_tensor`` of it from a cold file; target <= 1.0.
@@ -111,7 +111,10 @@ def read_and_hash(path: str, target: State) -> None:
 
 
 def restore_into(snap: str, target: State) -> None:
-    casnap.Snapshot(snap).restore({"model": casnap.StateDict(target)})
+    """Restore ``snap`` into ``target`` (filled in place; empty: with tensors it allocates)."""
+    sd = casnap.StateDict(target)
+    casnap.Snapshot(snap).restore({"model": sd})
+    target.update(sd)
 
 
 def _cold(cold_ok: bool) -> None:
@@ -157,7 +160,7 @@ def measure(size: int, read_size: int, repeats: int, work: str) -> dict[str, Any
             del loaded
             if cache == "cold":
                 _cold(cold_ok)
-            fresh = empty_like_state(state, touch=False)
+            fresh: State = {}  # an empty StateDict: the restore allocates every tensor
             dt, _ = _timed(partial(restore_into, snap, fresh))
             rec(f"casnap restore, new tensors ({cache})", dt)
             if i == 0:

@@ -305,8 +305,8 @@ def test_a_loose_chunk_casnap_will_not_read_is_damage_and_the_next_take_replaces
 
 
 def test_a_damaged_loose_chunk_never_lands_in_tensors_the_restore_allocates(tmp_path):
-    """New tensors are filled from a verified mapping of each loose chunk: a damaged
-    one raises before any of its bytes are copied, and is contained."""
+    """A damaged loose chunk read into a tensor the restore allocated raises, is
+    contained, and the half-filled tensor is never handed to load_state_dict."""
     repo = tmp_path / "repo"
     s1 = take_here(repo, "s1")
     h = damage_loose(repo, s1)

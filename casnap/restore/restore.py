@@ -414,23 +414,11 @@ def _plain_batch(
 
     def mapped(index: int) -> Callable[[Any], None] | None:
         key, i = routes[index]
-        if key not in sinks:
-            return None  # a pickled object's bytes: decoded through a buffer
-        size = refs[index].size
-        view = sinks[key].view_for(i, size)
-        if len(view) != size:
-            return None  # decoded through a buffer
         guard = guards.get(key)
-        if guard is not None:
-            return lambda data: guard.deliver(i, data)
-
-        # A new tensor (or a staging copy) too: hashing the page cache through a
-        # mapping, then one copy, beats reading into fresh memory and hashing
-        # it there (each page of the new memory is faulted in by a copy either way).
-        def deliver(data: Any) -> None:
-            view[:] = data
-
-        return deliver
+        size = refs[index].size
+        if guard is None or len(sinks[key].view_for(i, size)) != size:
+            return None  # read into place, or decoded through a buffer
+        return lambda data: guard.deliver(i, data)
 
     def before() -> None:
         undo.pool.limit = saved
