@@ -406,9 +406,9 @@ class ChunkWriter:
                 self.stats.stored_bytes_written += len(blob)
         except BaseException as exc:
             with self._lock:
-                waiting = [f for _, h, *_ in pack.waiters for f in self._waiting.pop(h, [])]
-            for fut in [f for f, *_ in pack.waiters if f is not None] + waiting:
-                fut.set_exception(exc)
+                failed = [f for _, h, *_ in pack.waiters for f in self._waiting.pop(h, [])]
+            for waiter in [f for f, *_ in pack.waiters if f is not None] + failed:
+                waiter.set_exception(exc)
             raise
         done = [(fut, trusted_chunk_ref(h, size, pid, offset, length))  # what this writer wrote
                 for fut, h, size, offset, length in pack.waiters]  # fmt: skip

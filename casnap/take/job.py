@@ -40,6 +40,7 @@ from casnap.format.manifest import (
     Entry,
     Manifest,
     PrimitiveEntry,
+    TensorEntry,
     format_version_for,
 )
 from casnap.format.manifest_bytes import trusted_manifest
@@ -119,11 +120,12 @@ class TakeJob:
                 )
                 written = scheduler.run(self.requests)
             previous, dumped = previous_plan(self.session, self.repo, self.parents)
-            plan = _plan_of(self.nodes, written, self.settings.chunk_size, self.replicated,
-                            previous)  # fmt: skip
+            plan, tensors = _plan_of(self.nodes, written, self.settings.chunk_size,
+                                     self.replicated, previous)  # fmt: skip
             by_hash = {ref.hash: ref for key, node in self.nodes.items()
                        if isinstance(node, ObjectLeaf) for ref in written.get(key, [])}  # fmt: skip
-            entries = build_entries([plan], by_hash, previous)
+            others = build_entries([plan], by_hash, previous)
+            entries = {k: tensors[k] if k in tensors else others[k] for k in self.nodes}
             manifest = trusted_manifest(  # the entries were built (or validated) already
                 entries,
                 format_version=format_version_for(entries),
@@ -145,21 +147,22 @@ def _plan_of(
     chunk_size: int,
     replicated: list[str],
     previous: Mapping[str, Entry] | None = None,
-) -> RankPlan:
+) -> tuple[RankPlan, dict[str, TensorEntry]]:
     """The plan of a world of one, its chunk ids known once the scheduler hashed them.
 
     Tensors matching ``replicated`` are marked so (as torchsnapshot does with one
     process), so a job resumed on more ranks finds them on every rank. A
-    tensor's chunks are at hand, so its entry is built here
-    (:func:`~casnap.take.plan.tensor_entry`: the ``previous`` one when
-    unchanged) and :func:`build_entries` keeps it: no plan per tensor.
+    tensor's chunks are at hand, so its entry is built here, returned next to
+    the plan of the rest (:func:`~casnap.take.plan.tensor_entry`: the
+    ``previous`` one when unchanged): no plan per tensor.
     """
     entries: dict[str, EntryPlan] = {}
+    tensors: dict[str, TensorEntry] = {}
     old = previous or {}
     for key, node in nodes.items():
         if isinstance(node, TensorLeaf):
             t = node.tensor
-            entries[key] = tensor_entry(
+            tensors[key] = tensor_entry(
                 dtype_name(t.dtype, key), list(t.shape), chunk_size, written.get(key, []),
                 is_replicated(key, replicated), node.quantized, old.get(key),
             )  # fmt: skip
@@ -168,7 +171,7 @@ def _plan_of(
             entries[key] = ObjectPlan(node.type_name, len(node.payload), ids)
         elif isinstance(node, (ContainerEntry, PrimitiveEntry)):
             entries[key] = node
-    return RankPlan(0, chunk_size, entries)
+    return RankPlan(0, chunk_size, entries), tensors
 
 
 def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:

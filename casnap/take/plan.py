@@ -134,8 +134,7 @@ class ShardedPlan:
     shards: tuple[ShardPlan, ...]
 
 
-# A TensorEntry: built by tensor_entry where the chunks are at hand (casnap.take.job).
-EntryPlan = TensorPlan | ObjectPlan | ShardedPlan | ContainerEntry | PrimitiveEntry | TensorEntry
+EntryPlan = TensorPlan | ObjectPlan | ShardedPlan | ContainerEntry | PrimitiveEntry
 
 
 @dataclass(frozen=True)
