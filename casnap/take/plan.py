@@ -103,7 +103,7 @@ def known_chunks(
 ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class TensorPlan:
     dtype: str
     shape: tuple[int, ...]
