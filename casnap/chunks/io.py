@@ -68,7 +68,7 @@ class BatchItem:
 
 @dataclass
 class _Pack:
-    frames: list[tuple[bytes, Buffer]] = field(default_factory=list)
+    parts: list[Buffer] = field(default_factory=list)  # each frame's header, then payload
     # (future or None for add_small's chunks, hash, raw size, offset, frame length)
     waiters: list[tuple[Future[ChunkRef] | None, str, int, int, int]] = field(default_factory=list)
     size: int = 0
@@ -372,7 +372,7 @@ class ChunkWriter:
                 pack = self._pack
                 length = len(head) + len(payload)
                 pack.waiters.append((result, h, size, pack.size, length))
-                pack.frames.append((head, payload))
+                pack.parts += (head, payload)  # no tuple kept per frame
                 pack.size += length
                 self.stats.raw_bytes_written += size
                 self.stats.chunks_written += 1
@@ -383,9 +383,9 @@ class ChunkWriter:
             self._flush(pack)
 
     def _flush(self, pack: _Pack) -> None:
-        if not pack.frames:
+        if not pack.parts:
             return
-        parts: list[Buffer] = [b for frame in pack.frames for b in frame]
+        parts = pack.parts
         blob = b"".join(parts)
         pid = hash_bytes(blob)
         # The same small chunks packed in the same order make the same pack: if a

@@ -362,7 +362,7 @@ class RepoIndex:
         """Record chunks known to exist now; refused if a gc happened since ``open_index``."""
         if self._chunks_for is None or not self._env.usable:
             return 0
-        items = [(bytes.fromhex(r.hash), _encode_chunk(r)) for r in refs]
+        items = list(refs)  # encoded one at a time: no (key, body) pair kept per chunk
         if not items:
             return 0
         e = self._env
@@ -370,8 +370,9 @@ class RepoIndex:
             with e.env.begin(write=True) as txn:
                 if txn.get(_META_CHUNKS_FOR, db=e.meta) != self._chunks_for:
                     return 0  # a gc ran since this take looked: these facts may be old
-                for key, body in items:
-                    txn.put(key, _seal(key, body), db=e.chunks)
+                for r in items:
+                    key = bytes.fromhex(r.hash)
+                    txn.put(key, _seal(key, _encode_chunk(r)), db=e.chunks)
         except lmdb.MapFullError:
             self._evict()
             return 0
