@@ -302,3 +302,19 @@ def test_a_loose_chunk_casnap_will_not_read_is_damage_and_the_next_take_replaces
     assert restores_bit_exact(repo, "s2") and restores_bit_exact(repo, "s1")
     assert Repository(str(repo)).verify(read_data=True).ok
     assert list_damage(Repository(str(repo))) == []
+
+
+def test_a_damaged_loose_chunk_never_lands_in_tensors_the_restore_allocates(tmp_path):
+    """A damaged loose chunk read into a tensor the restore allocated raises, is
+    contained, and the half-filled tensor is never handed to load_state_dict."""
+    repo = tmp_path / "repo"
+    s1 = take_here(repo, "s1")
+    h = damage_loose(repo, s1)
+    fresh = StateDict()  # the restore allocates every tensor
+    with pytest.raises(IntegrityError):
+        Snapshot(snap_path(repo, "s1")).restore({"m": fresh})
+    assert len(fresh) == 0  # load_state_dict was never called
+    with pytest.raises(IntegrityError):
+        Snapshot(snap_path(repo, "s1")).read_object("0/m/w")
+    problems = corrupt_chunks(Repository(str(repo)).verify())
+    assert len(problems) == 1 and h in problems[0].subject + problems[0].detail

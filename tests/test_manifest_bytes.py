@@ -9,7 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from casnap.format.manifest import Dumped, Manifest, RepoConfig, canonical_json, parse_manifest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from casnap.format.manifest import (
+    ChunkRef,
+    Dumped,
+    Manifest,
+    RepoConfig,
+    TensorEntry,
+    canonical_json,
+    parse_manifest,
+)
+from casnap.format.manifest_bytes import entry_texts, trusted_chunk_ref, trusted_tensor_entry
 from casnap.format.names import hash_bytes
 
 DATA = Path(__file__).parent / "data"
@@ -59,9 +71,11 @@ def test_manifest_bytes_and_name_are_pinned():
 
 def test_reusing_a_parent_dump_gives_the_same_bytes():
     parent = every_kind()
-    dumped = Dumped(parent, parent.to_jsonable())
+    dumped = Dumped(parent, entry_texts(parent))
     child = parent.model_copy(update={"parents": [H[5]]})  # shares every entry object
-    assert canonical_json(child.to_jsonable(dumped)) == child.to_bytes()
+    texts = entry_texts(child, dumped)
+    assert all(texts[k] is dumped.texts[k] for k in child.entries)  # reused, not re-dumped
+    assert child.to_bytes(texts) == child.to_bytes()
     assert child.to_bytes() == canonical_json(child.model_dump(mode="json"))
 
 
@@ -78,3 +92,46 @@ def test_config_bytes_are_pinned():
     assert config_bytes(config) == stored + b"}"
     # One created to be shared (casnap init) says so.
     assert config_bytes(config.model_copy(update={"shared": True})) == stored + b',"shared":true}'
+
+
+_hashes = st.sampled_from(H)
+_refs = st.builds(
+    lambda h, size, pack, offset: {"hash": h, "size": size, "pack": pack,
+                                   "offset": offset if pack else 0, "length": 56 + size},
+    _hashes, st.integers(0, 1 << 20), st.none() | _hashes, st.integers(0, 1 << 40),
+)  # fmt: skip
+_tensors = st.builds(
+    lambda dtype, shape, cs, chunks, rep: {"kind": "tensor", "dtype": dtype, "shape": shape,
+                                           "chunk_size": cs, "chunks": chunks, "replicated": rep},
+    st.sampled_from(["float32", "bfloat16", "int4", "float8_e4m3fn", "bool"]),
+    st.lists(st.integers(0, 1 << 33), max_size=4), st.integers(1, 1 << 30),
+    st.lists(_refs, max_size=3), st.booleans(),
+)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=12), _tensors, max_size=6), st.text())
+def test_assembled_bytes_equal_canonical_json(entries, created_at):
+    """Keys with quotes, controls or any unicode, and every tensor field, serialize as
+    canonical_json does; the entries' validators are skipped, so ``construct`` is used."""
+    manifest = Manifest.model_construct(
+        created_at=created_at,
+        entries={k: TensorEntry.model_construct(
+                     **{**e, "chunks": [ChunkRef.model_construct(**c) for c in e["chunks"]]})
+                 for k, e in entries.items()},
+    )  # fmt: skip
+    expected = canonical_json(manifest.model_dump(mode="json"))
+    assert manifest.to_bytes() == expected
+    assert manifest.to_bytes(entry_texts(manifest)) == expected
+
+
+def test_trusted_models_equal_validated_ones():
+    ref = trusted_chunk_ref(H[0], 40, H[1], 112, 96)
+    valid = ChunkRef(hash=H[0], size=40, pack=H[1], offset=112, length=96)
+    assert ref == valid and ref.model_dump() == valid.model_dump()
+    entry = trusted_tensor_entry("float32", [10], 4096, [ref], True, None)
+    valid_entry = TensorEntry(dtype="float32", shape=[10], chunk_size=4096, chunks=[valid],
+                              replicated=True, quantized=None)  # fmt: skip
+    assert entry == valid_entry
+    assert entry.model_dump(mode="json") == valid_entry.model_dump(mode="json")
+    assert entry.model_fields_set == valid_entry.model_fields_set

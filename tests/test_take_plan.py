@@ -104,7 +104,7 @@ def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, mon
 
     repo, _ = counted_repo(str(tmp_path / "repo"))
     calls = {"n": 0}
-    real = chunks.ChunkWriter._append_to_pack
+    real = chunks.ChunkWriter._encode  # every chunk, in batches or not, is encoded
 
     def flaky(self, *args, **kwargs):
         calls["n"] += 1
@@ -112,7 +112,7 @@ def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, mon
             raise StoreError("disk full while packing")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(chunks.ChunkWriter, "_append_to_pack", flaky)
+    monkeypatch.setattr(chunks.ChunkWriter, "_encode", flaky)
     with pytest.raises(StoreError, match="disk full"):
         take(repo, "s1", state_of(40), session)
     assert not repo.has_ref("s1")

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.damage import contain, decode_frame, rebuild_into, verify_in_place
@@ -27,6 +28,7 @@ from casnap.chunks.delta import DeltaEncoder
 from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
+from casnap.format.manifest_bytes import trusted_chunk_ref
 from casnap.format.names import digest_of, hash_bytes
 from casnap.index import KnownChunks, RepoIndex
 from casnap.repo.damage import DamagedCopy, DamageSet, clear_damage
@@ -69,8 +71,9 @@ class BatchItem:
 
 @dataclass
 class _Pack:
-    frames: list[tuple[bytes, Buffer]] = field(default_factory=list)
-    waiters: list[tuple[Future[ChunkRef], str, int, int, int, ChunkRef | None]] = field(
+    parts: list[Buffer] = field(default_factory=list)  # each frame's header, then payload
+    # (future or None for add_small's chunks, hash, raw size, offset, frame length, delta base)
+    waiters: list[tuple[Future[ChunkRef] | None, str, int, int, int, ChunkRef | None]] = field(
         default_factory=list
     )
     size: int = 0
@@ -134,9 +137,12 @@ class ChunkWriter:
         self.known: dict[str, ChunkRef] = dict(known or {})  # known_chunks left damage out
         self.stats = WriteStats()
         self._lock = threading.Lock()
-        self._pending: dict[str, Future[ChunkRef]] = {}
+        # Chunks being written: by hash, the future of the first, None for add_small's
+        # (no future); futures of identical chunks waiting on one of those.
+        self._pending: dict[str, Future[ChunkRef] | None] = {}
+        self._waiting: dict[str, list[Future[ChunkRef]]] = {}
         self._pack = _Pack()
-        self._work: list[Future[None]] = []
+        self._work: list[Future[Any]] = []
         self._present: list[ChunkRef] = []  # stored by this writer: for the index
         # Per tensor key, the parent's (chunk size, chunk refs): the bases of deltas.
         self.bases: Mapping[str, tuple[int, Sequence[ChunkRef]]] = (
@@ -219,6 +225,79 @@ class ChunkWriter:
         if first is not None:
             raise first
 
+    def add_small(
+        self,
+        data: Sequence[Buffer],
+        elem_sizes: Sequence[int],
+        digests: Sequence[bytes | None] | None = None,
+    ) -> Future[list[str]]:
+        """Schedule small chunks as one work item: ``data[i]``, its ``elem_sizes[i]``, and
+        ``digests[i]`` when the caller computed it (three lists: no tuple per chunk).
+
+        Unlike :meth:`add_batch`, no chunk gets a future of its own (a future
+        and its callbacks cost more than hashing and packing 256 bytes): the
+        returned future gives the chunks' hashes, in order, and once
+        :meth:`finish` has returned :meth:`ref_of` gives each one's ChunkRef.
+        ``data`` must stay unchanged until the future resolves.
+        """
+        work: Future[list[str]] = self.pool.submit(self._process_small, data, elem_sizes, digests)
+        with self._lock:
+            self._work.append(work)
+        return work
+
+    def ref_of(self, h: str) -> ChunkRef:
+        """Where chunk ``h`` (hashed by this writer) is stored; only after :meth:`finish`."""
+        return self.known[h]
+
+    def _process_small(
+        self,
+        chunks: Sequence[Buffer],
+        elem_sizes: Sequence[int],
+        given: Sequence[bytes | None] | None,
+    ) -> list[str]:
+        """:meth:`_process` of each chunk, with one lock and one index read for the group."""
+        if given is None:
+            digests = [digest_of(data) for data in chunks]
+        else:
+            digests = [d if d is not None else digest_of(data)
+                       for data, d in zip(chunks, given, strict=True)]  # fmt: skip
+        hashes = [d.hex() for d in digests]
+        known = self.known
+        with self._lock:
+            self.stats.chunks += len(chunks)
+            self.stats.raw_bytes += sum([len(data) for data in chunks])
+            refs = [known.get(h) for h in hashes]
+        misses = [i for i, ref in enumerate(refs) if ref is None]
+        if misses and self.index is not None:
+            found = self.index.lookup_chunks([(hashes[i], len(chunks[i])) for i in misses])
+            for i, ref in zip(misses, found, strict=True):
+                if ref is not None and not (self.damaged and ref in self.damaged):
+                    refs[i] = ref  # else: the index predates the damage record
+        new: list[int] = []
+        with self._lock:
+            for i, h in enumerate(hashes):
+                ref = refs[i]
+                if ref is not None:
+                    known[h] = ref
+                elif h not in known and h not in self._pending:  # else written or pending
+                    self._pending[h] = None
+                    new.append(i)
+        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes, ChunkRef | None]] = []
+        for i in new:
+            data, elem = chunks[i], elem_sizes[i]
+            if len(data) >= self.settings.pack_limit:  # not from the scheduler: written loose
+                ref = self._store_loose(data, digests[i], hashes[i], elem)
+                with self._lock:
+                    known[hashes[i]] = ref
+                    waiting = self._waiting.pop(hashes[i], [])
+                for fut in waiting:
+                    fut.set_result(ref)
+            else:
+                head, payload = self._encode(data, digests[i], elem)
+                frames.append((None, hashes[i], len(data), head, bytes(payload), None))
+        self._append_frames(frames)
+        return hashes  # each one's ref is known[h] once finish() flushed the last pack
+
     def _process(
         self,
         data: Buffer,
@@ -247,9 +326,11 @@ class ChunkWriter:
                 self.known[h] = ref
             twin = None
             if ref is None:
-                twin = self._pending.get(h)
-                if twin is None:
+                if h not in self._pending:
                     self._pending[h] = result
+                elif (twin := self._pending[h]) is None:  # add_small's: no future to chain
+                    self._waiting.setdefault(h, []).append(result)
+                    return  # resolved when its pack (or loose object) is written
         if ref is not None:
             result.set_result(ref)
             return
@@ -257,15 +338,11 @@ class ChunkWriter:
             twin.add_done_callback(lambda f: _copy_result(f, result))
             return
         if size >= self.settings.pack_limit:
-            # A damaged object's header may well probe fine: it is written again.
-            heal = bool(self.damaged) and DamagedCopy(h, None) in self.damaged
-            ref = None if heal or not self.probe else self._probe_loose(digest, h, size)
-            if ref is not None:
-                with self._lock:
-                    self._present.append(ref)
-            elif self._try_delta(data, digest, h, result, elem_size, base):
-                return
-            else:
+            heal = self._heals(h)
+            ref = self._present_loose(digest, h, size, heal)
+            if ref is None:
+                if self._try_delta(data, digest, h, result, elem_size, base):
+                    return
                 ref = self._write_loose(data, digest, h, elem_size, heal)
             with self._lock:
                 self.known[h] = ref
@@ -306,8 +383,32 @@ class ChunkWriter:
             return False
         with self._lock:
             self.stats.deltas_written += 1
-        self._append_frame(frame, h, len(data), result, base)
+        self._append_frames([(result, h, len(data), frame[0], bytes(frame[1]), base)])
         return True
+
+    def _heals(self, h: str) -> bool:
+        """Whether ``chunks/<h>`` is recorded damaged: written again whatever a probe says
+        (a damaged object's header may well probe fine)."""
+        return bool(self.damaged) and DamagedCopy(h, None) in self.damaged
+
+    def _present_loose(self, digest: bytes, h: str, size: int, heal: bool) -> ChunkRef | None:
+        """``chunks/<h>`` found stored by a probe (recorded for the index), else None.
+
+        No probe in a repository this take created (nothing to find) or for a
+        damaged object (it is written again)."""
+        if heal or not self.probe:
+            return None
+        ref = self._probe_loose(digest, h, size)
+        if ref is not None:
+            with self._lock:
+                self._present.append(ref)
+        return ref
+
+    def _store_loose(self, data: Buffer, digest: bytes, h: str, elem_size: int) -> ChunkRef:
+        """``chunks/<h>`` as found stored, else written whole (never a delta)."""
+        heal = self._heals(h)
+        ref = self._present_loose(digest, h, len(data), heal)
+        return ref if ref is not None else self._write_loose(data, digest, h, elem_size, heal)
 
     def _probe_loose(self, digest: bytes, h: str, size: int) -> ChunkRef | None:
         """``chunks/<h>`` as a reference if it exists and its header is this chunk's."""
@@ -318,7 +419,7 @@ class ChunkWriter:
             return None  # absent, or a damaged object a whole write replaces
         same = header.digest == digest and header.raw_length == size
         if same and header.codec != codec.CODEC_DELTA:  # a loose delta is no writer's: replaced
-            return ChunkRef(hash=h, size=size, length=header.frame_length)
+            return trusted_chunk_ref(h, size, None, 0, header.frame_length)
         return None
 
     def _write_loose(
@@ -333,7 +434,7 @@ class ChunkWriter:
             self.repo.store.flush()  # durable before its damage record goes
             clear_damage(self.repo, [damaged])
         length = len(head) + len(payload)
-        ref = ChunkRef(hash=h, size=len(data), length=length)
+        ref = trusted_chunk_ref(h, len(data), None, 0, length)
         with self._lock:
             self.stats.chunks_written += 1
             self.stats.objects_written += 1
@@ -345,35 +446,36 @@ class ChunkWriter:
     def _append_to_pack(
         self, data: Buffer, digest: bytes, h: str, result: Future[ChunkRef], elem_size: int
     ) -> None:
-        self._append_frame(self._encode(data, digest, elem_size), h, len(data), result, None)
+        head, payload = self._encode(data, digest, elem_size)
+        # bytes(): the pack outlives the caller's buffer
+        self._append_frames([(result, h, len(data), head, bytes(payload), None)])
 
-    def _append_frame(
+    def _append_frames(
         self,
-        frame: tuple[bytes, Buffer],
-        h: str,
-        size: int,
-        result: Future[ChunkRef],
-        base: ChunkRef | None,
+        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes, ChunkRef | None]],
     ) -> None:
-        head, payload = frame[0], bytes(frame[1])  # the pack outlives the caller's buffer
-        length = len(head) + len(payload)
-        full: _Pack | None = None
+        """Append encoded frames (with their delta base, if any) to the open pack,
+        writing each pack that fills up."""
+        full: list[_Pack] = []
         with self._lock:
-            pack = self._pack
-            pack.waiters.append((result, h, size, pack.size, length, base))
-            pack.frames.append((head, payload))
-            pack.size += length
-            self.stats.raw_bytes_written += size
-            self.stats.chunks_written += 1
-            if pack.size >= self.settings.pack_target:
-                full, self._pack = pack, _Pack()
-        if full is not None:
-            self._flush(full)
+            for result, h, size, head, payload, base in frames:
+                pack = self._pack
+                length = len(head) + len(payload)
+                pack.waiters.append((result, h, size, pack.size, length, base))
+                pack.parts += (head, payload)  # no tuple kept per frame
+                pack.size += length
+                self.stats.raw_bytes_written += size
+                self.stats.chunks_written += 1
+                if pack.size >= self.settings.pack_target:
+                    full.append(pack)
+                    self._pack = _Pack()
+        for pack in full:
+            self._flush(pack)
 
     def _flush(self, pack: _Pack) -> None:
-        if not pack.frames:
+        if not pack.parts:
             return
-        parts: list[Buffer] = [b for frame in pack.frames for b in frame]
+        parts = pack.parts
         blob = b"".join(parts)
         pid = hash_bytes(blob)
         # The same small chunks packed in the same order make the same pack: if a
@@ -393,14 +495,26 @@ class ChunkWriter:
                 self.stats.objects_written += 1
                 self.stats.stored_bytes_written += len(blob)
         except BaseException as exc:
-            for fut, *_ in pack.waiters:
-                fut.set_exception(exc)
-            raise
-        for fut, h, size, offset, length, base in pack.waiters:
-            ref = ChunkRef(hash=h, size=size, pack=pid, offset=offset, length=length, base=base)
             with self._lock:
-                self.known[h] = ref
-                self._present.append(ref)
+                failed = [f for _, h, *_ in pack.waiters for f in self._waiting.pop(h, [])]
+            for waiter in [f for f, *_ in pack.waiters if f is not None] + failed:
+                waiter.set_exception(exc)
+            raise
+        done = [(fut, trusted_chunk_ref(h, size, pid, offset, length, base))  # what it wrote
+                for fut, h, size, offset, length, base in pack.waiters]  # fmt: skip
+        with self._lock:
+            for _, ref in done:
+                self.known[ref.hash] = ref
+            self._present.extend([ref for _, ref in done])
+            waiting = (
+                [(f, ref) for _, ref in done for f in self._waiting.pop(ref.hash, [])]
+                if self._waiting
+                else []
+            )
+        for fut, ref in done:
+            if fut is not None:
+                fut.set_result(ref)
+        for fut, ref in waiting:
             fut.set_result(ref)
 
     def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:

@@ -24,6 +24,7 @@ field before allocating and verifies the digest before returning.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,21 @@ def ungroup_bytes(data: Buffer, elem: int) -> bytearray:
     return out
 
 
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level``: making one costs more than compressing
+    a small chunk, and a one-shot ``compress`` gives the same bytes from a reused one."""
+    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level)
+    return cctx
+
+
 def encode(
     data: Buffer,
     digest: bytes,
@@ -107,7 +123,7 @@ def encode(
     raw_len = len(data)
     codec, payload, elem = CODEC_RAW, data, 0
     if compress and raw_len >= 64:
-        cctx = zstandard.ZstdCompressor(level=level)
+        cctx = _compressor(level)
         sample = memoryview(data)[:_SAMPLE]
         best, best_len = CODEC_RAW, len(sample) * _WORTH_IT
         plain = len(cctx.compress(sample))

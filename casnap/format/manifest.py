@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -398,31 +399,25 @@ class Manifest(_Model):
     # Read from JSON, expanded by the parser; written by to_jsonable only: never dumped as a field.
     rank_groups: list[RankGroup] = Field(default=[], exclude=True)
 
-    def to_bytes(self, jsonable: dict[str, Any] | None = None) -> bytes:
-        """The canonical JSON bytes (``jsonable``: this manifest's :meth:`to_jsonable`)."""
-        return canonical_json(jsonable if jsonable is not None else self.to_jsonable())
+    def to_bytes(self, texts: Mapping[str, str] | None = None) -> bytes:
+        """The canonical JSON bytes (``texts``: this manifest's entry texts, see
+        :func:`casnap.format.manifest_bytes.entry_texts`)."""
+        from casnap.format.manifest_bytes import manifest_bytes  # it builds on this module
 
-    def to_jsonable(self, reuse: Dumped | None = None) -> dict[str, Any]:
-        """``model_dump(mode="json")``, reusing the dumps of entries shared with ``reuse``.
+        if self._grouped():  # a distributed take's: its ranks share entry objects
+            return canonical_json(self.to_jsonable())
+        return manifest_bytes(self, texts)
 
-        A take of an unchanged structure shares most entry objects with its
-        parent's manifest (casnap.take.job); dumping thousands of them again was
-        most of the time of serializing the manifest. ``reuse`` is the parent
-        and its own dump, as the take's session remembers them; the result is
-        the same as without it (entries are frozen: a dump cannot go stale).
-        """
+    def to_jsonable(self) -> dict[str, Any]:
+        """``model_dump(mode="json")``, with entries several ranks hold as one object
+        written once in ``rank_groups`` (format 1.3 and later, more than one rank):
+        what :meth:`to_bytes` writes, as Python values."""
         plain: dict[str, Entry] = self.entries
         groups: list[tuple[list[tuple[int, int]], dict[str, Entry]]] = []
-        if _version_at_least(self.format_version, GROUPED_FORMAT_VERSION):
+        if self._grouped():
             plain, groups = _group_by_ranks(self.entries)
-        shared: dict[str, Any] = {}
-        if reuse is not None:
-            previous, old_entries = reuse.manifest, reuse.jsonable["entries"]
-            shared = {k: old_entries[k] for k, e in plain.items()
-                      if previous.entries.get(k) is e and k in old_entries}  # fmt: skip
         out = self.model_dump(mode="json", exclude={"entries", "rank_groups"})
-        out["entries"] = {k: shared[k] if k in shared else e.model_dump(mode="json")
-                          for k, e in plain.items()}  # fmt: skip
+        out["entries"] = {k: e.model_dump(mode="json") for k, e in plain.items()}
         if groups:
             out["rank_groups"] = [
                 {"ranks": [list(r) for r in ranks],
@@ -430,6 +425,12 @@ class Manifest(_Model):
                 for ranks, held in groups
             ]  # fmt: skip
         return out
+
+    def _grouped(self) -> bool:
+        """Whether this manifest is written with ``rank_groups`` (a distributed take's)."""
+        return self.world_size > 1 and _version_at_least(
+            self.format_version, GROUPED_FORMAT_VERSION
+        )
 
     def stored_refs(self) -> list[ChunkRef]:
         """Every stored frame reading this manifest needs: its chunks and their delta bases.
@@ -548,10 +549,10 @@ def format_version_for(entries: dict[str, Entry]) -> str:
 
 @dataclass(frozen=True)
 class Dumped:
-    """A manifest with its :meth:`Manifest.to_jsonable` form (for reuse by the next take)."""
+    """A manifest with the JSON text of each entry (for reuse by the next take's serializer)."""
 
     manifest: Manifest
-    jsonable: dict[str, Any]
+    texts: Mapping[str, str]  # key -> casnap.format.manifest_bytes.entry_text(key, entry)
 
 
 class RepoConfig(_Model):

@@ -18,7 +18,7 @@ import shutil
 import struct
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import blake3
@@ -336,11 +336,35 @@ class RepoIndex:
             return None  # a damaged entry is a miss, never a location
         return ref if ref is not None and ref.size == size else None
 
+    def lookup_chunks(self, wanted: Sequence[tuple[str, int]]) -> list[ChunkRef | None]:
+        """:meth:`lookup_chunk` of each ``(hash, size)``, in one read transaction."""
+        out: list[ChunkRef | None] = [None] * len(wanted)
+        if self._chunks_for is None or not self._env.usable or not wanted:
+            return out
+        try:
+            with self._env.env.begin(db=self._env.chunks, buffers=False) as txn:
+                for i, (h, size) in enumerate(wanted):
+                    key = bytes.fromhex(h)
+                    value = txn.get(key)
+                    if value is None:
+                        continue
+                    try:
+                        body = _unseal(key, value)
+                        ref = _decode_chunk(h, body) if body is not None else None
+                    except (ValueError, struct.error):
+                        continue  # a damaged entry is a miss, never a location
+                    if ref is not None and ref.size == size:
+                        out[i] = ref
+        except lmdb.Error as exc:
+            self._failed("read", exc)
+            return [None] * len(wanted)
+        return out
+
     def record_chunks(self, refs: Iterable[ChunkRef]) -> int:
         """Record chunks known to exist now; refused if a gc happened since ``open_index``."""
         if self._chunks_for is None or not self._env.usable:
             return 0
-        items = [(bytes.fromhex(r.hash), _encode_chunk(r)) for r in refs]
+        items = list(refs)  # encoded one at a time: no (key, body) pair kept per chunk
         if not items:
             return 0
         e = self._env
@@ -348,8 +372,9 @@ class RepoIndex:
             with e.env.begin(write=True) as txn:
                 if txn.get(_META_CHUNKS_FOR, db=e.meta) != self._chunks_for:
                     return 0  # a gc ran since this take looked: these facts may be old
-                for key, body in items:
-                    txn.put(key, _seal(key, body), db=e.chunks)
+                for r in items:
+                    key = bytes.fromhex(r.hash)
+                    txn.put(key, _seal(key, _encode_chunk(r)), db=e.chunks)
         except lmdb.MapFullError:
             self._evict()
             return 0

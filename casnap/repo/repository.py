@@ -200,9 +200,10 @@ class RepoStorage:
         return open_store(url, _options(storage_options)).exists(f"{META}/{CONFIG_KEY}")
 
     # -- manifests -------------------------------------------------------
-    def write_manifest(self, manifest: Manifest, jsonable: dict[str, Any] | None = None) -> str:
-        """Store ``manifest`` (``jsonable``: its :meth:`Manifest.to_jsonable`); returns its hash."""
-        data = manifest.to_bytes(jsonable)
+    def write_manifest(self, manifest: Manifest, texts: Mapping[str, str] | None = None) -> str:
+        """Store ``manifest`` (``texts``: its entries' JSON, :meth:`Manifest.to_bytes`);
+        returns its hash."""
+        data = manifest.to_bytes(texts)
         name = hash_bytes(data)
         try:
             self.store.put(manifest_key(name), data, create_only=True)

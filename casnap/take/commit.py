@@ -14,10 +14,11 @@ every chunk the manifest names is durable, inside the take's lease:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from casnap import index
 from casnap.format.manifest import Dumped, Manifest
+from casnap.format.manifest_bytes import entry_texts
 from casnap.repo.leases import Lease
 from casnap.repo.repository import RepoStorage
 from casnap.take.session import Session
@@ -37,12 +38,12 @@ def commit_snapshot(
     ``previous`` (the parent's manifest and its JSON form, from the session's
     last plan) lets the serializer reuse the JSON of the entries the two share.
     """
-    jsonable = manifest.to_jsonable(previous)
-    manifest_hash = repo.write_manifest(manifest, jsonable)
+    texts = entry_texts(manifest, previous)
+    manifest_hash = repo.write_manifest(manifest, texts)
     if lease is not None:
         lease.check()
     repo.write_ref(name, manifest_hash)  # the commit point
-    remember(repo, manifest_hash, manifest, session, jsonable)
+    remember(repo, manifest_hash, manifest, session, texts)
     index.record_manifest(repo, manifest_hash, manifest)
     return manifest_hash
 
@@ -52,10 +53,10 @@ def remember(
     manifest_hash: str,
     manifest: Manifest,
     session: Session | None,
-    jsonable: dict[str, Any] | None = None,
+    texts: Mapping[str, str] | None = None,
 ) -> None:
     """Make a committed (or restored) snapshot the session's parent and plan for the next take."""
     if session is not None:
         session.lineage.record(repo.config.repo_id, manifest_hash)
-        dumped = Dumped(manifest, jsonable) if jsonable is not None else None
+        dumped = Dumped(manifest, texts) if texts is not None else None
         session.last_plan.put(repo.config.repo_id, manifest_hash, manifest, dumped)

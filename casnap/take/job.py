@@ -37,10 +37,13 @@ from casnap.errors import UnsupportedValueError
 from casnap.format.manifest import (
     ChunkRef,
     ContainerEntry,
+    Entry,
     Manifest,
     PrimitiveEntry,
+    TensorEntry,
     format_version_for,
 )
+from casnap.format.manifest_bytes import trusted_manifest
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
@@ -49,11 +52,11 @@ from casnap.take.plan import (
     EntryPlan,
     ObjectPlan,
     RankPlan,
-    TensorPlan,
     build_entries,
     is_replicated,
     known_chunks,
     previous_plan,
+    tensor_entry,
 )
 from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage, tensor_request
 from casnap.take.session import Session
@@ -118,17 +121,20 @@ class TakeJob:
                     self.pool, sum(b.numel() * b.element_size() for b in self.buffers),
                 )  # fmt: skip
                 written = scheduler.run(self.requests)
-            plan = _plan_of(self.nodes, written, self.settings.chunk_size, self.replicated)
-            by_hash = {ref.hash: ref for refs in written.values() for ref in refs}
             previous, dumped = previous_plan(self.session, self.repo, self.parents)
-            entries = build_entries([plan], by_hash, previous)
-            manifest = Manifest(
+            plan, tensors = _plan_of(self.nodes, written, self.settings.chunk_size,
+                                     self.replicated, previous)  # fmt: skip
+            by_hash = {ref.hash: ref for key, node in self.nodes.items()
+                       if isinstance(node, ObjectLeaf) for ref in written.get(key, [])}  # fmt: skip
+            others = build_entries([plan], by_hash, previous)
+            entries = {k: tensors[k] if k in tensors else others[k] for k in self.nodes}
+            manifest = trusted_manifest(  # the entries were built (or validated) already
+                entries,
                 format_version=format_version_for(entries),
                 created_at=now_iso(),
                 world_size=1,
                 parents=self.parents,
                 metadata=self.metadata,
-                entries=entries,
             )
             manifest_hash = commit_snapshot(
                 self.repo, self.name, manifest, lease=lease, session=self.session,
@@ -142,27 +148,32 @@ def _plan_of(
     written: Mapping[str, list[ChunkRef]],
     chunk_size: int,
     replicated: list[str],
-) -> RankPlan:
+    previous: Mapping[str, Entry] | None = None,
+) -> tuple[RankPlan, dict[str, TensorEntry]]:
     """The plan of a world of one, its chunk ids known once the scheduler hashed them.
 
     Tensors matching ``replicated`` are marked so (as torchsnapshot does with one
-    process), so a job resumed on more ranks finds them on every rank.
+    process), so a job resumed on more ranks finds them on every rank. A
+    tensor's chunks are at hand, so its entry is built here, returned next to
+    the plan of the rest (:func:`~casnap.take.plan.tensor_entry`: the
+    ``previous`` one when unchanged): no plan per tensor.
     """
     entries: dict[str, EntryPlan] = {}
+    tensors: dict[str, TensorEntry] = {}
+    old = previous or {}
     for key, node in nodes.items():
         if isinstance(node, TensorLeaf):
-            ids = tuple((r.hash, r.size) for r in written.get(key, []))
             t = node.tensor
-            entries[key] = TensorPlan(
-                dtype_name(t.dtype, key), tuple(t.shape), is_replicated(key, replicated), ids,
-                node.quantized,
+            tensors[key] = tensor_entry(
+                dtype_name(t.dtype, key), list(t.shape), chunk_size, written.get(key, []),
+                is_replicated(key, replicated), node.quantized, old.get(key),
             )  # fmt: skip
         elif isinstance(node, ObjectLeaf):
             ids = tuple((r.hash, r.size) for r in written.get(key, []))
             entries[key] = ObjectPlan(node.type_name, len(node.payload), ids)
         elif isinstance(node, (ContainerEntry, PrimitiveEntry)):
             entries[key] = node
-    return RankPlan(0, chunk_size, entries)
+    return RankPlan(0, chunk_size, entries), tensors
 
 
 def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:

@@ -33,6 +33,7 @@ from casnap.format.manifest import (
     ShardRecord,
     TensorEntry,
 )
+from casnap.format.manifest_bytes import trusted_tensor_entry
 from casnap.index import KnownChunks
 from casnap.repo.damage import DamageSet, damage_set
 from casnap.repo.repository import RepoStorage, manifest_key
@@ -163,6 +164,8 @@ def logical(key: str) -> str:
 
 def is_replicated(key: str, patterns: list[str]) -> bool:
     """Whether ``key``'s logical path matches one of the ``replicated`` fnmatch patterns."""
+    if not patterns:
+        return False
     path = logical(key)
     return any(fnmatchcase(path, p) for p in patterns)
 
@@ -175,23 +178,36 @@ def chunks_of(plan: EntryPlan) -> list[tuple[str, int]]:
     return []
 
 
+def tensor_entry(
+    dtype: str,
+    shape: list[int],
+    chunk_size: int,
+    chunks: list[ChunkRef],
+    replicated: bool,
+    quantized: Quantization | None,
+    previous: Entry | None,
+) -> TensorEntry:
+    """The entry of one tensor; the previous take's own object when nothing changed."""
+    if (
+        isinstance(previous, TensorEntry)
+        and previous.chunks == chunks  # the very same ChunkRefs when unchanged: cheap
+        and previous.dtype == dtype
+        and previous.shape == shape
+        and previous.chunk_size == chunk_size
+        and previous.replicated == replicated
+        and previous.quantized == quantized
+    ):
+        return previous
+    # Built from what this process flattened and hashed: the validators would
+    # only re-derive it (a manifest read back is validated: parse_manifest).
+    return trusted_tensor_entry(dtype, shape, chunk_size, chunks, replicated, quantized)
+
+
 def _tensor_entry(
     plan: TensorPlan, chunk_size: int, chunks: list[ChunkRef], previous: Entry | None
 ) -> TensorEntry:
-    """The entry of one tensor; the previous take's own object when nothing changed."""
-    shape = list(plan.shape)
-    if (
-        isinstance(previous, TensorEntry)
-        and previous.chunks == chunks
-        and previous.dtype == plan.dtype
-        and previous.shape == shape
-        and previous.chunk_size == chunk_size
-        and previous.replicated == plan.replicated
-        and previous.quantized == plan.quantized
-    ):
-        return previous
-    return TensorEntry(dtype=plan.dtype, shape=shape, chunk_size=chunk_size, chunks=chunks,
-                       replicated=plan.replicated, quantized=plan.quantized)  # fmt: skip
+    return tensor_entry(plan.dtype, list(plan.shape), chunk_size, chunks, plan.replicated,
+                        plan.quantized, previous)  # fmt: skip
 
 
 def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:

@@ -22,10 +22,11 @@ declare their cost, one scheduler keeps the sum under the budget.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,8 +40,13 @@ from casnap.settings import Settings
 from casnap.torch_io.staging import PieceCopy, StagingFull, StagingPool, raw_bytes
 from casnap.torch_io.tensors import byte_view, host_view
 
+# Single-chunk requests below the pack limit go to the writer in groups of up
+# to this many bytes or requests, each group one work item (ChunkWriter.add_small).
+SMALL_GROUP_BYTES = 1 << 20
+SMALL_GROUP_ITEMS = 1024
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class WriteRequest:
     """The bytes of one value to write, cut into chunks of the take's chunk size.
 
@@ -79,7 +85,7 @@ def tensor_request(key: str, tensor: torch.Tensor) -> WriteRequest:
     """A request for one tensor's bytes (row-major), staged or copied when scheduled."""
     nbytes = tensor.numel() * tensor.element_size()
     in_place = (
-        tensor.device.type == "cpu"
+        tensor.is_cpu  # not .device.type: that builds a device object, per tensor
         and tensor.is_contiguous()
         and not tensor.is_conj()
         and not tensor.is_neg()
@@ -206,21 +212,76 @@ class Scheduler:
         self._done = self._total = 0
         self._lock = threading.Lock()
 
-    def run(self, requests: Sequence[WriteRequest]) -> dict[str, list[ChunkRef]]:
+    def run(self, requests: Sequence[WriteRequest]) -> Written:
         """Write every request (live ones first); returns each request's chunk refs by key."""
         futures: dict[str, list[Future[ChunkRef]]] = {}
+        small: list[tuple[list[str], Future[list[str]]]] = []
         try:
             batch = ChunkBatcher(self.writer)
             ordered = [r for r in requests if r.live] + [r for r in requests if not r.live]
             self._total = sum(r.nbytes for r in ordered)
+            limit = self.settings.pack_limit
+            # A few groups' copies fit the budget at once, while hashing runs behind.
+            group_limit = max(1, min(SMALL_GROUP_BYTES, self.budget.limit // 4))
+            group: list[WriteRequest] = []
+            group_bytes = 0
             for req in ordered:
-                futures[req.key] = self._submit(req, batch)
+                if 0 < req.nbytes < limit and req.nbytes <= self.settings.chunk_size:
+                    group.append(req)
+                    group_bytes += req.nbytes
+                    if group_bytes >= group_limit or len(group) >= SMALL_GROUP_ITEMS:
+                        small.append(self._submit_small(group, group_bytes))
+                        group, group_bytes = [], 0
+                else:
+                    futures[req.key] = self._submit(req, batch)
+            if group:
+                small.append(self._submit_small(group, group_bytes))
             batch.flush()
             self._live.arm()
             self.writer.finish([f for fs in futures.values() for f in fs])
         finally:
             self.live_consumed.set()
-        return {key: [f.result() for f in fs] for key, fs in futures.items()}
+        out = Written({key: [f.result() for f in fs] for key, fs in futures.items()})
+        ref_of = self.writer.ref_of
+        for keys, work in small:
+            for key, h in zip(keys, work.result(), strict=True):
+                out.single[key] = ref_of(h)
+        return out
+
+    def _submit_small(
+        self, group: list[WriteRequest], nbytes: int
+    ) -> tuple[list[str], Future[list[str]]]:
+        """One work item for many single-chunk requests, their bytes copied here.
+
+        Copying a small tensor's bytes (one ``string_at``) costs less than
+        viewing them in place, and frees it at once: training may change a live
+        tensor as soon as this returns. The copies are held in the budget until
+        the work item is done.
+        """
+        self.budget.acquire(nbytes)
+        try:
+            data = [_copy_of(req) for req in group]
+        except BaseException:
+            self.budget.release(nbytes)
+            raise
+        digests = None
+        if any(req.digests for req in group):
+            digests = [req.digests[0] if req.digests else None for req in group]
+        work = self.writer.add_small(data, [req.elem_size for req in group], digests)
+        work.add_done_callback(self._small_done(nbytes))
+        return [req.key for req in group], work
+
+    def _small_done(self, nbytes: int) -> Callable[[Future[list[str]]], None]:
+        progress = self._progress
+
+        def done(_work: Future[list[str]]) -> None:
+            self.budget.release(nbytes)
+            if progress is not None:
+                with self._lock:
+                    self._done += nbytes
+                    progress(self._done, self._total)
+
+        return done
 
     def _submit(self, req: WriteRequest, batch: ChunkBatcher) -> list[Future[ChunkRef]]:
         cs = self.settings.chunk_size
@@ -320,6 +381,45 @@ class Scheduler:
                 progress(self._done, self._total)
 
         return done
+
+
+def _copy_of(req: WriteRequest) -> bytes | memoryview:
+    """A small request's bytes, as a private copy unless they are private already."""
+    t = req.tensor
+    if t is not None:
+        if req.cost == 0:  # contiguous CPU memory: tensor_request and stage() checked
+            return ctypes.string_at(t.data_ptr(), req.nbytes)
+        view, _owner = host_view(t, req.key)
+        return bytes(view)
+    assert req.data is not None
+    return bytes(req.data) if req.live else req.data
+
+
+class Written(Mapping[str, list[ChunkRef]]):
+    """Each request's chunk refs by key, as :meth:`Scheduler.run` returns them.
+
+    A single-chunk request's list is made when asked for: an unchanged
+    re-take compares it with the previous entry's and drops it, so 20,000
+    small tensors leave no 20,000 lists behind for the garbage collector.
+    """
+
+    def __init__(self, lists: dict[str, list[ChunkRef]]) -> None:
+        self.lists = lists
+        self.single: dict[str, ChunkRef] = {}
+
+    def __getitem__(self, key: str) -> list[ChunkRef]:
+        ref = self.single.get(key)
+        return [ref] if ref is not None else self.lists[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.lists
+        yield from self.single
+
+    def __len__(self) -> int:
+        return len(self.lists) + len(self.single)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.single or key in self.lists
 
 
 class _Release:

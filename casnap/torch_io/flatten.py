@@ -41,9 +41,10 @@ from casnap.torch_io.sharded import ShardLeaf, as_shard_leaf, is_sharded
 from casnap.torch_io.tensors import check_storable, dtype_name, torch_dtype
 
 MAX_DEPTH = 64
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorLeaf:
     tensor: torch.Tensor  # what is stored: a quantized tensor's integer representation
     quantized: Quantization | None = None  # how to rebuild a quantized tensor from it
@@ -173,6 +174,9 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
     """Add the nodes of ``value`` (stored at ``key``) to ``out``, parents before members."""
     if depth > MAX_DEPTH:
         raise UnsupportedValueError(f"{key}: nested deeper than {MAX_DEPTH} levels", key)
+    if type(value) in _PLAIN_TENSORS:  # most values: neither sharded nor a subclass
+        out[key] = tensor_leaf(value, key)
+        return
     if is_sharded(value):
         leaf = as_shard_leaf(value, key)
         assert leaf is not None
@@ -193,11 +197,12 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
         return
     ctype = _container_type(value)
     if ctype is not None:
-        members = list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))
+        mapping = isinstance(value, Mapping)
+        # The keys first, then the members: no (key, member) pair per member is kept.
         keys: list[int | str] = []
         seen: set[str] = set()
         ok = True
-        for k, _ in members:
+        for k in value.keys() if mapping else range(len(value)):
             if isinstance(k, bool) or not isinstance(k, (int, str)) or not _inline(k):
                 ok = False
                 break
@@ -209,7 +214,7 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
             keys.append(k)
         if ok:
             out[key] = ContainerEntry(type=ctype, keys=keys)  # type: ignore[arg-type]
-            for k, member in members:
+            for k, member in value.items() if mapping else enumerate(value):
                 flatten(member, child_key(key, k), allow_pickle, out, depth + 1)
             return
     if not allow_pickle:

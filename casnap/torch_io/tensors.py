@@ -42,11 +42,11 @@ def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
 
 def check_storable(tensor: torch.Tensor, key: str = "") -> None:
     """Raise :class:`UnsupportedValueError` (naming ``key``) for a tensor casnap cannot store."""
-    if tensor.is_sparse or tensor.layout != torch.strided:
+    if tensor.layout != torch.strided:  # sparse ones too
         raise UnsupportedValueError(f"{key}: {tensor.layout} tensors cannot be stored", key)
     if tensor.is_quantized:
         raise UnsupportedValueError(f"{key}: quantized tensors cannot be stored", key)
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise UnsupportedValueError(f"{key}: a meta tensor has no data to store", key)
     dtype_name(tensor.dtype, key)
 

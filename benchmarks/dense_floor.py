@@ -1,0 +1,271 @@
+"""Dense state against the machine's floors, and restore into new tensors against its peers.
+
+    .venv/bin/python benchmarks/dense_floor.py [--size-mib 1024] [--read-size-mib 2048]
+        [--repeats 3] [--workdir bench-out/scratch] [--json]
+
+Issue #14, measured in one run on the same transformer-shaped fp32 state:
+
+- point 2: the first take into a new repository ÷ the best raw write + fsync of
+  the same bytes (one writer thread into one file, or 8 threads into 8 files);
+  target <= 1.15. The in-place restore (warm) ÷ a warm read of the same bytes
+  into existing memory plus blake3 of them on both cores; target <= 1.5.
+- point 3: restore into new tensors (an empty ``StateDict``: a process that
+  resumes and lets the restore allocate) ÷ ``torch.load`` of
+  the same state, warm and cold; target <= 1.0. ``read_object`` of one tensor
+  (the largest) from a cold ``--read-size-mib`` snapshot ÷ safetensors'
+  ``safe_open(...).get_tensor`` of it from a cold file; target <= 1.0.
+  safetensors 0.8 returns a tensor over a mapping of the file, read on first
+  use: the ratio is taken against ``get_tensor(key).clone()`` (a resident,
+  private tensor, what ``read_object`` returns after verifying every byte);
+  the lazy ``get_tensor`` alone is printed next to it.
+
+Large allocations get fresh pages from the kernel (``mallopt``
+M_MMAP_THRESHOLD = 1 MiB, as in a process that just started): otherwise
+``torch.load`` and casnap would reuse each other's freed, already faulted
+memory, which a resuming process does not have.
+
+Cold steps drop the page cache first (as root; otherwise the output says so
+and the "cold" rows are warm). Steps interleave within each repeat; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import blake3
+import torch
+from harness import (
+    drop_page_cache,
+    empty_like_state,
+    fsync_path,
+    make_state,
+    same_state,
+    scratch_dir,
+    state_bytes,
+    transformer_shapes,
+)
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import casnap
+from casnap.torch_io.tensors import byte_view
+
+State = dict[str, torch.Tensor]
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def raw_write(state: State, folder: str, threads: int) -> None:
+    """The state's bytes into ``threads`` files (tensors dealt round-robin by size), fsynced."""
+    os.makedirs(folder)
+    shares: list[list[torch.Tensor]] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for t in sorted(state.values(), key=lambda t: -t.nbytes):
+        i = loads.index(min(loads))
+        shares[i].append(t)
+        loads[i] += t.nbytes
+
+    def write(i: int) -> None:
+        path = os.path.join(folder, f"part{i}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for t in shares[i]:
+                view = byte_view(t)
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    workers = [threading.Thread(target=write, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    fsync_path(folder)
+
+
+def read_and_hash(path: str, target: State) -> None:
+    """Read ``path`` (one writer's file) into ``target``'s memory and blake3 it on two cores."""
+    with open(path, "rb", buffering=0) as fh:
+        for t in sorted(target.values(), key=lambda t: -t.nbytes):
+            view = byte_view(t)
+            got = 0
+            while got < len(view):
+                got += fh.readinto(view[got:])
+            blake3.blake3(view, max_threads=2).digest()
+
+
+def restore_into(snap: str, target: State) -> None:
+    """Restore ``snap`` into ``target`` (filled in place; empty: with tensors it allocates)."""
+    sd = casnap.StateDict(target)
+    casnap.Snapshot(snap).restore({"model": sd})
+    target.update(sd)
+
+
+def _cold(cold_ok: bool) -> None:
+    if cold_ok:
+        drop_page_cache()
+
+
+def measure(size: int, read_size: int, repeats: int, work: str) -> dict[str, Any]:
+    _d, _n, shapes = transformer_shapes(size)
+    state = make_state(shapes)
+    nbytes = state_bytes(state)
+    target = empty_like_state(state, touch=True)  # a live model's resident tensors
+    cold_ok = drop_page_cache() is None
+    s: dict[str, list[float]] = {}
+
+    def rec(name: str, seconds: float) -> None:
+        s.setdefault(name, []).append(seconds)
+
+    for i in range(repeats):
+        for threads in (1, 8):
+            _cold(cold_ok)  # no dirty pages of the previous step
+            folder = f"{work}/raw{i}-{threads}"
+            rec(
+                f"raw write+fsync x{threads}", _timed(partial(raw_write, state, folder, threads))[0]
+            )
+        _cold(cold_ok)
+        snap = f"{work}/repo{i}/s"
+        take = partial(casnap.Snapshot.take, snap, {"model": casnap.StateDict(state)})
+        rec("casnap first take", _timed(take)[0])
+        # warm: the raw file and the chunks were just written and are in the page cache
+        raw = f"{work}/raw{i}-1/part0"
+        read_and_hash(raw, target)  # settle: both equally warm
+        rec("warm read+blake3 (2 cores)", _timed(partial(read_and_hash, raw, target))[0])
+        rec("casnap restore in place (warm)", _timed(partial(restore_into, snap, target))[0])
+        pt = f"{work}/t{i}.pt"
+        torch.save(state, pt)
+        fsync_path(pt)
+        for cache in ("cold", "warm"):
+            if cache == "cold":
+                _cold(cold_ok)
+            dt, loaded = _timed(partial(torch.load, pt, weights_only=True))
+            rec(f"torch.load ({cache})", dt)
+            del loaded
+            if cache == "cold":
+                _cold(cold_ok)
+            fresh: State = {}  # an empty StateDict: the restore allocates every tensor
+            dt, _ = _timed(partial(restore_into, snap, fresh))
+            rec(f"casnap restore, new tensors ({cache})", dt)
+            if i == 0:
+                assert same_state(fresh, state), "restore is not bit-exact"
+            del fresh
+        for folder in (f"raw{i}-1", f"raw{i}-8"):
+            for name in os.listdir(f"{work}/{folder}"):
+                os.unlink(f"{work}/{folder}/{name}")
+        os.unlink(pt)
+    out = _ratios(s, nbytes)
+    out["read_object"] = read_one(read_size, repeats, work, cold_ok)
+    out["cold"] = cold_ok
+    return out
+
+
+def read_one(size: int, repeats: int, work: str, cold_ok: bool) -> dict[str, Any]:
+    """One tensor (the largest) out of a cold ``size``-byte snapshot and safetensors file."""
+    _d, _n, shapes = transformer_shapes(size)
+    state = make_state(shapes)
+    key = sorted(state.items(), key=lambda kv: kv[1].nbytes)[-1][0]
+    st_path = f"{work}/big.safetensors"
+    save_file(state, st_path)
+    fsync_path(st_path)
+    casnap.Snapshot.take(f"{work}/big/s", {"model": casnap.StateDict(state)})
+    want = state[key].clone()
+    del state
+    # warm-up: imports and first-call set-up of both readers, on the same files
+    with safe_open(st_path, framework="pt") as f:
+        f.get_tensor(key)
+    casnap.Snapshot(f"{work}/big/s").read_object(f"0/model/{key}")
+    st, lazy, cs = [], [], []
+    for _ in range(repeats):
+        for out in (lazy, st):
+            _cold(cold_ok)
+
+            def st_read(out: list[float] = out) -> torch.Tensor:
+                with safe_open(st_path, framework="pt") as f:
+                    t = f.get_tensor(key)
+                    return t if out is lazy else t.clone()
+
+            dt, got = _timed(st_read)
+            out.append(dt)
+            assert torch.equal(got, want)
+        _cold(cold_ok)
+        dt, got = _timed(lambda: casnap.Snapshot(f"{work}/big/s").read_object(f"0/model/{key}"))
+        cs.append(dt)
+        assert torch.equal(got, want)
+    a, b = statistics.median(cs), statistics.median(st)
+    return {"snapshot_bytes": size, "tensor": key, "tensor_bytes": want.nbytes,
+            "casnap_s": a, "safetensors_s": b, "safetensors_lazy_s": statistics.median(lazy),
+            "ratio": a / b}  # fmt: skip
+
+
+def _ratios(s: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
+    med = {k: statistics.median(v) for k, v in s.items()}
+    floor_w = min(med["raw write+fsync x1"], med["raw write+fsync x8"])
+    return {
+        "state_bytes": nbytes,
+        "medians_s": med,
+        "take_over_write_floor": med["casnap first take"] / floor_w,
+        "restore_over_read_hash_floor": med["casnap restore in place (warm)"]
+        / med["warm read+blake3 (2 cores)"],
+        "new_tensors_over_torch_load_warm": med["casnap restore, new tensors (warm)"]
+        / med["torch.load (warm)"],
+        "new_tensors_over_torch_load_cold": med["casnap restore, new tensors (cold)"]
+        / med["torch.load (cold)"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--read-size-mib", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workdir", default="bench-out/scratch")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fresh pages, as in a new process
+    with scratch_dir(args.workdir) as work:
+        out = measure(args.size_mib << 20, args.read_size_mib << 20, args.repeats, work)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    warm = "" if out["cold"] else " (page cache could not be dropped: cold rows are warm)"
+    print(f"dense state {out['state_bytes'] / 2**20:.0f} MiB, medians of {args.repeats}{warm}:")
+    for name, v in out["medians_s"].items():
+        print(f"  {name:38s} {v:7.3f} s")
+    r = out["read_object"]
+    print(
+        f"  take / best raw write+fsync            {out['take_over_write_floor']:5.2f}x (<= 1.15)"
+    )
+    print(f"  restore in place / warm read+blake3    "
+          f"{out['restore_over_read_hash_floor']:5.2f}x (<= 1.5)")  # fmt: skip
+    print(f"  new tensors / torch.load, warm         "
+          f"{out['new_tensors_over_torch_load_warm']:5.2f}x (<= 1.0)")  # fmt: skip
+    print(f"  new tensors / torch.load, cold         "
+          f"{out['new_tensors_over_torch_load_cold']:5.2f}x (<= 1.0)")  # fmt: skip
+    print(
+        f"  read_object / safe_open.get_tensor     {r['ratio']:5.2f}x (<= 1.0): "
+        f"{r['tensor_bytes'] / 2**20:.0f} MiB of a {r['snapshot_bytes'] / 2**20:.0f} MiB "
+        f"snapshot, cold, casnap {r['casnap_s']:.3f} s, safetensors {r['safetensors_s']:.3f} s"
+        f" (lazy get_tensor alone {r['safetensors_lazy_s']:.3f} s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
