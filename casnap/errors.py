@@ -306,3 +306,16 @@ def as_names(value: Any, name: str) -> list[str] | None:
     for item in value:
         expect_type(item, str, f"{name}[...]", "a string")
     return list(value)
+
+
+class SourceNotFoundError(ObjectNotFoundError):
+    """The path given to import does not exist (exit code 3 on the command line)."""
+
+
+class SourceFormatError(ConfigError):
+    """The source is none of the formats import reads, or holds what it refuses to
+    read (a pickled object ``weights_only`` loading rejects): exit code 2."""
+
+
+class DamagedSourceError(IntegrityError):
+    """The source is of a known format but truncated or malformed: exit code 4."""

@@ -65,6 +65,9 @@ def layout(tmp_path_factory) -> Layout:
     base = tmp_path_factory.mktemp("verify-damage")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CASNAP_INDEX_DIR", str(base / "index"))
+        # Whole chunks: the roles below need a loose chunk that only one snapshot
+        # reaches (tests/test_delta.py covers damage to a delta's base).
+        mp.setenv("CASNAP_DELTA", "0")
         root = base / "repo"
         repo = Repository.init(str(root), chunk_size=CHUNK)
         big = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
@@ -89,7 +92,7 @@ def layout(tmp_path_factory) -> Layout:
         pinned.setdefault(info.manifest, set()).add(("tag", tag))
     for mhash, who in pinned.items():
         holders[f"manifests/{mhash[:2]}/{mhash}"] = who
-        for ref in repo.read_manifest(mhash).chunk_refs():
+        for ref in repo.read_manifest(mhash).stored_refs():  # delta bases too
             if ref.pack:
                 key = f"packs/{ref.pack[:2]}/{ref.pack}"
                 frames.setdefault(key, []).append((ref.offset, ref.offset + ref.length, who))

@@ -63,6 +63,7 @@ from casnap.format.manifest import (
     TensorEntry,
     record_bytes,
 )
+from casnap.format.manifest_bytes import entry_texts
 from casnap.format.names import is_hashed_key
 from casnap.integrations.dcp_layout import (
     DCP_METADATA,
@@ -416,8 +417,8 @@ def _commit_replacing(
     4. replace the ref (one atomic put): the commit point. A crash before 4
     leaves ``name`` as it was.
     """
-    jsonable = manifest.to_jsonable()
-    manifest_hash = repo.write_manifest(manifest, jsonable)
+    texts = entry_texts(manifest)
+    manifest_hash = repo.write_manifest(manifest, texts)
     repo.write_ref(f"{name}{HISTORY_SEP}{old[:12]}", old)
     lease.check()
     if repo.resolve(name) != old:
@@ -430,6 +431,6 @@ def _commit_replacing(
     repo.store.put(key, record_bytes(ref))  # atomic replace: the commit point
     for stale in older:  # the name where an older casnap version put it
         repo.store.delete(stale)
-    remember(repo, manifest_hash, manifest, session, jsonable)
+    remember(repo, manifest_hash, manifest, session, texts)
     index.record_manifest(repo, manifest_hash, manifest)
     return manifest_hash

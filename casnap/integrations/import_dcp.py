@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from casnap.errors import SourceFormatError
 from casnap.integrations.import_sources import (
     Load,
     Source,
-    SourceFormatError,
     SourceTensor,
     damaged,
     first_line,

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from casnap.errors import ConfigError, IntegrityError, ObjectNotFoundError
+from casnap.errors import DamagedSourceError, SourceFormatError, SourceNotFoundError
 from casnap.torch_io.tensors import host_view
 
 log = logging.getLogger(__name__)
@@ -45,19 +45,6 @@ Load = Callable[[], tuple[memoryview, Any]]
 # safetensors' own limit on the JSON header (the format's spec).
 MAX_HEADER_BYTES = 100_000_000
 _PAGE = mmap.PAGESIZE
-
-
-class SourceNotFoundError(ObjectNotFoundError):
-    """The path given to import does not exist (exit code 3 on the command line)."""
-
-
-class SourceFormatError(ConfigError):
-    """The source is none of the formats import reads, or holds what it refuses to
-    read (a pickled object ``weights_only`` loading rejects): exit code 2."""
-
-
-class DamagedSourceError(IntegrityError):
-    """The source is of a known format but truncated or malformed: exit code 4."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,10 @@ from casnap.api.snapshot import Snapshot
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.errors import (
     ConfigError,
+    DamagedSourceError,
     PickleNotAllowedError,
+    SourceFormatError,
+    SourceNotFoundError,
     UnsupportedValueError,
     as_path,
     expect_type,
@@ -44,10 +47,7 @@ from casnap.format.names import escape_key
 from casnap.format.tree import child_key
 from casnap.integrations.import_dcp import open_dcp
 from casnap.integrations.import_sources import (
-    DamagedSourceError,
     Source,
-    SourceFormatError,
-    SourceNotFoundError,
     SourceTensor,
     detect,
     open_hf,

@@ -391,6 +391,9 @@ def _copy_of(req: WriteRequest) -> bytes | memoryview:
             return ctypes.string_at(t.data_ptr(), req.nbytes)
         view, _owner = host_view(t, req.key)
         return bytes(view)
+    if req.load is not None:  # a lazy request (an import's mapped file): loaded now, copied
+        view, _owner = req.load()
+        return bytes(view)
     assert req.data is not None
     return bytes(req.data) if req.live else req.data
 
