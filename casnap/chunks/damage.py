@@ -25,8 +25,12 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 
 from __future__ import annotations
 
+import bisect
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
+
+import blake3
 
 from casnap import index
 from casnap.errors import (
@@ -102,6 +106,87 @@ def rebuild_into(repo: RepoStorage, ref: ChunkRef, view: memoryview) -> bool:
     except (CasnapError, ValueError):
         return False
     return digest_of(view).hex() == ref.hash
+
+
+@dataclass(frozen=True)
+class Patched:
+    """A verified chunk given as its base's bytes with patches over them, not copied.
+
+    ``base`` is the chain's whole frame payload (a mapping of the stored
+    object); ``patches`` are ``(offset, bytes)`` where the chunk differs. The
+    chunk is ``base`` with each patch written over it, in one copy, once whoever
+    holds it may write (``TensorUndo`` in casnap/restore/undo.py).
+    """
+
+    base: memoryview
+    patches: tuple[tuple[int, bytes], ...]
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+def verify_patched(repo: RepoStorage, ref: ChunkRef, base: memoryview) -> Patched | None:
+    """Delta ``ref`` verified over ``base`` (the mapped payload of its chain's whole
+    frame, of which only the header was checked) without building it: the digest
+    is taken over the unchanged spans of ``base`` and the patched runs in between.
+
+    None when anything does not fit or the digest differs; the caller then
+    takes a path that rebuilds and, on damage, names the link that failed.
+    """
+    chain = ref.chain()
+    if len(base) != ref.size:
+        return None
+    try:
+        frames = _fetch_chain(repo, chain[:-1])
+        deltas = []
+        for link, raw in zip(reversed(chain[:-1]), reversed(frames), strict=True):
+            key = _name(link)
+            hdr = codec.parse_header(raw, key)
+            if hdr.codec != codec.CODEC_DELTA or hdr.frame_length != len(raw):
+                return None
+            if hdr.digest.hex() != link.hash or hdr.raw_length != link.size or link.base is None:
+                return None
+            payload = memoryview(raw)[codec.HEADER_SIZE :]
+            deltas.append(codec.delta_runs(hdr, payload, key, bytes.fromhex(link.base.hash)))
+    except (CasnapError, ValueError):
+        return None
+    spans = _union([(a, a + n) for runs, _ in deltas for a, n in runs])
+    starts = [a for a, _ in spans]
+    patches = [bytearray(base[a:b]) for a, b in spans]
+    for runs, kept in deltas:  # oldest first: each applies to what the earlier ones made
+        pos = 0
+        for a, n in runs:
+            k = bisect.bisect_right(starts, a) - 1
+            at = a - starts[k]
+            patch = patches[k]
+            mine = kept[pos : pos + n].tobytes()
+            patch[at : at + n] = int.to_bytes(
+                int.from_bytes(patch[at : at + n], "little") ^ int.from_bytes(mine, "little"),
+                n,
+                "little",
+            )
+            pos += n
+    h = blake3.blake3()
+    prev = 0
+    for (a, b), patch in zip(spans, patches, strict=True):
+        h.update(base[prev:a])
+        h.update(patch)
+        prev = b
+    h.update(base[prev:])
+    if h.digest().hex() != ref.hash:
+        return None
+    return Patched(base, tuple((a, bytes(p)) for (a, _), p in zip(spans, patches, strict=True)))
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping or touching ``[a, b)`` spans merged, in order."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def _apply(raw: Buffer, link: ChunkRef, out: Any) -> bool:

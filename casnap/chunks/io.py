@@ -23,9 +23,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.damage import contain, decode_frame, rebuild_into, verify_in_place
+from casnap.chunks.damage import (
+    Patched,
+    contain,
+    decode_frame,
+    rebuild_into,
+    verify_in_place,
+    verify_patched,
+)
 from casnap.chunks.delta import DeltaEncoder
-from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError, ObjectRefusedError
+from casnap.errors import (
+    CasnapError,
+    IntegrityError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectRefusedError,
+)
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef
 from casnap.format.manifest_bytes import trusted_chunk_ref
@@ -659,7 +672,7 @@ def read_chunks(
     budget: ByteBudget,
     dest: Callable[[int], memoryview | None] | None = None,
     landed: Callable[[int], None] | None = None,
-    mapped: Callable[[int], Callable[[Buffer], None] | None] | None = None,
+    mapped: Callable[[int], Callable[[Buffer | Patched], None] | None] | None = None,
 ) -> int:
     """Fetch, decode and verify ``refs``; ``sink(i, data)`` receives chunk ``i``.
 
@@ -681,6 +694,9 @@ def read_chunks(
     mapping and only then handed to it (no ``dest`` or ``sink`` call), so no
     unverified byte reaches the caller's memory. The bytes stay valid while
     referenced. Where the store cannot map, ``dest`` and ``sink`` serve.
+    A delta chunk whose chain ends in a mappable whole frame is handed to it as a
+    :class:`~casnap.chunks.damage.Patched` (the mapping and the bytes that differ),
+    verified over both.
     """
     spans = plan_reads(refs)
     fetched = 0
@@ -726,6 +742,44 @@ def read_chunks(
         take(payload)
         return True
 
+    def delta_from_mapping(span: Span) -> bool:
+        """A delta whose chain ends in a loose raw frame the store can map, verified over
+        that mapping and handed on as base + patches: one copy into the target, as
+        for a chunk stored whole (no undo copy, no rebuild buffer)."""
+        nonlocal fetched
+        if mapped is None or len(span.items) != 1 or span.items[0][1].base is None:
+            return False
+        i, ref = span.items[0]
+        whole = ref.chain()[-1]
+        if whole.pack is not None or whole.length != codec.HEADER_SIZE + whole.size:
+            return False
+        take = mapped(i)
+        if take is None:
+            return False
+        key = chunk_key(whole.hash)
+        try:
+            frame = repo.store.map(key, whole.length)
+        except CasnapError:
+            return False  # the paths below read it and say what is wrong
+        if frame is None:
+            return False
+        view = memoryview(frame)
+        try:
+            hdr = codec.parse_header(view[: codec.HEADER_SIZE], key)
+        except IntegrityError:
+            return False
+        if len(view) != whole.length or hdr.codec != codec.CODEC_RAW:
+            return False
+        if hdr.digest.hex() != whole.hash:
+            return False
+        patched = verify_patched(repo, ref, view[codec.HEADER_SIZE :])
+        if patched is None:
+            return False  # damage somewhere: rebuilt link by link below, which names it
+        with lock:
+            fetched += len(view) + sum(link.length for link in ref.chain()[:-1])
+        take(patched)
+        return True
+
     def delta_in_place(span: Span) -> bool:
         """A delta rebuilt in its final memory (``dest``), verified there."""
         if dest is None or len(span.items) != 1 or span.items[0][1].base is None:
@@ -746,7 +800,7 @@ def read_chunks(
 
     def run(span: Span) -> None:
         nonlocal fetched
-        if from_mapping(span) or direct(span) or delta_in_place(span):
+        if from_mapping(span) or direct(span) or delta_from_mapping(span) or delta_in_place(span):
             return
         # A delta also holds its base's bytes and its decoded XOR while it is rebuilt.
         raw = sum(ref.size * (3 if ref.base else 1) for _, ref in span.items)

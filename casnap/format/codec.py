@@ -332,14 +332,15 @@ def encode_delta(
     return header, payload
 
 
-def apply_delta(
-    hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes, out: bytearray | memoryview
-) -> None:
-    """XOR the runs of delta frame ``payload`` into ``out`` (the base's bytes, in place).
+def delta_runs(
+    hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes
+) -> tuple[list[tuple[int, int]], Any]:
+    """The runs ``(start, length)`` of delta frame ``payload`` and their XOR bytes
+    (a numpy uint8 array, the runs' bytes one after another), checked.
 
     Checks that the frame is against ``base_digest`` and that every run lies
     inside the chunk, in order, with as many bytes as the body holds; the
-    caller verifies the result's digest.
+    caller verifies the digest of what the runs rebuild.
     """
     mv = memoryview(payload)
     recorded = bytes(mv[:DIGEST_SIZE])
@@ -367,6 +368,16 @@ def apply_delta(
         raise IntegrityError(f"{name}: delta body holds {len(kept)} bytes, its runs more", name)
     if group > 1 and len(kept):
         kept = kept.reshape(group, -1).T.reshape(-1)
+    return runs, kept
+
+
+def apply_delta(
+    hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes, out: bytearray | memoryview
+) -> None:
+    """XOR the runs of delta frame ``payload`` into ``out`` (the base's bytes, in place);
+    checked as :func:`delta_runs` says."""
+    runs, kept = delta_runs(hdr, payload, name, base_digest)
+    np = _np()
     dst = np.frombuffer(out, np.uint8)
     pos = 0
     for a, length in runs:
