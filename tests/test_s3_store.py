@@ -271,3 +271,20 @@ def test_the_usual_aws_environment_variables_reach_the_server(s3_bucket, monkeyp
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_bucket.options["secret"])
     store = open_store(writer.url, {"skip_instance_cache": True})
     assert store.get("k") == b"from options"
+
+
+def test_a_whole_object_get_is_one_request(s3_bucket):  # noqa: F811
+    # s3fs sends a HEAD before a whole-object GET unless told not to split it:
+    # that doubled the requests of every restore (benchmarks/remote.py).
+    store = _store(s3_bucket)
+    store.put("chunks/ab/x", b"payload" * 100)
+    calls: list[str] = []
+    inner = store.fs._call_s3
+
+    async def counted(method, *args, **kwargs):
+        calls.append(method if isinstance(method, str) else method.__name__)
+        return await inner(method, *args, **kwargs)
+
+    store.fs._call_s3 = counted
+    assert store.get("chunks/ab/x") == b"payload" * 100
+    assert calls == ["get_object"]

@@ -122,6 +122,19 @@ class S3Store(FsspecStore):
                 ) from exc
             raise
 
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        if limit is not None:
+            return super().get(key, limit=limit)  # one ranged GET
+        # One GET. Without max_concurrency=1, s3fs first sends a HEAD for the size
+        # (to split downloads above its 50 MiB block size): a second request per
+        # chunk of every restore, for objects casnap's reader already fetches
+        # concurrently, one per chunk.
+        path = self._path(key)
+        try:
+            return bytes(self.fs.cat_file(path, max_concurrency=1))
+        except Exception as exc:
+            raise self._translate(exc, key) from exc
+
     def _probe_conditional_writes(self) -> None:
         """Prove that the server refuses a second conditional PUT of one key (then
         remembered on the s3fs client); raise if it overwrote instead."""
