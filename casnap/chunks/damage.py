@@ -87,10 +87,8 @@ def rebuild_into(repo: RepoStorage, ref: ChunkRef, view: memoryview) -> bool:
     overwritten) when anything fails; the caller then takes the careful path.
     """
     chain = ref.chain()
-    whole = chain[-1]
-    if whole.pack is not None or whole.length != codec.HEADER_SIZE + whole.size:
-        return False
-    if len(view) != ref.size:
+    whole = whole_raw_loose(ref)
+    if whole is None or len(view) != ref.size:
         return False
     try:
         frames = _fetch_chain(repo, chain[:-1])
@@ -140,14 +138,11 @@ def verify_patched(repo: RepoStorage, ref: ChunkRef, base: memoryview) -> Patche
         frames = _fetch_chain(repo, chain[:-1])
         deltas = []
         for link, raw in zip(reversed(chain[:-1]), reversed(frames), strict=True):
-            key = _name(link)
-            hdr = codec.parse_header(raw, key)
-            if hdr.codec != codec.CODEC_DELTA or hdr.frame_length != len(raw):
+            frame = _delta_frame(raw, link)
+            if frame is None:
                 return None
-            if hdr.digest.hex() != link.hash or hdr.raw_length != link.size or link.base is None:
-                return None
-            payload = memoryview(raw)[codec.HEADER_SIZE :]
-            deltas.append(codec.delta_runs(hdr, payload, key, bytes.fromhex(link.base.hash)))
+            key, hdr, payload, base_digest = frame
+            deltas.append(codec.delta_runs(hdr, payload, key, base_digest))
     except (CasnapError, ValueError):
         return None
     spans = _union([(a, a + n) for runs, _ in deltas for a, n in runs])
@@ -189,16 +184,35 @@ def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _apply(raw: Buffer, link: ChunkRef, out: Any) -> bool:
-    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta."""
+def _delta_frame(
+    raw: Buffer, link: ChunkRef
+) -> tuple[str, codec.FrameHeader, memoryview, bytes] | None:
+    """``raw``'s key, header, payload and base digest if it is the delta frame ``link``
+    names, else None."""
     key = _name(link)
     hdr = codec.parse_header(raw, key)
     if hdr.codec != codec.CODEC_DELTA or hdr.frame_length != len(raw):
-        return False
+        return None
     if hdr.digest.hex() != link.hash or hdr.raw_length != link.size or link.base is None:
+        return None
+    return key, hdr, memoryview(raw)[codec.HEADER_SIZE :], bytes.fromhex(link.base.hash)
+
+
+def whole_raw_loose(ref: ChunkRef) -> ChunkRef | None:
+    """The end of ``ref``'s chain if it is a loose frame stored raw (readable in place)."""
+    whole = ref.chain()[-1]
+    if whole.pack is not None or whole.length != codec.HEADER_SIZE + whole.size:
+        return None
+    return whole
+
+
+def _apply(raw: Buffer, link: ChunkRef, out: Any) -> bool:
+    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta."""
+    frame = _delta_frame(raw, link)
+    if frame is None:
         return False
-    payload = memoryview(raw)[codec.HEADER_SIZE :]
-    codec.apply_delta(hdr, payload, key, bytes.fromhex(link.base.hash), out)
+    key, hdr, payload, base_digest = frame
+    codec.apply_delta(hdr, payload, key, base_digest, out)
     return True
 
 

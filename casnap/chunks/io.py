@@ -30,6 +30,7 @@ from casnap.chunks.damage import (
     rebuild_into,
     verify_in_place,
     verify_patched,
+    whole_raw_loose,
 )
 from casnap.chunks.delta import DeltaEncoder
 from casnap.errors import (
@@ -750,8 +751,8 @@ def read_chunks(
         if mapped is None or len(span.items) != 1 or span.items[0][1].base is None:
             return False
         i, ref = span.items[0]
-        whole = ref.chain()[-1]
-        if whole.pack is not None or whole.length != codec.HEADER_SIZE + whole.size:
+        whole = whole_raw_loose(ref)
+        if whole is None:
             return False
         take = mapped(i)
         if take is None:

@@ -51,7 +51,7 @@ from casnap.format.manifest import (
     TensorEntry,
 )
 from casnap.integrations.dcp_layout import key_fqns, read_record
-from casnap.integrations.dcp_writer import _as_path
+from casnap.integrations.dcp_writer import _as_path, _valid_id
 from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import default_memory_budget, read_workers_for
 from casnap.torch_io.flatten import decode_primitive
@@ -107,11 +107,7 @@ class CasnapReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            _as_path(checkpoint_id)
-        except ConfigError:
-            return False
-        return True
+        return _valid_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:

@@ -127,6 +127,15 @@ def _as_path(checkpoint_id: str | os.PathLike[str]) -> str:
     return checkpoint_id
 
 
+def _valid_id(checkpoint_id: str | os.PathLike[str]) -> bool:
+    """DCP's ``validate_checkpoint_id`` for the writer and the reader."""
+    try:
+        _as_path(checkpoint_id)
+    except ConfigError:
+        return False
+    return True
+
+
 class CasnapWriter(StorageWriter):
     """Save DCP checkpoints as casnap snapshots: deduplicated, verified, gc-able.
 
@@ -190,11 +199,7 @@ class CasnapWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            _as_path(checkpoint_id)
-        except ConfigError:
-            return False
-        return True
+        return _valid_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._release()  # a save that failed on another rank never reached finish()
