@@ -18,7 +18,15 @@ from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 import casnap.take.job
 from casnap import IntegrityError, Repository, Snapshot, SnapshotNotFoundError, StateDict
 from casnap.errors import ObjectExistsError
-from casnap.gc.collect import GcRefusedError, GcSession, execute_gc, gc, plan_gc, read_gc_epoch
+from casnap.gc.collect import (
+    LEASE_TEMP_MIN_AGE,
+    GcRefusedError,
+    GcSession,
+    execute_gc,
+    gc,
+    plan_gc,
+    read_gc_epoch,
+)
 from casnap.repo.leases import (
     GC_LOCK_KEY,
     GcBlockedError,
@@ -239,7 +247,8 @@ def test_gc_refuses_to_sweep_when_a_reachable_manifest_is_unreadable(repo):
 
 def _temp_files(repo, folder, names, age):
     os.makedirs(os.path.join(repo.url, ".casnap", *folder), exist_ok=True)
-    paths = [os.path.join(repo.url, ".casnap", *folder, f"{n}~tmp-{n}") for n in names]
+    base = os.path.join(repo.url, ".casnap", *folder)
+    paths = [os.path.join(base, f"{n}~tmp-{uuid.uuid4().hex}") for n in names]
     then = time.time() - age
     for path in paths:
         with open(path, "wb") as fh:
@@ -264,6 +273,28 @@ def test_temp_files_of_killed_takes_are_removed_after_the_grace_period(repo):
     assert result.deleted_temp_files == 1
     assert not any(map(os.path.exists, young_chunks))
     assert all(map(os.path.exists, young_lease))
+    assert_restores(repo, "s1", make_state(1))
+
+
+def test_temp_files_at_the_top_of_the_store_are_swept_or_kept_by_who_writes_them(repo):
+    # A gc killed while replacing gc-epoch leaves its temp file at the top of
+    # .casnap; only gc.lock's holder writes gc-epoch, so the next gc removes it.
+    # gc.lock, gc-claims/ and config.json may be written by a live rival gc or
+    # a repository being created: kept, as a lease's, for ten minutes.
+    take(repo, "s1", make_state(1))
+    epoch = _temp_files(repo, (), ["gc-epoch"], 5)
+    lock, config = _temp_files(repo, (), ["gc.lock", "config.json"], 5)
+    claim = _temp_files(repo, ("gc-claims",), ["c1"], 5)
+    assert repo.du().leftovers.temp_files == 4  # what du reports counts them too
+    result = gc(repo, grace_seconds=0)
+    assert result.deleted_temp_files == 1
+    assert not any(map(os.path.exists, epoch))
+    assert all(map(os.path.exists, [lock, config, *claim]))
+    old = time.time() - LEASE_TEMP_MIN_AGE - 1
+    for path in (lock, config, *claim):
+        os.utime(path, (old, old))
+    assert gc(repo, grace_seconds=0).deleted_temp_files == 3
+    assert repo.du().leftovers.temp_files == 0
     assert_restores(repo, "s1", make_state(1))
 
 

@@ -25,9 +25,9 @@ from casnap.errors import (
     expect_type,
 )
 from casnap.repo.damage import list_damage
-from casnap.repo.leases import GC_CLAIMS, LEASES, scan_leases
+from casnap.repo.leases import GC_CLAIMS, GC_LOCK_KEY, LEASES, scan_leases
 from casnap.repo.reach import object_refs
-from casnap.repo.repository import RepoStorage, chunk_key, now_iso
+from casnap.repo.repository import CONFIG_KEY, RepoStorage, chunk_key, now_iso
 from casnap.repo.tags import list_tags
 from casnap.store import ObjectInfo
 
@@ -42,7 +42,12 @@ Progress = Callable[[int, int], None]
 
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _SWEPT = ("manifests", "chunks", "packs")
-_SMALL = ("refs", "tags", "leases", "damaged")
+
+
+def _may_be_live(temp_key: str) -> bool:
+    """Whether a temp file's writer may be alive while gc holds its lock (see above)."""
+    stem = temp_key.rpartition("~tmp-")[0]
+    return stem.startswith((LEASES + "/", GC_CLAIMS + "/")) or stem in (GC_LOCK_KEY, CONFIG_KEY)
 
 
 # -- what the plan deletes -------------------------------------------------
@@ -229,7 +234,7 @@ def make_plan(
         ) from exc
     store = repo.store
     listed = {kind: list(store.list_info(kind)) for kind in _SWEPT}
-    temps = [t for kind in _SWEPT + _SMALL for t in store.list_temporary(kind)]
+    temps = list(store.list_temporary())  # every folder and the top (a dead gc's gc-epoch)
     unknown_age = 0
 
     def young(obj: ObjectInfo) -> bool:
@@ -281,7 +286,7 @@ def make_plan(
     def stale(t: ObjectInfo) -> bool:
         if t.mtime is None:
             return False
-        min_age = max(grace_seconds, LEASE_TEMP_MIN_AGE) if t.key.startswith(LEASES + "/") else 0
+        min_age = LEASE_TEMP_MIN_AGE if _may_be_live(t.key) else 0
         return now - t.mtime >= max(grace_seconds, min_age)
 
     old_temps = [Garbage(t.key, t.size) for t in temps if stale(t)]

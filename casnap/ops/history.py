@@ -93,10 +93,6 @@ class SnapshotUsage:
     exclusive_bytes: int  # what deleting it (then gc) would free
 
 
-# The folders writers put objects and records into (their temp files are leftovers).
-_WRITTEN = ("chunks", "packs", "manifests", "refs", "tags", "leases", "damaged")
-
-
 @dataclass(frozen=True)
 class Leftovers:
     """What crashed writers left behind, which gc reclaims (docs/gc.md)."""
@@ -183,7 +179,7 @@ def _unreferenced(repo: RepoStorage, manifests: set[str], digests: set[str]) -> 
 
 def leftovers(repo: RepoStorage) -> Leftovers:
     """Temp files of interrupted puts and leases of dead takes, as gc would find them."""
-    temps = [t for folder in _WRITTEN for t in repo.store.list_temporary(folder)]
+    temps = list(repo.store.list_temporary())  # every folder, and the top (gc-epoch, gc.lock)
     leases = scan_leases(repo.store)
     return Leftovers(
         temp_files=len(temps),
