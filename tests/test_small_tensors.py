@@ -16,6 +16,7 @@ import torch
 from casnap import Session, Snapshot, StateDict
 from casnap.chunks import ChunkWriter
 from casnap.chunks.budget import ByteBudget
+from casnap.format import codec
 from casnap.format.manifest import parse_manifest
 from casnap.format.names import hash_bytes
 from casnap.repo.repository import RepoStorage, manifest_key
@@ -143,3 +144,50 @@ def test_a_failed_pack_fails_chunks_waiting_on_a_grouped_one(tmp_path, monkeypat
         with pytest.raises(StoreError):
             writer.finish([twin])
     assert done.is_set() and isinstance(twin.exception(), StoreError)
+
+
+class _CountingCompressor:
+    """zstd, counting its calls: how many trials a take made."""
+
+    calls = 0
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def compress(self, data):
+        _CountingCompressor.calls += 1
+        return self._inner.compress(data)
+
+
+def _count_compressions(monkeypatch) -> None:
+    real = codec._compressor
+    monkeypatch.setattr(codec, "_compressor", lambda level: _CountingCompressor(real(level)))
+    _CountingCompressor.calls = 0
+
+
+def _frames(path: str) -> dict[str, int]:
+    """Each tensor's stored frame length (header + payload)."""
+    entries = Snapshot(path).get_manifest().items()
+    return {k: e.chunks[0].length for k, e in entries if getattr(e, "chunks", None)}
+
+
+def test_random_small_tensors_are_judged_together_not_each_tried(tmp_path, monkeypatch):
+    _count_compressions(monkeypatch)
+    path = str(tmp_path / "repo" / "s1")
+    Snapshot.take(path, {"m": _state(2000)})
+    # Two groups of up to 1,024 tensors, five trials each: not five per tensor.
+    assert _CountingCompressor.calls <= 20
+    assert set(_frames(path).values()) == {codec.HEADER_SIZE + 256}  # stored raw, as before
+
+
+def test_compressible_small_tensors_are_still_compressed(tmp_path):
+    state = _state(600)
+    for i in range(0, 600, 2):  # half of them constant (norm weights, fresh optimizer state)
+        state[f"p{i}"] = torch.full((64,), float(i))
+    path = str(tmp_path / "repo" / "s1")
+    Snapshot.take(path, {"m": state})
+    frames = _frames(path)
+    assert all(frames[f"0/m/p{i}"] < codec.HEADER_SIZE + 64 for i in range(0, 600, 2))
+    assert all(frames[f"0/m/p{i}"] == codec.HEADER_SIZE + 256 for i in range(1, 600, 2))
+    out = _restored(path, state)
+    assert all(torch.equal(out[k], v) for k, v in state.items())

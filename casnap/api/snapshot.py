@@ -33,6 +33,7 @@ from casnap.errors import as_names, as_path, expect_type
 from casnap.format.manifest import Entry, Manifest
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import read_entry, restore_state
+from casnap.take.collector import paused_collection
 from casnap.take.commit import remember
 from casnap.take.job import TakeJob, TakeResult, prepare_take
 from casnap.take.session import Session
@@ -168,12 +169,14 @@ class Snapshot:
             Snapshot.take(path, app_state, progress=lambda done, total: print(done, total))
         """
         progress = _checked(progress)  # before anything is created
-        job = _prepare(
-            path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
-            metadata, allow_pickle, parents, memory_budget_bytes, session, stage=False,
-        )  # fmt: skip
-        job.progress = progress
-        return cls._from_result(path, pg, storage_options, job.run(), session)
+        with paused_collection():  # no full collection per ~50,000 objects (take.collector)
+            job = _prepare(
+                path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
+                metadata, allow_pickle, parents, memory_budget_bytes, session, stage=False,
+            )  # fmt: skip
+            job.progress = progress
+            result = job.run()
+        return cls._from_result(path, pg, storage_options, result, session)
 
     @classmethod
     def async_take(

@@ -53,6 +53,9 @@ Buffer = codec.Buffer
 # Small chunks go to the workers in batches of up to this many bytes or items.
 BATCH_BYTES = 1 << 20
 BATCH_ITEMS = 256
+# Fewer small chunks of one element size than this are each tried alone (the
+# trials cost little then), more are judged together first (ChunkWriter._worth_trying).
+_JUDGED_TOGETHER = 8
 # Ranged reads of one pack merge frames separated by less than this gap, into
 # ranges of at most _MAX_SPAN bytes (a larger frame is read alone): a manifest's
 # offsets never make one request, or one buffer, span more than that.
@@ -296,19 +299,27 @@ class ChunkWriter:
                 elif h not in known and h not in self._pending:  # else written or pending
                     self._pending[h] = None
                     new.append(i)
-        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes, ChunkRef | None]] = []
+        packed: list[int] = []
         for i in new:
+            data = chunks[i]
+            if len(data) < self.settings.pack_limit:
+                packed.append(i)
+                continue
+            ref = self._store_loose(data, digests[i], hashes[i], elem_sizes[i])  # not from
+            with self._lock:  # the scheduler: written loose
+                known[hashes[i]] = ref
+                waiting = self._waiting.pop(hashes[i], [])
+            for fut in waiting:
+                fut.set_result(ref)
+        tried = self._worth_trying([chunks[i] for i in packed], [elem_sizes[i] for i in packed])
+        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes, ChunkRef | None]] = []
+        for i in packed:
             data, elem = chunks[i], elem_sizes[i]
-            if len(data) >= self.settings.pack_limit:  # not from the scheduler: written loose
-                ref = self._store_loose(data, digests[i], hashes[i], elem)
-                with self._lock:
-                    known[hashes[i]] = ref
-                    waiting = self._waiting.pop(hashes[i], [])
-                for fut in waiting:
-                    fut.set_result(ref)
-            else:
+            if tried[elem]:
                 head, payload = self._encode(data, digests[i], elem)
-                frames.append((None, hashes[i], len(data), head, bytes(payload), None))
+            else:
+                head, payload = codec.encode(data, digests[i], compress=False)
+            frames.append((None, hashes[i], len(data), head, bytes(payload), None))
         self._append_frames(frames)
         return hashes  # each one's ref is known[h] once finish() flushed the last pack
 
@@ -363,6 +374,22 @@ class ChunkWriter:
             result.set_result(ref)
         else:
             self._append_to_pack(data, digest, h, result, elem_size)
+
+    def _worth_trying(self, chunks: list[Buffer], elem_sizes: list[int]) -> dict[int, bool]:
+        """Per element size, whether zstd is tried on each of these small chunks.
+
+        Judged once for all chunks of one element size (:func:`codec.may_pay`):
+        five trials per chunk of a few hundred bytes cost more than the rest of
+        writing it, and a state of many small tensors is mostly such chunks.
+        """
+        by_elem: dict[int, list[Buffer]] = {}
+        for data, elem in zip(chunks, elem_sizes, strict=True):
+            by_elem.setdefault(elem, []).append(data)
+        if self.settings.compression != "auto":
+            return dict.fromkeys(by_elem, False)
+        level = self.settings.zstd_level
+        return {elem: len(group) < _JUDGED_TOGETHER or codec.may_pay(group, elem, level)
+                for elem, group in by_elem.items()}  # fmt: skip
 
     def _encode(self, data: Buffer, digest: bytes, elem_size: int) -> tuple[bytes, Buffer]:
         return codec.encode(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,26 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cctx
 
 
+def _trial(cctx: zstandard.ZstdCompressor, sample: Buffer, elem_size: int) -> int:
+    """The codec that shrinks ``sample`` most, if to ``_WORTH_IT`` or less, else raw.
+
+    With ``elem_size`` in :data:`GROUPABLE` (``sample`` a whole number of
+    elements) zstd over byte-grouped elements is tried too.
+    """
+    best, best_len = CODEC_RAW, len(sample) * _WORTH_IT
+    plain = len(cctx.compress(sample))
+    if plain < best_len:
+        best, best_len = CODEC_ZSTD, plain
+    if elem_size in GROUPABLE:
+        # Estimate each byte position on its own: in a whole chunk the groups
+        # fill separate zstd blocks, each with its own entropy tables.
+        raw_sample = bytes(sample[: len(sample) - len(sample) % elem_size])
+        grouped = sum(len(cctx.compress(raw_sample[i::elem_size])) for i in range(elem_size))
+        if grouped < best_len:
+            best = CODEC_ZSTD_GROUPED
+    return best
+
+
 def encode(
     data: Buffer,
     digest: bytes,
@@ -124,19 +145,8 @@ def encode(
     codec, payload, elem = CODEC_RAW, data, 0
     if compress and raw_len >= 64:
         cctx = _compressor(level)
-        sample = memoryview(data)[:_SAMPLE]
-        best, best_len = CODEC_RAW, len(sample) * _WORTH_IT
-        plain = len(cctx.compress(sample))
-        if plain < best_len:
-            best, best_len = CODEC_ZSTD, plain
         group = elem_size in GROUPABLE and raw_len % elem_size == 0
-        if group:
-            # Estimate each byte position on its own: in a whole chunk the groups
-            # fill separate zstd blocks, each with its own entropy tables.
-            raw_sample = bytes(sample[: len(sample) - len(sample) % elem_size])
-            grouped = sum(len(cctx.compress(raw_sample[i::elem_size])) for i in range(elem_size))
-            if grouped < best_len:
-                best, best_len = CODEC_ZSTD_GROUPED, grouped
+        best = _trial(cctx, memoryview(data)[:_SAMPLE], elem_size if group else 0)
         if best == CODEC_ZSTD:
             packed = cctx.compress(data)
         elif best == CODEC_ZSTD_GROUPED:
@@ -148,6 +158,29 @@ def encode(
             elem = 0
     header = HEADER.pack(MAGIC, FRAME_VERSION, codec, elem, raw_len, len(payload), digest)
     return header, payload
+
+
+def may_pay(chunks: Sequence[Buffer], elem_size: int = 0, level: int = 1) -> bool:
+    """Whether zstd may pay for any of ``chunks``, small chunks of one element size.
+
+    :func:`encode` tries zstd up to five times per chunk, which for a chunk of
+    a few hundred bytes costs more than hashing and packing it. Small chunks
+    are judged together instead: chunks spread over the list, concatenated
+    into one sample, are tried as :func:`encode` tries one chunk's sample. If
+    even they do not shrink to ``_WORTH_IT`` (concatenated, chunks share
+    zstd's overhead and tables, so they shrink more than alone), every one is
+    stored raw; otherwise each is tried on its own. What a mixed list loses is
+    bounded as for one chunk judged by its sample: at most the fifth a sample
+    just above ``_WORTH_IT`` would have saved.
+    """
+    total = sum(len(c) for c in chunks)
+    if total == 0:
+        return False
+    step = -(-total // _SAMPLE)  # every step-th chunk: about _SAMPLE bytes, spread out
+    picked = chunks[::step]
+    sample = memoryview(b"".join(picked))[:_SAMPLE]
+    whole = elem_size in GROUPABLE and all(len(c) % elem_size == 0 for c in picked)
+    return _trial(_compressor(level), sample, elem_size if whole else 0) != CODEC_RAW
 
 
 def parse_header(buf: Buffer, name: str) -> FrameHeader:

@@ -44,9 +44,10 @@ from casnap.format.manifest import (
     format_version_for,
 )
 from casnap.format.manifest_bytes import trusted_manifest
-from casnap.repo.leases import hold_lease
+from casnap.repo.leases import Lease, hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
+from casnap.take.collector import paused_collection
 from casnap.take.commit import commit_snapshot
 from casnap.take.plan import (
     EntryPlan,
@@ -58,7 +59,14 @@ from casnap.take.plan import (
     previous_plan,
     tensor_entry,
 )
-from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage, tensor_request
+from casnap.take.scheduler import (
+    Scheduler,
+    WriteRequest,
+    Written,
+    data_request,
+    stage,
+    tensor_request,
+)
 from casnap.take.session import Session
 from casnap.take.target import TensorPrepareFunc, collect, resolve_target, staging_limit
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf
@@ -96,6 +104,10 @@ class TakeJob:
     # Set once every live request's chunks are consumed (at once when there are none).
     live_consumed: threading.Event = field(default_factory=threading.Event)
     progress: Callable[[int, int], None] | None = None  # (done_bytes, total_bytes) written
+    # The caller waits for the whole commit (a blocking take): the collector stays paused
+    # throughout. An async take's commit pauses it only for its per-entry steps after
+    # the writes, not while training runs beside a long write (casnap.take.collector).
+    blocking: bool = False
 
     def run(self) -> TakeResult:
         """Write, then commit; the staging buffers go back to the pool either way."""
@@ -108,6 +120,12 @@ class TakeJob:
             self.pool.give_back(buffers)
 
     def _commit(self) -> TakeResult:
+        if not self.blocking:
+            return self._commit_in_lease()
+        with paused_collection():
+            return self._commit_in_lease()
+
+    def _commit_in_lease(self) -> TakeResult:
         # From before the first dedup decision until the ref makes every chunk it
         # names reachable, the lease keeps gc from sweeping (docs/gc.md).
         with hold_lease(self.repo, kind="take") as lease:
@@ -121,26 +139,31 @@ class TakeJob:
                     self.pool, sum(b.numel() * b.element_size() for b in self.buffers),
                 )  # fmt: skip
                 written = scheduler.run(self.requests)
-            previous, dumped = previous_plan(self.session, self.repo, self.parents)
-            plan, tensors = _plan_of(self.nodes, written, self.settings.chunk_size,
-                                     self.replicated, previous)  # fmt: skip
-            by_hash = {ref.hash: ref for key, node in self.nodes.items()
-                       if isinstance(node, ObjectLeaf) for ref in written.get(key, [])}  # fmt: skip
-            others = build_entries([plan], by_hash, previous)
-            entries = {k: tensors[k] if k in tensors else others[k] for k in self.nodes}
-            manifest = trusted_manifest(  # the entries were built (or validated) already
-                entries,
-                format_version=format_version_for(entries),
-                created_at=now_iso(),
-                world_size=1,
-                parents=self.parents,
-                metadata=self.metadata,
-            )
-            manifest_hash = commit_snapshot(
-                self.repo, self.name, manifest, lease=lease, session=self.session,
-                previous=dumped,
-            )  # fmt: skip
+            with paused_collection():
+                manifest, manifest_hash = self._commit_entries(written, lease)
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
+
+    def _commit_entries(self, written: Written, lease: Lease) -> tuple[Manifest, str]:
+        """Every entry and the manifest, from what the scheduler wrote; then the commit."""
+        previous, dumped = previous_plan(self.session, self.repo, self.parents)
+        plan, tensors = _plan_of(self.nodes, written, self.settings.chunk_size,
+                                 self.replicated, previous)  # fmt: skip
+        by_hash = {ref.hash: ref for key, node in self.nodes.items()
+                   if isinstance(node, ObjectLeaf) for ref in written.get(key, [])}  # fmt: skip
+        others = build_entries([plan], by_hash, previous)
+        entries = {k: tensors[k] if k in tensors else others[k] for k in self.nodes}
+        manifest = trusted_manifest(  # the entries were built (or validated) already
+            entries,
+            format_version=format_version_for(entries),
+            created_at=now_iso(),
+            world_size=1,
+            parents=self.parents,
+            metadata=self.metadata,
+        )
+        manifest_hash = commit_snapshot(
+            self.repo, self.name, manifest, lease=lease, session=self.session, previous=dumped
+        )
+        return manifest, manifest_hash
 
 
 def _plan_of(
@@ -204,6 +227,28 @@ def prepare_take(
     replicated: list[str] | None = None,
 ) -> TakeJob:
     """Phase 1 of a take (see the module docstring)."""
+    with paused_collection():  # per-entry work in the caller's thread (casnap.take.collector)
+        return _prepare_take(path, app_state, storage_options=storage_options,
+                             metadata=metadata, allow_pickle=allow_pickle, parents=parents,
+                             stage=stage, custom_prepare=custom_prepare,
+                             memory_budget_bytes=memory_budget_bytes, session=session,
+                             replicated=replicated)  # fmt: skip
+
+
+def _prepare_take(
+    path: str,
+    app_state: Mapping[str, Any],
+    *,
+    storage_options: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    allow_pickle: bool,
+    parents: list[str] | None,
+    stage: bool,
+    custom_prepare: TensorPrepareFunc | None,
+    memory_budget_bytes: int | None,
+    session: Session | None,
+    replicated: list[str] | None,
+) -> TakeJob:
     budget = ByteBudget(check_budget(memory_budget_bytes))
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
     target = resolve_target(path, storage_options, metadata, parents, session)
@@ -212,7 +257,7 @@ def prepare_take(
     pool = session.staging if session is not None else StagingPool(idle_limit=0, pin=False)
     job = TakeJob(target.repo, target.name, nodes, requests, target.settings, target.parents,
                   target.metadata, budget, session, pool, list(replicated or []),
-                  fresh=target.fresh)  # fmt: skip
+                  fresh=target.fresh, blocking=not stage)  # fmt: skip
     if stage:
         _stage(job)
     else:

@@ -1,0 +1,102 @@
+"""A take pauses Python's cyclic collector (casnap.take.collector), and restores it.
+
+A full collection walks every object of the process (0.1 s with torch
+imported); a take of many small tensors used to trigger several.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from casnap import Session, Snapshot, StateDict
+from casnap.errors import CasnapError
+from casnap.take.collector import paused_collection
+
+
+@pytest.fixture
+def eager_collector():
+    """A collector that makes a full collection every few hundred new objects, as it
+    would in a process whose heap were small: the objects there are frozen (a full
+    collection waits for the survivors to grow by a quarter of the rest) and the
+    thresholds low. Thresholds, frozen objects and state come back afterwards."""
+    before, enabled = gc.get_threshold(), gc.isenabled()
+    gc.freeze()
+    gc.collect()
+    gc.enable()
+    gc.set_threshold(100, 2, 2)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
+        (gc.enable if enabled else gc.disable)()
+
+
+def _full_collections_during(fn) -> int:
+    seen = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            seen.append(1)
+
+    gc.callbacks.append(callback)
+    try:
+        fn()
+    finally:
+        gc.callbacks.remove(callback)
+    return len(seen)
+
+
+def _state(n: int) -> StateDict:
+    g = torch.Generator().manual_seed(0)
+    return StateDict({f"p{i}": torch.randn(64, generator=g) for i in range(n)})
+
+
+def test_a_take_and_a_retake_make_no_full_collection(tmp_path, eager_collector):
+    app, session = {"m": _state(500)}, Session()
+    first = _full_collections_during(
+        lambda: Snapshot.take(str(tmp_path / "repo" / "s1"), app, session=session)
+    )
+    again = _full_collections_during(
+        lambda: Snapshot.take(str(tmp_path / "repo" / "s2"), app, session=session)
+    )
+    assert (first, again) == (0, 0)
+    assert gc.isenabled()  # restored after the take
+
+
+def test_a_failed_take_restores_the_collector(tmp_path, eager_collector):
+    app = {"m": _state(10)}
+    Snapshot.take(str(tmp_path / "repo" / "s1"), app)
+    with pytest.raises(CasnapError):  # the name is taken
+        Snapshot.take(str(tmp_path / "repo" / "s1"), app)
+    assert gc.isenabled()
+
+
+def test_a_process_that_disabled_the_collector_keeps_it_disabled(tmp_path, eager_collector):
+    gc.disable()
+    Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": _state(10)})
+    assert not gc.isenabled()
+
+
+def test_overlapping_pauses_restore_collection_once_the_last_ends(eager_collector):
+    entered, release = threading.Event(), threading.Event()
+
+    def other_take() -> None:
+        with paused_collection():
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other_take)
+    with paused_collection():
+        t.start()
+        entered.wait(10)
+        with paused_collection():  # reentrant
+            assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's take still runs
+    release.set()
+    t.join(10)
+    assert gc.isenabled()
