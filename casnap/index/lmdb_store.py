@@ -107,13 +107,16 @@ class _Env:
         self.off = False  # this process gave up on it (no space, read-only): never reopened
         self.users: weakref.WeakSet[RepoIndex] = weakref.WeakSet()  # open handles
         reserve_lock_file(path / "lock.mdb")
+        # metasync=False: a commit is one fsync, not two. LMDB keeps the database
+        # intact; a system crash may undo the last commit, which a cache of "this
+        # existed" can afford (a take probes what the index does not say).
         self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True, lock=True,
                              max_readers=MAX_READERS, writemap=False, readahead=False,
-                             meminit=False)  # fmt: skip
+                             meminit=False, metasync=False)  # fmt: skip
         try:
             check_data_file(self.env, path / "data.mdb")
             # One write transaction for the databases and the format mark: each
-            # commit is two fsyncs, paid by every rank of a take into a new repository.
+            # commit is an fsync, paid by every rank of a take into a new repository.
             with self.env.begin(write=True) as txn:
                 self.meta = self.env.open_db(b"meta", txn=txn)
                 self.chunks = self.env.open_db(b"chunks", txn=txn)
