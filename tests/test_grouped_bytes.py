@@ -17,8 +17,8 @@ import pytest
 
 from casnap.distributed.coordinate import assemble_entries, coordinate, manifest_of
 from casnap.distributed.plan_cache import Gathered, message_of
+from casnap.format.codec import HEADER_SIZE
 from casnap.format.manifest import (
-    HEADER_SIZE,
     ChunkRef,
     ContainerEntry,
     GroupedEntries,
