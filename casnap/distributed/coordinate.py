@@ -19,7 +19,9 @@ is its message and its keys: no step costs ranks x chunks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import gc
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +32,12 @@ from casnap.format.manifest import (
     MAX_KEY_LENGTH,
     ChunkRef,
     Entry,
+    GroupedEntries,
+    Groups,
     Manifest,
     PrimitiveEntry,
     format_version_for,
+    rank_ranges,
 )
 from casnap.repo.repository import now_iso
 from casnap.take.plan import RankPlan, build_entries
@@ -66,6 +71,11 @@ def coordinate(gathered: Gathered, mode: str) -> Planned:
     ``mode`` is rank 0's ``replica_mismatch`` ("warn" or "error"), as for
     :func:`~casnap.distributed.plan.settle_replicas`.
     """
+    with _gc_paused():
+        return _coordinate(gathered, mode)
+
+
+def _coordinate(gathered: Gathered, mode: str) -> Planned:
     messages = gathered.messages
     by_body: dict[bytes, int] = {}
     reps: list[int] = []  # rank whose plan stands for each body
@@ -88,33 +98,86 @@ def coordinate(gathered: Gathered, mode: str) -> Planned:
 
 def assemble_entries(
     planned: Planned, refs: Mapping[str, ChunkRef], previous: Mapping[str, Entry] | None = None
-) -> dict[str, Entry]:
+) -> GroupedEntries:
     """Every rank's manifest entries (rank 0, once every chunk is written).
 
     The entries of each distinct plan are built once
     (:func:`~casnap.take.plan.build_entries`); each member rank's keys name
-    the same objects, except its own primitive values.
+    the same objects, except its own primitive values. The result also says
+    how the manifest writes them (:class:`~casnap.format.manifest.GroupedEntries`),
+    found per plan rather than per key.
     """
-    built = build_entries(planned.plans, dict(refs), previous)
-    tails: list[list[str]] = []
-    objs: list[list[Entry]] = []
-    for p in planned.plans:
-        cut = len(f"{p.rank}/")
-        tails.append([key[cut:] for key in p.entries])
-        objs.append([built[key] for key in p.entries])
-    entries: dict[str, Entry] = {}
-    for r, i in enumerate(planned.rep_of):
-        prefix = f"{r}/"
-        if planned.primitives[r] == planned.primitives[planned.plans[i].rank]:
-            entries.update(zip([prefix + t for t in tails[i]], objs[i]))
-            continue
-        values = iter(planned.primitives[r])
-        for tail, e in zip(tails[i], objs[i]):
-            if isinstance(e, PrimitiveEntry):
-                kind, value = next(values)
-                e = PrimitiveEntry(type=kind, value=value)  # type: ignore[arg-type]
-            entries[prefix + tail] = e
-    return entries
+    with _gc_paused():
+        built = build_entries(planned.plans, dict(refs), previous)
+        tails: list[list[str]] = []
+        objs: list[list[Entry]] = []
+        for p in planned.plans:
+            prefix = f"{p.rank}/"
+            for key in p.entries:
+                if not key.startswith(prefix):  # flatten names every key after its rank
+                    raise ValueError(f"rank {p.rank} planned a key of another rank: {key!r}")
+            tails.append([key[len(prefix) :] for key in p.entries])
+            objs.append([built[key] for key in p.entries])
+        entries = GroupedEntries()
+        # (path, entry object) -> the lists of ranks holding it: a plan's members as one list
+        holders: dict[tuple[str, int], list[list[int]]] = {}
+        held: dict[int, Entry] = {}
+        for i, p in enumerate(planned.plans):
+            own = planned.primitives[p.rank]
+            alike = [r for r in planned.members[i] if planned.primitives[r] == own]
+            for r in alike:
+                prefix = f"{r}/"
+                dict.update(entries, zip([prefix + t for t in tails[i]], objs[i]))
+            for t, e in zip(tails[i], objs[i]):
+                holders.setdefault((t, id(e)), []).append(alike)
+                held[id(e)] = e
+            for r in planned.members[i]:
+                if planned.primitives[r] != own:
+                    _add_own(entries, holders, held, r, tails[i], objs[i], planned.primitives[r])
+        entries.plain, entries.groups = _groups(holders, held)
+        entries.seal()
+        return entries
+
+
+def _add_own(
+    entries: GroupedEntries,
+    holders: dict[tuple[str, int], list[list[int]]],
+    held: dict[int, Entry],
+    rank: int,
+    tails: list[str],
+    objs: list[Entry],
+    primitives: tuple[tuple[str, object], ...],
+) -> None:
+    """The keys of a rank whose primitive values differ from its plan's: its own values."""
+    values = iter(primitives)
+    for t, e in zip(tails, objs):
+        if isinstance(e, PrimitiveEntry):
+            kind, value = next(values)
+            e = PrimitiveEntry(type=kind, value=value)  # type: ignore[arg-type]
+            held[id(e)] = e
+        dict.__setitem__(entries, f"{rank}/{t}", e)
+        holders.setdefault((t, id(e)), []).append([rank])
+
+
+def _groups(
+    holders: dict[tuple[str, int], list[list[int]]], held: dict[int, Entry]
+) -> tuple[dict[str, Entry], Groups]:
+    """What grouping the keys by (path, entry object) finds (the manifest's
+    ``_group_by_ranks``), from the lists of ranks holding each: one sort per
+    distinct combination of lists, not one per key."""
+    ranks_of: dict[tuple[int, ...], tuple[int, ...]] = {}  # ids of the lists -> their ranks
+    plain: dict[str, Entry] = {}
+    by_ranks: dict[tuple[int, ...], dict[str, Entry]] = {}
+    for (path, oid), lists in holders.items():
+        sig = tuple(map(id, lists))
+        ranks = ranks_of.get(sig)
+        if ranks is None:
+            ranks = ranks_of[sig] = tuple(sorted(r for rs in lists for r in rs))
+        if len(ranks) == 1:
+            plain[f"{ranks[0]}/{path}"] = held[oid]
+        elif ranks:
+            by_ranks.setdefault(ranks, {})[path] = held[oid]
+    return plain, [(rank_ranges(list(r)), paths) for r, paths in sorted(by_ranks.items())]
 
 
 def manifest_of(
@@ -125,23 +188,57 @@ def manifest_of(
     Every entry object was validated when it was built (pydantic models,
     frozen); a world of 1,024 ranks names the same objects from hundreds of
     thousands of keys, and revalidating each would cost seconds. The rest is
-    validated as usual (the shell), and the keys are checked here.
+    validated as usual (the shell), and the keys are checked here: per path
+    of a group when ``entries`` come from :func:`assemble_entries`.
     """
+    with _gc_paused():
+        if isinstance(entries, GroupedEntries) and entries.intact():
+            _check_keys(entries.plain)
+            distinct = {id(e): e for e in entries.plain.values()}
+            for ranks, held in entries.groups:
+                distinct.update((id(e), e) for e in held.values())
+                prefix = len(f"{ranks[-1][1]}/")  # the group's longest rank number, and "/"
+                if prefix + max(map(len, held), default=0) > MAX_KEY_LENGTH:
+                    _check_keys(entries)  # names the key
+        else:
+            _check_keys(entries)
+            distinct = {id(e): e for e in entries.values()}  # ranks share entry objects
+        by_id = {str(k): e for k, e in distinct.items()}
+        shell = Manifest(
+            # written with rank groups (one copy per value); 2.0 where an entry reuses
+            # a parent's delta chunk, since a 1.x reader must refuse those
+            format_version=max(GROUPED_FORMAT_VERSION, format_version_for(by_id), key=_version_key),
+            created_at=now_iso(),
+            world_size=world_size,
+            parents=parents,
+            metadata=metadata,
+            entries={},
+        )
+        return shell.model_copy(update={"entries": entries})
+
+
+def _check_keys(entries: Mapping[str, Entry]) -> None:
     for key in entries:
         if not 0 < len(key) <= MAX_KEY_LENGTH:
             raise ValueError(f"manifest key of {len(key)} characters: {key[:80]!r}")
-    distinct = {str(id(e)): e for e in entries.values()}  # ranks share entry objects
-    shell = Manifest(
-        # written with rank groups (one copy per value); 2.0 where an entry reuses
-        # a parent's delta chunk, since a 1.x reader must refuse those
-        format_version=max(GROUPED_FORMAT_VERSION, format_version_for(distinct), key=_version_key),
-        created_at=now_iso(),
-        world_size=world_size,
-        parents=parents,
-        metadata=metadata,
-        entries={},
-    )
-    return shell.model_copy(update={"entries": entries})
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for a step that allocates many containers.
+
+    Planning a large world builds tens of thousands of tuples and models; each
+    few thousand trigger a collection, and every full one walks every object
+    of the process (torch's own, the model's). Nothing built here is cyclic
+    garbage, so the collector is paused, and resumed after (if it ran before).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _version_key(version: str) -> tuple[int, ...]:

@@ -29,7 +29,6 @@ from casnap.take.plan import (
     ShardedPlan,
     ShardPlan,
     TensorPlan,
-    chunks_of,
     is_replicated,
     logical,
 )
@@ -150,10 +149,12 @@ def assign_sized(
     holders: dict[str, list[int]] = {}  # chunk -> indices of the plans holding it
     sizes: dict[str, int] = {}
     for i, p in enumerate(plans):
-        for entry in p.entries.values():
-            for h, size in chunks_of(entry):
-                seen = holders.setdefault(h, [])
-                if not seen or seen[-1] != i:
+        for ids in _id_lists(p):
+            for h, size in ids:
+                seen = holders.get(h)
+                if seen is None:
+                    holders[h] = [i]
+                elif seen[-1] != i:
                     seen.append(i)
                 sizes[h] = size
     ranks_of = [sorted(members[p.rank]) if members else [p.rank] for p in plans]
@@ -167,7 +168,8 @@ def assign_sized(
     order = sorted(groups, key=lambda g: (len(g) > 1 or len(ranks_of[g[0]]) > 1, g))
     for g in order:
         ranks = sorted({r for i in g for r in ranks_of[i]})
-        chunks = sorted(groups[g], key=lambda h: (-sizes[h], h))
+        chunks = sorted(groups[g])  # then largest first (a stable sort): ties by hash
+        chunks.sort(key=sizes.__getitem__, reverse=True)
         if len(ranks) == 1:
             (r,) = ranks
             for h in chunks:
@@ -182,6 +184,17 @@ def assign_sized(
             load[r] += sizes[h]
             heapq.heappush(heap, (load[r], r))
     return writer, load, sizes
+
+
+def _id_lists(plan: RankPlan) -> list[ChunkIds]:
+    """The chunk ids of each tensor, object and shard of ``plan`` (none copied)."""
+    out: list[ChunkIds] = []
+    for e in plan.entries.values():
+        if isinstance(e, (TensorPlan, ObjectPlan)):
+            out.append(e.chunks)
+        elif isinstance(e, ShardedPlan):
+            out.extend([s.chunks for s in e.shards])
+    return out
 
 
 def replica_divergence(

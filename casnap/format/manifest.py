@@ -382,6 +382,39 @@ class RankGroup(_Model):
     entries: dict[Key, Entry]
 
 
+Groups = list[tuple[list[tuple[int, int]], dict[str, Entry]]]  # (rank ranges, {path: entry})
+
+
+class GroupedEntries(dict[str, Entry]):
+    """Every key's entry (to any reader, a plain dict), with how they are written in groups.
+
+    ``plain``: the keys that one rank's entry object alone holds; ``groups``:
+    the paths several ranks hold as one object, with those ranks' ranges, in
+    the order written: exactly what grouping the keys by (path, entry
+    object) finds (:func:`_group_by_ranks`), known to the coordinator of a
+    distributed take (:func:`casnap.distributed.coordinate.assemble_entries`)
+    without a pass over hundreds of thousands of keys. Like the manifest that
+    holds it, never changed once built; one that was changed (its length no
+    longer matches) is grouped again from its keys.
+    """
+
+    __slots__ = ("plain", "groups", "_count")
+
+    def __init__(self, plain: dict[str, Entry] | None = None, groups: Groups | None = None):
+        super().__init__()
+        self.plain: dict[str, Entry] = plain if plain is not None else {}
+        self.groups: Groups = groups if groups is not None else []
+        self._count = -1
+
+    def seal(self) -> None:
+        """Record that the keys are complete (called by the builder once it filled them)."""
+        self._count = len(self)
+
+    def intact(self) -> bool:
+        """Whether ``plain`` and ``groups`` describe these keys (none added or removed)."""
+        return self._count == len(self)
+
+
 class Manifest(_Model):
     """One snapshot: every entry of every rank, its lineage and user metadata.
 
@@ -402,10 +435,11 @@ class Manifest(_Model):
     def to_bytes(self, texts: Mapping[str, str] | None = None) -> bytes:
         """The canonical JSON bytes (``texts``: this manifest's entry texts, see
         :func:`casnap.format.manifest_bytes.entry_texts`)."""
-        from casnap.format.manifest_bytes import manifest_bytes  # it builds on this module
+        from casnap.format.grouped_bytes import grouped_bytes  # they build on this module
+        from casnap.format.manifest_bytes import manifest_bytes
 
-        if self._grouped():  # a distributed take's: its ranks share entry objects
-            return canonical_json(self.to_jsonable())
+        if self.writes_rank_groups():  # a distributed take's: its ranks share entry objects
+            return grouped_bytes(self, *self._rank_groups())
         return manifest_bytes(self, texts)
 
     def to_jsonable(self) -> dict[str, Any]:
@@ -414,8 +448,8 @@ class Manifest(_Model):
         what :meth:`to_bytes` writes, as Python values."""
         plain: dict[str, Entry] = self.entries
         groups: list[tuple[list[tuple[int, int]], dict[str, Entry]]] = []
-        if self._grouped():
-            plain, groups = _group_by_ranks(self.entries)
+        if self.writes_rank_groups():
+            plain, groups = self._rank_groups()
         out = self.model_dump(mode="json", exclude={"entries", "rank_groups"})
         out["entries"] = {k: e.model_dump(mode="json") for k, e in plain.items()}
         if groups:
@@ -426,11 +460,22 @@ class Manifest(_Model):
             ]  # fmt: skip
         return out
 
-    def _grouped(self) -> bool:
+    def writes_rank_groups(self) -> bool:
         """Whether this manifest is written with ``rank_groups`` (a distributed take's)."""
         return self.world_size > 1 and _version_at_least(
             self.format_version, GROUPED_FORMAT_VERSION
         )
+
+    def _rank_groups(self) -> tuple[dict[str, Entry], Groups]:
+        """The entries as :meth:`to_jsonable` writes them: those of one rank, and the groups.
+
+        The coordinator of a distributed take hands them over with the entries
+        (:class:`GroupedEntries`); any other dict is grouped here, one pass over its keys.
+        """
+        entries = self.entries
+        if isinstance(entries, GroupedEntries) and entries.intact():
+            return entries.plain, entries.groups
+        return _group_by_ranks(entries)
 
     def stored_refs(self) -> list[ChunkRef]:
         """Every stored frame reading this manifest needs: its chunks and their delta bases.
@@ -490,7 +535,7 @@ def _version_at_least(version: str, than: str) -> bool:
         return False
 
 
-def _ranges(ranks: list[int]) -> list[tuple[int, int]]:
+def rank_ranges(ranks: list[int]) -> list[tuple[int, int]]:
     """Ascending ranks as inclusive ranges: [0, 1, 2, 5] -> [(0, 2), (5, 5)]."""
     out: list[tuple[int, int]] = []
     for r in ranks:
@@ -501,9 +546,7 @@ def _ranges(ranks: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _group_by_ranks(
-    entries: dict[str, Entry],
-) -> tuple[dict[str, Entry], list[tuple[list[tuple[int, int]], dict[str, Entry]]]]:
+def _group_by_ranks(entries: dict[str, Entry]) -> tuple[dict[str, Entry], Groups]:
     """Entries as (keys held by one rank, groups of paths several ranks hold as one object).
 
     Identity, not equality, decides (an entry object shared by the keys of
@@ -534,7 +577,7 @@ def _group_by_ranks(
             plain[f"{ranks[0]}/{path}"] = objects[oid]
         else:
             by_ranks.setdefault(tuple(sorted(ranks)), {})[path] = objects[oid]
-    groups = [(_ranges(list(r)), held) for r, held in sorted(by_ranks.items())]
+    groups = [(rank_ranges(list(r)), held) for r, held in sorted(by_ranks.items())]
     return plain, groups
 
 

@@ -38,7 +38,9 @@ def commit_snapshot(
     ``previous`` (the parent's manifest and its JSON form, from the session's
     last plan) lets the serializer reuse the JSON of the entries the two share.
     """
-    texts = entry_texts(manifest, previous)
+    # A distributed take's manifest is written per entry object, not per key (its
+    # 1,024 ranks' keys would each be dumped again): no key's text is needed.
+    texts = None if manifest.writes_rank_groups() else entry_texts(manifest, previous)
     manifest_hash = repo.write_manifest(manifest, texts)
     if lease is not None:
         lease.check()
