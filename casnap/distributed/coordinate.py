@@ -19,9 +19,7 @@ is its message and its keys: no step costs ranks x chunks.
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +38,7 @@ from casnap.format.manifest import (
     rank_ranges,
 )
 from casnap.repo.repository import now_iso
+from casnap.take.collector import paused_collection
 from casnap.take.plan import RankPlan, build_entries
 
 
@@ -71,7 +70,7 @@ def coordinate(gathered: Gathered, mode: str) -> Planned:
     ``mode`` is rank 0's ``replica_mismatch`` ("warn" or "error"), as for
     :func:`~casnap.distributed.plan.settle_replicas`.
     """
-    with _gc_paused():
+    with paused_collection():  # many tuples and models, no cycles (take.collector)
         return _coordinate(gathered, mode)
 
 
@@ -107,7 +106,7 @@ def assemble_entries(
     how the manifest writes them (:class:`~casnap.format.manifest.GroupedEntries`),
     found per plan rather than per key.
     """
-    with _gc_paused():
+    with paused_collection():  # many tuples and models, no cycles (take.collector)
         built = build_entries(planned.plans, dict(refs), previous)
         tails: list[list[str]] = []
         objs: list[list[Entry]] = []
@@ -191,7 +190,7 @@ def manifest_of(
     validated as usual (the shell), and the keys are checked here: per path
     of a group when ``entries`` come from :func:`assemble_entries`.
     """
-    with _gc_paused():
+    with paused_collection():  # many tuples and models, no cycles (take.collector)
         if isinstance(entries, GroupedEntries) and entries.intact():
             _check_keys(entries.plain)
             distinct = {id(e): e for e in entries.plain.values()}
@@ -221,24 +220,6 @@ def _check_keys(entries: Mapping[str, Entry]) -> None:
     for key in entries:
         if not 0 < len(key) <= MAX_KEY_LENGTH:
             raise ValueError(f"manifest key of {len(key)} characters: {key[:80]!r}")
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for a step that allocates many containers.
-
-    Planning a large world builds tens of thousands of tuples and models; each
-    few thousand trigger a collection, and every full one walks every object
-    of the process (torch's own, the model's). Nothing built here is cyclic
-    garbage, so the collector is paused, and resumed after (if it ran before).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _version_key(version: str) -> tuple[int, ...]:
