@@ -25,14 +25,11 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 
 from __future__ import annotations
 
-import bisect
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import blake3
-
 from casnap import index
+from casnap.chunks.chain import ChainFrames
 from casnap.errors import (
     CasnapError,
     DeltaBaseError,
@@ -77,7 +74,9 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     return _decode_one(repo, key, ref, frame, base)
 
 
-def rebuild_into(repo: RepoStorage, ref: ChunkRef, view: memoryview) -> bool:
+def rebuild_into(
+    repo: RepoStorage, ref: ChunkRef, view: memoryview, shared: ChainFrames | None = None
+) -> bool:
     """Rebuild delta ``ref`` straight into ``view`` (its final memory); False if not done.
 
     Only for a chain that ends in a loose raw frame (the usual case: the
@@ -86,102 +85,46 @@ def rebuild_into(repo: RepoStorage, ref: ChunkRef, view: memoryview) -> bool:
     chain costs what reading the whole chunk does. False (``view`` possibly
     overwritten) when anything fails; the caller then takes the careful path.
     """
-    chain = ref.chain()
     whole = whole_raw_loose(ref)
     if whole is None or len(view) != ref.size:
         return False
     try:
-        frames = _fetch_chain(repo, chain[:-1])
         head = bytearray(codec.HEADER_SIZE)
         n = repo.store.read_into(chunk_key(whole.hash), [memoryview(head), view])
         hdr = codec.parse_header(head, chunk_key(whole.hash))
-        if n != whole.length or hdr.codec != codec.CODEC_RAW or hdr.digest.hex() != whole.hash:
-            return False
-        out = view.cast("B")
-        for link, raw in zip(reversed(chain[:-1]), reversed(frames), strict=True):
-            if not _apply(raw, link, out):
+    except (CasnapError, ValueError):
+        return False
+    if n != whole.length or hdr.codec != codec.CODEC_RAW or hdr.digest.hex() != whole.hash:
+        return False
+    return patch_in_place(repo, ref, view, shared)
+
+
+def patch_in_place(
+    repo: RepoStorage, ref: ChunkRef, out: memoryview, shared: ChainFrames | None = None
+) -> bool:
+    """Apply the deltas of ``ref``'s chain to ``out`` (the bytes of the whole frame at its
+    end, unverified) and check the result against ``ref``'s digest: True if it is
+    ``ref``'s chunk, False (``out`` possibly changed) when anything fails.
+
+    One digest check covers every link, the whole frame included (a damaged
+    one yields other bytes); the caller takes the careful path, which names
+    the link at fault, on False. A restore applies the deltas to a private
+    (copy-on-write) mapping of the whole frame: only the pages a delta
+    changes are copied, and the digest is taken in one pass, as for a chunk
+    stored whole.
+    """
+    chain = ref.chain()
+    if len(out) != ref.size:
+        return False
+    try:
+        frames = _fetch_chain(repo, chain[:-1], shared)
+        dst = out.cast("B") if out.format != "B" else out
+        for link, raw in zip(chain[:-1], frames, strict=True):  # XOR: any order
+            if not _apply(raw, link, dst):
                 return False
     except (CasnapError, ValueError):
         return False
-    return digest_of(view).hex() == ref.hash
-
-
-@dataclass(frozen=True)
-class Patched:
-    """A verified chunk given as its base's bytes with patches over them, not copied.
-
-    ``base`` is the chain's whole frame payload (a mapping of the stored
-    object); ``patches`` are ``(offset, bytes)`` where the chunk differs. The
-    chunk is ``base`` with each patch written over it, in one copy, once whoever
-    holds it may write (``TensorUndo`` in casnap/restore/undo.py).
-    """
-
-    base: memoryview
-    patches: tuple[tuple[int, bytes], ...]
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-
-def verify_patched(repo: RepoStorage, ref: ChunkRef, base: memoryview) -> Patched | None:
-    """Delta ``ref`` verified over ``base`` (the mapped payload of its chain's whole
-    frame, of which only the header was checked) without building it: the digest
-    is taken over the unchanged spans of ``base`` and the patched runs in between.
-
-    None when anything does not fit or the digest differs; the caller then
-    takes a path that rebuilds and, on damage, names the link that failed.
-    """
-    chain = ref.chain()
-    if len(base) != ref.size:
-        return None
-    try:
-        frames = _fetch_chain(repo, chain[:-1])
-        deltas = []
-        for link, raw in zip(reversed(chain[:-1]), reversed(frames), strict=True):
-            frame = _delta_frame(raw, link)
-            if frame is None:
-                return None
-            key, hdr, payload, base_digest = frame
-            deltas.append(codec.delta_runs(hdr, payload, key, base_digest))
-    except (CasnapError, ValueError):
-        return None
-    spans = _union([(a, a + n) for runs, _ in deltas for a, n in runs])
-    starts = [a for a, _ in spans]
-    patches = [bytearray(base[a:b]) for a, b in spans]
-    for runs, kept in deltas:  # oldest first: each applies to what the earlier ones made
-        pos = 0
-        for a, n in runs:
-            k = bisect.bisect_right(starts, a) - 1
-            at = a - starts[k]
-            patch = patches[k]
-            mine = kept[pos : pos + n].tobytes()
-            patch[at : at + n] = int.to_bytes(
-                int.from_bytes(patch[at : at + n], "little") ^ int.from_bytes(mine, "little"),
-                n,
-                "little",
-            )
-            pos += n
-    h = blake3.blake3()
-    prev = 0
-    for (a, b), patch in zip(spans, patches, strict=True):
-        h.update(base[prev:a])
-        h.update(patch)
-        prev = b
-    h.update(base[prev:])
-    if h.digest().hex() != ref.hash:
-        return None
-    return Patched(base, tuple((a, bytes(p)) for (a, _), p in zip(spans, patches, strict=True)))
-
-
-def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Overlapping or touching ``[a, b)`` spans merged, in order."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
+    return digest_of(out).hex() == ref.hash
 
 
 def _delta_frame(
@@ -299,20 +242,31 @@ def _name(ref: ChunkRef) -> str:
     return pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
 
 
-def _fetch_chain(repo: RepoStorage, chain: list[ChunkRef]) -> list[bytes]:
-    """Every frame of ``chain``; concurrently where each request waits on a network."""
+def _fetch_chain(
+    repo: RepoStorage, chain: list[ChunkRef], shared: ChainFrames | None = None
+) -> list[Buffer]:
+    """Every frame of ``chain``; from ``shared`` where it holds them, the others
+    concurrently where each request waits on a network."""
 
-    def one(ref: ChunkRef) -> bytes:
+    def one(ref: ChunkRef) -> Buffer:
         try:
             return fetch_frame(repo, ref)
         except ObjectRefusedError as exc:  # a FIFO, a link: damage to that copy
             contain(repo, ref, exc)
             raise
 
-    if len(chain) == 1 or repo.root.capabilities.local:
-        return [one(ref) for ref in chain]  # a local read is a page-cache copy: no gain
-    with ThreadPoolExecutor(len(chain), thread_name_prefix="casnap-chain") as pool:
-        return list(pool.map(one, chain))
+    got: list[Buffer | None] = [None] * len(chain)
+    if shared is not None:
+        got = [shared.get(ref) for ref in chain]
+    missing = [i for i, frame in enumerate(got) if frame is None]
+    if len(missing) <= 1 or repo.root.capabilities.local:
+        for i in missing:  # a local read is a page-cache copy: no gain from threads
+            got[i] = one(chain[i])
+    else:
+        with ThreadPoolExecutor(len(missing), thread_name_prefix="casnap-chain") as pool:
+            for i, frame in zip(missing, pool.map(one, [chain[i] for i in missing]), strict=True):
+                got[i] = frame
+    return [frame for frame in got if frame is not None]  # every None was filled
 
 
 def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:

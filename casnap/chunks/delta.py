@@ -7,13 +7,22 @@ with a test that costs a small fraction of writing the chunk:
 
 1. the base must be another chunk of the same size whose chain is shorter
    than ``delta_max_chain`` (so a read follows at most that many deltas);
-2. on a 64 KiB sample, the XOR with the base, byte-grouped by the element
-   size and zstd-compressed, must beat what the plain codec stores for the
-   same sample by the margin below. The sample of a base stored raw and
-   whole is one ranged read; any other base is read whole (it is needed for
-   the delta anyway);
-3. the whole delta frame must still be that much smaller than the plain
-   frame the sample predicts.
+2. the plain codec is chosen on a 64 KiB sample as every write does
+   (:func:`casnap.format.codec.choose_codec`); the chunk, if written whole,
+   is written with that choice, so the test adds no compression to it;
+3. on the same sample, the share of bytes that differ from the base's, one
+   pass, no compression: the delta compresses to about that share, so when
+   it exceeds the margin below by half (a dense update: every fp32 weight
+   scaled changes 0.55 of the bytes) the chunk is written whole at once;
+4. else the XOR with the base, byte-grouped by the element size and
+   zstd-compressed, must beat the plain codec's size for the sample by the
+   margin below, and then the whole delta frame must too. The sample of a
+   base stored raw and whole is one ranged read; any other base is read
+   whole (it is needed for the delta anyway).
+
+After :data:`BACK_OFF` chunks of one tensor in a row did not pay, only one
+chunk of it in :data:`BACK_OFF` is tested until one pays: a tensor changed
+densely costs a few tests, not one per chunk.
 
 The margins keep deltas from costing a take time on a local disk, where a
 byte written costs about as little as a byte compressed: when the plain codec
@@ -28,6 +37,7 @@ more than CPU, any delta that saves 10% is taken.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from casnap.chunks.damage import base_bytes
@@ -42,31 +52,50 @@ SAMPLE = 64 * 1024
 LOCAL_OVER_RAW = 0.25
 LOCAL_OVER_COMPRESSED = 0.85
 REMOTE_OVER_PLAIN = 0.90
+# A sample whose changed share exceeds the margin this many times over is not tried.
+DENSE_SLACK = 1.5
+# After this many chunks of a tensor in a row that did not pay, one in this many is tested.
+BACK_OFF = 4
 
 
-@dataclass(frozen=True)
+@dataclass
+class DeltaChoice:
+    """What :meth:`DeltaEncoder.encode` decided: the delta frame (header, payload), or
+    None (write the chunk whole, with ``plain``: the codec the sample chose, if known)."""
+
+    frame: tuple[bytes, bytes] | None = None
+    plain: int | None = None
+
+
 class DeltaEncoder:
     """Encodes a chunk as a delta against its base when that pays; one per take."""
 
-    repo: RepoStorage
-    max_chain: int
-    level: int = 1
-
-    @property
-    def local(self) -> bool:
-        return bool(self.repo.root.capabilities.local)
+    def __init__(self, repo: RepoStorage, max_chain: int, level: int = 1) -> None:
+        self.repo = repo
+        self.max_chain = max_chain
+        self.level = level
+        self.local = bool(repo.root.capabilities.local)
+        self._lock = threading.Lock()
+        self._misses: dict[str, int] = {}  # by tensor: chunks in a row that did not pay
+        self._skipped: dict[str, int] = {}  # by tensor: chunks not tested since the last test
 
     def encode(
-        self, data: Buffer, digest: bytes, elem_size: int, base: ChunkRef
-    ) -> tuple[bytes, bytes] | None:
-        """The delta frame (header, payload) of ``data`` against ``base``, or None: write whole.
+        self, data: Buffer, digest: bytes, elem_size: int, base: ChunkRef, tensor: str = ""
+    ) -> DeltaChoice:
+        """The delta frame of ``data`` against ``base`` if it pays; else the plain codec.
+
+        ``tensor`` names the tensor the chunk belongs to (see BACK_OFF).
 
         Never raises for a base it cannot read: a delta is an optimisation,
         and the chunk is then written whole.
         """
         size = len(data)
-        if base.size != size or base.depth + 1 > self.max_chain:
-            return None
+        if base.size != size or base.depth + 1 > self.max_chain or not self._try(tensor):
+            return DeltaChoice()
+        sample = memoryview(data)[:SAMPLE]
+        plain_codec, plain = codec.choose_codec(data, self.level, elem_size)
+        whole_plain = DeltaChoice(plain=plain_codec)
+        ratio = self._ratio(plain, len(sample))
         group = elem_size if elem_size in codec.GROUPABLE and size % elem_size == 0 else 1
         user = chunk_key(digest.hex())
         try:
@@ -75,23 +104,44 @@ class DeltaEncoder:
             if sample_base is None:
                 whole = base_bytes(self.repo, base, user)
                 sample_base = memoryview(whole)[:SAMPLE]
-            sample = memoryview(data)[:SAMPLE]
-            plain = codec.plain_sample_size(sample, elem_size, self.level)
+            if len(sample_base) != len(sample):
+                return self._missed(tensor, whole_plain)  # a base shorter than it says: whole
+            changed = codec.changed_share(sample, sample_base) * len(sample)
+            if changed > plain * ratio * DENSE_SLACK:
+                return self._missed(tensor, whole_plain)  # a dense change: no delta can pay
             delta = codec.delta_sample_size(sample, sample_base, group, self.level)
-            ratio = self._ratio(plain, len(sample))
             if delta > plain * ratio:
-                return None
+                return self._missed(tensor, whole_plain)
             if whole is None:
                 whole = base_bytes(self.repo, base, user)
         except CasnapError:
-            return None  # the base is missing or damaged: write the chunk whole
+            return whole_plain  # the base is missing or damaged: write the chunk whole
         head, payload = codec.encode_delta(
             data, digest, whole, bytes.fromhex(base.hash), group=group, level=self.level
         )
         expected_plain = plain / len(sample) * size
         if len(payload) > min(expected_plain * ratio, size):
-            return None
-        return head, payload
+            return self._missed(tensor, whole_plain)
+        with self._lock:
+            self._misses.pop(tensor, None)
+        return DeltaChoice(frame=(head, payload))
+
+    def _try(self, tensor: str) -> bool:
+        """Whether to test a chunk of ``tensor``: yes, unless BACK_OFF of its chunks in a
+        row did not pay; then one in BACK_OFF."""
+        with self._lock:
+            if self._misses.get(tensor, 0) < BACK_OFF:
+                return True
+            skipped = self._skipped[tensor] = self._skipped.get(tensor, 0) + 1
+            if skipped < BACK_OFF:
+                return False
+            self._skipped[tensor] = 0
+            return True
+
+    def _missed(self, tensor: str, choice: DeltaChoice) -> DeltaChoice:
+        with self._lock:
+            self._misses[tensor] = self._misses.get(tensor, 0) + 1
+        return choice
 
     def _ratio(self, plain: int, sample: int) -> float:
         if not self.local:

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from casnap.chunks.budget import ByteBudget
+from casnap.chunks.chain import ChainFrames
 from casnap.chunks.damage import (
-    Patched,
     contain,
     decode_frame,
+    patch_in_place,
     rebuild_into,
     verify_in_place,
-    verify_patched,
     whole_raw_loose,
 )
 from casnap.chunks.delta import DeltaEncoder
@@ -165,6 +165,7 @@ class ChunkWriter:
         self.bases: Mapping[str, tuple[int, Sequence[ChunkRef]]] = (
             known.bases if isinstance(known, KnownChunks) else {}
         )
+        self._tensor_of: dict[str, str] = {}
         self.delta = (
             DeltaEncoder(repo, settings.delta_max_chain, settings.zstd_level)
             if settings.delta and settings.compression == "auto"
@@ -178,7 +179,9 @@ class ChunkWriter:
         found = self.bases.get(key)
         if found is None or found[0] != chunk_size or index >= len(found[1]):
             return None
-        return found[1][index]
+        base = found[1][index]
+        self._tensor_of[base.hash] = key  # for the delta test's back-off, by tensor
+        return base
 
     def add(
         self,
@@ -366,9 +369,10 @@ class ChunkWriter:
             heal = self._heals(h)
             ref = self._present_loose(digest, h, size, heal)
             if ref is None:
-                if self._try_delta(data, digest, h, result, elem_size, base):
+                done, choice = self._try_delta(data, digest, h, result, elem_size, base)
+                if done:
                     return
-                ref = self._write_loose(data, digest, h, elem_size, heal)
+                ref = self._write_loose(data, digest, h, elem_size, heal, choice)
             with self._lock:
                 self.known[h] = ref
             result.set_result(ref)
@@ -391,13 +395,16 @@ class ChunkWriter:
         return {elem: len(group) < _JUDGED_TOGETHER or codec.may_pay(group, elem, level)
                 for elem, group in by_elem.items()}  # fmt: skip
 
-    def _encode(self, data: Buffer, digest: bytes, elem_size: int) -> tuple[bytes, Buffer]:
+    def _encode(
+        self, data: Buffer, digest: bytes, elem_size: int, choice: int | None = None
+    ) -> tuple[bytes, Buffer]:
         return codec.encode(
             data,
             digest,
             compress=self.settings.compression == "auto",
             level=self.settings.zstd_level,
             elem_size=elem_size,
+            choice=choice,
         )
 
     def _try_delta(
@@ -408,24 +415,27 @@ class ChunkWriter:
         result: Future[ChunkRef],
         elem_size: int,
         base: ChunkRef | None,
-    ) -> bool:
-        """Append ``data`` as a delta frame to the pack if that pays (casnap.chunks.delta).
+    ) -> tuple[bool, int | None]:
+        """Append ``data`` as a delta frame to the pack if that pays (casnap.chunks.delta);
+        whether it did, and else the plain codec its test chose (None: not tested).
 
         Delta frames always go to packs: a pack is never replaced, whereas
         ``chunks/<h>`` may be rewritten whole by any writer that finds it
         unreadable, which would break every delta reference to it.
         """
         if self.delta is None or base is None or base.hash == h:
-            return False
+            return False, None
         if self.damaged and any(link in self.damaged for link in base.chain()):
-            return False
-        frame = self.delta.encode(data, digest, elem_size, base)
-        if frame is None:
-            return False
+            return False, None
+        tensor = self._tensor_of.get(base.hash, "")
+        choice = self.delta.encode(data, digest, elem_size, base, tensor)
+        if choice.frame is None:
+            return False, choice.plain
+        head, payload = choice.frame
         with self._lock:
             self.stats.deltas_written += 1
-        self._append_frames([(result, h, len(data), frame[0], bytes(frame[1]), base)])
-        return True
+        self._append_frames([(result, h, len(data), head, payload, base)])
+        return True, None
 
     def _heals(self, h: str) -> bool:
         """Whether ``chunks/<h>`` is recorded damaged: written again whatever a probe says
@@ -464,12 +474,19 @@ class ChunkWriter:
         return None
 
     def _write_loose(
-        self, data: Buffer, digest: bytes, h: str, elem_size: int, heal: bool
+        self,
+        data: Buffer,
+        digest: bytes,
+        h: str,
+        elem_size: int,
+        heal: bool,
+        choice: int | None = None,
     ) -> ChunkRef:
-        """Put ``chunks/<h>`` (probed absent, or ``heal``: recorded damaged)."""
+        """Put ``chunks/<h>`` (probed absent, or ``heal``: recorded damaged), with codec
+        ``choice`` when the delta test already chose it."""
         key = chunk_key(h)
         damaged = DamagedCopy(h, None)
-        head, payload = self._encode(data, digest, elem_size)
+        head, payload = self._encode(data, digest, elem_size, choice)
         self.repo.store.put(key, [head, payload], durable=False)  # replaces atomically
         if heal:
             self.repo.store.flush()  # durable before its damage record goes
@@ -700,7 +717,7 @@ def read_chunks(
     budget: ByteBudget,
     dest: Callable[[int], memoryview | None] | None = None,
     landed: Callable[[int], None] | None = None,
-    mapped: Callable[[int], Callable[[Buffer | Patched], None] | None] | None = None,
+    mapped: Callable[[int], Callable[[Buffer], None] | None] | None = None,
 ) -> int:
     """Fetch, decode and verify ``refs``; ``sink(i, data)`` receives chunk ``i``.
 
@@ -722,13 +739,15 @@ def read_chunks(
     mapping and only then handed to it (no ``dest`` or ``sink`` call), so no
     unverified byte reaches the caller's memory. The bytes stay valid while
     referenced. Where the store cannot map, ``dest`` and ``sink`` serve.
-    A delta chunk whose chain ends in a mappable whole frame is handed to it as a
-    :class:`~casnap.chunks.damage.Patched` (the mapping and the bytes that differ),
-    verified over both.
+    A delta chunk whose chain ends in a mappable whole frame is rebuilt on a
+    private (copy-on-write) mapping of that frame and verified there, then
+    handed to it the same way.
     """
     spans = plan_reads(refs)
     fetched = 0
     lock = threading.Lock()
+    # The delta frames of every chain, fetched by shared pack ranges (casnap.chunks.chain).
+    shared = ChainFrames(repo, refs) if any(ref.base is not None for ref in refs) else None
 
     def direct(span: Span) -> bool:
         nonlocal fetched
@@ -771,9 +790,10 @@ def read_chunks(
         return True
 
     def delta_from_mapping(span: Span) -> bool:
-        """A delta whose chain ends in a loose raw frame the store can map, verified over
-        that mapping and handed on as base + patches: one copy into the target, as
-        for a chunk stored whole (no undo copy, no rebuild buffer)."""
+        """A delta whose chain ends in a loose raw frame the store can map, rebuilt on a
+        private mapping of it (only the pages the deltas change are copied) and
+        verified there: handed on as a chunk stored whole is (no undo copy, no
+        rebuild buffer, one digest pass)."""
         nonlocal fetched
         if mapped is None or len(span.items) != 1 or span.items[0][1].base is None:
             return False
@@ -786,7 +806,7 @@ def read_chunks(
             return False
         key = chunk_key(whole.hash)
         try:
-            frame = repo.store.map(key, whole.length)
+            frame = repo.store.map(key, whole.length, private=True)
         except CasnapError:
             return False  # the paths below read it and say what is wrong
         if frame is None:
@@ -800,12 +820,12 @@ def read_chunks(
             return False
         if hdr.digest.hex() != whole.hash:
             return False
-        patched = verify_patched(repo, ref, view[codec.HEADER_SIZE :])
-        if patched is None:
+        payload = view[codec.HEADER_SIZE :]
+        if not patch_in_place(repo, ref, payload, shared):
             return False  # damage somewhere: rebuilt link by link below, which names it
         with lock:
             fetched += len(view) + sum(link.length for link in ref.chain()[:-1])
-        take(patched)
+        take(payload)
         return True
 
     def delta_in_place(span: Span) -> bool:
@@ -816,7 +836,7 @@ def read_chunks(
         view = dest(i)
         if view is None:
             return False
-        if not rebuild_into(repo, ref, view):
+        if not rebuild_into(repo, ref, view, shared):
             # The careful path decodes link by link and names what failed (raising);
             # ``dest`` was handed out, so its bytes land there, then ``landed``.
             with _missing_is_integrity_error(span):

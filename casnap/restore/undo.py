@@ -29,8 +29,6 @@ import ctypes
 import mmap
 import threading
 
-from casnap.chunks.damage import Patched
-
 # Fresh anonymous memory costs a page fault per page on first touch; populating
 # a buffer when it is mapped costs about half as much on this VM
 # (benchmarks/restore_atomic.py). Linux only; elsewhere a bytearray.
@@ -142,7 +140,7 @@ class TensorUndo:
         self._remaining = chunks
         self._size = len(view)
         self._saved: list[tuple[int, int, tuple[bytearray | mmap.mmap, int]]] = []
-        self._held: list[tuple[int, memoryview | Patched]] = []  # verified, not yet written
+        self._held: list[tuple[int, memoryview]] = []  # verified, not yet written
         self._lock = threading.Lock()
 
     def before_write(self, index: int, size: int, *, verified: bool) -> None:
@@ -157,7 +155,7 @@ class TensorUndo:
         with self._lock:
             self._saved.append((start, size, item))
 
-    def deliver(self, index: int, data: memoryview | Patched) -> None:
+    def deliver(self, index: int, data: memoryview) -> None:
         """Chunk ``index``'s verified bytes (``data`` must stay valid): written once all are."""
         start = index * self._chunk_size
         if start + len(data) > self._size:
@@ -173,12 +171,8 @@ class TensorUndo:
         self._copy_in(start, data)  # the last one: nothing of this tensor can fail now
         self.landed(index)
 
-    def _copy_in(self, start: int, data: memoryview | Patched) -> None:
-        if isinstance(data, Patched):  # a delta verified over its base: base, then patches
-            self._copy_in(start, data.base)
-            for offset, patch in data.patches:
-                ctypes.memmove(self._base + start + offset, patch, len(patch))
-        elif len(data):
+    def _copy_in(self, start: int, data: memoryview) -> None:
+        if len(data):
             ctypes.memmove(self._base + start, _read_address(data), len(data))  # releases the GIL
 
     def landed(self, index: int) -> None:

@@ -46,6 +46,10 @@ _READ_STEP = 1 << 20  # bytes per read() of a limited get
 # A mapping is read-only and populated when it is made (Linux: MAP_POPULATE), so
 # reading it faults no page; without MAP_SHARED/PROT_READ (Windows) no mapping.
 _MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
+# A private (copy-on-write) mapping is not populated: populating a writable private
+# mapping copies every page, where only the pages written should be.
+_PRIVATE_FLAGS = getattr(mmap, "MAP_PRIVATE", 0)
+_WRITABLE = getattr(mmap, "PROT_READ", 0) | getattr(mmap, "PROT_WRITE", 0)
 _CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
 
 
@@ -157,8 +161,9 @@ class LocalStore(ObjectStore):
         finally:
             os.close(fd)
 
-    def map(self, key: str, limit: int) -> Buffer | None:
-        """The first ``limit`` bytes (at most) of the file at ``key``, mapped read-only.
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
+        """The first ``limit`` bytes (at most) of the file at ``key``, mapped read-only
+        (``private``: writable, copy on write; see :meth:`ObjectStore.map`).
 
         The file is opened as by ``get`` (a regular file, never through a link).
 
@@ -177,7 +182,10 @@ class LocalStore(ObjectStore):
             if length <= 0:
                 return b""  # mmap refuses an empty range; nothing to map
             try:
-                mapped = mmap.mmap(fd, length, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+                if private:
+                    mapped = mmap.mmap(fd, length, flags=_PRIVATE_FLAGS, prot=_WRITABLE)
+                else:
+                    mapped = mmap.mmap(fd, length, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
             except (OSError, ValueError):
                 return None  # a file system that cannot map: the caller reads instead
             if os.fstat(fd).st_size < length:

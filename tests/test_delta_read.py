@@ -1,0 +1,138 @@
+"""Reading delta chains fast (#13): shared pack reads, copy-on-write rebuilds, the cheap test.
+
+The restore of the newest of a series rebuilds each chunk on a private
+mapping of the whole chunk at its chain's end, with every delta of the chain
+fetched by one read per pack; a take decides per tensor, cheaply, whether a
+delta can pay. Small tensors with 64 KiB chunks keep every test fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import repo_helpers
+import torch
+
+from casnap import Repository, Session, Snapshot, StateDict
+from casnap.format import codec
+from casnap.format.manifest import TensorEntry
+
+CHUNK = 64 * 1024
+ROWS, COLS = 512, 256  # fp32: 512 KiB, 8 chunks of 64 rows
+
+
+def _sparse(t: torch.Tensor, seed: int, rows: int = 3) -> torch.Tensor:
+    out = t.clone()
+    idx = torch.randperm(t.shape[0], generator=torch.Generator().manual_seed(seed))[:rows]
+    out[idx] *= 1.001
+    return out
+
+
+def _series(root: Path, n: int, repo: Repository | None = None) -> list[torch.Tensor]:
+    """``n`` snapshots ``s0..`` of a sparsely updated table (chains of up to 4 deltas)."""
+    session = Session()
+    opts: dict[str, object] = {"chunk_size": CHUNK}
+    if repo is not None:
+        opts["repository"] = repo
+    t = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0))
+    states = []
+    for i in range(n):
+        if i:
+            t = _sparse(t, i, rows=24)  # most chunks change at every step
+        states.append(t)
+        Snapshot.take(f"{root}/s{i}", {"m": StateDict(emb=t)}, session=session,
+                      storage_options=opts)  # fmt: skip
+    return states
+
+
+def _chunks(path: str, key: str = "0/m/emb") -> list:
+    entry = Snapshot(path).get_manifest()[key]
+    assert isinstance(entry, TensorEntry)
+    return list(entry.chunks)
+
+
+def test_the_newest_of_a_chain_reads_each_pack_of_deltas_once(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    repo, store = repo_helpers.counted_repo(str(root), CHUNK)
+    states = _series(root, 5, repo)
+    refs = _chunks(f"{root}/s4")
+    links = [link for ref in refs for link in ref.chain()[:-1]]
+    assert len(links) >= 16  # most chunks are 4 deltas deep
+    packs = {link.pack for link in links}
+    store.reset()
+    out = StateDict(emb=torch.zeros(ROWS, COLS))
+    Snapshot(f"{root}/s4", storage_options={"repository": repo}).restore({"m": out})
+    assert torch.equal(out["emb"], states[4])
+    pack_reads = [k for k in store.read_keys if k.startswith(".casnap/packs/")]
+    assert len(pack_reads) <= len(packs)  # not one request per delta frame
+    # Each chunk was rebuilt over a mapping of the whole chunk its chain ends in.
+    wholes = {f".casnap/chunks/{r.chain()[-1].hash[:2]}/{r.chain()[-1].hash}" for r in refs}
+    assert wholes <= set(store.mapped_keys)
+
+
+def test_a_rebuild_over_a_mapping_never_changes_the_stored_base(tmp_path: Path) -> None:
+    states = _series(tmp_path, 5)
+    objects = sorted((tmp_path / ".casnap" / "chunks").rglob("*"))
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in objects if p.is_file()}
+    for _ in range(2):  # a second restore must find the same bases
+        out = StateDict(emb=torch.zeros(ROWS, COLS))
+        Snapshot(f"{tmp_path}/s4").restore({"m": out})
+        assert torch.equal(out["emb"], states[4])
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in before}
+    assert after == before
+    assert Repository(str(tmp_path)).verify().ok
+
+
+def test_a_delta_ending_in_a_ragged_block_restores_bit_exact(tmp_path: Path) -> None:
+    # 8 chunks of 64 KiB, then one of 40012 bytes: not a multiple of the 256-byte block.
+    n = 8 * CHUNK // 4 + 10003
+    t = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    session, opts = Session(), {"chunk_size": CHUNK}
+    Snapshot.take(f"{tmp_path}/a", {"m": StateDict(w=t)}, session=session, storage_options=opts)
+    u = t.clone()
+    u[-3:] += 1.0  # the last, ragged block
+    u[5:9] += 1.0
+    snap = Snapshot.take(f"{tmp_path}/b", {"m": StateDict(w=u)}, session=session,
+                         storage_options=opts)  # fmt: skip
+    refs = _chunks(f"{tmp_path}/b", "0/m/w")
+    assert refs[-1].size % codec.DELTA_BLOCK and refs[-1].base is not None
+    assert snap.last_take_stats.deltas_written == 2
+    out = StateDict(w=torch.zeros(n))
+    Snapshot(f"{tmp_path}/b").restore({"m": out})
+    assert torch.equal(out["w"], u)
+    assert Snapshot(f"{tmp_path}/b").read_object("0/m/w").equal(u)
+
+
+def test_a_densely_changed_tensor_does_not_keep_a_sparse_one_from_deltas(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    dense = torch.randn(4 * ROWS, COLS, generator=g)  # 32 chunks, all changed densely
+    emb = torch.randn(ROWS, COLS, generator=g)
+    session, opts = Session(), {"chunk_size": CHUNK}
+    Snapshot.take(f"{tmp_path}/a", {"m": StateDict(dense=dense, emb=emb)}, session=session,
+                  storage_options=opts)  # fmt: skip
+    new_emb = _sparse(emb, 7, rows=8)
+    changed = sum(
+        not torch.equal(a, b)
+        for a, b in zip(emb.reshape(8, -1), new_emb.reshape(8, -1), strict=True)
+    )
+    snap = Snapshot.take(f"{tmp_path}/b", {"m": StateDict(dense=dense * 1.001, emb=new_emb)},
+                         session=session, storage_options=opts)  # fmt: skip
+    assert snap.last_take_stats.deltas_written == changed  # every changed emb chunk, no dense one
+    assert all(r.base is None for r in _chunks(f"{tmp_path}/b", "0/m/dense"))
+
+
+def test_a_codec_chosen_ahead_gives_the_same_frame() -> None:
+    g = torch.Generator().manual_seed(3)
+    bf16 = torch.randn(50_000, generator=g).to(torch.bfloat16).view(torch.int16)
+    for data, elem in [
+        (torch.randn(50_000, generator=g).numpy().tobytes(), 4),
+        (bf16.numpy().tobytes(), 2),
+        (bytes(200_000), 4),
+        (b"casnap" * 30_000, 0),
+    ]:
+        digest = hashlib.sha256(data).digest()
+        choice, _ = codec.choose_codec(data, 1, elem)
+        assert codec.encode(data, digest, elem_size=elem, choice=choice) == codec.encode(
+            data, digest, elem_size=elem
+        )
