@@ -1,7 +1,9 @@
 """Chunks: deduplicating, packing writes and verified, budgeted reads.
 
 :mod:`casnap.chunks.io` writes and reads chunk frames;
-:mod:`casnap.chunks.budget` is the byte budget their threads share.
+:mod:`casnap.chunks.budget` is the byte budget their threads share;
+:mod:`casnap.chunks.bounce` the reused page-aligned buffers loose frames are
+read into.
 """
 
 from casnap.chunks.budget import ByteBudget

@@ -15,6 +15,7 @@ hash before its bytes are handed on, and a damaged one is contained
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.chain import ChainFrames
 from casnap.chunks.damage import (
@@ -687,6 +689,11 @@ def _missing_is_integrity_error(span: Span) -> Iterator[None]:
         raise IntegrityError(f"{span.key} is missing from the repository", span.key) from exc
 
 
+def _address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte (it must not be empty)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def _raw_loose(span: Span) -> tuple[int, ChunkRef] | None:
     """The one chunk of ``span`` if it is a loose object stored raw (readable in place)."""
     if span.end >= 0 or len(span.items) != 1:
@@ -727,11 +734,13 @@ def read_chunks(
 
     ``dest(i)``, when given, may return the memory chunk ``i`` finally belongs
     in: a loose chunk stored raw (frame length == header + size, known from the
-    manifest) is then read straight into it and verified there, with no
-    intermediate buffer and no ``sink`` call. A chunk that fails verification
-    raises :class:`IntegrityError` after having been written to ``dest``;
-    ``landed(i)``, when given, is called once chunk ``i`` read that way has
-    been verified (the caller keeps what ``dest`` overwrote until then).
+    manifest) is then read whole into a reused page-aligned buffer under
+    ``budget`` (:mod:`casnap.chunks.bounce`), verified there and only then
+    copied into it, with no ``sink`` call; a chunk that fails verification
+    raises :class:`IntegrityError` and writes nothing. A delta rebuilt in
+    place (below) is written to ``dest`` before its check. ``landed(i)``, when
+    given, is called once chunk ``i`` written to ``dest`` has been verified
+    (the caller keeps what ``dest`` overwrote until then).
 
     ``mapped(i)``, when given, may return a function that takes chunk ``i``'s
     verified bytes instead: a loose chunk stored raw whose object the store
@@ -748,8 +757,11 @@ def read_chunks(
     lock = threading.Lock()
     # The delta frames of every chain, fetched by shared pack ranges (casnap.chunks.chain).
     shared = ChainFrames(repo, refs) if any(ref.base is not None for ref in refs) else None
+    bounce = BouncePool(budget)
 
     def direct(span: Span) -> bool:
+        """A loose raw frame read whole into a page-aligned buffer, verified there,
+        then copied into ``dest`` (:mod:`casnap.chunks.bounce` says why not into place)."""
         nonlocal fetched
         one = _raw_loose(span)
         if dest is None or one is None:
@@ -758,12 +770,15 @@ def read_chunks(
         view = dest(i)
         if view is None or len(view) != ref.size:
             return False
-        head = bytearray(codec.HEADER_SIZE)
-        with _missing_is_integrity_error(span), _refused_is_damage(repo, span):
-            n = repo.store.read_into(span.key, [memoryview(head), view])
-        with lock:
-            fetched += n
-        verify_in_place(repo, span.key, ref, head, view, n)
+        with bounce.buffer(ref.length) as (frame, address):
+            with _missing_is_integrity_error(span), _refused_is_damage(repo, span):
+                n = repo.store.read_into(span.key, [frame])
+            with lock:
+                fetched += n
+            head, payload = frame[: codec.HEADER_SIZE], frame[codec.HEADER_SIZE :]
+            verify_in_place(repo, span.key, ref, head, payload[: max(0, n - len(head))], n)
+            if ref.size:
+                ctypes.memmove(_address(view), address + codec.HEADER_SIZE, ref.size)
         if landed is not None:
             landed(i)
         return True
@@ -872,6 +887,7 @@ def read_chunks(
 
     futures = [pool.submit(run, span) for span in spans]
     errors = [f.exception() for f in futures]
+    bounce.close()
     for exc in errors:
         if exc is not None:
             raise exc  # a store, integrity or sink error, with its own type
