@@ -49,6 +49,7 @@ from casnap.distributed.coordinate import (  # noqa: E402
 )
 from casnap.distributed.plan_cache import Gathered, PlanMessage, message_of  # noqa: E402
 from casnap.format.manifest import HEADER_SIZE, ChunkRef, PrimitiveEntry  # noqa: E402
+from casnap.index.summaries import summarize
 from casnap.take.plan import RankPlan, ShardedPlan, ShardPlan  # noqa: E402
 
 GROUP = 8  # FSDP shards within a node group
@@ -150,6 +151,8 @@ def coordinator(blobs: list[bytes], serialize: bool, times: dict[str, float]) ->
     entries = timed("entries", lambda: assemble_entries(planned, refs))
     manifest = timed("manifest", lambda: manifest_of(entries, len(blobs), [], {}))
     data = timed("serialize", manifest.to_bytes) if serialize else b""
+    # Rank 0 records the manifest's summary in the local index at commit (log, du).
+    timed("summary", lambda: summarize("0" * 64, manifest))
     load = [b for b in planned.load if b]
     return {
         "max_over_mean": round(max(load) / (sum(load) / len(load)), 4),

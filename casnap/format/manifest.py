@@ -483,7 +483,7 @@ class Manifest(_Model):
         gc keeps, verify checks and ``du`` counts these; a chunk's bases may
         belong to snapshots that no longer exist.
         """
-        refs = self.chunk_refs()
+        refs = self.distinct_refs()
         if not any(r.base is not None for r in refs):
             return refs
         return [link for r in refs for link in r.chain()]
@@ -518,6 +518,29 @@ class Manifest(_Model):
     def chunk_refs(self) -> list[ChunkRef]:
         """The chunks of every entry (a delta's base is in :meth:`stored_refs`)."""
         return [c for e in self.entries.values() for c in _chunks_of(e)]
+
+    def distinct_chunk_refs(self) -> list[tuple[list[ChunkRef], int]]:
+        """The chunks of each distinct entry object, with how many keys hold that object.
+
+        A rank-grouped manifest (parsed, or assembled by the coordinator) holds
+        one entry object per group for all its ranks' keys: at 1,024 ranks a
+        sharded layer's entry stands under every rank's key, and walking
+        :meth:`chunk_refs` would visit its chunks 1,024 times. Summing over
+        this list with the counts gives the same totals as :meth:`chunk_refs`.
+        """
+        seen: dict[int, list[Any]] = {}
+        for e in self.entries.values():
+            slot = seen.get(id(e))
+            if slot is None:
+                seen[id(e)] = [e, 1]
+            else:
+                slot[1] += 1
+        return [(_chunks_of(e), n) for e, n in seen.values()]
+
+    def distinct_refs(self) -> list[ChunkRef]:
+        """:meth:`chunk_refs` of each distinct entry object once: what a set of the
+        chunks needs (dedup, gc, verify), without a grouped manifest's repeats."""
+        return [c for refs, _ in self.distinct_chunk_refs() for c in refs]
 
 
 def _chunks_of(e: Entry) -> list[ChunkRef]:
@@ -740,7 +763,7 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
 def _check_delta_version(manifest: Manifest, what: str) -> None:
     """A delta reference in a manifest of major 1 is refused: major-1 readers cannot read it."""
     if manifest.format_version.split(".", 1)[0] == "1" and any(
-        r.base is not None for r in manifest.chunk_refs()
+        r.base is not None for r in manifest.distinct_refs()
     ):
         raise ManifestValidationError(
             f"{what} has format version {manifest.format_version} but holds delta chunks "

@@ -168,6 +168,6 @@ def rebuild(repo: RepoStorage) -> RebuildStats:
             index.record_summaries([summarize(h, m)])
             if not lease.valid():
                 break  # a gc may sweep from now on: learn nothing more about chunks
-            chunks += index.record_chunks({r.hash: r for r in m.chunk_refs()}.values())
+            chunks += index.record_chunks({r.hash: r for r in m.distinct_refs()}.values())
             manifests += 1
     return RebuildStats(manifests, chunks)

@@ -55,18 +55,25 @@ class ManifestSummary:
 
 
 def summarize(manifest_hash: str, manifest: Manifest) -> ManifestSummary:
-    refs = manifest.chunk_refs()
+    """What ``log``/``du`` need of ``manifest``, each distinct entry object read once
+    (a rank-grouped manifest repeats one object under every rank's key)."""
+    logical = count = 0
+    spans: set[tuple[str, int, int]] = set()
+    for refs, holders in manifest.distinct_chunk_refs():
+        logical += holders * sum(r.size for r in refs)
+        count += holders * len(refs)
+        # Every frame the snapshot needs, a delta's bases too: retention's reclaim
+        # and du count what the snapshot keeps alive from these.
+        spans.update((c.pack or c.hash, c.offset, c.length) for r in refs for c in r.chain())
     return ManifestSummary(
         manifest=manifest_hash,
         created_at=manifest.created_at,
         world_size=manifest.world_size,
         parents=tuple(manifest.parents),
         metadata=dict(manifest.metadata),
-        logical_bytes=sum(r.size for r in refs),
-        chunk_refs=len(refs),
-        # Every frame the snapshot needs, a delta's bases too: retention's reclaim and
-        # du count what the snapshot keeps alive from these.
-        spans=frozenset((r.pack or r.hash, r.offset, r.length) for r in manifest.stored_refs()),
+        logical_bytes=logical,
+        chunk_refs=count,
+        spans=frozenset(spans),
     )
 
 

@@ -29,7 +29,7 @@ def stored_bytes(manifest: Manifest) -> int:
 
 
 def logical_bytes(manifest: Manifest) -> int:
-    return sum(r.size for r in manifest.chunk_refs())
+    return sum(n * sum(r.size for r in refs) for refs, n in manifest.distinct_chunk_refs())
 
 
 @dataclass(frozen=True)

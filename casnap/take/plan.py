@@ -80,9 +80,9 @@ def known_chunks(
         if not known.bases and manifest.entries:  # the first parent's: the take's lineage
             known.bases = delta_bases(manifest)
         if damaged:  # a copy a read found damaged is written again, never referenced
-            known.update((c.hash, c) for c in manifest.chunk_refs() if c not in damaged)
+            known.update((c.hash, c) for c in manifest.distinct_refs() if c not in damaged)
         else:
-            known.update((c.hash, c) for c in manifest.chunk_refs())
+            known.update((c.hash, c) for c in manifest.distinct_refs())
 
     summaries = []
     for parent in parents:
