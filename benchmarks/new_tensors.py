@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -63,11 +62,9 @@ print(json.dumps({"casnap": casnap.__file__, "wall": wall, "cpu": cpu}))
 
 
 def _run(src: str, path: str, repeats: int, warm: bool) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, src, HERE, path, str(repeats), "1" if warm else "0"],
-        check=True, capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from harness import run_child
+
+    return run_child(_CHILD, src, HERE, path, str(repeats), "1" if warm else "0")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,16 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         drop_page_cache,
         fsync_path,
         make_state,
+        revision_package,
         scratch_dir,
         transformer_shapes,
     )
-    from restore_atomic import _extract
 
     from casnap import Snapshot, StateDict
 
     cold = args.warm or drop_page_cache() is None
     with scratch_dir(args.workdir) as work, tempfile.TemporaryDirectory() as tmp:
-        variants = {f"casnap {rev}": _extract(rev, os.path.join(tmp, str(n)))
+        variants = {f"casnap {rev}": revision_package(rev, os.path.join(tmp, str(n)))
                     for n, rev in enumerate(baselines)}  # fmt: skip
         variants["casnap (this checkout)"] = ROOT
         _d, _n, shapes = transformer_shapes(int(args.size_gib * GiB))

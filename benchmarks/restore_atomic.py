@@ -20,9 +20,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,23 +49,10 @@ print(json.dumps({"casnap": casnap.__file__, "times": times, "max_rss": rss}))
 """
 
 
-def _extract(rev: str, into: str) -> str:
-    """``rev``'s casnap package under ``into`` (read-only use of the repository)."""
-    os.makedirs(into, exist_ok=True)
-    archive = os.path.join(into, "src.tar")
-    with open(archive, "wb") as fh:
-        subprocess.run(["git", "-C", ROOT, "archive", rev, "casnap"], stdout=fh, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(os.path.join(into, "src"), filter="data")
-    return os.path.join(into, "src")
-
-
 def _run(src: str, size: float, path: str, repeats: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, src, HERE, str(size), path, str(repeats)],
-        check=True, capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from harness import run_child
+
+    return run_child(_CHILD, src, HERE, str(size), path, str(repeats))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     baselines = args.baseline or ["main"]
     sys.path.insert(0, HERE)
     import torch  # noqa: F401  (after argparse: --help stays fast)
-    from harness import GiB, make_state, scratch_dir, transformer_shapes
+    from harness import GiB, make_state, revision_package, scratch_dir, transformer_shapes
 
     from casnap import Snapshot, StateDict
 
     with scratch_dir(args.workdir) as work, tempfile.TemporaryDirectory() as tmp:
         variants = {
-            f"baseline ({rev})": _extract(rev, os.path.join(tmp, str(n)))
+            f"baseline ({rev})": revision_package(rev, os.path.join(tmp, str(n)))
             for n, rev in enumerate(baselines)
         }
         variants["this checkout"] = ROOT

@@ -804,15 +804,20 @@ def read_chunks(
         take(payload)
         return True
 
+    def lone_delta(span: Span) -> tuple[int, ChunkRef] | None:
+        """The span's one item, if it is a delta (the two rebuilds below take one)."""
+        return span.items[0] if len(span.items) == 1 and span.items[0][1].base is not None else None
+
     def delta_from_mapping(span: Span) -> bool:
         """A delta whose chain ends in a loose raw frame the store can map, rebuilt on a
         private mapping of it (only the pages the deltas change are copied) and
         verified there: handed on as a chunk stored whole is (no undo copy, no
         rebuild buffer, one digest pass)."""
         nonlocal fetched
-        if mapped is None or len(span.items) != 1 or span.items[0][1].base is None:
+        one = lone_delta(span)
+        if mapped is None or one is None:
             return False
-        i, ref = span.items[0]
+        i, ref = one
         whole = whole_raw_loose(ref)
         if whole is None:
             return False
@@ -845,9 +850,10 @@ def read_chunks(
 
     def delta_in_place(span: Span) -> bool:
         """A delta rebuilt in its final memory (``dest``), verified there."""
-        if dest is None or len(span.items) != 1 or span.items[0][1].base is None:
+        one = lone_delta(span)
+        if dest is None or one is None:
             return False
-        i, ref = span.items[0]
+        i, ref = one
         view = dest(i)
         if view is None:
             return False

@@ -212,6 +212,7 @@ def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
     return requests
 
 
+@paused_collection()  # per-entry work in the caller's thread (casnap.take.collector)
 def prepare_take(
     path: str,
     app_state: Mapping[str, Any],
@@ -227,28 +228,6 @@ def prepare_take(
     replicated: list[str] | None = None,
 ) -> TakeJob:
     """Phase 1 of a take (see the module docstring)."""
-    with paused_collection():  # per-entry work in the caller's thread (casnap.take.collector)
-        return _prepare_take(path, app_state, storage_options=storage_options,
-                             metadata=metadata, allow_pickle=allow_pickle, parents=parents,
-                             stage=stage, custom_prepare=custom_prepare,
-                             memory_budget_bytes=memory_budget_bytes, session=session,
-                             replicated=replicated)  # fmt: skip
-
-
-def _prepare_take(
-    path: str,
-    app_state: Mapping[str, Any],
-    *,
-    storage_options: dict[str, Any] | None,
-    metadata: dict[str, Any] | None,
-    allow_pickle: bool,
-    parents: list[str] | None,
-    stage: bool,
-    custom_prepare: TensorPrepareFunc | None,
-    memory_budget_bytes: int | None,
-    session: Session | None,
-    replicated: list[str] | None,
-) -> TakeJob:
     budget = ByteBudget(check_budget(memory_budget_bytes))
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
     target = resolve_target(path, storage_options, metadata, parents, session)
