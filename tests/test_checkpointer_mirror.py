@@ -98,6 +98,28 @@ def test_a_stalled_mirror_does_not_block_training_until_its_queue_is_full(tmp_pa
     _restores_step(mirror.url, "step_000000002", 2)
 
 
+def test_local_retention_keeps_what_a_mirror_with_its_own_retention_is_still_owed(tmp_path):
+    # Seen in CI: local KeepLast(1) deleted step 0 before the copier reached it, so a mirror
+    # told to keep everything never received it. Now local retention waits for the copy.
+    store = _Gated(str(tmp_path / "mirror"))
+    mirror = Repository.on_store(store)
+    ckpt = Checkpointer(str(tmp_path / "local"), every_n_steps=1, mirror=mirror,
+                        retention=RetentionPolicy(KeepLast(1)), mirror_retention=None)  # fmt: skip
+    ckpt.maybe_take(0, _state(0))
+    assert store.stalled.wait(30)  # the copier holds step 0 at its first put
+    ckpt.maybe_take(1, _state(1))
+    ckpt.maybe_take(2, _state(2))
+    every = ["step_000000000", "step_000000001", "step_000000002"]
+    assert ckpt.mirror is not None and list(ckpt.mirror.owed) == every
+    assert ckpt.snapshots() == every
+    store.gate.set()
+    ckpt.close()  # the copier catches up, then local retention applies what waited
+    assert ckpt.mirror.owed == ()
+    assert mirror.snapshots() == every
+    assert ckpt.snapshots() == ["step_000000002"]
+    _restores_step(mirror.url, "step_000000000", 0)
+
+
 def test_a_failed_copy_is_logged_and_retried_at_the_next_commit(tmp_path, caplog):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the mirror's folder should be")

@@ -239,6 +239,8 @@ class Checkpointer:
         self._last_call: tuple[int, dict[str, Any], Mapping[str, Any] | None, list[str]] | None
         self._last_call = None  # the last maybe_take's arguments, for the take on close
         self.last_retention: RetentionResult | None = None
+        # The last commit whose retention kept snapshots the mirror was still owed.
+        self._kept_for_mirror: tuple[Snapshot, str] | None = None
         self.mirror = make_mirror(
             mirror, mirror_storage_options, retention, mirror_retention, self._is_mine,
             queue_size=mirror_queue, reclaim=reclaim,
@@ -361,7 +363,14 @@ class Checkpointer:
         snap = self._wait_take()
         if self.mirror is not None:
             self.mirror.flush()
+            self._retain_after_mirror()
         return snap
+
+    def _retain_after_mirror(self) -> None:
+        """Once the mirror caught up, apply the retention that waited for it."""
+        kept, self._kept_for_mirror = self._kept_for_mirror, None
+        if kept is not None:
+            self._retain(*kept)
 
     def _wait_take(self) -> Snapshot | None:
         pending, step = self._pending, self._pending_step
@@ -409,6 +418,7 @@ class Checkpointer:
             self._wait_take()
             if self.mirror is not None:
                 self.mirror.close()  # logs what could not be copied
+                self._retain_after_mirror()
             if guard is not None and preempted and not failed:
                 guard.honour()  # by default the process ends here
         finally:
@@ -441,9 +451,19 @@ class Checkpointer:
     def _retain(self, snap: Snapshot, name: str) -> None:
         if self.retention is None:
             return
+        keep = [_KeepNames([name], "newest checkpoint")]
+        mirror = self.mirror
+        if mirror is not None and not mirror.same_retention:
+            # The mirror keeps its own policy: a snapshot it may keep is not deleted here
+            # before it was copied there. Rank 0 runs the copier, so it alone knows that.
+            if not is_rank_zero():
+                return
+            owed = mirror.owed
+            keep.append(_KeepNames(owed, "not yet copied to the mirror"))
+            self._kept_for_mirror = (snap, name) if owed else None
         repo = snap.repository
         mine = {s.name for s in self._mine(repo)}
-        policy = RetentionPolicy(*self.retention.rules, _KeepNames([name], "newest checkpoint"))
+        policy = RetentionPolicy(*self.retention.rules, *keep)
         plan = plan_retention(repo, policy, names=mine, cache=self._summaries)
         result = execute_retention(repo, plan)
         earlier = self.last_retention.reclaimed if self.last_retention is not None else None

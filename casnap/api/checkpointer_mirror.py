@@ -11,8 +11,11 @@ the worker (backpressure: the durable copy is never further behind).
 
 Failures never reach the training loop: a store error is logged and the
 snapshot is tried again with the next commit (or at :meth:`Mirror.flush`);
-a snapshot that local retention deleted before the worker reached it is
-skipped (the same policy drops it in the mirror anyway); a damaged local
+while a snapshot is owed to the mirror (:attr:`Mirror.owed`) and the
+mirror keeps its own retention, the checkpointer's local retention keeps it
+(the mirror may be asked to keep what local retention drops); with the same
+policy on both, a snapshot local retention deleted before the worker
+reached it is skipped (the same policy drops it in the mirror anyway); a damaged local
 object is logged as an error and that snapshot is not retried (it never
 heals by itself; the next snapshots are copied). :meth:`Mirror.flush`
 (the checkpointer's ``wait()`` and ``close()``) waits for the queue, retries
@@ -65,8 +68,10 @@ class Mirror:
 
     ``retention``: applied in the mirror, to the snapshots ``is_mine`` accepts,
     after each copy (the checkpointer passes its own policy, with its newest
-    snapshot kept). ``queue_size``: snapshots that may wait for the worker
-    before :meth:`submit` blocks.
+    snapshot kept). ``same_retention``: whether that is the local repository's
+    policy too (then local retention need not wait for the copier).
+    ``queue_size``: snapshots that may wait for the worker before
+    :meth:`submit` blocks.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class Mirror:
         retention: RetentionPolicy | None = None,
         queue_size: int = 2,
         reclaim: bool = True,
+        same_retention: bool = False,
     ) -> None:
         expect_type(url, str, "mirror", "a repository URL such as 'gs://bucket/run1'")
         expect_type(queue_size, int, "mirror_queue", "a positive int")
@@ -85,11 +91,13 @@ class Mirror:
             raise ConfigError(f"mirror_queue must be at least 1, got {queue_size}", "mirror_queue")
         self.url = url
         self.retention = retention
+        self.same_retention = same_retention
         self.storage_options = dict(storage_options or {})
         self.is_mine = is_mine
         self.reclaim = reclaim
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._retry: dict[str, None] = {}  # names to copy again, in commit order
+        self._owed: dict[str, None] = {}  # submitted, neither copied nor given up
         self._dst: RepoStorage | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -103,9 +111,18 @@ class Mirror:
         with self._lock:
             return tuple(self._retry)
 
+    @property
+    def owed(self) -> tuple[str, ...]:
+        """Snapshots submitted and not yet in the mirror: queued, being copied, or
+        waiting for a retry (a snapshot found damaged locally is given up)."""
+        with self._lock:
+            return tuple(self._owed)
+
     def submit(self, src: RepoStorage, name: str, policy: RetentionPolicy | None) -> None:
         """Queue ``name`` of ``src`` for the mirror; blocks only while the queue is full."""
         self._start()
+        with self._lock:
+            self._owed[name] = None
         self._queue.put(_Job(src, name, policy))
 
     def flush(self) -> tuple[str, ...]:
@@ -160,12 +177,14 @@ class Mirror:
             if job.name is not None:
                 self._retry[job.name] = None
             wanted = list(self._retry)
-        # Local retention may have deleted some meanwhile: the same policy drops them here.
+        # Local retention keeps what the mirror is owed unless the same policy applies
+        # on both; then it may have deleted some meanwhile, and the mirror drops them too.
         names = [n for n in wanted if job.src.has_ref(n)]
         with self._lock:
             for n in wanted:
                 if n not in names:
                     self._retry.pop(n, None)
+                    self._owed.pop(n, None)
         if not names:
             return
         if self._dst is None:
@@ -182,9 +201,11 @@ class Mirror:
             with self._lock:
                 for n in exc.failed:
                     self._retry.pop(n, None)
+                    self._owed.pop(n, None)
         with self._lock:
             for n in done:
                 self._retry.pop(n, None)
+                self._owed.pop(n, None)
             self.copied += [n for n in done if n not in self.copied]
         if job.policy is not None:
             self._retain(self._dst, job.policy)
@@ -222,6 +243,7 @@ def make_mirror(
         assert mirror is not None
         mirror._dst = url
         return mirror
+    same = isinstance(mirror_retention, str)
     if isinstance(mirror_retention, str):
         if mirror_retention != "same":
             raise ConfigError(
@@ -236,7 +258,7 @@ def make_mirror(
         expect_type(mirror_retention, RetentionPolicy, "mirror_retention",
                     "a casnap.RetentionPolicy, None or 'same'")  # fmt: skip
     return Mirror(as_path(url, "mirror"), storage_options, is_mine, retention=mirror_retention,
-                  queue_size=queue_size, reclaim=reclaim)  # fmt: skip
+                  queue_size=queue_size, reclaim=reclaim, same_retention=same)  # fmt: skip
 
 
 def is_rank_zero() -> bool:
