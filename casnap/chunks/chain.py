@@ -18,6 +18,7 @@ which reports and contains what is wrong.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -53,6 +54,13 @@ class ChainFrames:
 
         frames = ChainFrames(repo, refs)
         raw = frames.get(link)  # the frame's bytes, or None: fetch it alone
+        with frames.rebuilds:   # decoding and XOR: as many at once as there are cores
+            ...
+
+    ``rebuilds`` bounds the rebuilds running at once to the cores: a rebuild is
+    CPU work that mostly holds the GIL (zstd, numpy on small runs), and a
+    dozen I/O workers contending for it took 1.3x the time two did
+    (benchmarks/delta.py, series).
     """
 
     def __init__(self, repo: RepoStorage, refs: Iterable[ChunkRef], limit: int = _LIMIT) -> None:
@@ -60,6 +68,7 @@ class ChainFrames:
         self._limit = limit
         self._held = 0
         self._lock = threading.Lock()
+        self.rebuilds = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
         uses: dict[tuple[str, int, int], int] = {}
         for ref in refs:
             if ref.base is None:

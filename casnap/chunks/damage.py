@@ -26,6 +26,7 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any
 
 from casnap import index
@@ -118,13 +119,14 @@ def patch_in_place(
         return False
     try:
         frames = _fetch_chain(repo, chain[:-1], shared)
-        dst = out.cast("B") if out.format != "B" else out
-        for link, raw in zip(chain[:-1], frames, strict=True):  # XOR: any order
-            if not _apply(raw, link, dst):
-                return False
+        with shared.rebuilds if shared is not None else nullcontext():
+            dst = out.cast("B") if out.format != "B" else out
+            for link, raw in zip(chain[:-1], frames, strict=True):  # XOR: any order
+                if not _apply(raw, link, dst):
+                    return False
+            return digest_of(out).hex() == ref.hash
     except (CasnapError, ValueError):
         return False
-    return digest_of(out).hex() == ref.hash
 
 
 def _delta_frame(
