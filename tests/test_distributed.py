@@ -70,7 +70,7 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # A rank raising mid-take (while writing): every rank raises naming it; no ref.
     failed = None
-    import casnap.chunks.io as chunks_mod
+    import casnap.chunks.write as chunks_mod
 
     original = chunks_mod.ChunkWriter.add
     if rank == 1:
@@ -172,7 +172,7 @@ def test_async_take_point_in_time_and_planning_failure(tmp_path: Path) -> None:
 def dying_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     import time
 
-    import casnap.chunks.io as chunks_mod
+    import casnap.chunks.write as chunks_mod
     from casnap import Snapshot, StateDict
     from casnap.distributed import DistributedTakeError
 

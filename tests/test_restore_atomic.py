@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
-from casnap.chunks.io import ChunkWriter
+from casnap.chunks.write import ChunkWriter
 from casnap.errors import CasnapError, StoreError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest, ShardedEntry, ShardRecord

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
-from casnap.chunks import io as chunks_io
+from casnap.chunks import read as chunks_read
 from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.format import codec
@@ -48,7 +48,7 @@ def recorded_bounce_pools(monkeypatch) -> list[BouncePool]:
             super().__init__(budget)
             pools.append(self)
 
-    monkeypatch.setattr(chunks_io, "BouncePool", Recorded)
+    monkeypatch.setattr(chunks_read, "BouncePool", Recorded)
     return pools
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from casnap import Repository, Snapshot
-from casnap.chunks.io import ChunkWriter
+from casnap.chunks.write import ChunkWriter
 from casnap.format.manifest import Manifest, ShardedEntry, ShardRecord
 from casnap.repo.repository import now_iso
 from casnap.restore import reshard

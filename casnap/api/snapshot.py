@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from casnap.chunks.io import WriteStats
+from casnap.chunks.frames import WriteStats
 from casnap.distributed.group import Group, resolve_group
 from casnap.distributed.take import DistributedJob, prepare_distributed_take
 from casnap.errors import as_names, as_path, expect_type

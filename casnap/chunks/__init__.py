@@ -1,21 +1,17 @@
 """Chunks: deduplicating, packing writes and verified, budgeted reads.
 
-:mod:`casnap.chunks.io` writes and reads chunk frames;
+:mod:`casnap.chunks.write` deduplicates and schedules chunk writes and
+:mod:`casnap.chunks.frames` stores their frames (loose objects and packs);
+:mod:`casnap.chunks.read` fetches, decodes and verifies them;
 :mod:`casnap.chunks.budget` is the byte budget their threads share;
 :mod:`casnap.chunks.bounce` the reused page-aligned buffers loose frames are
 read into.
 """
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.io import (
-    BatchItem,
-    ChunkBatcher,
-    ChunkWriter,
-    WriteStats,
-    object_name,
-    plan_reads,
-    read_chunks,
-)
+from casnap.chunks.frames import WriteStats
+from casnap.chunks.read import object_name, plan_reads, read_chunks
+from casnap.chunks.write import BatchItem, ChunkBatcher, ChunkWriter
 
 __all__ = [
     "BatchItem",

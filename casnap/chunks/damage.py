@@ -2,7 +2,7 @@
 
 Every read that checks a frame against its chunk's hash goes through
 :func:`decode_frame` or :func:`verify_in_place` (restore, ``read_object``,
-export and drift through :func:`casnap.chunks.io.read_chunks`; verify's scrub
+export and drift through :func:`casnap.chunks.read.read_chunks`; verify's scrub
 directly). When the check fails, the copy is *contained* before the
 :class:`~casnap.errors.IntegrityError` propagates:
 

@@ -1,6 +1,6 @@
 """Delta chunks: whether a changed chunk pays as a delta against its parent's, and the frame.
 
-A take hands the :class:`~casnap.chunks.io.ChunkWriter` each new chunk
+A take hands the :class:`~casnap.chunks.write.ChunkWriter` each new chunk
 together with a *base*: the chunk at the same index of the same tensor in
 the parent snapshot. :meth:`DeltaEncoder.encode` then decides, per chunk,
 with a test that costs a small fraction of writing the chunk:

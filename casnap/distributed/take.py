@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from casnap.chunks.budget import ByteBudget, check_budget
-from casnap.chunks.io import ChunkWriter, WriteStats
+from casnap.chunks.frames import WriteStats
+from casnap.chunks.write import ChunkWriter
 from casnap.distributed.coordinate import Planned, assemble_entries, coordinate, manifest_of
 from casnap.distributed.group import (
     Failure,

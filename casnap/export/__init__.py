@@ -2,7 +2,7 @@
 
 Both exports stream. The whole file layout (names, dtypes, shapes, offsets) is
 planned from the manifest before anything is read; then every chunk is fetched
-through the verified reader (:func:`casnap.chunks.io.read_chunks`) under a
+through the verified reader (:func:`casnap.chunks.read.read_chunks`) under a
 :class:`~casnap.chunks.budget.ByteBudget` and written at its offset with ``pwrite``, in
 whatever order the chunks arrive. No tensor is ever held whole in memory.
 

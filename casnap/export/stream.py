@@ -1,7 +1,7 @@
 """Streaming chunks into an export file under the memory budget, atomically.
 
 The file layout (offsets) is planned before anything is read; then every
-chunk is fetched through the verified reader (:func:`casnap.chunks.io.read_chunks`)
+chunk is fetched through the verified reader (:func:`casnap.chunks.read.read_chunks`)
 under a :class:`~casnap.chunks.budget.ByteBudget` and written at its offset with
 ``pwrite``, in whatever order the chunks arrive. No tensor is ever held whole
 in memory. The output is written to a temporary file next to ``out_path``,
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from casnap.chunks.budget import ByteBudget, check_budget
-from casnap.chunks.io import Buffer, read_chunks
+from casnap.chunks.read import Buffer, read_chunks
 from casnap.errors import OutputSpaceError
 from casnap.export.select import ExportItem
 from casnap.format.manifest import ChunkRef

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.io import Buffer, read_chunks
+from casnap.chunks.read import Buffer, read_chunks
 from casnap.errors import ConfigError, IntegrityError
 from casnap.format.manifest import (
     DTYPE_ITEMSIZE,

@@ -49,7 +49,8 @@ from torch.futures import Future
 
 from casnap import index
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.io import ChunkWriter, WriteStats
+from casnap.chunks.frames import WriteStats
+from casnap.chunks.write import ChunkWriter
 from casnap.errors import ConfigError, SnapshotExistsError, UnsupportedValueError
 from casnap.format.manifest import (
     ChunkRef,

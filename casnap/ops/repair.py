@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from casnap.chunks.damage import read_copy
-from casnap.chunks.io import object_name
+from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
 from casnap.format.manifest import ChunkRef, Manifest

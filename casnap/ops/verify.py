@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from casnap.chunks.damage import decode_frame
-from casnap.chunks.io import Span, fetch_span, object_name, plan_reads
+from casnap.chunks.read import Span, fetch_span, object_name, plan_reads
 from casnap.errors import (
     CasnapError,
     ConfigError,

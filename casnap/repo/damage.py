@@ -1,7 +1,7 @@
 """Damage records: which stored copies of chunks a read found damaged (docs/damage.md).
 
 A read that decodes a frame whose bytes do not match the chunk's hash (the
-verified reader, :mod:`casnap.chunks.io`) records the damaged copy here::
+verified reader, :mod:`casnap.chunks.read`) records the damaged copy here::
 
     .casnap/damaged/<chunk hash>/<pack id>   a frame inside a pack
     .casnap/damaged/<chunk hash>/chunk       the loose object chunks/<h[:2]>/<h>

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from casnap.chunks.budget import ByteBudget, check_budget
-from casnap.chunks.io import read_chunks
+from casnap.chunks.read import read_chunks
 from casnap.format.manifest import ChunkRef, Manifest, TensorEntry
 from casnap.ops.history import EntryDiff
 from casnap.repo.repository import RepoStorage

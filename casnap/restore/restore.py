@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from casnap.chunks.budget import ByteBudget, allocating, check_allocation, check_budget
-from casnap.chunks.io import read_chunks
+from casnap.chunks.read import read_chunks
 from casnap.errors import (
     MissingKeyError,
     ObjectLoadError,

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from casnap.chunks.budget import ByteBudget, check_budget
-from casnap.chunks.io import ChunkWriter, WriteStats
+from casnap.chunks.frames import WriteStats
+from casnap.chunks.write import ChunkWriter
 from casnap.errors import UnsupportedValueError
 from casnap.format.manifest import (
     ChunkRef,

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.io import BatchItem, ChunkBatcher, ChunkWriter
+from casnap.chunks.write import BatchItem, ChunkBatcher, ChunkWriter
 from casnap.format.manifest import ChunkRef
 from casnap.settings import Settings
 from casnap.torch_io.staging import PieceCopy, StagingFull, StagingPool, raw_bytes

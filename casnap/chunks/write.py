@@ -1,0 +1,417 @@
+"""Writing chunks: dedup, delta choice and scheduling on the take's workers.
+
+:class:`ChunkWriter`: each chunk is hashed; a chunk already known (written
+earlier in this take, listed by a parent manifest, or present as a loose
+object) is not written again. A changed chunk may be written as a delta
+against the parent's chunk at its place (:mod:`casnap.chunks.delta`). Where a
+new chunk's frame goes, a loose object or a pack, is
+:mod:`casnap.chunks.frames`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from casnap.chunks.delta import DeltaEncoder
+from casnap.chunks.frames import FrameWriter
+from casnap.format import codec
+from casnap.format.manifest import ChunkRef
+from casnap.format.names import digest_of
+from casnap.index import KnownChunks, RepoIndex
+from casnap.repo.damage import DamageSet
+from casnap.repo.repository import RepoStorage
+from casnap.settings import Settings
+
+Buffer = codec.Buffer
+# Small chunks go to the workers in batches of up to this many bytes or items.
+BATCH_BYTES = 1 << 20
+BATCH_ITEMS = 256
+# Fewer small chunks of one element size than this are each tried alone (the
+# trials cost little then), more are judged together first (ChunkWriter._worth_trying).
+_JUDGED_TOGETHER = 8
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One chunk of :meth:`ChunkWriter.add_batch`; ``result`` receives its ChunkRef."""
+
+    data: Buffer
+    result: Future[ChunkRef]
+    on_done: Callable[[], None] | None = None
+    elem_size: int = 0
+    digest: bytes | None = None  # computed by the caller (see ChunkWriter._process)
+    base: ChunkRef | None = None  # the parent's chunk here, for a delta (casnap.chunks.delta)
+
+
+class ChunkBatcher:
+    """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
+
+    def __init__(self, writer: ChunkWriter) -> None:
+        self._writer = writer
+        self._items: list[BatchItem] = []
+        self._bytes = 0
+
+    def add(self, item: BatchItem) -> None:
+        self._items.append(item)
+        self._bytes += len(item.data)
+        if self._bytes >= BATCH_BYTES or len(self._items) >= BATCH_ITEMS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._items:
+            self._writer.add_batch(self._items)
+            self._items, self._bytes = [], 0
+
+
+class ChunkWriter(FrameWriter):
+    """Writes the chunks of one take; ``add`` returns a future of the chunk's ChunkRef.
+
+    ``known`` maps chunk hashes to locations already committed (from parent
+    manifests); such chunks are referenced, never rewritten. ``index`` (by
+    default ``known.index`` when ``known`` is a :class:`KnownChunks`) is asked
+    on a miss, before a loose chunk is probed or a small one packed again.
+    Every chunk this writer put, or found present by a probe, is recorded in
+    the index when :meth:`finish` returns or raises: "the object exists" is
+    true from its successful put on, and only a gc (which changes the gc
+    epoch, so the index drops it) can make it false (docs/index.md).
+
+    A copy recorded as damaged (``known.damaged``, docs/damage.md) is never
+    referenced: a damaged loose object is replaced by an atomic put of the
+    good bytes (which heals every snapshot naming it, and clears its record);
+    a chunk damaged inside a pack gets a new frame in this take's pack.
+
+    Where a new chunk's frame goes (a loose object or a pack) is its base,
+    :class:`~casnap.chunks.frames.FrameWriter`.
+    """
+
+    def __init__(
+        self,
+        repo: RepoStorage,
+        settings: Settings,
+        pool: ThreadPoolExecutor,
+        known: Mapping[str, ChunkRef] | None = None,
+        index: RepoIndex | None = None,
+    ) -> None:
+        super().__init__(
+            repo,
+            settings,
+            dict(known or {}),  # known_chunks left damage out
+            known.damaged if isinstance(known, KnownChunks) else DamageSet(),
+            # A repository the take created holds no chunk: a probe could only miss.
+            probe=not (isinstance(known, KnownChunks) and known.fresh),
+        )
+        self.pool = pool
+        if index is None and isinstance(known, KnownChunks):
+            index = known.index
+        self.index = index
+        # Chunks being written: by hash, the future of the first, None for add_small's
+        # (no future); futures of identical chunks wait on one of those, or in
+        # ``_waiting`` (FrameWriter) for add_small's.
+        self._pending: dict[str, Future[ChunkRef] | None] = {}
+        self._work: list[Future[Any]] = []
+        # Per tensor key, the parent's (chunk size, chunk refs): the bases of deltas.
+        self.bases: Mapping[str, tuple[int, Sequence[ChunkRef]]] = (
+            known.bases if isinstance(known, KnownChunks) else {}
+        )
+        self._tensor_of: dict[str, str] = {}
+        self.delta = (
+            DeltaEncoder(repo, settings.delta_max_chain, settings.zstd_level)
+            if settings.delta and settings.compression == "auto"
+            else None
+        )
+
+    def base_of(self, key: str, index: int, chunk_size: int) -> ChunkRef | None:
+        """The delta base of chunk ``index`` of tensor ``key``: the parent's chunk there."""
+        if self.delta is None:
+            return None
+        found = self.bases.get(key)
+        if found is None or found[0] != chunk_size or index >= len(found[1]):
+            return None
+        base = found[1][index]
+        self._tensor_of[base.hash] = key  # for the delta test's back-off, by tensor
+        return base
+
+    def add(
+        self,
+        data: Buffer,
+        on_done: Callable[[], None] | None = None,
+        elem_size: int = 0,
+        digest: bytes | None = None,
+        base: ChunkRef | None = None,
+    ) -> Future[ChunkRef]:
+        """Schedule one chunk; ``data`` must stay unchanged until the future resolves.
+
+        ``base`` (see :meth:`base_of`) lets a changed chunk be written as a delta.
+        """
+        result: Future[ChunkRef] = Future()
+        work = self.pool.submit(self._process, data, result, elem_size, digest, base)
+        with self._lock:
+            self._work.append(work)
+        if on_done is not None:
+            work.add_done_callback(lambda _f: on_done())
+        work.add_done_callback(lambda f: _forward_error(f, result))
+        return result
+
+    def add_batch(self, items: list[BatchItem]) -> None:
+        """Schedule several small chunks as one work item (resolving each item's future).
+
+        Submitting a work item and its future costs tens of microseconds; for a
+        state of thousands of small tensors that is most of a take. Items are
+        processed in order; each one's ``on_done`` runs after its chunk, also
+        on failure, and the first failure is raised once all were attempted.
+        """
+        work = self.pool.submit(self._process_batch, items)
+        with self._lock:
+            self._work.append(work)
+
+    def add_digested(self, chunks: Sequence[tuple[Buffer, bytes]]) -> list[Future[ChunkRef]]:
+        """Schedule chunks whose digests are known; small ones travel in batches."""
+        futures: list[Future[ChunkRef]] = []
+        batch = ChunkBatcher(self)
+        for data, digest in chunks:
+            if len(data) >= self.settings.pack_limit:
+                futures.append(self.add(data, digest=digest))
+                continue
+            item = BatchItem(data, Future(), digest=digest)
+            futures.append(item.result)
+            batch.add(item)
+        batch.flush()
+        return futures
+
+    def _process_batch(self, items: list[BatchItem]) -> None:
+        first: BaseException | None = None
+        for item in items:
+            try:
+                self._process(item.data, item.result, item.elem_size, item.digest, item.base)
+            except BaseException as exc:
+                if not item.result.done():
+                    item.result.set_exception(exc)
+                first = first or exc
+            finally:
+                if item.on_done is not None:
+                    item.on_done()
+        if first is not None:
+            raise first
+
+    def add_small(
+        self,
+        data: Sequence[Buffer],
+        elem_sizes: Sequence[int],
+        digests: Sequence[bytes | None] | None = None,
+    ) -> Future[list[str]]:
+        """Schedule small chunks as one work item: ``data[i]``, its ``elem_sizes[i]``, and
+        ``digests[i]`` when the caller computed it (three lists: no tuple per chunk).
+
+        Unlike :meth:`add_batch`, no chunk gets a future of its own (a future
+        and its callbacks cost more than hashing and packing 256 bytes): the
+        returned future gives the chunks' hashes, in order, and once
+        :meth:`finish` has returned :meth:`ref_of` gives each one's ChunkRef.
+        ``data`` must stay unchanged until the future resolves.
+        """
+        work: Future[list[str]] = self.pool.submit(self._process_small, data, elem_sizes, digests)
+        with self._lock:
+            self._work.append(work)
+        return work
+
+    def ref_of(self, h: str) -> ChunkRef:
+        """Where chunk ``h`` (hashed by this writer) is stored; only after :meth:`finish`."""
+        return self.known[h]
+
+    def _process_small(
+        self,
+        chunks: Sequence[Buffer],
+        elem_sizes: Sequence[int],
+        given: Sequence[bytes | None] | None,
+    ) -> list[str]:
+        """:meth:`_process` of each chunk, with one lock and one index read for the group."""
+        if given is None:
+            digests = [digest_of(data) for data in chunks]
+        else:
+            digests = [d if d is not None else digest_of(data)
+                       for data, d in zip(chunks, given, strict=True)]  # fmt: skip
+        hashes = [d.hex() for d in digests]
+        known = self.known
+        with self._lock:
+            self.stats.chunks += len(chunks)
+            self.stats.raw_bytes += sum([len(data) for data in chunks])
+            refs = [known.get(h) for h in hashes]
+        misses = [i for i, ref in enumerate(refs) if ref is None]
+        if misses and self.index is not None:
+            found = self.index.lookup_chunks([(hashes[i], len(chunks[i])) for i in misses])
+            for i, ref in zip(misses, found, strict=True):
+                if ref is not None and not (self.damaged and ref in self.damaged):
+                    refs[i] = ref  # else: the index predates the damage record
+        new: list[int] = []
+        with self._lock:
+            for i, h in enumerate(hashes):
+                ref = refs[i]
+                if ref is not None:
+                    known[h] = ref
+                elif h not in known and h not in self._pending:  # else written or pending
+                    self._pending[h] = None
+                    new.append(i)
+        packed: list[int] = []
+        for i in new:
+            data = chunks[i]
+            if len(data) < self.settings.pack_limit:
+                packed.append(i)
+                continue
+            ref = self._store_loose(data, digests[i], hashes[i], elem_sizes[i])  # not from
+            with self._lock:  # the scheduler: written loose
+                known[hashes[i]] = ref
+                waiting = self._waiting.pop(hashes[i], [])
+            for fut in waiting:
+                fut.set_result(ref)
+        tried = self._worth_trying([chunks[i] for i in packed], [elem_sizes[i] for i in packed])
+        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes, ChunkRef | None]] = []
+        for i in packed:
+            data, elem = chunks[i], elem_sizes[i]
+            if tried[elem]:
+                head, payload = self._encode(data, digests[i], elem)
+            else:
+                head, payload = codec.encode(data, digests[i], compress=False)
+            frames.append((None, hashes[i], len(data), head, bytes(payload), None))
+        self._append_frames(frames)
+        return hashes  # each one's ref is known[h] once finish() flushed the last pack
+
+    def _process(
+        self,
+        data: Buffer,
+        result: Future[ChunkRef],
+        elem_size: int = 0,
+        known_digest: bytes | None = None,
+        base: ChunkRef | None = None,
+    ) -> None:
+        # A digest computed by the caller (the distributed planner) is trusted:
+        # the frame's own digest is re-verified on every read anyway.
+        digest = known_digest if known_digest is not None else digest_of(data)
+        h = digest.hex()
+        size = len(data)
+        with self._lock:
+            self.stats.chunks += 1
+            self.stats.raw_bytes += size
+            ref = self.known.get(h)
+        if ref is None and self.index is not None:
+            ref = self.index.lookup_chunk(h, size)  # no store request
+            if ref is not None and self.damaged and ref in self.damaged:
+                ref = None  # the index predates the damage record
+        with self._lock:
+            if ref is None:
+                ref = self.known.get(h)  # written by another worker meanwhile
+            else:
+                self.known[h] = ref
+            twin = None
+            if ref is None:
+                if h not in self._pending:
+                    self._pending[h] = result
+                elif (twin := self._pending[h]) is None:  # add_small's: no future to chain
+                    self._waiting.setdefault(h, []).append(result)
+                    return  # resolved when its pack (or loose object) is written
+        if ref is not None:
+            result.set_result(ref)
+            return
+        if twin is not None:  # same bytes earlier in this take
+            twin.add_done_callback(lambda f: _copy_result(f, result))
+            return
+        if size >= self.settings.pack_limit:
+            heal = self._heals(h)
+            ref = self._present_loose(digest, h, size, heal)
+            if ref is None:
+                done, choice = self._try_delta(data, digest, h, result, elem_size, base)
+                if done:
+                    return
+                ref = self._write_loose(data, digest, h, elem_size, heal, choice)
+            with self._lock:
+                self.known[h] = ref
+            result.set_result(ref)
+        else:
+            self._append_to_pack(data, digest, h, result, elem_size)
+
+    def _worth_trying(self, chunks: list[Buffer], elem_sizes: list[int]) -> dict[int, bool]:
+        """Per element size, whether zstd is tried on each of these small chunks.
+
+        Judged once for all chunks of one element size (:func:`codec.may_pay`):
+        five trials per chunk of a few hundred bytes cost more than the rest of
+        writing it, and a state of many small tensors is mostly such chunks.
+        """
+        by_elem: dict[int, list[Buffer]] = {}
+        for data, elem in zip(chunks, elem_sizes, strict=True):
+            by_elem.setdefault(elem, []).append(data)
+        if self.settings.compression != "auto":
+            return dict.fromkeys(by_elem, False)
+        level = self.settings.zstd_level
+        return {elem: len(group) < _JUDGED_TOGETHER or codec.may_pay(group, elem, level)
+                for elem, group in by_elem.items()}  # fmt: skip
+
+    def _try_delta(
+        self,
+        data: Buffer,
+        digest: bytes,
+        h: str,
+        result: Future[ChunkRef],
+        elem_size: int,
+        base: ChunkRef | None,
+    ) -> tuple[bool, int | None]:
+        """Append ``data`` as a delta frame to the pack if that pays (casnap.chunks.delta);
+        whether it did, and else the plain codec its test chose (None: not tested).
+
+        Delta frames always go to packs: a pack is never replaced, whereas
+        ``chunks/<h>`` may be rewritten whole by any writer that finds it
+        unreadable, which would break every delta reference to it.
+        """
+        if self.delta is None or base is None or base.hash == h:
+            return False, None
+        if self.damaged and any(link in self.damaged for link in base.chain()):
+            return False, None
+        tensor = self._tensor_of.get(base.hash, "")
+        choice = self.delta.encode(data, digest, elem_size, base, tensor)
+        if choice.frame is None:
+            return False, choice.plain
+        head, payload = choice.frame
+        with self._lock:
+            self.stats.deltas_written += 1
+        self._append_frames([(result, h, len(data), head, payload, base)])
+        return True, None
+
+    def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:
+        """Flush the last pack and wait for ``futures``; raise the first failure."""
+        # Every chunk is resolved, appended to the open pack, or waiting for an
+        # identical chunk once its work item is done; then the last pack flushes.
+        try:
+            with self._lock:
+                work = list(self._work)
+            wait(work)
+            for w in work:
+                exc = w.exception()
+                if exc is not None:
+                    raise exc
+            self._flush_open()
+            return [f.result() for f in futures]
+        finally:
+            self._record_present()
+
+    def _record_present(self) -> None:
+        with self._lock:
+            present, self._present = self._present, []
+        # The index records where a frame is, not its delta base: deltas stay out of it
+        # (a take finds them through its parent's manifest).
+        present = [r for r in present if r.base is None]
+        if self.index is not None and present:
+            self.index.record_chunks(present)  # one LMDB transaction per take
+
+
+def _forward_error(work: Future[None], result: Future[ChunkRef]) -> None:
+    exc = work.exception()
+    if exc is not None and not result.done():
+        result.set_exception(exc)
+
+
+def _copy_result(src: Future[ChunkRef], dst: Future[ChunkRef]) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
