@@ -43,7 +43,7 @@ from casnap.errors import (
     ObjectRefusedError,
 )
 from casnap.format import codec
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.format.manifest_bytes import trusted_chunk_ref
 from casnap.format.names import digest_of, hash_bytes
 from casnap.index import KnownChunks, RepoIndex
