@@ -48,7 +48,8 @@ from casnap.distributed.coordinate import (  # noqa: E402
     manifest_of,
 )
 from casnap.distributed.plan_cache import Gathered, PlanMessage, message_of  # noqa: E402
-from casnap.format.manifest import HEADER_SIZE, ChunkRef, PrimitiveEntry  # noqa: E402
+from casnap.format.codec import HEADER_SIZE  # noqa: E402
+from casnap.format.entries import ChunkRef, PrimitiveEntry  # noqa: E402
 from casnap.index.summaries import summarize
 from casnap.take.plan import RankPlan, ShardedPlan, ShardPlan  # noqa: E402
 

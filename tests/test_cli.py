@@ -210,7 +210,8 @@ def test_inspection_commands_do_not_import_torch(repo_dir):
 
 
 def test_diff_of_sharded_entries_compares_shard_chunks_by_content():
-    from casnap.format.manifest import ChunkRef, Manifest, ShardedEntry, ShardRecord
+    from casnap.format.entries import ChunkRef, ShardedEntry, ShardRecord
+    from casnap.format.manifest import Manifest
 
     def entry(hashes: list[str]) -> ShardedEntry:
         shards = [ShardRecord(offsets=[i * 2, 0], sizes=[2, 4], chunk_size=32,

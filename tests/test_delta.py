@@ -23,8 +23,10 @@ from casnap.errors import (
     UnsupportedFormatError,
 )
 from casnap.format import codec
-from casnap.format.manifest import Manifest, TensorEntry, _parse, parse_manifest
+from casnap.format.entries import TensorEntry
+from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
+from casnap.format.parse import _parse, parse_manifest
 
 CHUNK = 64 * 1024
 ROWS, COLS = 512, 256  # fp32: 512 KiB, 8 chunks of 64 rows

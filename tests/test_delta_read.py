@@ -16,7 +16,7 @@ import torch
 
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.format import codec
-from casnap.format.manifest import TensorEntry
+from casnap.format.entries import TensorEntry
 
 CHUNK = 64 * 1024
 ROWS, COLS = 512, 256  # fp32: 512 KiB, 8 chunks of 64 rows

@@ -10,7 +10,7 @@ import torch
 from dist_harness import run_ranks, values
 
 from casnap.distributed.plan_cache import fingerprint, join, split
-from casnap.format.manifest import ContainerEntry, PrimitiveEntry
+from casnap.format.entries import ContainerEntry, PrimitiveEntry
 from casnap.take.plan import ObjectPlan, RankPlan, ShardedPlan, ShardPlan, TensorPlan
 
 OPTS = {"chunk_size": 4096}

@@ -6,7 +6,7 @@ import torch
 
 from casnap.distributed.plan import assign
 from casnap.format.codec import HEADER_SIZE
-from casnap.format.manifest import ChunkRef, ShardedEntry, ShardRecord
+from casnap.format.entries import ChunkRef, ShardedEntry, ShardRecord
 from casnap.restore.reshard import ShardedSink
 from casnap.take.plan import RankPlan, TensorPlan
 

@@ -42,7 +42,8 @@ from casnap.export import (
     torch_pickle,
     write_torch_archive,
 )
-from casnap.format.manifest import DTYPE_ITEMSIZE, ChunkRef, ContainerEntry, Manifest, TensorEntry
+from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ContainerEntry, TensorEntry
+from casnap.format.manifest import Manifest
 
 CHUNK = 4096
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")

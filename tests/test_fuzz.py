@@ -9,17 +9,11 @@ from hypothesis import strategies as st
 
 from casnap.errors import CasnapError
 from casnap.format import codec
-from casnap.format.manifest import (
-    ChunkRef,
-    Manifest,
-    PrimitiveEntry,
-    TensorEntry,
-    canonical_json,
-    parse_config,
-    parse_manifest,
-    parse_ref,
-)
+from casnap.format.entries import ChunkRef, PrimitiveEntry, TensorEntry
+from casnap.format.json_text import canonical_json
+from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of, hash_bytes
+from casnap.format.parse import parse_config, parse_manifest, parse_ref
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -19,8 +19,8 @@ import torch
 
 from casnap import PickleNotAllowedError, Repository, Snapshot, StateDict
 from casnap.cli import main as cli_main
-from casnap.format.manifest import parse_manifest
 from casnap.format.names import hash_bytes
+from casnap.format.parse import parse_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"

@@ -18,19 +18,18 @@ import pytest
 from casnap.distributed.coordinate import assemble_entries, coordinate, manifest_of
 from casnap.distributed.plan_cache import Gathered, message_of
 from casnap.format.codec import HEADER_SIZE
-from casnap.format.manifest import (
+from casnap.format.entries import (
     ChunkRef,
     ContainerEntry,
-    GroupedEntries,
-    Manifest,
     PrimitiveEntry,
     Quantization,
     ShardedEntry,
     TensorEntry,
-    canonical_json,
-    parse_manifest,
 )
+from casnap.format.json_text import canonical_json
+from casnap.format.manifest import GroupedEntries, Manifest
 from casnap.format.names import hash_bytes
+from casnap.format.parse import parse_manifest
 from casnap.take.plan import ObjectPlan, RankPlan, ShardedPlan, ShardPlan, TensorPlan
 
 WORLD = 6

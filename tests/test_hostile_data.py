@@ -29,7 +29,7 @@ from casnap import (
     TooLargeError,
 )
 from casnap.format import codec
-from casnap.format.manifest import canonical_json
+from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from casnap import (
     UnsupportedFormatError,
 )
 from casnap.errors import StoreError
-from casnap.format.manifest import canonical_json
+from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
 from casnap.store.base import Data, ObjectStore

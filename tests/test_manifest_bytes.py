@@ -12,17 +12,13 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from casnap.format.manifest import (
-    ChunkRef,
-    Dumped,
-    Manifest,
-    RepoConfig,
-    TensorEntry,
-    canonical_json,
-    parse_manifest,
-)
+from casnap.format.entries import ChunkRef, TensorEntry
+from casnap.format.json_text import canonical_json
+from casnap.format.manifest import Dumped, Manifest
 from casnap.format.manifest_bytes import entry_texts, trusted_chunk_ref, trusted_tensor_entry
 from casnap.format.names import hash_bytes
+from casnap.format.parse import parse_manifest
+from casnap.format.records import RepoConfig
 
 DATA = Path(__file__).parent / "data"
 H = [f"{i:064x}" for i in range(1, 9)]

@@ -20,8 +20,10 @@ import pytest
 from casnap.distributed.coordinate import assemble_entries, coordinate, manifest_of
 from casnap.distributed.plan_cache import Gathered, join, message_of
 from casnap.errors import ManifestValidationError
-from casnap.format.manifest import HEADER_SIZE, ChunkRef, ShardedEntry, parse_manifest
+from casnap.format.codec import HEADER_SIZE
+from casnap.format.entries import ChunkRef, ShardedEntry
 from casnap.format.names import hash_bytes
+from casnap.format.parse import parse_manifest
 from casnap.take.plan import RankPlan, TensorPlan, chunks_of
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from casnap import ShapeMismatchError, Snapshot, StateDict
-from casnap.format.manifest import parse_manifest
+from casnap.format.parse import parse_manifest
 
 # torch deprecates creating quantized tensors; the tensors still exist and must be stored.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
@@ -195,7 +195,7 @@ def test_a_stored_quantized_manifest_parses_and_validates(tmp_path: Path) -> Non
     broken["entries"]["0/m/q"]["quantized"]["scales"] = ["0x1p-3"]
     broken["entries"]["0/m/q"]["quantized"]["zero_points"] = [0]
     from casnap.errors import ManifestValidationError
-    from casnap.format.manifest import canonical_json
+    from casnap.format.json_text import canonical_json
     from casnap.format.names import hash_bytes
 
     body = canonical_json(broken)

@@ -10,7 +10,7 @@ import torch
 
 import casnap
 from casnap import KeepLast, KeepTagged, Repository, RetentionPolicy, StateDict
-from casnap.format.manifest import ContainerEntry, TensorEntry
+from casnap.format.entries import ContainerEntry, TensorEntry
 
 
 @pytest.fixture

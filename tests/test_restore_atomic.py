@@ -20,7 +20,8 @@ from casnap import IntegrityError, Repository, Snapshot, StateDict
 from casnap.chunks.write import ChunkWriter
 from casnap.errors import CasnapError, StoreError
 from casnap.format import codec
-from casnap.format.manifest import ChunkRef, Manifest, ShardedEntry, ShardRecord
+from casnap.format.entries import ChunkRef, ShardedEntry, ShardRecord
+from casnap.format.manifest import Manifest
 from casnap.repo.damage import list_damage
 from casnap.repo.repository import now_iso
 from casnap.settings import Settings

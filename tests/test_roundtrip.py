@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from casnap import RNGState, Snapshot, StateDict
-from casnap.format.manifest import DTYPE_ITEMSIZE, ContainerEntry, PrimitiveEntry, TensorEntry
+from casnap.format.entries import DTYPE_ITEMSIZE, ContainerEntry, PrimitiveEntry, TensorEntry
 
 ALL_DTYPES = [
     getattr(torch, n) for n in DTYPE_ITEMSIZE if isinstance(getattr(torch, n, None), torch.dtype)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from casnap import Snapshot, StateDict
-from casnap.format.manifest import json_schemas
+from casnap.format.parse import json_schemas
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,8 @@ import torch
 
 from casnap import Repository, Snapshot
 from casnap.chunks.write import ChunkWriter
-from casnap.format.manifest import Manifest, ShardedEntry, ShardRecord
+from casnap.format.entries import ShardedEntry, ShardRecord
+from casnap.format.manifest import Manifest
 from casnap.repo.repository import now_iso
 from casnap.restore import reshard
 from casnap.settings import Settings

@@ -17,8 +17,8 @@ from casnap import Session, Snapshot, StateDict
 from casnap.chunks import ChunkWriter
 from casnap.chunks.budget import ByteBudget
 from casnap.format import codec
-from casnap.format.manifest import parse_manifest
 from casnap.format.names import hash_bytes
+from casnap.format.parse import parse_manifest
 from casnap.repo.repository import RepoStorage, manifest_key
 from casnap.settings import Settings
 from casnap.take import job

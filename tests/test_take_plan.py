@@ -8,7 +8,7 @@ import torch
 
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.errors import StoreError
-from casnap.format.manifest import canonical_json
+from casnap.format.json_text import canonical_json
 from casnap.repo.repository import manifest_key
 from casnap.store import CountingStore
 

@@ -27,7 +27,7 @@ from casnap import (
     StateDict,
     UnexpectedKeyError,
 )
-from casnap.format.manifest import ContainerEntry, ObjectEntry, PrimitiveEntry, TensorEntry
+from casnap.format.entries import ContainerEntry, ObjectEntry, PrimitiveEntry, TensorEntry
 
 
 def snap_path(tmp_path: Path, name: str = "s1") -> str:

@@ -1,4 +1,4 @@
-"""Write the JSON Schemas of the manifest format into schema/ (after changing manifest.py).
+"""Write the JSON Schemas of the manifest format into schema/ (after changing casnap/format/).
 
 .venv/bin/python tools/export_schema.py          # rewrite schema/*.json
 .venv/bin/python tools/export_schema.py --check  # exit 1 if the files drifted
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from casnap.format.manifest import json_schemas
+from casnap.format.parse import json_schemas
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schema"
 
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
             SCHEMA_DIR.mkdir(exist_ok=True)
             path.write_text(text)
     if drift:
-        print(f"schema files drifted from casnap/manifest.py: {', '.join(drift)}; "
+        print(f"schema files drifted from casnap/format/: {', '.join(drift)}; "
               "run tools/export_schema.py", file=sys.stderr)  # fmt: skip
         return 1
     return 0

@@ -153,7 +153,7 @@ _DEEP = "__casnap_fuzz_deep__"  # a placeholder for nesting too deep to build as
 
 def _dumps(doc: Any, canonical: bool = False) -> bytes:
     """``doc`` as JSON, with each deep-nesting placeholder expanded into ``[[...0...]]``."""
-    from casnap.format.manifest import canonical_json
+    from casnap.format.json_text import canonical_json
 
     blob = canonical_json(doc) if canonical else json.dumps(doc).encode()
     while (at := blob.find(_DEEP.encode())) >= 0:

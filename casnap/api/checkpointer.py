@@ -60,7 +60,7 @@ from casnap.errors import (
     as_path,
     expect_type,
 )
-from casnap.format.manifest import TensorEntry
+from casnap.format.entries import TensorEntry
 from casnap.format.names import check_ref_name
 from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS, ReclaimResult
 from casnap.gc.reclaim import reclaim as reclaim_retired

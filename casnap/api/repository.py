@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from casnap.errors import CasnapError, ConfigError, SnapshotNotFoundError
-from casnap.format.manifest import Manifest, TensorEntry
+from casnap.format.entries import TensorEntry
+from casnap.format.manifest import Manifest
 from casnap.format.names import check_ref_name
 from casnap.gc.collect import DEFAULT_GRACE_SECONDS, DEFAULT_WAIT_SECONDS, GcResult, gc
 from casnap.gc.reclaim import ReclaimResult, reclaim
@@ -48,7 +49,7 @@ from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 if TYPE_CHECKING:
     from casnap.api.snapshot import Snapshot
     from casnap.export.stream import ExportResult
-    from casnap.format.manifest import Entry
+    from casnap.format.entries import Entry
     from casnap.take.session import Session
 
 Progress = Callable[[int, int], None]  # (done, total), for a progress bar

@@ -30,7 +30,8 @@ from casnap.chunks.frames import WriteStats
 from casnap.distributed.group import Group, resolve_group
 from casnap.distributed.take import DistributedJob, prepare_distributed_take
 from casnap.errors import as_names, as_path, expect_type
-from casnap.format.manifest import Entry, Manifest
+from casnap.format.entries import Entry
+from casnap.format.manifest import Manifest
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import read_entry, restore_state
 from casnap.take.collector import paused_collection

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from casnap.errors import CasnapError
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.repo.repository import RepoStorage, pack_key
 
 # Frames further apart than this are fetched by separate ranges; a range is at most

@@ -39,7 +39,7 @@ from casnap.errors import (
     ObjectRefusedError,
 )
 from casnap.format import codec
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.format.names import digest_of
 from casnap.repo.damage import DamagedCopy, record_damage
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from casnap.chunks.damage import base_bytes
 from casnap.errors import CasnapError
 from casnap.format import codec
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 
 Buffer = codec.Buffer

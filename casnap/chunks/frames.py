@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError
 from casnap.format import codec
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.format.manifest_bytes import trusted_chunk_ref
 from casnap.format.names import hash_bytes
 from casnap.repo.damage import DamagedCopy, DamageSet, clear_damage

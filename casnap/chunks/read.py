@@ -28,7 +28,7 @@ from casnap.chunks.damage import (
 )
 from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 
 Buffer = codec.Buffer

@@ -18,7 +18,7 @@ from typing import Any
 from casnap.chunks.delta import DeltaEncoder
 from casnap.chunks.frames import FrameWriter
 from casnap.format import codec
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.format.names import digest_of
 from casnap.index import KnownChunks, RepoIndex
 from casnap.repo.damage import DamageSet

@@ -52,7 +52,7 @@ from casnap.errors import (
     RepositoryNotFoundError,
     UnsupportedFormatError,
 )
-from casnap.format.manifest import (
+from casnap.format.entries import (
     ContainerEntry,
     ObjectEntry,
     PrimitiveEntry,

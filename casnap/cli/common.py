@@ -18,7 +18,7 @@ from casnap.cli.naming import resolve_name
 from casnap.cli.remote import first_contact
 from casnap.display import format_float, format_size, format_time, parse_size
 from casnap.errors import ConfigError
-from casnap.format.manifest import PrimitiveEntry
+from casnap.format.entries import PrimitiveEntry
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
 

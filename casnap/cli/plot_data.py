@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from casnap.format.manifest import ContainerEntry, Entry
+from casnap.format.entries import ContainerEntry, Entry
 from casnap.format.tree import leaf_order
 from casnap.ops.history import EntryDiff, LogLine
 from casnap.ops.retention import SnapshotInfo

@@ -24,7 +24,7 @@ from casnap.cli.plot_data import (
     diff_rows,
     log_points,
 )
-from casnap.format.manifest import Entry
+from casnap.format.entries import Entry
 from casnap.ops.history import EntryDiff, LogLine
 
 INSTALL = "pip install 'casnap[plot]'"

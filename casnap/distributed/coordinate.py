@@ -25,18 +25,16 @@ from typing import Any
 
 from casnap.distributed.plan import assign_sized, settle_replicas
 from casnap.distributed.plan_cache import Gathered, join
+from casnap.format.entries import ChunkRef, Entry, PrimitiveEntry
 from casnap.format.manifest import (
-    GROUPED_FORMAT_VERSION,
     MAX_KEY_LENGTH,
-    ChunkRef,
-    Entry,
     GroupedEntries,
     Groups,
     Manifest,
-    PrimitiveEntry,
     format_version_for,
     rank_ranges,
 )
+from casnap.format.versions import GROUPED_FORMAT_VERSION
 from casnap.repo.repository import now_iso
 from casnap.take.collector import paused_collection
 from casnap.take.plan import RankPlan, build_entries

@@ -43,7 +43,7 @@ from typing import Any
 import blake3
 
 from casnap.distributed.group import Failure, Group, all_gather
-from casnap.format.manifest import ContainerEntry, PrimitiveEntry
+from casnap.format.entries import ContainerEntry, PrimitiveEntry
 from casnap.take.plan import (
     ChunkIds,
     EntryPlan,

@@ -54,7 +54,7 @@ from casnap.distributed.group import (
 from casnap.distributed.plan import LocalData, build_local
 from casnap.distributed.plan_cache import CacheKey, exchange_plans
 from casnap.errors import DistributedTakeError
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import Settings, dist_timeout

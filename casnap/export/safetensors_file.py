@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from casnap.errors import UnsupportedValueError
 from casnap.export.select import ExportItem, plan_export
 from casnap.export.stream import ExportResult, PathLike, Progress, atomic_output, pwrite_all, stream
-from casnap.format.manifest import DTYPE_ITEMSIZE
+from casnap.format.entries import DTYPE_ITEMSIZE
 
 if TYPE_CHECKING:
     from casnap.api.snapshot import Snapshot

@@ -11,13 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from casnap.errors import MissingKeyError, UnsupportedValueError, expect_type
-from casnap.format.manifest import (
-    ContainerEntry,
-    Manifest,
-    ObjectEntry,
-    PrimitiveEntry,
-    TensorEntry,
-)
+from casnap.format.entries import ContainerEntry, ObjectEntry, PrimitiveEntry, TensorEntry
+from casnap.format.manifest import Manifest
 from casnap.format.tree import subtree
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.read import Buffer, read_chunks
 from casnap.errors import OutputSpaceError
 from casnap.export.select import ExportItem
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.settings import Settings
 
 if TYPE_CHECKING:

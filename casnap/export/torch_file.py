@@ -21,7 +21,7 @@ from casnap.errors import UnsupportedValueError
 from casnap.export.select import ExportItem, plan_export
 from casnap.export.stream import ExportResult, PathLike, Progress, atomic_output, stream
 from casnap.export.torch_zip import fold_crcs, plan_torch_archive, write_torch_archive
-from casnap.format.manifest import DTYPE_ITEMSIZE
+from casnap.format.entries import DTYPE_ITEMSIZE
 from casnap.torch_io.tensors import torch_dtype
 
 if TYPE_CHECKING:

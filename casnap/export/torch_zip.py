@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass
 
 from casnap.export.stream import pwrite_all
-from casnap.format.manifest import TensorEntry
+from casnap.format.entries import TensorEntry
 
 _U32 = 0xFFFFFFFF
 _ALIGNMENT = 64  # torch.utils.serialization.config.save.storage_alignment

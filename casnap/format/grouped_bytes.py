@@ -21,15 +21,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from casnap.format.manifest import (
-    ChunkRef,
-    Entry,
-    Groups,
-    Manifest,
-    ShardedEntry,
-    TensorEntry,
-    canonical_json,
-)
+from casnap.format.entries import ChunkRef, Entry, ShardedEntry, TensorEntry
+from casnap.format.json_text import canonical_json
+from casnap.format.manifest import Groups, Manifest
 
 
 def _dumped(entry: Entry | ChunkRef) -> str:

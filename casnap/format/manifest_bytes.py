@@ -15,7 +15,7 @@ order, which is what lets the entries be spliced in.
 values casnap computed itself (a hash it took, a shape torch reported)
 without running the validators, which cost more than the rest of building
 the entry. Everything read from a store still goes through
-:func:`~casnap.format.manifest.parse_manifest`, and tests check that a
+:func:`~casnap.format.parse.parse_manifest`, and tests check that a
 take's manifest parses back equal to what the take built.
 """
 
@@ -25,16 +25,9 @@ import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from casnap.format.manifest import (
-    MAX_KEY_LENGTH,
-    ChunkRef,
-    Dumped,
-    Entry,
-    Manifest,
-    Quantization,
-    TensorEntry,
-    canonical_json,
-)
+from casnap.format.entries import ChunkRef, Entry, Quantization, TensorEntry
+from casnap.format.json_text import canonical_json
+from casnap.format.manifest import MAX_KEY_LENGTH, Dumped, Manifest
 
 M = TypeVar("M", ChunkRef, TensorEntry)
 _REF_FIELDS = {"hash", "size", "pack", "offset", "length", "base"}

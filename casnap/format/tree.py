@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from casnap.errors import ManifestValidationError
-from casnap.format.manifest import ContainerEntry, Entry
+from casnap.format.entries import ContainerEntry, Entry
 from casnap.format.names import escape_key
 
 

@@ -44,8 +44,9 @@ from casnap.errors import (
     ManifestValidationError,
     ObjectNotFoundError,
 )
-from casnap.format.manifest import MAX_RECORD_BYTES, load_json
+from casnap.format.json_text import load_json
 from casnap.format.names import hash_bytes
+from casnap.format.parse import MAX_RECORD_BYTES
 from casnap.gc.plan import (
     LEASE_TEMP_MIN_AGE,
     Garbage,

@@ -30,7 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from casnap.errors import CasnapError, SnapshotNotFoundError
-from casnap.format.manifest import ChunkRef, Manifest
+from casnap.format.entries import ChunkRef
+from casnap.format.manifest import Manifest
 from casnap.index.lmdb_store import (
     GC_EPOCH_KEY,
     INDEX_FORMAT,

@@ -25,8 +25,9 @@ import blake3
 import lmdb
 
 from casnap.errors import ObjectNotFoundError, StoreError
-from casnap.format.manifest import MAX_RECORD_BYTES, ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.format.names import check_hash
+from casnap.format.parse import MAX_RECORD_BYTES
 from casnap.index.lmdb_files import (
     MAX_READERS,
     check_data_file,

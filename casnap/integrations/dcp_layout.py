@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from casnap.errors import ManifestValidationError, UnsupportedValueError
-from casnap.format.manifest import ContainerEntry, Entry
+from casnap.format.entries import ContainerEntry, Entry
 from casnap.format.names import escape_key, unescape_key
 
 DCP_METADATA = "dcp"  # the key of DCP's own fields in a manifest's metadata

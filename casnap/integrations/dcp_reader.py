@@ -39,17 +39,17 @@ from torch.futures import Future
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.read import Buffer, read_chunks
 from casnap.errors import ConfigError, IntegrityError
-from casnap.format.manifest import (
+from casnap.format.entries import (
     DTYPE_ITEMSIZE,
     ChunkRef,
     ContainerEntry,
-    Manifest,
     ObjectEntry,
     PrimitiveEntry,
     ShardedEntry,
     ShardRecord,
     TensorEntry,
 )
+from casnap.format.manifest import Manifest
 from casnap.integrations.dcp_layout import key_fqns, read_record
 from casnap.integrations.dcp_writer import _as_path, _valid_id
 from casnap.repo.repository import RepoStorage, locate

@@ -52,20 +52,19 @@ from casnap.chunks.budget import ByteBudget
 from casnap.chunks.frames import WriteStats
 from casnap.chunks.write import ChunkWriter
 from casnap.errors import ConfigError, SnapshotExistsError, UnsupportedValueError
-from casnap.format.manifest import (
+from casnap.format.entries import (
     ChunkRef,
     Entry,
-    Manifest,
     ObjectEntry,
     PrimitiveEntry,
-    Ref,
     ShardedEntry,
     ShardRecord,
     TensorEntry,
-    record_bytes,
 )
+from casnap.format.manifest import Manifest
 from casnap.format.manifest_bytes import entry_texts
 from casnap.format.names import is_hashed_key
+from casnap.format.records import Ref, record_bytes
 from casnap.integrations.dcp_layout import (
     DCP_METADATA,
     containers,

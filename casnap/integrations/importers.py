@@ -42,7 +42,7 @@ from casnap.errors import (
     as_path,
     expect_type,
 )
-from casnap.format.manifest import ContainerEntry
+from casnap.format.entries import ContainerEntry
 from casnap.format.names import escape_key
 from casnap.format.tree import child_key
 from casnap.integrations.import_dcp import open_dcp

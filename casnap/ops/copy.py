@@ -52,8 +52,10 @@ from casnap.errors import (
     SnapshotNotFoundError,
 )
 from casnap.format import codec
-from casnap.format.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest, parse_manifest
+from casnap.format.entries import ChunkRef
+from casnap.format.manifest import Manifest
 from casnap.format.names import hash_bytes
+from casnap.format.parse import MAX_MANIFEST_BYTES, parse_manifest
 from casnap.repo.leases import Lease, hold_lease
 from casnap.repo.reach import reached_objects
 from casnap.repo.repository import RepoStorage, manifest_key

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from casnap.errors import CasnapError
-from casnap.format.manifest import ChunkRef, Manifest, ObjectEntry, ShardedEntry, TensorEntry
+from casnap.format.entries import ChunkRef, ObjectEntry, ShardedEntry, TensorEntry
+from casnap.format.manifest import Manifest
 from casnap.index import manifest_summaries
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import list_damage

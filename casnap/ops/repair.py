@@ -35,7 +35,8 @@ from casnap.chunks.damage import read_copy
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
-from casnap.format.manifest import ChunkRef, Manifest
+from casnap.format.entries import ChunkRef
+from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.ops.verify import Holder, VerifyReport, roots, verify
 from casnap.repo.damage import DamagedCopy, clear_damage, list_damage

@@ -37,7 +37,7 @@ from casnap.errors import (
     UnsupportedFormatError,
     expect_type,
 )
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import DAMAGED, list_damage
 from casnap.repo.named import stored_names

@@ -9,7 +9,7 @@ verified reader, :mod:`casnap.chunks.read`) records the damaged copy here::
 The key alone names the damaged copy, so a take learns every record with one
 listing (normally of an empty folder) and stops trusting those copies: its
 parents' manifests, the session's last plan and the local index may all still
-name them. The body (:class:`~casnap.format.manifest.DamageRecord`) is for
+name them. The body (:class:`~casnap.format.records.DamageRecord`) is for
 people and a later ``repair``.
 
 Recording is always safe, even when wrong: it only makes the next take that
@@ -27,7 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from casnap.errors import CasnapError
-from casnap.format.manifest import ChunkRef, DamageRecord, canonical_json
+from casnap.format.entries import ChunkRef
+from casnap.format.json_text import canonical_json
+from casnap.format.records import DamageRecord
 from casnap.repo.repository import RepoStorage, now_iso
 
 DAMAGED = "damaged"

@@ -57,7 +57,8 @@ from casnap.errors import (  # noqa: F401  (defined in errors.py)
     ObjectRefusedError,
     StoreError,
 )
-from casnap.format.manifest import MAX_RECORD_BYTES, canonical_json, load_json
+from casnap.format.json_text import canonical_json, load_json
+from casnap.format.parse import MAX_RECORD_BYTES
 from casnap.repo.repository import RepoStorage
 from casnap.settings import lease_ttl
 from casnap.store import ObjectStore

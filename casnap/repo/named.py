@@ -24,7 +24,7 @@ from casnap.errors import (
     ManifestValidationError,
     ObjectNotFoundError,
 )
-from casnap.format.manifest import MAX_RECORD_BYTES, Ref, TagRecord, load_json
+from casnap.format.json_text import load_json
 from casnap.format.names import (
     MAX_NAME_KEY_BYTES,
     check_hashed_key,
@@ -35,6 +35,8 @@ from casnap.format.names import (
     legacy_key,
     name_key,
 )
+from casnap.format.parse import MAX_RECORD_BYTES
+from casnap.format.records import Ref, TagRecord
 from casnap.store import ObjectStore
 
 # The field of a record under a hashed key that says its name, per folder.

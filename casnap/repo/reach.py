@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from casnap.format.manifest import ChunkRef, Manifest
+from casnap.format.entries import ChunkRef
+from casnap.format.manifest import Manifest
 from casnap.repo.repository import chunk_key, pack_key
 
 

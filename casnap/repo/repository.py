@@ -30,20 +30,18 @@ from casnap.errors import (
     as_path,
     expect_type,
 )
-from casnap.format.manifest import (
-    FORMAT_VERSION,
+from casnap.format.json_text import canonical_json
+from casnap.format.manifest import Manifest
+from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key, name_key
+from casnap.format.parse import (
     MAX_MANIFEST_BYTES,
     MAX_RECORD_BYTES,
-    Manifest,
-    Ref,
-    RepoConfig,
-    canonical_json,
     parse_config,
     parse_manifest,
     parse_ref,
-    record_bytes,
 )
-from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key, name_key
+from casnap.format.records import Ref, RepoConfig, record_bytes
+from casnap.format.versions import FORMAT_VERSION
 from casnap.repo.named import check_recorded_name, named_keys, names_in
 from casnap.settings import DEFAULT_CHUNK_SIZE
 from casnap.store import ObjectStore, open_store

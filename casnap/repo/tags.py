@@ -38,8 +38,10 @@ from casnap.errors import (
     SnapshotNotFoundError,
     expect_type,
 )
-from casnap.format.manifest import MAX_RECORD_BYTES, TagRecord, load_json, record_bytes
+from casnap.format.json_text import load_json
 from casnap.format.names import check_ref_name, is_hashed_key, name_key
+from casnap.format.parse import MAX_RECORD_BYTES
+from casnap.format.records import TagRecord, record_bytes
 from casnap.repo.leases import hold_lease
 from casnap.repo.named import check_recorded_name, named_keys, names_in
 from casnap.repo.repository import RepoStorage, manifest_key, now_iso

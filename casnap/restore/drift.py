@@ -10,7 +10,8 @@ import torch
 
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.read import read_chunks
-from casnap.format.manifest import ChunkRef, Manifest, TensorEntry
+from casnap.format.entries import ChunkRef, TensorEntry
+from casnap.format.manifest import Manifest
 from casnap.ops.history import EntryDiff
 from casnap.repo.repository import RepoStorage
 from casnap.settings import DEFAULT_IO_WORKERS

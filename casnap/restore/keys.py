@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from casnap.errors import MissingKeyError, UnexpectedKeyError
-from casnap.format.manifest import ContainerEntry, Manifest
+from casnap.format.entries import ContainerEntry
+from casnap.format.manifest import Manifest
 
 MAX_LISTED = 8
 

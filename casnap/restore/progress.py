@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 
 Progress = Callable[[int, int], None]  # (done_bytes, total_bytes)
 

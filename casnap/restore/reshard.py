@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from casnap.errors import IntegrityError, ShapeMismatchError
-from casnap.format.manifest import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, ShardRecord
+from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, ShardRecord
 from casnap.torch_io.sharded import LocalShard, global_shape, target_regions
 from casnap.torch_io.tensors import byte_view, copy_bits, dtype_name, torch_dtype
 

@@ -26,13 +26,8 @@ from casnap.errors import (
     PickleNotAllowedError,
     UnsupportedValueError,
 )
-from casnap.format.manifest import (
-    ChunkRef,
-    Manifest,
-    ObjectEntry,
-    ShardedEntry,
-    TensorEntry,
-)
+from casnap.format.entries import ChunkRef, ObjectEntry, ShardedEntry, TensorEntry
+from casnap.format.manifest import Manifest
 from casnap.format.names import escape_key
 from casnap.format.tree import subtree
 from casnap.repo.repository import RepoStorage

@@ -35,15 +35,8 @@ from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.frames import WriteStats
 from casnap.chunks.write import ChunkWriter
 from casnap.errors import UnsupportedValueError
-from casnap.format.manifest import (
-    ChunkRef,
-    ContainerEntry,
-    Entry,
-    Manifest,
-    PrimitiveEntry,
-    TensorEntry,
-    format_version_for,
-)
+from casnap.format.entries import ChunkRef, ContainerEntry, Entry, PrimitiveEntry, TensorEntry
+from casnap.format.manifest import Manifest, format_version_for
 from casnap.format.manifest_bytes import trusted_manifest
 from casnap.repo.leases import Lease, hold_lease
 from casnap.repo.repository import RepoStorage, now_iso

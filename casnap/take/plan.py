@@ -20,12 +20,10 @@ from fnmatch import fnmatchcase
 
 from casnap import index
 from casnap.errors import CasnapError
-from casnap.format.manifest import (
+from casnap.format.entries import (
     ChunkRef,
     ContainerEntry,
-    Dumped,
     Entry,
-    Manifest,
     ObjectEntry,
     PrimitiveEntry,
     Quantization,
@@ -33,6 +31,7 @@ from casnap.format.manifest import (
     ShardRecord,
     TensorEntry,
 )
+from casnap.format.manifest import Dumped, Manifest
 from casnap.format.manifest_bytes import trusted_tensor_entry
 from casnap.index import KnownChunks
 from casnap.repo.damage import DamageSet, damage_set

@@ -35,7 +35,7 @@ import torch
 
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.write import BatchItem, ChunkBatcher, ChunkWriter
-from casnap.format.manifest import ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.settings import Settings
 from casnap.torch_io.staging import PieceCopy, StagingFull, StagingPool, raw_bytes
 from casnap.torch_io.tensors import byte_view, host_view

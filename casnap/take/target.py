@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from casnap.errors import ShapeMismatchError, SnapshotExistsError, UnsupportedValueError
-from casnap.format.manifest import canonical_json
+from casnap.format.json_text import canonical_json
 from casnap.format.names import escape_key
 from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import Settings, io_workers_for, is_set

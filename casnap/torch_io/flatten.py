@@ -25,7 +25,7 @@ from casnap.errors import (
     PickleNotAllowedError,
     UnsupportedValueError,
 )
-from casnap.format.manifest import (
+from casnap.format.entries import (
     ContainerEntry,
     Entry,
     ObjectEntry,

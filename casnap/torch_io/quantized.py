@@ -2,7 +2,7 @@
 
 A ``qint8``/``quint8``/``qint32`` tensor is stored as ``int_repr()`` (chunked,
 hashed and deduplicated like any integer tensor) and a
-:class:`~casnap.format.manifest.Quantization` record: the quantized dtype, the
+:class:`~casnap.format.entries.Quantization` record: the quantized dtype, the
 qscheme and its parameters, floats as exact ``float.hex``. Rebuilding from
 those gives back a tensor with the same integers and bit-identical
 parameters (docs/format.md, "Quantized tensors").
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from casnap.errors import ShapeMismatchError, UnsupportedValueError
-from casnap.format.manifest import QUANTIZED_STORAGE, Quantization, TensorEntry
+from casnap.format.entries import QUANTIZED_STORAGE, Quantization, TensorEntry
 
 _QDTYPES = {"qint8": torch.qint8, "quint8": torch.quint8, "qint32": torch.qint32}
 _QNAME = {dt: name for name, dt in _QDTYPES.items()}

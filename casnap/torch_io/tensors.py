@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from casnap.errors import ShapeMismatchError, UnsupportedValueError
-from casnap.format.manifest import DTYPE_ITEMSIZE
+from casnap.format.entries import DTYPE_ITEMSIZE
 
 _BY_NAME: dict[str, torch.dtype] = {}
 for _name in DTYPE_ITEMSIZE:

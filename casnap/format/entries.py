@@ -1,0 +1,352 @@
+"""Manifest entries: how each value of a snapshot is stored (docs/format.md, "Entries").
+
+One pydantic model per entry ``kind`` (a dense tensor, a primitive, a container,
+a pickled object, a sharded tensor), the chunk references they hold, and the
+base model and field types every serialized record shares. Each validator
+checks an entry's arithmetic (shape x itemsize against its chunks, overflow
+checked) so a reader can trust the sizes before it allocates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+from casnap.format.codec import HEADER_SIZE, MAX_CHUNK_SIZE
+from casnap.format.names import HASH_HEX_LEN
+
+# The longest delta chain a reader follows (a writer's bound, CASNAP_DELTA_MAX_CHAIN,
+# is at most this): it bounds the recursion of validation and of every read.
+MAX_DELTA_CHAIN = 64
+MAX_BYTES = 1 << 62  # largest tensor / object / offset accepted from a manifest
+
+# Element sizes by dtype name (the name is torch's, without "torch.").
+# Kept here so that listing, du and verify never need to import torch.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "complex32": 4, "complex64": 8, "complex128": 16,
+    "bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
+}  # fmt: skip
+
+HashStr = Annotated[str, Field(min_length=HASH_HEX_LEN, max_length=HASH_HEX_LEN,
+                               pattern=r"^[0-9a-f]{64}$")]  # fmt: skip
+Size = Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]
+ChunkSize = Annotated[int, Field(ge=1, le=MAX_CHUNK_SIZE), StrictInt]
+
+
+class FormatModel(BaseModel):
+    """The base of every serialized model: frozen, and unknown fields are refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _PerRank:
+    """``replicated`` for entries casnap never replicates across ranks (torchsnapshot's field).
+
+    Only dense tensors are written once for every rank (docs/distributed.md);
+    primitives, containers and pickled objects are each rank's own, and a
+    sharded entry holds every rank's shards. Read-only: not stored.
+    """
+
+    @property
+    def replicated(self) -> bool:
+        return False
+
+
+def _no_base(base: ChunkRef | None) -> bool:
+    return base is None
+
+
+class ChunkRef(FormatModel):
+    """Where one chunk lives: a loose object (``pack`` is null) or a frame inside a pack.
+
+    ``base`` (format 2.0): the frame is a delta against that chunk, which the
+    reader rebuilds first (recursively: a base may be a delta too). Left out
+    of the JSON when absent, so other references are unchanged.
+    """
+
+    hash: HashStr
+    size: Size  # raw (uncompressed) bytes
+    pack: HashStr | None = None
+    offset: Size = 0  # frame offset inside the pack; 0 for a loose chunk
+    length: Annotated[int, Field(ge=HEADER_SIZE, le=MAX_BYTES), StrictInt]  # frame bytes
+    base: ChunkRef | None = Field(default=None, exclude_if=_no_base)
+
+    @property
+    def depth(self) -> int:
+        """Delta links to follow to rebuild this chunk: 0 for a whole frame."""
+        n, ref = 0, self.base
+        while ref is not None:
+            n, ref = n + 1, ref.base
+        return n
+
+    def chain(self) -> list[ChunkRef]:
+        """This reference and its bases, newest first, the whole frame last."""
+        out, ref = [self], self.base
+        while ref is not None:
+            out.append(ref)
+            ref = ref.base
+        return out
+
+    @model_validator(mode="after")
+    def _loose_at_zero(self) -> ChunkRef:
+        if self.base is not None:
+            if self.base.size != self.size or self.base.hash == self.hash:
+                raise ValueError("a delta's base is another chunk of the same size")
+            if self.base.depth >= MAX_DELTA_CHAIN:
+                raise ValueError(f"a delta chain is at most {MAX_DELTA_CHAIN} links long")
+        if self.pack is None and self.offset != 0:
+            raise ValueError("a loose chunk has offset 0")
+        if self.size > MAX_CHUNK_SIZE:
+            raise ValueError(f"a chunk holds at most {MAX_CHUNK_SIZE} bytes")
+        if self.length > HEADER_SIZE + self.size:
+            # A writer stores a chunk raw unless compression makes it smaller, so a
+            # longer frame is damage; the bound keeps ranged reads to what is declared.
+            raise ValueError(f"frame length {self.length} exceeds header + {self.size} raw bytes")
+        return self
+
+
+def _check_chunks(chunks: list[ChunkRef], nbytes: int, chunk_size: int) -> None:
+    expected = math.ceil(nbytes / chunk_size) if nbytes else 0
+    if len(chunks) != expected:
+        raise ValueError(f"{len(chunks)} chunks for {nbytes} bytes of chunk_size {chunk_size}")
+    for i, ref in enumerate(chunks):
+        want = min(chunk_size, nbytes - i * chunk_size)
+        if ref.size != want:
+            raise ValueError(f"chunk {i} holds {ref.size} bytes, expected {want}")
+
+
+# A quantized dtype's integer representation (``int_repr()``), which is what is stored.
+QUANTIZED_STORAGE: dict[str, str] = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}
+MAX_CHANNELS = 1 << 24  # per-channel parameters are inline JSON: bound them
+
+
+class Quantization(FormatModel):
+    """How a quantized tensor's stored integers map back to it (format 1.2).
+
+    The entry's ``dtype`` is the integer representation (``int8`` for
+    ``qint8``); ``dtype`` here is the quantized dtype. ``per_tensor_affine``
+    has ``scale`` (a float as exact ``float.hex``) and ``zero_point``;
+    ``per_channel_affine`` has one scale and zero point per index of ``axis``.
+    """
+
+    dtype: Literal["qint8", "quint8", "qint32"]
+    qscheme: Literal["per_tensor_affine", "per_channel_affine"]
+    scale: StrictStr | None = None
+    zero_point: StrictInt | None = None
+    axis: Annotated[int, Field(ge=0, le=63), StrictInt] | None = None
+    scales: tuple[StrictStr, ...] | None = Field(default=None, max_length=MAX_CHANNELS)
+    zero_points: tuple[StrictInt, ...] | None = Field(default=None, max_length=MAX_CHANNELS)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Quantization:
+        per_tensor = (self.scale, self.zero_point)
+        per_channel = (self.axis, self.scales, self.zero_points)
+        if self.qscheme == "per_tensor_affine":
+            if None in per_tensor or any(v is not None for v in per_channel):
+                raise ValueError("per_tensor_affine has scale and zero_point only")
+        elif any(v is not None for v in per_tensor) or None in per_channel:
+            raise ValueError("per_channel_affine has axis, scales and zero_points only")
+        elif len(self.scales or ()) != len(self.zero_points or ()):
+            raise ValueError("per_channel_affine needs as many zero_points as scales")
+        return self
+
+
+def _not_quantized(q: Quantization | None) -> bool:
+    return q is None
+
+
+class TensorEntry(FormatModel):
+    """A dense tensor stored as raw little-endian bytes in row-major order.
+
+    A quantized tensor is stored as its integer representation, with
+    ``quantized`` saying how to rebuild it; the field is left out of the
+    JSON of every other tensor, so their manifests are unchanged.
+    """
+
+    kind: Literal["tensor"] = "tensor"
+    dtype: StrictStr
+    shape: list[Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]]
+    chunk_size: ChunkSize
+    chunks: list[ChunkRef]
+    replicated: StrictBool = False
+    quantized: Quantization | None = Field(default=None, exclude_if=_not_quantized)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def type(self) -> str:
+        """torchsnapshot's entry type name."""
+        return "Tensor"
+
+    @model_validator(mode="after")
+    def _arithmetic(self) -> TensorEntry:
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if len(self.shape) > 64:
+            raise ValueError("more than 64 dimensions")
+        nbytes = DTYPE_ITEMSIZE[self.dtype]
+        for dim in self.shape:  # overflow-checked product
+            nbytes *= dim
+            if nbytes > MAX_BYTES:
+                raise ValueError("tensor size overflows")
+        _check_chunks(self.chunks, nbytes, self.chunk_size)
+        q = self.quantized
+        if q is not None:
+            if QUANTIZED_STORAGE[q.dtype] != self.dtype:
+                raise ValueError(f"a {q.dtype} tensor is stored as {QUANTIZED_STORAGE[q.dtype]}")
+            if q.axis is not None and (
+                q.axis >= len(self.shape) or len(q.scales or ()) != self.shape[q.axis]
+            ):
+                raise ValueError("per-channel parameters do not match the shape")
+        return self
+
+
+PrimitiveType = Literal["int", "float", "bool", "str", "none", "bytes", "complex", "dtype"]
+
+
+class PrimitiveEntry(_PerRank, FormatModel):
+    """A Python scalar stored inline as JSON (floats as exact hex strings)."""
+
+    kind: Literal["primitive"] = "primitive"
+    type: PrimitiveType
+    value: StrictBool | StrictInt | StrictStr | None | list[StrictStr]
+
+    @property
+    def readable(self) -> str | None:
+        """A float's value as ``str(value)`` (torchsnapshot's field); None for other types."""
+        if self.type != "float" or not isinstance(self.value, str):
+            return None
+        if self.value.startswith("nan:"):
+            return "nan"  # a NaN with a sign or payload (docs/format.md)
+        try:
+            return str(float.fromhex(self.value))
+        except ValueError:
+            return None
+
+
+class ContainerEntry(_PerRank, FormatModel):
+    """A dict, OrderedDict, list or tuple; its members are entries under ``<key>/<member>``."""
+
+    kind: Literal["container"] = "container"
+    type: Literal["dict", "OrderedDict", "list", "tuple"]
+    keys: list[StrictInt | StrictStr]
+
+
+class ObjectEntry(_PerRank, FormatModel):
+    """An arbitrary Python object, pickled. Loading it needs an explicit opt-in."""
+
+    kind: Literal["object"] = "object"
+    serializer: Literal["pickle"]
+    type_name: StrictStr
+    size: Size
+    chunk_size: ChunkSize
+    chunks: list[ChunkRef]
+
+    @property
+    def type(self) -> str:
+        """torchsnapshot's entry type name."""
+        return "object"
+
+    @property
+    def obj_type(self) -> str:
+        """torchsnapshot's name for :attr:`type_name`."""
+        return self.type_name
+
+    @model_validator(mode="after")
+    def _arithmetic(self) -> ObjectEntry:
+        _check_chunks(self.chunks, self.size, self.chunk_size)
+        return self
+
+
+MAX_SHARDS = 1 << 16
+
+
+class ShardRecord(FormatModel):
+    """One stored shard of a sharded tensor: the box ``offsets``..``offsets+sizes``, row-major."""
+
+    offsets: list[Size]
+    sizes: list[Size]
+    chunk_size: ChunkSize
+    chunks: list[ChunkRef]
+
+
+class ShardedEntry(_PerRank, FormatModel):
+    """A tensor stored as shards with global offsets (a DTensor or a ShardedTensor).
+
+    Every rank's key holds the same entry: the global shape and every unique
+    shard of the job, so a restore onto any world size or placement finds the
+    shards that overlap its own (docs/distributed.md).
+    """
+
+    kind: Literal["sharded"] = "sharded"
+    layout: Literal["dtensor", "sharded_tensor"]
+    dtype: StrictStr
+    shape: list[Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]]
+    shards: list[ShardRecord]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def type(self) -> str:
+        """torchsnapshot's entry type name."""
+        return "ShardedTensor"
+
+    @model_validator(mode="after")
+    def _arithmetic(self) -> ShardedEntry:
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if len(self.shape) > 64:
+            raise ValueError("more than 64 dimensions")
+        if len(self.shards) > MAX_SHARDS:
+            raise ValueError(f"more than {MAX_SHARDS} shards")
+        total = DTYPE_ITEMSIZE[self.dtype]
+        for dim in self.shape:
+            total *= dim
+            if total > MAX_BYTES:
+                raise ValueError("tensor size overflows")
+        for i, shard in enumerate(self.shards):
+            if len(shard.offsets) != len(self.shape) or len(shard.sizes) != len(self.shape):
+                raise ValueError(f"shard {i} has a different rank than the tensor")
+            nbytes = DTYPE_ITEMSIZE[self.dtype]
+            for off, size, dim in zip(shard.offsets, shard.sizes, self.shape, strict=True):
+                if off + size > dim:
+                    raise ValueError(f"shard {i} lies outside the tensor")
+                nbytes *= size
+            _check_chunks(shard.chunks, nbytes, shard.chunk_size)
+        return self
+
+
+Entry = Annotated[
+    TensorEntry | PrimitiveEntry | ContainerEntry | ObjectEntry | ShardedEntry,
+    Field(discriminator="kind"),
+]
+DataEntry = TensorEntry | ObjectEntry
+
+
+def chunks_of(e: Entry) -> list[ChunkRef]:
+    """The chunks an entry holds (none for a primitive or a container); not their delta bases."""
+    if isinstance(e, (TensorEntry, ObjectEntry)):
+        return e.chunks
+    if isinstance(e, ShardedEntry):
+        return [c for shard in e.shards for c in shard.chunks]
+    return []

@@ -1,0 +1,125 @@
+"""Parsing untrusted repository documents: manifests, the config, refs and damage records.
+
+Everything read from a store is untrusted: :func:`parse_manifest` checks
+size, hash, version, structure and the arithmetic of every entry before a
+caller allocates or reads; every failure is a ``ManifestValidationError``
+(or ``UnsupportedFormatError`` for a version this casnap cannot read).
+:func:`json_schemas` exports the models' JSON Schemas into ``schema/``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from casnap.errors import ManifestValidationError, UnsupportedFormatError
+from casnap.format.entries import FormatModel
+from casnap.format.json_text import load_json
+from casnap.format.manifest import Manifest
+from casnap.format.names import check_hash, hash_bytes
+from casnap.format.records import DamageRecord, Ref, RepoConfig, TagRecord
+from casnap.format.versions import DELTA_FORMAT_VERSION, FORMAT_MAJOR, MANIFEST_MAJORS
+
+MAX_MANIFEST_BYTES = 1 << 30
+# Refs, the config, tags, leases, gc records and damage records are a few
+# hundred bytes; a reader refuses anything larger before reading it.
+MAX_RECORD_BYTES = 64 << 10
+
+
+def check_version(version: str, what: str, majors: tuple[int, ...] = (FORMAT_MAJOR,)) -> None:
+    try:
+        major = int(version.split(".", 1)[0])
+    except ValueError as exc:
+        raise UnsupportedFormatError(f"{what}: malformed format_version {version!r}") from exc
+    if major not in majors:
+        shown = " and ".join(str(m) for m in majors)
+        raise UnsupportedFormatError(
+            f"{what} has format version {version}; this casnap reads major version "
+            f"{shown} only — upgrade casnap to read it"
+        )
+
+
+def _parse(
+    model: type[FormatModel],
+    data: bytes,
+    what: str,
+    *,
+    versioned: bool = False,
+    majors: tuple[int, ...] = (FORMAT_MAJOR,),
+) -> Any:
+    raw = load_json(data, what)
+    if versioned and isinstance(raw, dict) and "format_version" not in raw:
+        # A default would read any document as the current version (docs/format.md).
+        raise ManifestValidationError(
+            f"{what} has no format_version; every casnap manifest and config names its "
+            "format, so this is not one (or it is damaged)",
+            what,
+        )
+    if isinstance(raw, dict) and isinstance(raw.get("format_version"), str):
+        check_version(raw["format_version"], what, majors)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ManifestValidationError(
+            f"{what} is malformed at {where}: {first['msg']} ({exc.error_count()} problem(s))",
+            what,
+        ) from exc
+
+
+def parse_manifest(data: bytes, name: str) -> Manifest:
+    """Validate an untrusted manifest; ``name`` is its hash, checked against the bytes."""
+    check_hash(name, "manifest name")
+    what = f"manifest {name}"
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestValidationError(f"{what} is larger than {MAX_MANIFEST_BYTES} bytes", name)
+    if hash_bytes(data) != name:
+        raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
+    manifest: Manifest = _parse(Manifest, data, what, versioned=True, majors=MANIFEST_MAJORS)
+    try:
+        manifest = manifest.expanded()
+    except ValueError as exc:
+        raise ManifestValidationError(f"{what} is malformed at rank_groups: {exc}", name) from exc
+    _check_delta_version(manifest, what)
+    return manifest
+
+
+def _check_delta_version(manifest: Manifest, what: str) -> None:
+    """A delta reference in a manifest of major 1 is refused: major-1 readers cannot read it."""
+    if manifest.format_version.split(".", 1)[0] == "1" and any(
+        r.base is not None for r in manifest.distinct_refs()
+    ):
+        raise ManifestValidationError(
+            f"{what} has format version {manifest.format_version} but holds delta chunks "
+            f"(format {DELTA_FORMAT_VERSION})",
+            what,
+        )
+
+
+def parse_config(data: bytes) -> RepoConfig:
+    what = "repository config .casnap/config.json"
+    config: RepoConfig = _parse(RepoConfig, data, what, versioned=True)
+    return config
+
+
+def parse_ref(data: bytes, name: str) -> Ref:
+    ref: Ref = _parse(Ref, data, f"ref {name!r}")
+    return ref
+
+
+def parse_damage_record(data: bytes, key: str) -> DamageRecord:
+    record: DamageRecord = _parse(DamageRecord, data, f"damage record {key!r}")
+    return record
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """The JSON Schemas exported into ``schema/`` (see tools/export_schema.py)."""
+    return {
+        "manifest-v1.schema.json": Manifest.model_json_schema(),
+        "config-v1.schema.json": RepoConfig.model_json_schema(),
+        "ref-v1.schema.json": Ref.model_json_schema(),
+        "tag-v1.schema.json": TagRecord.model_json_schema(),
+        "damage-v1.schema.json": DamageRecord.model_json_schema(),
+    }
