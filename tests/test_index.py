@@ -18,7 +18,7 @@ import repo_helpers
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
-from casnap import Repository, Snapshot, StateDict, index
+from casnap import Repository, Session, Snapshot, StateDict, index
 from casnap.index import lmdb_store as index_lmdb
 from casnap.ops.history import stored_bytes
 from casnap.store import CountingStore, FsspecStore
@@ -340,3 +340,26 @@ def test_an_index_folder_on_a_network_filesystem_is_not_used(tmp_path, monkeypat
     store.reset()
     take(repo, "s2", state)  # works, as without an index
     assert store.requests["get_range"] == len(loose_chunks(s1))
+
+
+def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(tmp_path):
+    """The summary a session's commit records reuses the work of the entry objects the
+    previous take kept (SummaryMemo); what it records must equal a summary built from
+    the manifest read back, for an unchanged re-take, a few changed tensors and a delta."""
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    session = Session()
+    state = mixed_state(0)
+    steps = [lambda: None, lambda: state["t3"].add_(1.0), lambda: state["t0"][:50].mul_(2.0),
+             lambda: state.update(extra=torch.ones(7))]  # fmt: skip
+    for i, change in enumerate(steps):
+        change()
+        Snapshot.take(f"{repo.url}/s{i}", {"s": state}, storage_options=opts(repo),
+                      session=session)  # fmt: skip
+    assert any(c.base is not None for c in repo.read_manifest(repo.resolve("s2")).chunk_refs())
+    for i in range(len(steps)):
+        h = repo.resolve(f"s{i}")
+        recorded = index.manifest_summary(repo, h)  # recorded at commit, with the memo
+        fresh = index.summarize(h, repo.read_manifest(h))
+        assert (recorded.spans, recorded.logical_bytes, recorded.chunk_refs) == (
+            fresh.spans, fresh.logical_bytes, fresh.chunk_refs)  # fmt: skip
+        assert recorded.stored_bytes == stored_bytes(repo.read_manifest(h))

@@ -193,6 +193,11 @@ class Manifest(FormatModel):
         :meth:`chunk_refs` would visit its chunks 1,024 times. Summing over
         this list with the counts gives the same totals as :meth:`chunk_refs`.
         """
+        return [(chunks_of(e), n) for e, n in self.distinct_entries()]
+
+    def distinct_entries(self) -> list[tuple[Entry, int]]:
+        """Each distinct entry object, with how many keys hold it (see
+        :meth:`distinct_chunk_refs`), in the order the keys first name them."""
         seen: dict[int, list[Any]] = {}
         for e in self.entries.values():
             slot = seen.get(id(e))
@@ -200,7 +205,7 @@ class Manifest(FormatModel):
                 seen[id(e)] = [e, 1]
             else:
                 slot[1] += 1
-        return [(chunks_of(e), n) for e, n in seen.values()]
+        return [(e, n) for e, n in seen.values()]
 
     def distinct_refs(self) -> list[ChunkRef]:
         """:meth:`chunk_refs` of each distinct entry object once: what a set of the

@@ -43,7 +43,7 @@ from casnap.index.lmdb_store import (
     open_index,
     read_gc_epoch,
 )
-from casnap.index.summaries import ManifestSummary, summarize
+from casnap.index.summaries import ManifestSummary, SummaryMemo, summarize
 from casnap.repo.damage import DamageSet
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage
@@ -57,6 +57,7 @@ __all__ = [
     "ManifestSummary",
     "RebuildStats",
     "RepoIndex",
+    "SummaryMemo",
     "close_all",
     "drop",
     "enabled",
@@ -135,11 +136,14 @@ def manifest_summary(repo: RepoStorage, manifest_hash: str) -> ManifestSummary:
     return manifest_summaries(repo, [manifest_hash])[manifest_hash]
 
 
-def record_manifest(repo: RepoStorage, manifest_hash: str, manifest: Manifest) -> None:
-    """Cache the summary of a manifest just written or read (a no-op when disabled)."""
+def record_manifest(
+    repo: RepoStorage, manifest_hash: str, manifest: Manifest, memo: SummaryMemo | None = None
+) -> None:
+    """Cache the summary of a manifest just written or read (a no-op when disabled);
+    ``memo``: a session's, which reuses what the entries it summarized last cost."""
     index = open_index(repo, chunks=False)
     if index is not None:
-        index.record_summaries([summarize(manifest_hash, manifest)])
+        index.record_summaries([summarize(manifest_hash, manifest, memo)])
 
 
 @dataclass(frozen=True)

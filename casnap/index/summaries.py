@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
+from casnap.format.entries import Entry, chunks_of
 from casnap.format.manifest import Manifest
 
 _SPAN = struct.Struct("<32sQQ")  # object digest, offset, frame length
@@ -35,6 +37,8 @@ class ManifestSummary:
     logical_bytes: int  # sum of the raw sizes of all chunk refs
     chunk_refs: int
     spans: frozenset[tuple[str, int, int]]
+    # The binary span table of ``spans``, when a SummaryMemo had it at hand already.
+    encoded_spans: bytes | None = field(default=None, repr=False)
 
     @property
     def step(self) -> int | None:
@@ -54,17 +58,76 @@ class ManifestSummary:
         return out
 
 
-def summarize(manifest_hash: str, manifest: Manifest) -> ManifestSummary:
+_Part = tuple[Entry, int, int, tuple[tuple[str, int, int], ...]]
+
+
+class SummaryMemo:
+    """What :func:`summarize` worked out per entry object of the manifest it summarized
+    last, and that manifest's span table: a session's next take reuses the entry
+    objects of what did not change, so its summary only walks the changed ones
+    (2,000 unchanged small tensors: 2.8 ms and 1.1 ms of encoding per take, before).
+
+    Only identity counts: a part is reused for the very entry object it was
+    computed from (entries are immutable), never for an equal one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: dict[int, _Part] = {}
+        self._encoded: tuple[frozenset[tuple[str, int, int]], bytes] | None = None
+
+    def take(self) -> tuple[dict[int, _Part], tuple[frozenset[Any], bytes] | None]:
+        """The parts and the (spans, table) of the manifest summarized last, together."""
+        with self._lock:
+            return self._parts, self._encoded
+
+    def keep(self, parts: dict[int, _Part], spans: frozenset[Any], table: bytes) -> None:
+        """Remember a summarized manifest's parts and span table (one step: a take in
+        another thread reads both of one manifest)."""
+        with self._lock:
+            self._parts, self._encoded = parts, (spans, table)
+
+
+def _part(e: Entry) -> tuple[int, int, tuple[tuple[str, int, int], ...]]:
+    """An entry object's raw bytes, chunk refs and spans."""
+    refs = chunks_of(e)
+    spans: list[tuple[str, int, int]] = []
+    for r in refs:
+        if r.base is None:
+            spans.append((r.pack or r.hash, r.offset, r.length))
+        else:  # every frame the snapshot needs, a delta's bases too: reclaim and du count them
+            spans.extend((c.pack or c.hash, c.offset, c.length) for c in r.chain())
+    return sum(r.size for r in refs), len(refs), tuple(spans)
+
+
+def summarize(
+    manifest_hash: str, manifest: Manifest, memo: SummaryMemo | None = None
+) -> ManifestSummary:
     """What ``log``/``du`` need of ``manifest``, each distinct entry object read once
-    (a rank-grouped manifest repeats one object under every rank's key)."""
+    (a rank-grouped manifest repeats one object under every rank's key); ``memo``
+    reuses the work of the entry objects it summarized last."""
     logical = count = 0
     spans: set[tuple[str, int, int]] = set()
-    for refs, holders in manifest.distinct_chunk_refs():
-        logical += holders * sum(r.size for r in refs)
-        count += holders * len(refs)
-        # Every frame the snapshot needs, a delta's bases too: retention's reclaim
-        # and du count what the snapshot keeps alive from these.
-        spans.update((c.pack or c.hash, c.offset, c.length) for r in refs for c in r.chain())
+    old, last = memo.take() if memo is not None else ({}, None)
+    parts: dict[int, _Part] = {}
+    missed = 0
+    for e, holders in manifest.distinct_entries():
+        hit = old.get(id(e))
+        if hit is None or hit[0] is not e:
+            hit = (e, *_part(e))
+            missed += 1
+        parts[id(e)] = hit
+        logical += holders * hit[1]
+        count += holders * hit[2]
+        spans.update(hit[3])
+    # The very entry objects of the manifest encoded last: the same spans.
+    same = last is not None and not missed and len(parts) == len(old)
+    frozen = last[0] if same and last is not None else frozenset(spans)
+    table = None
+    if memo is not None:  # the summary is about to be recorded: its table is needed
+        reuse = last is not None and (same or last[0] == frozen)
+        table = last[1] if reuse and last is not None else span_table(frozen)
+        memo.keep(parts, frozen, table)
     return ManifestSummary(
         manifest=manifest_hash,
         created_at=manifest.created_at,
@@ -73,7 +136,8 @@ def summarize(manifest_hash: str, manifest: Manifest) -> ManifestSummary:
         metadata=dict(manifest.metadata),
         logical_bytes=logical,
         chunk_refs=count,
-        spans=frozenset(spans),
+        spans=frozen,
+        encoded_spans=table,
     )
 
 
@@ -82,8 +146,15 @@ def encode_summary(s: ManifestSummary) -> bytes:
         "created_at": s.created_at, "world_size": s.world_size, "parents": list(s.parents),
         "metadata": s.metadata, "logical_bytes": s.logical_bytes, "chunk_refs": s.chunk_refs,
     }, sort_keys=True, separators=(",", ":")).encode()  # fmt: skip
-    spans = b"".join(_SPAN.pack(bytes.fromhex(o), off, n) for o, off, n in sorted(s.spans))
+    spans = s.encoded_spans
+    if spans is None:
+        spans = span_table(s.spans)
     return _HEAD.pack(len(head)) + head + spans
+
+
+def span_table(spans: frozenset[tuple[str, int, int]]) -> bytes:
+    """The binary form of a summary's spans, sorted."""
+    return b"".join(_SPAN.pack(bytes.fromhex(o), off, n) for o, off, n in sorted(spans))
 
 
 def decode_summary(manifest_hash: str, body: bytes) -> ManifestSummary:

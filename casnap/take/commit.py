@@ -46,7 +46,8 @@ def commit_snapshot(
         lease.check()
     repo.write_ref(name, manifest_hash)  # the commit point
     remember(repo, manifest_hash, manifest, session, texts)
-    index.record_manifest(repo, manifest_hash, manifest)
+    memo = session.summaries if session is not None else None
+    index.record_manifest(repo, manifest_hash, manifest, memo)
     return manifest_hash
 
 

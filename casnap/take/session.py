@@ -38,6 +38,7 @@ from typing import Generic, TypeVar
 
 from casnap.errors import ConfigError, expect_type
 from casnap.format.manifest import Dumped, Manifest
+from casnap.index.summaries import SummaryMemo
 from casnap.settings import default_memory_budget, staging_cache_bytes
 from casnap.torch_io.staging import StagingPool
 
@@ -128,6 +129,7 @@ class Session:
         self.last_plan = LastPlan()
         self.staging = StagingPool(idle)
         self.plan_cache: KeyedCache[object, object] = KeyedCache()
+        self.summaries = SummaryMemo()  # the index summary of the next commit reuses it
 
     def __repr__(self) -> str:
         return f"<casnap.Session staging={self.staging!r}>"
