@@ -46,7 +46,10 @@ SMALL_GROUP_BYTES = 1 << 20
 SMALL_GROUP_ITEMS = 1024
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, which made
+# building one 1.6 us instead of 0.35 us, and a take builds one per tensor (20,000 small
+# tensors: 25 ms). Never changed once built: stage() makes a new one with replace().
+@dataclass(slots=True, eq=False)
 class WriteRequest:
     """The bytes of one value to write, cut into chunks of the take's chunk size.
 
