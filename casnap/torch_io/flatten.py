@@ -200,7 +200,7 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
         mapping = isinstance(value, Mapping)
         # The keys first, then the members: no (key, member) pair per member is kept.
         keys: list[int | str] = []
-        seen: set[str] = set()
+        seen: dict[str, None] = {}  # the escaped member names, in order
         ok = True
         for k in value.keys() if mapping else range(len(value)):
             if isinstance(k, bool) or not isinstance(k, (int, str)) or not _inline(k):
@@ -210,12 +210,17 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
             if name in seen:
                 ok = False
                 break
-            seen.add(name)
+            seen[name] = None
             keys.append(k)
         if ok:
             out[key] = ContainerEntry(type=ctype, keys=keys)  # type: ignore[arg-type]
-            for k, member in value.items() if mapping else enumerate(value):
-                flatten(member, child_key(key, k), allow_pickle, out, depth + 1)
+            # child_key(key, k) for each member, its name escaped once above; a plain
+            # tensor member (most of a state dict) without a call of its own.
+            for name, member in zip(seen, value.values() if mapping else value, strict=True):
+                if type(member) in _PLAIN_TENSORS and depth < MAX_DEPTH:
+                    out[f"{key}/{name}"] = tensor_leaf(member, f"{key}/{name}")
+                else:
+                    flatten(member, f"{key}/{name}", allow_pickle, out, depth + 1)
             return
     if not allow_pickle:
         raise PickleNotAllowedError(
