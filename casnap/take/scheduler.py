@@ -427,6 +427,13 @@ class Written(Mapping[str, list[ChunkRef]]):
     def __contains__(self, key: object) -> bool:
         return key in self.single or key in self.lists
 
+    def get(self, key: str, default: Any = None) -> Any:
+        # Mapping.get goes through __getitem__ and a KeyError: a take asks once per tensor.
+        ref = self.single.get(key)
+        if ref is not None:
+            return [ref]
+        return self.lists.get(key, default)
+
 
 class _Release:
     """Called once per chunk of a request: counts live chunks, frees the copy after the last."""
