@@ -486,6 +486,9 @@ class DeltaRuns:
         return kept.reshape(-1, DELTA_BLOCK)
 
 
+_FEW_RUNS = 32  # runs XORed one by one (see apply_delta)
+
+
 def apply_delta(
     hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes, out: bytearray | memoryview
 ) -> None:
@@ -494,12 +497,13 @@ def apply_delta(
     runs = delta_runs(hdr, payload, name, base_digest)
     np = _np()
     dst = np.frombuffer(out, np.uint8)
-    blocks = runs.blocks()
-    if blocks is None:  # runs no writer of casnap makes: one at a time
+    # A few long runs (changed rows of a table): one XOR each costs less than the
+    # block arrays below; many short ones (a fine-tuned layer): one gathered XOR.
+    blocks = runs.blocks() if len(runs.starts) > _FEW_RUNS else None
+    if blocks is None:
         pos = 0
         for a, length in zip(runs.starts.tolist(), runs.lengths.tolist(), strict=True):
-            np.bitwise_xor(dst[a : a + length], runs.kept[pos : pos + length],
-                           out=dst[a : a + length])  # fmt: skip
+            dst[a : a + length] ^= runs.kept[pos : pos + length]
             pos += length
         return
     full = len(dst) // DELTA_BLOCK
