@@ -120,6 +120,41 @@ def test_local_retention_keeps_what_a_mirror_with_its_own_retention_is_still_owe
     _restores_step(mirror.url, "step_000000000", 0)
 
 
+def test_snapshots_an_earlier_process_left_uncopied_reach_the_mirror_before_local_retention(
+    tmp_path,
+):
+    # A process preempted (or crashed) before its copier finished leaves local snapshots
+    # the mirror lacks; the next process must not let local retention delete them first.
+    local, mirror = str(tmp_path / "local"), str(tmp_path / "mirror")
+    with Checkpointer(local, every_n_steps=1) as before:  # as if its copier never ran
+        for step in range(3):
+            before.maybe_take(step, _state(step))
+    with Checkpointer(local, every_n_steps=1, retention=RetentionPolicy(KeepLast(1)),
+                      mirror=mirror, mirror_retention=None) as ckpt:  # fmt: skip
+        ckpt.restore_latest({"model": torch.nn.Linear(64, 64), "extra": StateDict()})
+        ckpt.maybe_take(3, _state(3))
+    assert Repository(mirror).snapshots() == [f"step_00000000{i}" for i in range(4)]
+    assert ckpt.snapshots() == ["step_000000003"]
+    _restores_step(mirror, "step_000000001", 1)
+
+
+def test_a_name_the_mirror_holds_with_other_content_is_given_up_not_retried_forever(
+    tmp_path, caplog
+):
+    local, mirror = str(tmp_path / "local"), str(tmp_path / "mirror")
+    Snapshot.take(f"{mirror}/step_000000001", {"extra": StateDict(other=True)})
+    ckpt = Checkpointer(local, every_n_steps=1, retention=RetentionPolicy(KeepLast(1)),
+                        mirror=mirror, mirror_retention=None)  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="casnap.checkpointer"), ckpt:
+        for step in range(1, 4):
+            ckpt.maybe_take(step, _state(step))
+    assert any("other content" in r.getMessage() for r in caplog.records)
+    assert ckpt.mirror is not None and ckpt.mirror.owed == ()
+    assert Repository(mirror).snapshots() == ["step_000000001", "step_000000002", "step_000000003"]
+    assert ckpt.snapshots() == ["step_000000003"]  # local retention was not held back
+    _restores_step(mirror, "step_000000003", 3)
+
+
 def test_a_failed_copy_is_logged_and_retried_at_the_next_commit(tmp_path, caplog):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the mirror's folder should be")

@@ -590,3 +590,19 @@ def test_async_take_is_point_in_time(tmp_path: Any) -> None:
     for name, t in expected_model.items():
         assert_bit_exact(model2.state_dict()[name], t, name)
     assert_same_structure(dict(extra2), expected_extra)
+
+
+class _SortedKeys(dict):  # type: ignore[type-arg]
+    """A dict whose keys() are sorted while values() keep insertion order."""
+
+    def keys(self):  # type: ignore[no-untyped-def,override]
+        return sorted(super().keys())
+
+
+def test_a_mapping_whose_keys_are_ordered_unlike_its_values_keeps_each_member_under_its_key(
+    tmp_path,
+):
+    inner = _SortedKeys(b=torch.zeros(3), a=torch.ones(3))
+    snap = Snapshot.take(str(tmp_path / "run" / "s"), {"m": StateDict(inner=inner)})
+    assert torch.equal(snap.read_object("0/m/inner/a"), torch.ones(3))
+    assert torch.equal(snap.read_object("0/m/inner/b"), torch.zeros(3))

@@ -452,17 +452,21 @@ class Checkpointer:
         if self.retention is None:
             return
         keep = [_KeepNames([name], "newest checkpoint")]
+        repo = snap.repository
+        mine = {s.name for s in self._mine(repo)}
         mirror = self.mirror
         if mirror is not None and not mirror.same_retention:
             # The mirror keeps its own policy: a snapshot it may keep is not deleted here
             # before it was copied there. Rank 0 runs the copier, so it alone knows that.
             if not is_rank_zero():
                 return
-            owed = mirror.owed
+            owed = mirror.owed_of(sorted(mine - {name}))
             keep.append(_KeepNames(owed, "not yet copied to the mirror"))
             self._kept_for_mirror = (snap, name) if owed else None
-        repo = snap.repository
-        mine = {s.name for s in self._mine(repo)}
+            if owed and mirror.failing:
+                log.warning("casnap: %d snapshot(s) kept here until the mirror %s has them "
+                            "(its last copy failed: %s)", len(owed), mirror.url,
+                            mirror.last_error)  # fmt: skip
         policy = RetentionPolicy(*self.retention.rules, *keep)
         plan = plan_retention(repo, policy, names=mine, cache=self._summaries)
         result = execute_retention(repo, plan)

@@ -35,11 +35,18 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from casnap.errors import CasnapError, ConfigError, CopyIntegrityError, as_path, expect_type
+from casnap.errors import (
+    CasnapError,
+    ConfigError,
+    CopyIntegrityError,
+    SnapshotExistsError,
+    as_path,
+    expect_type,
+)
 from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS, reclaim
 from casnap.ops.copy import copy
 from casnap.ops.retention import (
@@ -98,11 +105,13 @@ class Mirror:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._retry: dict[str, None] = {}  # names to copy again, in commit order
         self._owed: dict[str, None] = {}  # submitted, neither copied nor given up
+        self._caught_up = False  # the copier compared the local and mirror snapshots
         self._dst: RepoStorage | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.copied: list[str] = []  # every snapshot the mirror received, in order
         self.last_error: BaseException | None = None
+        self.failing = False  # the copier's last job failed (and is retried)
         self.last_retention: RetentionResult | None = None
 
     @property
@@ -113,10 +122,20 @@ class Mirror:
 
     @property
     def owed(self) -> tuple[str, ...]:
-        """Snapshots submitted and not yet in the mirror: queued, being copied, or
-        waiting for a retry (a snapshot found damaged locally is given up)."""
+        """Snapshots not yet in the mirror: queued, being copied, or waiting for a retry,
+        and (once the copier looked) this checkpointer's local ones the mirror lacks.
+        A snapshot found damaged locally, or taken in the mirror by other content, is
+        given up."""
         with self._lock:
             return tuple(self._owed)
+
+    def owed_of(self, names: Iterable[str]) -> tuple[str, ...]:
+        """Those of ``names`` local retention must keep for the mirror: every one until
+        the copier has compared the two repositories (its first job), then the owed."""
+        with self._lock:
+            if not self._caught_up and not self.same_retention:
+                return tuple(names)
+            return tuple(n for n in names if n in self._owed)
 
     def submit(self, src: RepoStorage, name: str, policy: RetentionPolicy | None) -> None:
         """Queue ``name`` of ``src`` for the mirror; blocks only while the queue is full."""
@@ -162,8 +181,10 @@ class Mirror:
                     return
                 self._last_src, self._last_policy = job.src, job.policy
                 self._mirror(job)
+                self.failing = False
             except BaseException as exc:  # never let the worker die: log, retry next commit
                 self.last_error = exc
+                self.failing = True
                 log.warning("casnap: mirror to %s failed, retried at the next commit: %s",
                             self.url, exc)  # fmt: skip
             finally:
@@ -172,7 +193,31 @@ class Mirror:
     _last_src: RepoStorage
     _last_policy: RetentionPolicy | None = None
 
+    def _destination(self, src: RepoStorage) -> RepoStorage:
+        if self._dst is None:
+            self._dst = RepoStorage.open_or_create(
+                self.url, self.storage_options, chunk_size=src.config.chunk_size
+            )
+        return self._dst
+
+    def _catch_up(self, src: RepoStorage) -> None:
+        """Once per process, before its first copy: this checkpointer's local snapshots
+        that the mirror lacks are owed too. A process that ended (a preemption, a
+        crash) before its copier finished left them, and with a retention of its
+        own the mirror may be meant to keep them; they are copied first."""
+        if not self.same_retention:
+            there = set(self._destination(src).list_snapshots())
+            infos, _ = read_snapshots(src)
+            missing = [s.name for s in infos if self.is_mine(s) and s.name not in there]
+            with self._lock:
+                self._retry = {**dict.fromkeys(missing), **self._retry}
+                self._owed = {**dict.fromkeys(missing), **self._owed}
+        with self._lock:
+            self._caught_up = True
+
     def _mirror(self, job: _Job) -> None:
+        if not self._caught_up:
+            self._catch_up(job.src)  # an error: retried at the next commit, all kept meanwhile
         with self._lock:
             if job.name is not None:
                 self._retry[job.name] = None
@@ -180,35 +225,45 @@ class Mirror:
         # Local retention keeps what the mirror is owed unless the same policy applies
         # on both; then it may have deleted some meanwhile, and the mirror drops them too.
         names = [n for n in wanted if job.src.has_ref(n)]
-        with self._lock:
-            for n in wanted:
-                if n not in names:
-                    self._retry.pop(n, None)
-                    self._owed.pop(n, None)
+        self._give_up([n for n in wanted if n not in names])
         if not names:
             return
-        if self._dst is None:
-            self._dst = RepoStorage.open_or_create(
-                self.url, self.storage_options, chunk_size=job.src.config.chunk_size
-            )
-        try:
-            result = copy(job.src, self._dst, names)
-            done = list(result.copied + result.present)
-        except CopyIntegrityError as exc:  # damaged locally: retrying cannot help
-            log.error("casnap: mirror to %s: %s", self.url, exc)
-            self.last_error = exc
-            done = [n for n in names if n not in exc.failed]
-            with self._lock:
-                for n in exc.failed:
-                    self._retry.pop(n, None)
-                    self._owed.pop(n, None)
+        dst = self._destination(job.src)
+        done: list[str] = []
+        while names:
+            try:
+                result = copy(job.src, dst, names)
+                done = list(result.copied + result.present)
+                break
+            except SnapshotExistsError as exc:
+                # The mirror holds that name with other content (e.g. a run restarted
+                # from the mirror into a fresh local folder): retrying cannot help, and
+                # it must not hold back the others.
+                log.error("casnap: mirror to %s: %s; not copied", self.url, exc)
+                self.last_error = exc
+                conflict = exc.name if exc.name in names else names[0]
+                self._give_up([conflict])
+                names = [n for n in names if n != conflict]
+            except CopyIntegrityError as exc:  # damaged locally: retrying cannot help
+                log.error("casnap: mirror to %s: %s", self.url, exc)
+                self.last_error = exc
+                done = [n for n in names if n not in exc.failed]
+                self._give_up(list(exc.failed))
+                break
         with self._lock:
             for n in done:
                 self._retry.pop(n, None)
                 self._owed.pop(n, None)
             self.copied += [n for n in done if n not in self.copied]
         if job.policy is not None:
-            self._retain(self._dst, job.policy)
+            self._retain(dst, job.policy)
+
+    def _give_up(self, names: list[str]) -> None:
+        """Neither retried nor owed any more (gone locally, damaged, or taken there)."""
+        with self._lock:
+            for n in names:
+                self._retry.pop(n, None)
+                self._owed.pop(n, None)
 
     def _retain(self, dst: RepoStorage, policy: RetentionPolicy) -> None:
         infos, _ = read_snapshots(dst)

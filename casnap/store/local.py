@@ -90,10 +90,12 @@ class LocalStore(ObjectStore):
             pending, self._pending_dirs = self._pending_dirs, set()
         try:
             _fsync_dirs(sorted(pending))
-        except OSError as exc:
+        except BaseException as exc:  # also a thread that could not start: retried next time
             with self._pending_lock:
                 self._pending_dirs |= pending
-            raise _translate(exc, "", writing=True) from exc
+            if isinstance(exc, OSError):
+                raise _translate(exc, "", writing=True) from exc
+            raise
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))

@@ -42,6 +42,7 @@ from casnap.torch_io.tensors import check_storable, dtype_name, torch_dtype
 
 MAX_DEPTH = 64
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_MAPS = (dict, collections.OrderedDict)  # values() in keys() order, by construction
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +216,11 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
         if ok:
             out[key] = ContainerEntry(type=ctype, keys=keys)  # type: ignore[arg-type]
             # child_key(key, k) for each member, its name escaped once above; a plain
-            # tensor member (most of a state dict) without a call of its own.
-            for name, member in zip(seen, value.values() if mapping else value, strict=True):
+            # tensor member (most of a state dict) without a call of its own. Members
+            # by key: a Mapping subclass may order keys() unlike values().
+            members = value.values() if type(value) in _PLAIN_MAPS else (
+                [value[k] for k in keys] if mapping else value)  # fmt: skip
+            for name, member in zip(seen, members, strict=True):
                 if type(member) in _PLAIN_TENSORS and depth < MAX_DEPTH:
                     out[f"{key}/{name}"] = tensor_leaf(member, f"{key}/{name}")
                 else:
