@@ -225,7 +225,7 @@ class Mirror:
         # Local retention keeps what the mirror is owed unless the same policy applies
         # on both; then it may have deleted some meanwhile, and the mirror drops them too.
         names = [n for n in wanted if job.src.has_ref(n)]
-        self._give_up([n for n in wanted if n not in names])
+        self._settle([n for n in wanted if n not in names])
         if not names:
             return
         dst = self._destination(job.src)
@@ -242,24 +242,23 @@ class Mirror:
                 log.error("casnap: mirror to %s: %s; not copied", self.url, exc)
                 self.last_error = exc
                 conflict = exc.name if exc.name in names else names[0]
-                self._give_up([conflict])
+                self._settle([conflict])
                 names = [n for n in names if n != conflict]
             except CopyIntegrityError as exc:  # damaged locally: retrying cannot help
                 log.error("casnap: mirror to %s: %s", self.url, exc)
                 self.last_error = exc
                 done = [n for n in names if n not in exc.failed]
-                self._give_up(list(exc.failed))
+                self._settle(list(exc.failed))
                 break
+        self._settle(done)
         with self._lock:
-            for n in done:
-                self._retry.pop(n, None)
-                self._owed.pop(n, None)
             self.copied += [n for n in done if n not in self.copied]
         if job.policy is not None:
             self._retain(dst, job.policy)
 
-    def _give_up(self, names: list[str]) -> None:
-        """Neither retried nor owed any more (gone locally, damaged, or taken there)."""
+    def _settle(self, names: list[str]) -> None:
+        """Neither retried nor owed any more: copied, or given up (gone locally,
+        damaged, or taken there by other content)."""
         with self._lock:
             for n in names:
                 self._retry.pop(n, None)
