@@ -1,10 +1,11 @@
 """Containment: the one place a verified read reacts to a damaged frame (docs/damage.md).
 
 Every read that checks a frame against its chunk's hash goes through
-:func:`decode_frame` or :func:`verify_in_place` (restore, ``read_object``,
-export and drift through :func:`casnap.chunks.read.read_chunks`; verify's scrub
-directly). When the check fails, the copy is *contained* before the
-:class:`~casnap.errors.IntegrityError` propagates:
+:func:`decode_frame` (restore, ``read_object``, export and drift through
+:func:`casnap.chunks.read.read_chunks`; verify's scrub directly), which
+decodes with :func:`casnap.format.codec.decode` whatever the codec: the
+verdict of ``verify --read-data`` is the restore's. When the check fails, the
+copy is *contained* before the :class:`~casnap.errors.IntegrityError` propagates:
 
 1. it is recorded in the repository (``.casnap/damaged/...``), so every take,
    in any process on any machine, stops referencing it and writes the chunk
@@ -80,13 +81,13 @@ def rebuild_into(
 ) -> bool:
     """Rebuild delta ``ref`` straight into ``view`` (its final memory); False if not done.
 
-    Only for a chain that ends in a loose raw frame (the usual case: the
-    whole chunk written by an earlier take): it is read into ``view``, each
+    Only for a chain that ends in a loose object stored raw (the usual case:
+    the whole chunk written by an earlier take): it is read into ``view``, each
     delta applied there, and the result's digest checked there, so a sparse
     chain costs what reading the whole chunk does. False (``view`` possibly
     overwritten) when anything fails; the caller then takes the careful path.
     """
-    whole = whole_raw_loose(ref)
+    whole = whole_loose(ref)
     if whole is None or len(view) != ref.size:
         return False
     try:
@@ -95,8 +96,8 @@ def rebuild_into(
         hdr = codec.parse_header(head, chunk_key(whole.hash))
     except (CasnapError, ValueError):
         return False
-    if n != whole.length or hdr.codec != codec.CODEC_RAW or hdr.digest.hex() != whole.hash:
-        return False
+    if n != frame_limit(whole) or hdr.codec != codec.CODEC_RAW or hdr.digest.hex() != whole.hash:
+        return False  # stored compressed (any valid frame serves), or damaged
     return patch_in_place(repo, ref, view, shared)
 
 
@@ -143,12 +144,23 @@ def _delta_frame(
     return key, hdr, memoryview(raw)[codec.HEADER_SIZE :], bytes.fromhex(link.base.hash)
 
 
-def whole_raw_loose(ref: ChunkRef) -> ChunkRef | None:
-    """The end of ``ref``'s chain if it is a loose frame stored raw (readable in place)."""
+def whole_loose(ref: ChunkRef) -> ChunkRef | None:
+    """The end of ``ref``'s chain if it is a loose object (readable in place when its
+    stored frame, whatever the manifest recorded, turns out raw)."""
     whole = ref.chain()[-1]
-    if whole.pack is not None or whole.length != codec.HEADER_SIZE + whole.size:
-        return None
-    return whole
+    return whole if whole.pack is None else None
+
+
+def frame_limit(ref: ChunkRef) -> int:
+    """The most bytes a read of ``ref``'s frame takes, refusing a longer object unread.
+
+    A packed frame is where the manifest says, ``ref.length`` bytes (a pack is
+    immutable). A loose object ``chunks/<h>`` is any valid frame of chunk
+    ``h``: another take or a repair may have stored it again with another codec
+    (docs/format.md, "Loose objects"), so its length is not the manifest's but
+    at most the largest valid frame, the header and the raw bytes.
+    """
+    return ref.length if ref.pack is not None else codec.HEADER_SIZE + ref.size
 
 
 def _apply(raw: Buffer, link: ChunkRef, out: Any) -> bool:
@@ -202,9 +214,9 @@ def _decode_one(
 
 
 def fetch_frame(repo: RepoStorage, ref: ChunkRef) -> bytes:
-    """The stored frame of ``ref`` (at most its declared length), unchecked."""
+    """The stored frame of ``ref`` (at most :func:`frame_limit` bytes), unchecked."""
     if ref.pack is None:
-        return repo.store.get(chunk_key(ref.hash), limit=ref.length)
+        return repo.store.get(chunk_key(ref.hash), limit=frame_limit(ref))
     return repo.store.get_range(pack_key(ref.pack), ref.offset, ref.offset + ref.length)
 
 
@@ -306,14 +318,3 @@ def _keep_record(repo: RepoStorage, ref: ChunkRef, exc: IntegrityError) -> None:
     """The frame's record must stay while its replacement serves reads: gc keeps it by it."""
     if not repo.store.exists(DamagedCopy.of(ref).key):
         record_damage(repo, ref, str(exc))
-
-
-def verify_in_place(
-    repo: RepoStorage, key: str, ref: ChunkRef, head: Buffer, data: Buffer, received: int
-) -> None:
-    """:func:`casnap.format.codec.verify_raw_in_place` of a loose raw frame read into place."""
-    try:
-        codec.verify_raw_in_place(head, data, received, key, bytes.fromhex(ref.hash), ref.size)
-    except IntegrityError as exc:
-        contain(repo, ref, exc)
-        raise

@@ -48,6 +48,22 @@ class _Pack:
     size: int = 0
 
 
+def encode_chunk(
+    data: Buffer, digest: bytes, settings: Settings, elem_size: int, choice: int | None = None
+) -> tuple[bytes, Buffer]:
+    """The frame a take with ``settings`` writes for a chunk whose elements are
+    ``elem_size`` bytes (a float tensor's element size, else 0): header and payload.
+    A repair writes the same (:mod:`casnap.ops.repair`)."""
+    return codec.encode(
+        data,
+        digest,
+        compress=settings.compression == "auto",
+        level=settings.zstd_level,
+        elem_size=elem_size,
+        choice=choice,
+    )
+
+
 class FrameWriter:
     """Puts new chunks' frames: loose objects and packs; the base of ChunkWriter.
 
@@ -80,14 +96,7 @@ class FrameWriter:
     def _encode(
         self, data: Buffer, digest: bytes, elem_size: int, choice: int | None = None
     ) -> tuple[bytes, Buffer]:
-        return codec.encode(
-            data,
-            digest,
-            compress=self.settings.compression == "auto",
-            level=self.settings.zstd_level,
-            elem_size=elem_size,
-            choice=choice,
-        )
+        return encode_chunk(data, digest, self.settings, elem_size, choice)
 
     def _heals(self, h: str) -> bool:
         """Whether ``chunks/<h>`` is recorded damaged: written again whatever a probe says

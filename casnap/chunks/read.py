@@ -21,10 +21,10 @@ from casnap.chunks.chain import ChainFrames
 from casnap.chunks.damage import (
     contain,
     decode_frame,
+    frame_limit,
     patch_in_place,
     rebuild_into,
-    verify_in_place,
-    whole_raw_loose,
+    whole_loose,
 )
 from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
@@ -110,12 +110,13 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _raw_loose(span: Span) -> tuple[int, ChunkRef] | None:
-    """The one chunk of ``span`` if it is a loose object stored raw (readable in place)."""
+def _loose(span: Span) -> tuple[int, ChunkRef] | None:
+    """The one chunk of ``span`` if it is a loose object (any valid frame of the chunk:
+    read whole, then decoded where it is)."""
     if span.end >= 0 or len(span.items) != 1:
         return None
     i, ref = span.items[0]
-    return (i, ref) if ref.length == codec.HEADER_SIZE + ref.size and ref.base is None else None
+    return (i, ref) if ref.base is None else None
 
 
 def fetch_span(repo: RepoStorage, span: Span) -> bytes:
@@ -128,7 +129,7 @@ def fetch_span(repo: RepoStorage, span: Span) -> bytes:
     """
     with _refused_is_damage(repo, span):
         if span.end < 0:
-            return repo.store.get(span.key, limit=span.items[0][1].length)
+            return repo.store.get(span.key, limit=frame_limit(span.items[0][1]))
         return repo.store.get_range(span.key, span.start, span.end)
 
 
@@ -149,20 +150,19 @@ def read_chunks(
     bytes fetched from the store.
 
     ``dest(i)``, when given, may return the memory chunk ``i`` finally belongs
-    in: a loose chunk stored raw (frame length == header + size, known from the
-    manifest) is then read whole into a reused page-aligned buffer under
-    ``budget`` (:mod:`casnap.chunks.bounce`), verified there and only then
-    copied into it, with no ``sink`` call; a chunk that fails verification
+    in: a loose chunk is then read whole into a reused page-aligned buffer
+    under ``budget`` (:mod:`casnap.chunks.bounce`), decoded and verified there
+    and only then copied into it, with no ``sink`` call; a chunk that fails verification
     raises :class:`IntegrityError` and writes nothing. A delta rebuilt in
     place (below) is written to ``dest`` before its check. ``landed(i)``, when
     given, is called once chunk ``i`` written to ``dest`` has been verified
     (the caller keeps what ``dest`` overwrote until then).
 
     ``mapped(i)``, when given, may return a function that takes chunk ``i``'s
-    verified bytes instead: a loose chunk stored raw whose object the store
-    can map (:meth:`~casnap.store.base.ObjectStore.map`) is verified on the
-    mapping and only then handed to it (no ``dest`` or ``sink`` call), so no
-    unverified byte reaches the caller's memory. The bytes stay valid while
+    verified bytes instead: a loose chunk whose object the store can map
+    (:meth:`~casnap.store.base.ObjectStore.map`) is verified on the mapping
+    (decoded first if not stored raw) and only then handed to it (no ``dest``
+    or ``sink`` call), so no unverified byte reaches the caller's memory. The bytes stay valid while
     referenced. Where the store cannot map, ``dest`` and ``sink`` serve.
     A delta chunk whose chain ends in a mappable whole frame is rebuilt on a
     private (copy-on-write) mapping of that frame and verified there, then
@@ -176,32 +176,37 @@ def read_chunks(
     bounce = BouncePool(budget)
 
     def direct(span: Span) -> bool:
-        """A loose raw frame read whole into a page-aligned buffer, verified there,
-        then copied into ``dest`` (:mod:`casnap.chunks.bounce` says why not into place)."""
+        """A loose object read whole into a page-aligned buffer, decoded and verified
+        there, then copied into ``dest`` (:mod:`casnap.chunks.bounce` says why not
+        into place). A raw frame is verified where it was read; another codec is
+        decoded from there."""
         nonlocal fetched
-        one = _raw_loose(span)
+        one = _loose(span)
         if dest is None or one is None:
-            return False  # compressed or packed: decoded through a buffer
+            return False  # packed: decoded through a buffer
         i, ref = one
         view = dest(i)
         if view is None or len(view) != ref.size:
             return False
-        with bounce.buffer(ref.length) as (frame, address):
+        with bounce.buffer(frame_limit(ref)) as (frame, address):
             with _missing_is_integrity_error(span), _refused_is_damage(repo, span):
                 n = repo.store.read_into(span.key, [frame])
             with lock:
                 fetched += n
-            head, payload = frame[: codec.HEADER_SIZE], frame[codec.HEADER_SIZE :]
-            verify_in_place(repo, span.key, ref, head, payload[: max(0, n - len(head))], n)
-            if ref.size:
+            data = decode_frame(repo, span.key, ref, frame[:n])
+            if ref.size and len(data) == n - codec.HEADER_SIZE:  # raw: still in the buffer
                 ctypes.memmove(_address(view), address + codec.HEADER_SIZE, ref.size)
+            elif ref.size:
+                view[:] = memoryview(data).cast("B")
         if landed is not None:
             landed(i)
         return True
 
     def from_mapping(span: Span) -> bool:
+        """A loose object mapped and verified on the mapping: a raw frame's bytes are
+        handed to ``mapped(i)`` in place, another codec's decoded bytes to ``sink``."""
         nonlocal fetched
-        one = _raw_loose(span)
+        one = _loose(span)
         if mapped is None or one is None:
             return False
         i, ref = one
@@ -209,15 +214,17 @@ def read_chunks(
         if take is None:
             return False
         with _missing_is_integrity_error(span), _refused_is_damage(repo, span):
-            frame = repo.store.map(span.key, ref.length)
+            frame = repo.store.map(span.key, frame_limit(ref))
         if frame is None:
             return False  # the store cannot map: read as usual
         view = memoryview(frame)
         with lock:
             fetched += len(view)
-        head, payload = view[: codec.HEADER_SIZE], view[codec.HEADER_SIZE :]
-        verify_in_place(repo, span.key, ref, head, payload, len(view))  # a short file too
-        take(payload)
+        data = decode_frame(repo, span.key, ref, view)  # a short file too
+        if len(view) == frame_limit(ref):
+            take(data)  # stored raw: verified bytes of the mapping, no copy
+        else:
+            sink(i, data)  # decoded into memory of its own: handed on as any decoded chunk
         return True
 
     def lone_delta(span: Span) -> tuple[int, ChunkRef] | None:
@@ -234,7 +241,7 @@ def read_chunks(
         if mapped is None or one is None:
             return False
         i, ref = one
-        whole = whole_raw_loose(ref)
+        whole = whole_loose(ref)
         if whole is None:
             return False
         take = mapped(i)
@@ -242,7 +249,7 @@ def read_chunks(
             return False
         key = chunk_key(whole.hash)
         try:
-            frame = repo.store.map(key, whole.length, private=True)
+            frame = repo.store.map(key, frame_limit(whole), private=True)
         except CasnapError:
             return False  # the paths below read it and say what is wrong
         if frame is None:
@@ -252,8 +259,8 @@ def read_chunks(
             hdr = codec.parse_header(view[: codec.HEADER_SIZE], key)
         except IntegrityError:
             return False
-        if len(view) != whole.length or hdr.codec != codec.CODEC_RAW:
-            return False
+        if len(view) != frame_limit(whole) or hdr.codec != codec.CODEC_RAW:
+            return False  # stored compressed, or damaged: the paths below
         if hdr.digest.hex() != whole.hash:
             return False
         payload = view[codec.HEADER_SIZE :]
@@ -289,7 +296,7 @@ def read_chunks(
             return
         # A delta also holds its base's bytes and its decoded XOR while it is rebuilt.
         raw = sum(ref.size * (3 if ref.base else 1) for _, ref in span.items)
-        cost = raw + (span.end - span.start if span.end >= 0 else span.items[0][1].length)
+        cost = raw + (span.end - span.start if span.end >= 0 else frame_limit(span.items[0][1]))
         budget.acquire(cost)
         try:
             with _missing_is_integrity_error(span):

@@ -548,20 +548,3 @@ def _decompress(payload: Buffer, raw_length: int, name: str, *, exact: bool = Tr
     if len(data) != raw_length and (exact or declared != -1):
         raise IntegrityError(f"{name}: decompressed to the wrong size", name)
     return data
-
-
-def verify_raw_in_place(
-    head: Buffer, data: Buffer, received: int, name: str, expected_digest: bytes, expected_size: int
-) -> None:
-    """Check a raw frame that was read as ``head`` + ``data`` (``received`` bytes in all)."""
-    hdr = parse_header(head, name)
-    if hdr.codec != CODEC_RAW:
-        raise IntegrityError(f"{name}: expected a raw frame, found {CODEC_NAMES[hdr.codec]}", name)
-    if hdr.raw_length != expected_size or hdr.digest != expected_digest:
-        raise IntegrityError(f"{name}: frame is for a different chunk", name)
-    if received != HEADER_SIZE + expected_size:
-        raise IntegrityError(
-            f"{name}: frame is {received} bytes, header declares {hdr.frame_length}", name
-        )
-    if digest_of(data) != expected_digest:
-        raise IntegrityError(f"{name}: blake3 digest mismatch (stored bytes are corrupt)", name)

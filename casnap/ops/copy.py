@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from casnap.chunks.damage import contain
+from casnap.chunks.damage import contain, decode_frame, frame_limit
 from casnap.display import format_size
 from casnap.errors import (
     CasnapError,
@@ -312,11 +312,10 @@ def _fetch_verified(src: RepoStorage, key: str, refs: Sequence[ChunkRef]) -> byt
             _contain_pack(src, key, data, refs)
             raise IntegrityError(f"{where}: the pack's bytes do not match its name (damaged)", key)
         ref = refs[0]
-        data = src.store.get(key, limit=ref.length)
+        data = src.store.get(key, limit=frame_limit(ref))  # any valid frame of the chunk
         try:
-            codec.decode(data, key, bytes.fromhex(ref.hash), ref.size)
+            decode_frame(src, key, ref, data)  # contains what fails its check
         except IntegrityError as exc:
-            contain(src, ref, exc)
             raise IntegrityError(f"{src.url}: {exc}", key) from exc
         return data
     except ObjectNotFoundError as exc:

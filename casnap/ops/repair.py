@@ -32,16 +32,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from casnap.chunks.damage import read_copy
+from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
-from casnap.format.entries import ChunkRef
+from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.ops.verify import Holder, VerifyReport, roots, verify
 from casnap.repo.damage import DamagedCopy, clear_damage, list_damage
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, chunk_key
+from casnap.settings import Settings
 
 Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
 Buffer = codec.Buffer
@@ -83,7 +85,7 @@ class BadChunk:
     size: int
     copies: tuple[str, ...]  # the bad copies: object keys, "missing" or "damaged"
     holders: frozenset[Holder]
-    raw: bool  # a loose reference expects a raw frame (restore reads those in place)
+    elem_size: int  # what a take groups the chunk's bytes by: a float's size, else 0
     fixable_here: bool = True  # False: a copy inside a missing pack (reads cannot fall back)
 
 
@@ -183,6 +185,7 @@ def find_bad(
         verify(repo, read_data=True, progress=progress)  # records every damaged copy it re-hashes
     report = VerifyReport()
     refs: dict[str, list[tuple[ChunkRef, frozenset[Holder]]]] = {}
+    elems: dict[str, int] = {}
     for mhash, holders in sorted(roots(repo, report).items()):
         plan.holders |= holders
         try:
@@ -193,6 +196,7 @@ def find_bad(
             continue
         for ref in manifest.stored_refs():
             refs.setdefault(ref.hash, []).append((ref, frozenset(holders)))
+        elems.update(element_sizes(manifest))
     for p in report.problems:  # unreadable refs and tags
         plan.holders.add((p.kind if p.kind == "tag" else "snapshot", p.subject))
         plan.broken_roots[(p.kind if p.kind == "tag" else "snapshot", p.subject)] = p.detail
@@ -213,10 +217,26 @@ def find_bad(
                 continue
             needs |= who
         if copies:
-            raw = any(r.pack is None and r.length == codec.HEADER_SIZE + r.size for r, _ in uses)
-            plan.bad.append(BadChunk(h, uses[0][0].size, tuple(sorted(set(copies))),
-                                     frozenset(needs), raw, not in_lost_pack))  # fmt: skip
+            bad = BadChunk(h, uses[0][0].size, tuple(sorted(set(copies))), frozenset(needs),
+                           elems.get(h, 0), not in_lost_pack)  # fmt: skip
+            plan.bad.append(bad)
     return plan
+
+
+def element_sizes(manifest: Manifest) -> dict[str, int]:
+    """The element size a take groups each float tensor's chunks by (codec ``elem_size``),
+    by chunk hash; chunks of other values are absent (grouped by nothing)."""
+    out: dict[str, int] = {}
+    for entry in manifest.entries.values():
+        if not isinstance(entry, TensorEntry | ShardedEntry):
+            continue
+        if not entry.dtype.startswith(("float", "bfloat")):
+            continue  # torch groups floats only (casnap.take.scheduler.tensor_request)
+        elem = DTYPE_ITEMSIZE.get(entry.dtype, 0)
+        chunks = entry.chunks if isinstance(entry, TensorEntry) else [
+            c for shard in entry.shards for c in shard.chunks]  # fmt: skip
+        out.update((c.hash, elem) for ref in chunks for c in ref.chain())
+    return out
 
 
 def plan_repair(
@@ -339,8 +359,9 @@ def _fetch(
 def _write(repo: RepoStorage, bad: BadChunk, data: Buffer) -> None:
     """Put the verified bytes at chunks/<h>, durably; read them back; drop a loose record."""
     digest = bytes.fromhex(bad.chunk)
-    # A loose reference to a raw frame is read in place by restore: keep it raw.
-    head, payload = codec.encode(data, digest, compress=not bad.raw)
+    # What a take with this repository's settings writes: any valid frame of the
+    # chunk serves every reference to chunks/<h> (docs/format.md, "Loose objects").
+    head, payload = encode_chunk(data, digest, Settings.from_env(), bad.elem_size)
     key = chunk_key(bad.chunk)
     repo.store.put(key, [head, payload])  # atomic replace, durable
     loose = ChunkRef(hash=bad.chunk, size=bad.size, length=len(head) + len(payload))

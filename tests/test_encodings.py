@@ -1,0 +1,140 @@
+"""Where codecs meet damage, heal, repair and delta chains (issue #23, points 1-3).
+
+A loose chunk is named by the hash of its raw bytes, so *any* valid frame of
+those bytes is the chunk: a reference does not pin the codec or the encoded
+length of a loose object (docs/format.md, "Loose objects"). Each test here is
+what a user met on main: a repair, a heal by a take with other settings, or a
+delta chain over a damaged base, after which a snapshot casnap reported as
+taken (or repaired) no longer restored, or verify said ok where restore failed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from casnap import IntegrityError, Repository, StateDict
+from casnap.errors import CasnapError
+from casnap.format import codec
+from casnap.format.entries import ChunkRef
+from casnap.repo.damage import list_damage
+from casnap.settings import override
+from tests.helpers import chunk_path, flip_byte
+
+CHUNK = 1 << 20  # chunks of 1 MiB: loose objects (the pack limit is a quarter chunk)
+
+
+def bf16_state(seed: int = 7) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"m": StateDict(w=torch.randn(1 << 20, generator=g).to(torch.bfloat16))}
+
+
+def like(state: dict) -> dict:
+    return {"m": StateDict(**{k: torch.zeros_like(v) for k, v in state["m"].items()})}
+
+
+def restores(repo: Repository, name: str, want: dict) -> bool:
+    """Whether snapshot ``name`` restores bit-exact to ``want`` (False on a casnap error)."""
+    target = like(want)
+    try:
+        Repository(repo.url).snapshot(name).restore(target)
+    except CasnapError:
+        return False
+    return all(torch.equal(target["m"][k], v) for k, v in want["m"].items())
+
+
+def verified(repo: Repository, name: str) -> bool:
+    """verify --read-data's verdict on snapshot ``name``: True when it names no problem."""
+    report = Repository(repo.url).verify(read_data=True)
+    return not any(name in p.snapshots for p in report.problems)
+
+
+def loose_refs(repo: Repository, name: str) -> list[ChunkRef]:
+    return [r for r in repo.read_manifest(repo.resolve(name)).chunk_refs() if r.pack is None]
+
+
+def stored_codec(repo: Repository, h: str) -> int:
+    head = chunk_path(repo.url, h).read_bytes()[: codec.HEADER_SIZE]
+    return codec.parse_header(head, h).codec
+
+
+def reencode(repo: Repository, h: str, compress: bool) -> None:
+    """Replace loose chunk ``h`` by another valid frame of the same bytes."""
+    path = chunk_path(repo.url, h)
+    blob = path.read_bytes()
+    hdr = codec.parse_header(blob, h)
+    data = codec.decode(blob, h, hdr.digest, hdr.raw_length)
+    elem = 2 if compress else 0
+    head, payload = codec.encode(data, hdr.digest, compress=compress, elem_size=elem)
+    path.write_bytes(head + bytes(payload))
+
+
+def test_repair_of_a_damaged_compressed_loose_chunk_writes_what_a_take_would(tmp_path: Path):
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    state = bf16_state()
+    repo.take("s1", state)
+    ref = loose_refs(repo, "s1")[0]
+    assert stored_codec(repo, ref.hash) == codec.CODEC_ZSTD_GROUPED
+    flip_byte(chunk_path(repo.url, ref.hash), codec.HEADER_SIZE + 40)
+    assert not restores(repo, "s1", state)  # records the damage
+
+    result = Repository(repo.url).repair(from_states=[state])
+    assert [r.status for r in result.roots] == ["repaired"]
+    assert restores(repo, "s1", state)
+    assert verified(repo, "s1")
+    assert stored_codec(repo, ref.hash) == codec.CODEC_ZSTD_GROUPED  # as a take writes it
+    assert list_damage(repo) == []
+
+
+def test_a_heal_with_other_codec_settings_keeps_every_snapshot_restorable(tmp_path: Path):
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    state = bf16_state()
+    repo.take("s1", state)
+    h = loose_refs(repo, "s1")[0].hash
+    flip_byte(chunk_path(repo.url, h), codec.HEADER_SIZE + 40)
+    assert not restores(repo, "s1", state)  # recorded
+
+    with override(compression="none"):
+        repo.take("s2", state)  # heals chunks/<h> with a raw frame
+    assert stored_codec(repo, h) == codec.CODEC_RAW
+    for name in ("s1", "s2"):
+        assert restores(repo, name, state), name
+        assert verified(repo, name), name
+
+    flip_byte(chunk_path(repo.url, h), codec.HEADER_SIZE + 40)
+    assert not restores(repo, "s2", state)  # recorded again
+    repo.take("s3", state)  # default settings: heals it back to a compressed frame
+    assert stored_codec(repo, h) == codec.CODEC_ZSTD_GROUPED
+    for name in ("s1", "s2", "s3"):
+        assert restores(repo, name, state), name
+        assert verified(repo, name), name
+
+
+@pytest.mark.parametrize("compression", ["auto", "none"])
+def test_any_valid_encoding_of_a_loose_chunk_serves_every_reader(tmp_path: Path, compression):
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    state = bf16_state()
+    with override(compression=compression):
+        repo.take("s1", state)
+    for ref in loose_refs(repo, "s1"):
+        reencode(repo, ref.hash, compress=compression == "none")  # the other encoding
+    assert restores(repo, "s1", state)
+    assert verified(repo, "s1")
+    got = Repository(repo.url).snapshot("s1").read_object("0/m/w")
+    assert torch.equal(got, state["m"]["w"])
+    assert list_damage(repo) == []
+
+
+def test_a_loose_object_larger_than_any_frame_of_its_chunk_is_refused_unread(tmp_path: Path):
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    state = bf16_state()
+    repo.take("s1", state)
+    ref = loose_refs(repo, "s1")[0]
+    path = chunk_path(repo.url, ref.hash)
+    path.write_bytes(path.read_bytes() + b"\0" * (codec.HEADER_SIZE + ref.size))
+    with pytest.raises(IntegrityError):
+        Repository(repo.url).snapshot("s1").restore(like(state))
+    assert not verified(repo, "s1")
+    assert [d.chunk for d in list_damage(repo)] == [ref.hash]
