@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from casnap import IntegrityError, Repository, StateDict
+from casnap import IntegrityError, Repository, Session, StateDict
 from casnap.errors import CasnapError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
@@ -29,6 +29,11 @@ CHUNK = 1 << 20  # chunks of 1 MiB: loose objects (the pack limit is a quarter c
 def bf16_state(seed: int = 7) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"m": StateDict(w=torch.randn(1 << 20, generator=g).to(torch.bfloat16))}
+
+
+def table_state(seed: int = 3, rows: int = 2048) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"m": StateDict(emb=torch.randn(rows, 256, generator=g))}  # 1 MiB per 1024 rows
 
 
 def like(state: dict) -> dict:
@@ -138,3 +143,48 @@ def test_a_loose_object_larger_than_any_frame_of_its_chunk_is_refused_unread(tmp
         Repository(repo.url).snapshot("s1").restore(like(state))
     assert not verified(repo, "s1")
     assert [d.chunk for d in list_damage(repo)] == [ref.hash]
+
+
+def test_a_take_does_not_reuse_a_delta_whose_base_is_recorded_damaged(tmp_path: Path):
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    session = Session()
+    state = table_state()
+    repo.take("s0", state, session=session)
+    base = {r.hash for r in loose_refs(repo, "s0")}
+    state["m"]["emb"][::100] += 1.0  # 1% of the rows: stored as deltas on s0's chunks
+    repo.take("s1", state, session=session)
+    deltas = [r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.base]
+    assert deltas and all(r.base.hash in base for r in deltas)
+    s0_state = table_state()
+    flip_byte(chunk_path(repo.url, deltas[0].base.hash), codec.HEADER_SIZE + 40)
+    assert not restores(repo, "s0", s0_state)  # records the base's damage
+
+    repo.take("s2", state, session=session)  # unchanged since s1
+    assert restores(repo, "s2", state)
+    assert verified(repo, "s2")
+
+
+def test_a_checkpointer_resumes_after_a_scrub_recorded_a_delta_base_damaged(tmp_path: Path):
+    from casnap import Checkpointer, KeepLast
+
+    url = str(tmp_path / "run")
+    Repository.init(url, chunk_size=CHUNK)
+    state = table_state(rows=4096)  # four chunks
+    ckpt = Checkpointer(url, every_n_steps=1, retention=KeepLast(2))
+    ckpt.maybe_take(0, state)
+    state["m"]["emb"][:1024:100] += 1.0  # the first chunk: a delta on step 0's
+    ckpt.maybe_take(1, state)
+    ckpt.wait()
+    repo = Repository(url)
+    refs = [r for n in repo.snapshots() for r in repo.read_manifest(repo.resolve(n)).chunk_refs()]
+    base = next(r.base for r in refs if r.base is not None)
+    flip_byte(chunk_path(url, base.hash), codec.HEADER_SIZE + 40)
+    assert not repo.verify(read_data=True).ok  # the scrub records it
+    for step in range(2, 7):
+        state["m"]["emb"][1024 + step :: 100] += 1.0  # the first chunk stays unchanged
+        ckpt.maybe_take(step, state)
+    ckpt.close()
+    target = like(state)
+    resumed = Checkpointer(url, every_n_steps=1, retention=KeepLast(2))
+    assert resumed.restore_latest(target) == 6
+    assert torch.equal(target["m"]["emb"], state["m"]["emb"])

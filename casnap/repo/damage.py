@@ -64,11 +64,16 @@ class DamageSet:
         self.packs = frozenset(c.pack for c in self._copies if c.pack is not None)
 
     def __contains__(self, item: object) -> bool:
-        """Whether ``item`` (a :class:`ChunkRef` or :class:`DamagedCopy`) names a damaged copy."""
+        """Whether ``item`` names a damaged copy: a :class:`DamagedCopy`, or a
+        :class:`ChunkRef` any link of whose delta chain is one (a delta rebuilt on a
+        damaged base cannot be read, however sound its own frame)."""
         if isinstance(item, ChunkRef):
-            if item.hash not in self.chunks:
-                return False  # the common case: one set lookup
-            item = DamagedCopy.of(item)
+            ref: ChunkRef | None = item
+            while ref is not None:
+                if ref.hash in self.chunks and DamagedCopy.of(ref) in self._copies:
+                    return True
+                ref = ref.base  # the common case: one set lookup per link
+            return False
         return item in self._copies
 
     def __bool__(self) -> bool:
