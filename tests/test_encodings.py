@@ -188,3 +188,24 @@ def test_a_checkpointer_resumes_after_a_scrub_recorded_a_delta_base_damaged(tmp_
     resumed = Checkpointer(url, every_n_steps=1, retention=KeepLast(2))
     assert resumed.restore_latest(target) == 6
     assert torch.equal(target["m"]["emb"], state["m"]["emb"])
+
+
+def test_repair_rebuilds_a_damaged_delta_base_from_live_state_of_the_delta(tmp_path: Path):
+    """The live state holds s1's values, not s0's; s1's delta on s0's damaged chunk,
+    applied to them, gives that chunk back (a delta is an XOR): both restore again."""
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    session = Session()
+    s0 = table_state()
+    repo.take("s0", s0, session=session)
+    live = table_state()
+    live["m"]["emb"][::100] += 1.0
+    repo.take("s1", live, session=session)
+    delta = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.base)
+    flip_byte(chunk_path(repo.url, delta.base.hash), codec.HEADER_SIZE + 40)
+    assert not restores(repo, "s1", live)  # records the base's damage
+
+    result = Repository(repo.url).repair(from_states=[live])
+    assert {r.name: r.status for r in result.roots} == {"s0": "repaired", "s1": "repaired"}
+    assert restores(repo, "s0", s0) and restores(repo, "s1", live)
+    assert verified(repo, "s0") and verified(repo, "s1")
+    assert list_damage(repo) == []

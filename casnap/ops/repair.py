@@ -31,12 +31,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from casnap.chunks.damage import read_copy
+from casnap.chunks.damage import fetch_frame, read_copy
 from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
-from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, TensorEntry
+from casnap.format.entries import (
+    DTYPE_ITEMSIZE,
+    MAX_DELTA_CHAIN,
+    ChunkRef,
+    ShardedEntry,
+    TensorEntry,
+)
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.ops.verify import Holder, VerifyReport, roots, verify
@@ -251,6 +257,7 @@ def plan_repair(
     plan = find_bad(repo, read_data=read_data, progress=progress)
     recorded = set(list_damage(repo))
     total = sum(bad.size for bad in plan.bad)
+    deltas = _FromDeltas(repo, sources)
     done = 0
     for bad in plan.bad:
         digest = bytes.fromhex(bad.chunk)
@@ -265,7 +272,7 @@ def plan_repair(
             continue
         found = ""
         if bad.fixable_here:
-            for source in [_RepoCopies(repo, bad, dry_run), *sources]:
+            for source in _sources(repo, bad, dry_run, sources, deltas):
                 data = source.fetch(bad.chunk, bad.size)
                 if data is not None and len(data) == bad.size and digest_of(data) == digest:
                     found = source.label
@@ -274,6 +281,17 @@ def plan_repair(
         if progress is not None:
             progress(done, total)
     return plan
+
+
+def _sources(
+    repo: RepoStorage,
+    bad: BadChunk,
+    dry_run: bool,
+    given: Sequence[ChunkSource],
+    deltas: _FromDeltas,
+) -> list[ChunkSource]:
+    """Where a bad chunk's bytes may come from, in the order they are asked."""
+    return [_RepoCopies(repo, bad, dry_run), *given, deltas]
 
 
 class _RepoCopies:
@@ -306,6 +324,67 @@ def _referenced_copies(repo: RepoStorage, chunk: str) -> list[ChunkRef]:
     return list(out.values())
 
 
+class _FromDeltas:
+    """A damaged base rebuilt from a delta on it: a delta frame is the XOR of its chunk
+    with its base over the runs that differ, so applying it to the chunk's bytes
+    gives the base's. The chunk's bytes come from the other sources (live state
+    still holding them, a snapshot) or, for a chain, from a delta on *it*, each
+    verified against its hash before it is used.
+    """
+
+    label = "a delta on it, rebuilt from another source"
+
+    def __init__(self, repo: RepoStorage, sources: Sequence[ChunkSource]) -> None:
+        self.repo, self.sources = repo, sources
+        self._users: dict[str, list[ChunkRef]] | None = None
+
+    def users(self) -> dict[str, list[ChunkRef]]:
+        """The referenced delta frames by the hash of their base (read once)."""
+        if self._users is None:
+            self._users = {}
+            seen: set[tuple[str | None, int]] = set()
+            for mhash in roots(self.repo, VerifyReport()):
+                try:
+                    manifest = self.repo.read_manifest(mhash)
+                except CasnapError:
+                    continue
+                for ref in manifest.stored_refs():
+                    if ref.base is not None and (ref.pack, ref.offset) not in seen:
+                        seen.add((ref.pack, ref.offset))
+                        self._users.setdefault(ref.base.hash, []).append(ref)
+        return self._users
+
+    def fetch(self, chunk: str, size: int, depth: int = 0) -> Buffer | None:
+        if depth > MAX_DELTA_CHAIN:
+            return None
+        for delta in self.users().get(chunk, ()):
+            data = self._verified(delta, depth)
+            if data is None:
+                continue
+            try:
+                frame = fetch_frame(self.repo, delta)
+                hdr = codec.parse_header(frame, object_name(delta))
+                if hdr.codec != codec.CODEC_DELTA or hdr.raw_length != size:
+                    continue
+                out = bytearray(data)
+                payload = memoryview(frame)[codec.HEADER_SIZE : hdr.frame_length]
+                codec.apply_delta(hdr, payload, object_name(delta), bytes.fromhex(chunk), out)
+            except CasnapError:
+                continue  # the delta's own frame is damaged or gone: another user may serve
+            if digest_of(out) == bytes.fromhex(chunk):
+                return out
+        return None
+
+    def _verified(self, delta: ChunkRef, depth: int) -> Buffer | None:
+        want = bytes.fromhex(delta.hash)
+        for source in self.sources:
+            data = source.fetch(delta.hash, delta.size)
+            if data is not None and len(data) == delta.size and digest_of(data) == want:
+                return data
+        data = self.fetch(delta.hash, delta.size, depth + 1)  # a delta on the delta's chunk
+        return data if data is not None and digest_of(data) == want else None
+
+
 def execute_repair(
     repo: RepoStorage,
     plan: RepairPlan,
@@ -323,13 +402,14 @@ def execute_repair(
     result = RepairResult(plan, dry_run=False)
     todo = [f for f in plan.fixes if f.source]
     by_chunk = {b.chunk: b for b in plan.bad}
+    deltas = _FromDeltas(repo, sources)
     total = sum(by_chunk[f.chunk].size for f in todo)
     done = 0
     with hold_lease(repo, kind="repair") as lease:
         for fix in todo:
             bad = by_chunk[fix.chunk]
             done += bad.size
-            data = _fetch(repo, bad, fix.source, sources)
+            data = _fetch(repo, bad, fix.source, sources, deltas)
             if data is not None:  # else the source changed since the plan: the chunk stays bad
                 lease.check()
                 _write(repo, bad, data)
@@ -341,9 +421,13 @@ def execute_repair(
 
 
 def _fetch(
-    repo: RepoStorage, bad: BadChunk, label: str, sources: Sequence[ChunkSource]
+    repo: RepoStorage,
+    bad: BadChunk,
+    label: str,
+    sources: Sequence[ChunkSource],
+    deltas: _FromDeltas,
 ) -> Buffer | None:
-    for source in [_RepoCopies(repo, bad, True), *sources]:
+    for source in _sources(repo, bad, True, sources, deltas):
         if source.label != label:
             continue
         data = source.fetch(bad.chunk, bad.size)
