@@ -38,6 +38,17 @@ class ObjectExistsError(StoreError, FileExistsError):
     """A create-only write found the object already present."""
 
 
+class ObjectChangedError(StoreError, FileExistsError):
+    """A conditional replace found the object other than expected: another writer
+    replaced, created or deleted it since it was read (``ObjectStore.replace``).
+    Never transient: repeating the same replace meets the same object."""
+
+
+class ConditionalReplaceUnsupportedError(StoreError, NotImplementedError):
+    """The backend cannot replace an object conditionally (``ObjectStore.replace``);
+    ``Capabilities.conditional_replace`` says which backends can."""
+
+
 class RepositoryError(CasnapError):
     """The repository is missing, malformed or of an unsupported version."""
 
