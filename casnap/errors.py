@@ -77,6 +77,11 @@ class SnapshotExistsError(CasnapError, FileExistsError):
         self.name = name
 
 
+class SnapshotChangedError(SnapshotExistsError):
+    """A snapshot name was moved by another writer between reading and replacing it
+    (a re-save to the same name); the replace was not made."""
+
+
 class IntegrityError(CasnapError, ValueError):
     """Stored bytes do not match their hash, or an object is malformed."""
 
