@@ -38,6 +38,17 @@ class ObjectExistsError(StoreError, FileExistsError):
     """A create-only write found the object already present."""
 
 
+class ObjectChangedError(StoreError, FileExistsError):
+    """A conditional replace found the object other than expected: another writer
+    replaced, created or deleted it since it was read (``ObjectStore.replace``).
+    Never transient: repeating the same replace meets the same object."""
+
+
+class ConditionalReplaceUnsupportedError(StoreError, NotImplementedError):
+    """The backend cannot replace an object conditionally (``ObjectStore.replace``);
+    ``Capabilities.conditional_replace`` says which backends can."""
+
+
 class RepositoryError(CasnapError):
     """The repository is missing, malformed or of an unsupported version."""
 
@@ -64,6 +75,11 @@ class SnapshotExistsError(CasnapError, FileExistsError):
     def __init__(self, message: str, name: str | None = None) -> None:
         super().__init__(message)
         self.name = name
+
+
+class SnapshotChangedError(SnapshotExistsError):
+    """A snapshot name was moved by another writer between reading and replacing it
+    (a re-save to the same name); the replace was not made."""
 
 
 class IntegrityError(CasnapError, ValueError):

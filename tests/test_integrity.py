@@ -185,6 +185,9 @@ class FailingStore(ObjectStore):
                 raise StoreError(f"no space left on device while writing {key!r}", key)
         self.inner.put(key, data, create_only=create_only, durable=durable)
 
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        self.inner.replace(key, data, expected=expected)
+
     def get(self, key, *, limit=None):
         return self.inner.get(key, limit=limit)
 

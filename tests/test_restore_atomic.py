@@ -160,6 +160,9 @@ class DroppingStore(ObjectStore):
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         self.inner.put(key, data, create_only=create_only, durable=durable)
 
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        self.inner.replace(key, data, expected=expected)
+
     def exists(self, key):
         return self.inner.exists(key)
 

@@ -5,6 +5,7 @@ Run: ``pytest -q tests/test_s3_store.py`` (marker ``s3``).
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import socket
 import threading
@@ -17,7 +18,13 @@ import pytest
 from s3_server import S3Bucket, s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 from casnap import settings
-from casnap.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, StoreError
+from casnap.errors import (
+    ConfigError,
+    ObjectChangedError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
 from casnap.store import ObjectStore, RetryingStore, S3Store, open_store
 from casnap.store.testing import StoreConformance, _race
 
@@ -288,3 +295,35 @@ def test_a_whole_object_get_is_one_request(s3_bucket):  # noqa: F811
     store.fs._call_s3 = counted
     assert store.get("chunks/ab/x") == b"payload" * 100
     assert calls == ["get_object"]
+
+
+def test_replace_fails_when_written_after_it_read(s3_bucket, monkeypatch):  # noqa: F811
+    # Another client overwrites the object between the replace's GET and its PUT:
+    # only the server's If-Match check can refuse the PUT then.
+    import casnap.store.s3_store as s3_module
+
+    store = _store(s3_bucket)
+    other = S3Store(store.url, {**s3_bucket.options, "skip_instance_cache": True})
+    store.put("refs/main", b"old")
+    read = s3_module._etag_if_holding
+
+    async def read_then_overwrite(*args: object) -> str | None:
+        etag = await read(*args)  # type: ignore[arg-type]
+        await asyncio.get_running_loop().run_in_executor(
+            None, other.put, "refs/main", b"theirs"
+        )
+        return etag
+
+    monkeypatch.setattr(s3_module, "_etag_if_holding", read_then_overwrite)
+    with pytest.raises(ObjectChangedError):
+        store.replace("refs/main", b"mine", expected=b"old")
+    assert other.get("refs/main") == b"theirs"
+
+
+def test_replace_is_proven_once_on_a_server_other_than_aws(s3_bucket):  # noqa: F811
+    store = _store(s3_bucket)
+    assert store._probe_pending and store.capabilities.conditional_replace
+    store.put("refs/main", b"old")
+    store.replace("refs/main", b"new", expected=b"old")
+    assert store.get("refs/main") == b"new"
+    assert sorted(store.list()) == ["refs/main"]  # the probe object is gone

@@ -14,14 +14,17 @@ from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
 import casnap.store.local as local_module
 from casnap.errors import (
+    ConditionalReplaceUnsupportedError,
     IntegrityError,
     InvalidNameError,
+    ObjectChangedError,
     ObjectExistsError,
     ObjectNotFoundError,
     ObjectRefusedError,
     StoreError,
 )
 from casnap.store import (
+    Capabilities,
     CountingStore,
     FsspecStore,
     LocalStore,
@@ -418,3 +421,74 @@ def test_gcs_create_only_resumable_upload(gcs_bucket: str) -> None:  # noqa: F81
     store.put("big", b"a" * big, create_only=True)
     with pytest.raises(ObjectExistsError):
         store.put("big", b"b" * big, create_only=True)
+
+
+# -- conditional replace: the precondition decides, not the comparison ----------
+
+
+@pytest.mark.gcs
+def test_gcs_replace_fails_when_written_after_it_read(gcs_bucket: str) -> None:  # noqa: F811
+    # Another client overwrites the object between the replace's read and its
+    # upload: only the generation precondition can refuse the upload then.
+    url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}"
+    store = FsspecStore(url, {"skip_instance_cache": True})
+    other = FsspecStore(url, {"skip_instance_cache": True})
+    store.put("refs/main", b"old")
+    read = store.fs.cat_file
+
+    def read_then_overwrite(path: str, **kwargs: object) -> bytes:
+        data = read(path, **kwargs)
+        other.put("refs/main", b"theirs")
+        return bytes(data)
+
+    store.fs.cat_file = read_then_overwrite
+    with pytest.raises(ObjectChangedError):
+        store.replace("refs/main", b"mine", expected=b"old")
+    assert other.get("refs/main") == b"theirs"
+
+
+def test_local_replace_waits_for_the_folder_lock(tmp_path: Path) -> None:
+    # A replacer holds the key's folder locked (as another process would while
+    # it compares and renames): a second one waits, then compares what it finds.
+    import fcntl
+    import threading
+
+    store = LocalStore(str(tmp_path / "s"))
+    store.put("refs/main", b"old")
+    fd = os.open(str(tmp_path / "s" / "refs"), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    outcome: list[BaseException | None] = []
+
+    def replace() -> None:
+        try:
+            LocalStore(store.root).replace("refs/main", b"mine", expected=b"old")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=replace)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and store.get("refs/main") == b"old"
+    store.put("refs/main", b"theirs")  # what the lock holder writes before it lets go
+    os.close(fd)
+    waiter.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], ObjectChangedError)
+    assert store.get("refs/main") == b"theirs"
+
+
+def test_a_backend_without_replace_says_so(tmp_path: Path) -> None:
+    class Minimal(ObjectStore):
+        capabilities = Capabilities(atomic_create=False, local=True)
+        url = "minimal://"
+
+        def get(self, key: str, *, limit: int | None = None) -> bytes:
+            raise ObjectNotFoundError(key, key)
+
+        get_range = put = exists = list = delete = get  # type: ignore[assignment]
+
+    store = Minimal()
+    assert store.capabilities.conditional_replace is False
+    with pytest.raises(ConditionalReplaceUnsupportedError, match="Minimal") as info:
+        store.child("sub").replace("refs/main", b"x", expected=None)
+    assert isinstance(info.value, StoreError) and info.value.key == "refs/main"

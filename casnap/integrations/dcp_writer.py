@@ -18,8 +18,11 @@ DCP calls, in this order (``torch/distributed/checkpoint/storage.py``):
 
 Saving again to a name that exists (DCP's default ``overwrite=True``) keeps the
 old version as the snapshot ``<name>@<12 hex of its manifest>`` and then
-replaces the ref, so the previous save stays in the history until retention
-drops it. Cross-rank dedup: DCP's planner already gives each replicated
+replaces the ref if it still names that version (a conditional replace), so
+the previous save stays in the history until retention drops it; a save that
+loses that race to another save of the same name is kept as
+``<name>@<12 hex of its own manifest>`` (docs/dcp.md, "What is atomic").
+Cross-rank dedup: DCP's planner already gives each replicated
 tensor to one rank; identical loose chunks of different ranks land on one
 object (content addressing), small packed ones may be packed by each rank.
 """
@@ -30,6 +33,7 @@ import io
 import os
 import threading
 import uuid
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -51,7 +55,7 @@ from casnap import index
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.frames import WriteStats
 from casnap.chunks.write import ChunkWriter
-from casnap.errors import ConfigError, SnapshotExistsError, UnsupportedValueError
+from casnap.errors import CasnapWarning, ConfigError, SnapshotExistsError, UnsupportedValueError
 from casnap.format.entries import (
     ChunkRef,
     Entry,
@@ -63,8 +67,6 @@ from casnap.format.entries import (
 )
 from casnap.format.manifest import Manifest
 from casnap.format.manifest_bytes import entry_texts
-from casnap.format.names import is_hashed_key
-from casnap.format.records import Ref, record_bytes
 from casnap.integrations.dcp_layout import (
     DCP_METADATA,
     containers,
@@ -73,7 +75,6 @@ from casnap.integrations.dcp_layout import (
     planner_paths,
 )
 from casnap.repo.leases import Lease, acquire_lease
-from casnap.repo.named import named_keys
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget
 from casnap.take.commit import commit_snapshot, remember
@@ -342,7 +343,7 @@ class CasnapWriter(StorageWriter):
             metadata={**self.metadata, DCP_METADATA: dcp_record(metadata.version, paths)},
             entries=entries,
         )
-        if self._replaces is None:
+        if self._replaces is None and not self.overwrite:
             self.last_manifest = commit_snapshot(
                 repo, target_name, manifest, lease=lease, session=self.session
             )
@@ -411,31 +412,41 @@ def _commit_replacing(
     repo: RepoStorage,
     name: str,
     manifest: Manifest,
-    old: str,
+    old: str | None,
     lease: Lease,
     session: Session,
 ) -> str:
-    """Commit ``manifest`` as ``name``, which names ``old``: keep ``old`` as history first.
+    """Commit ``manifest`` as ``name``, which names ``old`` (None: no snapshot yet),
+    keeping ``old`` as history first.
 
     1. the manifest (create-only); 2. ``<name>@<old[:12]>`` -> ``old``, create-only
     (idempotent: a retry after a crash finds it); 3. the lease is still ours;
-    4. replace the ref (one atomic put): the commit point. A crash before 4
-    leaves ``name`` as it was.
+    4. replace the ref if it still names ``old`` (a conditional replace; create
+    it if there was none): the commit point. A crash before 4 leaves ``name``
+    as it was. If another save to ``name`` committed between reading ``old``
+    and 4, this one did not replace it: it is kept as ``<name>@<its 12 hex>``
+    instead, as if it had committed just before the other (a warning says so),
+    so no save that returns is left without a ref.
     """
     texts = entry_texts(manifest)
     manifest_hash = repo.write_manifest(manifest, texts)
-    repo.write_ref(f"{name}{HISTORY_SEP}{old[:12]}", old)
+    if old is not None:
+        repo.write_ref(f"{name}{HISTORY_SEP}{old[:12]}", old)
     lease.check()
-    if repo.resolve(name) != old:
-        raise SnapshotExistsError(
-            f"snapshot {name!r} changed while this save ran (another writer); not replaced", name
+    try:
+        if old is None:
+            repo.write_ref(name, manifest_hash)  # create-only
+        else:
+            repo.replace_ref(name, manifest_hash, old)  # the commit point
+    except SnapshotExistsError:  # SnapshotChangedError too: another save got there first
+        kept = f"{name}{HISTORY_SEP}{manifest_hash[:12]}"
+        repo.write_ref(kept, manifest_hash)
+        warnings.warn(
+            f"another save to checkpoint {name!r} in {repo.url} committed while this one "
+            f"ran; this save is kept in its history as {kept!r}",
+            CasnapWarning,
+            stacklevel=2,
         )
-    key, *older = named_keys("refs", name)
-    recorded = name if is_hashed_key(key[len("refs/") :]) else None
-    ref = Ref(manifest=manifest_hash, created_at=now_iso(), name=recorded)
-    repo.store.put(key, record_bytes(ref))  # atomic replace: the commit point
-    for stale in older:  # the name where an older casnap version put it
-        repo.store.delete(stale)
     remember(repo, manifest_hash, manifest, session, texts)
-    index.record_manifest(repo, manifest_hash, manifest)
+    index.record_manifest(repo, manifest_hash, manifest, session.summaries)
     return manifest_hash

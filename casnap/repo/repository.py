@@ -22,9 +22,11 @@ from casnap.errors import (
     ConfigError,
     InvalidNameError,
     ManifestValidationError,
+    ObjectChangedError,
     ObjectExistsError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
+    SnapshotChangedError,
     SnapshotExistsError,
     SnapshotNotFoundError,
     as_path,
@@ -246,7 +248,41 @@ class RepoStorage:
                 name,
             ) from exc
 
+    def replace_ref(self, name: str, manifest: str, expected: str) -> None:
+        """Point ``name`` from manifest ``expected`` to ``manifest`` with one conditional
+        replace of the ref (a re-save's commit point; docs/dcp.md): of writers racing
+        from one version exactly one wins, the others raise :class:`SnapshotChangedError`
+        having written nothing (as when ``name`` no longer names ``expected``)."""
+        key, *older = named_keys("refs", check_ref_name(name))
+        recorded = name if is_hashed_key(key[len("refs/") :]) else None
+        ref = Ref(manifest=check_hash(manifest), created_at=now_iso(), name=recorded)
+        found = self._stored_ref(name)
+        if found is None or found[2].manifest != expected:
+            raise SnapshotChangedError(
+                f"snapshot {name!r} in {self.url} no longer names {expected[:12]} "
+                "(another writer moved or deleted it); not replaced",
+                name,
+            )
+        at, current, _ = found
+        try:
+            self.store.replace(key, record_bytes(ref), expected=current if at == key else None)
+        except ObjectChangedError as exc:
+            raise SnapshotChangedError(
+                f"snapshot {name!r} in {self.url} was replaced by another writer while "
+                "this one replaced it; not replaced",
+                name,
+            ) from exc
+        for stale in older:  # the name where an older version put it
+            self.store.delete(stale)
+
     def read_ref(self, name: str) -> Ref:
+        found = self._stored_ref(name)
+        if found is None:
+            raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name)
+        return found[2]
+
+    def _stored_ref(self, name: str) -> tuple[str, bytes, Ref] | None:
+        """Where the ref of ``name`` is stored, its bytes and the ref; None if there is none."""
         for key in named_keys("refs", check_ref_name(name)):
             try:
                 data = self.store.get(key, limit=MAX_RECORD_BYTES)
@@ -254,8 +290,8 @@ class RepoStorage:
                 continue
             ref = parse_ref(data, name)
             check_recorded_name("refs", key[len("refs/") :], name, ref.name)
-            return ref
-        raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name)
+            return key, data, ref
+        return None
 
     def has_ref(self, name: str) -> bool:
         return any(self.store.exists(k) for k in named_keys("refs", check_ref_name(name)))

@@ -2,8 +2,9 @@
 
 Six operations over flat, '/'-separated keys relative to the store's root:
 ``get``, ``get_range``, ``put`` (atomic; optionally create-only), ``exists``,
-``list`` (a prefix, recursively) and ``delete``. Backends are thin; backend
-exceptions are translated to casnap errors in one place per backend.
+``list`` (a prefix, recursively) and ``delete``, plus one for the few mutable
+objects, ``replace`` (a conditional put: compare and swap). Backends are thin;
+backend exceptions are translated to casnap errors in one place per backend.
 
 Around them, with defaults a minimal backend inherits:
 
@@ -21,6 +22,9 @@ Around them, with defaults a minimal backend inherits:
   a counting or retrying wrapper), for code that must know what it talks to.
 - ``capabilities``: what the backend promises beyond the contract
   (:class:`Capabilities`); gc reads ``atomic_create`` to choose how it locks.
+- ``replace(key, data, expected=...)``: the default raises
+  :class:`ConditionalReplaceUnsupportedError`; a backend that can compare and
+  swap overrides it (every casnap backend does).
 
 Semantics every backend guarantees (tested by :mod:`casnap.store.testing`,
 which a third-party backend can run too):
@@ -29,6 +33,17 @@ which a third-party backend can run too):
 - ``put(..., create_only=True)`` raises :class:`ObjectExistsError` when the
   key exists. ``Capabilities.atomic_create`` says whether that check is atomic
   against other processes (local directory, GCS) or only within this process.
+- ``replace(key, data, expected=old)`` writes ``data`` only if the object holds
+  exactly the bytes ``old`` (``expected=None``: only if there is no object);
+  otherwise it raises :class:`ObjectChangedError` and writes nothing. Of
+  replacers racing from the same ``expected`` exactly one wins.
+  ``Capabilities.conditional_replace`` says whether that holds against other
+  processes (local directory: a lock on the key's folder; GCS: generation
+  match; S3: ``If-Match``) or only within this process (a generic fsspec
+  filesystem, S3 without conditional writes). A replace is ordered against
+  other replaces and create-only puts of the key; a plain ``put`` or a
+  ``delete`` racing it may be overwritten by it (or overwrite it) where the
+  backend compares under a lock, so mutable objects are written by replaces only.
 - ``get(key, limit=n)`` of an object larger than ``n`` bytes raises
   :class:`ObjectRefusedError` without reading more than ``n + 1`` bytes of it
   (a backend that can tell the size first refuses before reading any), so a
@@ -64,7 +79,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from casnap.errors import InvalidNameError, ObjectRefusedError, StoreError
+from casnap.errors import (
+    ConditionalReplaceUnsupportedError,
+    InvalidNameError,
+    ObjectChangedError,
+    ObjectRefusedError,
+    StoreError,
+)
 
 Buffer = bytes | bytearray | memoryview
 Data = Buffer | Sequence[Buffer]
@@ -98,6 +119,15 @@ def check_limit(key: str, size: int, limit: int | None) -> None:
         )
 
 
+def changed(key: str) -> ObjectChangedError:
+    """The error of a conditional replace that found ``key`` other than expected."""
+    return ObjectChangedError(
+        f"object {key!r} changed: it is not what the conditional replace expected "
+        "(another writer replaced, created or deleted it)",
+        key,
+    )
+
+
 def join_parts(data: Data) -> bytes:
     parts = as_parts(data)
     if len(parts) == 1 and isinstance(parts[0], bytes):
@@ -111,6 +141,8 @@ class Capabilities:
 
     atomic_create: bool  # create-only puts are atomic across processes
     local: bool  # backed by a local filesystem (cheap probes)
+    # replace() (compare and swap) is atomic across processes, not only within this one
+    conditional_replace: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +178,25 @@ class ObjectStore(ABC):
         are written non-durably, the manifest and ref durably, which keeps the
         commit order without paying a directory sync per chunk.
         """
+
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        """Write the object only if it holds exactly ``expected`` (``None``: only if
+        there is none), atomically; else raise :class:`ObjectChangedError`.
+
+        For the few mutable objects (a ref a re-save moves): read it, decide, then
+        replace it from what was read, and a writer that raced in between is
+        detected instead of overwritten. Durable when it returns, like a durable
+        put (earlier non-durable puts first). ``capabilities.conditional_replace``
+        says whether it is atomic against other processes or only within this one.
+
+        Example::
+
+            old = store.get("refs/main")
+            store.replace("refs/main", new, expected=old)  # ObjectChangedError if moved
+        """
+        raise ConditionalReplaceUnsupportedError(
+            f"{type(self).__name__} at {self.url!r} cannot replace an object conditionally", key
+        )
 
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
         """Read the object's first bytes into ``buffers`` in order; returns the bytes read.
@@ -248,6 +299,10 @@ class PrefixStore(ObjectStore):
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         with self._as_seen(key):
             self.inner.put(self._k(key), data, create_only=create_only, durable=durable)
+
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        with self._as_seen(key):
+            self.inner.replace(self._k(key), data, expected=expected)
 
     def flush(self) -> None:
         self.inner.flush()

@@ -68,6 +68,16 @@ class CountingStore(ObjectStore):
             self.bytes_written += sum(len(memoryview(p).cast("B")) for p in parts)
             self.written_keys.append(key)
 
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        parts = as_parts(data)
+        try:
+            self.inner.replace(key, parts, expected=expected)
+        finally:
+            self._count("replace")
+        with self._lock:
+            self.bytes_written += sum(len(memoryview(p).cast("B")) for p in parts)
+            self.written_keys.append(key)
+
     def flush(self) -> None:
         self.inner.flush()
 

@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import quote
 
 import fsspec
 
-from casnap.errors import ObjectExistsError, ObjectNotFoundError, ObjectRefusedError, StoreError
+from casnap.errors import (
+    ObjectChangedError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectRefusedError,
+    StoreError,
+)
 from casnap.store.base import (
     Capabilities,
     Data,
     ObjectInfo,
     ObjectStore,
+    changed,
     check_key,
     check_limit,
     join_parts,
@@ -27,6 +36,10 @@ from casnap.store.base import (
 # only among the stores sharing one filesystem object by a lock kept on it
 # (fsspec hands every store of one protocol and options the same instance).
 _ATOMIC_CREATE = {"gs", "gcs"}
+# Protocols whose replace is a server-side precondition too (GCS: the object's
+# generation); elsewhere it is compare-then-write under the same in-process lock.
+_CONDITIONAL_REPLACE = {"gs", "gcs"}
+_MULTIPART = "==casnap-multipart=="  # the boundary of a GCS multipart upload
 _CREATE_LOCK_ATTR = "_casnap_create_lock"
 
 # Protocols whose paths are local files, where a key may hold a FIFO, a device
@@ -78,15 +91,27 @@ class FsspecStore(ObjectStore):
             fs, root = _open_fs(protocol, url, options)
         except (ImportError, ValueError) as exc:
             raise StoreError(f"cannot open store {url!r}: {exc}") from exc
-        self._attach(fs, root, url, protocol, atomic_create=protocol in _ATOMIC_CREATE)
+        self._attach(fs, root, url, protocol, atomic_create=protocol in _ATOMIC_CREATE,
+                     conditional_replace=protocol in _CONDITIONAL_REPLACE)  # fmt: skip
 
-    def _attach(self, fs: Any, root: str, url: str, protocol: str, *, atomic_create: bool) -> None:
+    def _attach(
+        self,
+        fs: Any,
+        root: str,
+        url: str,
+        protocol: str,
+        *,
+        atomic_create: bool,
+        conditional_replace: bool,
+    ) -> None:
         """Serve the objects below ``root`` on the opened filesystem ``fs``."""
         self.fs = fs
         self.protocol = protocol
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
-        self.capabilities = Capabilities(atomic_create=atomic_create, local=False)
+        self.capabilities = Capabilities(
+            atomic_create=atomic_create, local=False, conditional_replace=conditional_replace
+        )
         # dict.setdefault is atomic: racing stores on one filesystem get one lock.
         self._create_lock: threading.Lock = vars(self.fs).setdefault(
             _CREATE_LOCK_ATTR, threading.Lock()
@@ -160,6 +185,68 @@ class FsspecStore(ObjectStore):
                 self.fs.pipe_file(path, payload, mode="create" if create_only else "overwrite")
         except Exception as exc:
             raise self._translate(exc, key) from exc
+
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        path = self._path(key)
+        payload = join_parts(data)
+        try:
+            if expected is None:  # create-only, as atomic as this store's create
+                self.put(key, payload, create_only=True)
+            elif self.protocol in _CONDITIONAL_REPLACE:
+                self._replace_generation(path, key, payload, expected)
+            else:
+                # Compare, then write, under the lock every store on this
+                # filesystem object shares: atomic within this process only.
+                with self._create_lock:
+                    if self._current(key, expected) != expected:
+                        raise changed(key)
+                    self.fs.pipe_file(path, payload)
+        except ObjectChangedError:
+            raise
+        except FileExistsError as exc:  # a create or a generation precondition failed
+            raise changed(key) from exc
+        except Exception as exc:
+            raise self._translate(exc, key) from exc
+
+    def _current(self, key: str, expected: bytes) -> bytes | None:
+        """The object's bytes, or None where it is missing or longer than ``expected``."""
+        try:
+            return self.get(key, limit=len(expected))
+        except (ObjectNotFoundError, ObjectRefusedError):
+            return None
+
+    def _replace_generation(self, path: str, key: str, payload: bytes, expected: bytes) -> None:
+        """GCS: read the object at its current generation, compare, then upload with
+        ``ifGenerationMatch`` of that generation; a write in between fails it (412)."""
+        try:
+            generation = self.fs.info(path).get("generation")
+            current = bytes(self.fs.cat_file(path, generation=generation))
+        except FileNotFoundError as exc:  # gone, or overwritten since info (that generation)
+            raise changed(key) from exc
+        if not generation or current != expected:
+            raise changed(key)
+        # gcsfs's pipe_file has no generation precondition: its single-request
+        # (multipart) upload, with one. Small objects only: a resumable upload
+        # is what some emulators do not check.
+        bucket, name, _ = self.fs.split_path(path)
+        head = json.dumps({"name": name}).encode()
+        body = b"".join([
+            f"--{_MULTIPART}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
+            head,
+            f"\r\n--{_MULTIPART}\r\nContent-Type: application/octet-stream\r\n\r\n".encode(),
+            payload,
+            f"\r\n--{_MULTIPART}--".encode(),
+        ])  # fmt: skip
+        self.fs.call(
+            "POST",
+            f"{self.fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
+            uploadType="multipart",
+            headers={"Content-Type": f'multipart/related; boundary="{_MULTIPART}"'},
+            data=body,
+            json_out=True,
+            ifGenerationMatch=str(generation),
+        )
+        self.fs.invalidate_cache(path)
 
     def exists(self, key: str) -> bool:
         return self._is_object(self._path(key), key)

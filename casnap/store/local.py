@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -26,6 +27,7 @@ from casnap.store.base import (
     ObjectInfo,
     ObjectStore,
     as_parts,
+    changed,
     check_key,
     check_limit,
 )
@@ -70,9 +72,15 @@ class LocalStore(ObjectStore):
     object, plus at most a temp file that ``list`` ignores and
     ``list_temporary`` reports. A non-durable put, and every delete, defers the
     directory fsync to the next durable put or ``flush()``.
+
+    ``replace`` holds an exclusive ``flock`` on the key's folder while it
+    compares the object with what is expected and renames the new one into
+    place: replacers in any process on this machine take turns. (A network
+    file system may not share flock between machines; where it refuses the
+    lock the replace fails rather than race.)
     """
 
-    capabilities = Capabilities(atomic_create=True, local=True)
+    capabilities = Capabilities(atomic_create=True, local=True, conditional_replace=True)
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
@@ -259,6 +267,35 @@ class LocalStore(ObjectStore):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise _translate(exc, key, writing=True) from exc
+
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        if expected is None:  # create-only is already atomic (os.link)
+            try:
+                self.put(key, data, create_only=True)
+            except ObjectExistsError as exc:
+                raise changed(key) from exc
+            return
+        folder = os.path.dirname(self._path(key))
+        try:
+            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError as exc:
+            if exc.errno in _NOT_AN_OBJECT:
+                raise changed(key) from exc  # no folder, no object
+            raise _translate(exc, key, writing=True) from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
+            except OSError as exc:
+                raise _translate(exc, key, writing=True) from exc
+            try:
+                current: bytes | None = self.get(key, limit=len(expected))
+            except (ObjectNotFoundError, ObjectRefusedError):
+                current = None  # gone, or larger than expected: either way changed
+            if current != expected:
+                raise changed(key)
+            self.put(key, data)
+        finally:
+            os.close(fd)
 
     def exists(self, key: str) -> bool:
         # Not os.path.isfile: it reads every error (EACCES, EIO) as "missing".

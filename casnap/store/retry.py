@@ -21,6 +21,13 @@
   object there. If the object then holds exactly the bytes being put, the put
   succeeded (it was ours, or identical, which content addressing makes the
   same thing); otherwise :class:`ObjectExistsError` is raised as usual.
+- A ``replace`` likewise: after a transient failure, a retry that finds the
+  object changed and holding exactly the bytes being put succeeded (the bytes
+  of a ref name their time, so they are this writer's); otherwise
+  :class:`ObjectChangedError` is raised as usual. After a lost answer that
+  error is ambiguous: the earlier attempt may have landed and been replaced
+  by another writer since. A caller must then treat its write as possibly
+  made (the DCP commit keeps its manifest under a name of its own either way).
 
 :func:`casnap.store.open_store` wraps remote backends in one, configured by the
 ``store_retries`` and ``store_retry_delay`` settings (``docs/settings.md``).
@@ -35,7 +42,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from casnap.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, StoreError
+from casnap.errors import (
+    ConfigError,
+    ObjectChangedError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
 from casnap.settings import get as setting
 from casnap.store.base import Buffer, Data, ObjectInfo, ObjectStore, as_parts, join_parts
 
@@ -148,6 +161,24 @@ class RetryingStore(ObjectStore):
                 raise
 
         self._call("put", key, attempt)
+
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        parts = as_parts(data)
+        failed = False
+
+        def attempt() -> None:
+            nonlocal failed
+            try:
+                self.inner.replace(key, parts, expected=expected)
+            except ObjectChangedError:
+                if failed and self._holds(key, parts):
+                    return  # an earlier attempt landed; only its answer was lost
+                raise
+            except StoreError as exc:
+                failed = failed or exc.transient
+                raise
+
+        self._call("replace", key, attempt)
 
     def _holds(self, key: str, parts: Sequence[Buffer]) -> bool:
         try:

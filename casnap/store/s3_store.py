@@ -16,6 +16,13 @@ What casnap's contract needs from S3, and where it comes from (docs/s3.md):
   is proven once, before the first create-only put (a probe object written
   twice, then deleted); a server that refuses or ignores the condition fails
   that put with an error naming the option.
+- **Conditional replace** (``replace``, compare and swap): a GET gives the
+  object's bytes and ETag in one answer; they are compared with what is
+  expected, then the PUT carries ``If-Match: <etag>`` (S3 conditional writes,
+  November 2024), so a write in between fails it with 412 (a deleted object:
+  404). ``"auto"`` proves a server other than AWS honours ``If-Match`` once,
+  before the first replace. With ``conditional_writes=False`` a replace is a
+  compare then a PUT under an in-process lock (``conditional_replace`` false).
 - There is no rename, and casnap needs none: every object is written once, whole.
 
 Options (``storage_options``, also ``--storage-option KEY=VALUE`` on the
@@ -40,8 +47,16 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-from casnap.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, StoreError
-from casnap.store.base import Data
+from fsspec.asyn import sync
+
+from casnap.errors import (
+    ConfigError,
+    ObjectChangedError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
+from casnap.store.base import Data, changed, join_parts
 from casnap.store.fsspec_store import FsspecStore, _status_of
 from casnap.store.fsspec_store import _translate as _translate_fsspec
 
@@ -61,6 +76,8 @@ _TRANSIENT_TYPES = {
 _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
 _PRECONDITION_FAILED = 412
 _PROBED_ATTR = "_casnap_conditional_writes_proven"
+_IF_MATCH_PROBED_ATTR = "_casnap_if_match_proven"
+_WRONG_ETAG = '"00000000000000000000000000000000"'  # matches no object's ETag
 _BOOLEAN_OPTIONS = ("anon", "use_ssl", "conditional_writes", "requester_pays")
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
@@ -104,7 +121,8 @@ class S3Store(FsspecStore):
         fs.retries = retries
         protocol = url.split("://", 1)[0]
         root = S3FileSystem._strip_protocol(url)
-        self._attach(fs, root, url, protocol, atomic_create=self.conditional_writes)
+        self._attach(fs, root, url, protocol, atomic_create=self.conditional_writes,
+                     conditional_replace=self.conditional_writes)  # fmt: skip
 
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         try:
@@ -121,6 +139,60 @@ class S3Store(FsspecStore):
                     key,
                 ) from exc
             raise
+
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        if expected is None or not self.conditional_writes:
+            super().replace(key, data, expected=expected)  # create-only, or in-process
+            return
+        path = self._path(key)  # an invalid key fails before any request
+        if self._probe_pending and not vars(self.fs).get(_IF_MATCH_PROBED_ATTR):
+            self._probe_if_match()
+        payload = join_parts(data)
+        bucket, name, _ = self.fs.split_path(path)
+        try:
+            etag = sync(self.fs.loop, _etag_if_holding, self.fs, bucket, name, expected)
+            if etag is None:
+                raise changed(key)
+            self.fs.pipe_file(path, payload, IfMatch=etag)
+        except ObjectChangedError:
+            raise
+        except Exception as exc:
+            err = self._translate(exc, key)
+            if isinstance(err, (ObjectExistsError, ObjectNotFoundError)):
+                raise changed(key) from exc  # 412: written since the GET; 404: deleted
+            if _refuses_condition(err):
+                raise StoreError(
+                    f"the S3 server behind {self.url!r} does not support conditional writes "
+                    "(If-Match); open the repository with the storage option "
+                    "conditional_writes=false (docs/s3.md)",
+                    key,
+                ) from exc
+            raise err from exc
+
+    def _probe_if_match(self) -> None:
+        """Prove that the server refuses a PUT whose ``If-Match`` names another ETag."""
+        probe = f"conditional-write-probe-{uuid.uuid4().hex}"
+        path = self._path(probe)
+        try:
+            super().put(probe, b"1")
+            try:
+                self.fs.pipe_file(path, b"2", IfMatch=_WRONG_ETAG)
+            except Exception as exc:
+                if isinstance(self._translate(exc, probe), ObjectExistsError):
+                    vars(self.fs)[_IF_MATCH_PROBED_ATTR] = True
+                    return
+                raise self._translate(exc, probe) from exc
+            raise StoreError(
+                f"the S3 server behind {self.url!r} ignores conditional writes (If-Match): "
+                "a conditional replace overwrote an object; open the repository with the "
+                "storage option conditional_writes=false (docs/s3.md)",
+                probe,
+            )
+        finally:
+            try:
+                self.delete(probe)
+            except StoreError:
+                pass
 
     def get(self, key: str, *, limit: int | None = None) -> bytes:
         if limit is not None:
@@ -166,13 +238,28 @@ class S3Store(FsspecStore):
             return ObjectNotFoundError(f"the bucket of {self.url!r} does not exist ({key!r})", key)
         if code in _NOT_FOUND_CODES:
             return ObjectNotFoundError(f"object {key!r} not found", key)
-        # Only create-only puts carry a precondition, so 412 means "it exists".
+        # 412: a create-only put's "it exists", or a replace's "it changed" (replace
+        # reads it so).
         if status == _PRECONDITION_FAILED or code == "PreconditionFailed":
             return ObjectExistsError(f"object {key!r} already exists", key)
         err = _translate_fsspec(exc, key)
         if type(err) is StoreError and (code in _TRANSIENT_CODES or _network_failure(exc)):
             err.transient = True
         return err
+
+
+async def _etag_if_holding(fs: Any, bucket: str, key: str, expected: bytes) -> str | None:
+    """The ETag of the object if it holds exactly ``expected`` (one GET: the bytes and
+    the ETag of the same version), else None; a longer object's body is not read."""
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    body = resp["Body"]
+    try:
+        if int(resp.get("ContentLength", -1)) != len(expected):
+            return None
+        current = await body.read()
+    finally:
+        body.close()
+    return str(resp["ETag"]) if current == expected else None
 
 
 def _s3_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:

@@ -42,6 +42,8 @@ from casnap.errors import (
     StoreError,
 )
 from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, as_parts
+from casnap.store.testing_replace import ReplaceConformance
+from casnap.store.testing_replace import race as _race
 
 UNSAFE_KEYS = [
     "../x",
@@ -69,28 +71,9 @@ def _keys(store: ObjectStore, prefix: str = "") -> list[str]:
     return sorted(store.list(prefix))
 
 
-def _race(n: int, work: Callable[[int], object]) -> list[object]:
-    """Run ``work(i)`` for i in range(n) on n threads released together; results or exceptions."""
-    barrier = threading.Barrier(n)
-    results: list[object] = [None] * n
-
-    def run(i: int) -> None:
-        barrier.wait()
-        try:
-            results[i] = work(i)
-        except Exception as exc:  # collected and asserted on by the caller
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
-class StoreConformance:
-    """Tests every :class:`~casnap.store.ObjectStore` must pass."""
+class StoreConformance(ReplaceConformance):
+    """Tests every :class:`~casnap.store.ObjectStore` must pass (with the conditional
+    replace's, :class:`~casnap.store.testing_replace.ReplaceConformance`)."""
 
     def reopen(self, store: ObjectStore) -> ObjectStore:
         """A second handle on the same objects, with its own client and caches."""
@@ -481,6 +464,7 @@ class StoreConformance:
         assert base.unwrap() is base
         assert isinstance(store.capabilities, Capabilities)
         assert store.capabilities == base.capabilities
+        assert isinstance(store.capabilities.conditional_replace, bool)
 
 
 class FaultyStore(ObjectStore):
@@ -491,7 +475,7 @@ class FaultyStore(ObjectStore):
     the operations in ``ops`` fail. ``faults`` counts the failures injected.
     """
 
-    OPS = ("get", "get_range", "read_into", "put", "exists", "list", "delete")
+    OPS = ("get", "get_range", "read_into", "put", "replace", "exists", "list", "delete")
 
     def __init__(
         self,
@@ -545,6 +529,11 @@ class FaultyStore(ObjectStore):
         parts = as_parts(data)
         call = lambda: self.inner.put(key, parts, create_only=create_only, durable=durable)  # noqa: E731
         self._run("put", key, call)
+
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        parts = as_parts(data)
+        call = lambda: self.inner.replace(key, parts, expected=expected)  # noqa: E731
+        self._run("replace", key, call)
 
     def exists(self, key: str) -> bool:
         return self._run("exists", key, lambda: self.inner.exists(key))  # type: ignore[return-value]
