@@ -40,7 +40,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from casnap.chunks.damage import base_bytes
+from casnap.chunks.decode import base_bytes
 from casnap.errors import CasnapError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef

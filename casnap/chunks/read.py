@@ -3,7 +3,7 @@
 :func:`read_chunks`: frames of one pack that lie close together are fetched
 by one ranged get; every frame is decoded and verified against its hash
 before its bytes are handed on, and a damaged one is contained
-(:mod:`casnap.chunks.damage`).
+(:mod:`casnap.chunks.decode`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.chain import ChainFrames
-from casnap.chunks.damage import (
+from casnap.chunks.decode import (
     contain,
     decode_frame,
     frame_limit,

@@ -16,7 +16,7 @@ safe (docs/damage.md, "Repair"). A chunk is named by the hash of its bytes, so
    object is thereby replaced (healing every snapshot naming it) and its
    record deleted. A damaged pack frame keeps its record and gets a
    *replacement*: reads of the frame fall back to ``chunks/<h>``
-   (:func:`casnap.chunks.damage.decode_frame`), and gc keeps the replacement
+   (:func:`casnap.chunks.decode.decode_frame`), and gc keeps the replacement
    while the record and a reachable reference into the frame exist. No
    manifest, ref, tag or pack is rewritten, so a repair killed at any point
    leaves every snapshot at least as restorable as before.
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from casnap.chunks.damage import fetch_frame, read_copy
+from casnap.chunks.decode import fetch_frame, read_copy
 from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError

@@ -9,7 +9,7 @@ re-hashed; ``part=(k, n)`` restricts that to the chunks whose hash falls in
 part ``k`` of ``n``, so a long scrub can run a slice at a time. Problems are
 collected and reported, never repaired. The one thing verify writes is a
 damage record for each chunk copy whose bytes fail their hash, through the
-verified reader's containment (:mod:`casnap.chunks.damage`), so that no later
+verified reader's containment (:mod:`casnap.chunks.decode`), so that no later
 take references that copy; on a read-only store it warns instead. The local
 index is never consulted (only told to forget damaged chunks). Objects no ref
 or tag reaches are counted in :attr:`VerifyReport.unreferenced`: they cost
@@ -24,7 +24,7 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from casnap.chunks.damage import decode_frame
+from casnap.chunks.decode import decode_frame
 from casnap.chunks.read import Span, fetch_span, object_name, plan_reads
 from casnap.errors import (
     CasnapError,

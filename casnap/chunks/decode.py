@@ -1,4 +1,7 @@
-"""Containment: the one place a verified read reacts to a damaged frame (docs/damage.md).
+"""Decoding stored frames, verified: the one decode every read goes through, and containment.
+
+This is where a verified read decodes a frame (any codec, a delta rebuilt
+from its chain) and reacts to a damaged one (docs/damage.md).
 
 Every read that checks a frame against its chunk's hash goes through
 :func:`decode_frame` (restore, ``read_object``, export and drift through
