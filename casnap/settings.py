@@ -55,6 +55,9 @@ DEFAULT_READ_WORKERS = 12
 # Object stores answer each request with latency, not bandwidth: keep many in flight.
 DEFAULT_REMOTE_IO_WORKERS = 16
 DEFAULT_LEASE_TTL = 120.0
+# The longest lease TTL: readers bound every lease and gc lock by it
+# (casnap/repo/leases.py), so no record can hold others up for longer.
+MAX_LEASE_TTL = 1800.0
 DEFAULT_DIST_TIMEOUT = 600.0
 DEFAULT_INDEX_MAP_SIZE = 4 * GiB
 
@@ -198,7 +201,7 @@ VARIABLES: Mapping[str, Variable] = _table(
              "value and warn (docs/distributed.md); error: fail the take on every rank.",
              choices=("warn", "error")),
     Variable("lease_ttl", "float", DEFAULT_LEASE_TTL, "Seconds a take's lease (and gc's lock) "
-             "lives without renewal.", minimum=0.001, maximum=7 * 86400),
+             "lives without renewal.", minimum=0.001, maximum=MAX_LEASE_TTL),
     Variable("dist_timeout", "float", DEFAULT_DIST_TIMEOUT, "Seconds a rank of a distributed "
              "take waits for the others before the take fails.", minimum=0.001, maximum=7 * 86400),
     Variable("store_retries", "int", 4, "Times a remote store request that failed transiently "

@@ -348,3 +348,38 @@ def test_export_larger_than_the_file_size_limit_is_a_clean_error_with_no_file_le
     )
     assert "File too large" in out["message"]
     assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"kind": "primitive", "type": "float", "value": "0x1p+99999"},
+        {"kind": "primitive", "type": "complex", "value": ["0x1p+0", "-0x1p+99999"]},
+    ],
+)
+def test_an_overflowing_float_primitive_is_a_manifest_error_naming_the_entry(tmp_path, entry):
+    # float.fromhex("0x1p+99999") raises OverflowError: every reader must see
+    # casnap's error instead, from the manifest check.
+    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": StateDict(w=torch.ones(4), lr=0.5)})
+    rewrite_manifest(tmp_path, snap, lambda doc: doc["entries"].__setitem__("0/s/lr", entry))
+    path = str(tmp_path / "repo" / "s1")
+    for read in (
+        lambda: Snapshot(path).restore({"s": StateDict(w=torch.zeros(4), lr=0.0)}),
+        lambda: Snapshot(path).restore({"s": StateDict(w=torch.zeros(4), lr=0.0)}, strict=False),
+        lambda: Snapshot(path).read_object("0/s/lr"),
+        lambda: Snapshot(path).read_object("0/s/w"),
+    ):
+        with pytest.raises(ManifestValidationError, match=r"0/s/lr.*overflows"):
+            read()
+
+
+def test_an_overflowing_quantization_scale_is_a_manifest_error(tmp_path):
+    q = torch.quantize_per_tensor(torch.ones(4), scale=0.5, zero_point=0, dtype=torch.qint8)
+    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": StateDict(q=q)})
+
+    def change(doc):
+        doc["entries"]["0/s/q"]["quantized"]["scale"] = "0x1p+99999"
+
+    rewrite_manifest(tmp_path, snap, change)
+    with pytest.raises(ManifestValidationError, match=r"0/s/q.*overflows"):
+        Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/q")

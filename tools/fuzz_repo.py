@@ -10,9 +10,16 @@ operation. The outcome must be a correct result or a ``casnap.CasnapError``:
   (``rehash``, ``huge_shape``), which declares other data;
 - ``casnap_error``: a CasnapError (counted per class);
 - failures: ``other_exception`` (any other exception), ``wrong_result``
-  (silently different data), ``hang`` (past the per-case timeout) and
-  ``memory`` (MemoryError, or the worker killed). The worker runs under
-  RLIMIT_AS (its size after setup plus 2.5 GiB), so a blow-up fails fast.
+  (silently different data), ``hang`` (past the per-case timeout),
+  ``blocked`` (a forged lock or lease record held a real take or gc up until
+  it gave up) and ``memory`` (MemoryError, or the worker killed). The worker
+  runs under RLIMIT_AS (its size after setup plus 2.5 GiB), so a blow-up
+  fails fast.
+
+The ``hostile_lock`` kind writes a forged ``gc.lock`` or lease (a claim to
+the year 9999, times that do not parse) and runs a real take or gc
+(``LOCK_OPS``) instead of a read: it must finish, or fail with a
+CasnapError other than waiting for the forged record, within the timeout.
 
 Usage::
 
@@ -48,13 +55,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("bitflip", "truncate", "zero_block", "append_junk", "json_value", "rehash",
-         "huge_shape", "bomb")  # fmt: skip
+         "huge_shape", "bomb", "float_overflow", "hostile_lock")  # fmt: skip
 STORE_KINDS = ("fifo", "symlink_dev_zero", "sparse", "bigint")
 ALL_KINDS = KINDS + STORE_KINDS
 OPS = ("restore", "read_object", "log", "du", "verify", "gc_dry", "retain_dry",
        "export_safetensors", "export_torch", "diff_stats")  # fmt: skip
-FAILURES = ("other_exception", "wrong_result", "hang", "memory", "fuzzer_error")
-_REWRITES = ("rehash", "huge_shape")  # the manifest legitimately declares other data
+# A hostile lock or lease record is judged by what it blocks: a real take and a
+# real gc (not a dry run), which must finish or fail within the case timeout.
+LOCK_OPS = ("take", "gc")
+FAILURES = ("other_exception", "wrong_result", "hang", "blocked", "memory", "fuzzer_error")
+_REWRITES = ("rehash", "huge_shape", "float_overflow")  # the manifest declares other data
 _JSON_DIRS = ("manifests", "refs", "tags", "leases", "damaged")
 _SNAPSHOTS = ("s1", "s2", "s3")
 _CHUNK = 64 * 1024
@@ -216,6 +226,35 @@ def _huge_shape(rng: random.Random, doc: Any) -> None:
         e["chunks"] = [dict(first, size=min(chunk, size - i * chunk), length=56) for i in range(n)]
 
 
+def _float_overflow(rng: random.Random, doc: Any) -> str:
+    """Turn the int primitive ``step`` into a float (or complex) whose hex text overflows."""
+    text = rng.choice(["0x1p+99999", "-0x1.fp+1024", "0x1p+1024", "0x1.0p+" + "9" * 30])
+    entry: dict[str, Any] = {"kind": "primitive", "type": "float", "value": text}
+    if rng.random() < 0.3:
+        entry = {"kind": "primitive", "type": "complex", "value": ["0x1p+0", text]}
+    doc["entries"]["0/s/step"] = entry
+    return text
+
+
+# Records a writer of the repository could leave as gc.lock or as a lease: the
+# one of issue #23, claims far beyond any lease's life, times that do not parse.
+_HOSTILE_RECORDS = (
+    {"created_at": "x", "expires_at": "9999-01-01"},
+    {"expires_at": "9999-12-31T23:59:59+00:00"},
+    {"expires_at": "2999-01-01T00:00:00"},
+    {"created_at": "", "expires_at": "9999-01-01T00:00:00Z"},
+    {"expires_at": "9999-12-31T23:59:59-23:59"},
+    {"expires_at": "not a time"},
+    {"pid": -1, "host": "", "expires_at": "9999-01-01"},
+)
+
+
+def _hostile_record(rng: random.Random) -> bytes:
+    base = {"id": "a", "kind": "gc", "created_at": "2024-01-01T00:00:00+00:00",
+            "expires_at": "", "host": "h", "pid": 1}  # fmt: skip
+    return json.dumps({**base, **rng.choice(_HOSTILE_RECORDS)}).encode()
+
+
 _BOMB: bytes | None = None
 
 
@@ -279,6 +318,11 @@ def mutate(rng: random.Random, case: Path, rel: str, kind: str) -> str:
         frame = _bomb_frame(rng, data[at:])
         path.write_bytes(data[:at] + frame + data[at + len(frame) :])
         return f"zstd bomb frame at {at}"
+    if kind == "hostile_lock":  # ``rel`` is the stale lease; the record goes there or to gc.lock
+        record = _hostile_record(rng)
+        where = path if rng.random() < 0.3 else case / ".casnap" / "gc.lock"
+        where.write_bytes(record)
+        return f"{where.relative_to(case)} = {record.decode()[:120]}"
     if kind == "fifo":
         path.unlink()
         os.mkfifo(path)
@@ -306,6 +350,10 @@ def mutate(rng: random.Random, case: Path, rel: str, kind: str) -> str:
         _huge_shape(rng, doc)
         name = _write_manifest(case, Path(rel).name, doc)
         return f"huge shape, rehashed as {name[:12]}"
+    if kind == "float_overflow":
+        text = _float_overflow(rng, doc)
+        name = _write_manifest(case, Path(rel).name, doc)
+        return f"primitive 0/s/step = {text[:40]}, rehashed as {name[:12]}"
     value = _hostile_value(rng)
     doc = _replace(doc, node, value)
     shown = repr(value)[:60]
@@ -321,8 +369,10 @@ def _applicable(rel: str, kind: str) -> bool:
     is_json = folder in _JSON_DIRS or rel.endswith(("config.json", "gc-epoch"))
     if kind in ("json_value", "bigint"):
         return is_json
-    if kind in ("rehash", "huge_shape"):
+    if kind in ("rehash", "huge_shape", "float_overflow"):
         return folder == "manifests"
+    if kind == "hostile_lock":
+        return folder == "leases"
     if kind == "bomb":
         return folder in ("chunks", "packs")
     return True
@@ -358,7 +408,18 @@ def operate(op: str, case: Path, snap: str, states: dict[str, dict[str, Any]]) -
         key = random.Random(snap).choice(["w", "z", "b", "i"])
         got = Snapshot(str(case / snap)).read_object(f"0/s/{key}")
         return None if _same(got, want[key]) else f"read_object returned a wrong {key}"
+    if op == "take":  # a new snapshot beside the others: it must not wait forever
+        state = {k: v + 1 if isinstance(v, torch.Tensor) else v for k, v in want.items()}
+        Snapshot.take(str(case / "new"), {"s": StateDict(**state)})
+        target = StateDict(**{k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
+                              for k, v in state.items()})  # fmt: skip
+        Snapshot(str(case / "new")).restore({"s": target})
+        bad = [k for k, v in state.items() if not _same(target[k], v)]
+        return f"the new snapshot restored wrong values for {bad}" if bad else None
     repo = Repository(str(case))
+    if op == "gc":
+        repo.gc(grace_seconds=0, wait_seconds=2)
+        return None
     if op == "log":
         repo.log()
     elif op == "du":
@@ -417,13 +478,16 @@ def run_case(
     timeout: float,
 ) -> dict[str, Any]:
     """Case ``index`` of ``seed``: deterministic mutation and operation, judged."""
-    from casnap.errors import CasnapError
+    from casnap.errors import CasnapError, GcBlockedError, GcBusyError
 
     rng = random.Random(f"{seed}:{index}")
     files = _files(base)
     kind = rng.choice(kinds)
     rel = rng.choice([f for f in files if _applicable(f, kind)] or files)
-    op = rng.choices(ops, [_OP_WEIGHT.get(o, 1) for o in ops])[0]
+    if kind == "hostile_lock":
+        op = rng.choice(LOCK_OPS)
+    else:
+        op = rng.choices(ops, [_OP_WEIGHT.get(o, 1) for o in ops])[0]
     owners = _owners(base).get(Path(rel).name, [])
     snap = rng.choice(owners) if owners and rng.random() < 0.8 else rng.choice(_SNAPSHOTS)
     case = work / f"case{index}"
@@ -450,7 +514,16 @@ def run_case(
     except _Timeout:
         info.update(outcome="hang", detail=f"no result within {timeout} s")
     except CasnapError as exc:
-        info.update(outcome="casnap_error", error=type(exc).__name__)
+        if (
+            kind == "hostile_lock"
+            and isinstance(exc, (GcBusyError, GcBlockedError))
+            and not _damaged_record(case, rel)
+        ):
+            # A forged record held a real gc (or take) up: bounded, but wrong. (One
+            # that is not a record at all is refused, naming it: docs/gc.md.)
+            info.update(outcome="blocked", error=type(exc).__name__, detail=str(exc)[:500])
+        else:
+            info.update(outcome="casnap_error", error=type(exc).__name__)
     except MemoryError:
         info.update(outcome="memory", detail=traceback.format_exc(limit=-6))
     except Exception as exc:
@@ -459,6 +532,20 @@ def run_case(
     finally:
         _remove(case)
     return info
+
+
+def _damaged_record(case: Path, rel: str) -> bool:
+    """Whether the planted record (gc.lock, else the lease ``rel``) is not a record at all."""
+    from casnap.errors import CasnapError
+    from casnap.repo.leases import parse_record
+
+    lock = case / ".casnap" / "gc.lock"
+    path = lock if lock.exists() else case / rel
+    try:
+        parse_record(path.read_bytes(), rel)
+    except CasnapError:
+        return True
+    return False
 
 
 def _remove(case: Path) -> None:

@@ -43,6 +43,7 @@ from casnap.ops.retention import (
     plan_retention,
 )
 from casnap.ops.verify import VerifyReport, verify
+from casnap.repo.leases import break_gc_lock
 from casnap.repo.repository import RepoStorage, locate
 from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 
@@ -335,6 +336,18 @@ class Repository(RepoStorage):
         """
         return gc(self, grace_seconds=grace_seconds, dry_run=dry_run,
                   wait_seconds=wait_seconds, progress=progress)  # fmt: skip
+
+    def unlock(self, *, force: bool = False) -> str | None:
+        """Remove a stale or damaged ``gc.lock``; describe what went (None: no lock).
+
+        Takes and gc already pass over a stale lock (expired, or claiming more
+        than any holder writes, docs/gc.md); this removes it for good. A live
+        lock, which a running gc renews, stays (:class:`casnap.GcBusyError`
+        naming its holder) unless ``force``, for a gc known to be gone::
+
+            repo.unlock()  # 'the gc lock of gc a (host h, pid 1, ...): it claims ...'
+        """
+        return break_gc_lock(self.store, force=force)
 
     def delete(self, name: str) -> str:
         """Delete snapshot ``name`` (its ref); returns the manifest hash it named.

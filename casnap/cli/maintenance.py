@@ -171,6 +171,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_unlock(args: argparse.Namespace) -> int:
+    repo = open_repo(args)
+    removed = repo.unlock(force=args.force)
+    data = {"repo": repo.url, "removed": removed}
+    emit(args, data, lambda: f"removed {removed}" if removed else f"no gc lock in {repo.url}")
+    return 0
+
+
 _TAG_USAGE = {
     "add": "casnap tag REPO add TAG SNAPSHOT",
     "rm": "casnap tag REPO rm TAG",
@@ -335,6 +343,11 @@ def register(add: Callable[..., Any]) -> None:
         help="how long to wait for takes in flight (default 60s)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p = add("unlock", cmd_unlock, "remove a stale or damaged gc lock (a live one needs --force)")
+    p.add_argument("repo", help="repository directory or URL")
+    p.add_argument(
+        "--force", action="store_true", help="remove it even if live (only if no gc is running)"
+    )
     p = add("tag", cmd_tag, "pin a snapshot under a tag (add), unpin (rm), or list tags (ls)")
     p.add_argument("repo", help="repository directory or URL")
     p.add_argument("action", choices=["add", "rm", "ls"])

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from casnap.format.codec import HEADER_SIZE, MAX_CHUNK_SIZE
+from casnap.format.floats import decode_float, hex_float
 from casnap.format.names import HASH_HEX_LEN
 
 # The longest delta chain a reader follows (a writer's bound, CASNAP_DELTA_MAX_CHAIN,
@@ -164,6 +165,9 @@ class Quantization(FormatModel):
             raise ValueError("per_channel_affine has axis, scales and zero_points only")
         elif len(self.scales or ()) != len(self.zero_points or ()):
             raise ValueError("per_channel_affine needs as many zero_points as scales")
+        for text in (self.scale, *(self.scales or ())):
+            if text is not None:
+                hex_float(text)  # malformed or overflowing: no reader could rebuild it
         return self
 
 
@@ -229,6 +233,17 @@ class PrimitiveEntry(_PerRank, FormatModel):
     type: PrimitiveType
     value: StrictBool | StrictInt | StrictStr | None | list[StrictStr]
 
+    @model_validator(mode="after")
+    def _float_text(self) -> PrimitiveEntry:
+        # Refused here, naming the entry, so that no reader meets a float it
+        # cannot decode (``0x1p+99999`` would be a bare OverflowError).
+        if self.type == "float" and isinstance(self.value, str):
+            decode_float(self.value)
+        elif self.type == "complex" and isinstance(self.value, list):
+            for part in self.value:
+                decode_float(part)
+        return self
+
     @property
     def readable(self) -> str | None:
         """A float's value as ``str(value)`` (torchsnapshot's field); None for other types."""
@@ -237,7 +252,7 @@ class PrimitiveEntry(_PerRank, FormatModel):
         if self.value.startswith("nan:"):
             return "nan"  # a NaN with a sign or payload (docs/format.md)
         try:
-            return str(float.fromhex(self.value))
+            return str(decode_float(self.value))
         except ValueError:
             return None
 

@@ -18,8 +18,15 @@ A record is live until its ``expires_at``. A heartbeat thread pushes that out
 while the holder runs, so only a crashed holder's record expires. A holder
 whose heartbeat could not renew it in time must assume it was declared dead:
 :meth:`Lease.check` then raises :class:`LeaseLostError` and the holder stops
-instead of committing. ``CASNAP_LEASE_TTL`` (seconds, default 120) sets the
-time to live.
+instead of committing. ``CASNAP_LEASE_TTL`` (seconds, default 120, at most
+30 min) sets the time to live.
+
+A record's claim is bounded whatever it says: one whose expiry lies more
+than :data:`MAX_RECORD_LIFE` ahead, or whose times do not parse, is not one a
+casnap holder writes, and counts as stale (:meth:`LeaseRecord.stale_reason`).
+So a hostile ``gc.lock`` claiming the year 9999 stops no take; a waiting take
+or gc says every so often who it waits for; :func:`break_gc_lock`
+(``casnap unlock``) removes a stale or damaged lock.
 
 Example::
 
@@ -48,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from casnap.errors import (  # noqa: F401  (defined in errors.py)
     CasnapError,
+    ConfigError,
     GcBlockedError,
     GcBusyError,
     LeaseLostError,
@@ -59,8 +67,8 @@ from casnap.errors import (  # noqa: F401  (defined in errors.py)
 )
 from casnap.format.json_text import canonical_json, load_json
 from casnap.format.parse import MAX_RECORD_BYTES
-from casnap.repo.repository import RepoStorage
-from casnap.settings import lease_ttl
+from casnap.repo.repository import META, RepoStorage
+from casnap.settings import MAX_LEASE_TTL, lease_ttl
 from casnap.store import ObjectStore
 
 _log = logging.getLogger(__name__)
@@ -73,6 +81,15 @@ GC_CLAIMS = "gc-claims"
 # takes milliseconds) and backs off to this.
 _POLL_MAX = 0.25
 _POLL_MIN = 0.01
+# A holder writes expires_at = its clock + TTL (at most MAX_LEASE_TTL); the
+# slack absorbs a holder's clock running ahead of the reader's. A record that
+# claims more is forged or broken, never a holder's (docs/gc.md).
+CLOCK_SLACK = 300.0
+MAX_RECORD_LIFE = MAX_LEASE_TTL + CLOCK_SLACK
+# A wait for another's record is announced after this long, then again at
+# this interval, naming the holder (a real gc usually ends in milliseconds).
+WAIT_NOTICE_AFTER = 2.0
+WAIT_NOTICE_EVERY = 30.0
 
 
 def _iso(ts: float) -> str:
@@ -101,6 +118,8 @@ class LeaseRecord(BaseModel):
 
     @classmethod
     def new(cls, kind: str, ttl: float) -> LeaseRecord:
+        if ttl > MAX_LEASE_TTL:  # others would judge the record stale (stale_reason)
+            raise ConfigError(f"a lease TTL of {ttl:g} s exceeds the maximum {MAX_LEASE_TTL:g} s")
         now = time.time()
         return cls(
             id=uuid.uuid4().hex,
@@ -114,14 +133,42 @@ class LeaseRecord(BaseModel):
     def expires(self) -> float:
         return parse_time(self.expires_at)
 
+    def stale_reason(self, now: float | None = None) -> str | None:
+        """Why the record no longer counts (None while it is live).
+
+        Its own expiry ends it, but only a claim a holder could have made
+        counts: both times must parse and the expiry may lie at most
+        :data:`MAX_RECORD_LIFE` ahead (a heartbeat pushes it out by the TTL,
+        at most 30 min, from the holder's clock). Anything else (``"x"`` as
+        ``created_at``, an expiry in the year 9999) was written by something
+        that is not a live holder, so it holds nobody up.
+        """
+        now = time.time() if now is None else now
+        try:
+            parse_time(self.created_at)
+        except (ValueError, OverflowError):
+            return f"its created_at {self.created_at[:40]!r} is not a time"
+        expires = self.expires()
+        if expires <= now:
+            return f"it expired at {self.expires_at}"
+        if expires > now + MAX_RECORD_LIFE:
+            return (
+                f"it claims to live until {self.expires_at[:40]}, more than "
+                f"{MAX_RECORD_LIFE:g} s ahead, which no casnap holder writes"
+            )
+        return None
+
     def is_live(self, now: float | None = None) -> bool:
-        return (time.time() if now is None else now) < self.expires()
+        return self.stale_reason(now) is None
 
     def to_bytes(self) -> bytes:
         return canonical_json(self.model_dump())
 
     def describe(self) -> str:
-        where = f"host {self.host}, pid {self.pid}, expires {self.expires_at}"
+        where = (
+            f"host {self.host[:64]}, pid {self.pid}, since {self.created_at[:40]}, "
+            f"expires {self.expires_at[:40]}"
+        )
         return f"{self.kind} {self.id[:12]} ({where})"
 
 
@@ -270,7 +317,7 @@ def acquire_lease(store: ObjectStore, *, kind: str = "take", ttl: float | None =
     counting once it expires. Returns the lease with its heartbeat running.
     """
     ttl = lease_ttl() if ttl is None else ttl
-    announced = False
+    notice = _WaitNotice(kind, store)
     while True:
         record = LeaseRecord.new(kind, ttl)
         key = f"{LEASES}/{record.id}"
@@ -280,23 +327,65 @@ def acquire_lease(store: ObjectStore, *, kind: str = "take", ttl: float | None =
         except BaseException:
             store.delete(key)
             raise
-        if lock is None or not lock.is_live():
+        if lock is None or not _holds(store, lock):
             return Lease(store, key, record, ttl).start()
         # Withdraw before waiting: the gc waits for live leases, so keeping
         # ours while waiting for it would deadlock.
         store.delete(key)
-        if not announced:
-            _log.info("casnap: %s waits for gc %s to finish", kind, lock.describe())
-            announced = True
-        wait_for_gc(store)
+        wait_for_gc(store, notice)
 
 
-def wait_for_gc(store: ObjectStore) -> None:
-    """Return once no live gc.lock exists."""
+def _unlock_hint(store: ObjectStore, force: str = "") -> str:
+    """The command that removes the lock, naming the repository (not its META folder)."""
+    url = store.url.removesuffix(f"/{META}")
+    return f"`casnap unlock {url}{force}`"
+
+
+def _holds(store: ObjectStore, lock: LeaseRecord) -> bool:
+    """Whether ``lock`` counts; a stale one is passed over with a warning naming it."""
+    reason = lock.stale_reason()
+    if reason is None:
+        return True
+    if lock.expires() > time.time():
+        # Not merely expired (a crashed gc's lock, which the next gc breaks):
+        # a claim no holder makes, which someone should look at.
+        _log.warning(
+            "casnap: ignoring the stale %s/%s of %s: %s (%s removes it)",
+            store.url, GC_LOCK_KEY, lock.describe(), reason, _unlock_hint(store),
+        )  # fmt: skip
+    return False
+
+
+class _WaitNotice:
+    """Says now and then, as a log warning, who a wait is for: waiting is never silent."""
+
+    def __init__(self, who: str, store: ObjectStore) -> None:
+        self.who = who
+        self.url = store.url
+        self.hint = _unlock_hint(store, " --force")
+        self.start = time.monotonic()
+        self.due = self.start + WAIT_NOTICE_AFTER
+
+    def waiting_for(self, holder: LeaseRecord, what: str = GC_LOCK_KEY) -> None:
+        now = time.monotonic()
+        if now < self.due:
+            return
+        self.due = now + WAIT_NOTICE_EVERY
+        _log.warning(
+            "casnap: %s has waited %.0f s for %s/%s, held by %s; if that gc is not "
+            "running, %s breaks the lock",
+            self.who, now - self.start, self.url, what, holder.describe(), self.hint,
+        )  # fmt: skip
+
+
+def wait_for_gc(store: ObjectStore, notice: _WaitNotice | None = None) -> None:
+    """Return once no live gc.lock exists, saying now and then who holds it."""
+    notice = _WaitNotice("a take", store) if notice is None else notice
     for delay in _poll_delays():
         lock = read_gc_lock(store)
-        if lock is None or not lock.is_live():
+        if lock is None or not _holds(store, lock):
             return
+        notice.waiting_for(lock)
         time.sleep(delay)
 
 
@@ -327,6 +416,7 @@ def acquire_gc_lock(
     ttl = lease_ttl() if ttl is None else ttl
     deadline = time.monotonic() + wait_seconds
     delays = _poll_delays()
+    notice = _WaitNotice("gc", store)
     while True:
         record = LeaseRecord.new("gc", ttl)
         with _alone(store, record) as rival:
@@ -344,8 +434,11 @@ def acquire_gc_lock(
                     continue
         if time.monotonic() >= deadline:
             raise GcBusyError(
-                f"another gc holds {store.url}/{GC_LOCK_KEY}: {rival.describe()}", rival
+                f"another gc holds {store.url}/{GC_LOCK_KEY}: {rival.describe()}; if it is not "
+                f"running, {_unlock_hint(store, ' --force')} breaks the lock",
+                rival,
             )
+        notice.waiting_for(rival)
         # Jitter: two gcs that claimed at once and both backed off must not retry in step.
         time.sleep(next(delays) * random.uniform(0.5, 1.5))
 
@@ -386,8 +479,39 @@ def _break_stale(store: ObjectStore, stale: LeaseRecord) -> None:
     # Re-read first so that a lock another breaker just took over is left alone.
     current = read_gc_lock(store)
     if current is not None and current.id == stale.id:
-        _log.warning("casnap: breaking the stale gc lock of %s", stale.describe())
+        why = stale.stale_reason() or "it expired"
+        _log.warning("casnap: breaking the stale gc lock of %s: %s", stale.describe(), why)
         store.delete(GC_LOCK_KEY)
+
+
+def break_gc_lock(store: ObjectStore, *, force: bool = False) -> str | None:
+    """Remove ``gc.lock`` if it is stale or damaged; describe what went (None: there was none).
+
+    A live lock (a gc that is running and renews it) stays, with
+    :class:`GcBusyError` naming its holder, unless ``force``: use that only
+    when no gc is running (a host that died, a clock far off). A lock that
+    is not a record at all (malformed JSON, a FIFO) is removed too: nothing
+    could ever release it.
+    """
+    try:
+        lock = read_gc_lock(store)
+    except (ManifestValidationError, ObjectRefusedError) as exc:
+        store.delete(GC_LOCK_KEY)
+        _log.warning("casnap: removed the damaged %s/%s (%s)", store.url, GC_LOCK_KEY, exc)
+        return f"a damaged {GC_LOCK_KEY} ({exc})"
+    if lock is None:
+        return None
+    reason = lock.stale_reason()
+    if reason is None and not force:
+        raise GcBusyError(
+            f"{store.url}/{GC_LOCK_KEY} is held by a live gc: {lock.describe()}; it is renewed "
+            "while that gc runs (break it with force=True / --force only if it does not)",
+            lock,
+        )
+    store.delete(GC_LOCK_KEY)
+    what = f"the gc lock of {lock.describe()}: {reason or 'live, removed by force'}"
+    _log.warning("casnap: removed %s", what)
+    return what
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import base64
 import collections
-import math
 import pickle
-import re
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +31,7 @@ from casnap.format.entries import (
     ShardedEntry,
     TensorEntry,
 )
+from casnap.format.floats import decode_float, encode_float
 from casnap.format.names import escape_key
 from casnap.format.tree import child_key
 from casnap.torch_io import quantized
@@ -67,32 +65,6 @@ class ObjectLeaf:
 
 
 Node = ContainerEntry | PrimitiveEntry | TensorLeaf | ObjectLeaf | ShardLeaf
-
-
-_CANONICAL_NAN_BITS = 0x7FF8000000000000
-_NAN_BITS_RE = re.compile(r"^nan:[0-9a-f]{16}$")
-
-
-def encode_float(x: float) -> str:
-    """Exact text of a float: ``float.hex`` form, or ``nan:<64-bit pattern>`` for a NaN whose
-    bits ``float.hex`` would lose (a sign or payload, e.g. ``inf - inf`` is negative NaN)."""
-    if math.isnan(x):
-        (bits,) = struct.unpack("<Q", struct.pack("<d", x))
-        if bits != _CANONICAL_NAN_BITS:
-            return f"nan:{bits:016x}"
-    return x.hex()
-
-
-def decode_float(text: str) -> float:
-    """Inverse of :func:`encode_float`; raises ValueError on malformed text."""
-    if text.startswith("nan:"):
-        if not _NAN_BITS_RE.match(text):
-            raise ValueError(f"malformed NaN bit pattern {text!r}")
-        (value,) = struct.unpack("<d", struct.pack("<Q", int(text[4:], 16)))
-        if not math.isnan(value):
-            raise ValueError(f"{text!r} is not the bit pattern of a NaN")
-        return float(value)
-    return float.fromhex(text)
 
 
 # JSON readers refuse longer integers (CPython's int <-> str limit is 4300 digits).

@@ -21,6 +21,7 @@ import torch
 
 from casnap.errors import ShapeMismatchError, UnsupportedValueError
 from casnap.format.entries import QUANTIZED_STORAGE, Quantization, TensorEntry
+from casnap.format.floats import hex_float
 
 _QDTYPES = {"qint8": torch.qint8, "quint8": torch.quint8, "qint32": torch.qint32}
 _QNAME = {dt: name for name, dt in _QDTYPES.items()}
@@ -57,9 +58,9 @@ def rebuild(ints: torch.Tensor, q: Quantization) -> torch.Tensor:
     """The quantized tensor whose integer representation is ``ints``."""
     if q.qscheme == "per_tensor_affine":
         assert q.scale is not None and q.zero_point is not None  # the model checks it
-        return torch._make_per_tensor_quantized_tensor(ints, float.fromhex(q.scale), q.zero_point)
+        return torch._make_per_tensor_quantized_tensor(ints, hex_float(q.scale), q.zero_point)
     assert q.axis is not None  # the model checks it
-    scales = torch.tensor([float.fromhex(s) for s in q.scales or ()], dtype=torch.float64)
+    scales = torch.tensor([hex_float(s) for s in q.scales or ()], dtype=torch.float64)
     zero_points = torch.tensor(list(q.zero_points or ()), dtype=torch.int64)
     return torch._make_per_channel_quantized_tensor(ints, scales, zero_points, q.axis)
 
