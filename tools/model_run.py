@@ -78,8 +78,9 @@ def run(seeds: list[int], ops: int, seconds: float | None, workdir: Path, *,
     for seed in seeds:
         if deadline is not None and time.monotonic() > deadline:
             break
-        sim = model_sim.run_program(seed, workdir / f"seed{seed}", ops, deadline, weights,
-                                    max_violations=max_violations)
+        sim = model_sim.run_program(
+            seed, workdir / f"seed{seed}", ops, deadline, weights, max_violations=max_violations
+        )
         ran.append(seed)
         executed += len(sim.ops)
         for k, v in sim.counts.items():
@@ -104,7 +105,8 @@ def render(summary: dict[str, Any], log_tail: int = 25) -> str:
         total = summary["counts"].get(kind, 0)
         outcomes = {k.split(":", 1)[1]: v for k, v in summary["counts"].items()
                     if k.startswith(kind + ":")}  # fmt: skip
-        lines.append(f"  {kind:12} {total:6}  " + ", ".join(f"{k}={v}" for k, v in outcomes.items()))
+        listed = ", ".join(f"{k}={v}" for k, v in outcomes.items())
+        lines.append(f"  {kind:12} {total:6}  {listed}")
     vs = summary["violations"]
     lines += ["", f"violations: {len(vs)}"]
     by_kind: dict[str, int] = {}
@@ -129,10 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
     p.add_argument("--shrink", action="store_true", help="minimize each violating program")
     p.add_argument("--shrink-seconds", type=float, default=300.0)
-    p.add_argument("--max-violations", type=int, default=5,
-                   help="stop a seed after this many violations (they cascade)")
-    p.add_argument("--weights", default="",
-                   help="operation weights, e.g. copy=0,damage=30 (others keep theirs)")
+    p.add_argument(
+        "--max-violations",
+        type=int,
+        default=5,
+        help="stop a seed after this many violations (they cascade)",
+    )
+    p.add_argument(
+        "--weights",
+        default="",
+        help="operation weights, e.g. copy=0,damage=30 (others keep theirs)",
+    )
     p.add_argument("--replay", type=Path, help="a --json file: replay one violation's ops")
     p.add_argument("--violation", type=int, default=0, help="which violation to --replay")
     p.add_argument("--json", type=Path, help="write the summary (with op logs) here")

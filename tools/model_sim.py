@@ -24,12 +24,14 @@ Nothing here changes casnap; it only drives its public API and reads files.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
 import subprocess
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +65,7 @@ SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
 }
 
 # Rebuilt identically in the concurrent taker's process.
-STATE_SRC = '''
+STATE_SRC = """
 import torch
 def seeded_state(seed, shapes):
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +76,7 @@ def seeded_state(seed, shapes):
         else:
             out[name] = torch.randint(0, 50, shape, generator=g).to(dtype)
     return out
-'''
+"""
 _ns: dict[str, Any] = {}
 exec(STATE_SRC, _ns)
 seeded_state = _ns["seeded_state"]
@@ -211,7 +213,8 @@ class Oracle:
         if frame is None:
             return None
         try:
-            return bytes(codec.decode(frame, ref.hash[:12], bytes.fromhex(ref.hash), ref.size, base))
+            digest = bytes.fromhex(ref.hash)
+            return bytes(codec.decode(frame, ref.hash[:12], digest, ref.size, base))
         except CasnapError:
             return None
 
@@ -249,6 +252,7 @@ class Sim:
         self.violations: list[Violation] = []
         self.counts: dict[str, int] = {}  # "kind" and "kind:outcome" -> times
         self.op_index = 0
+        self._refs: dict[tuple[str, str], tuple[list[Any], list[Path], set[Any]]] = {}
 
     # -- bookkeeping ----------------------------------------------------------
     def count(self, key: str) -> None:
@@ -514,11 +518,15 @@ class Sim:
         result = repo.repair(**kw)
         # Repair's own verdict: a snapshot it calls ok or repaired must restore.
         for root in result.roots:
-            if root.kind == "snapshot" and root.status in ("ok", "repaired") and root.name in rm.snaps:
+            claims_ok = root.status in ("ok", "repaired")
+            if root.kind == "snapshot" and claims_ok and root.name in rm.snaps:
                 v = self.restore_verdict(op["repo"], root.name)
                 if v.restore != "ok":
-                    self.violate("repair-claims-ok", f"{op['repo']}/{root.name}",
-                                 f"repair said {root.status}, restore: {v.restore} {v.detail}")
+                    self.violate(
+                        "repair-claims-ok",
+                        f"{op['repo']}/{root.name}",
+                        f"repair said {root.status}, restore: {v.restore} {v.detail}",
+                    )
         return "ok" if result.ok else "unrecoverable"
 
     def op_restore(self, op: dict[str, Any]) -> str:
@@ -616,8 +624,11 @@ class Sim:
                                        src.snaps[name].op)  # fmt: skip
         for name in failed:
             if self.must_restore(src_name, name):
-                self.violate("copy-refused-intact", f"{src_name}/{name}",
-                             f"copy refused it ({failed[name][:200]}) though every copy decodes")
+                self.violate(
+                    "copy-refused-intact",
+                    f"{src_name}/{name}",
+                    f"copy refused it ({failed[name][:200]}) though every copy decodes",
+                )
         return "partial" if failed else "ok"
 
     def op_concurrent(self, op: dict[str, Any]) -> str:
@@ -642,7 +653,8 @@ class Sim:
         finally:
             out, _ = proc.communicate(timeout=300)
         if proc.returncode == 0:
-            rm.snaps[op["sub_name"]] = Expected(seeded_state(op["sub_seed"], SHAPES), "take", op["i"])
+            theirs = seeded_state(op["sub_seed"], SHAPES)
+            rm.snaps[op["sub_name"]] = Expected(theirs, "take", op["i"])
             return f"both-{op['main']}"
         self.violate("concurrent-take-failed", f"{op['repo']}/{op['sub_name']}",
                      out.decode(errors="replace")[-800:])  # fmt: skip
@@ -680,17 +692,25 @@ class Sim:
     def must_restore(self, repo: str, name: str) -> bool:
         oracle = Oracle(self.repos[repo].root)
         try:
-            refs = refs_of(self.handle(repo), name)
+            refs = self.manifest_refs(repo, self.handle(repo).resolve(name))[0]
         except CasnapError:
             return False
         return all(oracle.value(r)[0] is not None for r in refs)
 
+    def manifest_refs(self, repo: str, manifest: str) -> tuple[list[Any], list[Path], set[Any]]:
+        """A manifest's chunk references, the files they read, their copies (memoized:
+        manifests are immutable and never damaged here)."""
+        key = (repo, manifest)
+        if key not in self._refs:
+            oracle = Oracle(self.repos[repo].root)
+            refs = list(self.handle(repo).read_manifest(manifest).chunk_refs())
+            paths = sorted({p for r in refs for p in oracle.files_of(r)})
+            self._refs[key] = (refs, paths, copies_of(refs))
+        return self._refs[key]
+
     def fingerprint(self, repo: str, name: str, records: set[Any]) -> Any:
-        oracle = Oracle(self.repos[repo].root)
-        h = self.handle(repo)
-        manifest = h.resolve(name)
-        refs = h.read_manifest(manifest).chunk_refs()
-        paths = sorted({p for r in refs for p in oracle.files_of(r)})
+        manifest = self.handle(repo).resolve(name)
+        _, paths, copies = self.manifest_refs(repo, manifest)
         stats = []
         for p in paths:
             try:
@@ -698,7 +718,7 @@ class Sim:
                 stats.append((str(p), s.st_size, s.st_mtime_ns, s.st_ino))
             except OSError:
                 stats.append((str(p), None))
-        return (manifest, tuple(stats), tuple(sorted(c for c in records if c in copies_of(refs))))
+        return (manifest, tuple(stats), tuple(sorted(str(c) for c in records if c in copies)))
 
     def _judge(self, repo: str, name: str, v: Verdict, what: str = "restore") -> None:
         subject = f"{repo}/{name}"
@@ -707,8 +727,11 @@ class Sim:
         elif v.restore == "crash":
             self.violate("crash", subject, f"{what}: {v.detail}")
         elif v.restore == "refused" and self.must_restore(repo, name):
-            self.violate("must-restore", subject,
-                         f"{what} refused though every copy it needs decodes: {v.detail}")
+            self.violate(
+                "must-restore",
+                subject,
+                f"{what} refused though every copy it needs decodes: {v.detail}",
+            )
 
     def check(self) -> None:
         for repo, rm in self.repos.items():
@@ -771,6 +794,9 @@ def run_program(seed: int, workdir: Path, ops: int, deadline: float | None = Non
     """Run ``ops`` generated operations (or exactly ``program``) with a check after each."""
     import time
 
+    torch.set_num_threads(1)
+    logging.getLogger("casnap").setLevel(logging.ERROR)  # damage warnings are expected here
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     sim = Sim(seed, workdir, weights=weights)
