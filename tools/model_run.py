@@ -68,7 +68,8 @@ def shrink(seed: int, program: list[dict[str, Any]], kind: str, workdir: Path,
 def run(seeds: list[int], ops: int, seconds: float | None, workdir: Path, *,
         do_shrink: bool = False, shrink_seconds: float = 300.0,
         weights: dict[str, int] | None = None,
-        max_violations: int = 5) -> dict[str, Any]:  # fmt: skip
+        max_violations: int = 5,
+        avoid: frozenset[str] = frozenset()) -> dict[str, Any]:  # fmt: skip
     start = time.monotonic()
     deadline = start + seconds if seconds else None
     counts: dict[str, int] = {}
@@ -79,7 +80,13 @@ def run(seeds: list[int], ops: int, seconds: float | None, workdir: Path, *,
         if deadline is not None and time.monotonic() > deadline:
             break
         sim = model_sim.run_program(
-            seed, workdir / f"seed{seed}", ops, deadline, weights, max_violations=max_violations
+            seed,
+            workdir / f"seed{seed}",
+            ops,
+            deadline,
+            weights,
+            max_violations=max_violations,
+            avoid=avoid,
         )
         ran.append(seed)
         executed += len(sim.ops)
@@ -142,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="operation weights, e.g. copy=0,damage=30 (others keep theirs)",
     )
+    p.add_argument(
+        "--avoid",
+        default="",
+        help="leave out triggers of known bugs: reencode (valid re-encoding as damage), "
+        "raw (compression=none); e.g. --avoid reencode,raw --weights copy=0",
+    )
     p.add_argument("--replay", type=Path, help="a --json file: replay one violation's ops")
     p.add_argument("--violation", type=int, default=0, help="which violation to --replay")
     p.add_argument("--json", type=Path, help="write the summary (with op logs) here")
@@ -166,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         weights[k] = int(v)
     summary = run(seeds, args.ops, args.seconds, workdir, do_shrink=args.shrink,
                   shrink_seconds=args.shrink_seconds, weights=weights,
-                  max_violations=args.max_violations)  # fmt: skip
+                  max_violations=args.max_violations,
+                  avoid=frozenset(filter(None, args.avoid.split(","))))  # fmt: skip
     print(render(summary))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
