@@ -152,6 +152,15 @@ def is_refusal(exc: BaseException) -> bool:
     return cause is not None and cause is not exc and isinstance(cause, CasnapError)
 
 
+def describe(exc: BaseException) -> str:
+    """One line; DCP's CheckpointException by the exceptions inside it."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        return "; ".join(f"{type(e).__name__}: {str(e)[:300]}" for e in inner)
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
 def reraise_interrupt(exc: BaseException) -> None:
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
         raise exc
@@ -696,7 +705,7 @@ class Sim:
         except BaseException as exc:  # noqa: BLE001
             reraise_interrupt(exc)
             return Verdict("refused" if is_refusal(exc) else "crash", True,
-                           f"{type(exc).__name__}: {str(exc)[:300]}")  # fmt: skip
+                           describe(exc))  # fmt: skip
         if not same(got, exp.tensors):
             bad = [k for k in exp.tensors if not same({k: got.get(k, torch.empty(0))},
                                                       {k: exp.tensors[k]})]  # fmt: skip
