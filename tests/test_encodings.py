@@ -209,3 +209,22 @@ def test_repair_rebuilds_a_damaged_delta_base_from_live_state_of_the_delta(tmp_p
     assert restores(repo, "s0", s0) and restores(repo, "s1", live)
     assert verified(repo, "s0") and verified(repo, "s1")
     assert list_damage(repo) == []
+
+
+def test_a_chunk_recorded_damaged_in_a_pack_and_loose_is_listed_and_retaken(tmp_path: Path):
+    """A damaged pack frame's replacement chunks/<h> damaged too: two records of one
+    chunk. Listing them compared None with a pack id (TypeError in every take,
+    verify, gc and repair); now both are listed and the next take writes the chunk."""
+    from casnap.repo.damage import record_damage
+
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    state = {"m": StateDict(b=torch.arange(1000, dtype=torch.float32))}  # a packed chunk
+    repo.take("s1", state)
+    packed = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack)
+    record_damage(repo, packed, "a flipped bit")
+    record_damage(repo, ChunkRef(hash=packed.hash, size=packed.size, length=packed.length), "too")
+    assert sorted((d.pack is None) for d in list_damage(repo)) == [False, True]
+    assert not Repository(repo.url).verify().ok
+    repo.take("s2", state)
+    assert restores(repo, "s2", state)
+    assert verified(repo, "s2")

@@ -39,7 +39,7 @@ _log = logging.getLogger("casnap.damage")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class DamagedCopy:
     """One damaged copy of a chunk: the loose object (``pack`` None) or a frame in ``pack``."""
 
@@ -53,6 +53,11 @@ class DamagedCopy:
     @classmethod
     def of(cls, ref: ChunkRef) -> DamagedCopy:
         return cls(ref.hash, ref.pack)
+
+    def order(self) -> tuple[str, str]:
+        """A sort key: by chunk, the loose object's record first (``pack`` None
+        cannot be compared with a pack id, and a chunk may have both records)."""
+        return self.chunk, self.pack or ""
 
 
 class DamageSet:
@@ -84,7 +89,7 @@ class DamageSet:
 
     def in_pack(self, pack: str) -> list[DamagedCopy]:
         """The recorded damaged frames of pack ``pack``."""
-        return sorted(c for c in self._copies if c.pack == pack)
+        return sorted((c for c in self._copies if c.pack == pack), key=DamagedCopy.order)
 
 
 def list_damage(repo: RepoStorage) -> list[DamagedCopy]:
@@ -99,7 +104,7 @@ def list_damage(repo: RepoStorage) -> list[DamagedCopy]:
             out.append(DamagedCopy(parts[1], None))
         elif _HASH.match(where):
             out.append(DamagedCopy(parts[1], where))
-    return sorted(out)
+    return sorted(out, key=DamagedCopy.order)
 
 
 def damage_set(repo: RepoStorage) -> DamageSet:
