@@ -34,9 +34,9 @@ from casnap.format.entries import Entry
 from casnap.format.manifest import Manifest
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import read_entry, restore_state
-from casnap.take.collector import paused_collection
 from casnap.take.commit import remember
 from casnap.take.job import TakeJob, TakeResult, prepare_take
+from casnap.take.python_gc import python_gc_paused
 from casnap.take.session import Session
 from casnap.take.target import TensorPrepareFunc
 
@@ -170,7 +170,7 @@ class Snapshot:
             Snapshot.take(path, app_state, progress=lambda done, total: print(done, total))
         """
         progress = _checked(progress)  # before anything is created
-        with paused_collection():  # no full collection per ~50,000 objects (take.collector)
+        with python_gc_paused():  # no full collection per ~50,000 objects (take.python_gc)
             job = _prepare(
                 path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
                 metadata, allow_pickle, parents, memory_budget_bytes, session, stage=False,

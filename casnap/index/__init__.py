@@ -41,7 +41,7 @@ from casnap.index.lmdb_store import (
     enabled,
     index_path,
     open_index,
-    read_gc_epoch,
+    read_epoch_bytes,
 )
 from casnap.index.summaries import ManifestSummary, SummaryMemo, summarize
 from casnap.repo.damage import DamageSet
@@ -65,7 +65,7 @@ __all__ = [
     "manifest_summaries",
     "manifest_summary",
     "open_index",
-    "read_gc_epoch",
+    "read_epoch_bytes",
     "rebuild",
     "record_manifest",
     "summarize",

@@ -280,7 +280,7 @@ def _store_identity(repo: RepoStorage) -> str:
     return url if "://" in url else os.path.realpath(url)
 
 
-def read_gc_epoch(repo: RepoStorage) -> bytes | None:
+def read_epoch_bytes(repo: RepoStorage) -> bytes | None:
     """The store's gc epoch object as bytes (None when no gc ever deleted anything)."""
     try:
         return repo.store.get(GC_EPOCH_KEY, limit=MAX_RECORD_BYTES)
@@ -471,7 +471,7 @@ def open_index(repo: RepoStorage, *, chunks: bool = True) -> RepoIndex | None:
         return index
     env = index._env
     try:
-        epoch = read_gc_epoch(repo)
+        epoch = read_epoch_bytes(repo)
     except StoreError:
         return index  # cannot tell what gc did: no chunk facts this time
     marker = b"-" if epoch is None else blake3.blake3(epoch).hexdigest().encode()

@@ -41,7 +41,6 @@ from casnap.format.manifest_bytes import trusted_manifest
 from casnap.repo.leases import Lease, hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
-from casnap.take.collector import paused_collection
 from casnap.take.commit import commit_snapshot
 from casnap.take.plan import (
     EntryPlan,
@@ -53,6 +52,7 @@ from casnap.take.plan import (
     previous_plan,
     tensor_entry,
 )
+from casnap.take.python_gc import python_gc_paused
 from casnap.take.scheduler import (
     Scheduler,
     WriteRequest,
@@ -100,7 +100,7 @@ class TakeJob:
     progress: Callable[[int, int], None] | None = None  # (done_bytes, total_bytes) written
     # The caller waits for the whole commit (a blocking take): the collector stays paused
     # throughout. An async take's commit pauses it only for its per-entry steps after
-    # the writes, not while training runs beside a long write (casnap.take.collector).
+    # the writes, not while training runs beside a long write (casnap.take.python_gc).
     blocking: bool = False
 
     def run(self) -> TakeResult:
@@ -116,7 +116,7 @@ class TakeJob:
     def _commit(self) -> TakeResult:
         if not self.blocking:
             return self._commit_in_lease()
-        with paused_collection():
+        with python_gc_paused():
             return self._commit_in_lease()
 
     def _commit_in_lease(self) -> TakeResult:
@@ -133,7 +133,7 @@ class TakeJob:
                     self.pool, sum(b.numel() * b.element_size() for b in self.buffers),
                 )  # fmt: skip
                 written = scheduler.run(self.requests)
-            with paused_collection():
+            with python_gc_paused():
                 manifest, manifest_hash = self._commit_entries(written, lease)
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
 
@@ -206,7 +206,7 @@ def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
     return requests
 
 
-@paused_collection()  # per-entry work in the caller's thread (casnap.take.collector)
+@python_gc_paused()  # per-entry work in the caller's thread (casnap.take.python_gc)
 def prepare_take(
     path: str,
     app_state: Mapping[str, Any],

@@ -1,4 +1,4 @@
-"""A take pauses Python's cyclic collector (casnap.take.collector), and restores it.
+"""A take pauses Python's cyclic collector (casnap.take.python_gc), and restores it.
 
 A full collection walks every object of the process (0.1 s with torch
 imported); a take of many small tensors used to trigger several.
@@ -14,7 +14,7 @@ import torch
 
 from casnap import Session, Snapshot, StateDict
 from casnap.errors import CasnapError
-from casnap.take.collector import paused_collection
+from casnap.take.python_gc import python_gc_paused
 
 
 @pytest.fixture
@@ -86,15 +86,15 @@ def test_overlapping_pauses_restore_collection_once_the_last_ends(eager_collecto
     entered, release = threading.Event(), threading.Event()
 
     def other_take() -> None:
-        with paused_collection():
+        with python_gc_paused():
             entered.set()
             release.wait(10)
 
     t = threading.Thread(target=other_take)
-    with paused_collection():
+    with python_gc_paused():
         t.start()
         entered.wait(10)
-        with paused_collection():  # reentrant
+        with python_gc_paused():  # reentrant
             assert not gc.isenabled()
     assert not gc.isenabled()  # the other thread's take still runs
     release.set()

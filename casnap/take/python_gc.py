@@ -31,19 +31,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 _lock = threading.Lock()
-_holders = 0  # takes inside paused_collection() right now
+_holders = 0  # takes inside python_gc_paused() right now
 _paused_by_us = False  # whether the first of them disabled the collector
 
 
 @contextmanager
-def paused_collection() -> Iterator[None]:
+def python_gc_paused() -> Iterator[None]:
     """Automatic cyclic garbage collection paused for the body, then restored.
 
     Reentrant and thread-safe; ``gc.collect()`` still works inside.
 
     Example::
 
-        with paused_collection():
+        with python_gc_paused():
             entries = [build_entry(t) for t in tensors]  # no full collection meanwhile
     """
     global _holders, _paused_by_us
