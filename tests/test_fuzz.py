@@ -12,12 +12,13 @@ from casnap.format import codec
 from casnap.format.entries import ChunkRef, PrimitiveEntry, TensorEntry
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import Manifest
+from casnap.format.manifest_bytes import serialize
 from casnap.format.names import digest_of, hash_bytes
 from casnap.format.parse import parse_config, parse_manifest, parse_ref
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-_VALID = Manifest(
+_VALID = serialize(Manifest(
     created_at="2026-01-01T00:00:00+00:00",
     entries={
         "0/s": PrimitiveEntry(type="int", value=1),
@@ -25,7 +26,7 @@ _VALID = Manifest(
             ChunkRef(hash="a" * 64, size=16, length=72),
             ChunkRef(hash="b" * 64, size=8, pack="c" * 64, offset=100, length=64)]),
     },
-).to_bytes()  # fmt: skip
+))  # fmt: skip
 
 json_values = st.recursive(
     st.none()

@@ -30,6 +30,7 @@ from casnap import (
 )
 from casnap.format import codec
 from casnap.format.json_text import canonical_json
+from casnap.format.manifest_bytes import serialize
 from casnap.format.names import hash_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def casnap_dir(tmp_path: Path) -> Path:
 def rewrite_manifest(tmp_path: Path, snap: Snapshot, change) -> None:
     """Apply ``change`` to the manifest's JSON, store it under its new hash, point the ref at it."""
     root = casnap_dir(tmp_path)
-    doc = json.loads(snap.manifest.to_bytes())
+    doc = json.loads(serialize(snap.manifest))
     change(doc)
     blob = canonical_json(doc)
     name = hash_bytes(blob)

@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 from casnap.format.entries import ChunkRef, TensorEntry
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import Dumped, Manifest
-from casnap.format.manifest_bytes import entry_texts, trusted_chunk_ref, trusted_tensor_entry
+from casnap.format.manifest_bytes import (
+    entry_texts,
+    serialize,
+    trusted_chunk_ref,
+    trusted_tensor_entry,
+)
 from casnap.format.names import hash_bytes
 from casnap.format.parse import parse_manifest
 from casnap.format.records import RepoConfig
@@ -60,7 +65,7 @@ def every_kind() -> Manifest:
 def test_manifest_bytes_and_name_are_pinned():
     manifest = every_kind()
     expected = (DATA / "manifest-v1.1.json").read_bytes()
-    assert manifest.to_bytes() == expected
+    assert serialize(manifest) == expected
     assert hash_bytes(expected) == (DATA / "manifest-v1.1.name").read_text().strip()
     assert parse_manifest(expected, hash_bytes(expected)) == manifest
 
@@ -71,8 +76,8 @@ def test_reusing_a_parent_dump_gives_the_same_bytes():
     child = parent.model_copy(update={"parents": [H[5]]})  # shares every entry object
     texts = entry_texts(child, dumped)
     assert all(texts[k] is dumped.texts[k] for k in child.entries)  # reused, not re-dumped
-    assert child.to_bytes(texts) == child.to_bytes()
-    assert child.to_bytes() == canonical_json(child.model_dump(mode="json"))
+    assert serialize(child, texts) == serialize(child)
+    assert serialize(child) == canonical_json(child.model_dump(mode="json"))
 
 
 def test_config_bytes_are_pinned():
@@ -117,8 +122,8 @@ def test_assembled_bytes_equal_canonical_json(entries, created_at):
                  for k, e in entries.items()},
     )  # fmt: skip
     expected = canonical_json(manifest.model_dump(mode="json"))
-    assert manifest.to_bytes() == expected
-    assert manifest.to_bytes(entry_texts(manifest)) == expected
+    assert serialize(manifest) == expected
+    assert serialize(manifest, entry_texts(manifest)) == expected
 
 
 def test_trusted_models_equal_validated_ones():

@@ -13,7 +13,7 @@ order ``canonical_json`` sorts them.
 
 Example::
 
-    >>> data = manifest.to_bytes()  # a 1.3 manifest of world_size > 1 comes here
+    >>> data = serialize(manifest)  # a 1.3 manifest of world_size > 1 comes here
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _object_text(held: dict[str, Entry], text: Callable[[Entry], str]) -> str:
 
 def grouped_bytes(manifest: Manifest, plain: dict[str, Entry], groups: Groups) -> bytes:
     """``canonical_json(manifest.to_jsonable())`` for ``plain`` and ``groups`` (what
-    :meth:`Manifest._rank_groups` gives), each entry object's text made once."""
+    :meth:`Manifest.rank_groups_split` gives), each entry object's text made once."""
     texts: dict[int, str] = {}  # id(entry) -> its text; the entries outlive this call
 
     def text(e: Entry) -> str:

@@ -99,24 +99,14 @@ class Manifest(FormatModel):
     # Read from JSON, expanded by the parser; written by to_jsonable only: never dumped as a field.
     rank_groups: list[RankGroup] = Field(default=[], exclude=True)
 
-    def to_bytes(self, texts: Mapping[str, str] | None = None) -> bytes:
-        """The canonical JSON bytes (``texts``: this manifest's entry texts, see
-        :func:`casnap.format.manifest_bytes.entry_texts`)."""
-        from casnap.format.grouped_bytes import grouped_bytes  # they build on this module
-        from casnap.format.manifest_bytes import manifest_bytes
-
-        if self.writes_rank_groups():  # a distributed take's: its ranks share entry objects
-            return grouped_bytes(self, *self._rank_groups())
-        return manifest_bytes(self, texts)
-
     def to_jsonable(self) -> dict[str, Any]:
         """``model_dump(mode="json")``, with entries several ranks hold as one object
         written once in ``rank_groups`` (format 1.3 and later, more than one rank):
-        what :meth:`to_bytes` writes, as Python values."""
+        what :func:`casnap.format.manifest_bytes.serialize` writes, as Python values."""
         plain: dict[str, Entry] = self.entries
         groups: list[tuple[list[tuple[int, int]], dict[str, Entry]]] = []
         if self.writes_rank_groups():
-            plain, groups = self._rank_groups()
+            plain, groups = self.rank_groups_split()
         out = self.model_dump(mode="json", exclude={"entries", "rank_groups"})
         out["entries"] = {k: e.model_dump(mode="json") for k, e in plain.items()}
         if groups:
@@ -131,7 +121,7 @@ class Manifest(FormatModel):
         """Whether this manifest is written with ``rank_groups`` (a distributed take's)."""
         return self.world_size > 1 and version_at_least(self.format_version, GROUPED_FORMAT_VERSION)
 
-    def _rank_groups(self) -> tuple[dict[str, Entry], Groups]:
+    def rank_groups_split(self) -> tuple[dict[str, Entry], Groups]:
         """The entries as :meth:`to_jsonable` writes them: those of one rank, and the groups.
 
         The coordinator of a distributed take hands them over with the entries

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from casnap.format.entries import ChunkRef, Entry, Quantization, TensorEntry
+from casnap.format.grouped_bytes import grouped_bytes
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import MAX_KEY_LENGTH, Dumped, Manifest
 
@@ -126,6 +127,19 @@ def entry_texts(manifest: Manifest, reuse: Dumped | None = None) -> dict[str, st
         text = old_texts.get(key) if old_entries.get(key) is entry else None
         out[key] = text if text is not None else entry_text(key, entry)
     return out
+
+
+def serialize(manifest: Manifest, texts: Mapping[str, str] | None = None) -> bytes:
+    """The canonical JSON bytes of ``manifest``, what its name hashes (``texts``: its
+    entry texts, :func:`entry_texts`, reused from the last take where unchanged).
+
+    A distributed take's manifest (format 1.3 and later, more than one rank) is
+    written with ``rank_groups`` (:mod:`casnap.format.grouped_bytes`); any other as
+    :func:`manifest_bytes` assembles it.
+    """
+    if manifest.writes_rank_groups():  # its ranks share entry objects
+        return grouped_bytes(manifest, *manifest.rank_groups_split())
+    return manifest_bytes(manifest, texts)
 
 
 def manifest_bytes(manifest: Manifest, texts: Mapping[str, str] | None = None) -> bytes:

@@ -34,6 +34,7 @@ from casnap.errors import (
 )
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import Manifest
+from casnap.format.manifest_bytes import serialize
 from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key, name_key
 from casnap.format.parse import (
     MAX_MANIFEST_BYTES,
@@ -201,9 +202,9 @@ class RepoStorage:
 
     # -- manifests -------------------------------------------------------
     def write_manifest(self, manifest: Manifest, texts: Mapping[str, str] | None = None) -> str:
-        """Store ``manifest`` (``texts``: its entries' JSON, :meth:`Manifest.to_bytes`);
-        returns its hash."""
-        data = manifest.to_bytes(texts)
+        """Store ``manifest`` (``texts``: its entries' JSON, see
+        :func:`casnap.format.manifest_bytes.serialize`); returns its hash."""
+        data = serialize(manifest, texts)
         name = hash_bytes(data)
         try:
             self.store.put(manifest_key(name), data, create_only=True)
