@@ -50,6 +50,7 @@ from casnap.distributed.coordinate import (  # noqa: E402
 from casnap.distributed.plan_cache import Gathered, PlanMessage, message_of  # noqa: E402
 from casnap.format.codec import HEADER_SIZE  # noqa: E402
 from casnap.format.entries import ChunkRef, PrimitiveEntry  # noqa: E402
+from casnap.format.manifest_bytes import serialize as serialize_manifest  # noqa: E402
 from casnap.index.summaries import summarize
 from casnap.take.plan import RankPlan, ShardedPlan, ShardPlan  # noqa: E402
 
@@ -151,7 +152,7 @@ def coordinator(blobs: list[bytes], serialize: bool, times: dict[str, float]) ->
     }  # where the writers would post them: loose objects
     entries = timed("entries", lambda: assemble_entries(planned, refs))
     manifest = timed("manifest", lambda: manifest_of(entries, len(blobs), [], {}))
-    data = timed("serialize", manifest.to_bytes) if serialize else b""
+    data = timed("serialize", lambda: serialize_manifest(manifest)) if serialize else b""
     # Rank 0 records the manifest's summary in the local index at commit (log, du).
     timed("summary", lambda: summarize("0" * 64, manifest))
     load = [b for b in planned.load if b]
