@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 from casnap.chunks.delta import DeltaEncoder
@@ -26,44 +25,9 @@ from casnap.repo.repository import RepoStorage
 from casnap.settings import Settings
 
 Buffer = codec.Buffer
-# Small chunks go to the workers in batches of up to this many bytes or items.
-BATCH_BYTES = 1 << 20
-BATCH_ITEMS = 256
 # Fewer small chunks of one element size than this are each tried alone (the
 # trials cost little then), more are judged together first (ChunkWriter._worth_trying).
 _JUDGED_TOGETHER = 8
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    """One chunk of :meth:`ChunkWriter.add_batch`; ``result`` receives its ChunkRef."""
-
-    data: Buffer
-    result: Future[ChunkRef]
-    on_done: Callable[[], None] | None = None
-    elem_size: int = 0
-    digest: bytes | None = None  # computed by the caller (see ChunkWriter._process)
-    base: ChunkRef | None = None  # the parent's chunk here, for a delta (casnap.chunks.delta)
-
-
-class ChunkBatcher:
-    """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
-
-    def __init__(self, writer: ChunkWriter) -> None:
-        self._writer = writer
-        self._items: list[BatchItem] = []
-        self._bytes = 0
-
-    def add(self, item: BatchItem) -> None:
-        self._items.append(item)
-        self._bytes += len(item.data)
-        if self._bytes >= BATCH_BYTES or len(self._items) >= BATCH_ITEMS:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._items:
-            self._writer.add_batch(self._items)
-            self._items, self._bytes = [], 0
 
 
 class ChunkWriter(FrameWriter):
@@ -155,47 +119,6 @@ class ChunkWriter(FrameWriter):
         work.add_done_callback(lambda f: _forward_error(f, result))
         return result
 
-    def add_batch(self, items: list[BatchItem]) -> None:
-        """Schedule several small chunks as one work item (resolving each item's future).
-
-        Submitting a work item and its future costs tens of microseconds; for a
-        state of thousands of small tensors that is most of a take. Items are
-        processed in order; each one's ``on_done`` runs after its chunk, also
-        on failure, and the first failure is raised once all were attempted.
-        """
-        work = self.pool.submit(self._process_batch, items)
-        with self._lock:
-            self._work.append(work)
-
-    def add_digested(self, chunks: Sequence[tuple[Buffer, bytes]]) -> list[Future[ChunkRef]]:
-        """Schedule chunks whose digests are known; small ones travel in batches."""
-        futures: list[Future[ChunkRef]] = []
-        batch = ChunkBatcher(self)
-        for data, digest in chunks:
-            if len(data) >= self.settings.pack_limit:
-                futures.append(self.add(data, digest=digest))
-                continue
-            item = BatchItem(data, Future(), digest=digest)
-            futures.append(item.result)
-            batch.add(item)
-        batch.flush()
-        return futures
-
-    def _process_batch(self, items: list[BatchItem]) -> None:
-        first: BaseException | None = None
-        for item in items:
-            try:
-                self._process(item.data, item.result, item.elem_size, item.digest, item.base)
-            except BaseException as exc:
-                if not item.result.done():
-                    item.result.set_exception(exc)
-                first = first or exc
-            finally:
-                if item.on_done is not None:
-                    item.on_done()
-        if first is not None:
-            raise first
-
     def add_small(
         self,
         data: Sequence[Buffer],
@@ -205,7 +128,7 @@ class ChunkWriter(FrameWriter):
         """Schedule small chunks as one work item: ``data[i]``, its ``elem_sizes[i]``, and
         ``digests[i]`` when the caller computed it (three lists: no tuple per chunk).
 
-        Unlike :meth:`add_batch`, no chunk gets a future of its own (a future
+        Unlike :meth:`add`, no chunk gets a future of its own (a future
         and its callbacks cost more than hashing and packing 256 bytes): the
         returned future gives the chunks' hashes, in order, and once
         :meth:`finish` has returned :meth:`ref_of` gives each one's ChunkRef.
