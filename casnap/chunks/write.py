@@ -156,26 +156,8 @@ class ChunkWriter(FrameWriter):
             digests = [d if d is not None else digest_of(data)
                        for data, d in zip(chunks, given, strict=True)]  # fmt: skip
         hashes = [d.hex() for d in digests]
+        _refs, new = self._dedup(hashes, [len(data) for data in chunks])
         known = self.known
-        with self._lock:
-            self.stats.chunks += len(chunks)
-            self.stats.raw_bytes += sum([len(data) for data in chunks])
-            refs = [known.get(h) for h in hashes]
-        misses = [i for i, ref in enumerate(refs) if ref is None]
-        if misses and self.index is not None:
-            found = self.index.lookup_chunks([(hashes[i], len(chunks[i])) for i in misses])
-            for i, ref in zip(misses, found, strict=True):
-                if ref is not None and not (self.damaged and ref in self.damaged):
-                    refs[i] = ref  # else: the index predates the damage record
-        new: list[int] = []
-        with self._lock:
-            for i, h in enumerate(hashes):
-                ref = refs[i]
-                if ref is not None:
-                    known[h] = ref
-                elif h not in known and h not in self._pending:  # else written or pending
-                    self._pending[h] = None
-                    new.append(i)
         packed: list[int] = []
         for i in new:
             data = chunks[i]
@@ -213,32 +195,11 @@ class ChunkWriter(FrameWriter):
         digest = known_digest if known_digest is not None else digest_of(data)
         h = digest.hex()
         size = len(data)
-        with self._lock:
-            self.stats.chunks += 1
-            self.stats.raw_bytes += size
-            ref = self.known.get(h)
-        if ref is None and self.index is not None:
-            ref = self.index.lookup_chunk(h, size)  # no store request
-            if ref is not None and self.damaged and ref in self.damaged:
-                ref = None  # the index predates the damage record
-        with self._lock:
-            if ref is None:
-                ref = self.known.get(h)  # written by another worker meanwhile
-            else:
-                self.known[h] = ref
-            twin = None
-            if ref is None:
-                if h not in self._pending:
-                    self._pending[h] = result
-                elif (twin := self._pending[h]) is None:  # add_small's: no future to chain
-                    self._waiting.setdefault(h, []).append(result)
-                    return  # resolved when its pack (or loose object) is written
-        if ref is not None:
-            result.set_result(ref)
-            return
-        if twin is not None:  # same bytes earlier in this take
-            twin.add_done_callback(lambda f: _copy_result(f, result))
-            return
+        refs, new = self._dedup([h], [size], result)
+        if not new:
+            if refs[0] is not None:
+                result.set_result(refs[0])
+            return  # else: resolved once the same bytes, claimed by other work, are stored
         if size >= self.settings.pack_limit:
             heal = self._heals(h)
             ref = self._present_loose(digest, h, size, heal)
@@ -252,6 +213,48 @@ class ChunkWriter(FrameWriter):
             result.set_result(ref)
         else:
             self._append_to_pack(data, digest, h, result, elem_size)
+
+    def _dedup(
+        self, hashes: Sequence[str], sizes: Sequence[int], result: Future[ChunkRef] | None = None
+    ) -> tuple[list[ChunkRef | None], list[int]]:
+        """The dedup decision for each chunk: where it is stored already, and the
+        indices of those this caller writes (claimed in ``_pending``).
+
+        A chunk is stored if this take knows it (written, or listed by a
+        parent), else if the index knows it (no store request) and no damage
+        is recorded on that copy. A chunk neither stored nor claimed is claimed
+        for this caller; one that other work claimed is left to it, and
+        ``result`` (given with :meth:`add`'s one chunk) resolves with that one.
+        """
+        known = self.known
+        with self._lock:
+            self.stats.chunks += len(hashes)
+            self.stats.raw_bytes += sum(sizes)
+            refs = [known.get(h) for h in hashes]
+        misses = [i for i, ref in enumerate(refs) if ref is None]
+        if misses and self.index is not None:
+            found = self.index.lookup_chunks([(hashes[i], sizes[i]) for i in misses])
+            for i, ref in zip(misses, found, strict=True):
+                if ref is not None and not (self.damaged and ref in self.damaged):
+                    refs[i] = ref  # else: the index predates the damage record
+        new: list[int] = []
+        twin: Future[ChunkRef] | None = None
+        with self._lock:
+            for i in misses:
+                h, ref = hashes[i], refs[i]
+                if ref is not None:
+                    known[h] = ref
+                elif (ref := known.get(h)) is not None:  # written by other work meanwhile
+                    refs[i] = ref
+                elif h not in self._pending:
+                    self._pending[h] = result
+                    new.append(i)
+                elif result is not None and (twin := self._pending[h]) is None:
+                    # add_small's: no future to chain; resolved when its frame is stored
+                    self._waiting.setdefault(h, []).append(result)
+        if twin is not None and result is not None:  # the same bytes, from an earlier add
+            twin.add_done_callback(lambda f: _copy_result(f, result))
+        return refs, new
 
     def _worth_trying(self, chunks: list[Buffer], elem_sizes: list[int]) -> dict[int, bool]:
         """Per element size, whether zstd is tried on each of these small chunks.
