@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from casnap.chunks.delta import DeltaEncoder
-from casnap.chunks.frames import FrameWriter
+from casnap.chunks.frames import FrameWriter, PackFrame
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.format.names import digest_of
@@ -171,14 +171,14 @@ class ChunkWriter(FrameWriter):
             for fut in waiting:
                 fut.set_result(ref)
         tried = self._worth_trying([chunks[i] for i in packed], [elem_sizes[i] for i in packed])
-        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes, ChunkRef | None]] = []
+        frames: list[PackFrame] = []
         for i in packed:
             data, elem = chunks[i], elem_sizes[i]
             if tried[elem]:
                 head, payload = self._encode(data, digests[i], elem)
             else:
                 head, payload = codec.encode(data, digests[i], compress=False)
-            frames.append((None, hashes[i], len(data), head, bytes(payload), None))
+            frames.append(PackFrame(None, hashes[i], len(data), head, bytes(payload)))
         self._append_frames(frames)
         return hashes  # each one's ref is known[h] once finish() flushed the last pack
 
@@ -299,7 +299,7 @@ class ChunkWriter(FrameWriter):
         head, payload = choice.frame
         with self._lock:
             self.stats.deltas_written += 1
-        self._append_frames([(result, h, len(data), head, payload, base)])
+        self._append_frames([PackFrame(result, h, len(data), head, payload, base)])
         return True, None
 
     def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:
