@@ -100,21 +100,23 @@ def test_thousands_of_small_tensors_round_trip_through_batches(tmp_path, session
 
 
 def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, monkeypatch, session):
-    from casnap import chunks
+    from casnap.format import codec
 
     repo, _ = counted_repo(str(tmp_path / "repo"))
-    calls = {"n": 0}
-    real = chunks.ChunkWriter._encode  # every chunk, in batches or not, is encoded
+    small: list[int] = []  # sizes of the small chunks encoded, up to the failure
+    real = codec.encode  # every new chunk is encoded, compressed or not
 
-    def flaky(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise StoreError("disk full while packing")
-        return real(self, *args, **kwargs)
+    def flaky(data, *args, **kwargs):
+        if len(data) == 64 * 4:  # one of the small tensors, all written as one batch
+            small.append(len(data))
+            if len(small) == 7:
+                raise StoreError("disk full while packing")
+        return real(data, *args, **kwargs)
 
-    monkeypatch.setattr(chunks.ChunkWriter, "_encode", flaky)
+    monkeypatch.setattr(codec, "encode", flaky)
     with pytest.raises(StoreError, match="disk full"):
         take(repo, "s1", state_of(40), session)
+    assert len(small) == 7  # failed on the 7th small chunk, in the middle of the batch
     assert not repo.has_ref("s1")
     monkeypatch.undo()
     state = state_of(40)

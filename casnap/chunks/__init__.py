@@ -11,12 +11,10 @@ read into.
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.frames import WriteStats
 from casnap.chunks.read import object_name, plan_reads, read_chunks
-from casnap.chunks.write import BatchItem, ChunkBatcher, ChunkWriter
+from casnap.chunks.write import ChunkWriter
 
 __all__ = [
-    "BatchItem",
     "ByteBudget",
-    "ChunkBatcher",
     "ChunkWriter",
     "WriteStats",
     "object_name",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from casnap.errors import IntegrityError, ObjectExistsError, ObjectNotFoundError
 from casnap.format import codec
@@ -38,13 +39,24 @@ class WriteStats:
     deltas_written: int = 0  # chunks written as deltas against a parent's chunk
 
 
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, several
+# times slower to build, and a take builds one per new small chunk.
+@dataclass(slots=True, eq=False)
+class PackFrame:
+    """One new chunk's encoded frame on its way into a pack."""
+
+    result: Future[ChunkRef] | None  # None for add_small's chunks: found in ``known``
+    hash: str
+    size: int  # raw bytes
+    head: bytes
+    payload: bytes
+    base: ChunkRef | None = None  # a delta frame's base
+
+
 @dataclass
 class _Pack:
     parts: list[Buffer] = field(default_factory=list)  # each frame's header, then payload
-    # (future or None for add_small's chunks, hash, raw size, offset, frame length, delta base)
-    waiters: list[tuple[Future[ChunkRef] | None, str, int, int, int, ChunkRef | None]] = field(
-        default_factory=list
-    )
+    frames: list[PackFrame] = field(default_factory=list)
     size: int = 0
 
 
@@ -167,23 +179,18 @@ class FrameWriter:
     ) -> None:
         head, payload = self._encode(data, digest, elem_size)
         # bytes(): the pack outlives the caller's buffer
-        self._append_frames([(result, h, len(data), head, bytes(payload), None)])
+        self._append_frames([PackFrame(result, h, len(data), head, bytes(payload))])
 
-    def _append_frames(
-        self,
-        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes, ChunkRef | None]],
-    ) -> None:
-        """Append encoded frames (with their delta base, if any) to the open pack,
-        writing each pack that fills up."""
+    def _append_frames(self, frames: list[PackFrame]) -> None:
+        """Append encoded frames to the open pack, writing each pack that fills up."""
         full: list[_Pack] = []
         with self._lock:
-            for result, h, size, head, payload, base in frames:
+            for frame in frames:
                 pack = self._pack
-                length = len(head) + len(payload)
-                pack.waiters.append((result, h, size, pack.size, length, base))
-                pack.parts += (head, payload)  # no tuple kept per frame
-                pack.size += length
-                self.stats.raw_bytes_written += size
+                pack.frames.append(frame)
+                pack.parts += (frame.head, frame.payload)  # no tuple kept per frame
+                pack.size += len(frame.head) + len(frame.payload)
+                self.stats.raw_bytes_written += frame.size
                 self.stats.chunks_written += 1
                 if pack.size >= self.settings.pack_target:
                     full.append(pack)
@@ -215,12 +222,15 @@ class FrameWriter:
                 self.stats.stored_bytes_written += len(blob)
         except BaseException as exc:
             with self._lock:
-                failed = [f for _, h, *_ in pack.waiters for f in self._waiting.pop(h, [])]
-            for waiter in [f for f, *_ in pack.waiters if f is not None] + failed:
+                failed = [f for fr in pack.frames for f in self._waiting.pop(fr.hash, [])]
+            for waiter in [fr.result for fr in pack.frames if fr.result is not None] + failed:
                 waiter.set_exception(exc)
             raise
-        done = [(fut, trusted_chunk_ref(h, size, pid, offset, length, base))  # what it wrote
-                for fut, h, size, offset, length, base in pack.waiters]  # fmt: skip
+        # What it wrote: each frame's offset is the sum of the lengths before it.
+        lengths = [len(fr.head) + len(fr.payload) for fr in pack.frames]
+        places = zip(pack.frames, accumulate(lengths, initial=0), lengths)
+        done = [(fr.result, trusted_chunk_ref(fr.hash, fr.size, pid, offset, length, fr.base))
+                for fr, offset, length in places]  # fmt: skip
         with self._lock:
             for _, ref in done:
                 self.known[ref.hash] = ref

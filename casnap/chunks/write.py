@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 from casnap.chunks.delta import DeltaEncoder
-from casnap.chunks.frames import FrameWriter
+from casnap.chunks.frames import FrameWriter, PackFrame
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.format.names import digest_of
@@ -26,44 +25,9 @@ from casnap.repo.repository import RepoStorage
 from casnap.settings import Settings
 
 Buffer = codec.Buffer
-# Small chunks go to the workers in batches of up to this many bytes or items.
-BATCH_BYTES = 1 << 20
-BATCH_ITEMS = 256
 # Fewer small chunks of one element size than this are each tried alone (the
 # trials cost little then), more are judged together first (ChunkWriter._worth_trying).
 _JUDGED_TOGETHER = 8
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    """One chunk of :meth:`ChunkWriter.add_batch`; ``result`` receives its ChunkRef."""
-
-    data: Buffer
-    result: Future[ChunkRef]
-    on_done: Callable[[], None] | None = None
-    elem_size: int = 0
-    digest: bytes | None = None  # computed by the caller (see ChunkWriter._process)
-    base: ChunkRef | None = None  # the parent's chunk here, for a delta (casnap.chunks.delta)
-
-
-class ChunkBatcher:
-    """Groups small chunks (they are packed anyway) into work items of ~1 MiB."""
-
-    def __init__(self, writer: ChunkWriter) -> None:
-        self._writer = writer
-        self._items: list[BatchItem] = []
-        self._bytes = 0
-
-    def add(self, item: BatchItem) -> None:
-        self._items.append(item)
-        self._bytes += len(item.data)
-        if self._bytes >= BATCH_BYTES or len(self._items) >= BATCH_ITEMS:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._items:
-            self._writer.add_batch(self._items)
-            self._items, self._bytes = [], 0
 
 
 class ChunkWriter(FrameWriter):
@@ -155,47 +119,6 @@ class ChunkWriter(FrameWriter):
         work.add_done_callback(lambda f: _forward_error(f, result))
         return result
 
-    def add_batch(self, items: list[BatchItem]) -> None:
-        """Schedule several small chunks as one work item (resolving each item's future).
-
-        Submitting a work item and its future costs tens of microseconds; for a
-        state of thousands of small tensors that is most of a take. Items are
-        processed in order; each one's ``on_done`` runs after its chunk, also
-        on failure, and the first failure is raised once all were attempted.
-        """
-        work = self.pool.submit(self._process_batch, items)
-        with self._lock:
-            self._work.append(work)
-
-    def add_digested(self, chunks: Sequence[tuple[Buffer, bytes]]) -> list[Future[ChunkRef]]:
-        """Schedule chunks whose digests are known; small ones travel in batches."""
-        futures: list[Future[ChunkRef]] = []
-        batch = ChunkBatcher(self)
-        for data, digest in chunks:
-            if len(data) >= self.settings.pack_limit:
-                futures.append(self.add(data, digest=digest))
-                continue
-            item = BatchItem(data, Future(), digest=digest)
-            futures.append(item.result)
-            batch.add(item)
-        batch.flush()
-        return futures
-
-    def _process_batch(self, items: list[BatchItem]) -> None:
-        first: BaseException | None = None
-        for item in items:
-            try:
-                self._process(item.data, item.result, item.elem_size, item.digest, item.base)
-            except BaseException as exc:
-                if not item.result.done():
-                    item.result.set_exception(exc)
-                first = first or exc
-            finally:
-                if item.on_done is not None:
-                    item.on_done()
-        if first is not None:
-            raise first
-
     def add_small(
         self,
         data: Sequence[Buffer],
@@ -205,7 +128,7 @@ class ChunkWriter(FrameWriter):
         """Schedule small chunks as one work item: ``data[i]``, its ``elem_sizes[i]``, and
         ``digests[i]`` when the caller computed it (three lists: no tuple per chunk).
 
-        Unlike :meth:`add_batch`, no chunk gets a future of its own (a future
+        Unlike :meth:`add`, no chunk gets a future of its own (a future
         and its callbacks cost more than hashing and packing 256 bytes): the
         returned future gives the chunks' hashes, in order, and once
         :meth:`finish` has returned :meth:`ref_of` gives each one's ChunkRef.
@@ -233,26 +156,8 @@ class ChunkWriter(FrameWriter):
             digests = [d if d is not None else digest_of(data)
                        for data, d in zip(chunks, given, strict=True)]  # fmt: skip
         hashes = [d.hex() for d in digests]
+        _refs, new = self._dedup(hashes, [len(data) for data in chunks])
         known = self.known
-        with self._lock:
-            self.stats.chunks += len(chunks)
-            self.stats.raw_bytes += sum([len(data) for data in chunks])
-            refs = [known.get(h) for h in hashes]
-        misses = [i for i, ref in enumerate(refs) if ref is None]
-        if misses and self.index is not None:
-            found = self.index.lookup_chunks([(hashes[i], len(chunks[i])) for i in misses])
-            for i, ref in zip(misses, found, strict=True):
-                if ref is not None and not (self.damaged and ref in self.damaged):
-                    refs[i] = ref  # else: the index predates the damage record
-        new: list[int] = []
-        with self._lock:
-            for i, h in enumerate(hashes):
-                ref = refs[i]
-                if ref is not None:
-                    known[h] = ref
-                elif h not in known and h not in self._pending:  # else written or pending
-                    self._pending[h] = None
-                    new.append(i)
         packed: list[int] = []
         for i in new:
             data = chunks[i]
@@ -266,14 +171,14 @@ class ChunkWriter(FrameWriter):
             for fut in waiting:
                 fut.set_result(ref)
         tried = self._worth_trying([chunks[i] for i in packed], [elem_sizes[i] for i in packed])
-        frames: list[tuple[Future[ChunkRef] | None, str, int, bytes, bytes, ChunkRef | None]] = []
+        frames: list[PackFrame] = []
         for i in packed:
             data, elem = chunks[i], elem_sizes[i]
             if tried[elem]:
                 head, payload = self._encode(data, digests[i], elem)
             else:
                 head, payload = codec.encode(data, digests[i], compress=False)
-            frames.append((None, hashes[i], len(data), head, bytes(payload), None))
+            frames.append(PackFrame(None, hashes[i], len(data), head, bytes(payload)))
         self._append_frames(frames)
         return hashes  # each one's ref is known[h] once finish() flushed the last pack
 
@@ -290,32 +195,11 @@ class ChunkWriter(FrameWriter):
         digest = known_digest if known_digest is not None else digest_of(data)
         h = digest.hex()
         size = len(data)
-        with self._lock:
-            self.stats.chunks += 1
-            self.stats.raw_bytes += size
-            ref = self.known.get(h)
-        if ref is None and self.index is not None:
-            ref = self.index.lookup_chunk(h, size)  # no store request
-            if ref is not None and self.damaged and ref in self.damaged:
-                ref = None  # the index predates the damage record
-        with self._lock:
-            if ref is None:
-                ref = self.known.get(h)  # written by another worker meanwhile
-            else:
-                self.known[h] = ref
-            twin = None
-            if ref is None:
-                if h not in self._pending:
-                    self._pending[h] = result
-                elif (twin := self._pending[h]) is None:  # add_small's: no future to chain
-                    self._waiting.setdefault(h, []).append(result)
-                    return  # resolved when its pack (or loose object) is written
-        if ref is not None:
-            result.set_result(ref)
-            return
-        if twin is not None:  # same bytes earlier in this take
-            twin.add_done_callback(lambda f: _copy_result(f, result))
-            return
+        refs, new = self._dedup([h], [size], result)
+        if not new:
+            if refs[0] is not None:
+                result.set_result(refs[0])
+            return  # else: resolved once the same bytes, claimed by other work, are stored
         if size >= self.settings.pack_limit:
             heal = self._heals(h)
             ref = self._present_loose(digest, h, size, heal)
@@ -329,6 +213,48 @@ class ChunkWriter(FrameWriter):
             result.set_result(ref)
         else:
             self._append_to_pack(data, digest, h, result, elem_size)
+
+    def _dedup(
+        self, hashes: Sequence[str], sizes: Sequence[int], result: Future[ChunkRef] | None = None
+    ) -> tuple[list[ChunkRef | None], list[int]]:
+        """The dedup decision for each chunk: where it is stored already, and the
+        indices of those this caller writes (claimed in ``_pending``).
+
+        A chunk is stored if this take knows it (written, or listed by a
+        parent), else if the index knows it (no store request) and no damage
+        is recorded on that copy. A chunk neither stored nor claimed is claimed
+        for this caller; one that other work claimed is left to it, and
+        ``result`` (given with :meth:`add`'s one chunk) resolves with that one.
+        """
+        known = self.known
+        with self._lock:
+            self.stats.chunks += len(hashes)
+            self.stats.raw_bytes += sum(sizes)
+            refs = [known.get(h) for h in hashes]
+        misses = [i for i, ref in enumerate(refs) if ref is None]
+        if misses and self.index is not None:
+            found = self.index.lookup_chunks([(hashes[i], sizes[i]) for i in misses])
+            for i, ref in zip(misses, found, strict=True):
+                if ref is not None and not (self.damaged and ref in self.damaged):
+                    refs[i] = ref  # else: the index predates the damage record
+        new: list[int] = []
+        twin: Future[ChunkRef] | None = None
+        with self._lock:
+            for i in misses:
+                h, ref = hashes[i], refs[i]
+                if ref is not None:
+                    known[h] = ref
+                elif (ref := known.get(h)) is not None:  # written by other work meanwhile
+                    refs[i] = ref
+                elif h not in self._pending:
+                    self._pending[h] = result
+                    new.append(i)
+                elif result is not None and (twin := self._pending[h]) is None:
+                    # add_small's: no future to chain; resolved when its frame is stored
+                    self._waiting.setdefault(h, []).append(result)
+        if twin is not None and result is not None:  # the same bytes, from an earlier add
+            twin.add_done_callback(lambda f: _copy_result(f, result))
+        return refs, new
 
     def _worth_trying(self, chunks: list[Buffer], elem_sizes: list[int]) -> dict[int, bool]:
         """Per element size, whether zstd is tried on each of these small chunks.
@@ -373,7 +299,7 @@ class ChunkWriter(FrameWriter):
         head, payload = choice.frame
         with self._lock:
             self.stats.deltas_written += 1
-        self._append_frames([(result, h, len(data), head, payload, base)])
+        self._append_frames([PackFrame(result, h, len(data), head, payload, base)])
         return True, None
 
     def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:

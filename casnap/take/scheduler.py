@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.write import BatchItem, ChunkBatcher, ChunkWriter
+from casnap.chunks.write import ChunkWriter
 from casnap.format.entries import ChunkRef
 from casnap.settings import Settings
 from casnap.torch_io.staging import PieceCopy, StagingFull, StagingPool, raw_bytes
@@ -220,7 +220,6 @@ class Scheduler:
         futures: dict[str, list[Future[ChunkRef]]] = {}
         small: list[tuple[list[str], Future[list[str]]]] = []
         try:
-            batch = ChunkBatcher(self.writer)
             ordered = [r for r in requests if r.live] + [r for r in requests if not r.live]
             self._total = sum(r.nbytes for r in ordered)
             limit = self.settings.pack_limit
@@ -229,17 +228,18 @@ class Scheduler:
             group: list[WriteRequest] = []
             group_bytes = 0
             for req in ordered:
-                if 0 < req.nbytes < limit and req.nbytes <= self.settings.chunk_size:
+                if req.nbytes == 0:  # an empty tensor: no chunk
+                    futures[req.key] = []
+                elif req.nbytes < limit:  # one chunk: the pack limit is below the chunk size
                     group.append(req)
                     group_bytes += req.nbytes
                     if group_bytes >= group_limit or len(group) >= SMALL_GROUP_ITEMS:
                         small.append(self._submit_small(group, group_bytes))
                         group, group_bytes = [], 0
                 else:
-                    futures[req.key] = self._submit(req, batch)
+                    futures[req.key] = self._submit(req)
             if group:
                 small.append(self._submit_small(group, group_bytes))
-            batch.flush()
             self._live.arm()
             self.writer.finish([f for fs in futures.values() for f in fs])
         finally:
@@ -286,16 +286,15 @@ class Scheduler:
 
         return done
 
-    def _submit(self, req: WriteRequest, batch: ChunkBatcher) -> list[Future[ChunkRef]]:
+    def _submit(self, req: WriteRequest) -> list[Future[ChunkRef]]:
+        """One future per chunk of a request of at least the pack limit (never empty)."""
         cs = self.settings.chunk_size
-        count = math.ceil(req.nbytes / cs) if req.nbytes else 0
-        if count == 0:
-            return []
+        count = math.ceil(req.nbytes / cs)
         pool = self.staging
         # A live tensor on the device path (a staged one is host memory of the pool already).
         if req.live and req.tensor is not None and pool is not None and \
                 pool.uses_device_path(req.tensor):  # fmt: skip
-            return self._submit_pieces(req, pool, batch)
+            return self._submit_pieces(req, pool)
         if req.cost:
             self.budget.acquire(req.cost)  # the host copy stays under the budget
         view, owner = req.view()
@@ -304,12 +303,6 @@ class Scheduler:
             live.add(count)
         release = _Release(count, self.budget, req.cost, owner, live)
         digests = req.digests
-        if count == 1 and req.nbytes < self.settings.pack_limit:
-            result: Future[ChunkRef] = Future()
-            digest = digests[0] if digests else None
-            batch.add(BatchItem(view, result, self._counted(release, req.nbytes), req.elem_size,
-                                digest))  # fmt: skip
-            return [result]
         return [
             self.writer.add(
                 view[i * cs : (i + 1) * cs],
@@ -321,15 +314,13 @@ class Scheduler:
             for i in range(count)
         ]
 
-    def _submit_pieces(
-        self, req: WriteRequest, pool: StagingPool, batch: ChunkBatcher
-    ) -> list[Future[ChunkRef]]:
+    def _submit_pieces(self, req: WriteRequest, pool: StagingPool) -> list[Future[ChunkRef]]:
         """A device tensor, copied chunk by chunk into pool buffers one piece ahead of the
         writer: chunk i is handed to a worker once its own copy landed, while chunk i+1
         copies. Each piece holds its bytes of the budget until its chunk is written."""
         assert req.tensor is not None
         cs, n = self.settings.chunk_size, req.nbytes
-        count = math.ceil(n / cs) if n else 0
+        count = math.ceil(n / cs)
         raw, slot = raw_bytes(req.tensor), pool.next_slot()
         live = self._live if req.live else None
         if live is not None:
@@ -348,12 +339,7 @@ class Scheduler:
 
             digest = req.digests[i] if req.digests else None
             on_done = self._counted(done, size)
-            if count == 1 and n < self.settings.pack_limit:
-                result: Future[ChunkRef] = Future()
-                batch.add(BatchItem(piece.view, result, on_done, req.elem_size, digest))
-                futures.append(result)
-            else:
-                futures.append(self.writer.add(piece.view, on_done, req.elem_size, digest))
+            futures.append(self.writer.add(piece.view, on_done, req.elem_size, digest))
 
         ahead: deque[tuple[int, PieceCopy]] = deque()
         for i in range(count):
