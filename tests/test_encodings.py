@@ -228,3 +228,28 @@ def test_a_chunk_recorded_damaged_in_a_pack_and_loose_is_listed_and_retaken(tmp_
     repo.take("s2", state)
     assert restores(repo, "s2", state)
     assert verified(repo, "s2")
+
+
+def test_a_delta_whose_base_is_lost_reads_the_chunk_a_later_take_wrote_whole(tmp_path: Path):
+    """Any good frame of a chunk is the chunk: once a take wrote s1's delta chunk whole
+    (its base was recorded damaged), s1 reads it from there; verify agrees with
+    restore for s1 (restorable) and for s0 (its own chunk is gone)."""
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    session = Session()
+    s0 = table_state()
+    repo.take("s0", s0, session=session)
+    live = table_state()
+    live["m"]["emb"][::100] += 1.0
+    repo.take("s1", live, session=session)
+    delta = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.base)
+    flip_byte(chunk_path(repo.url, delta.base.hash), codec.HEADER_SIZE + 40)
+    assert not restores(repo, "s1", live)  # records the base's damage
+    repo.take("s2", live, session=session)  # writes the delta's chunk whole: chunks/<h>
+    assert chunk_path(repo.url, delta.hash).exists()
+    chunk_path(repo.url, delta.base.hash).unlink()  # the base is gone for good
+
+    for name, state, ok in (("s0", s0, False), ("s1", live, True), ("s2", live, True)):
+        assert restores(repo, name, state) is ok, name
+        assert verified(repo, name) is ok, name
+    result = Repository(repo.url).repair()
+    assert {r.name: r.status for r in result.roots}["s1"] != "unrecoverable"

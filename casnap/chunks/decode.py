@@ -65,8 +65,10 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     A damaged pack frame with a good replacement ``chunks/<h>`` yields the
     replacement's bytes (see the module docstring). A delta (``ref.base``)
     is rebuilt from its base chain, read first (:func:`base_bytes`); a base
-    that cannot be read raises :class:`DeltaBaseError` naming it, and only
-    the copy that failed its own check is recorded as damaged.
+    that cannot be read leaves the same stand-in, a good loose ``chunks/<h>``
+    (written whole by a later take or by repair), else raises
+    :class:`DeltaBaseError` naming the base. Only the copy that failed its own
+    check is recorded as damaged.
     """
     if ref.base is None:
         return _decode_one(repo, key, ref, frame, None)
@@ -75,7 +77,15 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
         return fast
     # Something in the chain is wrong: rebuild link by link, each verified, so the
     # copy at fault is the one named (and recorded, if damaged).
-    base = (bytes.fromhex(ref.base.hash), base_bytes(repo, ref.base, key))
+    try:
+        base = (bytes.fromhex(ref.base.hash), base_bytes(repo, ref.base, key))
+    except DeltaBaseError:
+        # Any good frame of the chunk is the chunk: a take that wrote it whole since
+        # (a base recorded damaged makes it do so) or a repair serves this reference.
+        data = _replacement(repo, ref) if ref.pack is not None else None
+        if data is None:
+            raise
+        return data
     return _decode_one(repo, key, ref, frame, base)
 
 

@@ -45,7 +45,7 @@ from casnap.format.entries import (
 )
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
-from casnap.ops.verify import Holder, VerifyReport, roots, verify
+from casnap.ops.verify import Holder, Owners, StandIns, VerifyReport, roots, verify
 from casnap.repo.damage import DamagedCopy, clear_damage, list_damage
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage, chunk_key
@@ -190,7 +190,7 @@ def find_bad(
     if read_data:
         verify(repo, read_data=True, progress=progress)  # records every damaged copy it re-hashes
     report = VerifyReport()
-    refs: dict[str, list[tuple[ChunkRef, frozenset[Holder]]]] = {}
+    owners = Owners()  # who needs each copy: directly, or through a delta on it
     elems: dict[str, int] = {}
     for mhash, holders in sorted(roots(repo, report).items()):
         plan.holders |= holders
@@ -200,19 +200,22 @@ def find_bad(
             for holder in holders:
                 plan.broken_roots[holder] = f"manifest {mhash}: {exc}"
             continue
-        for ref in manifest.stored_refs():
-            refs.setdefault(ref.hash, []).append((ref, frozenset(holders)))
+        owners.add(manifest.distinct_refs(), holders)
         elems.update(element_sizes(manifest))
     for p in report.problems:  # unreadable refs and tags
         plan.holders.add((p.kind if p.kind == "tag" else "snapshot", p.subject))
         plan.broken_roots[(p.kind if p.kind == "tag" else "snapshot", p.subject)] = p.detail
     recorded = set(list_damage(repo))
     present = set(repo.store.list("chunks")) | set(repo.store.list("packs"))
+    stands_in = StandIns(repo, present, record=False)
+    refs: dict[str, list[ChunkRef]] = {}
+    for ref in owners.refs.values():
+        refs.setdefault(ref.hash, []).append(ref)
     for h, uses in sorted(refs.items()):
         copies: list[str] = []
         needs: set[Holder] = set()
         in_lost_pack = False
-        for ref, who in uses:
+        for ref in uses:
             key = object_name(ref)
             if key not in present:
                 copies.append(f"{key} (missing)")
@@ -221,9 +224,9 @@ def find_bad(
                 copies.append(f"{key} (damaged)")
             else:
                 continue
-            needs |= who
+            needs |= owners.affected((ref.pack, ref.hash), stands_in)
         if copies:
-            bad = BadChunk(h, uses[0][0].size, tuple(sorted(set(copies))), frozenset(needs),
+            bad = BadChunk(h, uses[0].size, tuple(sorted(set(copies))), frozenset(needs),
                            elems.get(h, 0), not in_lost_pack)  # fmt: skip
             plan.bad.append(bad)
     return plan

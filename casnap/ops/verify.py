@@ -24,7 +24,7 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from casnap.chunks.decode import decode_frame
+from casnap.chunks.decode import decode_frame, read_copy
 from casnap.chunks.read import Span, fetch_span, object_name, plan_reads
 from casnap.errors import (
     CasnapError,
@@ -37,9 +37,10 @@ from casnap.errors import (
     UnsupportedFormatError,
     expect_type,
 )
+from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
-from casnap.repo.damage import DAMAGED, list_damage
+from casnap.repo.damage import DAMAGED, DamagedCopy, list_damage
 from casnap.repo.named import stored_names
 from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key
 from casnap.repo.tags import TAGS, read_tag
@@ -102,6 +103,43 @@ Holder = tuple[str, str]  # ("snapshot", name) or ("tag", name): what a problem 
 Key = tuple[str | None, str]  # (pack or None, chunk hash): one stored copy of a chunk
 
 
+class Owners:
+    """Who needs each stored copy of a chunk, and how.
+
+    A snapshot needs the chunks its manifest names *directly*; it needs the
+    bases of a delta only *through* that delta (the chain's head), and a read
+    of a packed delta whose chain cannot be rebuilt falls back to a good loose
+    ``chunks/<h>`` of the head (:func:`casnap.chunks.decode.decode_frame`). So
+    a problem with a base affects a snapshot only while the head it reaches the
+    base through has no such stand-in: verify's verdict is the restore's.
+    """
+
+    def __init__(self) -> None:
+        self.refs: dict[Key, ChunkRef] = {}
+        self.direct: dict[Key, set[Holder]] = {}
+        self.chained: dict[Key, dict[Key, set[Holder]]] = {}  # base -> head -> holders
+
+    def add(self, refs: Iterable[ChunkRef], holders: set[Holder]) -> None:
+        """The chunks one manifest names (:meth:`Manifest.distinct_refs`), for ``holders``."""
+        for ref in refs:
+            head = (ref.pack, ref.hash)
+            self.refs[head] = ref
+            self.direct.setdefault(head, set()).update(holders)
+            for link in ref.chain()[1:]:
+                key = (link.pack, link.hash)
+                self.refs[key] = link
+                self.chained.setdefault(key, {}).setdefault(head, set()).update(holders)
+
+    def affected(self, key: Key, stands_in: Callable[[ChunkRef], bool]) -> set[Holder]:
+        """The holders a problem with copy ``key`` leaves unrestorable; ``stands_in(head)``
+        says whether a delta head has a good loose ``chunks/<h>`` (asked only when it matters)."""
+        out = set(self.direct.get(key, ()))
+        for head, holders in sorted(self.chained.get(key, {}).items(), key=str):
+            if not holders <= out and not stands_in(self.refs[head]):
+                out |= holders
+        return out
+
+
 def _problem(kind: str, subject: str, detail: str, holders: Iterable[Holder] = ()) -> Problem:
     held = set(holders)
     return Problem(kind, subject, detail,
@@ -153,8 +191,8 @@ def verify(
         if not ok or not (part[1] >= 1 and 0 <= part[0] < part[1]):
             raise ConfigError(f"part {part!r} must be (k, n) with 0 <= k < n", "part")
     report = VerifyReport()
-    owners: dict[Key, set[Holder]] = {}
-    refs: dict[Key, ChunkRef] = {}
+    owners = Owners()
+    refs = owners.refs
     named = roots(repo, report)
     whole = not report.problems  # every ref and tag read (and below: every root's manifest)
     for mhash, holders in sorted(named.items()):
@@ -165,10 +203,7 @@ def verify(
             whole = whole and isinstance(exc, SnapshotNotFoundError)  # missing: references none
             continue
         report.manifests += 1
-        for ref in m.stored_refs():  # a delta's bases must be whole too
-            key = (ref.pack, ref.hash)
-            refs[key] = ref
-            owners.setdefault(key, set()).update(holders)
+        owners.add(m.distinct_refs(), holders)  # a delta's bases must be whole too
     report.chunks = len(refs)
 
     listed = [i for kind in ("chunks", "packs") for i in repo.store.list_info(kind)]
@@ -180,16 +215,17 @@ def verify(
         except CasnapError:
             pass  # reported as a problem below
         report.unreferenced = find_unreferenced(repo, set(named), used, listed)
+    stands_in = StandIns(repo, present, record=read_data)
     missing: dict[str, set[Holder]] = {}
     for key, ref in refs.items():
         obj = object_name(ref)
         if obj not in present:
-            missing.setdefault(obj, set()).update(owners[key])
+            missing.setdefault(obj, set()).update(owners.affected(key, stands_in))
     for obj, holders in sorted(missing.items()):
         report.problems.append(_problem("missing-object", obj, "referenced but not in the store",
                                         holders))  # fmt: skip
 
-    _report_recorded(repo, refs, owners, report, part if read_data else (0, 0), present)
+    _report_recorded(repo, owners, report, part if read_data else (0, 0), present, stands_in)
 
     if read_data:
         todo = [r for r in refs.values()
@@ -198,7 +234,7 @@ def verify(
         total = sum(r.size for r in todo)  # progress in bytes re-hashed
         done = 0
         for span in spans:
-            _scrub(repo, span, report, owners)
+            _scrub(repo, span, report, owners, stands_in)
             done += sum(ref.size for _, ref in span.items)
             if progress is not None:
                 progress(done, total)
@@ -233,20 +269,44 @@ def check_snapshot(repo: RepoStorage, name: str) -> VerifyReport:
         report.problems.append(_problem("manifest", name, f"{type(exc).__name__}: {exc}", holders))
         return report
     report.manifests = 1
-    refs = {(ref.pack, ref.hash): ref for ref in manifest.stored_refs()}
-    report.chunks = len(refs)
-    owners = {key: holders for key in refs}
-    _report_recorded(repo, refs, owners, report, (0, 0), _Probed(repo))
+    owners = Owners()
+    owners.add(manifest.distinct_refs(), holders)
+    report.chunks = len(owners.refs)
+    present = _Probed(repo)
+    _report_recorded(repo, owners, report, (0, 0), present, StandIns(repo, present, False))
     return report
+
+
+class StandIns:
+    """Whether a packed delta head has a good loose ``chunks/<h>`` a read falls back to:
+    read and verified with ``record`` (a ``read_data`` verify; damage it finds is
+    recorded, as the restore's fallback would), else judged by its presence and
+    the absence of a damage record. Each head is asked once."""
+
+    def __init__(self, repo: RepoStorage, present: Container[str], record: bool) -> None:
+        self.repo, self.present, self.record = repo, present, record
+        self._seen: dict[str, bool] = {}
+
+    def __call__(self, head: ChunkRef) -> bool:
+        if head.pack is None or chunk_key(head.hash) not in self.present:
+            return False
+        if head.hash not in self._seen:
+            loose = ChunkRef(hash=head.hash, size=head.size, length=codec.HEADER_SIZE + head.size)
+            if self.record:
+                good = read_copy(self.repo, loose, record=True) is not None
+            else:
+                good = not self.repo.store.exists(DamagedCopy(head.hash, None).key)
+            self._seen[head.hash] = good
+        return self._seen[head.hash]
 
 
 def _report_recorded(
     repo: RepoStorage,
-    refs: dict[Key, ChunkRef],
-    owners: dict[Key, set[Holder]],
+    owners: Owners,
     report: VerifyReport,
     reread: tuple[int, int] | None,
     present: Container[str],
+    stands_in: Callable[[ChunkRef], bool],
 ) -> None:
     """Report referenced copies an earlier read recorded as damaged and this run does not re-read.
 
@@ -261,28 +321,32 @@ def _report_recorded(
     except CasnapError as exc:
         report.problems.append(Problem("damage-records", DAMAGED, f"cannot list: {exc}"))
         return
-    for key in sorted(recorded & refs.keys(), key=str):
+    for key in sorted(recorded & owners.refs.keys(), key=str):
         if reread != (0, 0) and in_part(key[1], reread):
             continue  # re-hashed below: reported from the bytes themselves
         if key[0] is not None and chunk_key(key[1]) in present and (None, key[1]) not in recorded:
             continue  # replaced by `casnap repair`: reads fall back to chunks/<h>
-        ref = refs[key]
+        ref = owners.refs[key]
         subject = f"{object_name(ref)} ({ref.hash[:12]})"
         detail = "recorded as damaged by an earlier read (docs/damage.md); run with --read-data"
-        report.problems.append(_problem("corrupt-chunk", subject, detail, owners[key]))
+        holders = owners.affected(key, stands_in)
+        report.problems.append(_problem("corrupt-chunk", subject, detail, holders))
 
 
 def _scrub(
     repo: RepoStorage,
     span: Span,
     report: VerifyReport,
-    owners: dict[Key, set[Holder]],
+    owners: Owners,
+    stands_in: Callable[[ChunkRef], bool],
 ) -> None:
     """Fetch one object (or one range of a pack) and re-hash every chunk in it."""
     try:
         blob = fetch_span(repo, span)  # records a refused object as damage
     except (ObjectNotFoundError, ObjectRefusedError) as exc:  # refused: a FIFO, a link, ...
-        users: set[Holder] = set().union(*(owners[(r.pack, r.hash)] for _, r in span.items))
+        users: set[Holder] = set().union(
+            *(owners.affected((r.pack, r.hash), stands_in) for _, r in span.items)
+        )
         kind = "missing-object" if isinstance(exc, ObjectNotFoundError) else "unreadable-object"
         report.problems.append(_problem(kind, span.key, str(exc), users))
         return
@@ -295,8 +359,8 @@ def _scrub(
             decode_frame(repo, span.key, ref, frame)  # records the damage it finds
         except IntegrityError as exc:
             subject = f"{span.key} ({ref.hash[:12]})"
-            report.problems.append(_problem("corrupt-chunk", subject, str(exc),
-                                            owners[(ref.pack, ref.hash)]))  # fmt: skip
+            holders = owners.affected((ref.pack, ref.hash), stands_in)
+            report.problems.append(_problem("corrupt-chunk", subject, str(exc), holders))
         report.chunks_read += 1
 
 
