@@ -253,3 +253,25 @@ def test_a_delta_whose_base_is_lost_reads_the_chunk_a_later_take_wrote_whole(tmp
         assert verified(repo, name) is ok, name
     result = Repository(repo.url).repair()
     assert {r.name: r.status for r in result.roots}["s1"] != "unrecoverable"
+
+
+def test_repair_does_not_call_a_snapshot_whose_pack_is_gone_repaired(tmp_path: Path):
+    """A good loose chunks/<h> stands in for a damaged pack frame, not for a frame of a
+    pack that is gone (the read fails before it could fall back): unrecoverable."""
+    from casnap.format.names import digest_of
+    from tests.helpers import pack_path
+
+    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
+    state = {"m": StateDict(b=torch.arange(1000, dtype=torch.float32))}
+    repo.take("s1", state)
+    packed = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack)
+    data = state["m"]["b"].numpy().tobytes()
+    head, payload = codec.encode(data, digest_of(data), compress=False)
+    chunk_path(repo.url, packed.hash).parent.mkdir(parents=True, exist_ok=True)
+    chunk_path(repo.url, packed.hash).write_bytes(head + bytes(payload))  # a stand-in
+    pack_path(repo.url, packed.pack).unlink()
+
+    result = Repository(repo.url).repair()
+    assert [(r.name, r.status) for r in result.roots] == [("s1", "unrecoverable")]
+    assert not restores(repo, "s1", state)
+    assert not verified(repo, "s1")

@@ -266,7 +266,8 @@ def plan_repair(
         digest = bytes.fromhex(bad.chunk)
         loose = ChunkRef(hash=bad.chunk, size=bad.size, length=codec.HEADER_SIZE + bad.size)
         done += bad.size
-        if DamagedCopy(bad.chunk, None) not in recorded and (
+        # A frame of a pack that is gone cannot fall back (its read fails first).
+        if bad.fixable_here and DamagedCopy(bad.chunk, None) not in recorded and (
             read_copy(repo, loose, record=not dry_run) is not None
         ):
             plan.already.append(bad.chunk)  # a good chunks/<h> stands in for a pack frame
