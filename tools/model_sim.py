@@ -647,9 +647,11 @@ class Sim:
             dst.snaps[name] = Expected(clone(src.snaps[name].tensors), src.snaps[name].via,
                                        src.snaps[name].op)  # fmt: skip
         for name in failed:
-            # A pack is copied whole, checked against its name (docs/copy.md): one damaged
-            # frame refuses every snapshot in it, even one that reads only sound frames.
-            if self.must_restore(src_name, name) and not self._damaged_pack(src_name, name):
+            # Copy sends every object the manifest names, each checked on its own
+            # (docs/copy.md): a pack against its name, so one damaged frame refuses every
+            # snapshot in it, and a delta's base even where a restore reads the chunk
+            # from a stand-in chunks/<h>.
+            if self.must_restore(src_name, name) and not self._damaged_object(src_name, name):
                 self.violate(
                     "copy-refused-intact",
                     f"{src_name}/{name}",
@@ -657,17 +659,21 @@ class Sim:
                 )
         return "partial" if failed else "ok"
 
-    def _damaged_pack(self, repo: str, name: str) -> bool:
-        """Whether a pack snapshot ``name`` reads from no longer matches its name."""
+    def _damaged_object(self, repo: str, name: str) -> bool:
+        """Whether an object snapshot ``name``'s manifest names (delta bases included) is
+        damaged or gone on its own: a pack that no longer matches its name, a loose
+        chunk that does not decode."""
         try:
             refs = refs_of(self.handle(repo), name)
         except CasnapError:
             return False
-        packs = {link.pack for r in refs for link in r.chain() if link.pack}
         oracle = Oracle(self.repos[repo].root)
-        for p in packs:
-            data = oracle._read(oracle.pack_path(p))
-            if data is None or hash_bytes(data) != p:
+        for link in {link for r in refs for link in r.chain()}:
+            if link.pack is not None:
+                data = oracle._read(oracle.pack_path(link.pack))
+                if data is None or hash_bytes(data) != link.pack:
+                    return True
+            elif oracle._decode(oracle._read(oracle.loose_path(link.hash)), link, None) is None:
                 return True
         return False
 
