@@ -20,8 +20,11 @@ def pack_path(repo_url: str | Path, pack: str) -> Path:
     return meta_dir(repo_url) / "packs" / pack[:2] / pack
 
 
-def flip_byte(path: Path, offset: int, mask: int = 0x01) -> None:
-    """Damage ``path`` in place: XOR the byte at ``offset`` with ``mask``."""
-    data = bytearray(path.read_bytes())
-    data[offset] ^= mask
-    path.write_bytes(bytes(data))
+def flip_byte(path: str | Path, offset: int, mask: int = 0x01) -> None:
+    """Damage ``path`` in place (same file, same length): XOR the byte at ``offset``
+    with ``mask``."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ mask]))

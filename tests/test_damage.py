@@ -24,6 +24,7 @@ from casnap.errors import StoreError
 from casnap.repo.damage import list_damage
 from casnap.store import LocalStore
 from casnap.store.base import Data
+from tests.helpers import flip_byte
 
 CHUNK = 64 * 1024
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,14 +75,6 @@ def restores_bit_exact(repo: Path, name: str) -> bool:
     target = {"m": StateDict(w=torch.zeros(100_000), b=torch.zeros(100), c=torch.zeros(50))}
     Snapshot(snap_path(repo, name)).restore(target)
     return all(torch.equal(target["m"][k], expected[k]) for k in expected)
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ 0x01]))
 
 
 def damage_loose(repo: Path, snap: Snapshot) -> str:

@@ -44,6 +44,7 @@ from casnap.export import (
 )
 from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ContainerEntry, TensorEntry
 from casnap.format.manifest import Manifest
+from tests.helpers import flip_byte
 
 CHUNK = 4096
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -319,14 +320,6 @@ def test_unsupported_dtype_names_the_key_and_writes_nothing(tmp_path, fmt, dtype
 
 
 # -- failures -----------------------------------------------------------------------
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ 0x01]))
 
 
 @pytest.mark.parametrize("fmt", sorted(READERS))

@@ -23,6 +23,7 @@ from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
 from casnap.store.base import Data, ObjectStore
+from tests.helpers import flip_byte
 
 CHUNK = 64 * 1024
 
@@ -30,14 +31,6 @@ CHUNK = 64 * 1024
 def take(tmp_path, name: str, state: dict) -> Snapshot:
     return Snapshot.take(str(tmp_path / "repo" / name), state,
                          storage_options={"chunk_size": CHUNK})  # fmt: skip
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ 0x01]))
 
 
 def test_flipped_byte_in_a_loose_chunk_raises_integrity_error_naming_it(tmp_path):

@@ -21,6 +21,7 @@ from casnap.format import codec
 from casnap.repo.damage import list_damage
 from casnap.store import LocalStore
 from casnap.store.base import Data
+from tests.helpers import flip_byte
 
 CHUNK = 16 * 1024
 
@@ -63,19 +64,13 @@ def refs_of(repo: Repository, name: str):
     return repo.read_manifest(repo.resolve(name)).chunk_refs()
 
 
-def flip(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 def damage_loose_and_packed(repo: Repository, name: str = "s1") -> tuple[str, str]:
     """Flip a payload byte of one loose chunk and of one packed frame; returns their hashes."""
     meta = Path(repo.url) / ".casnap"
     loose = next(r for r in refs_of(repo, name) if r.pack is None)
     packed = next(r for r in refs_of(repo, name) if r.pack is not None)
-    flip(meta / "chunks" / loose.hash[:2] / loose.hash, codec.HEADER_SIZE + 100)
-    flip(meta / "packs" / packed.pack[:2] / packed.pack, packed.offset + codec.HEADER_SIZE + 3)
+    flip_byte(meta / "chunks" / loose.hash[:2] / loose.hash, codec.HEADER_SIZE + 100)
+    flip_byte(meta / "packs" / packed.pack[:2] / packed.pack, packed.offset + codec.HEADER_SIZE + 3)
     return loose.hash, packed.hash
 
 

@@ -28,6 +28,7 @@ from casnap.settings import Settings
 from casnap.store import CountingStore, LocalStore
 from casnap.store.base import Data, ObjectStore
 from casnap.torch_io.tensors import byte_view
+from tests.helpers import flip_byte
 
 CHUNK = 64 * 1024
 ELEMS = CHUNK // 4
@@ -59,14 +60,6 @@ def object_path(tmp_path, ref: ChunkRef) -> str:
     if ref.pack is not None:
         return str(tmp_path / "repo" / ".casnap" / "packs" / ref.pack[:2] / ref.pack)
     return str(tmp_path / "repo" / ".casnap" / "chunks" / ref.hash[:2] / ref.hash)
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ 0x01]))
 
 
 def damage(tmp_path, ref: ChunkRef) -> None:
