@@ -25,6 +25,7 @@ from casnap import IntegrityError, Repository, Snapshot, StateDict
 from casnap.api.checkpointer import Checkpointer
 from casnap.errors import ConfigError, SnapshotNotFoundError
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy, plan_retention
+from tests.helpers import chunk_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,7 +237,7 @@ def flip_a_chunk_byte(root: Path, step: int, *, delete: bool = False) -> str:
     step shares)."""
     ref = Snapshot(f"{root}/{name(step)}").get_manifest()["0/model/w"].chunks[6]
     assert ref.pack is None
-    path = root / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    path = chunk_path(root, ref.hash)
     if delete:
         path.unlink()
         return ref.hash

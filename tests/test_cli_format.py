@@ -25,6 +25,7 @@ import torch
 from casnap import Repository, Snapshot, StateDict
 from casnap.display import format_size, format_time, natural_key, parse_size
 from casnap.format import codec
+from tests.helpers import chunk_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "casnap")
@@ -246,7 +247,7 @@ def test_take_restore_verify_export_and_repair_report_bytes(tmp_path):
 
     # One damaged loose chunk, repaired from the state in memory: bytes of that chunk.
     ref = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack is None)
-    path = Path(root) / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    path = chunk_path(Path(root), ref.hash)
     data = bytearray(path.read_bytes())
     data[codec.HEADER_SIZE + 5] ^= 1
     path.write_bytes(bytes(data))

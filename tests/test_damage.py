@@ -24,7 +24,7 @@ from casnap.errors import StoreError
 from casnap.repo.damage import list_damage
 from casnap.store import LocalStore
 from casnap.store.base import Data
-from tests.helpers import flip_byte
+from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def restores_bit_exact(repo: Path, name: str) -> bool:
 def damage_loose(repo: Path, snap: Snapshot) -> str:
     ref = snap.get_manifest()["0/m/w"].chunks[1]
     assert ref.pack is None
-    path = repo / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    path = chunk_path(repo, ref.hash)
     flip_byte(path, path.stat().st_size - 10)  # in the payload: the header still probes fine
     return ref.hash
 
@@ -88,7 +88,7 @@ def damage_loose(repo: Path, snap: Snapshot) -> str:
 def damage_packed(repo: Path, snap: Snapshot) -> tuple[str, str]:
     ref = snap.get_manifest()["0/m/b"].chunks[0]
     assert ref.pack is not None
-    flip_byte(repo / ".casnap" / "packs" / ref.pack[:2] / ref.pack, ref.offset + ref.length - 3)
+    flip_byte(pack_path(repo, ref.pack), ref.offset + ref.length - 3)
     return ref.hash, ref.pack
 
 
@@ -215,7 +215,7 @@ def test_a_missing_object_is_not_recorded_as_damage(tmp_path):
     repo = tmp_path / "repo"
     s1 = take_here(repo, "s1")
     ref = s1.get_manifest()["0/m/w"].chunks[1]
-    (repo / ".casnap" / "chunks" / ref.hash[:2] / ref.hash).unlink()
+    (chunk_path(repo, ref.hash)).unlink()
     with pytest.raises(IntegrityError, match="missing"):
         restores_bit_exact(repo, "s1")
     assert list_damage(Repository(str(repo))) == []
@@ -259,7 +259,7 @@ def test_a_flipped_bit_in_a_frame_version_is_damage_not_a_newer_format(tmp_path)
     repo = tmp_path / "repo"
     s1 = take_here(repo, "s1")
     ref = s1.get_manifest()["0/m/w"].chunks[1]
-    path = repo / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    path = chunk_path(repo, ref.hash)
     flip_byte(path, 4)  # the frame's version byte: 1 -> 0
     with pytest.raises(IntegrityError, match="damaged frame header"):
         restores_bit_exact(repo, "s1")
@@ -274,7 +274,7 @@ def test_a_loose_chunk_casnap_will_not_read_is_damage_and_the_next_take_replaces
     repo = tmp_path / "repo"
     s1 = take_here(repo, "s1")
     ref = s1.get_manifest()["0/m/w"].chunks[1]
-    path = repo / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    path = chunk_path(repo, ref.hash)
     if how == "longer-than-its-frame":
         with open(path, "ab") as fh:
             fh.write(b"\0" * 4096)

@@ -27,6 +27,7 @@ from casnap.format.entries import TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.format.parse import _parse, parse_manifest
+from tests.helpers import chunk_path
 
 CHUNK = 64 * 1024
 ROWS, COLS = 512, 256  # fp32: 512 KiB, 8 chunks of 64 rows
@@ -144,19 +145,19 @@ def test_gc_keeps_the_bases_a_live_delta_needs_then_frees_them(tmp_path: Path) -
     repo.delete("s0")
     repo.gc(grace_seconds=0)
     for h in bases:  # s0's chunks, now only the bases of s1's deltas
-        assert (tmp_path / ".casnap" / "chunks" / h[:2] / h).exists()
+        assert chunk_path(tmp_path, h).exists()
     assert torch.equal(_restore(f"{tmp_path}/s1"), states[1])
     assert repo.verify(read_data=True).ok
     repo.delete("s1")
     repo.gc(grace_seconds=0)
     for h in bases:
-        assert not (tmp_path / ".casnap" / "chunks" / h[:2] / h).exists()
+        assert not chunk_path(tmp_path, h).exists()
 
 
 def _a_base(tmp_path: Path, snap: Snapshot) -> Path:
     base = next(c.base for c in _entry(snap).chunks if c.base is not None)
     assert base is not None and base.pack is None
-    return tmp_path / ".casnap" / "chunks" / base.hash[:2] / base.hash
+    return chunk_path(tmp_path, base.hash)
 
 
 def test_verify_and_restore_name_a_missing_base(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from casnap import Repository, Session, Snapshot, StateDict, index
 from casnap.index import lmdb_store as index_lmdb
 from casnap.ops.history import stored_bytes
 from casnap.store import CountingStore, FsspecStore
+from tests.helpers import chunk_path
 
 CHUNK = 64 * 1024
 
@@ -127,7 +128,7 @@ def test_a_new_gc_epoch_drops_every_chunk_entry(tmp_path):
     s1 = take(repo, "s1", state)
     # a gc deletes one loose chunk and records that it swept
     victim = sorted(loose_chunks(s1))[0]
-    os.unlink(root / ".casnap" / "chunks" / victim[:2] / victim)
+    os.unlink(chunk_path(root, victim))
     repo.store.put(index.GC_EPOCH_KEY, b'{"epoch": "%s"}' % uuid.uuid4().hex.encode())
     store.reset()
     take(repo, "s2", state)
@@ -161,7 +162,7 @@ def test_a_copy_of_the_repository_never_trusts_the_originals_entries(tmp_path):
     s1 = take(repo, "s1", state)
     shutil.copytree(tmp_path / "a", tmp_path / "b")  # same repo id, other place
     victim = sorted(loose_chunks(s1))[0]
-    os.unlink(tmp_path / "b" / ".casnap" / "chunks" / victim[:2] / victim)
+    os.unlink(chunk_path(tmp_path / "b", victim))
     copy, store = counted_repo(str(tmp_path / "b"))
     assert copy.config.repo_id == repo.config.repo_id
     take(copy, "s2", state)

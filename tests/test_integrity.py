@@ -23,7 +23,7 @@ from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
 from casnap.store.base import Data, ObjectStore
-from tests.helpers import flip_byte
+from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 
@@ -38,7 +38,7 @@ def test_flipped_byte_in_a_loose_chunk_raises_integrity_error_naming_it(tmp_path
     snap = take(tmp_path, "s1", {"s": state})
     ref = snap.get_manifest()["0/s/w"].chunks[1]
     assert ref.pack is None
-    path = str(tmp_path / "repo" / ".casnap" / "chunks" / ref.hash[:2] / ref.hash)
+    path = str(chunk_path(tmp_path / "repo", ref.hash))
     flip_byte(path, os.path.getsize(path) - 10)
     target = StateDict(w=torch.zeros(100_000))
     with pytest.raises(IntegrityError) as info:
@@ -52,7 +52,7 @@ def test_flipped_byte_in_a_pack_is_caught_on_read_object(tmp_path):
     snap = take(tmp_path, "s1", {"s": state})
     ref = snap.get_manifest()["0/s/b"].chunks[0]
     assert ref.pack is not None
-    path = str(tmp_path / "repo" / ".casnap" / "packs" / ref.pack[:2] / ref.pack)
+    path = str(pack_path(tmp_path / "repo", ref.pack))
     flip_byte(path, ref.offset + ref.length - 3)
     with pytest.raises(IntegrityError, match=ref.pack):
         Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/b")
@@ -64,7 +64,7 @@ def test_flipped_header_byte_and_truncation_are_integrity_errors(tmp_path):
     state = StateDict(w=torch.randn(40_000))
     snap = take(tmp_path, "s1", {"s": state})
     ref = snap.get_manifest()["0/s/w"].chunks[0]
-    path = str(tmp_path / "repo" / ".casnap" / "chunks" / ref.hash[:2] / ref.hash)
+    path = str(chunk_path(tmp_path / "repo", ref.hash))
     flip_byte(path, 9)  # raw length field
     with pytest.raises(IntegrityError):
         Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/w")
@@ -78,7 +78,7 @@ def test_flipped_header_byte_and_truncation_are_integrity_errors(tmp_path):
 def test_missing_chunk_is_an_integrity_error_naming_it(tmp_path):
     snap = take(tmp_path, "s1", {"s": StateDict(w=torch.randn(40_000))})
     ref = snap.get_manifest()["0/s/w"].chunks[0]
-    os.unlink(tmp_path / "repo" / ".casnap" / "chunks" / ref.hash[:2] / ref.hash)
+    os.unlink(chunk_path(tmp_path / "repo", ref.hash))
     with pytest.raises(IntegrityError, match="missing"):
         Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/w")
 

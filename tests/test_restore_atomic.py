@@ -28,7 +28,7 @@ from casnap.settings import Settings
 from casnap.store import CountingStore, LocalStore
 from casnap.store.base import Data, ObjectStore
 from casnap.torch_io.tensors import byte_view
-from tests.helpers import flip_byte
+from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 ELEMS = CHUNK // 4
@@ -58,8 +58,8 @@ def patterned(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def object_path(tmp_path, ref: ChunkRef) -> str:
     if ref.pack is not None:
-        return str(tmp_path / "repo" / ".casnap" / "packs" / ref.pack[:2] / ref.pack)
-    return str(tmp_path / "repo" / ".casnap" / "chunks" / ref.hash[:2] / ref.hash)
+        return str(pack_path(tmp_path / "repo", ref.pack))
+    return str(chunk_path(tmp_path / "repo", ref.hash))
 
 
 def damage(tmp_path, ref: ChunkRef) -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import pack_path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -130,7 +132,7 @@ def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path, ma
     _take_in_new_process(str(repo / "s1"), index)
     ref = Snapshot(str(repo / "s1")).get_manifest()["0/m/b"].chunks[0]
     assert ref.pack is not None and ref.offset == 0  # the pack's only frame
-    pack = repo / ".casnap" / "packs" / ref.pack[:2] / ref.pack
+    pack = pack_path(repo, ref.pack)
     data = bytearray(pack.read_bytes())
     data[ref.length - 3] ^= 0x01
     pack.write_bytes(bytes(data))
