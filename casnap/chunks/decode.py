@@ -82,7 +82,7 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     except DeltaBaseError:
         # Any good frame of the chunk is the chunk: a take that wrote it whole since
         # (a base recorded damaged makes it do so) or a repair serves this reference.
-        data = _replacement(repo, ref) if ref.pack is not None else None
+        data = loose_copy(repo, ref.hash, ref.size) if ref.pack is not None else None
         if data is None:
             raise
         return data
@@ -218,7 +218,7 @@ def _decode_one(
         raise  # not this frame's fault
     except IntegrityError as exc:
         if ref.pack is not None:
-            data = _replacement(repo, ref)
+            data = loose_copy(repo, ref.hash, ref.size)
             if data is not None:
                 _keep_record(repo, ref, exc)
                 return data
@@ -296,10 +296,12 @@ def _fetch_chain(
     return [frame for frame in got if frame is not None]  # every None was filled
 
 
-def _replacement(repo: RepoStorage, ref: ChunkRef) -> Buffer | None:
-    """The verified bytes of the loose object ``chunks/<h>`` standing in for a damaged frame."""
-    loose = ChunkRef(hash=ref.hash, size=ref.size, length=codec.HEADER_SIZE + ref.size)
-    return read_copy(repo, loose, record=True)  # a frame's most: header + raw bytes
+def loose_copy(repo: RepoStorage, chunk: str, size: int, record: bool = True) -> Buffer | None:
+    """The verified bytes of the loose object ``chunks/<chunk>``, whatever frame it holds
+    (a stand-in for a damaged frame or a lost delta chain, a repair read back), or None
+    (damage recorded if ``record``)."""
+    loose = ChunkRef(hash=chunk, size=size, length=codec.HEADER_SIZE + size)  # a frame's most
+    return read_copy(repo, loose, record)
 
 
 def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from casnap.chunks.decode import fetch_frame, read_copy
+from casnap.chunks.decode import fetch_frame, loose_copy, read_copy
 from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
@@ -264,11 +264,10 @@ def plan_repair(
     done = 0
     for bad in plan.bad:
         digest = bytes.fromhex(bad.chunk)
-        loose = ChunkRef(hash=bad.chunk, size=bad.size, length=codec.HEADER_SIZE + bad.size)
         done += bad.size
         # A frame of a pack that is gone cannot fall back (its read fails first).
         if bad.fixable_here and DamagedCopy(bad.chunk, None) not in recorded and (
-            read_copy(repo, loose, record=not dry_run) is not None
+            loose_copy(repo, bad.chunk, bad.size, record=not dry_run) is not None
         ):
             plan.already.append(bad.chunk)  # a good chunks/<h> stands in for a pack frame
             if progress is not None:
@@ -452,8 +451,7 @@ def _write(repo: RepoStorage, bad: BadChunk, data: Buffer) -> None:
     head, payload = encode_chunk(data, digest, Settings.from_env(), bad.elem_size)
     key = chunk_key(bad.chunk)
     repo.store.put(key, [head, payload])  # atomic replace, durable
-    loose = ChunkRef(hash=bad.chunk, size=bad.size, length=len(head) + len(payload))
-    if read_copy(repo, loose, record=True) is None:
+    if loose_copy(repo, bad.chunk, bad.size) is None:
         raise IntegrityError(f"{key}: the repaired copy does not read back", key)
     clear_damage(repo, [DamagedCopy(bad.chunk, None)] if _recorded_loose(repo, bad) else [])
 

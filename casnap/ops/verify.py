@@ -24,7 +24,7 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from casnap.chunks.decode import decode_frame, read_copy
+from casnap.chunks.decode import decode_frame, loose_copy
 from casnap.chunks.read import Span, fetch_span, object_name, plan_reads
 from casnap.errors import (
     CasnapError,
@@ -37,7 +37,6 @@ from casnap.errors import (
     UnsupportedFormatError,
     expect_type,
 )
-from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import DAMAGED, DamagedCopy, list_damage
@@ -291,9 +290,8 @@ class StandIns:
         if head.pack is None or chunk_key(head.hash) not in self.present:
             return False
         if head.hash not in self._seen:
-            loose = ChunkRef(hash=head.hash, size=head.size, length=codec.HEADER_SIZE + head.size)
             if self.record:
-                good = read_copy(self.repo, loose, record=True) is not None
+                good = loose_copy(self.repo, head.hash, head.size) is not None
             else:
                 good = not self.repo.store.exists(DamagedCopy(head.hash, None).key)
             self._seen[head.hash] = good
