@@ -40,6 +40,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from casnap.errors import (
@@ -146,39 +147,39 @@ class RetryingStore(ObjectStore):
 
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         parts = as_parts(data)
-        failed = False
-
-        def attempt() -> None:
-            nonlocal failed
-            try:
-                self.inner.put(key, parts, create_only=create_only, durable=durable)
-            except ObjectExistsError:
-                if failed and self._holds(key, parts):
-                    return  # an earlier attempt landed; only its answer was lost
-                raise
-            except StoreError as exc:
-                failed = failed or exc.transient
-                raise
-
-        self._call("put", key, attempt)
+        write = partial(self.inner.put, key, parts, create_only=create_only, durable=durable)
+        self._write("put", key, parts, write, ObjectExistsError)
 
     def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
         parts = as_parts(data)
+        write = partial(self.inner.replace, key, parts, expected=expected)
+        self._write("replace", key, parts, write, ObjectChangedError)
+
+    def _write(
+        self,
+        op: str,
+        key: str,
+        parts: Sequence[Buffer],
+        write: Callable[[], None],
+        refused: type[StoreError],
+    ) -> None:
+        """Retry ``write``; a ``refused`` answer after a transient failure is success when the
+        object holds exactly ``parts``: an earlier attempt landed, only its answer was lost."""
         failed = False
 
         def attempt() -> None:
             nonlocal failed
             try:
-                self.inner.replace(key, parts, expected=expected)
-            except ObjectChangedError:
+                write()
+            except refused:
                 if failed and self._holds(key, parts):
-                    return  # an earlier attempt landed; only its answer was lost
+                    return
                 raise
             except StoreError as exc:
                 failed = failed or exc.transient
                 raise
 
-        self._call("replace", key, attempt)
+        self._call(op, key, attempt)
 
     def _holds(self, key: str, parts: Sequence[Buffer]) -> bool:
         try:
