@@ -190,9 +190,9 @@ def test_a_checkpointer_resumes_after_a_scrub_recorded_a_delta_base_damaged(tmp_
     assert torch.equal(target["m"]["emb"], state["m"]["emb"])
 
 
-def test_repair_rebuilds_a_damaged_delta_base_from_live_state_of_the_delta(tmp_path: Path):
-    """The live state holds s1's values, not s0's; s1's delta on s0's damaged chunk,
-    applied to them, gives that chunk back (a delta is an XOR): both restore again."""
+def delta_on_a_damaged_base(tmp_path: Path) -> tuple[Repository, Session, dict, dict, ChunkRef]:
+    """s0, then s1 (1% of the rows changed: deltas on s0's chunks) through one Session;
+    the base of one delta damaged and recorded by a restore of s1."""
     repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
     session = Session()
     s0 = table_state()
@@ -203,6 +203,13 @@ def test_repair_rebuilds_a_damaged_delta_base_from_live_state_of_the_delta(tmp_p
     delta = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.base)
     flip_byte(chunk_path(repo.url, delta.base.hash), codec.HEADER_SIZE + 40)
     assert not restores(repo, "s1", live)  # records the base's damage
+    return repo, session, s0, live, delta
+
+
+def test_repair_rebuilds_a_damaged_delta_base_from_live_state_of_the_delta(tmp_path: Path):
+    """The live state holds s1's values, not s0's; s1's delta on s0's damaged chunk,
+    applied to them, gives that chunk back (a delta is an XOR): both restore again."""
+    repo, session, s0, live, delta = delta_on_a_damaged_base(tmp_path)
 
     result = Repository(repo.url).repair(from_states=[live])
     assert {r.name: r.status for r in result.roots} == {"s0": "repaired", "s1": "repaired"}
@@ -234,16 +241,7 @@ def test_a_delta_whose_base_is_lost_reads_the_chunk_a_later_take_wrote_whole(tmp
     """Any good frame of a chunk is the chunk: once a take wrote s1's delta chunk whole
     (its base was recorded damaged), s1 reads it from there; verify agrees with
     restore for s1 (restorable) and for s0 (its own chunk is gone)."""
-    repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
-    session = Session()
-    s0 = table_state()
-    repo.take("s0", s0, session=session)
-    live = table_state()
-    live["m"]["emb"][::100] += 1.0
-    repo.take("s1", live, session=session)
-    delta = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.base)
-    flip_byte(chunk_path(repo.url, delta.base.hash), codec.HEADER_SIZE + 40)
-    assert not restores(repo, "s1", live)  # records the base's damage
+    repo, session, s0, live, delta = delta_on_a_damaged_base(tmp_path)
     repo.take("s2", live, session=session)  # writes the delta's chunk whole: chunks/<h>
     assert chunk_path(repo.url, delta.hash).exists()
     chunk_path(repo.url, delta.base.hash).unlink()  # the base is gone for good
