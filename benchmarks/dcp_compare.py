@@ -75,8 +75,10 @@ def one_repeat(root: str, base: dict[str, torch.Tensor], samples: Samples) -> di
             # The casnap writer is reused across saves (its session links each save to
             # the last); DCP's writer is made per checkpoint, as its users do.
             target = writer if writer is not None else dcp.FileSystemWriter(ckpt)
-            samples.time(f"{tool}/{step}", functools.partial(
-                dcp.save, state, storage_writer=target, checkpoint_id=ckpt))  # fmt: skip
+            samples.time(
+                f"{tool}/{step}",
+                functools.partial(dcp.save, state, storage_writer=target, checkpoint_id=ckpt),
+            )
             samples.count(f"{tool}/{step}", "bytes", disk_usage(folder)[1] - before)
             last[tool] = ckpt
     return last
@@ -116,22 +118,47 @@ def main() -> None:
     for step in STEPS:
         fs, cs = f"FileSystemWriter/{step}", f"casnap/{step}"
         fb, cb = samples.counter(fs, "bytes") or 0, samples.counter(cs, "bytes") or 0
-        rows.append([
-            step,
-            f"{samples.median(fs):.3f}", f"{samples.median(cs):.3f}",
-            f"{samples.median(cs) / samples.median(fs):.2f}",
-            human_bytes(fb), human_bytes(cb), f"{cb / fb:.4f}" if fb else "",
-        ])  # fmt: skip
+        rows.append(
+            [
+                step,
+                f"{samples.median(fs):.3f}",
+                f"{samples.median(cs):.3f}",
+                f"{samples.median(cs) / samples.median(fs):.2f}",
+                human_bytes(fb),
+                human_bytes(cb),
+                f"{cb / fb:.4f}" if fb else "",
+            ]
+        )
     head = sum(base[k].numel() * 4 for k in head_keys(base))
-    print(f"state: {human_bytes(state_bytes(base))} fp32 (hidden {hidden}, {layers} layers; "
-          f"head {human_bytes(head)}), {args.repeats} repeat(s), medians; "
-          f"loads bit-exact: {loaded_ok}")  # fmt: skip
-    print(markdown_table(
-        ["save", "FS time s", "casnap time s", "time ratio", "FS bytes", "casnap bytes",
-         "bytes ratio"], rows))  # fmt: skip
-    write_json(args.out, {"benchmark": "dcp_compare", "machine": machine(),
-                          "size_bytes": state_bytes(base), "loaded_ok": loaded_ok,
-                          "samples": samples.as_json()})  # fmt: skip
+    print(
+        f"state: {human_bytes(state_bytes(base))} fp32 (hidden {hidden}, {layers} layers; "
+        f"head {human_bytes(head)}), {args.repeats} repeat(s), medians; "
+        f"loads bit-exact: {loaded_ok}"
+    )
+    print(
+        markdown_table(
+            [
+                "save",
+                "FS time s",
+                "casnap time s",
+                "time ratio",
+                "FS bytes",
+                "casnap bytes",
+                "bytes ratio",
+            ],
+            rows,
+        )
+    )
+    write_json(
+        args.out,
+        {
+            "benchmark": "dcp_compare",
+            "machine": machine(),
+            "size_bytes": state_bytes(base),
+            "loaded_ok": loaded_ok,
+            "samples": samples.as_json(),
+        },
+    )
     if not loaded_ok:
         raise SystemExit("a checkpoint did not load back bit-exact")
 

@@ -37,10 +37,12 @@ from harness import MiB, drop_page_cache, scratch_dir, settle, write_json
 import casnap
 
 
-def _take(path: str, state: dict[str, torch.Tensor], session: casnap.Session,
-          delta: bool) -> casnap.Snapshot:  # fmt: skip
-    return casnap.Snapshot.take(path, {"m": casnap.StateDict(state)}, session=session,
-                                storage_options={"delta": delta})  # fmt: skip
+def _take(
+    path: str, state: dict[str, torch.Tensor], session: casnap.Session, delta: bool
+) -> casnap.Snapshot:
+    return casnap.Snapshot.take(
+        path, {"m": casnap.StateDict(state)}, session=session, storage_options={"delta": delta}
+    )
 
 
 def _table(nbytes: int, seed: int = 0) -> torch.Tensor:
@@ -74,10 +76,11 @@ def sparse(args: argparse.Namespace) -> dict[str, Any]:
                 written.append(snap.last_take_stats.stored_bytes_written)
                 changed.append(ch)
         out["on" if delta else "off"] = {
-            "bytes_written": statistics.median(written), "changed_bytes": changed[0],
+            "bytes_written": statistics.median(written),
+            "changed_bytes": changed[0],
             "over_changed": statistics.median(w / c for w, c in zip(written, changed)),
             "take_s": statistics.median(secs),
-        }  # fmt: skip
+        }
     out["target"] = {"over_changed_max": 3.0, "met": out["on"]["over_changed"] <= 3.0}
     return out
 
@@ -96,8 +99,12 @@ def bf16(args: argparse.Namespace) -> dict[str, Any]:
     w = _table(args.bf16_mib * MiB * 2, seed=3).to(torch.bfloat16)  # half the bytes in bf16
     tuned = _finetune(w, args.bf16_steps, args.lr)
     raw = tuned.numel() * 2
-    out: dict[str, Any] = {"raw_bytes": raw, "steps": args.bf16_steps, "lr": args.lr,
-                           "changed_elements": float((tuned != w).float().mean())}  # fmt: skip
+    out: dict[str, Any] = {
+        "raw_bytes": raw,
+        "steps": args.bf16_steps,
+        "lr": args.lr,
+        "changed_elements": float((tuned != w).float().mean()),
+    }
     for delta in (True, False):
         with scratch_dir(args.workdir) as work:
             session = casnap.Session()
@@ -108,8 +115,9 @@ def bf16(args: argparse.Namespace) -> dict[str, Any]:
             secs = time.perf_counter() - t0
             out["on" if delta else "off"] = {
                 "fresh_over_raw": first.last_take_stats.stored_bytes_written / raw,
-                "over_raw": snap.last_take_stats.stored_bytes_written / raw, "take_s": secs,
-            }  # fmt: skip
+                "over_raw": snap.last_take_stats.stored_bytes_written / raw,
+                "take_s": secs,
+            }
     out["target"] = {"over_raw_max": 0.55, "met": out["on"]["over_raw"] <= 0.55}
     return out
 
@@ -172,9 +180,10 @@ def all_change(args: argparse.Namespace) -> dict[str, Any]:
                 deltas[d] += snap.last_take_stats.deltas_written
     for d in (True, False):
         out["on" if d else "off"] = {
-            "take_s": statistics.median(wall[d]), "cpu_s": statistics.median(cpu[d]),
+            "take_s": statistics.median(wall[d]),
+            "cpu_s": statistics.median(cpu[d]),
             "deltas": deltas[d],
-        }  # fmt: skip
+        }
     ratio = out["on"]["take_s"] / out["off"]["take_s"]
     out["take_on_over_off"] = ratio
     out["cpu_on_over_off"] = out["on"]["cpu_s"] / out["off"]["cpu_s"]
@@ -217,9 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold and drop_page_cache() is not None:
         print("cannot drop the page cache: restores are warm", file=sys.stderr)
         args.cold = False
-    payload = {"benchmark": "delta", "command": " ".join([os.path.basename(sys.executable),
-               *sys.argv]), "args": vars(args), "loadavg": os.getloadavg(),
-               "results": measure(args)}  # fmt: skip
+    payload = {
+        "benchmark": "delta",
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "args": vars(args),
+        "loadavg": os.getloadavg(),
+        "results": measure(args),
+    }
     write_json(args.out, payload)
     for name, r in payload["results"].items():
         print(f"{name}: {json.dumps(r.get('target'))}")

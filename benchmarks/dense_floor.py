@@ -220,10 +220,18 @@ def read_one(size: int, repeats: int, work: str, cold_ok: bool) -> dict[str, Any
         assert torch.equal(got, want)
         del got
     a, b, f = statistics.median(cs), statistics.median(st), statistics.median(floor)
-    return {"snapshot_bytes": size, "tensor": key, "tensor_bytes": want.nbytes,
-            "casnap_s": a, "safetensors_s": b, "safetensors_lazy_s": statistics.median(lazy),
-            "read_blake3_floor_s": f, "ratio": a / b, "floor_ratio": f / b,
-            "over_floor": a / f}  # fmt: skip
+    return {
+        "snapshot_bytes": size,
+        "tensor": key,
+        "tensor_bytes": want.nbytes,
+        "casnap_s": a,
+        "safetensors_s": b,
+        "safetensors_lazy_s": statistics.median(lazy),
+        "read_blake3_floor_s": f,
+        "ratio": a / b,
+        "floor_ratio": f / b,
+        "over_floor": a / f,
+    }
 
 
 def _safetensors_span(path: str, key: str) -> tuple[int, int]:
@@ -289,12 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  take / best raw write+fsync            {out['take_over_write_floor']:5.2f}x (<= 1.15)"
     )
-    print(f"  restore in place / warm read+blake3    "
-          f"{out['restore_over_read_hash_floor']:5.2f}x (<= 1.5)")  # fmt: skip
-    print(f"  new tensors / torch.load, warm         "
-          f"{out['new_tensors_over_torch_load_warm']:5.2f}x (<= 1.0)")  # fmt: skip
-    print(f"  new tensors / torch.load, cold         "
-          f"{out['new_tensors_over_torch_load_cold']:5.2f}x (<= 1.0)")  # fmt: skip
+    print(
+        f"  restore in place / warm read+blake3    "
+        f"{out['restore_over_read_hash_floor']:5.2f}x (<= 1.5)"
+    )
+    print(
+        f"  new tensors / torch.load, warm         "
+        f"{out['new_tensors_over_torch_load_warm']:5.2f}x (<= 1.0)"
+    )
+    print(
+        f"  new tensors / torch.load, cold         "
+        f"{out['new_tensors_over_torch_load_cold']:5.2f}x (<= 1.0)"
+    )
     print(
         f"  read_object / safe_open.get_tensor     {r['ratio']:5.2f}x (<= 1.0): "
         f"{r['tensor_bytes'] / 2**20:.0f} MiB of a {r['snapshot_bytes'] / 2**20:.0f} MiB "

@@ -77,14 +77,19 @@ def worker(rank: int, world: int, out: str, tensors: int, repeat: int) -> None:
         return statistics.median(r[col] for r in rows[kind])
 
     result = {
-        "ranks": world, "tensors": tensors, "rounds": repeat,
-        "payload_bytes_cold": rows["cold"][0][0], "payload_bytes_warm": rows["warm"][0][0],
+        "ranks": world,
+        "tensors": tensors,
+        "rounds": repeat,
+        "payload_bytes_cold": rows["cold"][0][0],
+        "payload_bytes_warm": rows["warm"][0][0],
         "payload_warm_over_cold": rows["warm"][0][0] / rows["cold"][0][0],
-        "exchange_s_cold": med("cold", 1), "exchange_s_warm": med("warm", 1),
+        "exchange_s_cold": med("cold", 1),
+        "exchange_s_warm": med("warm", 1),
         "exchange_warm_over_cold": med("warm", 1) / med("cold", 1),
-        "take_s_cold": med("cold", 2), "take_s_warm": med("warm", 2),
+        "take_s_cold": med("cold", 2),
+        "take_s_warm": med("warm", 2),
         "take_warm_over_cold": med("warm", 2) / med("cold", 2),
-    }  # fmt: skip
+    }
     finish_rank(rank, out, result)
 
 

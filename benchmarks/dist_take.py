@@ -87,8 +87,9 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
         "casnap_over_dcp": statistics.median(
             c / d for c, d in zip(casnap_times, dcp_times, strict=True)
         ),
-        "casnap_samples_s": casnap_times, "dcp_samples_s": dcp_times,
-    }  # fmt: skip
+        "casnap_samples_s": casnap_times,
+        "dcp_samples_s": dcp_times,
+    }
 
 
 def worker(rank: int, world: int, out: str, mib: int, repeat: int, modes: list[str]) -> None:

@@ -53,8 +53,9 @@ def _casnap_round(
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    pending = Snapshot.async_take(f"{root}/casnap/r{i}", {"model": StateDict(state)},
-                                  session=session)  # fmt: skip
+    pending = Snapshot.async_take(
+        f"{root}/casnap/r{i}", {"model": StateDict(state)}, session=session
+    )
     blocked = time.perf_counter() - t0
     pending.wait()
     return {"blocked_s": blocked, "total_s": time.perf_counter() - t0}
@@ -75,8 +76,9 @@ def _init_group(root: str) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():  # DCP's async_save needs a group with a CPU backend
-        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{root}/pg",
-                                rank=0, world_size=1)  # fmt: skip
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl", init_method=f"file://{root}/pg", rank=0, world_size=1
+        )
 
 
 def main() -> int:
@@ -103,11 +105,14 @@ def main() -> int:
             for sub in ("casnap", "dcp"):
                 shutil.rmtree(f"{root}/{sub}", ignore_errors=True)  # fresh directories
         out: dict[str, Any] = {
-            "benchmark": "gpu_take", "device": torch.cuda.get_device_name(),
-            "state_bytes": nbytes, "rounds": args.repeat,
-            "casnap_first_round": rows["casnap"][0], "dcp_first_round": rows["dcp"][0],
+            "benchmark": "gpu_take",
+            "device": torch.cuda.get_device_name(),
+            "state_bytes": nbytes,
+            "rounds": args.repeat,
+            "casnap_first_round": rows["casnap"][0],
+            "dcp_first_round": rows["dcp"][0],
             "pinned_bytes": session.staging.pinned_bytes,
-        }  # fmt: skip
+        }
         for system, got in rows.items():
             for col in ("blocked_s", "total_s"):
                 out[f"{system}_{col}"] = statistics.median(r[col] for r in got[1:])

@@ -348,9 +348,13 @@ def join_group(rank: int, world: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'init')}",
-                            rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out, 'init')}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
 
 
 def finish_rank(rank: int, out: str, result: dict[str, Any]) -> None:
@@ -383,7 +387,8 @@ def revision_package(rev: str, into: str) -> str:
 def run_child(code: str, *argv: str) -> dict[str, Any]:
     """Run ``code`` in a fresh interpreter (``sys.argv[1:]`` = ``argv``, in the checkout) and
     return the JSON object its last line of output prints."""
-    out = subprocess.run([sys.executable, "-c", code, *argv], check=True,
-                         capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv], check=True, capture_output=True, text=True, cwd=ROOT
+    )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result

@@ -111,9 +111,13 @@ def changed_keys(shapes: dict[str, tuple[int, ...]], take_no: int, layers: int) 
 
 
 def run_mode(
-    mode: str, base: str, shapes: dict[str, tuple[int, ...]], layers: int, args: argparse.Namespace,
+    mode: str,
+    base: str,
+    shapes: dict[str, tuple[int, ...]],
+    layers: int,
+    args: argparse.Namespace,
     log: ServerLog,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     os.environ["CASNAP_INDEX"] = "0" if "no index" in mode else "1"
     index_dir = tempfile.mkdtemp(prefix="casnap-index-")
     os.environ["CASNAP_INDEX_DIR"] = index_dir
@@ -132,22 +136,32 @@ def run_mode(
         store.reset()
         start = log.mark()
         t0 = _now()
-        snap = Snapshot.take(f"{url}/step_{n}", {"model": StateDict(state)},
-                             storage_options={"repository": repo},
-                             session=session)  # fmt: skip
+        snap = Snapshot.take(
+            f"{url}/step_{n}",
+            {"model": StateDict(state)},
+            storage_options={"repository": repo},
+            session=session,
+        )
         seconds = _now() - t0
         http = log.between(start, log.mark())
         stats = snap.last_take_stats
         assert stats is not None
         refs = snap.manifest.chunk_refs()
-        takes.append({
-            "take": n, "seconds": seconds,
-            "store": dict(store.requests), "store_total": sum(store.requests.values()),
-            "http": dict(http), "http_total": sum(http.values()),
-            "chunks": len(refs), "loose_chunks": sum(r.pack is None for r in refs),
-            "chunks_written": stats.chunks_written, "objects_written": stats.objects_written,
-            "stored_bytes_written": stats.stored_bytes_written,
-        })  # fmt: skip
+        takes.append(
+            {
+                "take": n,
+                "seconds": seconds,
+                "store": dict(store.requests),
+                "store_total": sum(store.requests.values()),
+                "http": dict(http),
+                "http_total": sum(http.values()),
+                "chunks": len(refs),
+                "loose_chunks": sum(r.pack is None for r in refs),
+                "chunks_written": stats.chunks_written,
+                "objects_written": stats.objects_written,
+                "stored_bytes_written": stats.stored_bytes_written,
+            }
+        )
     history = []
     for attempt in ("first", "again"):
         store.reset()
@@ -156,8 +170,9 @@ def run_mode(
         hashes = [repo.resolve(name) for name in names]
         index.manifest_summaries(repo, hashes)
         http = log.between(start, log.mark())
-        history.append({"pass": attempt, "store": dict(store.requests),
-                        "http_total": sum(http.values())})  # fmt: skip
+        history.append(
+            {"pass": attempt, "store": dict(store.requests), "http_total": sum(http.values())}
+        )
     index.close_all()
     shutil.rmtree(index_dir, ignore_errors=True)
     return {"mode": mode, "takes": takes, "history": history}
@@ -187,32 +202,73 @@ def main() -> None:
         server.stop()
 
     size = state_bytes(make_state(shapes))
-    print(f"state: {size / MiB:.1f} MiB fp32 (hidden {d}, {layers} layers, {len(shapes)} "
-          f"tensors), chunk size {args.chunk_mib} MiB; lineage forgotten before every take "
-          "except in the reference mode\n")  # fmt: skip
+    print(
+        f"state: {size / MiB:.1f} MiB fp32 (hidden {d}, {layers} layers, {len(shapes)} "
+        f"tensors), chunk size {args.chunk_mib} MiB; lineage forgotten before every take "
+        "except in the reference mode\n"
+    )
     rows = []
     for r in results:
         for t in r["takes"]:
             s = t["store"]
-            rows.append([
-                r["mode"], str(t["take"]), f'{t["loose_chunks"]}/{t["chunks"]}',
-                str(s.get("get_range", 0)), str(s.get("get", 0)), str(s.get("put", 0)),
-                str(t["store_total"] - sum(s.get(k, 0) for k in ("get_range", "get", "put"))),
-                str(t["store_total"]),
-                str(t["http_total"]), str(t["chunks_written"]), f'{t["seconds"]:.2f}',
-            ])  # fmt: skip
-    print(markdown_table(
-        ["mode", "take", "loose/all chunks", "get_range (probes)", "get", "put",
-         "other", "store total", "HTTP requests", "chunks written", "s"], rows))  # fmt: skip
+            rows.append(
+                [
+                    r["mode"],
+                    str(t["take"]),
+                    f"{t['loose_chunks']}/{t['chunks']}",
+                    str(s.get("get_range", 0)),
+                    str(s.get("get", 0)),
+                    str(s.get("put", 0)),
+                    str(t["store_total"] - sum(s.get(k, 0) for k in ("get_range", "get", "put"))),
+                    str(t["store_total"]),
+                    str(t["http_total"]),
+                    str(t["chunks_written"]),
+                    f"{t['seconds']:.2f}",
+                ]
+            )
+    print(
+        markdown_table(
+            [
+                "mode",
+                "take",
+                "loose/all chunks",
+                "get_range (probes)",
+                "get",
+                "put",
+                "other",
+                "store total",
+                "HTTP requests",
+                "chunks written",
+                "s",
+            ],
+            rows,
+        )
+    )
     print()
-    hrows = [[r["mode"], h["pass"], str(sum(h["store"].values())), str(h["store"].get("get", 0)),
-              str(h["http_total"])] for r in results for h in r["history"]]  # fmt: skip
+    hrows = [
+        [
+            r["mode"],
+            h["pass"],
+            str(sum(h["store"].values())),
+            str(h["store"].get("get", 0)),
+            str(h["http_total"]),
+        ]
+        for r in results
+        for h in r["history"]
+    ]
     print(markdown_table(["mode", "history pass", "store total", "get", "HTTP requests"], hrows))
-    write_json(args.out, {
-        "benchmark": "index_requests", "command": " ".join([sys.executable, *sys.argv]),
-        "machine": machine(), "state_bytes": size, "chunk_size": args.chunk_mib * MiB,
-        "torch": torch.__version__, "results": results,
-    })  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "benchmark": "index_requests",
+            "command": " ".join([sys.executable, *sys.argv]),
+            "machine": machine(),
+            "state_bytes": size,
+            "chunk_size": args.chunk_mib * MiB,
+            "torch": torch.__version__,
+            "results": results,
+        },
+    )
     print(f"\nwrote {args.out}")
 
 

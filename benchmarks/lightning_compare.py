@@ -81,9 +81,11 @@ class Net(L.LightningModule):
     def __init__(self, width: int, layers: int, frozen: bool) -> None:
         super().__init__()
         self.backbone = torch.nn.Sequential(
-            *(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-              for _ in range(layers))
-        )  # fmt: skip
+            *(
+                torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                for _ in range(layers)
+            )
+        )
         self.head = torch.nn.Linear(width, width)
         if frozen:
             self.backbone.requires_grad_(False)
@@ -102,18 +104,31 @@ def fit_once(root: str, plugin: CheckpointIO, args: argparse.Namespace, frozen: 
     data = TensorDataset(torch.randn(64, args.width), torch.randn(64, args.width))
     timed = Timed(plugin)
     dirpath = os.path.join(root, "ckpt")
-    ckpt = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=args.every, save_top_k=2,
-                           monitor="step", mode="max")  # fmt: skip
+    ckpt = ModelCheckpoint(
+        dirpath=dirpath, every_n_train_steps=args.every, save_top_k=2, monitor="step", mode="max"
+    )
     trainer = L.Trainer(
-        max_steps=args.steps, plugins=[timed], callbacks=[ckpt], enable_progress_bar=False,
-        logger=False, accelerator="cpu", default_root_dir=root, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=args.steps,
+        plugins=[timed],
+        callbacks=[ckpt],
+        enable_progress_bar=False,
+        logger=False,
+        accelerator="cpu",
+        default_root_dir=root,
+        enable_model_summary=False,
+    )
     t0 = time.perf_counter()
     trainer.fit(model, DataLoader(data, batch_size=8))
     fit_s = time.perf_counter() - t0
     used, apparent, files = harness.disk_usage(dirpath)
-    return {"fit_s": fit_s, "ckpt_s": timed.seconds, "written": timed.written,
-            "disk": used, "apparent": apparent, "saves": timed.saves}  # fmt: skip
+    return {
+        "fit_s": fit_s,
+        "ckpt_s": timed.seconds,
+        "written": timed.written,
+        "disk": used,
+        "apparent": apparent,
+        "saves": timed.saves,
+    }
 
 
 def main() -> None:
@@ -151,27 +166,47 @@ def main() -> None:
         def ratio(a: float | None, b: float | None) -> str:
             return f"{a / b:.2f}" if a is not None and b else ""
 
-        rows.append([
-            model, str(samples.counter(c, "saves")),
-            f"{samples.median(t):.2f}", f"{samples.median(c):.2f}",
-            ratio(samples.median(c), samples.median(t)),
-            harness.human_bytes(samples.counter(t, "written")),
-            harness.human_bytes(samples.counter(c, "written")),
-            ratio(samples.counter(c, "written"), samples.counter(t, "written")),
-            harness.human_bytes(samples.counter(t, "disk")),
-            harness.human_bytes(samples.counter(c, "disk")),
-            ratio(samples.counter(c, "disk"), samples.counter(t, "disk")),
-        ])  # fmt: skip
-    print(f"{params * 4 / harness.MiB:.0f} MiB of fp32 weights (+ Adam state for the trained "
-          f"part), {args.steps} steps, a save every {args.every}, save_top_k=2, "
-          f"median of {args.repeats}")  # fmt: skip
-    print(harness.markdown_table(
-        ["model", "saves", "torch ckpt s", "casnap ckpt s", "time ratio", "torch written",
-         "casnap written", "written ratio", "torch on disk", "casnap on disk", "disk ratio"],
-        rows,
-    ))  # fmt: skip
-    harness.write_json(args.out, {"args": vars(args), "machine": harness.machine(),
-                                  "results": samples.as_json()})  # fmt: skip
+        rows.append(
+            [
+                model,
+                str(samples.counter(c, "saves")),
+                f"{samples.median(t):.2f}",
+                f"{samples.median(c):.2f}",
+                ratio(samples.median(c), samples.median(t)),
+                harness.human_bytes(samples.counter(t, "written")),
+                harness.human_bytes(samples.counter(c, "written")),
+                ratio(samples.counter(c, "written"), samples.counter(t, "written")),
+                harness.human_bytes(samples.counter(t, "disk")),
+                harness.human_bytes(samples.counter(c, "disk")),
+                ratio(samples.counter(c, "disk"), samples.counter(t, "disk")),
+            ]
+        )
+    print(
+        f"{params * 4 / harness.MiB:.0f} MiB of fp32 weights (+ Adam state for the trained "
+        f"part), {args.steps} steps, a save every {args.every}, save_top_k=2, "
+        f"median of {args.repeats}"
+    )
+    print(
+        harness.markdown_table(
+            [
+                "model",
+                "saves",
+                "torch ckpt s",
+                "casnap ckpt s",
+                "time ratio",
+                "torch written",
+                "casnap written",
+                "written ratio",
+                "torch on disk",
+                "casnap on disk",
+                "disk ratio",
+            ],
+            rows,
+        )
+    )
+    harness.write_json(
+        args.out, {"args": vars(args), "machine": harness.machine(), "results": samples.as_json()}
+    )
 
 
 if __name__ == "__main__":

@@ -69,8 +69,12 @@ def _run(src: str, path: str, repeats: int, warm: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--baseline", action="append", default=None,
-                   help="git revision to compare with (repeatable; default main)")  # fmt: skip
+    p.add_argument(
+        "--baseline",
+        action="append",
+        default=None,
+        help="git revision to compare with (repeatable; default main)",
+    )
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=2, help="timed reads per process")
     p.add_argument("--rounds", type=int, default=5, help="processes per variant, alternating")
@@ -95,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cold = args.warm or drop_page_cache() is None
     with scratch_dir(args.workdir) as work, tempfile.TemporaryDirectory() as tmp:
-        variants = {f"casnap {rev}": revision_package(rev, os.path.join(tmp, str(n)))
-                    for n, rev in enumerate(baselines)}  # fmt: skip
+        variants = {
+            f"casnap {rev}": revision_package(rev, os.path.join(tmp, str(n)))
+            for n, rev in enumerate(baselines)
+        }
         variants["casnap (this checkout)"] = ROOT
         _d, _n, shapes = transformer_shapes(int(args.size_gib * GiB))
         state = make_state(shapes)
@@ -118,12 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"wall": wall, "cpu": cpu, "cold": not args.warm and cold}))
         return 0
     how = "warm" if args.warm else ("cold" if cold else "cold asked, page cache kept (not root)")
-    print(f"restore of {args.size_gib} GiB into new tensors, {how}, medians of "
-          f"{args.rounds} x {args.repeats} per variant:")  # fmt: skip
+    print(
+        f"restore of {args.size_gib} GiB into new tensors, {how}, medians of "
+        f"{args.rounds} x {args.repeats} per variant:"
+    )
     load = med["torch.load"][0]
     for name, (w, c) in med.items():
-        print(f"  {name:28s} wall {w:6.3f} s (min {min(wall[name]):.3f})  cpu {c:6.3f} s  "
-              f"{w / load:5.2f}x torch.load")  # fmt: skip
+        print(
+            f"  {name:28s} wall {w:6.3f} s (min {min(wall[name]):.3f})  cpu {c:6.3f} s  "
+            f"{w / load:5.2f}x torch.load"
+        )
     return 0
 
 

@@ -63,13 +63,19 @@ def llama70b_shapes(layers: int = 80) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "attention.wq.weight": (d, d), p + "attention.wk.weight": (kv, d),
-            p + "attention.wv.weight": (kv, d), p + "attention.wo.weight": (d, d),
-            p + "feed_forward.w1.weight": (ff, d), p + "feed_forward.w2.weight": (d, ff),
-            p + "feed_forward.w3.weight": (ff, d),
-            p + "attention_norm.weight": (d,), p + "ffn_norm.weight": (d,),
-        })  # fmt: skip
+        shapes.update(
+            {
+                p + "attention.wq.weight": (d, d),
+                p + "attention.wk.weight": (kv, d),
+                p + "attention.wv.weight": (kv, d),
+                p + "attention.wo.weight": (d, d),
+                p + "feed_forward.w1.weight": (ff, d),
+                p + "feed_forward.w2.weight": (d, ff),
+                p + "feed_forward.w3.weight": (ff, d),
+                p + "attention_norm.weight": (d,),
+                p + "ffn_norm.weight": (d,),
+            }
+        )
     shapes.update({"norm.weight": (d,), "output.weight": (vocab, d)})
     return shapes
 
@@ -108,9 +114,11 @@ def shard_boxes(
 
 
 def rank_plan(
-    rank: int, boxes: list[dict[str, ShardPlan]], shapes: dict[str, tuple[int, ...]],
+    rank: int,
+    boxes: list[dict[str, ShardPlan]],
+    shapes: dict[str, tuple[int, ...]],
     chunk_size: int,
-) -> RankPlan:  # fmt: skip
+) -> RankPlan:
     """What rank ``rank`` of the HSDP job plans: its box of every parameter, and a step."""
     own = boxes[rank % GROUP]
     entries: dict[str, Any] = {
@@ -158,10 +166,12 @@ def coordinator(blobs: list[bytes], serialize: bool, times: dict[str, float]) ->
     load = [b for b in planned.load if b]
     return {
         "max_over_mean": round(max(load) / (sum(load) / len(load)), 4),
-        "writing_ranks": len(load), "unique_chunks": len(planned.writers),
-        "manifest_bytes": len(data), "entries": len(manifest.entries),
+        "writing_ranks": len(load),
+        "unique_chunks": len(planned.writers),
+        "manifest_bytes": len(data),
+        "entries": len(manifest.entries),
         "_planned": planned,
-    }  # fmt: skip
+    }
 
 
 def measure(
@@ -186,13 +196,17 @@ def measure(
     tracemalloc.stop()
     planning = times["decode"] + times["plan"]
     return {
-        "ranks": ranks, "coordinator_s": round(total, 3), "min_s": round(runs[0][0], 3),
+        "ranks": ranks,
+        "coordinator_s": round(total, 3),
+        "min_s": round(runs[0][0], 3),
         "planning_s": round(planning, 3),
         "stages_s": {k: round(v, 3) for k, v in times.items()},
-        "peak_mib": round(peak / (1 << 20), 1), **out,
-        "sent_bytes_per_rank": max(len(b) for b in blobs), "chunks_per_rank": chunks,
+        "peak_mib": round(peak / (1 << 20), 1),
+        **out,
+        "sent_bytes_per_rank": max(len(b) for b in blobs),
+        "chunks_per_rank": chunks,
         "received_bytes": sum(len(b) for b in blobs),
-    }  # fmt: skip
+    }
 
 
 def main() -> int:

@@ -58,12 +58,16 @@ def main() -> None:
         plan_gc(Repository(root), grace_seconds=0)
         full = time.perf_counter() - started
         index = "off" if os.environ.get("CASNAP_INDEX") == "0" else "on"
-        print("| snapshots | index | take+retention+reclaim (median) | reclaim (median) "
-              "| reclaim (max) | one full gc plan |")  # fmt: skip
+        print(
+            "| snapshots | index | take+retention+reclaim (median) | reclaim (median) "
+            "| reclaim (max) | one full gc plan |"
+        )
         print("|---|---|---|---|---|---|")
-        print(f"| {len(ckpt.snapshots())} | {index} | {1e3 * statistics.median(commits):.1f} ms "
-              f"| {1e3 * statistics.median(reclaims):.1f} ms | {1e3 * max(reclaims):.1f} ms "
-              f"| {1e3 * full:.1f} ms |")  # fmt: skip
+        print(
+            f"| {len(ckpt.snapshots())} | {index} | {1e3 * statistics.median(commits):.1f} ms "
+            f"| {1e3 * statistics.median(reclaims):.1f} ms | {1e3 * max(reclaims):.1f} ms "
+            f"| {1e3 * full:.1f} ms |"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

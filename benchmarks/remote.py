@@ -171,9 +171,10 @@ def s3_server() -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         host, port = server.get_host_and_port()
         options: dict[str, Any] = {
-            "key": "casnap-bench", "secret": "casnap-bench",  # moto accepts any
+            "key": "casnap-bench",
+            "secret": "casnap-bench",  # moto accepts any
             "endpoint_url": f"http://{host}:{port}",
-        }  # fmt: skip
+        }
         # The region from the environment: in client_kwargs, s3fs's mkdir would send it
         # as a location constraint, which S3 refuses for us-east-1.
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -204,23 +205,31 @@ def run_casnap(
 
     def take(name: str, session: Session) -> Callable[[], Any]:
         model = {"model": StateDict(state)}
-        return lambda: Snapshot.take(f"{repo}/{name}", model, storage_options=options,
-                                     session=session)  # fmt: skip
+        return lambda: Snapshot.take(
+            f"{repo}/{name}", model, storage_options=options, session=session
+        )
 
     out["first take"] = _timed(counter, take("s1", session))
     out["unchanged re-take"] = _timed(counter, take("s2", session))
     out["re-take, new process"] = _timed(counter, take("s3", Session()))
     target = empty_like_state(state, touch=True)
-    out["restore"] = _timed(counter, lambda: Snapshot(
-        f"{repo}/s3", storage_options=options).restore({"model": StateDict(target)}))  # fmt: skip
+    out["restore"] = _timed(
+        counter,
+        lambda: Snapshot(f"{repo}/s3", storage_options=options).restore(
+            {"model": StateDict(target)}
+        ),
+    )
     assert same_state(state, target), "casnap restored different values"
     return out
 
 
 def run_dcp(
-    base: str, options: dict[str, Any], state: dict[str, torch.Tensor], counter: RequestCounter,
+    base: str,
+    options: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    counter: RequestCounter,
     threads: int,
-) -> dict[str, tuple[float, dict[str, int]]]:  # fmt: skip
+) -> dict[str, tuple[float, dict[str, int]]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -232,8 +241,10 @@ def run_dcp(
     out["first take"] = _timed(counter, lambda: save("c1"))
     out["unchanged re-take"] = _timed(counter, lambda: save("c2"))
     target = empty_like_state(state, touch=True)
-    out["restore"] = _timed(counter, lambda: dcp.load(
-        {"model": target}, storage_reader=FsspecReader(f"{base}/c2", **options)))  # fmt: skip
+    out["restore"] = _timed(
+        counter,
+        lambda: dcp.load({"model": target}, storage_reader=FsspecReader(f"{base}/c2", **options)),
+    )
     assert same_state(state, target), "DCP restored different values"
     return out
 
@@ -250,8 +261,9 @@ def main() -> None:
     ap.add_argument("--storage-options", default="{}", help="fsspec options, JSON")
     ap.add_argument("--size-mib", type=float, default=64)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dcp-threads", type=int, default=0,
-                    help="also run DCP with this many writer threads")  # fmt: skip
+    ap.add_argument(
+        "--dcp-threads", type=int, default=0, help="also run DCP with this many writer threads"
+    )
     ap.add_argument("--out", default="bench-out/remote.json")
     args = ap.parse_args()
 
@@ -262,8 +274,9 @@ def main() -> None:
     d, layers, shapes = transformer_shapes(int(args.size_mib * MiB))
     state = make_state(shapes, seed=0)
     size = sum(t.numel() * t.element_size() for t in state.values())
-    sides = {"casnap": None, "DCP": 1} | ({f"DCP {args.dcp_threads}t": args.dcp_threads}
-                                          if args.dcp_threads > 1 else {})  # fmt: skip
+    sides = {"casnap": None, "DCP": 1} | (
+        {f"DCP {args.dcp_threads}t": args.dcp_threads} if args.dcp_threads > 1 else {}
+    )
     samples: dict[str, dict[str, list[tuple[float, dict[str, int]]]]] = {s: {} for s in sides}
 
     @contextmanager
@@ -275,8 +288,11 @@ def main() -> None:
         for _ in range(args.repeat):
             for side, threads in sides.items():
                 base = f"{prefix}/{uuid.uuid4().hex}"
-                legs = (run_casnap(base, options, state, counter) if threads is None
-                        else run_dcp(base, options, state, counter, threads))  # fmt: skip
+                legs = (
+                    run_casnap(base, options, state, counter)
+                    if threads is None
+                    else run_dcp(base, options, state, counter, threads)
+                )
                 for leg, value in legs.items():
                     samples[side].setdefault(leg, []).append(value)
 
@@ -287,8 +303,10 @@ def main() -> None:
         return statistics.median(t for t, _ in got), int(statistics.median(totals)), last
 
     url = args.url or f"{args.backend} emulator"
-    print(f"state: {size / MiB:.1f} MiB fp32 (hidden {d}, {layers} layers, {len(state)} "
-          f"tensors) on {url}; median of {args.repeat}\n")  # fmt: skip
+    print(
+        f"state: {size / MiB:.1f} MiB fp32 (hidden {d}, {layers} layers, {len(state)} "
+        f"tensors) on {url}; median of {args.repeat}\n"
+    )
     rows, result = [], {}
     for leg in LEGS:
         for side in sides:
@@ -300,19 +318,29 @@ def main() -> None:
             detail = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
             rows.append([leg, side, f"{s:.3f}", ratio, str(n), detail])
             result.setdefault(leg, {})[side] = {
-                "median_s": s, "samples_s": [t for t, _ in samples[side][leg]],
-                "requests": n, "requests_by_kind": kinds,
-            }  # fmt: skip
+                "median_s": s,
+                "samples_s": [t for t, _ in samples[side][leg]],
+                "requests": n,
+                "requests_by_kind": kinds,
+            }
     print(markdown_table(["leg", "side", "s", "× casnap", "requests", "requests by kind"], rows))
     speedups = {}
     for leg, dcp_leg in (("first take", "first take"), ("unchanged re-take", "unchanged re-take")):
         speedups[leg] = result[dcp_leg]["DCP"]["median_s"] / result[leg]["casnap"]["median_s"]
     print("\n" + ", ".join(f"{k}: casnap {v:.1f}x faster than DCP" for k, v in speedups.items()))
-    write_json(args.out, {
-        "benchmark": "remote", "command": " ".join([sys.executable, *sys.argv]),
-        "machine": machine(), "backend": args.backend if not args.url else args.url,
-        "state_bytes": size, "tensors": len(state), "results": result, "speedups": speedups,
-    })  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "benchmark": "remote",
+            "command": " ".join([sys.executable, *sys.argv]),
+            "machine": machine(),
+            "backend": args.backend if not args.url else args.url,
+            "state_bytes": size,
+            "tensors": len(state),
+            "results": result,
+            "speedups": speedups,
+        },
+    )
     print(f"wrote {args.out}")
 
 

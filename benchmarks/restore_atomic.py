@@ -57,8 +57,12 @@ def _run(src: str, size: float, path: str, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--baseline", action="append", default=None,
-                   help="git revision to compare with (repeatable; default main)")  # fmt: skip
+    p.add_argument(
+        "--baseline",
+        action="append",
+        default=None,
+        help="git revision to compare with (repeatable; default main)",
+    )
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5, help="timed restores per process")
     p.add_argument("--rounds", type=int, default=3, help="processes per variant, alternating")
@@ -91,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
                 rss[name].append(result["max_rss"])
     medians = {name: statistics.median(s) for name, s in samples.items()}
     new = medians["this checkout"]
-    print(f"warm in-place restore of {args.size_gib} GiB, median of "
-          f"{args.rounds} x {args.repeats} per variant:")  # fmt: skip
+    print(
+        f"warm in-place restore of {args.size_gib} GiB, median of "
+        f"{args.rounds} x {args.repeats} per variant:"
+    )
     for name, med in medians.items():
         lo, hi = min(samples[name]), max(samples[name])
-        print(f"  {name:24s} {med:6.3f} s  (min {lo:.3f}, max {hi:.3f}), "
-              f"max RSS {max(rss[name]) / GiB:.2f} GiB")  # fmt: skip
+        print(
+            f"  {name:24s} {med:6.3f} s  (min {lo:.3f}, max {hi:.3f}), "
+            f"max RSS {max(rss[name]) / GiB:.2f} GiB"
+        )
     for rev in baselines:
         print(f"  ratio this/baseline ({rev}): {new / medians[f'baseline ({rev})']:.3f}")
     if args.json:

@@ -73,10 +73,18 @@ def measure(tensors: int, numel: int, repeats: int, work: str) -> dict[str, Any]
         (statistics.median(w for w, _ in x), statistics.median(c for _, c in x))
         for x in (first, retake, save)
     )
-    return {"tensors": tensors, "tensor_bytes": numel * 4, "repeats": repeats,
-            "first_s": f, "retake_s": r, "save_s": s,
-            "first_ratio": f / s, "retake_ratio": r / s,
-            "first_cpu_ratio": fc / sc, "retake_cpu_ratio": rc / sc}  # fmt: skip
+    return {
+        "tensors": tensors,
+        "tensor_bytes": numel * 4,
+        "repeats": repeats,
+        "first_s": f,
+        "retake_s": r,
+        "save_s": s,
+        "first_ratio": f / s,
+        "retake_ratio": r / s,
+        "first_cpu_ratio": fc / sc,
+        "retake_cpu_ratio": rc / sc,
+    }
 
 
 def profile(tensors: int, numel: int, which: str, work: str) -> None:
@@ -117,12 +125,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(m))
                 continue
             print(f"{n} tensors of {args.numel * 4} B, medians of {args.repeats}:")
-            print(f"  casnap first take      {m['first_s']:6.3f} s  "
-                  f"{m['first_ratio']:5.2f}x torch.save (target <= 1.5x), "
-                  f"CPU {m['first_cpu_ratio']:4.2f}x")  # fmt: skip
-            print(f"  casnap unchanged take  {m['retake_s']:6.3f} s  "
-                  f"{m['retake_ratio']:5.2f}x torch.save (target <= 0.5x), "
-                  f"CPU {m['retake_cpu_ratio']:4.2f}x")  # fmt: skip
+            print(
+                f"  casnap first take      {m['first_s']:6.3f} s  "
+                f"{m['first_ratio']:5.2f}x torch.save (target <= 1.5x), "
+                f"CPU {m['first_cpu_ratio']:4.2f}x"
+            )
+            print(
+                f"  casnap unchanged take  {m['retake_s']:6.3f} s  "
+                f"{m['retake_ratio']:5.2f}x torch.save (target <= 0.5x), "
+                f"CPU {m['retake_cpu_ratio']:4.2f}x"
+            )
             print(f"  torch.save + fsync     {m['save_s']:6.3f} s")
     return 0
 

@@ -48,7 +48,7 @@ PRESETS = {
         "fuzz_cases": 1000,
         "gc_seconds": 60.0,
         "fault_takes": 50,
-    },  # fmt: skip
+    },
 }
 # Shares of --minutes per phase.
 SHARES = {"kills": 0.35, "flips": 0.15, "fuzz": 0.15, "gc": 0.20, "faults": 0.15}
@@ -78,8 +78,13 @@ def budget(args: argparse.Namespace) -> dict[str, Any]:
     chosen = dict(PRESETS["quick" if args.quick else "default"])
     limits: dict[str, Any] = {f"{k}_limit": None for k in SHARES}
     if args.minutes is not None:
-        chosen = {"kills": None, "flips": None, "fuzz_cases": None,
-                  "gc_seconds": args.minutes * 60 * SHARES["gc"], "fault_takes": None}  # fmt: skip
+        chosen = {
+            "kills": None,
+            "flips": None,
+            "fuzz_cases": None,
+            "gc_seconds": args.minutes * 60 * SHARES["gc"],
+            "fault_takes": None,
+        }
         limits = {f"{k}_limit": args.minutes * 60 * s for k, s in SHARES.items()}
     for key in ("kills", "flips", "fuzz_cases", "gc_seconds", "fault_takes"):
         if getattr(args, key) is not None:
@@ -120,8 +125,11 @@ def run_phases(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     import stress_kills
 
     plan = budget(args)
-    env = {"CASNAP_INDEX_DIR": str(root / "index"), "CASNAP_STATE_DIR": str(root / "state"),
-           "CASNAP_LEASE_TTL": "5"}  # a killed take's lease lapses in seconds  # fmt: skip
+    env = {
+        "CASNAP_INDEX_DIR": str(root / "index"),
+        "CASNAP_STATE_DIR": str(root / "state"),
+        "CASNAP_LEASE_TTL": "5",
+    }  # a killed take's lease lapses in seconds
     os.environ.update(env)  # this process and the fork server the children come from
     wanted = args.phases.split(",")
     results: dict[str, Any] = {}
@@ -134,8 +142,11 @@ def run_phases(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         start = time.monotonic()
         print(f"-- {name} ...", file=sys.stderr, flush=True)
         fig = call(folder)
-        results[name] = {"seconds": round(time.monotonic() - start, 1), "figures": fig,
-                         "invariants": invariants(fig)}  # fmt: skip
+        results[name] = {
+            "seconds": round(time.monotonic() - start, 1),
+            "figures": fig,
+            "invariants": invariants(fig),
+        }
 
     s = args.seed
     phase(
@@ -143,9 +154,13 @@ def run_phases(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         lambda d: stress_kills.run(d, plan["kills"], plan["kills_limit"], s, env),
         stress_kills.invariants,
     )
-    phase("flips", lambda d: stress_flips.run(d, plan["flips"], plan["flips_limit"], s, env,
-                                              containment_every=2 if args.quick else 5),
-          stress_flips.invariants)  # fmt: skip
+    phase(
+        "flips",
+        lambda d: stress_flips.run(
+            d, plan["flips"], plan["flips_limit"], s, env, containment_every=2 if args.quick else 5
+        ),
+        stress_flips.invariants,
+    )
     phase("fuzz", lambda d: run_fuzz(d, plan["fuzz_cases"], plan["fuzz_limit"], s), fuzz_invariants)
     phase("gc", lambda d: stress_gc.run(d, plan["gc_seconds"], s, env), stress_gc.invariants)
     phase(
@@ -163,40 +178,58 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     if "kills" in ph:
         f = ph["kills"]["figures"]
         rows += [
-            ("kills: SIGKILLs (take / async_take / checkpointer / checkpointer async)",
-             f"{f['kills']} ({' / '.join(str(v) for v in f['by_mode'].values())})"),
-            ("kills: snapshots committed (sidecar) / refs checked after kills",
-             f"{f['committed']} / {f['refs_checked']}"),
+            (
+                "kills: SIGKILLs (take / async_take / checkpointer / checkpointer async)",
+                f"{f['kills']} ({' / '.join(str(v) for v in f['by_mode'].values())})",
+            ),
+            (
+                "kills: snapshots committed (sidecar) / refs checked after kills",
+                f"{f['committed']} / {f['refs_checked']}",
+            ),
             ("kills: refs that landed before their sidecar line", str(f["landed_before_sidecar"])),
             ("kills: snapshots lost", str(len(f["lost"]) + len(f["lost_after_gc"]))),
-            ("kills: listed refs not restoring exactly", str(len(f["broken"]) + len(f["wrong"])
-                                                             + len(f["broken_after_gc"]))),
-            ("kills: leftovers before gc (temp files / expired leases)",
-             f"{f['leftovers_before_gc'].get('temp_files')} / "
-             f"{f['leftovers_before_gc'].get('expired_leases')}"),
-            ("kills: leftovers after gc --grace 0 (temp files, of them in leases/)",
-             f"{f['leftovers_after_gc'].get('temp_files')} "
-             f"({f['temp_files_after_gc'].get('leases', 0)})"),
-            ("kills: leftovers after gc, lease temp files 10 min old",
-             str(f["leftovers_after_10min_gc"].get("temp_files"))),
-        ]  # fmt: skip
+            (
+                "kills: listed refs not restoring exactly",
+                str(len(f["broken"]) + len(f["wrong"]) + len(f["broken_after_gc"])),
+            ),
+            (
+                "kills: leftovers before gc (temp files / expired leases)",
+                f"{f['leftovers_before_gc'].get('temp_files')} / "
+                f"{f['leftovers_before_gc'].get('expired_leases')}",
+            ),
+            (
+                "kills: leftovers after gc --grace 0 (temp files, of them in leases/)",
+                f"{f['leftovers_after_gc'].get('temp_files')} "
+                f"({f['temp_files_after_gc'].get('leases', 0)})",
+            ),
+            (
+                "kills: leftovers after gc, lease temp files 10 min old",
+                str(f["leftovers_after_10min_gc"].get("temp_files")),
+            ),
+        ]
     if "flips" in ph:
         f = ph["flips"]["figures"]
         rows += [
-            ("flips: damage injected (bit flip / truncation / zeroed block)",
-             f"{f['injected']} ({f['by_kind'].get('bitflip', 0)} / "
-             f"{f['by_kind'].get('truncate', 0)} / {f['by_kind'].get('zero', 0)})"),
-            ("flips: detected by the first read (restore, read_object, verify API/CLI)",
-             str(f["detected_first_read"])),
+            (
+                "flips: damage injected (bit flip / truncation / zeroed block)",
+                f"{f['injected']} ({f['by_kind'].get('bitflip', 0)} / "
+                f"{f['by_kind'].get('truncate', 0)} / {f['by_kind'].get('zero', 0)})",
+            ),
+            (
+                "flips: detected by the first read (restore, read_object, verify API/CLI)",
+                str(f["detected_first_read"]),
+            ),
             ("flips: harmless (no read used the damaged bytes)", str(f["harmless"])),
             ("flips: silently wrong", str(len(f["silently_wrong"]))),
             ("flips: reported as another error than IntegrityError", str(len(f["wrong_errors"]))),
-            ("flips: fresh takes after damage restored exactly: same machine / another machine",
-             f"{f['containment_checks_same'] - len(f['containment_failed_same'])} of "
-             f"{f['containment_checks_same']} / "
-             f"{f['containment_checks_other'] - len(f['containment_failed_other'])} of "
-             f"{f['containment_checks_other']}"),
-        ]  # fmt: skip
+            (
+                "flips: fresh takes after damage restored exactly: same machine / another machine",
+                f"{f['containment_checks_same'] - len(f['containment_failed_same'])} of "
+                f"{f['containment_checks_same']} / "
+                f"{f['containment_checks_other'] - len(f['containment_failed_other'])} of "
+                f"{f['containment_checks_other']}",
+            ),
+        ]
     if "fuzz" in ph:
         f = ph["fuzz"]["figures"]
         if "skipped" in f:
@@ -205,31 +238,41 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             rows += [
                 ("fuzz: cases / seconds", f"{f['cases']} / {f['seconds']}"),
                 ("fuzz: outcomes", ", ".join(f"{k} {v}" for k, v in sorted(f["outcomes"].items()))),
-                ("fuzz: CasnapErrors", ", ".join(f"{k} {v}" for k, v in
-                                                  sorted(f["casnap_errors"].items()))),
+                (
+                    "fuzz: CasnapErrors",
+                    ", ".join(f"{k} {v}" for k, v in sorted(f["casnap_errors"].items())),
+                ),
                 ("fuzz: failures (other exception, wrong result, hang, memory)", str(f["failed"])),
-            ]  # fmt: skip
+            ]
     if "gc" in ph:
         f = ph["gc"]["figures"]
         rows += [
-            ("gc: seconds / takes / gc runs (blocked) / retain runs",
-             f"{f['seconds']:.0f} / {f['takes']} / {f['gc_runs']} ({f['gc_blocked']}) / "
-             f"{f['retain_runs']}"),
+            (
+                "gc: seconds / takes / gc runs (blocked) / retain runs",
+                f"{f['seconds']:.0f} / {f['takes']} / {f['gc_runs']} ({f['gc_blocked']}) / "
+                f"{f['retain_runs']}",
+            ),
             ("gc: objects swept while takes ran", str(f["gc_deleted_objects"])),
-            ("gc: snapshots lost / listed refs not restoring", f"{len(f['lost'])} / "
-             f"{len(f['damaged_refs']) + len(f['damaged_after_last_gc'])}"),
-        ]  # fmt: skip
+            (
+                "gc: snapshots lost / listed refs not restoring",
+                f"{len(f['lost'])} / {len(f['damaged_refs']) + len(f['damaged_after_last_gc'])}",
+            ),
+        ]
     if "faults" in ph:
         f = ph["faults"]["figures"]
         w, wo = f["with_retries"], f["without_retries"]
         rows += [
-            ("faults: injected (with retries / without)",
-             f"{w['faults_injected']} / {wo['faults_injected']}"),
+            (
+                "faults: injected (with retries / without)",
+                f"{w['faults_injected']} / {wo['faults_injected']}",
+            ),
             ("faults: takes succeeded with retries", f"{w['succeeded']} of {w['takes']}"),
             ("faults: takes succeeded without retries", f"{wo['succeeded']} of {wo['takes']}"),
-            ("faults: listed snapshots not restoring (with / without)",
-             f"{len(w['listed_not_restoring'])} / {len(wo['listed_not_restoring'])}"),
-        ]  # fmt: skip
+            (
+                "faults: listed snapshots not restoring (with / without)",
+                f"{len(w['listed_not_restoring'])} / {len(wo['listed_not_restoring'])}",
+            ),
+        ]
     return rows
 
 
@@ -270,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     report["seconds"] = round(time.monotonic() - start, 1)
     report["command"] = " ".join(["python", "benchmarks/stress.py", *(argv or sys.argv[1:])])
-    report["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
-                         "load_average": os.getloadavg()}  # fmt: skip
+    report["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+    }
     held = all(ok for r in report["phases"].values() for ok in r["invariants"].values())
     report["all_invariants_held"] = held
     print(render(report))

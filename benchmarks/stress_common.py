@@ -28,8 +28,10 @@ LAYERS = 4
 
 def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    state = {"emb": torch.randn(4096, 64, generator=g),
-             "counter": torch.arange(16_384, dtype=torch.int64)}  # fmt: skip
+    state = {
+        "emb": torch.randn(4096, 64, generator=g),
+        "counter": torch.arange(16_384, dtype=torch.int64),
+    }
     for i in range(LAYERS):
         state[f"l{i}.w"] = torch.randn(128, 128, generator=g)
         state[f"l{i}.b"] = torch.randn(128, generator=g)
@@ -54,8 +56,10 @@ def template(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: blake3.blake3(v.contiguous().numpy().tobytes()).hexdigest()
-            for k, v in sorted(state.items())}  # fmt: skip
+    return {
+        k: blake3.blake3(v.contiguous().numpy().tobytes()).hexdigest()
+        for k, v in sorted(state.items())
+    }
 
 
 def app(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -104,8 +108,13 @@ def casnap_cli(
     """Run ``casnap ARGS --json`` as a user would; (exit code, parsed JSON or the text)."""
     code = "import sys; from casnap.cli import main; sys.exit(main())"
     full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code, *args, "--json"], capture_output=True,
-                          text=True, env=full_env, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
     try:
         return proc.returncode, json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -121,8 +130,9 @@ def fast_children() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "casnap.api.snapshot", "casnap.api.checkpointer",
-                                    "stress_common"])  # fmt: skip
+        ctx.set_forkserver_preload(
+            ["torch", "casnap.api.snapshot", "casnap.api.checkpointer", "stress_common"]
+        )
         _CONTEXT = ctx
     return _CONTEXT
 

@@ -26,8 +26,9 @@ from test_lost_responses import _restores, _state, _take  # noqa: E402
 RATE = 0.10
 
 
-def one_variant(root: Path, takes: int | None, seconds: float | None, seed: int,
-                retries: bool) -> dict[str, Any]:  # fmt: skip
+def one_variant(
+    root: Path, takes: int | None, seconds: float | None, seed: int, retries: bool
+) -> dict[str, Any]:
     from casnap import CasnapError
     from casnap.repo.repository import RepoStorage
     from casnap.store import LocalStore, RetryingStore, RetryPolicy
@@ -37,8 +38,12 @@ def one_variant(root: Path, takes: int | None, seconds: float | None, seed: int,
     faulty = FaultyStore(LocalStore(str(root)), RATE, seed=seed)
     store = RetryingStore(faulty, RetryPolicy(retries=5, delay=0.001)) if retries else faulty
     repo = RepoStorage.on_store(store)
-    fig: dict[str, Any] = {"takes": 0, "succeeded": 0, "errors": Counter(),
-                           "restored_through_faults": 0}  # fmt: skip
+    fig: dict[str, Any] = {
+        "takes": 0,
+        "succeeded": 0,
+        "errors": Counter(),
+        "restored_through_faults": 0,
+    }
     limit = Deadline(takes, seconds)
     while limit.more():
         i = limit.done

@@ -94,8 +94,13 @@ def object_users(repo: Any, names: list[str]) -> dict[str, list[tuple[str, str]]
     return users
 
 
-def detect(method: str, repo: Any, users: list[tuple[str, str]],
-           expected: dict[str, dict[str, torch.Tensor]], env: dict[str, str]) -> str:  # fmt: skip
+def detect(
+    method: str,
+    repo: Any,
+    users: list[tuple[str, str]],
+    expected: dict[str, dict[str, torch.Tensor]],
+    env: dict[str, str],
+) -> str:
     """'detected', 'missed' or 'wrong-error:<type>' for one way of reading."""
     from casnap import IntegrityError, Snapshot
 
@@ -122,8 +127,9 @@ def detect(method: str, repo: Any, users: list[tuple[str, str]],
     return "missed"
 
 
-def each_user_fails_or_is_exact(repo: Any, users: list[tuple[str, str]],
-                                expected: dict[str, dict[str, torch.Tensor]]) -> str:  # fmt: skip
+def each_user_fails_or_is_exact(
+    repo: Any, users: list[tuple[str, str]], expected: dict[str, dict[str, torch.Tensor]]
+) -> str:
     """'exact' (none noticed, all correct), 'error' (IntegrityError), 'silently-wrong', or
     'wrong-error:<type>'; the worst over every snapshot using the object."""
     from casnap import IntegrityError
@@ -142,8 +148,14 @@ def each_user_fails_or_is_exact(repo: Any, users: list[tuple[str, str]],
     return worst
 
 
-def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
-        env: dict[str, str], containment_every: int = 5) -> dict[str, Any]:  # fmt: skip
+def run(
+    workdir: Path,
+    flips: int | None,
+    seconds: float | None,
+    seed: int,
+    env: dict[str, str],
+    containment_every: int = 5,
+) -> dict[str, Any]:
     from casnap import Repository, Snapshot, settings
 
     expected = states()
@@ -156,9 +168,16 @@ def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
     rng = random.Random(seed)
     ctx = fast_children()
     limit = Deadline(flips, seconds)
-    fig: dict[str, Any] = {"injected": 0, "by_kind": Counter(), "by_object": Counter(),
-                           "first_read": Counter(), "after": Counter(), "silently_wrong": [],
-                           "wrong_errors": [], "objects": len(objects)}  # fmt: skip
+    fig: dict[str, Any] = {
+        "injected": 0,
+        "by_kind": Counter(),
+        "by_object": Counter(),
+        "first_read": Counter(),
+        "after": Counter(),
+        "silently_wrong": [],
+        "wrong_errors": [],
+        "objects": len(objects),
+    }
     for where in ("same", "other"):
         fig[f"containment_checks_{where}"], fig[f"containment_failed_{where}"] = 0, []
     while limit.more():
@@ -180,8 +199,11 @@ def run(workdir: Path, flips: int | None, seconds: float | None, seed: int,
         if where == "same":
             with settings.override(index_dir=case_env["CASNAP_INDEX_DIR"]):
                 for name, state in expected.items():
-                    Snapshot.take(f"{folder / 'repo'}/{name}", app(state),
-                                  storage_options={"chunk_size": CHUNK})  # fmt: skip
+                    Snapshot.take(
+                        f"{folder / 'repo'}/{name}",
+                        app(state),
+                        storage_options={"chunk_size": CHUNK},
+                    )
         else:
             shutil.copytree(pristine, folder / "repo")
         what = damage(folder / "repo" / ".casnap" / obj, kind, rng)

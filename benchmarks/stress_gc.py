@@ -43,8 +43,9 @@ def taker(url: str, k: int, seconds: float, out: str, env: dict[str, str]) -> No
             # Every fourth take dedups against a deleted snapshot's manifest: its objects
             # are garbage by then, and gc may be sweeping them right now.
             parents = [deleted[-1]] if rnd % 4 == 3 and deleted else None
-            snap = Snapshot.take(f"{url}/{name}", {"s": state}, storage_options=opts,
-                                 parents=parents)  # fmt: skip
+            snap = Snapshot.take(
+                f"{url}/{name}", {"s": state}, storage_options=opts, parents=parents
+            )
             log.write(json.dumps({"ev": "commit", "name": name, "sums": checksums(state)}) + "\n")
             mine.append((rnd, snap.manifest_hash, name))
             for r, m, n in mine[:-2]:  # keep the last two, and every fifth
@@ -67,14 +68,20 @@ def run(workdir: Path, seconds: float, seed: int, env: dict[str, str]) -> dict[s
     env = {**env, "CASNAP_LEASE_TTL": "30"}  # nothing is killed here: leases must not lapse
     ctx = fast_children()
     logs = [str(workdir / f"taker{k}.jsonl") for k in range(TAKERS)]
-    procs = [ctx.Process(target=taker, args=(url, k, seconds, logs[k], env))
-             for k in range(TAKERS)]  # fmt: skip
+    procs = [ctx.Process(target=taker, args=(url, k, seconds, logs[k], env)) for k in range(TAKERS)]
     for p in procs:
         p.start()
     rng = random.Random(seed)
-    fig: dict[str, Any] = {"seconds": seconds, "gc_runs": 0, "gc_blocked": 0, "gc_errors": [],
-                           "gc_deleted_objects": 0, "gc_waited_for_takes": 0, "retain_runs": 0,
-                           "retain_errors": []}  # fmt: skip
+    fig: dict[str, Any] = {
+        "seconds": seconds,
+        "gc_runs": 0,
+        "gc_blocked": 0,
+        "gc_errors": [],
+        "gc_deleted_objects": 0,
+        "gc_waited_for_takes": 0,
+        "retain_runs": 0,
+        "retain_errors": [],
+    }
     retained_away: set[str] = set()
     limit = Deadline(None, None)  # counts rounds; the takers stop themselves after `seconds`
     while any(p.is_alive() for p in procs):

@@ -54,9 +54,15 @@ def child(url: str, k: int, mode: str, sidecar: str, env: dict[str, str]) -> Non
     session = Session()
     ckpt = None
     if mode.startswith("checkpointer"):
-        ckpt = Checkpointer(url, 1, retention=RetentionPolicy(KeepLast(KEEP_LAST)),
-                            async_take=mode.endswith("async"), name_format=step_format(k),
-                            storage_options=opts, session=session)  # fmt: skip
+        ckpt = Checkpointer(
+            url,
+            1,
+            retention=RetentionPolicy(KeepLast(KEEP_LAST)),
+            async_take=mode.endswith("async"),
+            name_format=step_format(k),
+            storage_options=opts,
+            session=session,
+        )
     for step in range(10**6):
         train_step(state, k * 10_000 + step)
         name = step_format(k).format(step=step)
@@ -65,8 +71,9 @@ def child(url: str, k: int, mode: str, sidecar: str, env: dict[str, str]) -> Non
         if mode == "take":
             Snapshot.take(f"{url}/{name}", app(state), storage_options=opts, session=session)
         elif mode == "async_take":
-            pending = Snapshot.async_take(f"{url}/{name}", app(state), storage_options=opts,
-                                          session=session)  # fmt: skip
+            pending = Snapshot.async_take(
+                f"{url}/{name}", app(state), storage_options=opts, session=session
+            )
             train_step(state, -(k * 10_000 + step))  # the next step runs while it is written
             pending.wait()
         else:
@@ -110,9 +117,15 @@ def check_run(repo: Any, k: int, mode: str, sidecar: str) -> dict[str, Any]:
         # The commit after the last sidecar line may have retired this one.
         must.remove(must[-KEEP_LAST])
     lost = [n for n in must if n not in refs]
-    return {"committed": len(commits), "refs": len(refs), "lost": lost, "broken": broken,
-            "wrong": wrong, "unknown": unknown,
-            "landed_before_sidecar": len(set(refs) - set(commits))}  # fmt: skip
+    return {
+        "committed": len(commits),
+        "refs": len(refs),
+        "lost": lost,
+        "broken": broken,
+        "wrong": wrong,
+        "unknown": unknown,
+        "landed_before_sidecar": len(set(refs) - set(commits)),
+    }
 
 
 def leftovers(url: str, env: dict[str, str]) -> dict[str, Any]:
@@ -140,16 +153,25 @@ def age_lease_temp_files(url: str, seconds: float) -> int:
     """Make the temp files gc keeps while young look ``seconds`` older."""
     n = 0
     meta = Path(url, ".casnap")
-    for path in [p for p in meta.rglob("*~tmp-*") if
-                 p.relative_to(meta).parts[0].partition("~tmp-")[0] in KEPT_YOUNG]:  # fmt: skip
+    for path in [
+        p
+        for p in meta.rglob("*~tmp-*")
+        if p.relative_to(meta).parts[0].partition("~tmp-")[0] in KEPT_YOUNG
+    ]:
         st = path.stat()
         os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
         n += 1
     return n
 
 
-def run(workdir: Path, kills: int | None, seconds: float | None, seed: int,
-        env: dict[str, str], gc_every: int = 10) -> dict[str, Any]:  # fmt: skip
+def run(
+    workdir: Path,
+    kills: int | None,
+    seconds: float | None,
+    seed: int,
+    env: dict[str, str],
+    gc_every: int = 10,
+) -> dict[str, Any]:
     from casnap import Repository
 
     url = str(workdir / "repo")
@@ -157,10 +179,20 @@ def run(workdir: Path, kills: int | None, seconds: float | None, seed: int,
     ctx = fast_children()
     rng = random.Random(seed)
     limit = Deadline(kills, seconds)
-    fig: dict[str, Any] = {"kills": 0, "exited_early": 0, "committed": 0, "refs_checked": 0,
-                           "landed_before_sidecar": 0, "lost": [], "broken": [], "wrong": [],
-                           "unknown": [], "gc_runs": 0, "gc_failures": [],
-                           "by_mode": {m: 0 for m in MODES}}  # fmt: skip
+    fig: dict[str, Any] = {
+        "kills": 0,
+        "exited_early": 0,
+        "committed": 0,
+        "refs_checked": 0,
+        "landed_before_sidecar": 0,
+        "lost": [],
+        "broken": [],
+        "wrong": [],
+        "unknown": [],
+        "gc_runs": 0,
+        "gc_failures": [],
+        "by_mode": {m: 0 for m in MODES},
+    }
     sidecars = {}
     while limit.more():
         k = limit.done

@@ -55,10 +55,28 @@ from harness import (
 )
 from suite_systems import CASNAP, PEER, SYSTEMS, System, system_root
 
-SCENARIOS = ("take", "restore", "retake", "frozen", "lora", "sparse", "all", "series",
-             "async", "rss", "read_object", "bf16", "delta")  # fmt: skip
-INCREMENTAL = {"retake": "unchanged", "frozen": "frozen", "lora": "lora", "sparse": "sparse",
-               "all": "all"}  # fmt: skip
+SCENARIOS = (
+    "take",
+    "restore",
+    "retake",
+    "frozen",
+    "lora",
+    "sparse",
+    "all",
+    "series",
+    "async",
+    "rss",
+    "read_object",
+    "bf16",
+    "delta",
+)
+INCREMENTAL = {
+    "retake": "unchanged",
+    "frozen": "frozen",
+    "lora": "lora",
+    "sparse": "sparse",
+    "all": "all",
+}
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_probe.py")
 
 
@@ -88,8 +106,15 @@ def _io_write_bytes() -> int:
     return 0
 
 
-def timed_save(run: Run, scenario: str, system: System, root: str, path: str,
-               state: st.State, cold: bool = True) -> Any:  # fmt: skip
+def timed_save(
+    run: Run,
+    scenario: str,
+    system: System,
+    root: str,
+    path: str,
+    state: st.State,
+    cold: bool = True,
+) -> Any:
     """Save durably after settling the disk; record seconds and what the folder grew by."""
     settle(run.cold and cold)
     before_used, before_apparent, _ = disk_usage(root)
@@ -165,8 +190,11 @@ def incremental(run: Run, scenario: str) -> None:
     pattern = INCREMENTAL[scenario]
     base = st.start_state(pattern, run.state)
     steps = [st.derive(pattern, base, r) for r in range(run.args.repeats)]
-    run.info[scenario] = {"changed_bytes": steps[0].changed_bytes, "pattern": pattern,
-                          "state_bytes": st.nbytes(steps[0].state)}  # fmt: skip
+    run.info[scenario] = {
+        "changed_bytes": steps[0].changed_bytes,
+        "pattern": pattern,
+        "state_bytes": st.nbytes(steps[0].state),
+    }
     for system in run.systems:
         with scratch_dir(run.args.workdir) as work:
             root = system_root(work, system)
@@ -239,8 +267,9 @@ def _probe(run: Run, *argv: str) -> dict[str, Any]:
     env = dict(os.environ, CASNAP_MEMORY_BUDGET=str(run.args.memory_budget_mib * MiB))
     here = os.path.dirname(PROBE)
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, PROBE, *argv], capture_output=True, text=True,
-                          env=env, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, PROBE, *argv], capture_output=True, text=True, env=env, check=False
+    )
     if done.returncode != 0:
         raise SystemExit(f"probe {argv[:2]} failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -289,8 +318,16 @@ def read_object(run: Run) -> None:
             system.save(warm, warm_path)
             for _ in range(run.args.read_repeats):
                 settle(False)  # the probe drops the page cache itself, after its imports
-                out = _probe(run, "read", system.name, path, st.PROBE_KEY, str(rows),
-                             str(st.PROBE_COLS), warm_path)  # fmt: skip
+                out = _probe(
+                    run,
+                    "read",
+                    system.name,
+                    path,
+                    st.PROBE_KEY,
+                    str(rows),
+                    str(st.PROBE_COLS),
+                    warm_path,
+                )
                 if not out["correct"]:
                     raise SystemExit(f"{system.name}: read_object returned the wrong tensor")
                 op = run.op("read_object", system)
@@ -308,11 +345,20 @@ def delta(run: Run) -> None:
     import delta as delta_bench  # benchmarks/delta.py
 
     size_mib = max(16, int(run.args.size_gib * 1024) // 4)
-    args = delta_bench.parser().parse_args([
-        "--size-mib", str(size_mib), "--bf16-mib", str(run.args.bf16_mib // 2),
-        "--repeats", str(run.args.repeats), "--series", str(run.args.series),
-        "--workdir", run.args.workdir,
-    ])  # fmt: skip
+    args = delta_bench.parser().parse_args(
+        [
+            "--size-mib",
+            str(size_mib),
+            "--bf16-mib",
+            str(run.args.bf16_mib // 2),
+            "--repeats",
+            str(run.args.repeats),
+            "--series",
+            str(run.args.series),
+            "--workdir",
+            run.args.workdir,
+        ]
+    )
     args.scenarios = list(delta_bench.SCENARIOS)
     run.info["delta"] = delta_bench.measure(args)
     _progress("delta: casnap on/off")
@@ -357,20 +403,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0, help="state size (default 1.0)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per timed step (median)")
-    p.add_argument("--scenarios", default=",".join(s for s in SCENARIOS if s != "delta"),
-                   help=f"comma-separated subset of {','.join(SCENARIOS)}")  # fmt: skip
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated subset of {','.join(SYSTEMS)}")  # fmt: skip
+    p.add_argument(
+        "--scenarios",
+        default=",".join(s for s in SCENARIOS if s != "delta"),
+        help=f"comma-separated subset of {','.join(SCENARIOS)}",
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated subset of {','.join(SYSTEMS)}",
+    )
     p.add_argument("--out", default="bench-out/suite", help="folder for suite.json/.md/.png")
     p.add_argument("--workdir", default="bench-out/scratch", help="scratch parent (a real disk)")
     p.add_argument("--series", type=int, default=10, help="snapshots in the series scenario")
     p.add_argument("--series-pattern", default="frozen", choices=st.PATTERNS)
-    p.add_argument("--memory-budget-mib", type=int, default=256,
-                   help="CASNAP_MEMORY_BUDGET of the RSS probes")  # fmt: skip
+    p.add_argument(
+        "--memory-budget-mib", type=int, default=256, help="CASNAP_MEMORY_BUDGET of the RSS probes"
+    )
     p.add_argument("--read-size-gib", type=float, default=2.0)
     p.add_argument("--read-tensor-mib", type=int, default=16)
-    p.add_argument("--read-repeats", type=int, default=1,
-                   help="fresh-process reads per system (bytes read barely vary)")  # fmt: skip
+    p.add_argument(
+        "--read-repeats",
+        type=int,
+        default=1,
+        help="fresh-process reads per system (bytes read barely vary)",
+    )
     p.add_argument("--bf16-mib", type=int, default=256)
     p.add_argument("--warm", action="store_true", help="never drop the page cache")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact checks")
@@ -397,12 +454,18 @@ def main(argv: list[str] | None = None) -> int:
     warm_up(systems, args.workdir)
     run = Run(args, systems, state, st.target_like(state), cold=why_warm is None)
     run.info["state"] = {
-        "bytes": st.nbytes(state), "tensors": len(state), "hidden": hidden,
-        "layers": st.layer_count(state), "dtype": "float32",
-    }  # fmt: skip
-    print(f"state: {len(state)} fp32 tensors, {st.nbytes(state) / MiB:.0f} MiB (hidden {hidden}, "
-          f"{st.layer_count(state)} layers); scratch {args.workdir} on {fstype}; "
-          f"{'cold' if run.cold else 'warm: ' + str(why_warm)}", flush=True)  # fmt: skip
+        "bytes": st.nbytes(state),
+        "tensors": len(state),
+        "hidden": hidden,
+        "layers": st.layer_count(state),
+        "dtype": "float32",
+    }
+    print(
+        f"state: {len(state)} fp32 tensors, {st.nbytes(state) / MiB:.0f} MiB (hidden {hidden}, "
+        f"{st.layer_count(state)} layers); scratch {args.workdir} on {fstype}; "
+        f"{'cold' if run.cold else 'warm: ' + str(why_warm)}",
+        flush=True,
+    )
     timings: dict[str, float] = {}
     for scenario in args.scenarios:
         if scenario == "restore" and "take" in args.scenarios:
@@ -413,8 +476,14 @@ def main(argv: list[str] | None = None) -> int:
         elif scenario in INCREMENTAL:
             incremental(run, scenario)
         else:
-            {"series": series, "async": async_take, "rss": rss, "read_object": read_object,
-             "bf16": bf16, "delta": delta}[scenario](run)  # fmt: skip
+            {
+                "series": series,
+                "async": async_take,
+                "rss": rss,
+                "read_object": read_object,
+                "bf16": bf16,
+                "delta": delta,
+            }[scenario](run)
         timings[scenario] = time.perf_counter() - t0
         gc.collect()
     payload: dict[str, Any] = {
@@ -441,8 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         fh.write(md)
     suite_report.plot(payload, os.path.join(args.out, "suite.png"))
     print(md)
-    print(f"wrote {args.out}/suite.json, suite.md, suite.png "
-          f"({payload['wall_seconds']:.0f} s)")  # fmt: skip
+    print(f"wrote {args.out}/suite.json, suite.md, suite.png ({payload['wall_seconds']:.0f} s)")
     return 0
 
 

@@ -83,8 +83,13 @@ def targets(p: Payload) -> list[dict[str, Any]]:
         v = _ratio(seconds(p, sc, CASNAP), seconds(p, sc, PEER))
         add(f"restore ≤ torch.load ({cache} cache)", v, 1.0, True, _x(v, "torch.load"))
         v = _ratio(seconds(p, sc, CASNAP), seconds(p, sc, "torchsnapshot"))
-        add(f"restore ≤ 1/3 of torchsnapshot's ({cache} cache)", v, 1 / 3, True,
-            _x(v, "torchsnapshot"))  # fmt: skip
+        add(
+            f"restore ≤ 1/3 of torchsnapshot's ({cache} cache)",
+            v,
+            1 / 3,
+            True,
+            _x(v, "torchsnapshot"),
+        )
     v = _ratio(seconds(p, "retake", PEER), seconds(p, "retake", CASNAP))
     add("unchanged re-take ≥ 5× faster than torch.save", v, 5.0, False, _x(v, "faster"))
     v = _ratio(seconds(p, "frozen", PEER), seconds(p, "frozen", CASNAP))
@@ -94,24 +99,39 @@ def targets(p: Payload) -> list[dict[str, Any]]:
     manifest = counter(p, "frozen", CASNAP, "manifest_bytes")
     need = None if changed is None or manifest is None else changed + manifest
     v = _ratio(written, need)
-    add("frozen-backbone bytes written ≤ 1.05 × (changed + manifest)", v, 1.05, True,
+    add(
+        "frozen-backbone bytes written ≤ 1.05 × (changed + manifest)",
+        v,
+        1.05,
+        True,
         f"{_x(v, '')} ({human_bytes(written)} for {human_bytes(changed)} changed + "
-        f"{human_bytes(manifest)} manifest)")  # fmt: skip
+        f"{human_bytes(manifest)} manifest)",
+    )
     v = _ratio(seconds(p, "async-blocked", CASNAP), seconds(p, "take", CASNAP))
     add("async_take blocks ≤ 25% of a sync take", v, 0.25, True, _pct(v))
     for kind in ("take", "restore", "async"):
         extra = counter(p, f"rss-{kind}", CASNAP, "extra_bytes")
         v = _ratio(extra, budget)
-        add(f"peak RSS above live state, {kind} ≤ budget + 10%", v, 1.10, True,
-            f"{human_bytes(extra)} = {_x(v, 'budget')} ({human_bytes(budget)})")  # fmt: skip
+        add(
+            f"peak RSS above live state, {kind} ≤ budget + 10%",
+            v,
+            1.10,
+            True,
+            f"{human_bytes(extra)} = {_x(v, 'budget')} ({human_bytes(budget)})",
+        )
     read = counter(p, "read_object", CASNAP, "read_bytes")
     args = p["args"]
     info = p["info"].get("read_object", {})
     v = None if read is None else read / MiB
-    add(f"read_object of {human_bytes(info.get('tensor_bytes', args['read_tensor_mib'] * MiB))}"
+    add(
+        f"read_object of {human_bytes(info.get('tensor_bytes', args['read_tensor_mib'] * MiB))}"
         f" from {human_bytes(info.get('snapshot_bytes', int(args['read_size_gib'] * GiB)))}"
-        " reads ≤ 17 MiB", v, 17.0, True,
-        f"{human_bytes(read)} from disk")  # fmt: skip
+        " reads ≤ 17 MiB",
+        v,
+        17.0,
+        True,
+        f"{human_bytes(read)} from disk",
+    )
     raw = p["info"].get("bf16", {}).get("raw_bytes")
     v = _ratio(counter(p, "bf16", CASNAP, "bytes_written"), raw)
     add("bf16 weights stored ≤ 0.75 × raw (compression on)", v, 0.75, True, _x(v, "raw"))
@@ -154,9 +174,13 @@ def _rows(p: Payload) -> list[tuple[str, str, Cell, str]]:
         ("restore (cold cache)", "median", sec("restore"), "s"),
         ("restore (warm cache)", "median", sec("restore-warm"), "s"),
     ]
-    labels = {"retake": "re-take, unchanged", "frozen": "frozen backbone, top layers trained",
-              "lora": "LoRA adapters on a frozen base", "sparse": "sparse: 1% of embedding rows",
-              "all": "all parameters change"}  # fmt: skip
+    labels = {
+        "retake": "re-take, unchanged",
+        "frozen": "frozen backbone, top layers trained",
+        "lora": "LoRA adapters on a frozen base",
+        "sparse": "sparse: 1% of embedding rows",
+        "all": "all parameters change",
+    }
     for sc, label in labels.items():
         rows.append((label + share(sc), "median", sec(sc), "s"))
         rows.append((label, "bytes written", cnt(sc, "bytes_written"), "B"))
@@ -174,16 +198,23 @@ def _rows(p: Payload) -> list[tuple[str, str, Cell, str]]:
         ("peak RSS above live state", "async take", cnt("rss-async", "extra_bytes"), "B"),
     ]
     ro = info.get("read_object", {})
-    title = (f"read one {human_bytes(ro.get('tensor_bytes'))} tensor of "
-             f"{human_bytes(ro.get('snapshot_bytes'))}")  # fmt: skip
+    title = (
+        f"read one {human_bytes(ro.get('tensor_bytes'))} tensor of "
+        f"{human_bytes(ro.get('snapshot_bytes'))}"
+    )
     rows += [
         (title, "bytes read from disk", cnt("read_object", "read_bytes"), "B"),
         (title, "median (cold)", sec("read_object"), "s"),
     ]
     raw = info.get("bf16", {}).get("raw_bytes")
-    rows.append((f"bf16 weights ({human_bytes(raw)})", "stored ÷ raw",
-                 lambda q, s: _ratio(_float(counter(q, "bf16", s, "bytes_written")), raw),
-                 "×"))  # fmt: skip
+    rows.append(
+        (
+            f"bf16 weights ({human_bytes(raw)})",
+            "stored ÷ raw",
+            lambda q, s: _ratio(_float(counter(q, "bf16", s, "bytes_written")), raw),
+            "×",
+        )
+    )
     return rows
 
 
@@ -269,16 +300,25 @@ def _delta_lines(d: dict[str, Any] | None) -> list[str]:
     if not d:
         return []
     shown = {
-        "sparse": ("sparse 1% rows: bytes written ≤ 3× changed",
-                   lambda r: f"{r['on']['over_changed']:.2f}× changed, off "
-                             f"{r['off']['over_changed']:.1f}×"),
-        "bf16": ("bf16 fine-tuned: bytes written ≤ 0.55 × raw",
-                 lambda r: f"{r['on']['over_raw']:.3f}× raw, off {r['off']['over_raw']:.3f}×"),
-        "series": ("restore of the newest of a series: deltas on ≤ 1.2 × off",
-                   lambda r: f"{r['restore_on_over_off']:.2f}×"),
-        "all": ("all parameters changed: take time on ≤ 1.0 × off",
-                lambda r: f"{r['take_on_over_off']:.2f}×"),
-    }  # fmt: skip
+        "sparse": (
+            "sparse 1% rows: bytes written ≤ 3× changed",
+            lambda r: (
+                f"{r['on']['over_changed']:.2f}× changed, off {r['off']['over_changed']:.1f}×"
+            ),
+        ),
+        "bf16": (
+            "bf16 fine-tuned: bytes written ≤ 0.55 × raw",
+            lambda r: f"{r['on']['over_raw']:.3f}× raw, off {r['off']['over_raw']:.3f}×",
+        ),
+        "series": (
+            "restore of the newest of a series: deltas on ≤ 1.2 × off",
+            lambda r: f"{r['restore_on_over_off']:.2f}×",
+        ),
+        "all": (
+            "all parameters changed: take time on ≤ 1.0 × off",
+            lambda r: f"{r['take_on_over_off']:.2f}×",
+        ),
+    }
     out = ["", "## Delta chunks (benchmarks/delta.py)", ""]
     for name, (what, fmt) in shown.items():
         if name in d:
@@ -289,8 +329,13 @@ def _delta_lines(d: dict[str, Any] | None) -> list[str]:
 
 # -- the plot ----------------------------------------------------------------------
 
-COLORS = {"torch.save": "#4c72b0", "safetensors": "#dd8452", "DCP": "#55a868",
-          "torchsnapshot": "#c44e52", "casnap": "#8172b3"}  # fmt: skip
+COLORS = {
+    "torch.save": "#4c72b0",
+    "safetensors": "#dd8452",
+    "DCP": "#55a868",
+    "torchsnapshot": "#c44e52",
+    "casnap": "#8172b3",
+}
 
 
 def plot(p: Payload, path: str) -> None:
@@ -302,12 +347,25 @@ def plot(p: Payload, path: str) -> None:
     systems = list(p["systems"])
     fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))
     times = ["take", "restore", "restore-warm", "retake", "frozen", "lora", "sparse", "all"]
-    _bars(axes[0][0], p, systems, times, lambda sc, s: seconds(p, sc, s),
-          "median seconds (lower is better)", log=False)  # fmt: skip
+    _bars(
+        axes[0][0],
+        p,
+        systems,
+        times,
+        lambda sc, s: seconds(p, sc, s),
+        "median seconds (lower is better)",
+        log=False,
+    )
     written = ["take", "retake", "frozen", "lora", "sparse", "all"]
-    _bars(axes[0][1], p, systems, written,
-          lambda sc, s: _mib(counter(p, sc, s, "bytes_written")),
-          "MiB written per snapshot (log)", log=True)  # fmt: skip
+    _bars(
+        axes[0][1],
+        p,
+        systems,
+        written,
+        lambda sc, s: _mib(counter(p, sc, s, "bytes_written")),
+        "MiB written per snapshot (log)",
+        log=True,
+    )
     ax = axes[0][2]
     for s in systems:
         ws = samples(p, "series", s, "bytes_written")
@@ -324,21 +382,46 @@ def plot(p: Payload, path: str) -> None:
     else:
         ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
     with_async = [s for s in systems if seconds(p, "async-blocked", s) is not None]
-    _bars(axes[1][0], p, with_async, ["async-blocked", "async-total", "take"],
-          lambda sc, s: seconds(p, sc, s), "async take: blocked / until durable / sync (s)",
-          log=False)  # fmt: skip
-    _bars(axes[1][1], p, systems, ["rss-take", "rss-restore", "rss-async"],
-          lambda sc, s: _mib(counter(p, sc, s, "extra_bytes")),
-          "peak RSS above live state (MiB)", log=False)  # fmt: skip
-    axes[1][1].axhline(p["args"]["memory_budget_mib"] * 1.1, color="grey", linestyle="--",
-                       linewidth=1, label="casnap budget + 10%")  # fmt: skip
+    _bars(
+        axes[1][0],
+        p,
+        with_async,
+        ["async-blocked", "async-total", "take"],
+        lambda sc, s: seconds(p, sc, s),
+        "async take: blocked / until durable / sync (s)",
+        log=False,
+    )
+    _bars(
+        axes[1][1],
+        p,
+        systems,
+        ["rss-take", "rss-restore", "rss-async"],
+        lambda sc, s: _mib(counter(p, sc, s, "extra_bytes")),
+        "peak RSS above live state (MiB)",
+        log=False,
+    )
+    axes[1][1].axhline(
+        p["args"]["memory_budget_mib"] * 1.1,
+        color="grey",
+        linestyle="--",
+        linewidth=1,
+        label="casnap budget + 10%",
+    )
     if axes[1][1].patches:
         axes[1][1].legend(fontsize=7)
-    _bars(axes[1][2], p, systems, ["read_object"],
-          lambda sc, s: _mib(counter(p, sc, s, "read_bytes")),
-          "read one tensor: MiB read from disk (log)", log=True)  # fmt: skip
-    fig.suptitle(f"casnap suite: {human_bytes(p['info']['state']['bytes'])} fp32 state, "
-                 f"{p['cache']} cache, medians of {p['args']['repeats']}")  # fmt: skip
+    _bars(
+        axes[1][2],
+        p,
+        systems,
+        ["read_object"],
+        lambda sc, s: _mib(counter(p, sc, s, "read_bytes")),
+        "read one tensor: MiB read from disk (log)",
+        log=True,
+    )
+    fig.suptitle(
+        f"casnap suite: {human_bytes(p['info']['state']['bytes'])} fp32 state, "
+        f"{p['cache']} cache, medians of {p['args']['repeats']}"
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -349,8 +432,15 @@ def _mib(v: int | None) -> float | None:
     return None if v is None else v / MiB
 
 
-def _bars(ax: Any, p: Payload, systems: list[str], groups: list[str],
-          value: Callable[[str, str], float | None], title: str, log: bool) -> None:  # fmt: skip
+def _bars(
+    ax: Any,
+    p: Payload,
+    systems: list[str],
+    groups: list[str],
+    value: Callable[[str, str], float | None],
+    title: str,
+    log: bool,
+) -> None:
     width = 0.8 / max(1, len(systems))
     ax.set_title(title, fontsize=10)
     if all(value(sc, s) is None for sc in groups for s in systems):

@@ -229,15 +229,17 @@ class Casnap(System):
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
-        TorchSave("torch.save", "torch.save + fsync", "torch.load(weights_only=True)",
-                  False, ".pt"),
+        TorchSave(
+            "torch.save", "torch.save + fsync", "torch.load(weights_only=True)", False, ".pt"
+        ),
         Safetensors("safetensors", "save_file + fsync", "load_file", False, ".safetensors"),
         DCP("DCP", "dcp.save (fsyncs)", "dcp.load in place", True, ""),
-        TorchSnapshot("torchsnapshot", "Snapshot.take + fsync of its files",
-                      "restore in place", True, ""),
+        TorchSnapshot(
+            "torchsnapshot", "Snapshot.take + fsync of its files", "restore in place", True, ""
+        ),
         Casnap("casnap", "Snapshot.take into one repository", "restore in place", True, ""),
     )
-}  # fmt: skip
+}
 PEER = "torch.save"  # the peer every ratio is taken against
 CASNAP = "casnap"
 

@@ -170,58 +170,161 @@ def _table(*variables: Variable) -> dict[str, Variable]:
 
 
 VARIABLES: Mapping[str, Variable] = _table(
-    Variable("chunk_size", "size", None, "Bytes per chunk of a new take. Unset: the repository's "
-             "own chunk size (4 MiB for a new one).", minimum=4096, maximum=GiB),
-    Variable("pack_threshold", "size", DEFAULT_PACK_THRESHOLD, "Chunks smaller than this (and "
-             "than a quarter chunk) are packed with others into one object.", minimum=0),
-    Variable("pack_target", "size", DEFAULT_PACK_TARGET, "A pack object is closed once it "
-             "holds this many bytes.", minimum=1),
-    Variable("compression", "choice", "auto", "auto: zstd where it pays; none: store raw.",
-             choices=("auto", "none")),
-    Variable("zstd_level", "int", DEFAULT_ZSTD_LEVEL, "zstd level of compressed chunks.",
-             minimum=-7, maximum=22),
-    Variable("delta", "bool", True, "Whether a take may store a changed chunk as a delta "
-             "against the same chunk of its parent snapshot, where that pays (docs/format.md, "
-             "\"Delta chunks\"). A snapshot holding deltas is format 2.0, which casnap "
-             "versions before deltas refuse to read."),
-    Variable("delta_max_chain", "int", DEFAULT_DELTA_MAX_CHAIN, "The longest chain of "
-             "deltas a take writes: a chunk whose base is already this many deltas deep is "
-             "written whole, so a restore reads at most this many deltas and one whole chunk.",
-             minimum=1, maximum=64),
-    Variable("io_workers", "int", None, "Concurrent store requests of a take, restore or "
-             "export. Unset: 4 writers and 12 readers on a local disk, 16 on a remote store.",
-             minimum=1, maximum=1024),
-    Variable("memory_budget", "size", None, "Bytes of host memory a take, restore or "
-             "export may hold. Unset: a quarter of available memory, at least 64 MiB.",
-             minimum=1),
-    Variable("staging_cache", "size", None, "Idle async-staging buffers a Session keeps for "
-             "the next take. Unset: the memory budget.", minimum=0),
-    Variable("replica_mismatch", "choice", "warn", "What a distributed take does when "
-             "values declared replicated differ between ranks. warn: keep each rank's own "
-             "value and warn (docs/distributed.md); error: fail the take on every rank.",
-             choices=("warn", "error")),
-    Variable("lease_ttl", "float", DEFAULT_LEASE_TTL, "Seconds a take's lease (and gc's lock) "
-             "lives without renewal.", minimum=0.001, maximum=MAX_LEASE_TTL),
-    Variable("dist_timeout", "float", DEFAULT_DIST_TIMEOUT, "Seconds a rank of a distributed "
-             "take waits for the others before the take fails.", minimum=0.001, maximum=7 * 86400),
-    Variable("store_retries", "int", 4, "Times a remote store request that failed transiently "
-             "(timeout, dropped connection, HTTP 429/5xx) is repeated before the error is "
-             "raised.", minimum=0, maximum=100),
-    Variable("store_retry_delay", "float", 0.2, "Seconds: the longest wait before the first "
-             "retry, doubled for each further retry (at most 10 s), with random jitter.",
-             minimum=0, maximum=600),
-    Variable("remote_timeout", "float", 20.0, "Seconds the command line waits for a remote "
-             "store's first answer (opening the repository) before it gives up with one "
-             "line naming the URL; 0 waits as long as the store's own retries take.",
-             minimum=0, maximum=7 * 86400),
+    Variable(
+        "chunk_size",
+        "size",
+        None,
+        "Bytes per chunk of a new take. Unset: the repository's "
+        "own chunk size (4 MiB for a new one).",
+        minimum=4096,
+        maximum=GiB,
+    ),
+    Variable(
+        "pack_threshold",
+        "size",
+        DEFAULT_PACK_THRESHOLD,
+        "Chunks smaller than this (and "
+        "than a quarter chunk) are packed with others into one object.",
+        minimum=0,
+    ),
+    Variable(
+        "pack_target",
+        "size",
+        DEFAULT_PACK_TARGET,
+        "A pack object is closed once it holds this many bytes.",
+        minimum=1,
+    ),
+    Variable(
+        "compression",
+        "choice",
+        "auto",
+        "auto: zstd where it pays; none: store raw.",
+        choices=("auto", "none"),
+    ),
+    Variable(
+        "zstd_level",
+        "int",
+        DEFAULT_ZSTD_LEVEL,
+        "zstd level of compressed chunks.",
+        minimum=-7,
+        maximum=22,
+    ),
+    Variable(
+        "delta",
+        "bool",
+        True,
+        "Whether a take may store a changed chunk as a delta "
+        "against the same chunk of its parent snapshot, where that pays (docs/format.md, "
+        '"Delta chunks"). A snapshot holding deltas is format 2.0, which casnap '
+        "versions before deltas refuse to read.",
+    ),
+    Variable(
+        "delta_max_chain",
+        "int",
+        DEFAULT_DELTA_MAX_CHAIN,
+        "The longest chain of "
+        "deltas a take writes: a chunk whose base is already this many deltas deep is "
+        "written whole, so a restore reads at most this many deltas and one whole chunk.",
+        minimum=1,
+        maximum=64,
+    ),
+    Variable(
+        "io_workers",
+        "int",
+        None,
+        "Concurrent store requests of a take, restore or "
+        "export. Unset: 4 writers and 12 readers on a local disk, 16 on a remote store.",
+        minimum=1,
+        maximum=1024,
+    ),
+    Variable(
+        "memory_budget",
+        "size",
+        None,
+        "Bytes of host memory a take, restore or "
+        "export may hold. Unset: a quarter of available memory, at least 64 MiB.",
+        minimum=1,
+    ),
+    Variable(
+        "staging_cache",
+        "size",
+        None,
+        "Idle async-staging buffers a Session keeps for the next take. Unset: the memory budget.",
+        minimum=0,
+    ),
+    Variable(
+        "replica_mismatch",
+        "choice",
+        "warn",
+        "What a distributed take does when "
+        "values declared replicated differ between ranks. warn: keep each rank's own "
+        "value and warn (docs/distributed.md); error: fail the take on every rank.",
+        choices=("warn", "error"),
+    ),
+    Variable(
+        "lease_ttl",
+        "float",
+        DEFAULT_LEASE_TTL,
+        "Seconds a take's lease (and gc's lock) lives without renewal.",
+        minimum=0.001,
+        maximum=MAX_LEASE_TTL,
+    ),
+    Variable(
+        "dist_timeout",
+        "float",
+        DEFAULT_DIST_TIMEOUT,
+        "Seconds a rank of a distributed take waits for the others before the take fails.",
+        minimum=0.001,
+        maximum=7 * 86400,
+    ),
+    Variable(
+        "store_retries",
+        "int",
+        4,
+        "Times a remote store request that failed transiently "
+        "(timeout, dropped connection, HTTP 429/5xx) is repeated before the error is "
+        "raised.",
+        minimum=0,
+        maximum=100,
+    ),
+    Variable(
+        "store_retry_delay",
+        "float",
+        0.2,
+        "Seconds: the longest wait before the first "
+        "retry, doubled for each further retry (at most 10 s), with random jitter.",
+        minimum=0,
+        maximum=600,
+    ),
+    Variable(
+        "remote_timeout",
+        "float",
+        20.0,
+        "Seconds the command line waits for a remote "
+        "store's first answer (opening the repository) before it gives up with one "
+        "line naming the URL; 0 waits as long as the store's own retries take.",
+        minimum=0,
+        maximum=7 * 86400,
+    ),
     Variable("index", "bool", True, "Whether takes and history use the local LMDB index."),
-    Variable("index_dir", "path", None, "Where the local index lives. Unset: "
-             "~/.cache/casnap/index."),
-    Variable("index_map_size", "size", DEFAULT_INDEX_MAP_SIZE, "LMDB map size of the index "
-             "(address space, not disk).", minimum=MiB),
-    Variable("state_dir", "path", None, "Where the CLI remembers state between runs (the "
-             "part of `verify --part` to check next). Unset: ~/.cache/casnap."),
-)  # fmt: skip
+    Variable(
+        "index_dir", "path", None, "Where the local index lives. Unset: ~/.cache/casnap/index."
+    ),
+    Variable(
+        "index_map_size",
+        "size",
+        DEFAULT_INDEX_MAP_SIZE,
+        "LMDB map size of the index (address space, not disk).",
+        minimum=MiB,
+    ),
+    Variable(
+        "state_dir",
+        "path",
+        None,
+        "Where the CLI remembers state between runs (the "
+        "part of `verify --part` to check next). Unset: ~/.cache/casnap.",
+    ),
+)
 
 # What override() blocks set, per thread and task; a ContextVar, not process-wide state.
 _OVERRIDES: ContextVar[Mapping[str, Any]] = ContextVar("casnap_settings_overrides")

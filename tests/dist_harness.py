@@ -33,9 +33,12 @@ def _child(rank: int, world: int, init: str, out: str, fn: Any, args: tuple[Any,
 
     os.environ.setdefault("CASNAP_DIST_TIMEOUT", "20")
     dist.init_process_group(
-        "gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=PG_TIMEOUT),
-    )  # fmt: skip
+    )
     try:
         outcome = Outcome(value=fn(rank, world, *args))
     except BaseException as exc:  # reported to the parent, which asserts on it

@@ -62,8 +62,9 @@ def test_read_object_and_restore_stay_under_the_memory_budget(tmp_path, monkeypa
     monkeypatch.setattr(restore, "ByteBudget", RecordingBudget)
     RecordingBudget.instances = []
     state = StateDict(w=torch.randn(2_000_000))  # 8 MB in 64 KiB chunks
-    Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": state},
-                  storage_options={"chunk_size": 64 * 1024})  # fmt: skip
+    Snapshot.take(
+        str(tmp_path / "repo" / "s1"), {"m": state}, storage_options={"chunk_size": 64 * 1024}
+    )
     snap = Snapshot(str(tmp_path / "repo" / "s1"))
     out = torch.empty(2_000_000)
     snap.read_object("0/m/w", obj_out=out, memory_budget_bytes=budget)
@@ -91,9 +92,13 @@ def test_async_take_stages_at_most_its_budget_and_stays_point_in_time(tmp_path):
     expected = {k: v.clone() for k, v in state.items()}
     budget = 3 << 20
     session = Session()
-    pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state},
-                                  storage_options={"chunk_size": 256 * 1024},
-                                  memory_budget_bytes=budget, session=session)  # fmt: skip
+    pending = Snapshot.async_take(
+        str(tmp_path / "repo" / "s1"),
+        {"m": state},
+        storage_options={"chunk_size": 256 * 1024},
+        memory_budget_bytes=budget,
+        session=session,
+    )
     for t in state.values():  # every tensor, staged or live, changes right away
         t.fill_(7.0)
     snap = pending.wait()
@@ -109,8 +114,9 @@ def test_async_take_of_a_state_larger_than_the_budget_stages_nothing_it_cannot_h
     big = torch.randn(1 << 20)  # 4 MiB, alone over a 1 MiB budget
     state = StateDict(big=big, small=torch.arange(100.0))
     session = Session()
-    pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state},
-                                  memory_budget_bytes=1 << 20, session=session)  # fmt: skip
+    pending = Snapshot.async_take(
+        str(tmp_path / "repo" / "s1"), {"m": state}, memory_budget_bytes=1 << 20, session=session
+    )
     expected = big.clone()
     big.zero_()
     snap = pending.wait()
@@ -128,9 +134,11 @@ def test_a_failing_take_with_live_tensors_does_not_hang_async_take(tmp_path, mon
         raise StoreError("disk full")
 
     monkeypatch.setattr(chunks.ChunkWriter, "_write_loose", broken_put)
-    pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"),
-                                  {"m": StateDict(w=torch.randn(1 << 20))},
-                                  memory_budget_bytes=1 << 20)  # fmt: skip
+    pending = Snapshot.async_take(
+        str(tmp_path / "repo" / "s1"),
+        {"m": StateDict(w=torch.randn(1 << 20))},
+        memory_budget_bytes=1 << 20,
+    )
     with pytest.raises(StoreError, match="disk full"):
         pending.wait()
 
@@ -154,5 +162,6 @@ def test_without_a_session_nothing_is_kept_for_the_next_take(tmp_path):
 
 def test_memory_budget_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="memory_budget_bytes"):
-        Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": StateDict(w=torch.ones(1))},
-                            memory_budget_bytes=0)  # fmt: skip
+        Snapshot.async_take(
+            str(tmp_path / "repo" / "s1"), {"m": StateDict(w=torch.ones(1))}, memory_budget_bytes=0
+        )

@@ -253,8 +253,10 @@ def test_restore_latest_after_a_take_killed_halfway(tmp_path):
     script.write_text(textwrap.dedent(CHILD).format(helpers=helpers))
     proc = subprocess.Popen(
         [sys.executable, str(script), str(root)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = wait_for_line(proc, timeout=60)
         os.kill(proc.pid, signal.SIGKILL)

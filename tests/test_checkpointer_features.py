@@ -178,8 +178,11 @@ def test_keep_best_ignores_nan_in_both_modes(tmp_path):
 
 
 def test_best_by_an_explicit_metric_or_the_retention_rule(tmp_path):
-    ckpt = Checkpointer(str(tmp_path / "run"), 1, retention=RetentionPolicy(KeepLast(10),
-                        KeepBest(1, "acc", mode="max")))  # fmt: skip
+    ckpt = Checkpointer(
+        str(tmp_path / "run"),
+        1,
+        retention=RetentionPolicy(KeepLast(10), KeepBest(1, "acc", mode="max")),
+    )
     state = fresh()
     assert ckpt.best_step() is None  # no snapshot yet
     for step, (loss, acc) in enumerate([(3.0, 0.1), (1.0, 0.7), (2.0, 0.9), (1.0, 0.8)], 1):
@@ -379,13 +382,17 @@ def test_sigterm_mid_loop_takes_that_step_and_the_process_ends(tmp_path, async_t
     root = tmp_path / "run"
     script = tmp_path / "child.py"
     helpers = inspect.getsource(fresh) + "\n\n" + inspect.getsource(fill)
-    script.write_text("import torch\nfrom casnap import StateDict\n" +
-                      textwrap.dedent(PREEMPTED_CHILD).format(helpers=helpers))  # fmt: skip
+    script.write_text(
+        "import torch\nfrom casnap import StateDict\n"
+        + textwrap.dedent(PREEMPTED_CHILD).format(helpers=helpers)
+    )
     proc = subprocess.Popen(
         [sys.executable, str(script), str(root), "1" if async_take else "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     try:
         lines = [wait_for_line(proc, timeout=60) for _ in range(3)]
         assert lines[-1].startswith("STEP"), f"child said {lines!r}"

@@ -36,8 +36,9 @@ def _restores_step(url: str, name: str, step: int) -> None:
 def test_every_commit_reaches_the_mirror_and_retention_applies_on_both(tmp_path, async_take):
     local, mirror = str(tmp_path / "local"), str(tmp_path / "mirror")
     policy = RetentionPolicy(KeepLast(2))
-    with Checkpointer(local, every_n_steps=1, retention=policy, mirror=mirror,
-                      async_take=async_take) as ckpt:  # fmt: skip
+    with Checkpointer(
+        local, every_n_steps=1, retention=policy, mirror=mirror, async_take=async_take
+    ) as ckpt:
         for step in range(5):
             ckpt.maybe_take(step, _state(step))
     names = ["step_000000003", "step_000000004"]
@@ -52,8 +53,13 @@ def test_every_commit_reaches_the_mirror_and_retention_applies_on_both(tmp_path,
 
 def test_a_mirror_keeps_its_own_retention(tmp_path):
     local, mirror = str(tmp_path / "local"), str(tmp_path / "mirror")
-    with Checkpointer(local, every_n_steps=1, retention=RetentionPolicy(KeepLast(1)),
-                      mirror=mirror, mirror_retention=None) as ckpt:  # fmt: skip
+    with Checkpointer(
+        local,
+        every_n_steps=1,
+        retention=RetentionPolicy(KeepLast(1)),
+        mirror=mirror,
+        mirror_retention=None,
+    ) as ckpt:
         for step in range(3):
             ckpt.maybe_take(step, _state(step))
     assert ckpt.snapshots() == ["step_000000002"]
@@ -103,8 +109,13 @@ def test_local_retention_keeps_what_a_mirror_with_its_own_retention_is_still_owe
     # told to keep everything never received it. Now local retention waits for the copy.
     store = _Gated(str(tmp_path / "mirror"))
     mirror = Repository.on_store(store)
-    ckpt = Checkpointer(str(tmp_path / "local"), every_n_steps=1, mirror=mirror,
-                        retention=RetentionPolicy(KeepLast(1)), mirror_retention=None)  # fmt: skip
+    ckpt = Checkpointer(
+        str(tmp_path / "local"),
+        every_n_steps=1,
+        mirror=mirror,
+        retention=RetentionPolicy(KeepLast(1)),
+        mirror_retention=None,
+    )
     ckpt.maybe_take(0, _state(0))
     assert store.stalled.wait(30)  # the copier holds step 0 at its first put
     ckpt.maybe_take(1, _state(1))
@@ -129,8 +140,13 @@ def test_snapshots_an_earlier_process_left_uncopied_reach_the_mirror_before_loca
     with Checkpointer(local, every_n_steps=1) as before:  # as if its copier never ran
         for step in range(3):
             before.maybe_take(step, _state(step))
-    with Checkpointer(local, every_n_steps=1, retention=RetentionPolicy(KeepLast(1)),
-                      mirror=mirror, mirror_retention=None) as ckpt:  # fmt: skip
+    with Checkpointer(
+        local,
+        every_n_steps=1,
+        retention=RetentionPolicy(KeepLast(1)),
+        mirror=mirror,
+        mirror_retention=None,
+    ) as ckpt:
         ckpt.restore_latest({"model": torch.nn.Linear(64, 64), "extra": StateDict()})
         ckpt.maybe_take(3, _state(3))
     assert Repository(mirror).snapshots() == [f"step_00000000{i}" for i in range(4)]
@@ -143,8 +159,13 @@ def test_a_name_the_mirror_holds_with_other_content_is_given_up_not_retried_fore
 ):
     local, mirror = str(tmp_path / "local"), str(tmp_path / "mirror")
     Snapshot.take(f"{mirror}/step_000000001", {"extra": StateDict(other=True)})
-    ckpt = Checkpointer(local, every_n_steps=1, retention=RetentionPolicy(KeepLast(1)),
-                        mirror=mirror, mirror_retention=None)  # fmt: skip
+    ckpt = Checkpointer(
+        local,
+        every_n_steps=1,
+        retention=RetentionPolicy(KeepLast(1)),
+        mirror=mirror,
+        mirror_retention=None,
+    )
     with caplog.at_level(logging.ERROR, logger="casnap.checkpointer"), ckpt:
         for step in range(1, 4):
             ckpt.maybe_take(step, _state(step))
@@ -176,8 +197,13 @@ def test_a_failed_copy_is_logged_and_retried_at_the_next_commit(tmp_path, caplog
 @pytest.mark.gcs
 def test_mirror_to_gcs(tmp_path, gcs_bucket):  # noqa: F811
     url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/run1"
-    with Checkpointer(str(tmp_path / "local"), every_n_steps=2, async_take=True,
-                      retention=RetentionPolicy(KeepLast(2)), mirror=url) as ckpt:  # fmt: skip
+    with Checkpointer(
+        str(tmp_path / "local"),
+        every_n_steps=2,
+        async_take=True,
+        retention=RetentionPolicy(KeepLast(2)),
+        mirror=url,
+    ) as ckpt:
         for step in range(7):
             ckpt.maybe_take(step, _state(step))
     assert Repository(url).snapshots() == ckpt.snapshots() == ["step_000000004", "step_000000006"]

@@ -37,8 +37,13 @@ def repo_dir(tmp_path) -> str:
         state["step"] = step
         if step == 3:
             state["big"][:1000].add_(1.0)  # touches only the first chunk
-        Snapshot.take(f"{root}/s{step}", {"s": state}, storage_options=opts,
-                      metadata={"step": step}, session=session)  # fmt: skip
+        Snapshot.take(
+            f"{root}/s{step}",
+            {"s": state},
+            storage_options=opts,
+            metadata={"step": step},
+            session=session,
+        )
     return root
 
 
@@ -98,8 +103,11 @@ def test_diff_stats_reads_only_changed_chunks(repo_dir):
     assert store.requests == {}  # manifests only
     (d,) = drift(repo, a, repo, b, rows)
     assert d.key == "0/s/big" and d.max_abs_diff == pytest.approx(1.0)
-    changed = [cb for ca, cb in zip(a.entries["0/s/big"].chunks, b.entries["0/s/big"].chunks)
-               if ca.hash != cb.hash]  # fmt: skip
+    changed = [
+        cb
+        for ca, cb in zip(a.entries["0/s/big"].chunks, b.entries["0/s/big"].chunks)
+        if ca.hash != cb.hash
+    ]
     assert len(changed) == 1
     assert store.bytes_read == d.bytes_read == 2 * changed[0].length
 
@@ -180,12 +188,16 @@ def test_verify_detects_a_ref_naming_a_missing_manifest(capsys, repo_dir):
 
 def test_verify_parts_cover_every_chunk_once(capsys, repo_dir, monkeypatch, tmp_path):
     total = json.loads(run(capsys, "verify", repo_dir, "--read-data", "--json")[1])["chunks_read"]
-    parts = [json.loads(run(capsys, "verify", repo_dir, "--part", f"{k}/3", "--json")[1])
-             for k in range(3)]  # fmt: skip
+    parts = [
+        json.loads(run(capsys, "verify", repo_dir, "--part", f"{k}/3", "--json")[1])
+        for k in range(3)
+    ]
     assert sum(p["chunks_read"] for p in parts) == total
     monkeypatch.setenv("CASNAP_STATE_DIR", str(tmp_path / "state"))
-    seen = [json.loads(run(capsys, "verify", repo_dir, "--rotate", "3", "--json")[1])["part"]
-            for _ in range(4)]  # fmt: skip
+    seen = [
+        json.loads(run(capsys, "verify", repo_dir, "--rotate", "3", "--json")[1])["part"]
+        for _ in range(4)
+    ]
     assert seen == [[0, 3], [1, 3], [2, 3], [0, 3]]
     with pytest.raises(SystemExit):
         main(["verify", repo_dir, "--part", "3/3"])
@@ -199,12 +211,14 @@ def test_missing_repository_exit_code(capsys, tmp_path):
 
 
 def test_inspection_commands_do_not_import_torch(repo_dir):
-    code = ("import sys, casnap.cli.app\n"
-            f"for cmd in (['log', {repo_dir!r}], ['du', {repo_dir!r}], ['ls', {repo_dir!r}],"
-            f" ['verify', {repo_dir!r}, '--read-data'], ['diff', {repo_dir + '/s1'!r},"
-            f" {repo_dir + '/s3'!r}]):\n"
-            "    assert casnap.cli.app.main(cmd) == 0\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
+    code = (
+        "import sys, casnap.cli.app\n"
+        f"for cmd in (['log', {repo_dir!r}], ['du', {repo_dir!r}], ['ls', {repo_dir!r}],"
+        f" ['verify', {repo_dir!r}, '--read-data'], ['diff', {repo_dir + '/s1'!r},"
+        f" {repo_dir + '/s3'!r}]):\n"
+        "    assert casnap.cli.app.main(cmd) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -214,11 +228,18 @@ def test_diff_of_sharded_entries_compares_shard_chunks_by_content():
     from casnap.format.manifest import Manifest
 
     def entry(hashes: list[str]) -> ShardedEntry:
-        shards = [ShardRecord(offsets=[i * 2, 0], sizes=[2, 4], chunk_size=32,
-                              chunks=[ChunkRef(hash=h * 64, size=32, length=88)])
-                  for i, h in enumerate(hashes)]  # fmt: skip
-        return ShardedEntry(layout="dtensor", dtype="float32", shape=[2 * len(hashes), 4],
-                            shards=shards)  # fmt: skip
+        shards = [
+            ShardRecord(
+                offsets=[i * 2, 0],
+                sizes=[2, 4],
+                chunk_size=32,
+                chunks=[ChunkRef(hash=h * 64, size=32, length=88)],
+            )
+            for i, h in enumerate(hashes)
+        ]
+        return ShardedEntry(
+            layout="dtensor", dtype="float32", shape=[2 * len(hashes), 4], shards=shards
+        )
 
     a = Manifest(created_at="t", entries={"0/w": entry(["a", "b"])})
     b = Manifest(created_at="t", entries={"0/w": entry(["a", "c"])})

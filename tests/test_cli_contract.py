@@ -28,13 +28,23 @@ CASNAP = str(Path(sys.executable).parent / "casnap")
 STEPS = (100, 200, 1000)  # by name step_1000 sorts before step_200; by step it is the newest
 
 
-def casnap(cwd: Path, *argv: str, env: dict[str, str] | None = None, timeout: float = 120,
-           traceback: bool = False) -> tuple[int, str, str]:  # fmt: skip
+def casnap(
+    cwd: Path,
+    *argv: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    traceback: bool = False,
+) -> tuple[int, str, str]:
     """Run the real executable with this worktree's code; (code, stdout, stderr)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT),
-                "CASNAP_INDEX_DIR": str(cwd / "index"), **(env or {})}  # fmt: skip
-    done = subprocess.run([CASNAP, *argv], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "CASNAP_INDEX_DIR": str(cwd / "index"),
+        **(env or {}),
+    }
+    done = subprocess.run(
+        [CASNAP, *argv], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     assert ("Traceback" in done.stderr) == traceback, done.stderr
     return done.returncode, done.stdout, done.stderr
 
@@ -53,8 +63,7 @@ def repo(tmp_path_factory) -> Path:
     session = Session()
     for step in STEPS:
         state = StateDict(w=torch.full((8,), float(step)))
-        Snapshot.take(f"{root}/step_{step}", {"m": state}, metadata={"step": step},
-                      session=session)  # fmt: skip
+        Snapshot.take(f"{root}/step_{step}", {"m": state}, metadata={"step": step}, session=session)
     Repository(str(root)).tag("best", "step_200")
     return root
 
@@ -79,8 +88,12 @@ def test_verify_rotate_wants_a_positive_count(repo, tmp_path):
 def test_output_closed_early_exits_quietly(repo, tmp_path):
     # `casnap show ... --json | head -1`, with the reader gone before casnap writes.
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CASNAP_INDEX_DIR": str(tmp_path)}
-    proc = subprocess.Popen([CASNAP, "show", f"{repo}/step_100", "--json"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [CASNAP, "show", f"{repo}/step_100", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()
     err = proc.stderr.read().decode()
@@ -90,14 +103,22 @@ def test_output_closed_early_exits_quietly(repo, tmp_path):
 
 def test_output_through_head_keeps_the_first_line(repo, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CASNAP_INDEX_DIR": str(tmp_path)}
-    done = subprocess.run(f"'{CASNAP}' show '{repo}/step_100' --json | head -1", shell=True,
-                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        f"'{CASNAP}' show '{repo}/step_100' --json | head -1",
+        shell=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout == "{\n" and done.stderr == ""
 
 
 def test_a_malformed_storage_option_is_usage_before_or_after_the_command(repo, tmp_path):
-    for argv in (["ls", str(repo), "--storage-option", "foo"],
-                 ["--storage-option", "foo", "ls", str(repo)]):  # fmt: skip
+    for argv in (
+        ["ls", str(repo), "--storage-option", "foo"],
+        ["--storage-option", "foo", "ls", str(repo)],
+    ):
         code, _, err = casnap(tmp_path, *argv)
         assert code == 2 and "--storage-option: wants KEY=VALUE, got 'foo'" in err
 
@@ -183,8 +204,9 @@ def test_an_unknown_name_suggests_close_snapshot_and_tag_names(repo, tmp_path):
 def test_names_before_tags_before_latest_and_rm_latest(tmp_path):
     root = tmp_path / "r"
     for step in (1, 2, 3):
-        Snapshot.take(f"{root}/s{step}", {"m": StateDict(w=torch.ones(2) * step)},
-                      metadata={"step": step})  # fmt: skip
+        Snapshot.take(
+            f"{root}/s{step}", {"m": StateDict(w=torch.ones(2) * step)}, metadata={"step": step}
+        )
     repo = Repository(str(root))
     repo.tag("s1", "s3")  # a tag named like a snapshot: the snapshot wins
     repo.tag("latest", "s2")  # a tag named latest: the tag wins over the newest
@@ -238,8 +260,9 @@ def test_a_server_that_never_answers_is_one_line_within_the_timeout(tmp_path):
 def test_a_remote_that_answers_works_through_the_bound(gcs_bucket, tmp_path):  # noqa: F811
     url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
     for step in (100, 1000, 200):
-        Snapshot.take(f"{url}/step_{step}", {"m": StateDict(w=torch.ones(4) * step)},
-                      metadata={"step": step})  # fmt: skip
+        Snapshot.take(
+            f"{url}/step_{step}", {"m": StateDict(w=torch.ones(4) * step)}, metadata={"step": step}
+        )
     env = {"CASNAP_REMOTE_TIMEOUT": "60"}  # os.environ names the emulator (the fixture)
     code, out, _ = casnap(tmp_path, "--json", "ls", url, env=env)
     assert code == 0 and json.loads(out) == ["step_100", "step_200", "step_1000"]

@@ -76,8 +76,15 @@ def test_ls_du_and_tags_list_names_in_natural_order(tmp_path, repo_dir):
 def test_natural_key_orders_digit_runs_by_value():
     names = ["a10", "a9", "step_01", "step_1", "b", "a", "x" + "9" * 5000, "x1"]
     assert sorted(names, key=natural_key) == [
-        "a", "a9", "a10", "b", "step_01", "step_1", "x1", "x" + "9" * 5000
-    ]  # fmt: skip
+        "a",
+        "a9",
+        "a10",
+        "b",
+        "step_01",
+        "step_1",
+        "x1",
+        "x" + "9" * 5000,
+    ]
 
 
 # -- floats -----------------------------------------------------------------------
@@ -271,11 +278,17 @@ def test_a_progress_that_is_not_callable_is_refused_before_anything_is_written(t
 
 def on_a_terminal(tmp_path: Path, *argv: str) -> tuple[int, str]:
     """Run the executable with stdout and stderr on a pseudo-terminal; what it drew."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CASNAP_INDEX_DIR": str(tmp_path / "index"),
-           "COLUMNS": "160", "TERM": "xterm"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "CASNAP_INDEX_DIR": str(tmp_path / "index"),
+        "COLUMNS": "160",
+        "TERM": "xterm",
+    }
     master, slave = pty.openpty()
-    proc = subprocess.Popen([EXE, *argv], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                            stdout=slave, stderr=slave)  # fmt: skip
+    proc = subprocess.Popen(
+        [EXE, *argv], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave
+    )
     os.close(slave)
     chunks = []
     while True:

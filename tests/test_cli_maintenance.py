@@ -24,8 +24,12 @@ def repo_dir(tmp_path) -> str:
     state = StateDict(w=torch.randn(100_000), b=torch.randn(10))
     for step in range(1, 7):
         state["w"].add_(1.0)  # every snapshot has its own big chunks
-        Snapshot.take(f"{root}/s{step}", {"m": state}, storage_options={"chunk_size": 65536},
-                      metadata={"step": step, "metrics": {"loss": abs(step - 3.2)}})  # fmt: skip
+        Snapshot.take(
+            f"{root}/s{step}",
+            {"m": state},
+            storage_options={"chunk_size": 65536},
+            metadata={"step": step, "metrics": {"loss": abs(step - 3.2)}},
+        )
     return root
 
 

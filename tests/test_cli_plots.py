@@ -32,8 +32,9 @@ def casnap(tmp_path: Path, *args: str, pythonpath: str = "") -> subprocess.Compl
         "PYTHONPATH": os.pathsep.join(p for p in (pythonpath, str(REPO_ROOT)) if p),
         "CASNAP_INDEX_DIR": str(tmp_path / "index"),
     }
-    return subprocess.run([CASNAP, *args], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [CASNAP, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
 
 
 def drawn(path: Path) -> dict:
@@ -95,8 +96,10 @@ def test_diff_plot_of_300_entries_groups_by_module(tmp_path):
     params = [f"{m}.{p}" for m in ("q", "k", "v", "o", "up", "down") for p in ("weight", "bias")]
     a = OrderedDict((k, torch.ones(8)) for k in model_state(25, params))  # 300 entries
     # layers 2 and 20-24 move, by 0.01 * the layer's number
-    b = OrderedDict((k, v + (0.01 * int(k.split(".")[1]) if k.startswith("layers.2") else 0))
-                    for k, v in a.items())  # fmt: skip
+    b = OrderedDict(
+        (k, v + (0.01 * int(k.split(".")[1]) if k.startswith("layers.2") else 0))
+        for k, v in a.items()
+    )
     path_a, path_b = take_pair(tmp_path / "repo", a, b)
     out = casnap(tmp_path, "diff", path_a, path_b, "--plot", "big.png")
     assert out.returncode == 0, out.stderr
@@ -123,8 +126,9 @@ def test_grouping_never_collapses_a_run_into_one_row(tmp_path):
         moved = OrderedDict((k, v + 1) for k, v in state.items())
         take_pair(tmp_path / name, state, moved)
         repo = Repository(str(tmp_path / name))
-        picture = diff_rows(repo.diff("a", "b", stats=True), repo.show("a").entries,
-                            repo.show("b").entries)  # fmt: skip
+        picture = diff_rows(
+            repo.diff("a", "b", stats=True), repo.show("a").entries, repo.show("b").entries
+        )
         assert 16 <= len(picture.rows) <= 64
         assert [k for r in picture.rows for k in r.keys] == [f"0/model/{k}" for k in state]
         assert picture.grouping.startswith("runs of")
@@ -139,22 +143,30 @@ def test_log_plot_draws_bytes_and_a_metric_skipping_nan(tmp_path):
     losses = [2.0, 1.0, "NaN", 0.5, 0.25]
     for k, loss in enumerate(losses):
         state[f"w{k % 4}"] = state[f"w{k % 4}"] + 1
-        Snapshot.take(str(root / f"step_{(k + 1) * 100}"), {"m": StateDict(**state)},
-                      session=session, metadata={"step": (k + 1) * 100,
-                                                 "metrics": {"loss": loss}})  # fmt: skip
+        Snapshot.take(
+            str(root / f"step_{(k + 1) * 100}"),
+            {"m": StateDict(**state)},
+            session=session,
+            metadata={"step": (k + 1) * 100, "metrics": {"loss": loss}},
+        )
     out = casnap(tmp_path, "log", str(root), "--plot", "run.png", "--metric", "loss")
     assert out.returncode == 0, out.stderr
     assert "step_500" in out.stdout  # the table is still printed
     record = drawn(tmp_path / "run.png")
     assert record["x"] == "step" and record["unit"] == "KiB" and record["metric"] == "loss"
     assert record["snapshots"] == [f"step_{s}" for s in (100, 200, 300, 400, 500)]
-    assert record["points"] == [["step_100", 2.0], ["step_200", 1.0], ["step_400", 0.5],
-                                ["step_500", 0.25]]  # fmt: skip
+    assert record["points"] == [
+        ["step_100", 2.0],
+        ["step_200", 1.0],
+        ["step_400", 0.5],
+        ["step_500", 0.25],
+    ]
     assert record["skipped"] == ["step_300"]
     # Names the metrics there are when asked for one no snapshot has; --metric needs --plot.
     out = casnap(tmp_path, "log", str(root), "--plot", "x.png", "--metric", "acc")
     assert out.returncode == 2 and out.stderr.strip() == (
-        "casnap: no snapshot has a metric 'acc' (metrics found: loss)")  # fmt: skip
+        "casnap: no snapshot has a metric 'acc' (metrics found: loss)"
+    )
     assert not (tmp_path / "x.png").exists()
     out = casnap(tmp_path, "log", str(root), "--metric", "loss")
     assert out.returncode == 2 and "--plot" in out.stderr and "Traceback" not in out.stderr
@@ -178,8 +190,10 @@ def test_plot_without_matplotlib_says_which_extra(tmp_path):
     Snapshot.take(str(tmp_path / "run" / "s1"), {"m": StateDict(w=torch.ones(4))})
     Snapshot.take(str(tmp_path / "run" / "s2"), {"m": StateDict(w=torch.zeros(4))})
     hidden = str(tmp_path / "no-mpl")
-    for args in (["log", "run", "--plot", "out.png"],
-                 ["diff", "run/s1", "run/s2", "--plot", "out.png"]):  # fmt: skip
+    for args in (
+        ["log", "run", "--plot", "out.png"],
+        ["diff", "run/s1", "run/s2", "--plot", "out.png"],
+    ):
         out = casnap(tmp_path, *args, pythonpath=hidden)
         assert out.returncode == 2, out.stderr
         assert out.stderr == (
@@ -193,9 +207,11 @@ def test_plot_without_matplotlib_says_which_extra(tmp_path):
 def test_plot_target_is_checked_before_any_work(tmp_path):
     Snapshot.take(str(tmp_path / "run" / "s1"), {"m": StateDict(w=torch.ones(4))})
     (tmp_path / "adir").mkdir()
-    for target, message in (("missing/out.png", "no directory"),
-                            ("adir", "is a directory"),
-                            ("out.txt", "must end in .png, .svg, .pdf")):  # fmt: skip
+    for target, message in (
+        ("missing/out.png", "no directory"),
+        ("adir", "is a directory"),
+        ("out.txt", "must end in .png, .svg, .pdf"),
+    ):
         out = casnap(tmp_path, "log", "run", "--plot", target)
         assert out.returncode == 2 and message in out.stderr, out.stderr
         assert len(out.stderr.splitlines()) == 1 and out.stdout == ""

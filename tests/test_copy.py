@@ -41,16 +41,23 @@ def _state(seed: int, new_head: bool = True) -> dict[str, object]:
 
 
 def _take(repo: Repository, name: str, seed: int) -> None:
-    Snapshot.take(f"{repo.url}/{name}", _state(seed), storage_options={"repository": repo},
-                  metadata={"step": seed})  # fmt: skip
+    Snapshot.take(
+        f"{repo.url}/{name}",
+        _state(seed),
+        storage_options={"repository": repo},
+        metadata={"step": seed},
+    )
 
 
 def _same_as_original(url: str, name: str, seed: int) -> None:
     """Restore ``name`` from ``url`` into fresh modules: equal to the state taken."""
     want = _state(seed)
     torch.manual_seed(1234)
-    got = {"backbone": torch.nn.Linear(256, 300), "head": torch.nn.Linear(300, 64),
-           "extra": StateDict()}  # fmt: skip
+    got = {
+        "backbone": torch.nn.Linear(256, 300),
+        "head": torch.nn.Linear(300, 64),
+        "extra": StateDict(),
+    }
     Snapshot(f"{url}/{name}").restore(got)
     for key in ("backbone", "head"):
         for a, b in zip(want[key].state_dict().values(), got[key].state_dict().values()):  # type: ignore[attr-defined]
@@ -64,8 +71,11 @@ def _objects(repo: Repository, name: str) -> set[str]:
 
 def _sent(store: CountingStore) -> list[str]:
     """The chunk and pack objects put through ``store`` (the repository's root)."""
-    return [k.removeprefix(".casnap/") for k in store.written_keys
-            if k.split("/")[1] in ("chunks", "packs")]  # fmt: skip
+    return [
+        k.removeprefix(".casnap/")
+        for k in store.written_keys
+        if k.split("/")[1] in ("chunks", "packs")
+    ]
 
 
 @pytest.fixture
@@ -133,8 +143,9 @@ def test_a_damaged_source_object_fails_its_snapshot_and_nothing_of_it_is_visible
     src, tmp_path, kind
 ):
     _take(src, "step_3", 3)
-    only_3 = sorted(k for k in _objects(src, "step_3") - _objects(src, "step_2")
-                    if k.startswith(kind))  # fmt: skip
+    only_3 = sorted(
+        k for k in _objects(src, "step_3") - _objects(src, "step_2") if k.startswith(kind)
+    )
     only_3 = [k for k in only_3 if k not in _objects(src, "step_1")]
     _corrupt(src, only_3[0])
     dst_url = str(tmp_path / "dst")
@@ -259,8 +270,9 @@ def test_cli_copy_prints_a_summary_resumes_and_maps_errors_to_exit_codes(src, tm
     assert code == 0 and other.resolve("step_2") == src.resolve("step_2")
 
     _take(src, "step_3", 3)
-    head = sorted(k for k in _objects(src, "step_3") - _objects(src, "step_2")
-                  if k.startswith("chunks"))  # fmt: skip
+    head = sorted(
+        k for k in _objects(src, "step_3") - _objects(src, "step_2") if k.startswith("chunks")
+    )
     _corrupt(src, head[0])
     code, out, err = casnap(tmp_path, "copy", src.url, dst)
     last = err.strip().splitlines()[-1]  # after the warning that the damage is recorded

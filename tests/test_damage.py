@@ -50,8 +50,9 @@ def snap_path(repo: Path, name: str) -> str:
 
 
 def take_here(repo: Path, name: str, **kw) -> Snapshot:
-    return Snapshot.take(snap_path(repo, name), live_state(),
-                         storage_options={"chunk_size": CHUNK}, **kw)  # fmt: skip
+    return Snapshot.take(
+        snap_path(repo, name), live_state(), storage_options={"chunk_size": CHUNK}, **kw
+    )
 
 
 def take_in_new_process(

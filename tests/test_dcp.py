@@ -62,8 +62,7 @@ def _stored(repo: Path) -> int:
 def test_save_then_load_gives_back_the_state(tmp_path):
     model, opt = _trained()
     state = {**_state(model), "optim": opt.state_dict()}
-    dcp.save(state, storage_writer=CasnapWriter(tmp_path / "run" / "step_3",
-                                                storage_options=SMALL))  # fmt: skip
+    dcp.save(state, storage_writer=CasnapWriter(tmp_path / "run" / "step_3", storage_options=SMALL))
     out = {**_blank(), "optim": _trained(5)[1].state_dict()}
     dcp.load(out, storage_reader=CasnapReader(tmp_path / "run" / "step_3"))
     assert _same(out["model"], model.state_dict())
@@ -146,8 +145,9 @@ def test_checkpoint_id_no_dist_and_the_deprecated_api(tmp_path):
     assert _same(out["model"], model.state_dict())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save_state_dict(_state(model, 9), storage_writer=CasnapWriter(tmp_path / "run" / "b"),
-                            no_dist=True)  # fmt: skip
+        dcp.save_state_dict(
+            _state(model, 9), storage_writer=CasnapWriter(tmp_path / "run" / "b"), no_dist=True
+        )
         out = _blank()
         dcp.load_state_dict(out, storage_reader=CasnapReader(tmp_path / "run" / "b"), no_dist=True)
     assert out["step"] == 9 and _same(out["model"], model.state_dict())
@@ -182,8 +182,9 @@ def test_stateful_values_and_async_save(tmp_path):
 
 def test_a_damaged_chunk_fails_the_load_and_verify_finds_it(tmp_path):
     model, _ = _trained()
-    dcp.save(_state(model), storage_writer=CasnapWriter(tmp_path / "run" / "s",
-                                                        storage_options=SMALL))  # fmt: skip
+    dcp.save(
+        _state(model), storage_writer=CasnapWriter(tmp_path / "run" / "s", storage_options=SMALL)
+    )
     loose = sorted((tmp_path / "run" / ".casnap" / "chunks").rglob("*"))
     victim = next(f for f in loose if f.is_file())
     data = bytearray(victim.read_bytes())

@@ -66,8 +66,11 @@ def test_a_save_that_loses_the_commit_race_is_kept_in_history(tmp_path):
     dcp.save(_state(1.0, 1), storage_writer=CasnapWriter(path))
     old = _named(root)["latest"]
     other = CasnapWriter(path)
-    gated = _CommitsInBetween(LocalStore(str(root)), ".casnap/refs/latest",
-                              lambda: dcp.save(_state(3.0, 3), storage_writer=other))  # fmt: skip
+    gated = _CommitsInBetween(
+        LocalStore(str(root)),
+        ".casnap/refs/latest",
+        lambda: dcp.save(_state(3.0, 3), storage_writer=other),
+    )
     writer = CasnapWriter(path, storage_options={"repository": RepoStorage.on_store(gated)})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -81,8 +84,9 @@ def test_a_save_that_loses_the_commit_race_is_kept_in_history(tmp_path):
         f"latest{HISTORY_SEP}{old[:12]}": old,
         f"latest{HISTORY_SEP}{mine[:12]}": mine,
     }
-    assert any(issubclass(w.category, CasnapWarning) and mine[:12] in str(w.message)
-               for w in caught)  # fmt: skip
+    assert any(
+        issubclass(w.category, CasnapWarning) and mine[:12] in str(w.message) for w in caught
+    )
     back = _state(0.0, 0)
     dcp.load(back, storage_reader=CasnapReader(root / f"latest{HISTORY_SEP}{mine[:12]}"))
     assert back["step"] == 2 and bool((back["w"] == 2.0).all())
@@ -93,8 +97,11 @@ def test_a_first_save_that_loses_the_race_is_kept_in_history(tmp_path):
     root, path = tmp_path / "run", tmp_path / "run" / "latest"
     casnap.Repository.init(str(root))
     other = CasnapWriter(path)
-    gated = _CommitsInBetween(LocalStore(str(root)), ".casnap/refs/latest",
-                              lambda: dcp.save(_state(3.0, 3), storage_writer=other))  # fmt: skip
+    gated = _CommitsInBetween(
+        LocalStore(str(root)),
+        ".casnap/refs/latest",
+        lambda: dcp.save(_state(3.0, 3), storage_writer=other),
+    )
     writer = CasnapWriter(path, storage_options={"repository": RepoStorage.on_store(gated)})
     dcp.save(_state(2.0, 2), storage_writer=writer)
     mine, theirs = writer.last_manifest, other.last_manifest
@@ -126,8 +133,10 @@ def test_two_processes_saving_to_one_id_lose_no_returned_save(tmp_path):
     start = ctx.Barrier(2)
     saves = 20
     outs = [tmp_path / f"saver{who}.json" for who in (1, 2)]
-    procs = [ctx.Process(target=_saver, args=(str(path), str(out), who, saves, start))
-             for who, out in zip((1, 2), outs, strict=True)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_saver, args=(str(path), str(out), who, saves, start))
+        for who, out in zip((1, 2), outs, strict=True)
+    ]
     for p in procs:
         p.start()
     for p in procs:

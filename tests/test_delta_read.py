@@ -41,8 +41,9 @@ def _series(root: Path, n: int, repo: Repository | None = None) -> list[torch.Te
         if i:
             t = _sparse(t, i, rows=24)  # most chunks change at every step
         states.append(t)
-        Snapshot.take(f"{root}/s{i}", {"m": StateDict(emb=t)}, session=session,
-                      storage_options=opts)  # fmt: skip
+        Snapshot.take(
+            f"{root}/s{i}", {"m": StateDict(emb=t)}, session=session, storage_options=opts
+        )
     return states
 
 
@@ -93,8 +94,9 @@ def test_a_delta_ending_in_a_ragged_block_restores_bit_exact(tmp_path: Path) -> 
     u = t.clone()
     u[-3:] += 1.0  # the last, ragged block
     u[5:9] += 1.0
-    snap = Snapshot.take(f"{tmp_path}/b", {"m": StateDict(w=u)}, session=session,
-                         storage_options=opts)  # fmt: skip
+    snap = Snapshot.take(
+        f"{tmp_path}/b", {"m": StateDict(w=u)}, session=session, storage_options=opts
+    )
     refs = _chunks(f"{tmp_path}/b", "0/m/w")
     assert refs[-1].size % codec.DELTA_BLOCK and refs[-1].base is not None
     assert snap.last_take_stats.deltas_written == 2
@@ -109,15 +111,23 @@ def test_a_densely_changed_tensor_does_not_keep_a_sparse_one_from_deltas(tmp_pat
     dense = torch.randn(4 * ROWS, COLS, generator=g)  # 32 chunks, all changed densely
     emb = torch.randn(ROWS, COLS, generator=g)
     session, opts = Session(), {"chunk_size": CHUNK}
-    Snapshot.take(f"{tmp_path}/a", {"m": StateDict(dense=dense, emb=emb)}, session=session,
-                  storage_options=opts)  # fmt: skip
+    Snapshot.take(
+        f"{tmp_path}/a",
+        {"m": StateDict(dense=dense, emb=emb)},
+        session=session,
+        storage_options=opts,
+    )
     new_emb = _sparse(emb, 7, rows=8)
     changed = sum(
         not torch.equal(a, b)
         for a, b in zip(emb.reshape(8, -1), new_emb.reshape(8, -1), strict=True)
     )
-    snap = Snapshot.take(f"{tmp_path}/b", {"m": StateDict(dense=dense * 1.001, emb=new_emb)},
-                         session=session, storage_options=opts)  # fmt: skip
+    snap = Snapshot.take(
+        f"{tmp_path}/b",
+        {"m": StateDict(dense=dense * 1.001, emb=new_emb)},
+        session=session,
+        storage_options=opts,
+    )
     assert snap.last_take_stats.deltas_written == changed  # every changed emb chunk, no dense one
     assert all(r.base is None for r in _chunks(f"{tmp_path}/b", "0/m/dense"))
 

@@ -32,9 +32,13 @@ def _async_take(root: str, step: int, rank: int, session: Any) -> dict[str, Any]
     state = StateDict(_original(rank, step))
     before = pool.reused_bytes
     pool.peak_in_use_bytes = pool.in_use_bytes  # this take's peak only
-    pending = Snapshot.async_take(f"{root}/a{step}", {"s": state}, replicated=["s/w"],
-                                  storage_options={"chunk_size": CHUNK},
-                                  session=session)  # fmt: skip
+    pending = Snapshot.async_take(
+        f"{root}/a{step}",
+        {"s": state},
+        replicated=["s/w"],
+        storage_options={"chunk_size": CHUNK},
+        session=session,
+    )
     state["w"].mul_(-1.0)  # right after async_take returns: never in the snapshot
     state["own"].add_(100.0)
     snap = pending.wait(60)
@@ -43,8 +47,12 @@ def _async_take(root: str, step: int, rank: int, session: Any) -> dict[str, Any]
     for k, v in _original(rank, step).items():
         assert torch.equal(fresh[k], v), (step, k)
     written = [s.raw_bytes_written for s in snap.last_take_rank_stats or []]
-    return {"staged": pool.peak_in_use_bytes, "after": pool.in_use_bytes,
-            "written": written, "reused": pool.reused_bytes - before}  # fmt: skip
+    return {
+        "staged": pool.peak_in_use_bytes,
+        "after": pool.in_use_bytes,
+        "written": written,
+        "reused": pool.reused_bytes - before,
+    }
 
 
 def async_scenario(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def _plan() -> RankPlan:
             "bfloat16",
             (4, 4),
             (ShardPlan((0, 0), (2, 4), ((h[3], 16),)), ShardPlan((2, 0), (2, 4), ((h[4], 16),))),
-        ),  # fmt: skip
+        ),
         "1/e": TensorPlan("int64", (0,), False, ()),
     }
     return RankPlan(1, 4096, entries)
@@ -73,8 +73,9 @@ def _state(rank: int, extra: bool = False) -> dict[str, Any]:
 def _take(root: str, name: str, app: dict[str, Any], session: Any) -> tuple[Any, Any]:
     from casnap import Snapshot
 
-    snap = Snapshot.take(f"{root}/{name}", app, replicated=["shared/**"], storage_options=OPTS,
-                         session=session)  # fmt: skip
+    snap = Snapshot.take(
+        f"{root}/{name}", app, replicated=["shared/**"], storage_options=OPTS, session=session
+    )
     return snap, session.plan_cache.last
 
 
@@ -135,10 +136,13 @@ def cache_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
             _take(root, "s6", app, session)
     except ReplicaMismatchError as exc:
         mismatch = str(exc)
-    return {"modes": [x.mode for x in (first, second, plain, changed, restarted, again)],
-            "gathers": [x.gathers for x in (first, second, changed, restarted)],
-            "bytes": [first.payload_bytes, second.payload_bytes, changed.payload_bytes],
-            "second_bytes": restarted.second_bytes, "mismatch": mismatch}  # fmt: skip
+    return {
+        "modes": [x.mode for x in (first, second, plain, changed, restarted, again)],
+        "gathers": [x.gathers for x in (first, second, changed, restarted)],
+        "bytes": [first.payload_bytes, second.payload_bytes, changed.payload_bytes],
+        "second_bytes": restarted.second_bytes,
+        "mismatch": mismatch,
+    }
 
 
 @pytest.mark.dist

@@ -21,11 +21,12 @@ def _entry(rows: int, cols: int, parts: int, chunk: int) -> ShardedEntry:
                 hash=f"{p:032x}{i:032x}",
                 size=min(chunk, nbytes - i * chunk),
                 length=HEADER_SIZE + min(chunk, nbytes - i * chunk),
-            )  # fmt: skip
+            )
             for i in range(-(-nbytes // chunk))
         ]
-        shards.append(ShardRecord(offsets=[p * per, 0], sizes=[per, cols], chunk_size=chunk,
-                                  chunks=refs))  # fmt: skip
+        shards.append(
+            ShardRecord(offsets=[p * per, 0], sizes=[per, cols], chunk_size=chunk, chunks=refs)
+        )
     return ShardedEntry(layout="dtensor", dtype="float32", shape=[rows, cols], shards=shards)
 
 

@@ -54,15 +54,22 @@ def _state(world: int, layout: str, fill: bool) -> dict[str, Any]:
         return distribute_tensor(value, m, placements)
 
     if layout == "a":
-        state = {"w1": make("w1", [Shard(0)]), "r": make("r", [Replicate()]),
-                 "b": make("b", [Shard(1)])}  # fmt: skip
+        state = {
+            "w1": make("w1", [Shard(0)]),
+            "r": make("r", [Replicate()]),
+            "b": make("b", [Shard(1)]),
+        }
         if world == 4:
             state["w2"] = make("w2", [Shard(0), Shard(1)], init_device_mesh("cpu", (2, 2)))
         else:
             state["w2"] = make("w2", [Shard(1)])
     else:
-        state = {"w1": make("w1", [Shard(1)]), "r": make("r", [Shard(0)]),
-                 "b": make("b", [Replicate()]), "w2": make("w2", [Shard(0)])}  # fmt: skip
+        state = {
+            "w1": make("w1", [Shard(1)]),
+            "r": make("r", [Shard(0)]),
+            "b": make("b", [Replicate()]),
+            "w2": make("w2", [Shard(0)]),
+        }
     state["st"] = _sharded_tensor("st", world, fill)
     return state
 
@@ -70,8 +77,10 @@ def _state(world: int, layout: str, fill: bool) -> dict[str, Any]:
 def save(rank: int, world: int, root: str, name: str) -> int:
     from casnap import Snapshot, StateDict
 
-    app = {"dt": StateDict(_state(world, "a", fill=True)),
-           "own": StateDict(x=torch.full((3,), float(rank)))}  # fmt: skip
+    app = {
+        "dt": StateDict(_state(world, "a", fill=True)),
+        "own": StateDict(x=torch.full((3,), float(rank))),
+    }
     snap = Snapshot.take(f"{root}/{name}", app, storage_options=OPTS)
     entry = snap.get_manifest()[f"{rank}/dt/w1"]
     assert entry.kind == "sharded" and len(entry.shards) == world

@@ -16,8 +16,11 @@ PACKAGE = Path(casnap.__file__).parent
 
 
 def _error_classes() -> list[type[BaseException]]:
-    return [c for _, c in inspect.getmembers(errors, inspect.isclass)
-            if issubclass(c, BaseException) and c.__module__ == errors.__name__]  # fmt: skip
+    return [
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(c, BaseException) and c.__module__ == errors.__name__
+    ]
 
 
 def test_every_error_class_is_defined_in_errors_py():

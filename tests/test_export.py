@@ -253,8 +253,9 @@ def test_torch_file_is_torch_saves_own_layout(tmp_path):
 
 def test_safetensors_header_and_alignment(tmp_path):
     state = {"u8": torch.arange(3, dtype=torch.uint8), "f64": random_bits(3, torch.float64, 1)}
-    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": StateDict(**state)},
-                         metadata={"step": 1200})  # fmt: skip
+    snap = Snapshot.take(
+        str(tmp_path / "repo" / "s1"), {"m": StateDict(**state)}, metadata={"step": 1200}
+    )
     out = tmp_path / "m.safetensors"
     export_safetensors(snap, out, key="m")
     data = out.read_bytes()
@@ -292,9 +293,11 @@ def test_dtype_tables_match_the_installed_torch():
 
 @pytest.mark.parametrize("fmt", sorted(READERS))
 def test_every_dtype_the_format_can_hold_reads_back(tmp_path, fmt):
-    table = SAFETENSORS_DTYPES if fmt == "safetensors" else (
-        set(TORCH_LEGACY_STORAGES) | TORCH_UNTYPED_STORAGE_DTYPES
-    )  # fmt: skip
+    table = (
+        SAFETENSORS_DTYPES
+        if fmt == "safetensors"
+        else (set(TORCH_LEGACY_STORAGES) | TORCH_UNTYPED_STORAGE_DTYPES)
+    )
     state = {name: random_bits(6, ALL_DTYPES[name], i) for i, name in enumerate(sorted(table))}
     state = {k: v.reshape(2, 3) for k, v in state.items()}
     state["bool"] = torch.tensor([[True, False, True], [False, False, True]])
@@ -305,13 +308,16 @@ def test_every_dtype_the_format_can_hold_reads_back(tmp_path, fmt):
         assert_same(read(tmp_path / "out"), state)
 
 
-@pytest.mark.parametrize(("fmt", "dtype"), [("safetensors", torch.complex128),
-                                            ("safetensors", torch.bits8),
-                                            ("torch", torch.int4)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [("safetensors", torch.complex128), ("safetensors", torch.bits8), ("torch", torch.int4)],
+)
 def test_unsupported_dtype_names_the_key_and_writes_nothing(tmp_path, fmt, dtype):
-    odd = torch.zeros(4, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1 else (
-        torch.zeros(4, dtype=dtype)
-    )  # fmt: skip
+    odd = (
+        torch.zeros(4, dtype=torch.uint8).view(dtype)
+        if dtype.itemsize == 1
+        else (torch.zeros(4, dtype=dtype))
+    )
     snap = take(tmp_path, "s1", {"m": StateDict(ok=torch.ones(2), odd=odd)})
     out = tmp_path / "out"
     with pytest.raises(UnsupportedValueError, match=r"0/m/odd.*" + str(dtype).split(".")[1]):
@@ -346,9 +352,11 @@ def test_corrupt_chunk_raises_integrity_error_and_leaves_no_output(tmp_path, fmt
 
 @pytest.mark.parametrize("fmt", sorted(READERS))
 def test_non_tensor_keys_are_refused_clearly(tmp_path, fmt):
-    snap = Snapshot.take(str(tmp_path / "repo" / "s1"),
-                         {"m": StateDict(w=torch.ones(2), step=3, cfg={"lr": 0.1})},
-                         allow_pickle=True)  # fmt: skip
+    snap = Snapshot.take(
+        str(tmp_path / "repo" / "s1"),
+        {"m": StateDict(w=torch.ones(2), step=3, cfg={"lr": 0.1})},
+        allow_pickle=True,
+    )
     export = READERS[fmt][0]
     with pytest.raises(UnsupportedValueError, match=r"0/m/step: is a primitive \(int\)"):
         export(snap, tmp_path / "out", key="0/m/step")
@@ -379,8 +387,12 @@ def test_read_buffers_stay_under_the_budget_and_progress_reaches_the_total(tmp_p
     calls: list[tuple[int, int]] = []
     for export in (export_safetensors, export_torch):
         calls.clear()
-        result = export(snap, tmp_path / "out", memory_budget_bytes=budget,
-                        progress=lambda d, t: calls.append((d, t)))  # fmt: skip
+        result = export(
+            snap,
+            tmp_path / "out",
+            memory_budget_bytes=budget,
+            progress=lambda d, t: calls.append((d, t)),
+        )
         assert 0 < result.peak_buffer_bytes <= budget
         assert result.fetched_bytes >= result.tensor_bytes  # random floats stay raw
         dones = [d for d, _ in calls]
@@ -420,16 +432,20 @@ MEASURE = textwrap.dedent(
 def test_peak_memory_of_an_export_is_far_below_the_snapshot_size(tmp_path):
     size = 200 << 20
     g = torch.Generator().manual_seed(0)
-    parts = {f"t{i}": torch.empty(size // 4 // 8, dtype=torch.int64).random_(generator=g)
-             for i in range(4)}  # fmt: skip
+    parts = {
+        f"t{i}": torch.empty(size // 4 // 8, dtype=torch.int64).random_(generator=g)
+        for i in range(4)
+    }
     Snapshot.take(str(tmp_path / "repo" / "big"), {"m": StateDict(**parts)})
     del parts
 
     cmd = [sys.executable, "-c", MEASURE, str(tmp_path / "repo" / "big"), str(tmp_path / "out")]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)
     growth = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"RSS growth over {size >> 20} MiB, 16 MiB budget: "
-          + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in growth.items()))  # fmt: skip
+    print(
+        f"RSS growth over {size >> 20} MiB, 16 MiB budget: "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in growth.items())
+    )
     assert growth["safetensors"] < size / 2
     assert growth["torch"] < size / 2
     assert growth["load"] > size * 0.9  # the measurement does see a full load
@@ -457,14 +473,25 @@ def _zeros_crc(n: int) -> int:
 def test_torch_archive_past_4_gib_uses_zip64_where_torch_expects_it(tmp_path):
     """A sparse file: a 4 GiB + 64 B storage of zeros, then a small one past the 4 GiB mark."""
     big = (1 << 32) + 64
-    refs = [ChunkRef(hash="0" * 64, size=min(1 << 30, big - i * (1 << 30)), length=100)
-            for i in range(5)]  # fmt: skip
+    refs = [
+        ChunkRef(hash="0" * 64, size=min(1 << 30, big - i * (1 << 30)), length=100)
+        for i in range(5)
+    ]
     items = [
-        ExportItem("big", "0/big", TensorEntry(dtype="uint8", shape=[big], chunk_size=1 << 30,
-                                          chunks=refs)),
-        ExportItem("small", "0/small", TensorEntry(dtype="int16", shape=[4], chunk_size=CHUNK,
-                                              chunks=[ChunkRef(hash="0" * 64, size=8, length=64)])),
-    ]  # fmt: skip
+        ExportItem(
+            "big", "0/big", TensorEntry(dtype="uint8", shape=[big], chunk_size=1 << 30, chunks=refs)
+        ),
+        ExportItem(
+            "small",
+            "0/small",
+            TensorEntry(
+                dtype="int16",
+                shape=[4],
+                chunk_size=CHUNK,
+                chunks=[ChunkRef(hash="0" * 64, size=8, length=64)],
+            ),
+        ),
+    ]
     plan, small = plan_torch_archive(torch_pickle(items), [big, 8])
     small_data = struct.pack("<4h", 1, -2, 3, -4)
     out = tmp_path / "big.pt"

@@ -18,15 +18,23 @@ from casnap.format.parse import parse_config, parse_manifest, parse_ref
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-_VALID = serialize(Manifest(
-    created_at="2026-01-01T00:00:00+00:00",
-    entries={
-        "0/s": PrimitiveEntry(type="int", value=1),
-        "0/t": TensorEntry(dtype="float32", shape=[3, 2], chunk_size=16, chunks=[
-            ChunkRef(hash="a" * 64, size=16, length=72),
-            ChunkRef(hash="b" * 64, size=8, pack="c" * 64, offset=100, length=64)]),
-    },
-))  # fmt: skip
+_VALID = serialize(
+    Manifest(
+        created_at="2026-01-01T00:00:00+00:00",
+        entries={
+            "0/s": PrimitiveEntry(type="int", value=1),
+            "0/t": TensorEntry(
+                dtype="float32",
+                shape=[3, 2],
+                chunk_size=16,
+                chunks=[
+                    ChunkRef(hash="a" * 64, size=16, length=72),
+                    ChunkRef(hash="b" * 64, size=8, pack="c" * 64, offset=100, length=64),
+                ],
+            ),
+        },
+    )
+)
 
 json_values = st.recursive(
     st.none()
@@ -55,11 +63,23 @@ def test_random_bytes_never_crash_the_manifest_parser(data):
 @given(st.data())
 def test_mutated_manifests_are_accepted_or_refused_cleanly(data):
     doc = json.loads(_VALID)
-    path = data.draw(st.sampled_from([
-        ("entries", "0/t", "shape"), ("entries", "0/t", "dtype"), ("entries", "0/t", "chunk_size"),
-        ("entries", "0/t", "chunks"), ("entries", "0/s", "value"), ("entries", "0/s", "type"),
-        ("format_version",), ("parents",), ("entries",), ("world_size",), ("metadata",),
-    ]))  # fmt: skip
+    path = data.draw(
+        st.sampled_from(
+            [
+                ("entries", "0/t", "shape"),
+                ("entries", "0/t", "dtype"),
+                ("entries", "0/t", "chunk_size"),
+                ("entries", "0/t", "chunks"),
+                ("entries", "0/s", "value"),
+                ("entries", "0/s", "type"),
+                ("format_version",),
+                ("parents",),
+                ("entries",),
+                ("world_size",),
+                ("metadata",),
+            ]
+        )
+    )
     node = doc
     for p in path[:-1]:
         node = node[p]
@@ -85,8 +105,9 @@ def test_random_refs_and_configs_never_crash(data):
 
 
 @FUZZ
-@given(st.binary(min_size=0, max_size=4000), st.booleans(), st.sampled_from([0, 2, 4, 8]),
-       st.data())  # fmt: skip
+@given(
+    st.binary(min_size=0, max_size=4000), st.booleans(), st.sampled_from([0, 2, 4, 8]), st.data()
+)
 def test_corrupted_frames_are_integrity_errors(payload, compress, elem, data):
     digest = digest_of(payload)
     head, body = codec.encode(payload, digest, compress=compress, elem_size=elem)

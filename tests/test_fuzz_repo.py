@@ -23,8 +23,9 @@ CI_KINDS = fuzz_repo.ALL_KINDS
 
 
 def test_fuzzing_a_repository_finds_no_failures(tmp_path):
-    summary = fuzz_repo.run(seed=20260101, cases=None, seconds=20, workdir=str(tmp_path),
-                            kinds=CI_KINDS)  # fmt: skip
+    summary = fuzz_repo.run(
+        seed=20260101, cases=None, seconds=20, workdir=str(tmp_path), kinds=CI_KINDS
+    )
     shown = json.dumps(summary["failures"], indent=1, default=str)[:6000]
     assert summary["failed"] == 0, f"{summary['outcomes']}\n{shown}"
     assert summary["cases"] >= 100, summary  # it really ran

@@ -87,8 +87,9 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
             state = state_for(k, rnd)
             parents = [deleted[-1]] if rnd % 4 == 3 and deleted else None
             try:
-                snap = Snapshot.take(f"{url}/{name}", {"s": state}, storage_options=opts,
-                                     parents=parents)  # fmt: skip
+                snap = Snapshot.take(
+                    f"{url}/{name}", {"s": state}, storage_options=opts, parents=parents
+                )
             except StoreError:
                 # Unleased, a take's own temp file can be swept by gc --grace 0
                 # mid-put; that take fails loudly and commits nothing.
@@ -132,8 +133,9 @@ def run_scenario(root: Path, protected: bool, rounds: int = ROUNDS) -> dict[str,
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     logs = [str(root / f"taker{k}.jsonl") for k in range(TAKERS)]
-    takers = [ctx.Process(target=taker, args=(url, k, rounds, logs[k], protected))
-              for k in range(TAKERS)]  # fmt: skip
+    takers = [
+        ctx.Process(target=taker, args=(url, k, rounds, logs[k], protected)) for k in range(TAKERS)
+    ]
     gc_proc = ctx.Process(target=collector, args=(url, stop, str(root / "gc.json")))
     gc_proc.start()
     for p in takers:

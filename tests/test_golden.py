@@ -55,9 +55,13 @@ def golden11(tmp_path) -> Path:
 
 def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and bytes(a.contiguous().reshape(-1).view(torch.uint8).tolist())
-                == bytes(b.contiguous().reshape(-1).view(torch.uint8).tolist()))  # fmt: skip
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bytes(a.contiguous().reshape(-1).view(torch.uint8).tolist())
+            == bytes(b.contiguous().reshape(-1).view(torch.uint8).tolist())
+        )
     if isinstance(a, float) and math.isnan(a):
         return isinstance(b, float) and math.isnan(b)
     if isinstance(a, float):
@@ -144,13 +148,21 @@ def test_golden_v11_restore_whole_tensors_bit_exact(golden11):
     """One process (rank 0) restores every sharded and replicated entry into plain tensors."""
     for name, expected in v11_expected().items():
         model = StateDict({k: torch.zeros_like(v) for k, v in expected.items()})
-        own = StateDict(x=torch.zeros(6, dtype=torch.int64), mask=torch.ones(5, dtype=torch.bool),
-                        step=-1, rank=-1, lr=0.0, name="", frac=None)  # fmt: skip
+        own = StateDict(
+            x=torch.zeros(6, dtype=torch.int64),
+            mask=torch.ones(5, dtype=torch.bool),
+            step=-1,
+            rank=-1,
+            lr=0.0,
+            name="",
+            frac=None,
+        )
         with pytest.raises(PickleNotAllowedError):
             Snapshot(str(golden11 / name)).restore({"model": model, "rank_state": own})
         assert not model["w_row"].any()  # refused before anything was modified
-        Snapshot(str(golden11 / name)).restore({"model": model, "rank_state": own},
-                                               allow_pickle=True)  # fmt: skip
+        Snapshot(str(golden11 / name)).restore(
+            {"model": model, "rank_state": own}, allow_pickle=True
+        )
         assert same(expected, dict(model)), name
         assert same(v11_rank_state(0, name), dict(own)), name
 
@@ -230,15 +242,25 @@ def reshard_restore(rank: int, world: int, root: str) -> bool:
         zeros = {k: torch.zeros_like(v) for k, v in expected.items()}
         model = golden_v11_model(world, zeros, layout="reshard")
         app = {"model": StateDict(model)}
-        own = StateDict(x=torch.zeros(6, dtype=torch.int64), mask=torch.ones(5, dtype=torch.bool),
-                        step=-1, rank=-1, lr=0.0, name="", frac=None)  # fmt: skip
+        own = StateDict(
+            x=torch.zeros(6, dtype=torch.int64),
+            mask=torch.ones(5, dtype=torch.bool),
+            step=-1,
+            rank=-1,
+            lr=0.0,
+            name="",
+            frac=None,
+        )
         if rank < V11_WORLD:  # per-rank state restores onto the same rank only
             app["rank_state"] = own
         Snapshot(f"{root}/{name}").restore(app, allow_pickle=True)
         for key, value in model.items():
             leaf = as_shard_leaf(value, key)
-            parts = [((0,) * value.dim(), value)] if leaf is None else [
-                (s.offsets, s.tensor) for s in leaf.shards]  # fmt: skip
+            parts = (
+                [((0,) * value.dim(), value)]
+                if leaf is None
+                else [(s.offsets, s.tensor) for s in leaf.shards]
+            )
             for offsets, local in parts:
                 box = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))
                 assert same(expected[key][box].contiguous(), local), (name, rank, key)

@@ -46,8 +46,7 @@ def _plan(rank: int) -> RankPlan:
     rank 4's seed differs from its replicas' (a primitive outside the body)."""
     p = rank % POSITIONS
     box = ShardPlan((2 * p, 0), (2, 4), ((_h("w", p, 0), 16), (_h("w", p, 1), 16)))
-    quant = Quantization(dtype="qint8", qscheme="per_tensor_affine", scale="0x1.0p-3",
-                         zero_point=0)  # fmt: skip
+    quant = Quantization(dtype="qint8", qscheme="per_tensor_affine", scale="0x1.0p-3", zero_point=0)
     entries: dict[str, object] = {
         f"{rank}/model": ContainerEntry(type="dict", keys=["w", 'wé"q', 3]),
         f"{rank}/model/w": ShardedPlan("dtensor", "float32", (6, 4), (box,)),
@@ -121,8 +120,11 @@ def test_grouped_bytes_equal_the_reference_dump() -> None:
 def test_copies_of_the_manifest_write_the_same_bytes() -> None:
     manifest = _manifest()
     data = serialize(manifest)
-    for other in (pickle.loads(pickle.dumps(manifest)), copy.deepcopy(manifest),
-                  manifest.model_copy()):  # fmt: skip
+    for other in (
+        pickle.loads(pickle.dumps(manifest)),
+        copy.deepcopy(manifest),
+        manifest.model_copy(),
+    ):
         assert serialize(other) == data
 
 

@@ -50,11 +50,23 @@ def _model() -> GPT2LMHeadModel:
 
 
 def _args(out, **kw) -> TrainingArguments:
-    options = dict(
-        output_dir=str(out), max_steps=MAX_STEPS, save_steps=2, save_total_limit=2,
-        per_device_train_batch_size=4, learning_rate=1e-3, report_to=[], use_cpu=True,
-        logging_steps=100, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-    ) | kw  # fmt: skip
+    options = (
+        dict(
+            output_dir=str(out),
+            max_steps=MAX_STEPS,
+            save_steps=2,
+            save_total_limit=2,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            report_to=[],
+            use_cpu=True,
+            logging_steps=100,
+            seed=0,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        | kw
+    )
     return TrainingArguments(**options)
 
 
@@ -70,8 +82,10 @@ class _StopAt(TrainerCallback):
 
 
 def _checkpoints(out) -> list[str]:
-    return sorted((p for p in os.listdir(out) if p.startswith("checkpoint-")),
-                  key=lambda p: int(p.split("-")[1]))  # fmt: skip
+    return sorted(
+        (p for p in os.listdir(out) if p.startswith("checkpoint-")),
+        key=lambda p: int(p.split("-")[1]),
+    )
 
 
 def test_saves_every_save_steps_keeps_total_limit_and_frees_space(tmp_path):
@@ -96,14 +110,16 @@ def test_saves_every_save_steps_keeps_total_limit_and_frees_space(tmp_path):
 
 
 def test_resume_continues_as_an_uninterrupted_run(tmp_path):
-    straight = Trainer(model=_model(), args=_args(tmp_path / "straight", save_strategy="no"),
-                       train_dataset=_Data())  # fmt: skip
+    straight = Trainer(
+        model=_model(), args=_args(tmp_path / "straight", save_strategy="no"), train_dataset=_Data()
+    )
     straight.train()
     expected = {k: v.clone() for k, v in straight.model.state_dict().items()}
 
     out = tmp_path / "run"
-    first = CasnapTrainer(model=_model(), args=_args(out), train_dataset=_Data(),
-                          callbacks=[_StopAt(4)])  # fmt: skip
+    first = CasnapTrainer(
+        model=_model(), args=_args(out), train_dataset=_Data(), callbacks=[_StopAt(4)]
+    )
     first.train()
     assert _checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
     saved = {k: v.clone() for k, v in first.model.state_dict().items()}
@@ -118,8 +134,9 @@ def test_resume_continues_as_an_uninterrupted_run(tmp_path):
                 s["step"].item() for s in optimizer.state_dict()["state"].values()
             }
 
-    resumed = CasnapTrainer(model=_model(), args=_args(out), train_dataset=_Data(),
-                            callbacks=[Probe()])  # fmt: skip
+    resumed = CasnapTrainer(
+        model=_model(), args=_args(out), train_dataset=_Data(), callbacks=[Probe()]
+    )
     resumed.train(resume_from_checkpoint=True)  # the last checkpoint: checkpoint-4
     assert seen["step"] == 4
     for key, value in saved.items():

@@ -39,8 +39,11 @@ GiB = 1 << 30
 
 
 def take(tmp_path: Path, state: dict[str, torch.Tensor], chunk_size: int = MiB) -> Snapshot:
-    return Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": StateDict(**state)},
-                         storage_options={"chunk_size": chunk_size})  # fmt: skip
+    return Snapshot.take(
+        str(tmp_path / "repo" / "s1"),
+        {"s": StateDict(**state)},
+        storage_options={"chunk_size": chunk_size},
+    )
 
 
 def casnap_dir(tmp_path: Path) -> Path:
@@ -74,8 +77,15 @@ def bomb(size: int, declare: bool = True) -> bytes:
 def frame(
     raw_length: int, payload: bytes, digest_hex: str, codec_id: int = codec.CODEC_ZSTD
 ) -> bytes:
-    head = codec.HEADER.pack(codec.MAGIC, codec.FRAME_VERSION, codec_id, 0, raw_length,
-                             len(payload), bytes.fromhex(digest_hex))  # fmt: skip
+    head = codec.HEADER.pack(
+        codec.MAGIC,
+        codec.FRAME_VERSION,
+        codec_id,
+        0,
+        raw_length,
+        len(payload),
+        bytes.fromhex(digest_hex),
+    )
     return head + payload
 
 
@@ -106,8 +116,13 @@ def run_limited(tmp_path: Path, body: str, *, fsize: int | None = None) -> dict:
         print("RESULT " + json.dumps(out))
     """).format(fsize=fsize, body=textwrap.indent(textwrap.dedent(body), " " * 8))
     env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_ARENA_MAX="2")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "repo")], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "repo")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, f"child died (rc {proc.returncode}): {proc.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT ") :])
@@ -226,8 +241,9 @@ def _declare(tmp_path: Path, snap: Snapshot, key: str, nbytes: int, *, chunk: in
         e = doc["entries"][key]
         first = e["chunks"][0]
         e["shape"], e["chunk_size"] = [nbytes // 4], chunk
-        e["chunks"] = [dict(first, size=min(chunk, nbytes - i * chunk))
-                       for i in range(-(-nbytes // chunk))]  # fmt: skip
+        e["chunks"] = [
+            dict(first, size=min(chunk, nbytes - i * chunk)) for i in range(-(-nbytes // chunk))
+        ]
 
     rewrite_manifest(tmp_path, snap, change)
 
@@ -268,8 +284,9 @@ def test_huge_declared_tensor_in_a_restore_is_refused_and_the_target_is_untouche
 
 
 def test_huge_pickled_object_is_refused_before_allocating(tmp_path):
-    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": StateDict(o={1, 2, 3})},
-                         allow_pickle=True)  # fmt: skip
+    snap = Snapshot.take(
+        str(tmp_path / "repo" / "s1"), {"s": StateDict(o={1, 2, 3})}, allow_pickle=True
+    )
     key = next(k for k, e in snap.get_manifest().items() if e.kind == "object")
 
     def change(doc):

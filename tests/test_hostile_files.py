@@ -257,8 +257,11 @@ def run_calls(calls: dict[str, list[Any]]) -> dict[str, dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CASNAP_INDEX": "0"}
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(AS_LIMIT), json.dumps(list(calls.values()))],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:

@@ -59,14 +59,19 @@ def test_safetensors_file_round_trips_and_records_its_source(tmp_path):
     save_file(t, tmp_path / "m.safetensors", metadata={"format": "pt"})
     seen = []
     snap = import_checkpoint(
-        tmp_path / "m.safetensors", tmp_path / "repo" / "v1",
-        metadata={"step": 0}, progress=lambda d, n: seen.append((d, n)),
-    )  # fmt: skip
+        tmp_path / "m.safetensors",
+        tmp_path / "repo" / "v1",
+        metadata={"step": 0},
+        progress=lambda d, n: seen.append((d, n)),
+    )
     assert_same(snap, t)
     meta = Snapshot(str(tmp_path / "repo" / "v1")).metadata
     assert meta["step"] == 0
-    assert meta["import"] == {"format": "safetensors", "path": str(tmp_path / "m.safetensors"),
-                              "safetensors_metadata": {"format": "pt"}}  # fmt: skip
+    assert meta["import"] == {
+        "format": "safetensors",
+        "path": str(tmp_path / "m.safetensors"),
+        "safetensors_metadata": {"format": "pt"},
+    }
     total = sum(x.numel() * x.element_size() for x in t.values())
     assert seen[-1] == (total, total)
 
@@ -86,8 +91,10 @@ def test_hf_sharded_directory_with_index(tmp_path):
     names = sorted(t)
     hf = tmp_path / "hf"
     hf.mkdir()
-    shards = {"model-00001-of-00002.safetensors": names[:3],
-              "model-00002-of-00002.safetensors": names[3:]}  # fmt: skip
+    shards = {
+        "model-00001-of-00002.safetensors": names[:3],
+        "model-00002-of-00002.safetensors": names[3:],
+    }
     for file, keys in shards.items():
         save_file({k: t[k] for k in keys}, hf / file)
     weight_map = {k: f for f, keys in shards.items() for k in keys}
@@ -137,8 +144,10 @@ def test_torch_save_file_dict_of_dicts_and_flat(tmp_path):
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3},
-               tmp_path / "ckpt.pt")  # fmt: skip
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3},
+        tmp_path / "ckpt.pt",
+    )
     snap = import_checkpoint(tmp_path / "ckpt.pt", tmp_path / "repo" / "full")
     assert snap.read_object("0/epoch") == 3
     model2, opt2 = torch.nn.Linear(8, 4), None
@@ -206,20 +215,29 @@ def _nothing_committed(tmp_path: Path) -> None:
     assert not refs.exists() or not any(refs.rglob("*"))
 
 
-@pytest.mark.parametrize("case, code, words", [
-    ("missing", 3, "no such file or directory"),
-    ("not-a-checkpoint", 2, "not a safetensors file, a torch.save file"),
-    ("empty-dir", 2, "neither a DCP .metadata file nor *.safetensors"),
-    ("truncated", 4, "truncated: tensor"),
-    ("pickle", 2, "holds a pickled test_import.Opaque"),
-    ("counter", 2, "holds a collections.Counter, which casnap stores only by pickling"),
-    ("truncated-zip", 4, "torch.load failed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, code, words",
+    [
+        ("missing", 3, "no such file or directory"),
+        ("not-a-checkpoint", 2, "not a safetensors file, a torch.save file"),
+        ("empty-dir", 2, "neither a DCP .metadata file nor *.safetensors"),
+        ("truncated", 4, "truncated: tensor"),
+        ("pickle", 2, "holds a pickled test_import.Opaque"),
+        ("counter", 2, "holds a collections.Counter, which casnap stores only by pickling"),
+        ("truncated-zip", 4, "torch.load failed"),
+    ],
+)
 def test_cli_bad_input(tmp_path, case, code, words):
     save_file(tensors(), tmp_path / "good.safetensors")
-    src = {"missing": "nope.safetensors", "not-a-checkpoint": "notes.txt", "empty-dir": "d",
-           "truncated": "cut.safetensors", "pickle": "obj.pt", "truncated-zip": "cut.pt",
-           "counter": "counter.pt"}[case]  # fmt: skip
+    src = {
+        "missing": "nope.safetensors",
+        "not-a-checkpoint": "notes.txt",
+        "empty-dir": "d",
+        "truncated": "cut.safetensors",
+        "pickle": "obj.pt",
+        "truncated-zip": "cut.pt",
+        "counter": "counter.pt",
+    }[case]
     (tmp_path / "notes.txt").write_text("hello, not a checkpoint\n")
     (tmp_path / "d").mkdir()
     data = (tmp_path / "good.safetensors").read_bytes()
@@ -281,10 +299,17 @@ def test_peak_memory_is_bounded_by_the_budget_not_the_checkpoint(tmp_path, kind)
         dcp_save({"model": state}, src)
     del state
     budget = 8 << 20
-    done = subprocess.run([sys.executable, "-c", _MEASURE, str(src), str(tmp_path / "r" / "x"),
-                           str(budget)], capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin",
-                               "CASNAP_INDEX_DIR": str(tmp_path / "index")})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(src), str(tmp_path / "r" / "x"), str(budget)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            "PYTHONPATH": str(REPO_ROOT),
+            "PATH": "/usr/bin:/bin",
+            "CASNAP_INDEX_DIR": str(tmp_path / "index"),
+        },
+    )
     assert done.returncode == 0, done.stderr
     grew = int(done.stdout.split()[-1])
     assert grew < budget + (24 << 20), f"grew {grew >> 20} MiB importing 96 MiB"

@@ -220,8 +220,9 @@ def test_manifest_summaries_are_read_once_then_served_locally(tmp_path):
     state = mixed_state()
     s1 = take(repo, "s1", state)
     state["t0"].add_(1.0)
-    s2 = Snapshot.take(f"{repo.url}/s2", {"s": state}, storage_options=opts(repo),
-                       parents=[s1.manifest_hash])  # fmt: skip
+    s2 = Snapshot.take(
+        f"{repo.url}/s2", {"s": state}, storage_options=opts(repo), parents=[s1.manifest_hash]
+    )
     index.drop(repo.config.repo_id)
     store.reset()
     hashes = [repo.resolve("s1"), repo.resolve("s2")]
@@ -350,17 +351,23 @@ def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(
     repo, _ = counted_repo(str(tmp_path / "repo"))
     session = Session()
     state = mixed_state(0)
-    steps = [lambda: None, lambda: state["t3"].add_(1.0), lambda: state["t0"][:50].mul_(2.0),
-             lambda: state.update(extra=torch.ones(7))]  # fmt: skip
+    steps = [
+        lambda: None,
+        lambda: state["t3"].add_(1.0),
+        lambda: state["t0"][:50].mul_(2.0),
+        lambda: state.update(extra=torch.ones(7)),
+    ]
     for i, change in enumerate(steps):
         change()
-        Snapshot.take(f"{repo.url}/s{i}", {"s": state}, storage_options=opts(repo),
-                      session=session)  # fmt: skip
+        Snapshot.take(f"{repo.url}/s{i}", {"s": state}, storage_options=opts(repo), session=session)
     assert any(c.base is not None for c in repo.read_manifest(repo.resolve("s2")).chunk_refs())
     for i in range(len(steps)):
         h = repo.resolve(f"s{i}")
         recorded = index.manifest_summary(repo, h)  # recorded at commit, with the memo
         fresh = index.summarize(h, repo.read_manifest(h))
         assert (recorded.spans, recorded.logical_bytes, recorded.chunk_refs) == (
-            fresh.spans, fresh.logical_bytes, fresh.chunk_refs)  # fmt: skip
+            fresh.spans,
+            fresh.logical_bytes,
+            fresh.chunk_refs,
+        )
         assert recorded.stored_bytes == stored_bytes(repo.read_manifest(h))

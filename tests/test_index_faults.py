@@ -82,8 +82,11 @@ def run_takes(
     root: Path, index_dir: Path, name: str = "s", takes: int = 3, fill: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Snapshots ``name0``, ``name1``, ... taken by a child process (state ``i`` in ``name{i}``)."""
-    env = dict(os.environ, CASNAP_INDEX_DIR=str(index_dir),
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))  # fmt: skip
+    env = dict(
+        os.environ,
+        CASNAP_INDEX_DIR=str(index_dir),
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]),
+    )
     env.pop("CASNAP_INDEX", None)
     args = [sys.executable, "-c", CHILD, str(root), name, str(takes), str(fill or "-")]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)

@@ -29,8 +29,9 @@ CHUNK = 64 * 1024
 
 
 def take(tmp_path, name: str, state: dict) -> Snapshot:
-    return Snapshot.take(str(tmp_path / "repo" / name), state,
-                         storage_options={"chunk_size": CHUNK})  # fmt: skip
+    return Snapshot.take(
+        str(tmp_path / "repo" / name), state, storage_options={"chunk_size": CHUNK}
+    )
 
 
 def test_flipped_byte_in_a_loose_chunk_raises_integrity_error_naming_it(tmp_path):
@@ -205,8 +206,9 @@ def test_a_failed_take_leaves_no_ref_and_earlier_snapshots_restorable(tmp_path):
     state["w"].mul_(2)
     failing = Repository.on_store(FailingStore(LocalStore(root), fail_at=3))
     with pytest.raises(StoreError, match="no space"):
-        Snapshot.take(f"{root}/s2", {"s": state},
-                      storage_options={"repository": failing, "chunk_size": CHUNK})  # fmt: skip
+        Snapshot.take(
+            f"{root}/s2", {"s": state}, storage_options={"repository": failing, "chunk_size": CHUNK}
+        )
     assert Repository.open(root).list_snapshots() == ["s1"]
     with pytest.raises(FileNotFoundError):
         Snapshot(f"{root}/s2").get_manifest()

@@ -56,10 +56,15 @@ def _trainer(root, plugin, max_epochs: int, **ckpt) -> tuple[L.Trainer, ModelChe
     options = {"save_top_k": 2, "monitor": "step", "mode": "max"} | ckpt
     checkpoint = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), **options)
     trainer = L.Trainer(
-        max_epochs=max_epochs, plugins=[plugin] if plugin else None, callbacks=[checkpoint],
-        enable_progress_bar=False, logger=False, accelerator="cpu", default_root_dir=root,
+        max_epochs=max_epochs,
+        plugins=[plugin] if plugin else None,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+        logger=False,
+        accelerator="cpu",
+        default_root_dir=root,
         enable_model_summary=False,
-    )  # fmt: skip
+    )
     return trainer, checkpoint
 
 
@@ -153,8 +158,9 @@ def test_save_last_link_and_resume_last(tmp_path):
 def test_resaving_one_path_keeps_one_snapshot(tmp_path):
     # save_last=True writes last.ckpt again at every save: one snapshot stays, the
     # pointer moves to each new one, and the replaced ones are reclaimed.
-    trainer, _ = _trainer(tmp_path, CasnapCheckpointIO(), max_epochs=4, save_top_k=1,
-                          save_last=True)  # fmt: skip
+    trainer, _ = _trainer(
+        tmp_path, CasnapCheckpointIO(), max_epochs=4, save_top_k=1, save_last=True
+    )
     trainer.fit(_model(), _data())
     folder = tmp_path / "ckpt"
     assert _files(folder) == ["epoch=3-step=16.ckpt", "last.ckpt"]

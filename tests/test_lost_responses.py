@@ -31,8 +31,11 @@ def _state(seed: int) -> StateDict:
 
 
 def _take(repo: RepoStorage, name: str, state: StateDict) -> None:
-    Snapshot.take(f"{repo.url}/{name}", {"m": state},
-                  storage_options={"repository": repo, "chunk_size": 64 * 1024})  # fmt: skip
+    Snapshot.take(
+        f"{repo.url}/{name}",
+        {"m": state},
+        storage_options={"repository": repo, "chunk_size": 64 * 1024},
+    )
 
 
 def _restores(repo: RepoStorage, name: str, state: StateDict) -> bool:

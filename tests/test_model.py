@@ -31,10 +31,13 @@ OPS = int(os.environ.get("CASNAP_MODEL_OPS", "100000"))  # the time budget ends 
 def test_every_invariant_holds_after_every_operation_of_a_seeded_program(tmp_path):
     start = time.monotonic()
     sim = model_sim.run_program(SEED, tmp_path / "model", OPS, start + SECONDS)
-    summary = {"seeds": [SEED], "operations": len(sim.ops), "seconds": 0,
-               "counts": sim.counts,
-               "violations": [{**v.__dict__, "ops": sim.ops[: v.op + 1]}
-                              for v in sim.violations]}  # fmt: skip
+    summary = {
+        "seeds": [SEED],
+        "operations": len(sim.ops),
+        "seconds": 0,
+        "counts": sim.counts,
+        "violations": [{**v.__dict__, "ops": sim.ops[: v.op + 1]} for v in sim.violations],
+    }
     report = model_run.render(summary)
     print(report)
     # The program did real work: every operation kind that needs no luck ran.
@@ -46,9 +49,21 @@ def test_every_invariant_holds_after_every_operation_of_a_seeded_program(tmp_pat
 def test_the_oracle_accepts_a_valid_re_encoding_and_refuses_a_flipped_byte(tmp_path):
     """The model's own ground truth: another valid frame of the same bytes is not damage."""
     sim = model_sim.Sim(5, tmp_path)
-    sim.apply({"i": 0, "kind": "take", "repo": "A", "mutate": {"how": "none", "seed": 1},
-               "compression": "auto", "zstd_level": 1, "chunk_size": 64 << 10, "delta": False,
-               "name": "s0", "mode": "none", "parent": None})  # fmt: skip
+    sim.apply(
+        {
+            "i": 0,
+            "kind": "take",
+            "repo": "A",
+            "mutate": {"how": "none", "seed": 1},
+            "compression": "auto",
+            "zstd_level": 1,
+            "chunk_size": 64 << 10,
+            "delta": False,
+            "name": "s0",
+            "mode": "none",
+            "parent": None,
+        }
+    )
     assert sim.must_restore("A", "s0")
     loose = next(p for p in (tmp_path / "A/.casnap/chunks").rglob("*") if p.is_file())
     frame = loose.read_bytes()

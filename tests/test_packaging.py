@@ -14,16 +14,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_wheel_ships_py_typed_and_the_casnap_command(tmp_path):
     # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
     src = tmp_path / "src"
-    shutil.copytree(ROOT / "casnap", src / "casnap",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    shutil.copytree(ROOT / "casnap", src / "casnap", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     out = tmp_path / "dist"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "-w", str(out), str(src)],
-        check=True, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     (wheel,) = out.glob("casnap-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "casnap/py.typed" in names

@@ -118,11 +118,14 @@ def test_what_a_rank_sends_does_not_grow_with_the_world() -> None:
 def _grouped_json(world_size: int, ranks: list[list[int]], twice: bool = False) -> bytes:
     entry = {"kind": "primitive", "type": "int", "value": 1}
     doc = {
-        "format_version": "1.3", "created_at": "2026-11-24T00:00:00+00:00",
-        "world_size": world_size, "parents": [], "metadata": {},
+        "format_version": "1.3",
+        "created_at": "2026-11-24T00:00:00+00:00",
+        "world_size": world_size,
+        "parents": [],
+        "metadata": {},
         "entries": {"0/a": entry} if twice else {},
         "rank_groups": [{"ranks": ranks, "entries": {"a": entry}}],
-    }  # fmt: skip
+    }
     return json.dumps(doc).encode()
 
 

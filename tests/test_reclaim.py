@@ -314,9 +314,12 @@ def _take_alongside(root: str, ready, done) -> None:
     states the first run writes, so each dedups against chunks the other may be
     reclaiming at that moment."""
     ckpt = Checkpointer(
-        root, 1, name_format="other_{step:06d}", retention=RetentionPolicy(KeepLast(1)),
+        root,
+        1,
+        name_format="other_{step:06d}",
+        retention=RetentionPolicy(KeepLast(1)),
         reclaim_wait_seconds=10.0,
-    )  # fmt: skip
+    )
     i = 1
     while not done.is_set() or i <= 12:
         ckpt.maybe_take(i, {"m": _state_of_other(i)})
@@ -327,9 +330,12 @@ def _take_alongside(root: str, ready, done) -> None:
 def test_reclaim_beside_takes_in_another_process_keeps_every_snapshot_whole(tmp_path):
     root = str(tmp_path / "run")
     ckpt = Checkpointer(
-        root, 1, retention=RetentionPolicy(KeepLast(2)), async_take=True,
+        root,
+        1,
+        retention=RetentionPolicy(KeepLast(2)),
+        async_take=True,
         reclaim_wait_seconds=10.0,  # reclaim rather than defer: exercise the race
-    )  # fmt: skip
+    )
     ckpt.maybe_take(1, {"m": state_at(1)})
     ckpt.wait()
     ctx = multiprocessing.get_context("spawn")
@@ -400,7 +406,11 @@ def test_du_and_verify_report_unreferenced_bytes_and_prune_frees_them(tmp_path, 
     code, out = run_cli(capsys, "gc", root, "--grace", "0")
     assert code == 0
     code, out = run_cli(capsys, "du", root, "--json")
-    assert json.loads(out)["unreferenced"] == {"manifests": 0, "objects": 0, "bytes": 0,
-                                               "hint": None}  # fmt: skip
+    assert json.loads(out)["unreferenced"] == {
+        "manifests": 0,
+        "objects": 0,
+        "bytes": 0,
+        "hint": None,
+    }
     code, out = run_cli(capsys, "verify", root)
     assert code == 0 and "unreferenced" not in out

@@ -28,8 +28,13 @@ CHUNK = 16 * 1024
 
 def live_state() -> dict:
     g = torch.Generator().manual_seed(7)
-    return {"m": StateDict(w=torch.randn(10_000, generator=g), b=torch.randn(10, generator=g),
-                           c=torch.randn(30, generator=g))}  # fmt: skip
+    return {
+        "m": StateDict(
+            w=torch.randn(10_000, generator=g),
+            b=torch.randn(10, generator=g),
+            c=torch.randn(30, generator=g),
+        )
+    }
 
 
 def zeros() -> dict:

@@ -72,12 +72,15 @@ def error_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     errors = []
     # Through storage_options, and through the setting (set on rank 0 only: its choice
     # holds on every rank, so no rank is left waiting for another that chose otherwise).
-    for name, opts, setting in (("e1", {**OPTS, "replica_mismatch": "error"}, None),
-                                ("e2", OPTS, "error" if rank == 0 else None)):  # fmt: skip
+    for name, opts, setting in (
+        ("e1", {**OPTS, "replica_mismatch": "error"}, None),
+        ("e2", OPTS, "error" if rank == 0 else None),
+    ):
         try:
             with override(replica_mismatch=setting):
-                Snapshot.take(f"{root}/{name}", _state(rank), replicated=["s/**"],
-                              storage_options=opts)  # fmt: skip
+                Snapshot.take(
+                    f"{root}/{name}", _state(rank), replicated=["s/**"], storage_options=opts
+                )
         except ReplicaMismatchError as exc:
             errors.append((str(exc), exc.mismatches))
     return {"errors": errors}
@@ -107,8 +110,9 @@ def dtensor_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        Snapshot.take(f"{root}/d", {"m": StateDict(r=replicated(float(rank)))},
-                      storage_options=OPTS)  # fmt: skip
+        Snapshot.take(
+            f"{root}/d", {"m": StateDict(r=replicated(float(rank)))}, storage_options=OPTS
+        )
     found = [str(w.message) for w in caught if issubclass(w.category, ReplicaMismatchWarning)]
     target = StateDict(r=replicated(-1.0))
     Snapshot(f"{root}/d").restore({"m": target})

@@ -72,10 +72,12 @@ def test_snapshot_restore_and_export(repo, tmp_path):
 
 
 def test_the_repository_api_never_imports_torch_for_inspection(repo):
-    code = ("import sys, casnap\n"
-            f"r = casnap.Repository({repo.url!r})\n"
-            "r.log(); r.du(); r.verify(); r.snapshots(); r.diff('step_1', 'step_3')\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
+    code = (
+        "import sys, casnap\n"
+        f"r = casnap.Repository({repo.url!r})\n"
+        "r.log(); r.du(); r.verify(); r.snapshots(); r.diff('step_1', 'step_3')\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -185,8 +187,9 @@ def test_gc_dry_run_options_and_progress(repo):
     kept = repo.gc(dry_run=True)  # the default grace (1 h) keeps the fresh garbage
     assert kept.plan.bytes_to_free == 0
     calls: list[tuple[int, int]] = []
-    done = repo.gc(grace_seconds=0, wait_seconds=1,
-                   progress=lambda n, total: calls.append((n, total)))  # fmt: skip
+    done = repo.gc(
+        grace_seconds=0, wait_seconds=1, progress=lambda n, total: calls.append((n, total))
+    )
     assert done.bytes_freed == preview.plan.bytes_to_free and done.deleted_manifests == 2
     assert calls and repo.verify(read_data=True).ok
     assert repo.gc(grace_seconds=0).deleted == 0  # nothing left to collect
@@ -206,8 +209,12 @@ def test_tag_untag_and_tags_return_what_was_pinned(repo):
 
 def test_export_format_and_progress(repo, tmp_path):
     calls: list[tuple[int, int]] = []
-    result = repo.export("step_3", tmp_path / "w.bin", key="0/m/w",
-                         progress=lambda n, total: calls.append((n, total)))  # fmt: skip
+    result = repo.export(
+        "step_3",
+        tmp_path / "w.bin",
+        key="0/m/w",
+        progress=lambda n, total: calls.append((n, total)),
+    )
     assert result.format == "torch" and calls and calls[-1][0] == calls[-1][1]
     loaded = torch.load(tmp_path / "w.bin", weights_only=True)
     expected = repo.snapshot("step_3").read_object("0/m/w")
@@ -217,13 +224,15 @@ def test_export_format_and_progress(repo, tmp_path):
 
 
 def test_maintenance_and_show_never_import_torch(repo):
-    code = ("import sys, casnap\n"
-            f"r, name = casnap.Repository.locate({repo.url + '/step_3'!r})\n"
-            "assert name == 'step_3' and r.show(name).metadata['step'] == 3\n"
-            "r.tag('t', 'step_1'); r.tags(); r.untag('t')\n"
-            "p = casnap.RetentionPolicy(casnap.KeepLast(1))\n"
-            "assert r.retain(p, dry_run=True).plan.delete == ('step_1', 'step_2')\n"
-            "assert r.gc(grace_seconds=0, dry_run=True).dry_run\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")  # fmt: skip
+    code = (
+        "import sys, casnap\n"
+        f"r, name = casnap.Repository.locate({repo.url + '/step_3'!r})\n"
+        "assert name == 'step_3' and r.show(name).metadata['step'] == 3\n"
+        "r.tag('t', 'step_1'); r.tags(); r.untag('t')\n"
+        "p = casnap.RetentionPolicy(casnap.KeepLast(1))\n"
+        "assert r.retain(p, dry_run=True).plan.delete == ('step_1', 'step_2')\n"
+        "assert r.gc(grace_seconds=0, dry_run=True).dry_run\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -48,8 +48,11 @@ def state_of() -> dict[str, torch.Tensor]:
 
 
 def take(tmp_path, state: dict[str, torch.Tensor]) -> Snapshot:
-    return Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": StateDict(state)},
-                         storage_options={"chunk_size": CHUNK})  # fmt: skip
+    return Snapshot.take(
+        str(tmp_path / "repo" / "s1"),
+        {"s": StateDict(state)},
+        storage_options={"chunk_size": CHUNK},
+    )
 
 
 def patterned(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -240,8 +243,11 @@ def sharded_snapshot(root: str, full: torch.Tensor, parts: int) -> tuple[str, li
             view = byte_view(full[p * per : (p + 1) * per].contiguous())
             futures = [writer.add(view[i : i + SCHUNK]) for i in range(0, len(view), SCHUNK)]
             refs = writer.finish(futures)
-            shards.append(ShardRecord(offsets=[p * per, 0], sizes=[per, full.shape[1]],
-                                      chunk_size=SCHUNK, chunks=refs))  # fmt: skip
+            shards.append(
+                ShardRecord(
+                    offsets=[p * per, 0], sizes=[per, full.shape[1]], chunk_size=SCHUNK, chunks=refs
+                )
+            )
     repo.store.flush()
     entry = ShardedEntry(layout="dtensor", dtype="float32", shape=list(full.shape), shards=shards)
     manifest = Manifest(created_at=now_iso(), world_size=parts, entries={"0/m/w": entry})

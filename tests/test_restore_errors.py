@@ -86,8 +86,9 @@ def fingerprint(app_state: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
             prints[path] = (t.data_ptr(), t.dtype, tuple(t.shape), raw)
         if isinstance(stateful, dict):
-            prints[f"{key}:repr"] = (repr({k: v for k, v in stateful.items()
-                                           if not isinstance(v, torch.Tensor)}),)  # fmt: skip
+            prints[f"{key}:repr"] = (
+                repr({k: v for k, v in stateful.items() if not isinstance(v, torch.Tensor)}),
+            )
     return prints
 
 

@@ -33,8 +33,11 @@ def raw_state() -> dict[str, torch.Tensor]:
 
 
 def take(tmp_path, state) -> Snapshot:
-    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": StateDict(state)},
-                         storage_options={"chunk_size": CHUNK, "compression": "none"})  # fmt: skip
+    snap = Snapshot.take(
+        str(tmp_path / "repo" / "s1"),
+        {"s": StateDict(state)},
+        storage_options={"chunk_size": CHUNK, "compression": "none"},
+    )
     refs = [r for k in state for r in snap.get_manifest()[f"0/s/{k}"].chunks]
     assert all(r.pack is None and r.length == codec.HEADER_SIZE + r.size for r in refs)
     return snap
@@ -76,8 +79,9 @@ def test_read_object_of_one_tensor_reads_only_its_chunks(tmp_path, monkeypatch):
     pools = recorded_bounce_pools(monkeypatch)
     got = Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/b")
     assert torch.equal(got, state["b"])
-    assert sum(p.allocated for p in pools) <= len(Snapshot(str(tmp_path / "repo" / "s1"))
-                                                 .get_manifest()["0/s/b"].chunks)  # fmt: skip
+    assert sum(p.allocated for p in pools) <= len(
+        Snapshot(str(tmp_path / "repo" / "s1")).get_manifest()["0/s/b"].chunks
+    )
 
 
 class FlippingStore(LocalStore):
@@ -110,8 +114,9 @@ def test_a_chunk_that_fails_its_check_never_reaches_an_in_place_target(tmp_path)
     store = FlippingStore(root, f".casnap/chunks/{ref.hash[:2]}/{ref.hash}")
     target = {"big": torch.full_like(state["big"], PATTERN)}
     with pytest.raises(IntegrityError, match=ref.hash):
-        Snapshot(f"{root}/s1", storage_options={"repository": Repository.on_store(store)}
-                 ).restore({"s": StateDict(target)}, memory_budget_bytes=4 * CHUNK)  # fmt: skip
+        Snapshot(f"{root}/s1", storage_options={"repository": Repository.on_store(store)}).restore(
+            {"s": StateDict(target)}, memory_budget_bytes=4 * CHUNK
+        )
     for i, (old, new) in enumerate(
         zip(target["big"].split(ELEMS), state["big"].split(ELEMS), strict=True)
     ):

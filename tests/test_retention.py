@@ -44,8 +44,19 @@ from casnap.ops.retention import (
 from casnap.repo.tags import TagInfo, add_tag, list_tags, read_tag, remove_tag, tag_key
 
 STEPS = list(range(10, 130, 10))
-LOSS = {10: 5.0, 20: 4.0, 30: 4.5, 40: 3.0, 50: 3.5, 60: 2.0,
-        70: 2.5, 90: 1.5, 100: 7.0, 110: 1.8, 120: 9.0}  # fmt: skip
+LOSS = {
+    10: 5.0,
+    20: 4.0,
+    30: 4.5,
+    40: 3.0,
+    50: 3.5,
+    60: 2.0,
+    70: 2.5,
+    90: 1.5,
+    100: 7.0,
+    110: 1.8,
+    120: 9.0,
+}
 ACC = {20: 0.7, 60: 0.9, 100: 0.8, 110: True}  # True is not a number: never "best"
 META_TAGS = {30: ["milestone"], 70: ["eval", "milestone"]}
 ALL = {"base"} | {f"s{s:03d}" for s in STEPS}
@@ -128,8 +139,9 @@ def test_keep_best_by_metric_min_and_max(repo):
 def test_keep_best_ties_favour_the_newer_snapshot(tmp_path):
     root = tmp_path / "r"
     for step in (1, 2, 3):
-        Snapshot.take(str(root / f"t{step}"), _state(step),
-                      metadata={"step": step, "metrics": {"loss": 1.0}})  # fmt: skip
+        Snapshot.take(
+            str(root / f"t{step}"), _state(step), metadata={"step": step, "metrics": {"loss": 1.0}}
+        )
     repo = Repository.open(str(root))
     assert set(plan_retention(repo, RetentionPolicy(KeepBest(1, "loss"))).keep) == {"t3"}
 
@@ -183,8 +195,10 @@ def test_plan_is_a_dry_run_and_renders(repo):
     assert files(repo.url, "refs") == refs and files(repo.url, "manifests") == manifests
     doc = plan.to_json()
     assert json.loads(json.dumps(doc)) == doc
-    assert doc["delete"] == list(plan.delete) and doc["keep"] == {"s110": ["last 2"],
-                                                                 "s120": ["last 2"]}  # fmt: skip
+    assert doc["delete"] == list(plan.delete) and doc["keep"] == {
+        "s110": ["last 2"],
+        "s120": ["last 2"],
+    }
     rows = {r["name"]: r for r in doc["snapshots"]}
     assert rows["s050"]["action"] == "delete" and rows["s050"]["tags"] == ["release"]
     assert rows["s120"]["step"] == 120 and rows["base"]["step"] is None
@@ -264,8 +278,11 @@ def test_tags_are_create_only_json_pins(repo):
     assert isinstance(info, TagInfo)
     assert (info.tag, info.snapshot, info.manifest) == ("release", "s050", repo.resolve("s050"))
     raw = repo.store.get(tag_key("release"))
-    assert json.loads(raw) == {"snapshot": "s050", "manifest": info.manifest,
-                               "created_at": info.created_at}  # fmt: skip
+    assert json.loads(raw) == {
+        "snapshot": "s050",
+        "manifest": info.manifest,
+        "created_at": info.created_at,
+    }
     assert raw == json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
     with pytest.raises(ObjectExistsError, match="already exists") as exc:
         add_tag(repo, "release", "s060")

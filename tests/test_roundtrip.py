@@ -29,12 +29,17 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Float bit patterns a value comparison would not tell apart (quiet NaN with payload,
 # negative NaN, signalling NaN, -0.0, the smallest subnormal).
 SPECIAL_BITS = {
-    torch.float64: [0x7FF8000000000001, 0xFFF8000000000000, 0x7FF0000000000001,
-                    0x8000000000000000, 0x0000000000000001],
+    torch.float64: [
+        0x7FF8000000000001,
+        0xFFF8000000000000,
+        0x7FF0000000000001,
+        0x8000000000000000,
+        0x0000000000000001,
+    ],
     torch.float32: [0x7FC01234, 0xFFC00000, 0x7F800001, 0x80000000, 0x00000001],
     torch.float16: [0x7E01, 0xFE00, 0x7C01, 0x8000, 0x0001],
     torch.bfloat16: [0x7FC1, 0xFFC0, 0x7F81, 0x8000, 0x0001],
-}  # fmt: skip
+}
 NAN_WITH_PAYLOAD = struct.unpack("<d", bytes.fromhex("0100000000f8ff7f"))[0]
 
 
@@ -70,8 +75,10 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generat
     if dtype in SPECIAL_BITS and flat.numel() >= 9:
         specials = torch.tensor([math.nan, -math.inf, math.inf, -0.0], dtype=torch.float64)
         flat[:4] = specials.to(dtype)
-        patterns = [p - (1 << 8 * dtype.itemsize) if p >> (8 * dtype.itemsize - 1) else p
-                    for p in SPECIAL_BITS[dtype]]  # fmt: skip
+        patterns = [
+            p - (1 << 8 * dtype.itemsize) if p >> (8 * dtype.itemsize - 1) else p
+            for p in SPECIAL_BITS[dtype]
+        ]
         flat[4:9].view(_INT_OF_SIZE[dtype.itemsize]).copy_(torch.tensor(patterns))
     if dtype.is_complex and dtype != torch.complex32 and flat.numel() >= 3:
         flat[:3] = torch.tensor([complex(math.nan, -0.0), complex(-math.inf, math.nan), -0.0j])
@@ -225,8 +232,9 @@ def test_conj_views_of_complex_tensors(tmp_path: Any) -> None:
     gen = torch.Generator().manual_seed(1)
     c64 = torch.randn(4, 3, dtype=torch.complex64, generator=gen)
     c128 = torch.randn(5, dtype=torch.complex128, generator=gen)
-    state = StateDict(conj=c64.conj(), conj_t=c64.t().conj(), conj128=c128.conj(),
-                      neg=torch._neg_view(c128))  # fmt: skip
+    state = StateDict(
+        conj=c64.conj(), conj_t=c64.t().conj(), conj128=c128.conj(), neg=torch._neg_view(c128)
+    )
     assert all(state[k].is_conj() for k in ("conj", "conj_t", "conj128"))
     assert state["neg"].is_neg()
     expected = {k: v.resolve_conj().resolve_neg() for k, v in state.items()}
@@ -240,10 +248,12 @@ def test_conj_views_of_complex_tensors(tmp_path: Any) -> None:
         assert_bit_exact(fresh[name], t, name)
 
     # In place into conjugate views: reading them back gives the stored values.
-    target = StateDict(conj=torch.zeros(4, 3, dtype=torch.complex64).conj(),
-                       conj_t=torch.zeros(4, 3, dtype=torch.complex64).t().conj(),
-                       conj128=torch.zeros(5, dtype=torch.complex128).conj(),
-                       neg=torch.zeros(5, dtype=torch.complex128))  # fmt: skip
+    target = StateDict(
+        conj=torch.zeros(4, 3, dtype=torch.complex64).conj(),
+        conj_t=torch.zeros(4, 3, dtype=torch.complex64).t().conj(),
+        conj128=torch.zeros(5, dtype=torch.complex128).conj(),
+        neg=torch.zeros(5, dtype=torch.complex128),
+    )
     Snapshot(path).restore({"s": target})
     for name, t in expected.items():
         assert_bit_exact(target[name], t, name)
@@ -286,8 +296,19 @@ def primitives() -> dict[str, Any]:
     nan = math.nan
     return {
         "ints": [0, -1, 2**63, 2**64 + 1, -(2**200), 10**300],
-        "floats": [nan, -nan, math.inf - math.inf, -math.inf, math.inf, -0.0, 0.0, 5e-324,
-                   1.7976931348623157e308, 0.1, NAN_WITH_PAYLOAD],
+        "floats": [
+            nan,
+            -nan,
+            math.inf - math.inf,
+            -math.inf,
+            math.inf,
+            -0.0,
+            0.0,
+            5e-324,
+            1.7976931348623157e308,
+            0.1,
+            NAN_WITH_PAYLOAD,
+        ],
         "strs": ["", "héllo wörld ✓ 日本語 🎉", "a/b%c", "%2F/%25", "\x00nul", "line\nbreak"],
         "flags": (True, False),
         "none": None,
@@ -296,7 +317,7 @@ def primitives() -> dict[str, Any]:
         "cplx": [complex(1.5, -0.0), complex(nan, math.inf), -0.0j],
         "dtype": torch.bfloat16,
         "dtypes": [torch.float8_e4m3fn, torch.int4, torch.complex32, torch.bool],
-    }  # fmt: skip
+    }
 
 
 def nested() -> dict[Any, Any]:
@@ -392,9 +413,12 @@ SCHEDULERS = {
     "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, _half_life),
 }
 COMBOS = [(o, "none") for o in OPTIMIZERS] + [
-    ("sgd_momentum", "step"), ("adam", "cosine"), ("sgd_momentum", "onecycle"),
-    ("adamw", "onecycle"), ("adagrad", "lambda"),
-]  # fmt: skip
+    ("sgd_momentum", "step"),
+    ("adam", "cosine"),
+    ("sgd_momentum", "onecycle"),
+    ("adamw", "onecycle"),
+    ("adagrad", "lambda"),
+]
 
 
 @pytest.mark.parametrize(("opt_name", "sched_name"), COMBOS)
@@ -503,11 +527,19 @@ def test_manifest_keys_follow_torchsnapshot_logical_paths(tmp_path: Any) -> None
     Snapshot.take(path, {"model": model, "optim": opt, "extra/state": StateDict(step=3)})
     manifest = Snapshot(path).get_manifest()
     assert {
-        "0/model", "0/model/0.weight", "0/model/0.bias", "0/model/1.weight",
-        "0/model/1.running_mean", "0/model/1.num_batches_tracked", "0/optim",
-        "0/optim/state", "0/optim/param_groups", "0/optim/param_groups/0/lr",
-        "0/optim/param_groups/0/params/1", "0/extra%2Fstate/step",
-    } <= set(manifest)  # fmt: skip
+        "0/model",
+        "0/model/0.weight",
+        "0/model/0.bias",
+        "0/model/1.weight",
+        "0/model/1.running_mean",
+        "0/model/1.num_batches_tracked",
+        "0/optim",
+        "0/optim/state",
+        "0/optim/param_groups",
+        "0/optim/param_groups/0/lr",
+        "0/optim/param_groups/0/params/1",
+        "0/extra%2Fstate/step",
+    } <= set(manifest)
     weight = manifest["0/model/0.weight"]
     assert isinstance(weight, TensorEntry)
     assert (weight.dtype, weight.shape) == ("float32", [3, 2])
@@ -566,8 +598,12 @@ def test_torchsnapshot_keyword_calls(tmp_path: Any) -> None:
 
 def test_async_take_is_point_in_time(tmp_path: Any) -> None:
     model = _model(0)
-    extra = StateDict(t=torch.arange(1000.0), nc=torch.arange(20.0).reshape(4, 5).t(),
-                      conj=torch.randn(6, dtype=torch.complex64).conj(), step=1)  # fmt: skip
+    extra = StateDict(
+        t=torch.arange(1000.0),
+        nc=torch.arange(20.0).reshape(4, 5).t(),
+        conj=torch.randn(6, dtype=torch.complex64).conj(),
+        step=1,
+    )
     expected_model = clone_state(model.state_dict())
     expected_extra = clone_state(dict(extra))
     path = f"{tmp_path}/repo/snap1"

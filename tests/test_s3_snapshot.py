@@ -59,11 +59,13 @@ def test_verify_and_gc_on_s3(s3_bucket):  # noqa: F811
     url = _repo_url(s3_bucket)
     repo = Repository.init(url, s3_bucket.options, chunk_size=64 * 1024)
     frozen, head = torch.randn(200, 256), torch.randn(300, 256)
-    Snapshot.take(f"{url}/a", {"m": StateDict(frozen=frozen, head=head)},
-                  storage_options=s3_bucket.options)  # fmt: skip
+    Snapshot.take(
+        f"{url}/a", {"m": StateDict(frozen=frozen, head=head)}, storage_options=s3_bucket.options
+    )
     head2 = head + 1
-    Snapshot.take(f"{url}/b", {"m": StateDict(frozen=frozen, head=head2)},
-                  storage_options=s3_bucket.options)  # fmt: skip
+    Snapshot.take(
+        f"{url}/b", {"m": StateDict(frozen=frozen, head=head2)}, storage_options=s3_bucket.options
+    )
     report = repo.verify(read_data=True)
     assert report.ok and report.snapshots == 2 and report.chunks_read == report.chunks
 
@@ -85,13 +87,15 @@ def test_a_snapshot_name_is_taken_once_even_under_a_race(s3_bucket):  # noqa: F8
     repo = Repository.open_or_create(url, s3_bucket.options)
     manifests = []
     for i in range(4):
-        Snapshot.take(f"{url}/seed{i}", {"s": StateDict(i=i)}, parents=[],
-                      storage_options=s3_bucket.options)  # fmt: skip
+        Snapshot.take(
+            f"{url}/seed{i}", {"s": StateDict(i=i)}, parents=[], storage_options=s3_bucket.options
+        )
         manifests.append(repo.resolve(f"seed{i}"))
     outcomes: list[str] = []
     # Each committer has its own S3 client: only the server decides who wins.
-    handles = [Repository(url, {**s3_bucket.options, "skip_instance_cache": True})
-               for _ in manifests]  # fmt: skip
+    handles = [
+        Repository(url, {**s3_bucket.options, "skip_instance_cache": True}) for _ in manifests
+    ]
 
     def commit(handle: Repository, manifest: str) -> None:
         try:
@@ -115,15 +119,19 @@ def test_a_snapshot_name_is_taken_once_even_under_a_race(s3_bucket):  # noqa: F8
 def _casnap(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """The real executable with this worktree's code, as a person runs it."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CASNAP_INDEX_DIR": str(cwd / "index")}
-    return subprocess.run([CASNAP, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [CASNAP, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_command_line_reaches_s3_through_storage_options(s3_bucket, tmp_path):  # noqa: F811
     url = _repo_url(s3_bucket)
     for step in (100, 200):
-        Snapshot.take(f"{url}/step_{step}", {"s": StateDict(step=step, w=torch.ones(4) * step)},
-                      storage_options=s3_bucket.options)  # fmt: skip
+        Snapshot.take(
+            f"{url}/step_{step}",
+            {"s": StateDict(step=step, w=torch.ones(4) * step)},
+            storage_options=s3_bucket.options,
+        )
     opts = s3_bucket.cli_options()
     assert opts[1].startswith("endpoint_url=http://127.0.0.1:")
     done = _casnap(tmp_path, "log", url, *opts)

@@ -70,8 +70,9 @@ class TestS3StoreWithoutConditionalWrites(StoreConformance):
         assert isinstance(store, S3Store)
         fs = store.fs
         options = {"endpoint_url": fs.endpoint_url, "key": fs.key, "secret": fs.secret}
-        return S3Store(store.url, {**options, "conditional_writes": False,
-                                   "skip_instance_cache": True})  # fmt: skip
+        return S3Store(
+            store.url, {**options, "conditional_writes": False, "skip_instance_cache": True}
+        )
 
     def test_is_not_atomic_create(self, store: S3Store) -> None:
         assert not store.capabilities.atomic_create
@@ -85,8 +86,9 @@ def test_concurrent_create_only_from_independent_clients_has_one_winner(s3_bucke
     # If-None-Match check can make exactly one of them win.
     first = _store(s3_bucket)
     n = 8
-    writers = [S3Store(first.url, {**s3_bucket.options, "skip_instance_cache": True})
-               for _ in range(n)]  # fmt: skip
+    writers = [
+        S3Store(first.url, {**s3_bucket.options, "skip_instance_cache": True}) for _ in range(n)
+    ]
     for round_ in range(10):
         key = f"race/{round_}"
         outcomes = _race(n, partial(_create, writers, key))
@@ -123,8 +125,13 @@ def _closed_port() -> int:
 
 def test_a_refused_connection_is_transient_and_retried_to_the_bound(s3_server):  # noqa: F811
     url = f"http://127.0.0.1:{_closed_port()}"
-    options = {"endpoint_url": url, "key": "k", "secret": "s", "skip_instance_cache": True,
-               "config_kwargs": {"retries": {"max_attempts": 1}}}  # fmt: skip
+    options = {
+        "endpoint_url": url,
+        "key": "k",
+        "secret": "s",
+        "skip_instance_cache": True,
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
     with pytest.raises(StoreError) as info:
         S3Store("s3://nobody/x", options).get("a")
     assert info.value.transient and info.value.key == "a"
@@ -141,8 +148,10 @@ def test_missing_objects_and_buckets_are_not_found_and_not_transient(s3_bucket):
     with pytest.raises(ObjectNotFoundError) as info:
         store.get("nope")
     assert not info.value.transient
-    gone = S3Store(f"s3://casnap-missing-{uuid.uuid4().hex[:8]}/x",
-                   {**s3_bucket.options, "skip_instance_cache": True})  # fmt: skip
+    gone = S3Store(
+        f"s3://casnap-missing-{uuid.uuid4().hex[:8]}/x",
+        {**s3_bucket.options, "skip_instance_cache": True},
+    )
     with pytest.raises(ObjectNotFoundError, match="bucket .* does not exist"):
         gone.get("a")
     with pytest.raises(ObjectNotFoundError, match="bucket .* does not exist"):
@@ -167,8 +176,10 @@ def test_s3_error_codes_are_classified(status, code, transient):
     from botocore.exceptions import ClientError
     from s3fs.errors import translate_boto_error
 
-    response = {"Error": {"Code": code, "Message": "m"},
-                "ResponseMetadata": {"HTTPStatusCode": status}}  # fmt: skip
+    response = {
+        "Error": {"Code": code, "Message": "m"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
     raised = translate_boto_error(ClientError(response, "PutObject"))  # type: ignore[arg-type]
     store = S3Store("s3://bucket/x", {"anon": True})
     err = store._translate(raised, "k")
@@ -188,9 +199,11 @@ class _OldServer(http.server.BaseHTTPRequestHandler):
     def do_PUT(self) -> None:  # noqa: N802  (http.server's naming)
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if "If-None-Match" in self.headers and not self.ignore:
-            body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented</Code>"
-                    b"<Message>A header you provided implies functionality that is not "
-                    b"implemented</Message></Error>")  # fmt: skip
+            body = (
+                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented</Code>"
+                b"<Message>A header you provided implies functionality that is not "
+                b"implemented</Message></Error>"
+            )
             self._answer(501, body)
         else:
             self._answer(200, b"")
@@ -246,8 +259,9 @@ def test_a_server_without_conditional_writes_fails_the_create_naming_the_fix(han
 
 
 def test_conditional_writes_are_proven_once_per_client_and_leave_nothing(s3_bucket):  # noqa: F811
-    store = S3Store(f"{s3_bucket.url}/{uuid.uuid4().hex}",
-                    {**s3_bucket.options, "skip_instance_cache": True})  # fmt: skip
+    store = S3Store(
+        f"{s3_bucket.url}/{uuid.uuid4().hex}", {**s3_bucket.options, "skip_instance_cache": True}
+    )
     assert store._probe_pending
     store.put("a", b"1", create_only=True)
     assert vars(store.fs).get("_casnap_conditional_writes_proven") is True
@@ -309,9 +323,7 @@ def test_replace_fails_when_written_after_it_read(s3_bucket, monkeypatch):  # no
 
     async def read_then_overwrite(*args: object) -> str | None:
         etag = await read(*args)  # type: ignore[arg-type]
-        await asyncio.get_running_loop().run_in_executor(
-            None, other.put, "refs/main", b"theirs"
-        )
+        await asyncio.get_running_loop().run_in_executor(None, other.put, "refs/main", b"theirs")
         return etag
 
     monkeypatch.setattr(s3_module, "_etag_if_holding", read_then_overwrite)

@@ -25,8 +25,11 @@ def test_schema_files_match_the_models(name):
 
 
 def test_export_tool_check_mode_passes_on_a_clean_tree():
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "export_schema.py"), "--check"],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "export_schema.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -37,8 +37,11 @@ def sharded_snapshot(root: str, full: torch.Tensor, parts: int) -> str:
             view = byte_view(piece)
             futures = [writer.add(view[i : i + CHUNK]) for i in range(0, len(view), CHUNK)]
             refs = writer.finish(futures)
-            shards.append(ShardRecord(offsets=[p * per, 0], sizes=[per, full.shape[1]],
-                                      chunk_size=CHUNK, chunks=refs))  # fmt: skip
+            shards.append(
+                ShardRecord(
+                    offsets=[p * per, 0], sizes=[per, full.shape[1]], chunk_size=CHUNK, chunks=refs
+                )
+            )
     repo.store.flush()
     entry = ShardedEntry(layout="dtensor", dtype="float32", shape=list(full.shape), shards=shards)
     manifest = Manifest(created_at=now_iso(), world_size=parts, entries={"0/m/w": entry})
@@ -67,8 +70,9 @@ def staged(monkeypatch):
 
 
 @pytest.mark.parametrize("budget", [32 * 1024, 64 * 1024, None])
-def test_read_object_of_a_sharded_entry_stages_a_group_of_shards_at_a_time(tmp_path, staged,
-                                                                           budget):  # fmt: skip
+def test_read_object_of_a_sharded_entry_stages_a_group_of_shards_at_a_time(
+    tmp_path, staged, budget
+):
     full = torch.randn(ROWS, COLS)
     path = sharded_snapshot(str(tmp_path / "repo"), full, PARTS)
     out = Snapshot(path).read_object("0/m/w", memory_budget_bytes=budget)

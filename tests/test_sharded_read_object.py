@@ -70,8 +70,11 @@ def read_into_plain(rank: int, world: int, root: str) -> dict[str, Any]:
 
     error = ""
     try:
-        Snapshot.take(f"{root}/s3", {"state": StateDict(_sharded(world))},
-                      _custom_tensor_prepare_func=quantize)  # fmt: skip
+        Snapshot.take(
+            f"{root}/s3",
+            {"state": StateDict(_sharded(world))},
+            _custom_tensor_prepare_func=quantize,
+        )
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     return {"error": error}

@@ -91,8 +91,12 @@ def test_grouped_small_tensors_stay_under_the_memory_budget(tmp_path, monkeypatc
 def test_async_take_of_small_tensors_is_point_in_time(tmp_path):
     state = _state(2000)
     expected = {k: v.clone() for k, v in state.items()}
-    pending = Snapshot.async_take(str(tmp_path / "repo" / "s1"), {"m": state},
-                                  memory_budget_bytes=16 * 1024, session=Session())  # fmt: skip
+    pending = Snapshot.async_take(
+        str(tmp_path / "repo" / "s1"),
+        {"m": state},
+        memory_budget_bytes=16 * 1024,
+        session=Session(),
+    )
     for t in state.values():  # training goes on as soon as async_take returns
         t.fill_(3.0)
     snap = pending.wait()

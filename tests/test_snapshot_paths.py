@@ -281,8 +281,7 @@ BAD_INPUTS = {
 def test_bad_input_creates_no_repository(tmp_path, case, how):
     app_state, metadata, name, error, text = BAD_INPUTS[case]
     with pytest.raises(error) as err:
-        pending = getattr(Snapshot, how)(str(tmp_path / "run" / name), app_state,
-                                         metadata=metadata)  # fmt: skip
+        pending = getattr(Snapshot, how)(str(tmp_path / "run" / name), app_state, metadata=metadata)
         pending.wait()  # only for async_take; never reached
     assert isinstance(err.value, CasnapError)
     assert text in str(err.value) or text == "MiB"
@@ -302,10 +301,16 @@ def test_bad_input_to_a_distributed_take_creates_nothing(tmp_path, case):
     app_state, metadata, name, _error, _text = BAD_INPUTS[case]
     with pytest.raises(casnap.DistributedTakeError):
         prepare_distributed_take(
-            str(tmp_path / "run" / name), app_state, group=Group(object(), 0, 1),
-            replicated=None, storage_options=None, metadata=metadata, allow_pickle=False,
-            parents=None, stage=False,
-        )  # fmt: skip
+            str(tmp_path / "run" / name),
+            app_state,
+            group=Group(object(), 0, 1),
+            replicated=None,
+            storage_options=None,
+            metadata=metadata,
+            allow_pickle=False,
+            parents=None,
+            stage=False,
+        )
     assert repositories(tmp_path) == []
 
 

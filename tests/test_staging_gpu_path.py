@@ -47,8 +47,11 @@ def test_take_hashes_each_chunk_only_after_its_copy_landed(tmp_path: Path) -> No
     ref = _state()
     session = _session(delay_s=0.002)  # every 64 KiB piece lands 2 ms after it was issued
     with casnap.settings.override(chunk_size=CHUNK, compression="none"):
-        Snapshot.take(f"{tmp_path}/r/a", {"m": StateDict({k: v.clone() for k, v in ref.items()})},
-                      session=session)  # fmt: skip
+        Snapshot.take(
+            f"{tmp_path}/r/a",
+            {"m": StateDict({k: v.clone() for k, v in ref.items()})},
+            session=session,
+        )
     got = _restored(f"{tmp_path}/r/a", ref)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     pool = session.staging
@@ -97,10 +100,12 @@ def test_pool_never_holds_more_than_the_staging_budget(tmp_path: Path) -> None:
         settings = Settings.from_env()
         limit = staging_limit(budget, settings)
         for name in ("a", "b"):
-            Snapshot.async_take(f"{tmp_path}/r/{name}", state, session=session,
-                                memory_budget_bytes=budget).wait()  # fmt: skip
-            Snapshot.take(f"{tmp_path}/r/s{name}", state, session=session,
-                          memory_budget_bytes=budget)  # fmt: skip
+            Snapshot.async_take(
+                f"{tmp_path}/r/{name}", state, session=session, memory_budget_bytes=budget
+            ).wait()
+            Snapshot.take(
+                f"{tmp_path}/r/s{name}", state, session=session, memory_budget_bytes=budget
+            )
     pool = session.staging
     # Staged buffers stay within the staging share; the tensors past it are copied
     # chunk by chunk within the rest of the budget.
@@ -128,10 +133,12 @@ def test_second_async_take_while_the_first_writes_keeps_the_rest_live(tmp_path: 
     budget = 16 << 20
     with casnap.settings.override(chunk_size=CHUNK, io_workers=1):
         limit = staging_limit(budget, Settings.from_env())
-        first = Snapshot.async_take(f"{tmp_path}/r/a", state, session=session,
-                                    memory_budget_bytes=budget)  # fmt: skip
-        second = Snapshot.async_take(f"{tmp_path}/r/b", state, session=session,
-                                     memory_budget_bytes=budget)  # fmt: skip
+        first = Snapshot.async_take(
+            f"{tmp_path}/r/a", state, session=session, memory_budget_bytes=budget
+        )
+        second = Snapshot.async_take(
+            f"{tmp_path}/r/b", state, session=session, memory_budget_bytes=budget
+        )
         first.wait()
         second.wait()
     assert session.staging.peak_in_use_bytes <= limit
@@ -163,7 +170,12 @@ def test_cuda_state_round_trips_through_pinned_buffers(tmp_path: Path) -> None:
 def test_gpu_benchmark_skips_cleanly_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: the benchmark would run")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_take.py")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_take.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr
     assert "skip" in run.stdout.lower()

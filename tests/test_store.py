@@ -145,8 +145,9 @@ def test_retry_gives_up_after_the_bound_with_a_transient_error(local: LocalStore
     local.put("k", b"v")
     sleeps: list[float] = []
     flaky = _Calls(local, 1.0, lost=0.0)
-    store = RetryingStore(flaky, RetryPolicy(retries=3, delay=0.5, max_delay=1.0),
-                          sleep=sleeps.append)  # fmt: skip
+    store = RetryingStore(
+        flaky, RetryPolicy(retries=3, delay=0.5, max_delay=1.0), sleep=sleeps.append
+    )
     with pytest.raises(StoreError, match="gave up after 4 attempts") as info:
         store.get("k")
     assert info.value.transient
@@ -290,8 +291,14 @@ def _plant_specials(root: Path) -> dict[str, str]:
     sock.bind(str(root / "d" / "sock"))
     sock.close()
     link = "symbolic link"
-    return {"d/fifo": "FIFO", "d/zero": link, "d/link-in": link, "d/link-out": link,
-            "d/dangling": link, "d/sock": "socket"}  # fmt: skip
+    return {
+        "d/fifo": "FIFO",
+        "d/zero": link,
+        "d/link-in": link,
+        "d/link-out": link,
+        "d/dangling": link,
+        "d/sock": "socket",
+    }
 
 
 def _refused(call: Callable[[], object], key: str, what: str) -> None:

@@ -30,10 +30,20 @@ def quick(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("stress")
     out = work / "stress.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "stress.py"), "--quick",
-         "--workdir", str(work), "--json", str(out)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "stress.py"),
+            "--quick",
+            "--workdir",
+            str(work),
+            "--json",
+            str(out),
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     report["_stdout"] = proc.stdout
@@ -43,8 +53,12 @@ def quick(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_every_invariant_holds_and_the_exit_code_says_so(quick):
-    failed = [f"{phase}: {name}" for phase, r in quick["phases"].items()
-              for name, ok in r["invariants"].items() if not ok]  # fmt: skip
+    failed = [
+        f"{phase}: {name}"
+        for phase, r in quick["phases"].items()
+        for name, ok in r["invariants"].items()
+        if not ok
+    ]
     assert failed == [], quick["_stdout"]
     assert quick["all_invariants_held"] == (not failed)
     assert quick["_rc"] == (1 if failed else 0)

@@ -48,9 +48,14 @@ def linear(value: float, bias: bool = True) -> torch.nn.Linear:
 def test_statedict_state_dict_is_a_plain_dict_and_round_trips(tmp_path: Path) -> None:
     def make() -> StateDict:
         return StateDict(
-            {"a": torch.rand(40, 40), "b": torch.rand(40, 40), "c": 42, "d/e": 43,
-             "[@x]->&y^%": {"(z)": 44}}
-        )  # fmt: skip
+            {
+                "a": torch.rand(40, 40),
+                "b": torch.rand(40, 40),
+                "c": 42,
+                "d/e": 43,
+                "[@x]->&y^%": {"(z)": 44},
+            }
+        )
 
     foo, bar = make(), make()
     assert type(foo.state_dict()) is dict
@@ -64,8 +69,14 @@ def test_statedict_state_dict_is_a_plain_dict_and_round_trips(tmp_path: Path) ->
 
 
 def test_none_placeholders_receive_the_stored_values(tmp_path: Path) -> None:
-    state = StateDict(int_key=100, float_key=3.14, str_key="some_string", bool_key=True,
-                      bytes_key=b"\x00\x10", tensor_key=torch.arange(6.0).view(2, 3))  # fmt: skip
+    state = StateDict(
+        int_key=100,
+        float_key=3.14,
+        str_key="some_string",
+        bool_key=True,
+        bytes_key=b"\x00\x10",
+        tensor_key=torch.arange(6.0).view(2, 3),
+    )
     snap = Snapshot.take(snap_path(tmp_path), {"key": state})
     restored = StateDict(dict.fromkeys(state))  # every value None
     snap.restore({"key": restored})
@@ -168,8 +179,14 @@ def test_module_with_a_key_the_snapshot_lacks(tmp_path: Path) -> None:
 
 def test_a_load_state_dict_that_raises_leaves_what_the_note_says(tmp_path: Path) -> None:
     path = snap_path(tmp_path)
-    Snapshot.take(path, {"a": StateDict(t=torch.ones(3), n=1), "model": linear(1.0, bias=False),
-                         "c": StateDict(t=torch.ones(3), n=1)})  # fmt: skip
+    Snapshot.take(
+        path,
+        {
+            "a": StateDict(t=torch.ones(3), n=1),
+            "model": linear(1.0, bias=False),
+            "c": StateDict(t=torch.ones(3), n=1),
+        },
+    )
     a, c, model = StateDict(t=torch.zeros(3), n=0), StateDict(t=torch.zeros(3), n=0), linear(2.0)
     with pytest.raises(RuntimeError, match="Missing key") as info:
         Snapshot(path).restore({"a": a, "model": model, "c": c})

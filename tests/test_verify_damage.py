@@ -56,8 +56,16 @@ class Layout:
 
 def _state(i: int, big: torch.Tensor) -> dict:
     g = torch.Generator().manual_seed(100 + i)
-    return {"m": StateDict(w=big, b=torch.randn(10, generator=g), c=torch.arange(20) * i,
-                           step=i, name=f"s{i}", obj={"lr": 0.1 * i, "s": {1, i}})}  # fmt: skip
+    return {
+        "m": StateDict(
+            w=big,
+            b=torch.randn(10, generator=g),
+            c=torch.arange(20) * i,
+            step=i,
+            name=f"s{i}",
+            obj={"lr": 0.1 * i, "s": {1, i}},
+        )
+    }
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +191,15 @@ CONFIG: dict[str, Damage] = {
     "append-junk": lambda b: b + b"junk",
 }
 
-BINARY_ROLES = ("loose-shared", "loose-one", "loose-tag-only", "loose-unreferenced", "pack",
-                "manifest-shared", "manifest-tag-only")  # fmt: skip
+BINARY_ROLES = (
+    "loose-shared",
+    "loose-one",
+    "loose-tag-only",
+    "loose-unreferenced",
+    "pack",
+    "manifest-shared",
+    "manifest-tag-only",
+)
 CASES = (
     [(role, d) for role in BINARY_ROLES for d in BINARY]
     + [(role, d) for role in ("ref", "tag") for d in JSON]
@@ -241,8 +256,11 @@ def affected(report: dict) -> set[tuple[str, str]]:
 @pytest.mark.parametrize(("role", "damage"), CASES, ids=[f"{r}-{d}" for r, d in CASES])
 def test_verify_reports_exactly_the_damage_that_matters(layout, tmp_path, capsys, role, damage):
     key = layout.roles[role]
-    kind = BINARY[damage][0] if role in BINARY_ROLES else (
-        JSON[damage][0] if role in ("ref", "tag") else CONFIG[damage])  # fmt: skip
+    kind = (
+        BINARY[damage][0]
+        if role in BINARY_ROLES
+        else (JSON[damage][0] if role in ("ref", "tag") else CONFIG[damage])
+    )
     work = damaged_copy(layout, tmp_path, key, kind)
     want = expected(layout, role, key, damage)
 
@@ -251,8 +269,13 @@ def test_verify_reports_exactly_the_damage_that_matters(layout, tmp_path, capsys
     assert code == (1 if want else 0), report["problems"]
     if want:
         named = key.rsplit("/", 1)[-1]
-        assert any(named in p["subject"] or named in p["detail"] or named in p["snapshots"]
-                   or named in p.get("tags", []) for p in report["problems"]), report  # fmt: skip
+        assert any(
+            named in p["subject"]
+            or named in p["detail"]
+            or named in p["snapshots"]
+            or named in p.get("tags", [])
+            for p in report["problems"]
+        ), report
 
     # Afterwards a plain verify sees it too: from the records the scrub wrote, or
     # (a deleted or unparsable object) from the listing and the parse alone.
@@ -311,8 +334,13 @@ def test_text_output_names_the_object_its_snapshots_and_its_tags(layout, tmp_pat
 def test_the_installed_command_exits_1_on_a_damaged_config(layout, tmp_path):
     work = damaged_copy(layout, tmp_path, "config.json", lambda b: b[:10])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "casnap.cli.app", "verify", str(work)],
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "casnap.cli.app", "verify", str(work)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr
     assert "config: .casnap/config.json" in done.stdout and "Traceback" not in done.stderr
 

@@ -65,8 +65,13 @@ def build(seed: int) -> tuple[TinyModel, dict[str, object]]:
     model = TinyModel()
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=1000)
-    app_state = {"model": model, "optim": optim, "sched": sched,
-                 "progress": StateDict(step=0, loss=float("nan")), "rng": RNGState()}  # fmt: skip
+    app_state = {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        "progress": StateDict(step=0, loss=float("nan")),
+        "rng": RNGState(),
+    }
     return model, app_state
 
 
@@ -89,8 +94,10 @@ def main() -> None:
     policy = RetentionPolicy(KeepLast(3), KeepEveryStep(100), KeepBest(1, "loss"))
     ckpt = Checkpointer(str(repo_dir), every_n_steps=args.every, retention=policy)
 
-    print(f"training {sum(p.numel() for p in model.parameters()):,} parameters for "
-          f"{args.steps} steps; a snapshot every {args.every} into {repo_dir}")  # fmt: skip
+    print(
+        f"training {sum(p.numel() for p in model.parameters()):,} parameters for "
+        f"{args.steps} steps; a snapshot every {args.every} into {repo_dir}"
+    )
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, 8192, (32, 16))
         target = (tokens % 7).float().mean(dim=1)
@@ -105,8 +112,10 @@ def main() -> None:
         if snap is not None:
             ms = (time.perf_counter() - t0) * 1000
             stats = snap.last_take_stats  # type: ignore[union-attr]
-            print(f"  step {step:5d}  loss {loss.item():.4f}  snapshot in {ms:.0f} ms, wrote "
-                  f"{human(stats.stored_bytes_written)} of {human(stats.raw_bytes)}")  # fmt: skip
+            print(
+                f"  step {step:5d}  loss {loss.item():.4f}  snapshot in {ms:.0f} ms, wrote "
+                f"{human(stats.stored_bytes_written)} of {human(stats.raw_bytes)}"
+            )
     ckpt.close()
 
     repo = str(repo_dir)
@@ -120,8 +129,9 @@ def main() -> None:
     # Resume after a "crash": a fresh process state restored from the newest snapshot.
     fresh, fresh_state = build(seed=1)
     resumed = Checkpointer(repo, every_n_steps=args.every).restore_latest(fresh_state)
-    same = all(torch.equal(x, y) for x, y in
-               zip(model.state_dict().values(), fresh.state_dict().values()))  # fmt: skip
+    same = all(
+        torch.equal(x, y) for x, y in zip(model.state_dict().values(), fresh.state_dict().values())
+    )
     print(f"\nrestore_latest: resumed at step {resumed}, weights identical: {same}")
     if not same or resumed != args.steps - args.steps % args.every:
         raise SystemExit("restore mismatch")

@@ -32,8 +32,11 @@ def main(argv: list[str]) -> int:
             SCHEMA_DIR.mkdir(exist_ok=True)
             path.write_text(text)
     if drift:
-        print(f"schema files drifted from casnap/format/: {', '.join(drift)}; "
-              "run tools/export_schema.py", file=sys.stderr)  # fmt: skip
+        print(
+            f"schema files drifted from casnap/format/: {', '.join(drift)}; "
+            "run tools/export_schema.py",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -54,12 +54,32 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("bitflip", "truncate", "zero_block", "append_junk", "json_value", "rehash",
-         "huge_shape", "bomb", "float_overflow", "hostile_lock")  # fmt: skip
+KINDS = (
+    "bitflip",
+    "truncate",
+    "zero_block",
+    "append_junk",
+    "json_value",
+    "rehash",
+    "huge_shape",
+    "bomb",
+    "float_overflow",
+    "hostile_lock",
+)
 STORE_KINDS = ("fifo", "symlink_dev_zero", "sparse", "bigint")
 ALL_KINDS = KINDS + STORE_KINDS
-OPS = ("restore", "read_object", "log", "du", "verify", "gc_dry", "retain_dry",
-       "export_safetensors", "export_torch", "diff_stats")  # fmt: skip
+OPS = (
+    "restore",
+    "read_object",
+    "log",
+    "du",
+    "verify",
+    "gc_dry",
+    "retain_dry",
+    "export_safetensors",
+    "export_torch",
+    "diff_stats",
+)
 # A hostile lock or lease record is judged by what it blocks: a real take and a
 # real gc (not a dry run), which must finish or fail within the case timeout.
 LOCK_OPS = ("take", "gc")
@@ -250,8 +270,14 @@ _HOSTILE_RECORDS = (
 
 
 def _hostile_record(rng: random.Random) -> bytes:
-    base = {"id": "a", "kind": "gc", "created_at": "2024-01-01T00:00:00+00:00",
-            "expires_at": "", "host": "h", "pid": 1}  # fmt: skip
+    base = {
+        "id": "a",
+        "kind": "gc",
+        "created_at": "2024-01-01T00:00:00+00:00",
+        "expires_at": "",
+        "host": "h",
+        "pid": 1,
+    }
     return json.dumps({**base, **rng.choice(_HOSTILE_RECORDS)}).encode()
 
 
@@ -399,8 +425,12 @@ def operate(op: str, case: Path, snap: str, states: dict[str, dict[str, Any]]) -
 
     want = states[snap]
     if op == "restore":
-        target = StateDict(**{k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
-                              for k, v in want.items()})  # fmt: skip
+        target = StateDict(
+            **{
+                k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
+                for k, v in want.items()
+            }
+        )
         Snapshot(str(case / snap)).restore({"s": target})
         bad = [k for k, v in want.items() if not _same(target[k], v)]
         return f"restored wrong values for {bad}" if bad else None
@@ -411,8 +441,12 @@ def operate(op: str, case: Path, snap: str, states: dict[str, dict[str, Any]]) -
     if op == "take":  # a new snapshot beside the others: it must not wait forever
         state = {k: v + 1 if isinstance(v, torch.Tensor) else v for k, v in want.items()}
         Snapshot.take(str(case / "new"), {"s": StateDict(**state)})
-        target = StateDict(**{k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
-                              for k, v in state.items()})  # fmt: skip
+        target = StateDict(
+            **{
+                k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1
+                for k, v in state.items()
+            }
+        )
         Snapshot(str(case / "new")).restore({"s": target})
         bad = [k for k, v in state.items() if not _same(target[k], v)]
         return f"the new snapshot restored wrong values for {bad}" if bad else None
@@ -527,8 +561,11 @@ def run_case(
     except MemoryError:
         info.update(outcome="memory", detail=traceback.format_exc(limit=-6))
     except Exception as exc:
-        info.update(outcome="other_exception", error=type(exc).__name__,
-                    detail=traceback.format_exc(limit=-8))  # fmt: skip
+        info.update(
+            outcome="other_exception",
+            error=type(exc).__name__,
+            detail=traceback.format_exc(limit=-8),
+        )
     finally:
         _remove(case)
     return info
@@ -578,19 +615,37 @@ def _worker(config: dict[str, Any]) -> None:
     print("READY", flush=True)
     for line in sys.stdin:
         index = int(line)
-        info = run_case(config["seed"], index, base, work, states, tuple(config["kinds"]),
-                        tuple(config["ops"]), float(config["timeout"]))  # fmt: skip
+        info = run_case(
+            config["seed"],
+            index,
+            base,
+            work,
+            states,
+            tuple(config["kinds"]),
+            tuple(config["ops"]),
+            float(config["timeout"]),
+        )
         print("CASE " + json.dumps(info, default=str), flush=True)
 
 
 class _Worker:
     def __init__(self, config: dict[str, Any]) -> None:
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                   MALLOC_ARENA_MAX="2", CASNAP_INDEX_DIR=str(Path(config["workdir"]) / "index"),
-                   CASNAP_IO_WORKERS="2", PYTHONWARNINGS="ignore")  # fmt: skip
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(config)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+        env = dict(
+            os.environ,
+            PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            MALLOC_ARENA_MAX="2",
+            CASNAP_INDEX_DIR=str(Path(config["workdir"]) / "index"),
+            CASNAP_IO_WORKERS="2",
+            PYTHONWARNINGS="ignore",
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         self.workdir = config["workdir"]
         self.plan: dict[str, Any] = {}
         # A reader thread, not select() on the buffered pipe: a readline that
@@ -642,9 +697,17 @@ class _Worker:
         self.proc.wait()
 
 
-def run(seed: int, cases: int | None, seconds: float | None, workdir: str, *,
-        kinds: tuple[str, ...] | list[str] | None = None, ops: tuple[str, ...] | None = None,
-        case_timeout: float = 20.0, headroom: int = 5 << 29) -> dict[str, Any]:  # fmt: skip
+def run(
+    seed: int,
+    cases: int | None,
+    seconds: float | None,
+    workdir: str,
+    *,
+    kinds: tuple[str, ...] | list[str] | None = None,
+    ops: tuple[str, ...] | None = None,
+    case_timeout: float = 20.0,
+    headroom: int = 5 << 29,
+) -> dict[str, Any]:
     """Fuzz ``cases`` cases (None: unbounded) for at most ``seconds`` (None: unbounded).
 
     Returns counts by outcome (``outcomes``), by CasnapError class
@@ -660,8 +723,14 @@ def run(seed: int, cases: int | None, seconds: float | None, workdir: str, *,
     if unknown:
         raise ValueError(f"unknown mutation kinds {sorted(unknown)}")
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    config = {"seed": seed, "workdir": workdir, "kinds": kinds, "ops": tuple(ops or OPS),
-              "timeout": case_timeout, "headroom": headroom}  # fmt: skip
+    config = {
+        "seed": seed,
+        "workdir": workdir,
+        "kinds": kinds,
+        "ops": tuple(ops or OPS),
+        "timeout": case_timeout,
+        "headroom": headroom,
+    }
     start = time.monotonic()
     outcomes: Counter[str] = Counter()
     errors: Counter[str] = Counter()
@@ -682,8 +751,12 @@ def run(seed: int, cases: int | None, seconds: float | None, workdir: str, *,
             text = worker.line(case_timeout + 30)
             if text is None:  # killed for memory, crashed, or stuck beyond the alarm
                 died = worker.proc.poll() is not None
-                info = {**worker.plan, "case": index, "outcome": "memory" if died else "hang",
-                        "detail": "the worker died" if died else "no answer"}  # fmt: skip
+                info = {
+                    **worker.plan,
+                    "case": index,
+                    "outcome": "memory" if died else "hang",
+                    "detail": "the worker died" if died else "no answer",
+                }
                 if not died:
                     info["stacks"] = worker.stacks()
                 worker.stop()
@@ -724,9 +797,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=None)
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
-    parser.add_argument("--kinds", default=None,
-                        help=f"comma-separated mutation kinds (default: all: "
-                             f"{','.join(ALL_KINDS)})")  # fmt: skip
+    parser.add_argument(
+        "--kinds",
+        default=None,
+        help=f"comma-separated mutation kinds (default: all: {','.join(ALL_KINDS)})",
+    )
     parser.add_argument("--ops", default=None, help=f"comma-separated ({','.join(OPS)})")
     parser.add_argument("--case-timeout", type=float, default=20.0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -744,8 +819,15 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="casnap-fuzz-", dir=args.workdir) as work:
-        summary = run(args.seed, args.cases, args.seconds, work, kinds=kinds, ops=ops,
-                      case_timeout=args.case_timeout)  # fmt: skip
+        summary = run(
+            args.seed,
+            args.cases,
+            args.seconds,
+            work,
+            kinds=kinds,
+            ops=ops,
+            case_timeout=args.case_timeout,
+        )
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
     else:
@@ -755,9 +837,11 @@ def main(argv: list[str] | None = None) -> int:
         for kind, counts in summary["by_kind"].items():
             print(f"  {kind:18} {json.dumps(counts, sort_keys=True)}")
         for f in summary["failures"]:
-            print(f"FAILURE case {f['case']}: {f.get('kind')} on {f.get('file')} "
-                  f"({f.get('mutation')}), {f.get('op')} {f.get('snapshot')}: {f['outcome']} "
-                  f"{f.get('error', '')}\n{f.get('detail', '')}")  # fmt: skip
+            print(
+                f"FAILURE case {f['case']}: {f.get('kind')} on {f.get('file')} "
+                f"({f.get('mutation')}), {f.get('op')} {f.get('snapshot')}: {f['outcome']} "
+                f"{f.get('error', '')}\n{f.get('detail', '')}"
+            )
         print(f"failures: {summary['failed']}")
     return 1 if summary["failed"] else 0
 

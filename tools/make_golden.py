@@ -32,11 +32,17 @@ def golden_state() -> dict[str, Any]:
         "empty": torch.empty(0, 4),
         "scalar": torch.tensor(3.5, dtype=torch.float64),
         "meta": collections.OrderedDict(
-            step=1234, lr=3e-4, name="golden/π", flags=(True, False, None),
-            blob=b"\x00\xff", c=complex(1.5, -2.0), nan=float("nan"), neg0=-0.0,
+            step=1234,
+            lr=3e-4,
+            name="golden/π",
+            flags=(True, False, None),
+            blob=b"\x00\xff",
+            c=complex(1.5, -2.0),
+            nan=float("nan"),
+            neg0=-0.0,
             nested={"a": [1, 2.5, "x"], 7: "int key"},
         ),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -46,11 +52,17 @@ def main() -> None:
         shutil.rmtree(GOLDEN)
     opts = {"chunk_size": 16 * 1024}
     state = StateDict(golden_state())
-    Snapshot.take(str(GOLDEN / "first"), {"state": state}, storage_options=opts,
-                  metadata={"step": 1, "note": "golden v1"}, parents=[])  # fmt: skip
+    Snapshot.take(
+        str(GOLDEN / "first"),
+        {"state": state},
+        storage_options=opts,
+        metadata={"step": 1, "note": "golden v1"},
+        parents=[],
+    )
     state["weights"][3].add_(1.0)  # a second snapshot sharing most chunks
-    Snapshot.take(str(GOLDEN / "second"), {"state": state}, storage_options=opts,
-                  metadata={"step": 2})  # fmt: skip
+    Snapshot.take(
+        str(GOLDEN / "second"), {"state": state}, storage_options=opts, metadata={"step": 2}
+    )
     print(f"wrote {GOLDEN}")
 
 
@@ -73,7 +85,7 @@ def golden_v11_globals() -> dict[str, torch.Tensor]:
         "st": torch.randn(15, 8, generator=g, dtype=torch.float64),  # ShardedTensor, 8/7 rows
         "emb": torch.randn(32, 48, generator=g),  # plain, replicated=: 4096 + 2048 B, loose
         "bias": torch.randn(12, generator=g),  # plain, replicated=, packed
-    }  # fmt: skip
+    }
 
 
 def golden_v11_second(values: dict[str, torch.Tensor]) -> None:
@@ -110,11 +122,15 @@ def golden_v11_model(
     mesh = init_device_mesh("cpu", (world,))
     save = layout == "save"
     placements = {  # (as taken, a resharded restore target)
-        "w_row": (Shard(0), Shard(1)), "w_col": (Shard(1), Shard(0)),
-        "codes": (Shard(0), Replicate()), "rep": (Replicate(), Shard(0)),
-    }  # fmt: skip
-    state: dict[str, Any] = {k: distribute_tensor(values[k].clone(), mesh, [p[0] if save else p[1]])
-                             for k, p in placements.items()}  # fmt: skip
+        "w_row": (Shard(0), Shard(1)),
+        "w_col": (Shard(1), Shard(0)),
+        "codes": (Shard(0), Replicate()),
+        "rep": (Replicate(), Shard(0)),
+    }
+    state: dict[str, Any] = {
+        k: distribute_tensor(values[k].clone(), mesh, [p[0] if save else p[1]])
+        for k, p in placements.items()
+    }
     st_dim = 0 if save else 1
     spec = ChunkShardingSpec(dim=st_dim, placements=[f"rank:{r}/cpu" for r in range(world)])
     st = empty(spec, *values["st"].shape, dtype=values["st"].dtype)
@@ -134,17 +150,33 @@ def _v11_rank(rank: int, world: int, init: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         values = golden_v11_globals()
-        app = {"model": StateDict(golden_v11_model(world, values)),
-               "rank_state": StateDict(golden_v11_rank_state(rank))}  # fmt: skip
-        first = Snapshot.take(str(GOLDEN_V11 / "first"), app, replicated=V11_REPLICATED,
-                              storage_options=V11_OPTS, allow_pickle=True, parents=[],
-                              metadata={"step": 1, "note": "golden v1.1"})  # fmt: skip
+        app = {
+            "model": StateDict(golden_v11_model(world, values)),
+            "rank_state": StateDict(golden_v11_rank_state(rank)),
+        }
+        first = Snapshot.take(
+            str(GOLDEN_V11 / "first"),
+            app,
+            replicated=V11_REPLICATED,
+            storage_options=V11_OPTS,
+            allow_pickle=True,
+            parents=[],
+            metadata={"step": 1, "note": "golden v1.1"},
+        )
         golden_v11_second(values)
-        app = {"model": StateDict(golden_v11_model(world, values)),
-               "rank_state": StateDict(golden_v11_rank_state(rank, step=2))}  # fmt: skip
-        Snapshot.take(str(GOLDEN_V11 / "second"), app, replicated=V11_REPLICATED,
-                      storage_options=V11_OPTS, allow_pickle=True,
-                      parents=[first.manifest_hash], metadata={"step": 2})  # fmt: skip
+        app = {
+            "model": StateDict(golden_v11_model(world, values)),
+            "rank_state": StateDict(golden_v11_rank_state(rank, step=2)),
+        }
+        Snapshot.take(
+            str(GOLDEN_V11 / "second"),
+            app,
+            replicated=V11_REPLICATED,
+            storage_options=V11_OPTS,
+            allow_pickle=True,
+            parents=[first.manifest_hash],
+            metadata={"step": 2},
+        )
     finally:
         dist.destroy_process_group()
 

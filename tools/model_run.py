@@ -38,8 +38,9 @@ def describe(op: dict[str, Any]) -> str:
     return f"#{op['i']} {op['kind']} {op['repo']} {args}"
 
 
-def shrink(seed: int, program: list[dict[str, Any]], kind: str, workdir: Path,
-           budget_s: float) -> list[dict[str, Any]]:  # fmt: skip
+def shrink(
+    seed: int, program: list[dict[str, Any]], kind: str, workdir: Path, budget_s: float
+) -> list[dict[str, Any]]:
     """Greedy delta debugging: drop chunks of operations while a ``kind`` violation remains."""
     deadline = time.monotonic() + budget_s
 
@@ -65,11 +66,18 @@ def shrink(seed: int, program: list[dict[str, Any]], kind: str, workdir: Path,
     return prog
 
 
-def run(seeds: list[int], ops: int, seconds: float | None, workdir: Path, *,
-        do_shrink: bool = False, shrink_seconds: float = 300.0,
-        weights: dict[str, int] | None = None,
-        max_violations: int = 5,
-        avoid: frozenset[str] = frozenset()) -> dict[str, Any]:  # fmt: skip
+def run(
+    seeds: list[int],
+    ops: int,
+    seconds: float | None,
+    workdir: Path,
+    *,
+    do_shrink: bool = False,
+    shrink_seconds: float = 300.0,
+    weights: dict[str, int] | None = None,
+    max_violations: int = 5,
+    avoid: frozenset[str] = frozenset(),
+) -> dict[str, Any]:
     start = time.monotonic()
     deadline = start + seconds if seconds else None
     counts: dict[str, int] = {}
@@ -97,21 +105,32 @@ def run(seeds: list[int], ops: int, seconds: float | None, workdir: Path, *,
             entry = {**v.__dict__, "ops": sim.ops[: v.op + 1]}
             if do_shrink and v.kind not in seen:
                 seen.add(v.kind)
-                entry["minimal"] = shrink(seed, entry["ops"], v.kind, workdir / "shrink",
-                                          shrink_seconds)  # fmt: skip
+                entry["minimal"] = shrink(
+                    seed, entry["ops"], v.kind, workdir / "shrink", shrink_seconds
+                )
             violations.append(entry)
-    return {"seeds": ran, "operations": executed, "seconds": round(time.monotonic() - start, 1),
-            "counts": dict(sorted(counts.items())), "violations": violations}  # fmt: skip
+    return {
+        "seeds": ran,
+        "operations": executed,
+        "seconds": round(time.monotonic() - start, 1),
+        "counts": dict(sorted(counts.items())),
+        "violations": violations,
+    }
 
 
 def render(summary: dict[str, Any], log_tail: int = 25) -> str:
-    lines = [f"operations executed: {summary['operations']} in {summary['seconds']} s",
-             f"seeds: {summary['seeds']}", "", "kind / outcome counts:"]  # fmt: skip
+    lines = [
+        f"operations executed: {summary['operations']} in {summary['seconds']} s",
+        f"seeds: {summary['seeds']}",
+        "",
+        "kind / outcome counts:",
+    ]
     kinds = sorted({k.split(":")[0] for k in summary["counts"]})
     for kind in kinds:
         total = summary["counts"].get(kind, 0)
-        outcomes = {k.split(":", 1)[1]: v for k, v in summary["counts"].items()
-                    if k.startswith(kind + ":")}  # fmt: skip
+        outcomes = {
+            k.split(":", 1)[1]: v for k, v in summary["counts"].items() if k.startswith(kind + ":")
+        }
         listed = ", ".join(f"{k}={v}" for k, v in outcomes.items())
         lines.append(f"  {kind:12} {total:6}  {listed}")
     vs = summary["violations"]
@@ -121,8 +140,11 @@ def render(summary: dict[str, Any], log_tail: int = 25) -> str:
         by_kind[v["kind"]] = by_kind.get(v["kind"], 0) + 1
     lines += [f"  {k}: {n}" for k, n in sorted(by_kind.items())]
     for v in vs:
-        lines += ["", f"- seed {v['seed']} op {v['op']} [{v['kind']}] {v['subject']}",
-                  "  " + v["detail"].strip().replace("\n", "\n  ")]  # fmt: skip
+        lines += [
+            "",
+            f"- seed {v['seed']} op {v['op']} [{v['kind']}] {v['subject']}",
+            "  " + v["detail"].strip().replace("\n", "\n  "),
+        ]
         log = v.get("minimal") or v["ops"][-log_tail:]
         label = "minimal program" if v.get("minimal") else f"last {len(log)} ops"
         lines.append(f"  {label}:")
@@ -177,10 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         if k not in weights:
             p.error(f"--weights: unknown kind {k!r}; kinds: {', '.join(model_sim.KINDS)}")
         weights[k] = int(v)
-    summary = run(seeds, args.ops, args.seconds, workdir, do_shrink=args.shrink,
-                  shrink_seconds=args.shrink_seconds, weights=weights,
-                  max_violations=args.max_violations,
-                  avoid=frozenset(filter(None, args.avoid.split(","))))  # fmt: skip
+    summary = run(
+        seeds,
+        args.ops,
+        args.seconds,
+        workdir,
+        do_shrink=args.shrink,
+        shrink_seconds=args.shrink_seconds,
+        weights=weights,
+        max_violations=args.max_violations,
+        avoid=frozenset(filter(None, args.avoid.split(","))),
+    )
     print(render(summary))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

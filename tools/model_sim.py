@@ -45,10 +45,34 @@ from casnap.format.names import hash_bytes
 from casnap.repo.damage import list_damage
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("take", "dcp", "damage", "verify", "repair", "restore", "read_object", "rm",
-         "retain", "gc", "copy", "concurrent")  # fmt: skip
-WEIGHTS = {"take": 24, "dcp": 6, "damage": 14, "verify": 5, "repair": 7, "restore": 8,
-           "read_object": 6, "rm": 4, "retain": 3, "gc": 5, "copy": 5, "concurrent": 1}  # fmt: skip
+KINDS = (
+    "take",
+    "dcp",
+    "damage",
+    "verify",
+    "repair",
+    "restore",
+    "read_object",
+    "rm",
+    "retain",
+    "gc",
+    "copy",
+    "concurrent",
+)
+WEIGHTS = {
+    "take": 24,
+    "dcp": 6,
+    "damage": 14,
+    "verify": 5,
+    "repair": 7,
+    "restore": 8,
+    "read_object": 6,
+    "rm": 4,
+    "retain": 3,
+    "gc": 5,
+    "copy": 5,
+    "concurrent": 1,
+}
 CHUNK_SIZES = (16 << 10, 64 << 10, 256 << 10)
 MAX_SNAPSHOTS = 14  # per repository; beyond it the oldest is removed (keeps checks cheap)
 
@@ -135,10 +159,11 @@ def zeros_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
         and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
         for k in a
-    )  # fmt: skip
+    )
 
 
 def is_refusal(exc: BaseException) -> bool:
@@ -314,8 +339,9 @@ class Sim:
         elif kind == "verify":
             op["read_data"] = rng.random() < 0.5
         elif kind == "repair":
-            op["source"] = rng.choice(["none", "live", "snapshot-state", "snapshot-state",
-                                       "other-repo"])  # fmt: skip
+            op["source"] = rng.choice(
+                ["none", "live", "snapshot-state", "snapshot-state", "other-repo"]
+            )
             op["name"] = pick
             others = sorted(self.repos["B" if repo == "A" else "A"].snaps)
             op["other"] = rng.choice(others) if others else None
@@ -360,8 +386,12 @@ class Sim:
 
     def _damage_target(self, repo: str, rng: random.Random) -> dict[str, Any]:
         meta = self.repos[repo].root / ".casnap"
-        files = sorted(str(p.relative_to(meta)) for sub in ("chunks", "packs")
-                       for p in (meta / sub).rglob("*") if p.is_file())  # fmt: skip
+        files = sorted(
+            str(p.relative_to(meta))
+            for sub in ("chunks", "packs")
+            for p in (meta / sub).rglob("*")
+            if p.is_file()
+        )
         snaps = sorted(self.repos[repo].snaps)
         referenced: list[str] = []
         if snaps and rng.random() < 0.75:
@@ -371,20 +401,27 @@ class Sim:
                 refs = []
             for r in refs:
                 for link in r.chain():
-                    referenced.append(f"packs/{link.pack[:2]}/{link.pack}" if link.pack
-                                      else f"chunks/{link.hash[:2]}/{link.hash}")  # fmt: skip
+                    referenced.append(
+                        f"packs/{link.pack[:2]}/{link.pack}"
+                        if link.pack
+                        else f"chunks/{link.hash[:2]}/{link.hash}"
+                    )
         pool = sorted(set(referenced)) or files
-        how = rng.choice(["flip", "flip", "truncate", "delete", "reencode", "reencode",
-                          "reencode"])  # fmt: skip
+        how = rng.choice(["flip", "flip", "truncate", "delete", "reencode", "reencode", "reencode"])
         if how == "reencode" and "reencode" in self.avoid:
             how = "flip"
         if how == "reencode":
             loose = [f for f in pool if f.startswith("chunks/")] or [
-                f for f in files if f.startswith("chunks/")]  # fmt: skip
+                f for f in files if f.startswith("chunks/")
+            ]
             pool = loose or pool
-        return {"file": rng.choice(pool) if pool else None, "how": how,
-                "where": rng.random(), "level": rng.choice([1, 3, 19, -3]),
-                "elem": rng.choice([0, 2, 4])}  # fmt: skip
+        return {
+            "file": rng.choice(pool) if pool else None,
+            "how": how,
+            "where": rng.random(),
+            "level": rng.choice([1, 3, 19, -3]),
+            "elem": rng.choice([0, 2, 4]),
+        }
 
     # -- executing ------------------------------------------------------------
     def apply(self, op: dict[str, Any]) -> None:
@@ -403,8 +440,9 @@ class Sim:
         self.count(f"{kind}:{outcome}")
 
     def _settings(self, op: dict[str, Any]) -> Any:
-        return casnap.settings.override(compression=op["compression"], zstd_level=op["zstd_level"],
-                                        delta=op["delta"])  # fmt: skip
+        return casnap.settings.override(
+            compression=op["compression"], zstd_level=op["zstd_level"], delta=op["delta"]
+        )
 
     def _mutate(self, m: dict[str, Any]) -> None:
         g = torch.Generator().manual_seed(m["seed"])
@@ -442,9 +480,12 @@ class Sim:
         before = self.records(op["repo"])
         self._trim(op["repo"])
         with self._settings(op):
-            Snapshot.take(f"{rm.url}/{op['name']}", {"m": StateDict(**self.live)},
-                          storage_options={"repository": rm.url, "chunk_size": op["chunk_size"]},
-                          **kw)  # fmt: skip
+            Snapshot.take(
+                f"{rm.url}/{op['name']}",
+                {"m": StateDict(**self.live)},
+                storage_options={"repository": rm.url, "chunk_size": op["chunk_size"]},
+                **kw,
+            )
         rm.snaps[op["name"]] = Expected(clone(self.live), "take", op["i"])
         self._check_fresh(op["repo"], op["name"], before)
         return "ok"
@@ -460,9 +501,11 @@ class Sim:
         old = repo.resolve(op["id"]) if repo.has_ref(op["id"]) else None
         before = self.records(op["repo"])
         self._trim(op["repo"])
-        writer = CasnapWriter(f"{rm.url}/{op['id']}", metadata={"step": op["i"]},
-                              storage_options={"repository": rm.url,
-                                               "chunk_size": op["chunk_size"]})  # fmt: skip
+        writer = CasnapWriter(
+            f"{rm.url}/{op['id']}",
+            metadata={"step": op["i"]},
+            storage_options={"repository": rm.url, "chunk_size": op["chunk_size"]},
+        )
         with self._settings(op):
             dcp.save({"model": dict(self.live)}, storage_writer=writer)
         if old is not None and op["id"] in rm.snaps:
@@ -490,9 +533,12 @@ class Sim:
                 if data is None and (link.hash, link.pack) in before:
                     where = f"pack {link.pack[:12]}" if link.pack else "loose"
                     role = "delta base" if link is not r else "chunk"
-                    self.violate("take-reused-damaged", f"{repo}/{name}",
-                                 f"{role} {link.hash[:12]} ({where}) was recorded damaged "
-                                 f"before this take and is still damaged")  # fmt: skip
+                    self.violate(
+                        "take-reused-damaged",
+                        f"{repo}/{name}",
+                        f"{role} {link.hash[:12]} ({where}) was recorded damaged "
+                        f"before this take and is still damaged",
+                    )
                     return
 
     def op_damage(self, op: dict[str, Any]) -> str:
@@ -533,8 +579,9 @@ class Sim:
         elif src == "snapshot-state" and op.get("name") in rm.snaps:
             exp = rm.snaps[op["name"]]
             state = dict(exp.tensors)
-            kw["from_states"] = [{"m": StateDict(**state)} if exp.via == "take"
-                                 else {"model": state}]  # fmt: skip
+            kw["from_states"] = [
+                {"m": StateDict(**state)} if exp.via == "take" else {"model": state}
+            ]
         elif src == "other-repo" and op.get("other"):
             other = self.repos["B" if op["repo"] == "A" else "A"]
             if op["other"] in other.snaps:
@@ -566,8 +613,11 @@ class Sim:
             try:
                 if op["via"] == "session":
                     rm.session = rm.session or Session()
-                    Snapshot(f"{rm.url}/{name}", storage_options={"repository": rm.url},
-                             session=rm.session).restore(target)  # fmt: skip
+                    Snapshot(
+                        f"{rm.url}/{name}",
+                        storage_options={"repository": rm.url},
+                        session=rm.session,
+                    ).restore(target)
                 else:
                     self.handle(op["repo"]).snapshot(name).restore(target)
                 got = dict(target["m"])
@@ -588,8 +638,9 @@ class Sim:
         exp = rm.snaps[name]
         key = f"0/{'m' if exp.via == 'take' else 'model'}/{op['key']}"
         try:
-            got = Snapshot(f"{rm.url}/{name}",
-                           storage_options={"repository": rm.url}).read_object(key)  # fmt: skip
+            got = Snapshot(f"{rm.url}/{name}", storage_options={"repository": rm.url}).read_object(
+                key
+            )
         except BaseException as exc:  # noqa: BLE001
             reraise_interrupt(exc)
             v = Verdict("refused" if is_refusal(exc) else "crash", True, repr(exc)[:300])
@@ -618,8 +669,9 @@ class Sim:
         rm = self.repos[op["repo"]]
         if not rm.snaps:
             return "nothing"
-        result = self.handle(op["repo"]).retain(RetentionPolicy(KeepLast(op["keep"])),
-                                                 prune=op["prune"], wait_seconds=5)  # fmt: skip
+        result = self.handle(op["repo"]).retain(
+            RetentionPolicy(KeepLast(op["keep"])), prune=op["prune"], wait_seconds=5
+        )
         for name in result.deleted:
             rm.snaps.pop(name, None)
         return f"deleted{min(len(result.deleted), 3)}"
@@ -644,8 +696,9 @@ class Sim:
         except casnap.CopyIntegrityError as exc:
             result, failed = exc.result, exc.failed
         for name in (*result.copied, *result.present):
-            dst.snaps[name] = Expected(clone(src.snaps[name].tensors), src.snaps[name].via,
-                                       src.snaps[name].op)  # fmt: skip
+            dst.snaps[name] = Expected(
+                clone(src.snaps[name].tensors), src.snaps[name].via, src.snaps[name].op
+            )
         for name in failed:
             # Copy sends every object the manifest names, each checked on its own
             # (docs/copy.md): a pack against its name, so one damaged frame refuses every
@@ -689,8 +742,9 @@ class Sim:
             f"storage_options={{'repository': {rm.url!r}, 'chunk_size': {op['chunk_size']}}})\n"
         )
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen([sys.executable, "-c", code], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         try:
             if op["main"] == "take":
                 self.op_take({**op, "mode": "session", "parent": None})
@@ -702,8 +756,11 @@ class Sim:
             theirs = seeded_state(op["sub_seed"], SHAPES)
             rm.snaps[op["sub_name"]] = Expected(theirs, "take", op["i"])
             return f"both-{op['main']}"
-        self.violate("concurrent-take-failed", f"{op['repo']}/{op['sub_name']}",
-                     out.decode(errors="replace")[-800:])  # fmt: skip
+        self.violate(
+            "concurrent-take-failed",
+            f"{op['repo']}/{op['sub_name']}",
+            out.decode(errors="replace")[-800:],
+        )
         return "sub-failed"
 
     # -- the invariants -------------------------------------------------------
@@ -718,8 +775,10 @@ class Sim:
                 from casnap.integrations.dcp import CasnapReader
 
                 target: dict[str, Any] = {"model": zeros_like(exp.tensors)}
-                dcp.load(target, storage_reader=CasnapReader(
-                    path, storage_options={"repository": rm.url}))  # fmt: skip
+                dcp.load(
+                    target,
+                    storage_reader=CasnapReader(path, storage_options={"repository": rm.url}),
+                )
                 got = target["model"]
             else:
                 st = {"m": StateDict(**zeros_like(exp.tensors))}
@@ -727,11 +786,13 @@ class Sim:
                 got = dict(st["m"])
         except BaseException as exc:  # noqa: BLE001
             reraise_interrupt(exc)
-            return Verdict("refused" if is_refusal(exc) else "crash", True,
-                           describe(exc))  # fmt: skip
+            return Verdict("refused" if is_refusal(exc) else "crash", True, describe(exc))
         if not same(got, exp.tensors):
-            bad = [k for k in exp.tensors if not same({k: got.get(k, torch.empty(0))},
-                                                      {k: exp.tensors[k]})]  # fmt: skip
+            bad = [
+                k
+                for k in exp.tensors
+                if not same({k: got.get(k, torch.empty(0))}, {k: exp.tensors[k]})
+            ]
             return Verdict("wrong", True, f"keys differ: {bad}")
         return Verdict("ok", True)
 
@@ -798,13 +859,19 @@ class Sim:
                 v = self.restore_verdict(repo, name)
                 self._judge(repo, name, v)
                 if (v.restore == "ok") == (name in flagged):  # (b)
-                    why = [f"{p.kind} {p.subject[:16]}: {p.detail[:160]}" for p in report.problems
-                           if name in p.snapshots]  # fmt: skip
-                    self.violate("verify-disagrees", f"{repo}/{name}",
-                                 f"restore {v.restore} ({v.detail[:200]}), "
-                                 f"verify --read-data {why or 'ok'}")  # fmt: skip
-                self.count(f"check:{'must' if self.must_restore(repo, name) else 'damaged'}"
-                           f":{v.restore}")  # fmt: skip
+                    why = [
+                        f"{p.kind} {p.subject[:16]}: {p.detail[:160]}"
+                        for p in report.problems
+                        if name in p.snapshots
+                    ]
+                    self.violate(
+                        "verify-disagrees",
+                        f"{repo}/{name}",
+                        f"restore {v.restore} ({v.detail[:200]}), verify --read-data {why or 'ok'}",
+                    )
+                self.count(
+                    f"check:{'must' if self.must_restore(repo, name) else 'damaged'}:{v.restore}"
+                )
             records = self.records(repo)  # the reads above may have recorded damage
             rm.cache = {n: (self.fingerprint(repo, n, records), None) for n in rm.snaps}
 
@@ -833,10 +900,16 @@ def reencode(frame: bytes, level: int, elem: int) -> bytes | None:
     return None if out == frame else out
 
 
-def run_program(seed: int, workdir: Path, ops: int, deadline: float | None = None,
-                weights: dict[str, int] | None = None,
-                program: list[dict[str, Any]] | None = None,
-                max_violations: int = 5, avoid: frozenset[str] = frozenset()) -> Sim:  # fmt: skip
+def run_program(
+    seed: int,
+    workdir: Path,
+    ops: int,
+    deadline: float | None = None,
+    weights: dict[str, int] | None = None,
+    program: list[dict[str, Any]] | None = None,
+    max_violations: int = 5,
+    avoid: frozenset[str] = frozenset(),
+) -> Sim:
     """Run ``ops`` generated operations (or exactly ``program``) with a check after each."""
     import time
 

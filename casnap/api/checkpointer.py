@@ -242,9 +242,14 @@ class Checkpointer:
         # The last commit whose retention kept snapshots the mirror was still owed.
         self._kept_for_mirror: tuple[Snapshot, str] | None = None
         self.mirror = make_mirror(
-            mirror, mirror_storage_options, retention, mirror_retention, self._is_mine,
-            queue_size=mirror_queue, reclaim=reclaim,
-        )  # fmt: skip
+            mirror,
+            mirror_storage_options,
+            retention,
+            mirror_retention,
+            self._is_mine,
+            queue_size=mirror_queue,
+            reclaim=reclaim,
+        )
         self._guard = PreemptionGuard(signals) if signals else None
         if self._guard is not None:
             self._guard.install()
@@ -300,8 +305,11 @@ class Checkpointer:
         snap = self._take(step, app_state, metrics, extra) if due else None
         if preempted:
             assert self._guard is not None
-            log.warning("casnap: signal %s received; step %d taken, handing the signal on",
-                        self._guard.received, step)  # fmt: skip
+            log.warning(
+                "casnap: signal %s received; step %d taken, handing the signal on",
+                self._guard.received,
+                step,
+            )
             self._wait_take()  # committed before the process may end (the mirror may lag)
             self._guard.honour()
         return snap
@@ -336,16 +344,22 @@ class Checkpointer:
         try:
             if self.async_take:
                 pending = Snapshot.async_take(
-                    path, app_state, storage_options=options, metadata=metadata,
+                    path,
+                    app_state,
+                    storage_options=options,
+                    metadata=metadata,
                     session=self.session,
-                )  # fmt: skip
+                )
                 self._pending, self._pending_step = pending, step
                 self.schedule.restart()
                 return pending
             snap = Snapshot.take(
-                path, app_state, storage_options=options, metadata=metadata,
+                path,
+                app_state,
+                storage_options=options,
+                metadata=metadata,
                 session=self.session,
-            )  # fmt: skip
+            )
         except BaseException:
             self._steps.discard(step)
             raise
@@ -424,8 +438,11 @@ class Checkpointer:
         finally:
             if guard is not None:
                 if guard.received is not None:  # an error must not be hidden by a kill
-                    log.warning("casnap: signal %s was received; not handed on while "
-                                "leaving with an exception", guard.received)  # fmt: skip
+                    log.warning(
+                        "casnap: signal %s was received; not handed on while "
+                        "leaving with an exception",
+                        guard.received,
+                    )
                     guard.received = None
                 guard.uninstall()
 
@@ -464,9 +481,13 @@ class Checkpointer:
             keep.append(_KeepNames(owed, "not yet copied to the mirror"))
             self._kept_for_mirror = (snap, name) if owed else None
             if owed and mirror.failing:
-                log.warning("casnap: %d snapshot(s) kept here until the mirror %s has them "
-                            "(its last copy failed: %s)", len(owed), mirror.url,
-                            mirror.last_error)  # fmt: skip
+                log.warning(
+                    "casnap: %d snapshot(s) kept here until the mirror %s has them "
+                    "(its last copy failed: %s)",
+                    len(owed),
+                    mirror.url,
+                    mirror.last_error,
+                )
         policy = RetentionPolicy(*self.retention.rules, *keep)
         plan = plan_retention(repo, policy, names=mine, cache=self._summaries)
         result = execute_retention(repo, plan)
@@ -524,9 +545,12 @@ class Checkpointer:
             return {k for k, e in entries.items() if isinstance(e, TensorEntry)}
 
         chosen = resume(
-            [s for s in infos if self._is_mine(s)], unreadable,
-            lambda name: try_restore(repo, name, restore_one), repo.url, tensors_of,
-        )  # fmt: skip
+            [s for s in infos if self._is_mine(s)],
+            unreadable,
+            lambda name: try_restore(repo, name, restore_one),
+            repo.url,
+            tensors_of,
+        )
         if chosen is None:
             return None
         assert chosen.step is not None

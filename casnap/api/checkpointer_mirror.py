@@ -163,8 +163,12 @@ class Mirror:
             thread.join()
             self._thread = None
         if left:
-            log.error("casnap: %d snapshot(s) were not copied to the mirror %s: %s",
-                      len(left), self.url, ", ".join(left))  # fmt: skip
+            log.error(
+                "casnap: %d snapshot(s) were not copied to the mirror %s: %s",
+                len(left),
+                self.url,
+                ", ".join(left),
+            )
         return left
 
     # -- the worker ------------------------------------------------------------
@@ -185,8 +189,9 @@ class Mirror:
             except BaseException as exc:  # never let the worker die: log, retry next commit
                 self.last_error = exc
                 self.failing = True
-                log.warning("casnap: mirror to %s failed, retried at the next commit: %s",
-                            self.url, exc)  # fmt: skip
+                log.warning(
+                    "casnap: mirror to %s failed, retried at the next commit: %s", self.url, exc
+                )
             finally:
                 self._queue.task_done()
 
@@ -292,8 +297,15 @@ def make_mirror(
     if url is None:
         return None
     if isinstance(url, RepoStorage):  # an open repository (a store of the caller's choosing)
-        mirror = make_mirror(url.url, storage_options, retention, mirror_retention, is_mine,
-                             queue_size=queue_size, reclaim=reclaim)  # fmt: skip
+        mirror = make_mirror(
+            url.url,
+            storage_options,
+            retention,
+            mirror_retention,
+            is_mine,
+            queue_size=queue_size,
+            reclaim=reclaim,
+        )
         assert mirror is not None
         mirror._dst = url
         return mirror
@@ -309,10 +321,21 @@ def make_mirror(
     elif isinstance(mirror_retention, RetentionRule):
         mirror_retention = RetentionPolicy(mirror_retention)
     elif mirror_retention is not None:
-        expect_type(mirror_retention, RetentionPolicy, "mirror_retention",
-                    "a casnap.RetentionPolicy, None or 'same'")  # fmt: skip
-    return Mirror(as_path(url, "mirror"), storage_options, is_mine, retention=mirror_retention,
-                  queue_size=queue_size, reclaim=reclaim, same_retention=same)  # fmt: skip
+        expect_type(
+            mirror_retention,
+            RetentionPolicy,
+            "mirror_retention",
+            "a casnap.RetentionPolicy, None or 'same'",
+        )
+    return Mirror(
+        as_path(url, "mirror"),
+        storage_options,
+        is_mine,
+        retention=mirror_retention,
+        queue_size=queue_size,
+        reclaim=reclaim,
+        same_retention=same,
+    )
 
 
 def is_rank_zero() -> bool:

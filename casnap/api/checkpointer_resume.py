@@ -81,8 +81,10 @@ def resume(
                 log.warning(
                     "casnap: resumed from %s (step %s) after skipping: %s. The skipped "
                     "snapshots keep their names, so their steps are not taken again",
-                    info.name, info.step, "; ".join(tried),
-                )  # fmt: skip
+                    info.name,
+                    info.step,
+                    "; ".join(tried),
+                )
             _warn_leftovers(info.name, attempted, tensors_of)
             return info
         log.warning("casnap: skipping snapshot %s (step %s): %s", info.name, info.step, reason)
@@ -117,8 +119,9 @@ def _warn_leftovers(
         log.warning(
             "casnap: %s does not hold %s; if the app_state has them, they may hold the "
             "values of a skipped snapshot",
-            chosen, shown,
-        )  # fmt: skip
+            chosen,
+            shown,
+        )
 
 
 def pick_best(
@@ -130,8 +133,10 @@ def pick_best(
     """The best of ``infos`` by ``metric`` and ``mode`` as :class:`KeepBest` ranks them
     (non-finite values never best; ties to the newer). Without ``metric``, the first
     ``KeepBest`` of ``rules`` gives it; ``mode`` defaults to that rule's, else ``"min"``."""
-    rule = next((r for r in rules if isinstance(r, KeepBest)
-                 and (metric is None or r.metric == metric)), None)  # fmt: skip
+    rule = next(
+        (r for r in rules if isinstance(r, KeepBest) and (metric is None or r.metric == metric)),
+        None,
+    )
     if metric is None:
         if rule is None:
             raise ConfigError(

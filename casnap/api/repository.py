@@ -163,8 +163,9 @@ class Repository(RepoStorage):
         entries = {
             k: e for k, e in m.entries.items() if key is None or k == key or k.startswith(key + "/")
         }
-        return SnapshotView(name, mhash, m.created_at, m.world_size, dict(m.metadata),
-                            tuple(m.parents), entries)  # fmt: skip
+        return SnapshotView(
+            name, mhash, m.created_at, m.world_size, dict(m.metadata), tuple(m.parents), entries
+        )
 
     def du(self) -> Usage:
         """Logical and stored bytes, dedup ratio, and per snapshot what deleting it frees.
@@ -221,8 +222,7 @@ class Repository(RepoStorage):
             report = repo.verify(part=(0, 7))  # a seventh of the chunks, e.g. one per day
             report.ok, [p.kind for p in report.problems]
         """
-        return verify(self, read_data=read_data or part is not None, part=part,
-                      progress=progress)  # fmt: skip
+        return verify(self, read_data=read_data or part is not None, part=part, progress=progress)
 
     # -- maintenance -----------------------------------------------------
     def repair(
@@ -255,8 +255,11 @@ class Repository(RepoStorage):
                 other, name = self, str(snap)
             else:
                 other, name = Repository.locate(str(snap))
-            sources.append(SnapshotSource(other, [other.read_manifest(other.resolve(name))],
-                                          f"snapshot {snap}"))  # fmt: skip
+            sources.append(
+                SnapshotSource(
+                    other, [other.read_manifest(other.resolve(name))], f"snapshot {snap}"
+                )
+            )
         if from_files or from_states:
             from casnap.torch_io.live import LiveSource, load_state_file  # the torch layer
 
@@ -334,8 +337,13 @@ class Repository(RepoStorage):
             repo.gc(dry_run=True).plan.bytes_to_free
             repo.gc(grace_seconds=0).bytes_freed
         """
-        return gc(self, grace_seconds=grace_seconds, dry_run=dry_run,
-                  wait_seconds=wait_seconds, progress=progress)  # fmt: skip
+        return gc(
+            self,
+            grace_seconds=grace_seconds,
+            dry_run=dry_run,
+            wait_seconds=wait_seconds,
+            progress=progress,
+        )
 
     def unlock(self, *, force: bool = False) -> str | None:
         """Remove a stale or damaged ``gc.lock``; describe what went (None: no lock).
@@ -404,9 +412,14 @@ class Repository(RepoStorage):
             print(result.render())
         """
         return copy_snapshots(
-            self, dst, names, force=force, dry_run=dry_run, progress=progress,
+            self,
+            dst,
+            names,
+            force=force,
+            dry_run=dry_run,
+            progress=progress,
             dst_storage_options=storage_options,
-        )  # fmt: skip
+        )
 
     def tag(self, tag: str, snapshot: str) -> TagInfo:
         """Pin ``snapshot`` under ``tag`` against retention and gc."""
@@ -427,8 +440,9 @@ class Repository(RepoStorage):
 
         if not self.has_ref(name):
             raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name)
-        return Snapshot(self._path(name), storage_options={"repository": self},
-                        session=self._take_session())  # fmt: skip
+        return Snapshot(
+            self._path(name), storage_options={"repository": self}, session=self._take_session()
+        )
 
     def take(self, name: str, app_state: dict[str, Any], **kwargs: Any) -> Snapshot:
         """``Snapshot.take`` of ``app_state`` as ``name`` in this repository."""
@@ -464,8 +478,13 @@ class Repository(RepoStorage):
                 f"export format must be 'torch' or 'safetensors', got {fmt!r}", "format"
             )
         write = export_torch if fmt == "torch" else export_safetensors
-        return write(self.snapshot(snapshot), out_path, key=key,
-                     memory_budget_bytes=memory_budget_bytes, progress=progress)  # fmt: skip
+        return write(
+            self.snapshot(snapshot),
+            out_path,
+            key=key,
+            memory_budget_bytes=memory_budget_bytes,
+            progress=progress,
+        )
 
     def _path(self, name: str) -> str:
         # Checked here: a local path would normalize "a/../b" or "a//b" into another name.

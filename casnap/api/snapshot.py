@@ -89,16 +89,32 @@ def _prepare(
     group = _group(pg)
     if group.pg is not None:
         return prepare_distributed_take(
-            path, app_state, group=group, replicated=replicated,
-            storage_options=storage_options, metadata=metadata, allow_pickle=allow_pickle,
-            parents=parents, stage=stage, custom_prepare=custom_prepare,
-            memory_budget_bytes=memory_budget_bytes, session=session,
-        )  # fmt: skip
+            path,
+            app_state,
+            group=group,
+            replicated=replicated,
+            storage_options=storage_options,
+            metadata=metadata,
+            allow_pickle=allow_pickle,
+            parents=parents,
+            stage=stage,
+            custom_prepare=custom_prepare,
+            memory_budget_bytes=memory_budget_bytes,
+            session=session,
+        )
     return prepare_take(
-        path, app_state, storage_options=storage_options, metadata=metadata,
-        allow_pickle=allow_pickle, parents=parents, stage=stage, custom_prepare=custom_prepare,
-        memory_budget_bytes=memory_budget_bytes, session=session, replicated=replicated,
-    )  # fmt: skip
+        path,
+        app_state,
+        storage_options=storage_options,
+        metadata=metadata,
+        allow_pickle=allow_pickle,
+        parents=parents,
+        stage=stage,
+        custom_prepare=custom_prepare,
+        memory_budget_bytes=memory_budget_bytes,
+        session=session,
+        replicated=replicated,
+    )
 
 
 class Snapshot:
@@ -172,9 +188,19 @@ class Snapshot:
         progress = _checked(progress)  # before anything is created
         with python_gc_paused():  # no full collection per ~50,000 objects (take.python_gc)
             job = _prepare(
-                path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
-                metadata, allow_pickle, parents, memory_budget_bytes, session, stage=False,
-            )  # fmt: skip
+                path,
+                app_state,
+                pg,
+                replicated,
+                storage_options,
+                _custom_tensor_prepare_func,
+                metadata,
+                allow_pickle,
+                parents,
+                memory_budget_bytes,
+                session,
+                stage=False,
+            )
             job.progress = progress
             result = job.run()
         return cls._from_result(path, pg, storage_options, result, session)
@@ -207,9 +233,19 @@ class Snapshot:
         (called from the background writers too)."""
         progress = _checked(progress)  # before anything is created
         job = _prepare(
-            path, app_state, pg, replicated, storage_options, _custom_tensor_prepare_func,
-            metadata, allow_pickle, parents, memory_budget_bytes, session, stage=True,
-        )  # fmt: skip
+            path,
+            app_state,
+            pg,
+            replicated,
+            storage_options,
+            _custom_tensor_prepare_func,
+            metadata,
+            allow_pickle,
+            parents,
+            memory_budget_bytes,
+            session,
+            stage=True,
+        )
         job.progress = progress
         pending = PendingSnapshot(path, pg, storage_options, job.run, session)
         job.live_consumed.wait()  # what staging could not copy is consumed: point-in-time
@@ -322,10 +358,15 @@ class Snapshot:
         rank = _group(self.pg).rank  # not collective: each rank restores its own state
         repo, manifest = self._load()
         restore_state(
-            repo, manifest, app_state, rank=rank, strict=strict,
-            allow_pickle=allow_pickle, memory_budget_bytes=memory_budget_bytes,
+            repo,
+            manifest,
+            app_state,
+            rank=rank,
+            strict=strict,
+            allow_pickle=allow_pickle,
+            memory_budget_bytes=memory_budget_bytes,
             progress=_checked(progress),
-        )  # fmt: skip
+        )
         remember(repo, self.manifest_hash, manifest, self.session)
 
     def read_object(
@@ -344,9 +385,13 @@ class Snapshot:
         expect_type(path, str, "path", "a logical key such as '0/model/fc.weight'")
         repo, manifest = self._load()
         return read_entry(
-            repo, manifest, path, obj_out,
-            allow_pickle=allow_pickle, memory_budget_bytes=memory_budget_bytes,
-        )  # fmt: skip
+            repo,
+            manifest,
+            path,
+            obj_out,
+            allow_pickle=allow_pickle,
+            memory_budget_bytes=memory_budget_bytes,
+        )
 
     def __repr__(self) -> str:
         return f"Snapshot({self.path!r})"

@@ -199,8 +199,11 @@ def _rebuild(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffe
     try:
         frames = [frame, *_fetch_chain(repo, chain[1:])]
         whole = chain[-1]
-        out = bytearray(codec.decode(frames[-1], _name(whole), bytes.fromhex(whole.hash),
-                                     whole.size, check_digest=False))  # fmt: skip
+        out = bytearray(
+            codec.decode(
+                frames[-1], _name(whole), bytes.fromhex(whole.hash), whole.size, check_digest=False
+            )
+        )
         for link, raw in zip(reversed(chain[:-1]), reversed(frames[:-1]), strict=True):
             if not _apply(raw, link, out):
                 return None

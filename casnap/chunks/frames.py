@@ -229,8 +229,10 @@ class FrameWriter:
         # What it wrote: each frame's offset is the sum of the lengths before it.
         lengths = [len(fr.head) + len(fr.payload) for fr in pack.frames]
         places = zip(pack.frames, accumulate(lengths, initial=0), lengths)
-        done = [(fr.result, trusted_chunk_ref(fr.hash, fr.size, pid, offset, length, fr.base))
-                for fr, offset, length in places]  # fmt: skip
+        done = [
+            (fr.result, trusted_chunk_ref(fr.hash, fr.size, pid, offset, length, fr.base))
+            for fr, offset, length in places
+        ]
         with self._lock:
             for _, ref in done:
                 self.known[ref.hash] = ref

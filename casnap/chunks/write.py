@@ -153,8 +153,10 @@ class ChunkWriter(FrameWriter):
         if given is None:
             digests = [digest_of(data) for data in chunks]
         else:
-            digests = [d if d is not None else digest_of(data)
-                       for data, d in zip(chunks, given, strict=True)]  # fmt: skip
+            digests = [
+                d if d is not None else digest_of(data)
+                for data, d in zip(chunks, given, strict=True)
+            ]
         hashes = [d.hex() for d in digests]
         _refs, new = self._dedup(hashes, [len(data) for data in chunks])
         known = self.known
@@ -269,8 +271,10 @@ class ChunkWriter(FrameWriter):
         if self.settings.compression != "auto":
             return dict.fromkeys(by_elem, False)
         level = self.settings.zstd_level
-        return {elem: len(group) < _JUDGED_TOGETHER or codec.may_pay(group, elem, level)
-                for elem, group in by_elem.items()}  # fmt: skip
+        return {
+            elem: len(group) < _JUDGED_TOGETHER or codec.may_pay(group, elem, level)
+            for elem, group in by_elem.items()
+        }
 
     def _try_delta(
         self,

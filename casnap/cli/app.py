@@ -73,8 +73,10 @@ def cmd_log(args: argparse.Namespace) -> int:
     repo = open_repo(args)
     lines = repo.log()
     if args.metric and args.metric not in (known := metric_names(lines)):
-        return usage(f"no snapshot has a metric {args.metric!r} "
-                     f"(metrics found: {', '.join(known) or 'none'})")  # fmt: skip
+        return usage(
+            f"no snapshot has a metric {args.metric!r} "
+            f"(metrics found: {', '.join(known) or 'none'})"
+        )
     if args.plot:
         try:
             drawn = plots.write_log_plot(args.plot, lines, args.metric, args.repo)
@@ -147,10 +149,24 @@ def cmd_show(args: argparse.Namespace) -> int:
             desc = [key, "object", e.type_name, "", human(e.size)]
             data.append({"key": key, "kind": "object", "type": e.type_name, "bytes": e.size})
         elif isinstance(e, ShardedEntry):
-            desc = [key, f"sharded ({e.layout}, {len(e.shards)} shards)", e.dtype,
-                    str(list(e.shape)), human(e.nbytes)]  # fmt: skip
-            data.append({"key": key, "kind": "sharded", "layout": e.layout, "dtype": e.dtype,
-                         "shape": e.shape, "bytes": e.nbytes, "shards": len(e.shards)})  # fmt: skip
+            desc = [
+                key,
+                f"sharded ({e.layout}, {len(e.shards)} shards)",
+                e.dtype,
+                str(list(e.shape)),
+                human(e.nbytes),
+            ]
+            data.append(
+                {
+                    "key": key,
+                    "kind": "sharded",
+                    "layout": e.layout,
+                    "dtype": e.dtype,
+                    "shape": e.shape,
+                    "bytes": e.nbytes,
+                    "shards": len(e.shards),
+                }
+            )
         elif isinstance(e, PrimitiveEntry):
             value, shown = primitive_value(e)
             desc = [key, e.type, shown if len(shown) <= 40 else shown[:39] + "…", "", ""]
@@ -191,8 +207,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.plot:
         entries_a, entries_b = repo_a.show(name_a).entries, repo_b.show(name_b).entries
         try:
-            picture = plots.write_diff_plot(args.plot, rows, entries_a, entries_b,
-                                            f"{args.a} → {args.b}")  # fmt: skip
+            picture = plots.write_diff_plot(
+                args.plot, rows, entries_a, entries_b, f"{args.a} → {args.b}"
+            )
         except OSError as exc:
             print(f"casnap: cannot write {args.plot}: {exc}", file=sys.stderr)
             return EXIT_ERROR

@@ -159,20 +159,36 @@ def add_global_options(parser: argparse.ArgumentParser, after: bool) -> None:
 
     unset: dict[str, Any] = {"default": argparse.SUPPRESS} if after else {}
     g = parser.add_argument_group("global options (before or after the command)")
-    g.add_argument("--json", action="store_true", dest=dest("json"),
-                   help="machine-readable output", **unset)  # fmt: skip
-    g.add_argument("--storage-option", action="append", type=_storage_option,
-                   metavar="KEY=VALUE", dest=dest("storage_option"),
-                   help="an fsspec storage option (repeatable), e.g. token=anon",
-                   **unset)  # fmt: skip
-    g.add_argument("-v", "--verbose", action="count", dest=dest("verbose"),
-                   help="log more (-v info, -vv debug) and show tracebacks of errors",
-                   **(unset or {"default": 0}))  # fmt: skip
-    g.add_argument("-q", "--quiet", action="store_true", dest=dest("quiet"),
-                   help="log errors only", **unset)  # fmt: skip
-    g.add_argument("--debug", action="store_true", dest=dest("debug"),
-                   help="debug logging (all libraries) and tracebacks, like -vv",
-                   **unset)  # fmt: skip
+    g.add_argument(
+        "--json", action="store_true", dest=dest("json"), help="machine-readable output", **unset
+    )
+    g.add_argument(
+        "--storage-option",
+        action="append",
+        type=_storage_option,
+        metavar="KEY=VALUE",
+        dest=dest("storage_option"),
+        help="an fsspec storage option (repeatable), e.g. token=anon",
+        **unset,
+    )
+    g.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        dest=dest("verbose"),
+        help="log more (-v info, -vv debug) and show tracebacks of errors",
+        **(unset or {"default": 0}),
+    )
+    g.add_argument(
+        "-q", "--quiet", action="store_true", dest=dest("quiet"), help="log errors only", **unset
+    )
+    g.add_argument(
+        "--debug",
+        action="store_true",
+        dest=dest("debug"),
+        help="debug logging (all libraries) and tracebacks, like -vv",
+        **unset,
+    )
 
 
 def merge_global_options(args: argparse.Namespace) -> None:

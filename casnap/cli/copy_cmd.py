@@ -74,6 +74,10 @@ def register(add: Callable[..., Any]) -> None:
         "--force", action="store_true", help="replace a snapshot DST holds with other content"
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be sent, send nothing")
-    p.add_argument("--dst-storage-option", action="append", type=_option, metavar="KEY=VALUE",
-                   help="an fsspec option for DST only (repeatable); --storage-option "
-                   "applies to both")  # fmt: skip
+    p.add_argument(
+        "--dst-storage-option",
+        action="append",
+        type=_option,
+        metavar="KEY=VALUE",
+        help="an fsspec option for DST only (repeatable); --storage-option applies to both",
+    )

@@ -24,10 +24,14 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     with progress_bar(args, "import") as bar:
         snap = import_checkpoint(
-            args.source, args.snapshot, storage_options=storage_options(args) or None,
-            memory_budget_bytes=args.memory_budget, progress=bar, stateful=args.stateful,
+            args.source,
+            args.snapshot,
+            storage_options=storage_options(args) or None,
+            memory_budget_bytes=args.memory_budget,
+            progress=bar,
+            stateful=args.stateful,
             format=args.format,
-        )  # fmt: skip
+        )
     stats = snap.last_take_stats
     assert stats is not None
     record = snap.metadata["import"]
@@ -43,24 +47,46 @@ def cmd_import(args: argparse.Namespace) -> int:
         "new_bytes": stats.raw_bytes_written,
         "stored_bytes_written": stats.stored_bytes_written,
     }
-    emit(args, data, lambda: (
-        f"imported {record['format']} {record['path']} as {snap.name} in "
-        f"{snap.repository.url}: {tensors} tensors, {human(stats.raw_bytes)}, "
-        f"{human(stats.raw_bytes_written)} new"
-    ))  # fmt: skip
+    emit(
+        args,
+        data,
+        lambda: (
+            f"imported {record['format']} {record['path']} as {snap.name} in "
+            f"{snap.repository.url}: {tensors} tensors, {human(stats.raw_bytes)}, "
+            f"{human(stats.raw_bytes_written)} new"
+        ),
+    )
     return 0
 
 
 def register(add: Callable[..., Any]) -> None:
-    p = add("import", cmd_import, "bring a DCP, safetensors, Hugging Face or torch.save "
-            "checkpoint into a repository as one snapshot (deduplicated)")  # fmt: skip
-    p.add_argument("source", help="DCP directory, .safetensors file, Hugging Face model "
-                   "directory (or its index json), or torch.save file")  # fmt: skip
+    p = add(
+        "import",
+        cmd_import,
+        "bring a DCP, safetensors, Hugging Face or torch.save "
+        "checkpoint into a repository as one snapshot (deduplicated)",
+    )
+    p.add_argument(
+        "source",
+        help="DCP directory, .safetensors file, Hugging Face model "
+        "directory (or its index json), or torch.save file",
+    )
     p.add_argument("snapshot", help="snapshot path to create, e.g. /ckpt/base/llama")
-    p.add_argument("--format", choices=["dcp", "hf", "safetensors", "torch"],
-                   help="refuse SOURCE unless it is this format (default: detected)")  # fmt: skip
-    p.add_argument("--stateful", default="model", metavar="NAME",
-                   help="where a flat source's tensors go (default: model)")  # fmt: skip
-    p.add_argument("--memory-budget", type=size, metavar="SIZE",
-                   help="bytes of the source held in memory at once (e.g. 512MiB; default: "
-                   "CASNAP_MEMORY_BUDGET)")  # fmt: skip
+    p.add_argument(
+        "--format",
+        choices=["dcp", "hf", "safetensors", "torch"],
+        help="refuse SOURCE unless it is this format (default: detected)",
+    )
+    p.add_argument(
+        "--stateful",
+        default="model",
+        metavar="NAME",
+        help="where a flat source's tensors go (default: model)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=size,
+        metavar="SIZE",
+        help="bytes of the source held in memory at once (e.g. 512MiB; default: "
+        "CASNAP_MEMORY_BUDGET)",
+    )

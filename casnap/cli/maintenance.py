@@ -79,8 +79,12 @@ def cmd_init(args: argparse.Namespace) -> int:
     repo = first_contact(
         args.repo, lambda: Repository.init(args.repo, options, chunk_size=args.chunk_size)
     )
-    data = {"repo": repo.url, "repo_id": repo.config.repo_id, "shared": repo.config.shared,
-            "chunk_size": repo.config.chunk_size}  # fmt: skip
+    data = {
+        "repo": repo.url,
+        "repo_id": repo.config.repo_id,
+        "shared": repo.config.shared,
+        "chunk_size": repo.config.chunk_size,
+    }
     emit(args, data, lambda: f"shared repository at {repo.url}: snapshot paths below it go in it")
     return 0
 
@@ -249,8 +253,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             progress=bar,
         )
     written = os.path.getsize(result.path)  # what is on disk, whatever the writer said
-    data = {"snapshot": name, "out": args.out, **dataclasses.asdict(result),
-            "format": result.format, "file_bytes": written}  # fmt: skip
+    data = {
+        "snapshot": name,
+        "out": args.out,
+        **dataclasses.asdict(result),
+        "format": result.format,
+        "file_bytes": written,
+    }
     emit(
         args,
         data,
@@ -292,8 +301,12 @@ def _prune_arguments(p: argparse.ArgumentParser, what: str) -> None:
 def register(add: Callable[..., Any]) -> None:
     p = add("init", cmd_init, "create a repository shared by the snapshot paths below it")
     p.add_argument("repo", help="repository directory or URL, e.g. /ckpt")
-    p.add_argument("--chunk-size", type=chunk_size, metavar="SIZE",
-                   help="default chunk size (4 KiB to 1 GiB, e.g. 4MiB or 4194304)")  # fmt: skip
+    p.add_argument(
+        "--chunk-size",
+        type=chunk_size,
+        metavar="SIZE",
+        help="default chunk size (4 KiB to 1 GiB, e.g. 4MiB or 4194304)",
+    )
     p = add("rm", cmd_rm, "delete one snapshot (--prune: and the space only it used)")
     p.add_argument("snapshot", help="snapshot path, e.g. /ckpt/run1/step_100")
     _prune_arguments(p, "the deleted snapshot")

@@ -158,14 +158,17 @@ def diff_rows(
     runs (``layers.0.* … layers.3.*``); groups never reorder the model.
     """
     by_key = {r.key: r for r in rows}
-    is_container = {k for k, e in (*entries_a.items(), *entries_b.items())
-                    if isinstance(e, ContainerEntry)}  # fmt: skip
+    is_container = {
+        k for k, e in (*entries_a.items(), *entries_b.items()) if isinstance(e, ContainerEntry)
+    }
     keys = [k for k in model_order(entries_a, entries_b) if k in by_key and k not in is_container]
     keys += sorted(k for k in by_key if k not in set(keys) and k not in is_container)
     prefix = _common_prefix(keys)
     labels = [k[len(prefix) :] or k for k in keys]
-    movers = sorted(((k, by_key[k].rel_l2 or 0.0) for k in keys if _finite(by_key[k].rel_l2)),
-                    key=lambda kv: -kv[1])[:top]  # fmt: skip
+    movers = sorted(
+        ((k, by_key[k].rel_l2 or 0.0) for k in keys if _finite(by_key[k].rel_l2)),
+        key=lambda kv: -kv[1],
+    )[:top]
     groups, grouping = _group(labels, max_rows)
     out = []
     for label, group in groups:
@@ -173,10 +176,18 @@ def diff_rows(
         counts = {s: 0 for s in STATUSES}
         for m in members:
             counts[_status(m)] += 1
-        best = max((m for m in members if _finite(m.rel_l2)), default=None,
-                   key=lambda m: m.rel_l2 or 0.0)  # fmt: skip
-        out.append(DiffRow(label, tuple(keys[i] for i in group), counts,
-                           best.rel_l2 if best else None, best.key if best else None))  # fmt: skip
+        best = max(
+            (m for m in members if _finite(m.rel_l2)), default=None, key=lambda m: m.rel_l2 or 0.0
+        )
+        out.append(
+            DiffRow(
+                label,
+                tuple(keys[i] for i in group),
+                counts,
+                best.rel_l2 if best else None,
+                best.key if best else None,
+            )
+        )
     return DiffPicture(tuple(out), prefix, grouping, tuple(movers))
 
 

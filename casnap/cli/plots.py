@@ -130,8 +130,7 @@ def write_diff_plot(
     for status in STATUSES:
         share = [r.counts[status] / len(r.keys) for r in shown]
         if any(share):
-            strip.barh(y, share, left=left, height=0.8, color=COLORS[status],
-                       label=LEGEND[status])  # fmt: skip
+            strip.barh(y, share, left=left, height=0.8, color=COLORS[status], label=LEGEND[status])
         left = [a + b for a, b in zip(left, share)]
     strip.set_xlim(0, 1)
     strip.set_xticks([])
@@ -154,38 +153,72 @@ def write_diff_plot(
         main.set_xlim(0, max(values) * 1.15)
     else:
         main.set_xlim(0, 1)
-        main.text(0.5, (len(shown) - 1) / 2, "no entry has a relative change to draw",
-                  ha="center", va="center", color="#555555")  # fmt: skip
+        main.text(
+            0.5,
+            (len(shown) - 1) / 2,
+            "no entry has a relative change to draw",
+            ha="center",
+            va="center",
+            color="#555555",
+        )
     what = "largest relative change in the group" if grouped else "relative change"
-    main.set_xlabel(f"{what}  $\\|B-A\\|\\,/\\,\\|A\\|$  over the changed chunks"
-                    + ("  (log scale)" if log else ""))  # fmt: skip
+    main.set_xlabel(
+        f"{what}  $\\|B-A\\|\\,/\\,\\|A\\|$  over the changed chunks"
+        + ("  (log scale)" if log else "")
+    )
     main.grid(axis="x", alpha=0.3)
     main.tick_params(axis="y", length=0)
     main.spines[["top", "right"]].set_visible(False)
     counts = {s: sum(r.counts[s] for r in shown) for s in STATUSES}
     total = sum(counts.values())
     summary = ", ".join(f"{v} {s}" for s, v in counts.items() if v)
-    how = ("one row per entry" if not grouped else
-           f"{len(shown)} rows: grouped by {picture.grouping}")  # fmt: skip
+    how = (
+        "one row per entry" if not grouped else f"{len(shown)} rows: grouped by {picture.grouping}"
+    )
     under = f" under {picture.prefix}" if picture.prefix else ""
     heading = f"{total} entries{under} ({summary}); {how}, model order"
     fig.suptitle(f"casnap diff {_shorten(title, 120)}\n{heading}", fontsize=10)
     # Above the bars, attached to an axes: constrained layout then keeps it clear of the
     # title and of the note below (a figure legend "outside" overlaps the suptitle).
     handles, names = strip.get_legend_handles_labels()
-    main.legend(handles, names, loc="lower center", bbox_to_anchor=(0.45, 1.0), ncols=3,
-                fontsize=8, frameon=False)  # fmt: skip
+    main.legend(
+        handles,
+        names,
+        loc="lower center",
+        bbox_to_anchor=(0.45, 1.0),
+        ncols=3,
+        fontsize=8,
+        frameon=False,
+    )
     if notes:
-        fig.supxlabel("largest relative changes:\n" + "\n".join(
-            f"{_shorten(k[len(picture.prefix):])}  {v:.3g}" for k, v in picture.top),
-            fontsize=8, ha="left", x=0.02)  # fmt: skip
-    _save(fig, path, f"casnap diff {title}", {
-        "kind": "diff", "prefix": picture.prefix, "grouping": picture.grouping,
-        "log_scale": log, "rows": [
-            {"label": r.label, "keys": list(r.keys), "rel_l2": r.rel_l2,
-             "counts": {s: c for s, c in r.counts.items() if c}} for r in shown],
-        "top": [list(kv) for kv in picture.top],
-    })  # fmt: skip
+        fig.supxlabel(
+            "largest relative changes:\n"
+            + "\n".join(f"{_shorten(k[len(picture.prefix) :])}  {v:.3g}" for k, v in picture.top),
+            fontsize=8,
+            ha="left",
+            x=0.02,
+        )
+    _save(
+        fig,
+        path,
+        f"casnap diff {title}",
+        {
+            "kind": "diff",
+            "prefix": picture.prefix,
+            "grouping": picture.grouping,
+            "log_scale": log,
+            "rows": [
+                {
+                    "label": r.label,
+                    "keys": list(r.keys),
+                    "rel_l2": r.rel_l2,
+                    "counts": {s: c for s, c in r.counts.items() if c},
+                }
+                for r in shown
+            ],
+            "top": [list(kv) for kv in picture.top],
+        },
+    )
     return picture
 
 
@@ -223,8 +256,14 @@ def write_log_plot(
     new = [p.new_bytes / scale for p in points]
     shared = [p.shared_bytes / scale for p in points]
     ax.bar(xs, new, width, color=COLORS["changed"], label="added: new bytes this snapshot wrote")
-    ax.bar(xs, shared, width, bottom=new, color=COLORS["shared"],
-           label="shared: bytes already stored by its parents")  # fmt: skip
+    ax.bar(
+        xs,
+        shared,
+        width,
+        bottom=new,
+        color=COLORS["shared"],
+        label="shared: bytes already stored by its parents",
+    )
     ax.set_ylabel(f"stored bytes per snapshot ({unit})")
     # Headroom: a full bar must not look cut off (the stacked bars' bottoms are sticky
     # edges, so autoscaling alone puts the tallest bar at the frame).
@@ -236,19 +275,36 @@ def write_log_plot(
         ax.text(0.5, 0.5, "no snapshots", ha="center", va="center", transform=ax.transAxes)
         ax.set_xticks([])
     ax.grid(axis="y", alpha=0.3)
-    record: dict[str, Any] = {"kind": "log", "x": xkind, "unit": unit,
-                              "snapshots": [p.name for p in points], "metric": metric}  # fmt: skip
+    record: dict[str, Any] = {
+        "kind": "log",
+        "x": xkind,
+        "unit": unit,
+        "snapshots": [p.name for p in points],
+        "metric": metric,
+    }
     if metric:
         mx = axes[1]
         good = [p for p in points if p.metric is not None and math.isfinite(p.metric)]
         skipped = [p.name for p in points if p.metric is not None and not math.isfinite(p.metric)]
         label = metric + (f"  ({len(skipped)} skipped)" if skipped else "")
-        mx.plot([p.x for p in good], [p.metric for p in good], marker="o", markersize=4,
-                color="#D55E00", label=label)  # fmt: skip
+        mx.plot(
+            [p.x for p in good],
+            [p.metric for p in good],
+            marker="o",
+            markersize=4,
+            color="#D55E00",
+            label=label,
+        )
         if skipped:  # where they were, on the axis: a gap in the line alone is easy to miss
-            mx.plot([p.x for p in points if p.name in skipped], [0.0] * len(skipped), "x",
-                    color="#555555", clip_on=False, transform=mx.get_xaxis_transform(),
-                    label="NaN or infinite (not drawn)")  # fmt: skip
+            mx.plot(
+                [p.x for p in points if p.name in skipped],
+                [0.0] * len(skipped),
+                "x",
+                color="#555555",
+                clip_on=False,
+                transform=mx.get_xaxis_transform(),
+                label="NaN or infinite (not drawn)",
+            )
         if _log_scale([p.metric for p in good if p.metric is not None]) and all(
             p.metric is not None and p.metric > 0 for p in good
         ):
@@ -263,10 +319,13 @@ def write_log_plot(
     else:
         bottom.set_xlabel("snapshot, oldest first (steps missing or repeated)")
         if len(points) <= 40:
-            bottom.set_xticks(xs, [_shorten(p.name) for p in points], rotation=45, ha="right",
-                              fontsize=8)  # fmt: skip
+            bottom.set_xticks(
+                xs, [_shorten(p.name) for p in points], rotation=45, ha="right", fontsize=8
+            )
     written = human(sum(p.new_bytes for p in points))
-    fig.suptitle(f"casnap log {_shorten(title, 90)}: {len(points)} snapshots, "
-                 f"{written} written in all", fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"casnap log {_shorten(title, 90)}: {len(points)} snapshots, {written} written in all",
+        fontsize=10,
+    )
     _save(fig, path, f"casnap log {title}", record)
     return record

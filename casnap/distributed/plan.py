@@ -99,9 +99,12 @@ def build_local(
         if isinstance(node, TensorLeaf):
             t = node.tensor
             entries[key] = TensorPlan(
-                dtype_name(t.dtype, key), tuple(t.shape), is_replicated(key, replicated),
-                _tensor_ids(t, key, chunk_size, local), node.quantized,
-            )  # fmt: skip
+                dtype_name(t.dtype, key),
+                tuple(t.shape),
+                is_replicated(key, replicated),
+                _tensor_ids(t, key, chunk_size, local),
+                node.quantized,
+            )
         elif isinstance(node, ObjectLeaf):
             entries[key] = ObjectPlan(
                 node.type_name,
@@ -262,10 +265,15 @@ def settle_replicas(
     )
     diverged = set(bad)
     return [
-        RankPlan(p.rank, p.chunk_size, {
-            k: replace(e, replicated=False)
-            if isinstance(e, TensorPlan) and e.replicated and logical(k) in diverged else e
-            for k, e in p.entries.items()
-        })
+        RankPlan(
+            p.rank,
+            p.chunk_size,
+            {
+                k: replace(e, replicated=False)
+                if isinstance(e, TensorPlan) and e.replicated and logical(k) in diverged
+                else e
+                for k, e in p.entries.items()
+            },
+        )
         for p in plans
-    ]  # fmt: skip
+    ]

@@ -190,8 +190,9 @@ class _Filler:
             raise ValueError("plan content holds fewer chunk digests than its structure")
         hexes = self.hexes
         self.at = end
-        return tuple((hexes[at + i * width : at + (i + 1) * width], n)
-                     for i, (_, n) in enumerate(hollow))  # fmt: skip
+        return tuple(
+            (hexes[at + i * width : at + (i + 1) * width], n) for i, (_, n) in enumerate(hollow)
+        )
 
     def primitive(self) -> PrimitiveEntry:
         kind, value = self.primitives[self.prim]
@@ -204,8 +205,9 @@ class _Filler:
 
     def entry(self, slot: SlotPlan) -> EntryPlan:
         if isinstance(slot, TensorPlan):
-            return TensorPlan(slot.dtype, slot.shape, slot.replicated, self.ids(slot.chunks),
-                              slot.quantized)  # fmt: skip
+            return TensorPlan(
+                slot.dtype, slot.shape, slot.replicated, self.ids(slot.chunks), slot.quantized
+            )
         if isinstance(slot, ObjectPlan):
             return ObjectPlan(slot.type_name, slot.size, self.ids(slot.chunks))
         if isinstance(slot, ShardedPlan):
@@ -341,8 +343,9 @@ def exchange_plans(
         if _reusable(messages):
             assert cached is not None  # the digest this rank sent names its own cache
             mode = "reused"
-            structures = [s if s is not None else cached.structures[i]
-                          for i, s in enumerate(structures)]  # fmt: skip
+            structures = [
+                s if s is not None else cached.structures[i] for i, s in enumerate(structures)
+            ]
         else:
             mode = "fallback"
             own = None

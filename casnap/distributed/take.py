@@ -127,8 +127,11 @@ def ddp_patterns(app_state: Mapping[str, Any]) -> list[str]:
 
     from casnap.format.names import escape_key
 
-    return [f"{escape_key(k)}/**" for k, v in app_state.items()
-            if isinstance(v, DistributedDataParallel)]  # fmt: skip
+    return [
+        f"{escape_key(k)}/**"
+        for k, v in app_state.items()
+        if isinstance(v, DistributedDataParallel)
+    ]
 
 
 def prepare_distributed_take(
@@ -203,12 +206,27 @@ def prepare_distributed_take(
     assert repo is not None
     mine = sorted(h for h, r in writers.items() if r == group.rank)
     local.keep(mine)
-    requests = [data_request(h, local.chunks[h], local.owners[h], live=h in local.live,
-                             digests=[bytes.fromhex(h)]) for h in mine]  # fmt: skip
+    requests = [
+        data_request(
+            h, local.chunks[h], local.owners[h], live=h in local.live, digests=[bytes.fromhex(h)]
+        )
+        for h in mine
+    ]
     budget = ByteBudget(check_budget(memory_budget_bytes))
     pool = session.staging if session is not None else StagingPool(idle_limit=0)
-    job = DistributedJob(group, repo, settings, info, planned, requests, budget,
-                         Rendezvous(group, info.take_id, store), lease, session, pool)  # fmt: skip
+    job = DistributedJob(
+        group,
+        repo,
+        settings,
+        info,
+        planned,
+        requests,
+        budget,
+        Rendezvous(group, info.take_id, store),
+        lease,
+        session,
+        pool,
+    )
     local.keep([])  # the requests hold what this rank writes; nothing else is needed
     if stage:
         job.stage(staging_limit(budget.limit, settings))
@@ -308,18 +326,20 @@ class DistributedJob:
                 per_rank.append(w.stats)
             previous, dumped = previous_plan(self.session, self.repo, self.info.parents)
             entries = assemble_entries(self.planned, refs, previous)
-            manifest = manifest_of(entries, self.group.size, self.info.parents,
-                                   self.info.metadata)  # fmt: skip
+            manifest = manifest_of(entries, self.group.size, self.info.parents, self.info.metadata)
             manifest_hash = commit_snapshot(
-                self.repo, self.info.name, manifest, lease=self.lease, session=self.session,
+                self.repo,
+                self.info.name,
+                manifest,
+                lease=self.lease,
+                session=self.session,
                 previous=dumped,
-            )  # fmt: skip
+            )
         except Exception as exc:
             self.rendezvous.post("done", 0, _Failed([failure_of(0, exc)], []))
             raise
         self.rendezvous.post("done", 0, _Done(manifest_hash, per_rank))
-        return TakeResult(self.repo, self.info.name, manifest_hash, manifest,
-                          per_rank[0], per_rank)  # fmt: skip
+        return TakeResult(self.repo, self.info.name, manifest_hash, manifest, per_rank[0], per_rank)
 
     def _await_commit(self, stats: WriteStats) -> TakeResult:
         # Rank 0 waits up to the timeout for the others, then commits: allow both.
@@ -336,8 +356,14 @@ class DistributedJob:
         assert isinstance(done, _Done)
         manifest = self.repo.read_manifest(done.manifest_hash)
         remember(self.repo, done.manifest_hash, manifest, self.session)
-        return TakeResult(self.repo, self.info.name, done.manifest_hash, manifest,
-                          done.stats[self.group.rank], done.stats)  # fmt: skip
+        return TakeResult(
+            self.repo,
+            self.info.name,
+            done.manifest_hash,
+            manifest,
+            done.stats[self.group.rank],
+            done.stats,
+        )
 
 
 def _raise(failures: list[Failure], missing: list[int]) -> None:

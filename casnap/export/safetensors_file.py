@@ -22,14 +22,27 @@ if TYPE_CHECKING:
 
 # casnap dtype name -> safetensors dtype code (what safetensors 0.8 reads back).
 SAFETENSORS_DTYPES: dict[str, str] = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
-    "float8_e8m0fnu": "F8_E8M0", "float4_e2m1fn_x2": "F4",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
-    "bool": "BOOL", "complex64": "C64",
-}  # fmt: skip
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float4_e2m1fn_x2": "F4",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "complex64": "C64",
+}
 
 
 def _safetensors_header(items: list[ExportItem], metadata: dict[str, str]) -> bytes:
@@ -98,6 +111,12 @@ def export_safetensors(
         pwrite_all(fd, header, 0)
         fetched, peak, _ = stream(snapshot, items, offsets, fd, memory_budget_bytes, progress)
     return ExportResult(
-        os.fspath(out_path), "safetensors", tuple(it.name for it in items),
-        pos - len(header), pos, fetched, peak, tuple(skipped),
-    )  # fmt: skip
+        os.fspath(out_path),
+        "safetensors",
+        tuple(it.name for it in items),
+        pos - len(header),
+        pos,
+        fetched,
+        peak,
+        tuple(skipped),
+    )

@@ -30,20 +30,41 @@ if TYPE_CHECKING:
 # torch.save pickles these as legacy typed storages (torch.storage._dtype_to_storage_type_map)
 # rebuilt by _rebuild_tensor_v2 ...
 TORCH_LEGACY_STORAGES: dict[str, str] = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
-    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
-    "bool": "BoolStorage", "complex128": "ComplexDoubleStorage",
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "complex128": "ComplexDoubleStorage",
     "complex64": "ComplexFloatStorage",
-}  # fmt: skip
+}
 # ... and these as an UntypedStorage plus the dtype, rebuilt by _rebuild_tensor_v3
 # (torch.storage._new_dtypes). Sub-byte int1..int7 / uint1..uint7 are in neither:
 # torch.save itself cannot write them.
-TORCH_UNTYPED_STORAGE_DTYPES = frozenset({
-    "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2", "complex32",
-    "uint16", "uint32", "uint64",
-})  # fmt: skip
+TORCH_UNTYPED_STORAGE_DTYPES = frozenset(
+    {
+        "float8_e5m2",
+        "float8_e4m3fn",
+        "float8_e5m2fnuz",
+        "float8_e4m3fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+        "bits8",
+        "bits16",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+        "complex32",
+        "uint16",
+        "uint32",
+        "uint64",
+    }
+)
 
 
 class _StorageRef:
@@ -143,6 +164,12 @@ def export_torch(
             pos += n
         write_torch_archive(fd, plan, small, crcs)
     return ExportResult(
-        os.fspath(out_path), "torch", tuple(it.name for it in items),
-        sum(it.entry.nbytes for it in items), total, fetched, peak, tuple(skipped),
-    )  # fmt: skip
+        os.fspath(out_path),
+        "torch",
+        tuple(it.name for it in items),
+        sum(it.entry.nbytes for it in items),
+        total,
+        fetched,
+        peak,
+        tuple(skipped),
+    )

@@ -64,8 +64,20 @@ class ZipRecord:
         pad = -start % _ALIGNMENT
         extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
         size32 = _U32 if self.size >= _U32 else 0
-        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, self.flags, 0, 0, 0, 0, size32,
-                           size32, len(self.name), len(extra))  # fmt: skip
+        head = struct.pack(
+            "<IHHHHHIIIHH",
+            0x04034B50,
+            0,
+            self.flags,
+            0,
+            0,
+            0,
+            0,
+            size32,
+            size32,
+            len(self.name),
+            len(extra),
+        )
         return head + self.name + extra
 
     @property
@@ -86,9 +98,26 @@ class ZipRecord:
     def central_header(self) -> bytes:
         extra = self._zip64_extra()
         size32 = min(self.size, _U32)
-        head = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 45 if extra else 0, self.flags,
-                           0, 0, 0, self.crc, size32, size32, len(self.name), len(extra), 0, 0,
-                           0, 0, min(self.header_offset, _U32))  # fmt: skip
+        head = struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            0,
+            45 if extra else 0,
+            self.flags,
+            0,
+            0,
+            0,
+            self.crc,
+            size32,
+            size32,
+            len(self.name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            min(self.header_offset, _U32),
+        )
         return head + self.name + extra
 
 
@@ -111,8 +140,17 @@ class ZipPlan:
         n, at = len(self.records), self.cursor
         eocd64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, n, n, len(cd), at)
         locator = struct.pack("<IIQI", 0x07064B50, 0, at + len(cd), 1)
-        eocd = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                           min(len(cd), _U32), min(at, _U32), 0)  # fmt: skip
+        eocd = struct.pack(
+            "<IHHHHIIH",
+            0x06054B50,
+            0,
+            0,
+            min(n, 0xFFFF),
+            min(n, 0xFFFF),
+            min(len(cd), _U32),
+            min(at, _U32),
+            0,
+        )
         return cd + eocd64 + locator + eocd
 
 

@@ -297,12 +297,16 @@ def _undelta(
     """The chunk a delta frame rebuilds from its verified base (digest checked by the caller)."""
     if base is None:
         recorded = bytes(payload[:DIGEST_SIZE]).hex()
-        raise DeltaBaseError(f"{name}: a delta frame (base {recorded}) read without "
-                             "its base; the manifest does not name one", name)  # fmt: skip
+        raise DeltaBaseError(
+            f"{name}: a delta frame (base {recorded}) read without "
+            "its base; the manifest does not name one",
+            name,
+        )
     base_digest, base_bytes = base
     if len(base_bytes) != hdr.raw_length:
-        raise IntegrityError(f"{name}: delta base holds {len(base_bytes)} bytes, the frame "
-                             f"{hdr.raw_length}", name)  # fmt: skip
+        raise IntegrityError(
+            f"{name}: delta base holds {len(base_bytes)} bytes, the frame {hdr.raw_length}", name
+        )
     out = bytearray(base_bytes)
     apply_delta(hdr, payload, name, base_digest, out)
     return out
@@ -327,8 +331,9 @@ def xor_bytes(a: Buffer, b: Buffer) -> bytearray:
     """``a`` XOR ``b`` (equal lengths)."""
     np = _np()
     out = bytearray(len(a))
-    np.bitwise_xor(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8),
-                   out=np.frombuffer(out, np.uint8))  # fmt: skip
+    np.bitwise_xor(
+        np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8), out=np.frombuffer(out, np.uint8)
+    )
     return out
 
 
@@ -351,8 +356,10 @@ def _runs_of(diff: Any) -> list[tuple[int, int]]:
     if full < n:
         mask = np.append(mask, bool(diff[full:].any()))
     edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.view(np.int8), [0]))))
-    return [(int(a) * DELTA_BLOCK, min(int(b) * DELTA_BLOCK, n) - int(a) * DELTA_BLOCK)
-            for a, b in zip(edges[::2], edges[1::2], strict=True)]  # fmt: skip
+    return [
+        (int(a) * DELTA_BLOCK, min(int(b) * DELTA_BLOCK, n) - int(a) * DELTA_BLOCK)
+        for a, b in zip(edges[::2], edges[1::2], strict=True)
+    ]
 
 
 def delta_body(data: Buffer, base: Buffer, group: int) -> bytes:
@@ -405,8 +412,11 @@ def delta_runs(hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes)
     mv = memoryview(payload)
     recorded = bytes(mv[:DIGEST_SIZE])
     if recorded != base_digest:  # the frame's own bytes disagree with its manifest: damage
-        raise IntegrityError(f"{name}: delta frame is against base {recorded.hex()}, the "
-                             f"manifest names {base_digest.hex()}", name)  # fmt: skip
+        raise IntegrityError(
+            f"{name}: delta frame is against base {recorded.hex()}, the "
+            f"manifest names {base_digest.hex()}",
+            name,
+        )
     n, group = hdr.raw_length, hdr.elem_size
     most = _RUNS.size + _RUN.size * (n // DELTA_BLOCK + 1) + n
     body = _decompress(mv[DIGEST_SIZE:], most, name, exact=False)

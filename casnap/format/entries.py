@@ -34,18 +34,40 @@ MAX_BYTES = 1 << 62  # largest tensor / object / offset accepted from a manifest
 # Element sizes by dtype name (the name is torch's, without "torch.").
 # Kept here so that listing, du and verify never need to import torch.
 DTYPE_ITEMSIZE: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
-    "complex32": 4, "complex64": 8, "complex128": 16,
-    "bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
-    "int8": 1, "int16": 2, "int32": 4, "int64": 8,
-    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
-    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "complex32": 4,
+    "complex64": 8,
+    "complex128": 16,
+    "bool": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bits8": 1,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+    **{f"int{n}": 1 for n in range(1, 8)},
+    **{f"uint{n}": 1 for n in range(1, 8)},
+}
 
-HashStr = Annotated[str, Field(min_length=HASH_HEX_LEN, max_length=HASH_HEX_LEN,
-                               pattern=r"^[0-9a-f]{64}$")]  # fmt: skip
+HashStr = Annotated[
+    str, Field(min_length=HASH_HEX_LEN, max_length=HASH_HEX_LEN, pattern=r"^[0-9a-f]{64}$")
+]
 Size = Annotated[int, Field(ge=0, le=MAX_BYTES), StrictInt]
 ChunkSize = Annotated[int, Field(ge=1, le=MAX_CHUNK_SIZE), StrictInt]
 

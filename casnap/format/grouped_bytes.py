@@ -34,8 +34,10 @@ def _ref_text(r: ChunkRef) -> str:
     if r.base is not None:  # a delta: its chain nests, dumped the usual way
         return _dumped(r)
     pack = "null" if r.pack is None else f'"{r.pack}"'
-    return (f'{{"hash":"{r.hash}","length":{r.length},"offset":{r.offset},'
-            f'"pack":{pack},"size":{r.size}}}')  # fmt: skip
+    return (
+        f'{{"hash":"{r.hash}","length":{r.length},"offset":{r.offset},'
+        f'"pack":{pack},"size":{r.size}}}'
+    )
 
 
 def _string(value: str) -> str:
@@ -46,23 +48,33 @@ def _ints(values: list[int]) -> str:
     return ",".join([str(v) for v in values])
 
 
+def _refs_text(refs: list[ChunkRef]) -> str:
+    return ",".join([_ref_text(r) for r in refs])
+
+
 def _sharded_text(e: ShardedEntry) -> str:
-    shards = ",".join([
-        f'{{"chunk_size":{s.chunk_size},"chunks":[{",".join([_ref_text(r) for r in s.chunks])}],'
-        f'"offsets":[{_ints(s.offsets)}],"sizes":[{_ints(s.sizes)}]}}'
-        for s in e.shards
-    ])  # fmt: skip
+    shards = ",".join(
+        [
+            f'{{"chunk_size":{s.chunk_size},"chunks":[{_refs_text(s.chunks)}],'
+            f'"offsets":[{_ints(s.offsets)}],"sizes":[{_ints(s.sizes)}]}}'
+            for s in e.shards
+        ]
+    )
     dtype, layout = _string(e.dtype), _string(e.layout)
-    return (f'{{"dtype":{dtype},"kind":"sharded","layout":{layout},'
-            f'"shape":[{_ints(e.shape)}],"shards":[{shards}]}}')  # fmt: skip
+    return (
+        f'{{"dtype":{dtype},"kind":"sharded","layout":{layout},'
+        f'"shape":[{_ints(e.shape)}],"shards":[{shards}]}}'
+    )
 
 
 def _tensor_text(e: TensorEntry) -> str:
     chunks = ",".join([_ref_text(r) for r in e.chunks])
     replicated = "true" if e.replicated else "false"
-    return (f'{{"chunk_size":{e.chunk_size},"chunks":[{chunks}],'
-            f'"dtype":{_string(e.dtype)},"kind":"tensor",'
-            f'"replicated":{replicated},"shape":[{_ints(e.shape)}]}}')  # fmt: skip
+    return (
+        f'{{"chunk_size":{e.chunk_size},"chunks":[{chunks}],'
+        f'"dtype":{_string(e.dtype)},"kind":"tensor",'
+        f'"replicated":{replicated},"shape":[{_ints(e.shape)}]}}'
+    )
 
 
 def value_text(entry: Entry) -> str:
@@ -98,10 +110,16 @@ def grouped_bytes(manifest: Manifest, plain: dict[str, Entry], groups: Groups) -
     }
     fields["entries"] = _object_text(plain, text)
     if groups:
-        fields["rank_groups"] = "[" + ",".join([
-            f'{{"entries":{_object_text(held, text)},'
-            f'"ranks":[{",".join([f"[{lo},{hi}]" for lo, hi in ranks])}]}}'
-            for ranks, held in groups
-        ]) + "]"  # fmt: skip
+        fields["rank_groups"] = (
+            "["
+            + ",".join(
+                [
+                    f'{{"entries":{_object_text(held, text)},'
+                    f'"ranks":[{",".join([f"[{lo},{hi}]" for lo, hi in ranks])}]}}'
+                    for ranks, held in groups
+                ]
+            )
+            + "]"
+        )
     body = ",".join([f"{json.dumps(k)}:{fields[k]}" for k in sorted(fields)])
     return ("{" + body + "}").encode("utf-8")

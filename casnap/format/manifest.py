@@ -111,10 +111,12 @@ class Manifest(FormatModel):
         out["entries"] = {k: e.model_dump(mode="json") for k, e in plain.items()}
         if groups:
             out["rank_groups"] = [
-                {"ranks": [list(r) for r in ranks],
-                 "entries": {p: e.model_dump(mode="json") for p, e in held.items()}}
+                {
+                    "ranks": [list(r) for r in ranks],
+                    "entries": {p: e.model_dump(mode="json") for p, e in held.items()},
+                }
                 for ranks, held in groups
-            ]  # fmt: skip
+            ]
         return out
 
     def writes_rank_groups(self) -> bool:
@@ -253,8 +255,9 @@ def format_version_for(entries: dict[str, Entry]) -> str:
     """The format a manifest of ``entries`` is written in: the oldest that can hold them."""
     if any(c.base is not None for e in entries.values() for c in chunks_of(e)):
         return DELTA_FORMAT_VERSION
-    quantized = any(isinstance(e, TensorEntry) and e.quantized is not None
-                    for e in entries.values())  # fmt: skip
+    quantized = any(
+        isinstance(e, TensorEntry) and e.quantized is not None for e in entries.values()
+    )
     return QUANTIZED_FORMAT_VERSION if quantized else FORMAT_VERSION
 
 

@@ -55,8 +55,14 @@ def trusted_chunk_ref(
 ) -> ChunkRef:
     """``ChunkRef(hash=h, ...)`` for a chunk this process hashed and wrote (not validated;
     ``base``: the delta base, a reference read from a validated manifest)."""
-    values = {"hash": h, "size": size, "pack": pack, "offset": offset, "length": length,
-              "base": base}  # fmt: skip
+    values = {
+        "hash": h,
+        "size": size,
+        "pack": pack,
+        "offset": offset,
+        "length": length,
+        "base": base,
+    }
     return _trusted(ChunkRef, values, _REF_FIELDS)
 
 
@@ -69,8 +75,15 @@ def trusted_tensor_entry(
     quantized: Quantization | None,
 ) -> TensorEntry:
     """``TensorEntry(...)`` of a tensor this process flattened and wrote (not validated)."""
-    values = {"kind": "tensor", "dtype": dtype, "shape": shape, "chunk_size": chunk_size,
-              "chunks": chunks, "replicated": replicated, "quantized": quantized}  # fmt: skip
+    values = {
+        "kind": "tensor",
+        "dtype": dtype,
+        "shape": shape,
+        "chunk_size": chunk_size,
+        "chunks": chunks,
+        "replicated": replicated,
+        "quantized": quantized,
+    }
     return _trusted(TensorEntry, values, _TENSOR_FIELDS)
 
 
@@ -91,8 +104,10 @@ def _ref_text(r: ChunkRef) -> str:
     if r.base is not None:  # a delta: its chain nests, dumped the usual way
         return canonical_json(r.model_dump(mode="json")).decode("utf-8")
     pack = "null" if r.pack is None else f'"{r.pack}"'
-    return (f'{{"hash":"{r.hash}","length":{r.length},"offset":{r.offset},'
-            f'"pack":{pack},"size":{r.size}}}')  # fmt: skip
+    return (
+        f'{{"hash":"{r.hash}","length":{r.length},"offset":{r.offset},'
+        f'"pack":{pack},"size":{r.size}}}'
+    )
 
 
 def entry_text(key: str, entry: Entry) -> str:
@@ -107,9 +122,11 @@ def entry_text(key: str, entry: Entry) -> str:
         chunks = ",".join([_ref_text(r) for r in entry.chunks])
         shape = ",".join([str(d) for d in entry.shape])
         replicated = "true" if entry.replicated else "false"
-        return (f'{name}:{{"chunk_size":{entry.chunk_size},"chunks":[{chunks}],'
-                f'"dtype":"{entry.dtype}","kind":"tensor","replicated":{replicated},'
-                f'"shape":[{shape}]}}')  # fmt: skip
+        return (
+            f'{name}:{{"chunk_size":{entry.chunk_size},"chunks":[{chunks}],'
+            f'"dtype":"{entry.dtype}","kind":"tensor","replicated":{replicated},'
+            f'"shape":[{shape}]}}'
+        )
     return f"{name}:{canonical_json(entry.model_dump(mode='json')).decode('utf-8')}"
 
 
@@ -150,5 +167,13 @@ def manifest_bytes(manifest: Manifest, texts: Mapping[str, str] | None = None) -
     head = manifest.model_dump(mode="json", exclude={"entries", "created_at"})
     rest = canonical_json(head)  # b'{"format_version":...}': keys after "entries"
     body = ",".join([texts[k] for k in sorted(manifest.entries)])
-    return b"".join([b'{"created_at":', canonical_json(manifest.created_at),
-                     b',"entries":{', body.encode("utf-8"), b"},", rest[1:]])  # fmt: skip
+    return b"".join(
+        [
+            b'{"created_at":',
+            canonical_json(manifest.created_at),
+            b',"entries":{',
+            body.encode("utf-8"),
+            b"},",
+            rest[1:],
+        ]
+    )

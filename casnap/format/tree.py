@@ -44,8 +44,9 @@ def leaf_order(entries: Mapping[str, Entry]) -> list[str]:
 
         leaf_order(manifest.entries)  # ['0/model/0.weight', '0/model/0.bias', '0/model/1.weight']
     """
-    listed = {child_key(k, m) for k, e in entries.items() if isinstance(e, ContainerEntry)
-              for m in e.keys}  # fmt: skip
+    listed = {
+        child_key(k, m) for k, e in entries.items() if isinstance(e, ContainerEntry) for m in e.keys
+    }
     seen: set[str] = set()
     out: list[str] = []
     for root in [k for k in entries if k not in listed] + list(entries):

@@ -291,12 +291,19 @@ class GcSession:
             temps += store.delete_temporary(g.key)
             tick()
         return GcResult(
-            plan=plan, dry_run=False, deleted_manifests=len(plan.manifests),
-            deleted_chunks=len(plan.chunks), deleted_packs=len(plan.packs),
-            deleted_leases=leases, deleted_temp_files=temps,
-            bytes_freed=plan.bytes_to_free, skipped=skipped, epoch=epoch,
-            waited_for_takes=self.waited_for_takes, seconds=time.monotonic() - started,
-        )  # fmt: skip
+            plan=plan,
+            dry_run=False,
+            deleted_manifests=len(plan.manifests),
+            deleted_chunks=len(plan.chunks),
+            deleted_packs=len(plan.packs),
+            deleted_leases=leases,
+            deleted_temp_files=temps,
+            bytes_freed=plan.bytes_to_free,
+            skipped=skipped,
+            epoch=epoch,
+            waited_for_takes=self.waited_for_takes,
+            seconds=time.monotonic() - started,
+        )
 
 
 def _delete_all(store: ObjectStore, lock: Lease, keys: list[str], tick: Callable[[], None]) -> None:
@@ -334,8 +341,7 @@ def _forget_damage_of(repo: RepoStorage, deleted: set[str]) -> None:
         records = list_damage(repo)
     except CasnapError:
         return  # a stale record only makes a take write a chunk it needs anyway
-    gone = [c for c in records
-            if (pack_key(c.pack) if c.pack else chunk_key(c.chunk)) in deleted]  # fmt: skip
+    gone = [c for c in records if (pack_key(c.pack) if c.pack else chunk_key(c.chunk)) in deleted]
     clear_damage(repo, gone)
 
 
@@ -405,9 +411,9 @@ def gc(
         # flight, which is harmless: it deletes nothing, and a plan from outside a session
         # is re-checked under the lock before anything goes (:meth:`GcSession.execute`).
         plan = make_plan(repo, f"dry-run-{uuid.uuid4().hex}", grace_seconds, progress)
-        return GcResult(plan=plan, dry_run=True, epoch=read_gc_epoch(repo),
-                        seconds=time.monotonic() - started)  # fmt: skip
+        return GcResult(
+            plan=plan, dry_run=True, epoch=read_gc_epoch(repo), seconds=time.monotonic() - started
+        )
     with GcSession(repo, wait_seconds=wait_seconds) as session:
         plan = session.plan(grace_seconds=grace_seconds, progress=progress)
-        return replace(session.execute(plan, progress=progress),
-                       seconds=time.monotonic() - started)  # fmt: skip
+        return replace(session.execute(plan, progress=progress), seconds=time.monotonic() - started)

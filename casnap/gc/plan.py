@@ -293,15 +293,23 @@ def make_plan(
     # Expired leases of crashed takes, and expired claims of crashed gcs.
     dead = tuple(k for f in (LEASES, GC_CLAIMS) for k, _ in scan_leases(repo.store, now, f).dead)
     return GcPlan(
-        url=repo.url, session=session, made_at=now_iso(), grace_seconds=grace_seconds,
-        refs=marks.refs, tags=marks.tags, reachable_manifests=reachable,
-        reachable_objects=len(from_roots), young_kept=young_kept, young_kept_bytes=young_bytes,
+        url=repo.url,
+        session=session,
+        made_at=now_iso(),
+        grace_seconds=grace_seconds,
+        refs=marks.refs,
+        tags=marks.tags,
+        reachable_manifests=reachable,
+        reachable_objects=len(from_roots),
+        young_kept=young_kept,
+        young_kept_bytes=young_bytes,
         manifests=tuple(sorted(doomed_manifests, key=lambda g: g.key)),
         chunks=tuple(sorted(doomed["chunks"], key=lambda g: g.key)),
         packs=tuple(sorted(doomed["packs"], key=lambda g: g.key)),
-        dead_leases=dead, temp_files=tuple(sorted(old_temps, key=lambda g: g.key)),
+        dead_leases=dead,
+        temp_files=tuple(sorted(old_temps, key=lambda g: g.key)),
         warnings=tuple(marks.warnings),
-    )  # fmt: skip
+    )
 
 
 def intersect(old: GcPlan, fresh: GcPlan) -> tuple[GcPlan, int]:

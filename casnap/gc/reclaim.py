@@ -111,23 +111,29 @@ class ReclaimResult:
         ]
         if self.shared_objects:
             size = human_bytes(self.shared_bytes)
-            lines.append(f"  kept {self.shared_objects} object(s) ({size}) that kept snapshots "
-                         "still use")  # fmt: skip
+            lines.append(
+                f"  kept {self.shared_objects} object(s) ({size}) that kept snapshots still use"
+            )
         if self.partial_packs:
-            lines.append(f"  of those, {self.partial_packs} pack(s) hold "
-                         f"{human_bytes(self.dead_pack_bytes)} of frames only retired snapshots "
-                         "used, freed with the pack's last user")  # fmt: skip
+            lines.append(
+                f"  of those, {self.partial_packs} pack(s) hold "
+                f"{human_bytes(self.dead_pack_bytes)} of frames only retired snapshots "
+                "used, freed with the pack's last user"
+            )
         if self.held_objects:
-            lines.append(f"  kept {self.held_objects} object(s) ({human_bytes(self.held_bytes)}) "
-                         "that other unreferenced manifests use (left to gc)")  # fmt: skip
+            lines.append(
+                f"  kept {self.held_objects} object(s) ({human_bytes(self.held_bytes)}) "
+                "that other unreferenced manifests use (left to gc)"
+            )
         if self.still_rooted:
             lines.append(f"  kept {self.still_rooted} manifest(s) a ref or tag names again")
         return "\n".join(lines + [f"  warning: {w}" for w in self.warnings])
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "gc"}
-        out.update(retired=list(self.retired), pending=list(self.pending),
-                   warnings=list(self.warnings))  # fmt: skip
+        out.update(
+            retired=list(self.retired), pending=list(self.pending), warnings=list(self.warnings)
+        )
         return out
 
 
@@ -167,13 +173,19 @@ def reclaim(
             swept = session.execute(plan) if plan.data else None
             waited = session.waited_for_takes
     except (GcBusyError, GcBlockedError, GcRefusedError) as exc:  # nothing was deleted
-        return ReclaimResult(retired=asked, pending=asked, deferred=str(exc),
-                             seconds=time.monotonic() - started)  # fmt: skip
+        return ReclaimResult(
+            retired=asked, pending=asked, deferred=str(exc), seconds=time.monotonic() - started
+        )
     return replace(
-        kept, deleted_manifests=len(plan.manifests), deleted_chunks=len(plan.chunks),
-        deleted_packs=len(plan.packs), bytes_freed=plan.bytes_to_free, gc=swept,
-        waited_for_takes=waited, seconds=time.monotonic() - started,
-    )  # fmt: skip
+        kept,
+        deleted_manifests=len(plan.manifests),
+        deleted_chunks=len(plan.chunks),
+        deleted_packs=len(plan.packs),
+        bytes_freed=plan.bytes_to_free,
+        gc=swept,
+        waited_for_takes=waited,
+        seconds=time.monotonic() - started,
+    )
 
 
 def _plan(
@@ -191,8 +203,11 @@ def _plan(
     doomed = [m for m in retired if m in listed and m not in marks.roots]
     # Every manifest that stays must stay whole: roots and all the others.
     roots = [m for m in marks.roots if m in listed]
-    warnings += [f"{why} names manifest {m}, which is missing"
-                 for m, why in marks.roots.items() if m not in listed]  # fmt: skip
+    warnings += [
+        f"{why} names manifest {m}, which is missing"
+        for m, why in marks.roots.items()
+        if m not in listed
+    ]
     try:
         root_spans = _spans(repo, roots, strict=True, warnings=warnings)
     except CasnapError as exc:
@@ -251,20 +266,32 @@ def _plan(
             counts["partial"][0] += 1
             counts["partial"][1] += dead_frames[digest]
     plan = GcPlan(
-        url=repo.url, session=session, made_at=now_iso(), grace_seconds=0.0,
-        refs=marks.refs, tags=marks.tags, reachable_manifests=len(roots),
-        reachable_objects=len(shared), young_kept=0, young_kept_bytes=0,
+        url=repo.url,
+        session=session,
+        made_at=now_iso(),
+        grace_seconds=0.0,
+        refs=marks.refs,
+        tags=marks.tags,
+        reachable_manifests=len(roots),
+        reachable_objects=len(shared),
+        young_kept=0,
+        young_kept_bytes=0,
         manifests=tuple(Garbage(manifest_key(m), listed[m].size) for m in sorted(deletable)),
-        chunks=tuple(garbage["chunks"]), packs=tuple(garbage["packs"]),
+        chunks=tuple(garbage["chunks"]),
+        packs=tuple(garbage["packs"]),
         warnings=tuple(warnings),
-    )  # fmt: skip
+    )
     kept = ReclaimResult(
-        retired=retired, still_rooted=still_rooted,
-        shared_objects=counts["shared"][0], shared_bytes=counts["shared"][1],
-        held_objects=counts["held"][0], held_bytes=counts["held"][1],
-        partial_packs=counts["partial"][0], dead_pack_bytes=counts["partial"][1],
+        retired=retired,
+        still_rooted=still_rooted,
+        shared_objects=counts["shared"][0],
+        shared_bytes=counts["shared"][1],
+        held_objects=counts["held"][0],
+        held_bytes=counts["held"][1],
+        partial_packs=counts["partial"][0],
+        dead_pack_bytes=counts["partial"][1],
         warnings=tuple(warnings),
-    )  # fmt: skip
+    )
     return plan, kept
 
 

@@ -111,9 +111,18 @@ class _Env:
         # metasync=False: a commit is one fsync, not two. LMDB keeps the database
         # intact; a system crash may undo the last commit, which a cache of "this
         # existed" can afford (a take probes what the index does not say).
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True, lock=True,
-                             max_readers=MAX_READERS, writemap=False, readahead=False,
-                             meminit=False, metasync=False)  # fmt: skip
+        self.env = lmdb.open(
+            str(path),
+            map_size=map_size,
+            max_dbs=4,
+            subdir=True,
+            lock=True,
+            max_readers=MAX_READERS,
+            writemap=False,
+            readahead=False,
+            meminit=False,
+            metasync=False,
+        )
         try:
             check_data_file(self.env, path / "data.mdb")
             # One write transaction for the databases and the format mark: each
@@ -145,13 +154,25 @@ class _Env:
 _MAX_OPEN = 16
 # Errors that mean the files are damaged (delete and rebuild) rather than
 # that this process cannot use them right now.
-_DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
-            lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadChecksumError)  # fmt: skip
+_DAMAGED = (
+    lmdb.InvalidError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.PanicError,
+    lmdb.VersionMismatchError,
+    lmdb.IncompatibleError,
+    lmdb.BadChecksumError,
+)
 # Errors that pass: reopening the environment is the cure. Any other error
 # (no space, read-only, I/O error, no address space) turns the index off for
 # this process, with one warning, instead of one per take.
-_TRANSIENT = (lmdb.MapResizedError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.LockError,
-              lmdb.BadRslotError)  # fmt: skip
+_TRANSIENT = (
+    lmdb.MapResizedError,
+    lmdb.ReadersFullError,
+    lmdb.TlsFullError,
+    lmdb.LockError,
+    lmdb.BadRslotError,
+)
 _registry_lock = threading.Lock()
 _registry: dict[str, _Env] = {}  # least recently used first
 _given_up: dict[str, str] = {}  # index paths this process runs without, and why
@@ -181,8 +202,21 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 # LMDB's locks do not work across machines; on these a shared folder would
 # let two hosts write one file unsynchronised.
-_REMOTE_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph",
-              "glusterfs", "9p", "afs", "fuse")  # fmt: skip
+_REMOTE_FS = (
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "ceph",
+    "glusterfs",
+    "9p",
+    "afs",
+    "fuse",
+)
 
 
 def _filesystem_type(path: Path) -> str:
@@ -218,8 +252,11 @@ def _handle(repo_id: str) -> RepoIndex | None:
         if key not in _registry:
             fstype = _filesystem_type(path.parent)
             if fstype.split(".")[0] in _REMOTE_FS:
-                _give_up(key, f"{path.parent} is on {fstype}, where LMDB cannot lock "
-                              "(set CASNAP_INDEX_DIR to a local disk)")  # fmt: skip
+                _give_up(
+                    key,
+                    f"{path.parent} is on {fstype}, where LMDB cannot lock "
+                    "(set CASNAP_INDEX_DIR to a local disk)",
+                )
                 return None
         env = _registry.get(key)
         if env is not None and env.usable:
@@ -307,12 +344,17 @@ class RepoIndex:
     def _failed(self, what: str, exc: Exception) -> None:
         """Carry on without the index this time; repair it on the next open."""
         if isinstance(exc, _DAMAGED):
-            _log.warning("casnap index at %s failed to %s (%s); it will be rebuilt",
-                         self._env.path, what, exc)  # fmt: skip
+            _log.warning(
+                "casnap index at %s failed to %s (%s); it will be rebuilt",
+                self._env.path,
+                what,
+                exc,
+            )
             self._env.broken = True
         elif isinstance(exc, _TRANSIENT):
-            _log.info("casnap index at %s failed to %s (%s); reopening it",
-                      self._env.path, what, exc)  # fmt: skip
+            _log.info(
+                "casnap index at %s failed to %s (%s); reopening it", self._env.path, what, exc
+            )
             self._env.stale = True
         else:  # no space, read-only, an I/O error: it would fail again, and again say so
             self._env.off = True

@@ -142,10 +142,18 @@ def summarize(
 
 
 def encode_summary(s: ManifestSummary) -> bytes:
-    head = json.dumps({
-        "created_at": s.created_at, "world_size": s.world_size, "parents": list(s.parents),
-        "metadata": s.metadata, "logical_bytes": s.logical_bytes, "chunk_refs": s.chunk_refs,
-    }, sort_keys=True, separators=(",", ":")).encode()  # fmt: skip
+    head = json.dumps(
+        {
+            "created_at": s.created_at,
+            "world_size": s.world_size,
+            "parents": list(s.parents),
+            "metadata": s.metadata,
+            "logical_bytes": s.logical_bytes,
+            "chunk_refs": s.chunk_refs,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
     spans = s.encoded_spans
     if spans is None:
         spans = span_table(s.spans)

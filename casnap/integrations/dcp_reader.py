@@ -144,9 +144,11 @@ class CasnapReader(StorageReader):
             state[fqn] = TensorStorageMetadata(
                 properties=props,
                 size=torch.Size(entry.shape),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(s.offsets),
-                                             sizes=torch.Size(s.sizes)) for s in boxes],
-            )  # fmt: skip
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
+                    for s in boxes
+                ],
+            )
             for i, s in enumerate(boxes):
                 shard = i if isinstance(entry, ShardedEntry) else -1
                 where[MetadataIndex(fqn, s.offsets)] = _Stored(key, shard)
@@ -181,8 +183,9 @@ class CasnapReader(StorageReader):
         for item in plan.items:
             groups.setdefault(self._where[item.storage_index], []).append(item)
         fetched = 0
-        with ThreadPoolExecutor(read_workers_for(repo.root.capabilities.local),
-                                thread_name_prefix="casnap-dcp-r") as pool:  # fmt: skip
+        with ThreadPoolExecutor(
+            read_workers_for(repo.root.capabilities.local), thread_name_prefix="casnap-dcp-r"
+        ) as pool:
             budget = ByteBudget(default_memory_budget())
             for where, items in groups.items():
                 entry = manifest.entries[where.key]
@@ -191,8 +194,9 @@ class CasnapReader(StorageReader):
                 else:
                     assert isinstance(entry, (TensorEntry, ShardedEntry))
                     shard = _shards(entry)[max(where.shard, 0)]
-                    fetched += _load_boxes(repo, where.key, entry.dtype, shard, items, planner,
-                                           pool, budget)  # fmt: skip
+                    fetched += _load_boxes(
+                        repo, where.key, entry.dtype, shard, items, planner, pool, budget
+                    )
         self.last_fetched_bytes = fetched
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -202,8 +206,12 @@ class CasnapReader(StorageReader):
 def _shards(entry: TensorEntry | ShardedEntry) -> list[ShardRecord]:
     if isinstance(entry, ShardedEntry):
         return entry.shards
-    whole = ShardRecord(offsets=[0] * len(entry.shape), sizes=list(entry.shape),
-                        chunk_size=entry.chunk_size, chunks=entry.chunks)  # fmt: skip
+    whole = ShardRecord(
+        offsets=[0] * len(entry.shape),
+        sizes=list(entry.shape),
+        chunk_size=entry.chunk_size,
+        chunks=entry.chunks,
+    )
     return [whole]
 
 

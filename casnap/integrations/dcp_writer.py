@@ -308,8 +308,12 @@ class CasnapWriter(StorageWriter):
             refs = tuple(written.get(f"{i}:{item.index.fqn}", ()))
             stored: StoredTensor | StoredBytes
             if isinstance(kind, torch.Tensor):
-                stored = StoredTensor(dtype_name(kind.dtype, item.index.fqn), tuple(kind.shape),
-                                      settings.chunk_size, refs)  # fmt: skip
+                stored = StoredTensor(
+                    dtype_name(kind.dtype, item.index.fqn),
+                    tuple(kind.shape),
+                    settings.chunk_size,
+                    refs,
+                )
                 size = kind.numel() * kind.element_size()
             elif isinstance(kind, PrimitiveEntry):
                 stored, size = StoredBytes(kind, 0, settings.chunk_size, ()), 0
@@ -389,8 +393,13 @@ def _entry(fqn: str, md: Any, mine: list[tuple[Any, Any]]) -> Entry:
         s = mine[0][1]
         if s.primitive is not None:
             return s.primitive
-        return ObjectEntry(serializer="pickle", type_name="torch.save", size=s.size,
-                           chunk_size=s.chunk_size, chunks=list(s.chunks))  # fmt: skip
+        return ObjectEntry(
+            serializer="pickle",
+            type_name="torch.save",
+            size=s.size,
+            chunk_size=s.chunk_size,
+            chunks=list(s.chunks),
+        )
     assert isinstance(md, TensorStorageMetadata)
     dtype = dtype_name(md.properties.dtype, fqn)
     shape = list(md.size)
@@ -400,8 +409,14 @@ def _entry(fqn: str, md: Any, mine: list[tuple[Any, Any]]) -> Entry:
         box = by_offset.get(tuple(chunk.offsets))
         if not isinstance(box, StoredTensor):
             raise UnsupportedValueError(f"{fqn}: no write of the box at {list(chunk.offsets)}")
-        shards.append(ShardRecord(offsets=list(chunk.offsets), sizes=list(chunk.sizes),
-                                  chunk_size=box.chunk_size, chunks=list(box.chunks)))  # fmt: skip
+        shards.append(
+            ShardRecord(
+                offsets=list(chunk.offsets),
+                sizes=list(chunk.sizes),
+                chunk_size=box.chunk_size,
+                chunks=list(box.chunks),
+            )
+        )
     if len(shards) == 1 and not any(shards[0].offsets) and shards[0].sizes == shape:
         one = shards[0]
         return TensorEntry(dtype=dtype, shape=shape, chunk_size=one.chunk_size, chunks=one.chunks)

@@ -71,8 +71,13 @@ class NumpyRNGState:
 
     def state_dict(self) -> dict[str, Any]:
         kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-        return {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}  # fmt: skip
+        return {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         keys = state["keys"].numpy().astype(np.uint32)
@@ -108,8 +113,10 @@ class CasnapTrainerMixin:
     def _casnap_enabled(self) -> bool:
         t: Any = self
         if t.is_deepspeed_enabled or t.is_fsdp_enabled or t.args.world_size > 1:
-            log.warning("casnap: DeepSpeed, FSDP or several processes: the Trainer's own "
-                        "checkpointing is used")  # fmt: skip
+            log.warning(
+                "casnap: DeepSpeed, FSDP or several processes: the Trainer's own "
+                "checkpointing is used"
+            )
             return False
         return True
 
@@ -191,9 +198,13 @@ class CasnapTrainerMixin:
         metadata = {"step": int(t.state.global_step), "epoch": float(t.state.epoch or 0.0)}
         if t.state.best_metric is not None:
             metadata["best_metric"] = float(t.state.best_metric)
-        snap = take_versioned(folder, self._casnap_app_state(full), metadata=metadata,
-                              allow_pickle=self.casnap_allow_pickle,
-                              session=self._casnap().session)  # fmt: skip
+        snap = take_versioned(
+            folder,
+            self._casnap_app_state(full),
+            metadata=metadata,
+            allow_pickle=self.casnap_allow_pickle,
+            session=self._casnap().session,
+        )
         repo = snap.repository
         # Written before trainer_state.json: a directory the Trainer would resume
         # from always has its pointer.

@@ -37,10 +37,18 @@ from casnap.torch_io.tensors import byte_view
 
 
 def _dcp_classes() -> set[tuple[str, str]]:
-    return {("collections", "OrderedDict"), ("torch", "Size"), ("pathlib", "PosixPath"),
-            ("pathlib", "WindowsPath"), ("pathlib", "Path"), ("builtins", "set"),
-            ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
-            ("torch.serialization", "_get_layout")}  # a layout by its name  # fmt: skip
+    return {
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "Path"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+        ("builtins", "complex"),
+        ("torch.serialization", "_get_layout"),
+    }  # a layout by its name
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -125,8 +133,12 @@ def _dcp_loader(
         out = torch.empty(shape, dtype=dtype)
         try:
             with _quiet():
-                dcp_load({fqn: out}, storage_reader=_dcp_reader(path, metadata),
-                         planner=_dcp_planner(path, {}, []), no_dist=True)  # fmt: skip
+                dcp_load(
+                    {fqn: out},
+                    storage_reader=_dcp_reader(path, metadata),
+                    planner=_dcp_planner(path, {}, []),
+                    no_dist=True,
+                )
         except Exception as exc:  # a .distcp file truncated or changed since the save
             raise damaged(path, f"reading tensor {fqn!r} failed: {first_line(exc)}") from exc
         return byte_view(out), _Loaded(out)
@@ -205,9 +217,12 @@ def open_dcp(path: str, stateful: str) -> Source:
         refused: list[SourceFormatError] = []
         try:
             with _quiet():
-                dcp_load({fqn: None for fqn in byte_items},
-                         storage_reader=_dcp_reader(path, metadata),
-                         planner=_dcp_planner(path, loaded, refused), no_dist=True)  # fmt: skip
+                dcp_load(
+                    {fqn: None for fqn in byte_items},
+                    storage_reader=_dcp_reader(path, metadata),
+                    planner=_dcp_planner(path, loaded, refused),
+                    no_dist=True,
+                )
         except Exception as exc:  # DCP wraps what its planner raised (CheckpointException)
             if refused:
                 raise refused[0] from exc

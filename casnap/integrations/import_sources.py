@@ -191,11 +191,22 @@ def detect(path: str) -> str:
 # -- safetensors -----------------------------------------------------------------
 
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32,
-    "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def damaged(path: str, what: str) -> DamagedSourceError:
@@ -215,8 +226,9 @@ def safetensors_header(path: str) -> tuple[dict[str, Any], int, int]:
             raise damaged(path, f"truncated safetensors file ({size} bytes, no header)")
         (n,) = struct.unpack("<Q", prefix)
         if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise damaged(path, f"truncated or not safetensors: header of {n} bytes declared, "
-                                 f"file has {size}")  # fmt: skip
+            raise damaged(
+                path, f"truncated or not safetensors: header of {n} bytes declared, file has {size}"
+            )
         raw = fh.read(n)
     try:
         header = json.loads(raw)
@@ -240,8 +252,10 @@ def _checked_entry(path: str, name: str, e: Any, data_len: int) -> _Entry:
         raise damaged(path, f"tensor {name!r}: malformed header entry")
     dtype = _ST_DTYPES.get(e["dtype"])
     if dtype is None:
-        raise SourceFormatError(f"{path}: tensor {name!r} has dtype {e['dtype']!r}, which "
-                                "casnap does not store", "source")  # fmt: skip
+        raise SourceFormatError(
+            f"{path}: tensor {name!r} has dtype {e['dtype']!r}, which casnap does not store",
+            "source",
+        )
     shape, offsets = e["shape"], e["data_offsets"]
     ints = all(
         isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, *offsets]
@@ -251,11 +265,15 @@ def _checked_entry(path: str, name: str, e: Any, data_len: int) -> _Entry:
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize
     if end - begin != nbytes:
-        raise damaged(path, f"tensor {name!r}: offsets span {end - begin} bytes, "
-                             f"its dtype and shape need {nbytes}")  # fmt: skip
+        raise damaged(
+            path,
+            f"tensor {name!r}: offsets span {end - begin} bytes, its dtype and shape need {nbytes}",
+        )
     if end > data_len:
-        raise damaged(path, f"truncated: tensor {name!r} ends at byte {end} of the data, "
-                             f"the file holds {data_len}")  # fmt: skip
+        raise damaged(
+            path,
+            f"truncated: tensor {name!r} ends at byte {end} of the data, the file holds {data_len}",
+        )
     return dtype, tuple(shape), begin, end
 
 
@@ -325,8 +343,9 @@ def _shard_files(root: Path, index: Path | None) -> tuple[list[Path], dict[str, 
     files = []
     for name, file in weight_map.items():
         if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
-            raise damaged(str(index), f"weight_map names {file!r} for {name!r}, "
-                                       "not a file beside the index")  # fmt: skip
+            raise damaged(
+                str(index), f"weight_map names {file!r} for {name!r}, not a file beside the index"
+            )
         if not (root / file).is_file():
             raise damaged(str(index), f"weight_map names {file} for {name!r}, which is missing")
         if root / file not in files:
@@ -391,8 +410,12 @@ def torch_load(path: str, legacy: bool) -> Any:
     try:
         if legacy:
             size = os.path.getsize(path)
-            log.warning("%s: a legacy (non-zip) torch.save file is read whole into memory "
-                        "(%d bytes); the memory budget does not bound it", path, size)  # fmt: skip
+            log.warning(
+                "%s: a legacy (non-zip) torch.save file is read whole into memory "
+                "(%d bytes); the memory budget does not bound it",
+                path,
+                size,
+            )
             return torch.load(path, map_location="cpu", weights_only=True)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:

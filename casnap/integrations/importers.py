@@ -84,8 +84,9 @@ def open_source(source: str, stateful: str = "model", format: str | None = None)
     kind = detect(source)
     if format is not None:
         if format not in FORMATS:
-            raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {format!r}",
-                              "format")  # fmt: skip
+            raise ConfigError(
+                f"format must be one of {', '.join(FORMATS)}, got {format!r}", "format"
+            )
         if format != kind.removesuffix("-legacy"):
             raise SourceFormatError(f"{source}: is not {format} (it looks like {kind})", "source")
     if kind == "dcp":
@@ -140,15 +141,15 @@ def import_checkpoint(
     snapshot_path = as_path(snapshot_path, "snapshot_path")
     expect_type(stateful, str, "stateful", "a stateful name such as 'model'")
     if not stateful or "/" in stateful:
-        raise ConfigError(f"stateful must be a non-empty name without '/', got {stateful!r}",
-                          "stateful")  # fmt: skip
+        raise ConfigError(
+            f"stateful must be a non-empty name without '/', got {stateful!r}", "stateful"
+        )
     if progress is not None and not callable(progress):
         expect_type(progress, type(None), "progress", "a callable progress(done, total) or None")
     if metadata is not None:
         expect_type(metadata, Mapping, "metadata", "a dict or None")
         if SOURCE_KEY in metadata:
-            raise ConfigError(f"metadata key {SOURCE_KEY!r} is the import's own record",
-                              "metadata")  # fmt: skip
+            raise ConfigError(f"metadata key {SOURCE_KEY!r} is the import's own record", "metadata")
     budget = ByteBudget(check_budget(memory_budget_bytes))
     opened = open_source(source, stateful, format)
     try:
@@ -157,9 +158,18 @@ def import_checkpoint(
         meta = {**(metadata or {}), SOURCE_KEY: record}
         # Only now, with the source validated, is the repository found or created.
         target = resolve_target(snapshot_path, storage_options, meta, None, None)
-        job = TakeJob(target.repo, target.name, nodes, requests, target.settings,
-                      target.parents, target.metadata, budget, None,
-                      StagingPool(idle_limit=0))  # fmt: skip
+        job = TakeJob(
+            target.repo,
+            target.name,
+            nodes,
+            requests,
+            target.settings,
+            target.parents,
+            target.metadata,
+            budget,
+            None,
+            StagingPool(idle_limit=0),
+        )
         job.live_consumed.set()  # nothing is staged: the take blocks until committed
         job.progress = progress
         result = job.run()
@@ -190,8 +200,9 @@ def plan_nodes(state: Mapping[str, Any]) -> tuple[dict[str, Node], list[WriteReq
     return nodes, requests
 
 
-def _walk(value: Any, key: str, nodes: dict[str, Node], lazy: dict[str, WriteRequest],
-          depth: int) -> None:  # fmt: skip
+def _walk(
+    value: Any, key: str, nodes: dict[str, Node], lazy: dict[str, WriteRequest], depth: int
+) -> None:
     if depth > MAX_DEPTH:
         raise UnsupportedValueError(f"{key}: nested deeper than {MAX_DEPTH} levels", key)
     if isinstance(value, SourceTensor):
@@ -202,8 +213,13 @@ def _walk(value: Any, key: str, nodes: dict[str, Node], lazy: dict[str, WriteReq
         return
     if isinstance(value, (dict, list, tuple)) and not hasattr(value, "_fields") and _lazy(value):
         items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
-        ctype = ("OrderedDict" if type(value).__name__ == "OrderedDict" else "dict"
-                 if isinstance(value, dict) else type(value).__name__)  # fmt: skip
+        ctype = (
+            "OrderedDict"
+            if type(value).__name__ == "OrderedDict"
+            else "dict"
+            if isinstance(value, dict)
+            else type(value).__name__
+        )
         keys = [k for k, _ in items]
         if any(isinstance(k, bool) or not isinstance(k, (int, str)) for k in keys):
             raise UnsupportedValueError(f"{key}: container keys must be str or int", key)

@@ -206,10 +206,14 @@ class CasnapCheckpointIO(CheckpointIO):
         }
         app_state = {_KEY: StateDict(checkpoint)}
         snap = take_versioned(
-            path, app_state, storage_options=storage_options, metadata=metadata,
-            allow_pickle=self.allow_pickle, memory_budget_bytes=self.memory_budget_bytes,
+            path,
+            app_state,
+            storage_options=storage_options,
+            metadata=metadata,
+            allow_pickle=self.allow_pickle,
+            memory_budget_bytes=self.memory_budget_bytes,
             session=self._session,
-        )  # fmt: skip
+        )
         repo = snap.repository
         write_pointer(path, Pointer(repo.url, snap.name, snap.manifest_hash), POINTER_KIND)
         if old is not None and (old.repository, old.snapshot) != (repo.url, snap.name):

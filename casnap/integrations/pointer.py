@@ -113,9 +113,19 @@ def write_pointer(path: str, pointer: Pointer, kind: str) -> None:
     repo = pointer.repository
     if not _is_url(path) and not _is_url(repo):
         repo = os.path.relpath(repo, os.path.dirname(os.path.abspath(path)))
-    body = json.dumps({"casnap": kind, "version": _VERSION, "repository": repo,
-                       "snapshot": pointer.snapshot, "manifest": pointer.manifest},
-                      indent=1).encode() + b"\n"  # fmt: skip
+    body = (
+        json.dumps(
+            {
+                "casnap": kind,
+                "version": _VERSION,
+                "repository": repo,
+                "snapshot": pointer.snapshot,
+                "manifest": pointer.manifest,
+            },
+            indent=1,
+        ).encode()
+        + b"\n"
+    )
     if _is_url(path):
         fs, stripped = _fs(path)
         fs.pipe_file(stripped, body)  # one object put: atomic on object stores

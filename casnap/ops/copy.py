@@ -138,7 +138,7 @@ class CopyPlan:
                     "bytes_to_send": s.bytes_to_send,
                 }
                 for s in self.snapshots
-            ],  # fmt: skip
+            ],
             "objects_to_send": len(self.to_send),
             "bytes_to_send": self.bytes_to_send,
         }
@@ -175,12 +175,18 @@ class CopyResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "src": self.src, "dst": self.dst, "copied": list(self.copied),
-            "present": list(self.present), "failed": dict(self.failed),
-            "objects_sent": self.objects_sent, "bytes_sent": self.bytes_sent,
-            "objects_present": self.objects_present, "manifests_sent": self.manifests_sent,
-            "dry_run": self.dry_run, "plan": self.plan.to_json() if self.plan else None,
-        }  # fmt: skip
+            "src": self.src,
+            "dst": self.dst,
+            "copied": list(self.copied),
+            "present": list(self.present),
+            "failed": dict(self.failed),
+            "objects_sent": self.objects_sent,
+            "bytes_sent": self.bytes_sent,
+            "objects_present": self.objects_present,
+            "manifests_sent": self.manifests_sent,
+            "dry_run": self.dry_run,
+            "plan": self.plan.to_json() if self.plan else None,
+        }
 
 
 def _estimate(refs: Sequence[ChunkRef]) -> int:
@@ -280,10 +286,14 @@ def plan_copy(
                 refs[k] = tuple(reached[k])
             plans.append(
                 SnapshotCopy(
-                    name, m, state, len(reached), missing,
+                    name,
+                    m,
+                    state,
+                    len(reached),
+                    missing,
                     bytes_to_send=sum(_estimate(reached[k]) for k in missing),
                 )
-            )  # fmt: skip
+            )
     return CopyPlan(src.url, dst.url, tuple(plans), len(reached_all - refs.keys()), refs)
 
 
@@ -398,10 +408,17 @@ def execute_copy(
             dst.write_ref(snap.name, snap.manifest)  # the commit point
             copied.append(snap.name)
     return CopyResult(
-        plan.src, plan.dst, tuple(copied), tuple(present), tuple(failed),
-        objects_sent=len(tally.sent), bytes_sent=tally.bytes_sent,
-        objects_present=plan.objects_present, manifests_sent=manifests_sent, plan=plan,
-    )  # fmt: skip
+        plan.src,
+        plan.dst,
+        tuple(copied),
+        tuple(present),
+        tuple(failed),
+        objects_sent=len(tally.sent),
+        bytes_sent=tally.bytes_sent,
+        objects_present=plan.objects_present,
+        manifests_sent=manifests_sent,
+        plan=plan,
+    )
 
 
 def _send_all(

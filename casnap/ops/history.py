@@ -76,12 +76,19 @@ def log(repo: RepoStorage) -> list[LogLine]:
         for p in s.parents:
             if p in sums:
                 inherited |= sums[p].spans
-        lines.append(LogLine(
-            name=name, manifest=mhash, created_at=s.created_at, step=s.step,
-            parents=tuple(s.parents), logical_bytes=s.logical_bytes,
-            stored_bytes=s.stored_bytes,
-            new_bytes=sum(x[2] for x in s.spans - inherited), metadata=dict(s.metadata),
-        ))  # fmt: skip
+        lines.append(
+            LogLine(
+                name=name,
+                manifest=mhash,
+                created_at=s.created_at,
+                step=s.step,
+                parents=tuple(s.parents),
+                logical_bytes=s.logical_bytes,
+                stored_bytes=s.stored_bytes,
+                new_bytes=sum(x[2] for x in s.spans - inherited),
+                metadata=dict(s.metadata),
+            )
+        )
     lines.sort(key=lambda line: line.created_at)
     return lines
 
@@ -149,10 +156,14 @@ def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
         if not is_ref or name not in uses:
             continue
         objs = uses[name]
-        per.append(SnapshotUsage(
-            name, sums[mhash].logical_bytes, sum(sizes[o] for o in objs),
-            sum(sizes[o] for o in objs if owners[o] == 1),
-        ))  # fmt: skip
+        per.append(
+            SnapshotUsage(
+                name,
+                sums[mhash].logical_bytes,
+                sum(sizes[o] for o in objs),
+                sum(sizes[o] for o in objs if owners[o] == 1),
+            )
+        )
     return Usage(
         snapshots=len(per),
         logical_bytes=sum(u.logical_bytes for u in per),
@@ -202,8 +213,9 @@ def graph_lanes(lines: list[LogLine]) -> list[str]:
     lanes: list[str | None] = []  # manifest hash at the tip of each lane
     out = []
     for i, line in enumerate(lines):
-        lane = next((j for j, tip in enumerate(lanes)
-                     if tip is not None and tip in line.parents), None)  # fmt: skip
+        lane = next(
+            (j for j, tip in enumerate(lanes) if tip is not None and tip in line.parents), None
+        )
         if lane is None:
             if any(p in known for p in line.parents):  # a branch off a listed snapshot
                 free = [j for j, tip in enumerate(lanes) if tip is None]
@@ -214,8 +226,11 @@ def graph_lanes(lines: list[LogLine]) -> list[str]:
             if lane == len(lanes):
                 lanes.append(None)
         lanes[lane] = line.manifest
-        out.append(" ".join("*" if j == lane else ("|" if t else " ")
-                            for j, t in enumerate(lanes)).rstrip())  # fmt: skip
+        out.append(
+            " ".join(
+                "*" if j == lane else ("|" if t else " ") for j, t in enumerate(lanes)
+            ).rstrip()
+        )
     return out
 
 
@@ -244,8 +259,14 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
         if ea is None or eb is None:
             e = eb if ea is None else ea
             chunks = _chunks_of(e)
-            out.append(EntryDiff(key, "added" if ea is None else "removed",
-                                 sum(c.size for c in chunks), len(chunks)))  # fmt: skip
+            out.append(
+                EntryDiff(
+                    key,
+                    "added" if ea is None else "removed",
+                    sum(c.size for c in chunks),
+                    len(chunks),
+                )
+            )
             continue
         if isinstance(ea, (TensorEntry, ObjectEntry)) and isinstance(
             eb, (TensorEntry, ObjectEntry)
@@ -261,8 +282,14 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
             before = {c.hash for c in _chunks_of(ea)}
             changed = [c for c in _chunks_of(eb) if c.hash not in before]
             same = ea.model_dump() == eb.model_dump()
-            out.append(EntryDiff(key, "unchanged" if same else "changed",
-                                 sum(c.size for c in changed), len(changed)))  # fmt: skip
+            out.append(
+                EntryDiff(
+                    key,
+                    "unchanged" if same else "changed",
+                    sum(c.size for c in changed),
+                    len(changed),
+                )
+            )
         else:
             same = ea.model_dump() == eb.model_dump()
             out.append(EntryDiff(key, "unchanged" if same else "changed", 0, 0))

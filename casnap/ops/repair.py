@@ -129,8 +129,12 @@ class RootStatus:
     missing: tuple[str, ...] = ()  # chunks (or the manifest/ref problem) still unreadable
 
     def to_json(self) -> dict[str, object]:
-        return {"kind": self.kind, "name": self.name, "status": self.status,
-                "missing": list(self.missing)}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "status": self.status,
+            "missing": list(self.missing),
+        }
 
 
 @dataclass
@@ -150,15 +154,22 @@ class RepairResult:
         return [r.name for r in self.roots if r.status == "unrecoverable" and r.kind == "snapshot"]
 
     def to_json(self) -> dict[str, object]:
-        return {"ok": self.ok, "dry_run": self.dry_run, "bad_chunks": len(self.plan.bad),
-                "written": self.written, "already_replaced": self.plan.already,
-                "roots": [r.to_json() for r in self.roots]}  # fmt: skip
+        return {
+            "ok": self.ok,
+            "dry_run": self.dry_run,
+            "bad_chunks": len(self.plan.bad),
+            "written": self.written,
+            "already_replaced": self.plan.already,
+            "roots": [r.to_json() for r in self.roots],
+        }
 
     def render(self) -> str:
         verb = "would write" if self.dry_run else "wrote"
         shown = self.plan.fixes if self.dry_run else [Fix(c, "") for c in self.written]
-        lines = [f"{verb} chunks/{f.chunk[:16]}…" + (f" from {f.source}" if f.source else "")
-                 for f in shown]  # fmt: skip
+        lines = [
+            f"{verb} chunks/{f.chunk[:16]}…" + (f" from {f.source}" if f.source else "")
+            for f in shown
+        ]
         for r in self.roots:
             if r.status == "ok":
                 continue
@@ -226,8 +237,14 @@ def find_bad(
                 continue
             needs |= owners.affected((ref.pack, ref.hash), stands_in)
         if copies:
-            bad = BadChunk(h, uses[0].size, tuple(sorted(set(copies))), frozenset(needs),
-                           elems.get(h, 0), not in_lost_pack)  # fmt: skip
+            bad = BadChunk(
+                h,
+                uses[0].size,
+                tuple(sorted(set(copies))),
+                frozenset(needs),
+                elems.get(h, 0),
+                not in_lost_pack,
+            )
             plan.bad.append(bad)
     return plan
 
@@ -242,8 +259,11 @@ def element_sizes(manifest: Manifest) -> dict[str, int]:
         if not entry.dtype.startswith(("float", "bfloat")):
             continue  # torch groups floats only (casnap.take.scheduler.tensor_request)
         elem = DTYPE_ITEMSIZE.get(entry.dtype, 0)
-        chunks = entry.chunks if isinstance(entry, TensorEntry) else [
-            c for shard in entry.shards for c in shard.chunks]  # fmt: skip
+        chunks = (
+            entry.chunks
+            if isinstance(entry, TensorEntry)
+            else [c for shard in entry.shards for c in shard.chunks]
+        )
         out.update((c.hash, elem) for ref in chunks for c in ref.chain())
     return out
 
@@ -266,8 +286,10 @@ def plan_repair(
         digest = bytes.fromhex(bad.chunk)
         done += bad.size
         # A frame of a pack that is gone cannot fall back (its read fails first).
-        if bad.fixable_here and DamagedCopy(bad.chunk, None) not in recorded and (
-            loose_copy(repo, bad.chunk, bad.size, record=not dry_run) is not None
+        if (
+            bad.fixable_here
+            and DamagedCopy(bad.chunk, None) not in recorded
+            and (loose_copy(repo, bad.chunk, bad.size, record=not dry_run) is not None)
         ):
             plan.already.append(bad.chunk)  # a good chunks/<h> stands in for a pack frame
             if progress is not None:

@@ -155,8 +155,9 @@ def read_snapshots(
         created_at, metadata = summary
         repo_tags = tuple(tagged.get((name, manifest), ()))
         extra = tuple(t for t in metadata_tags(metadata) if t not in repo_tags)
-        infos.append(SnapshotInfo(name, manifest, created_at, step_of(metadata), metadata,
-                                  repo_tags + extra))  # fmt: skip
+        infos.append(
+            SnapshotInfo(name, manifest, created_at, step_of(metadata), metadata, repo_tags + extra)
+        )
     infos.sort(key=order_key)
     return infos, unreadable
 
@@ -323,13 +324,18 @@ class RetentionPlan:
             "keep": {name: list(reasons) for name, reasons in sorted(self.keep.items())},
             "delete": list(self.delete),
             "snapshots": [
-                {"name": s.name, "manifest": s.manifest, "step": s.step,
-                 "created_at": s.created_at, "tags": list(s.tags),
-                 "action": "delete" if s.name in doomed else "keep",
-                 "reasons": list(self.keep.get(s.name, ()))}
+                {
+                    "name": s.name,
+                    "manifest": s.manifest,
+                    "step": s.step,
+                    "created_at": s.created_at,
+                    "tags": list(s.tags),
+                    "action": "delete" if s.name in doomed else "keep",
+                    "reasons": list(self.keep.get(s.name, ())),
+                }
                 for s in self.snapshots
             ],
-        }  # fmt: skip
+        }
 
     def render(self) -> str:
         """A table for humans, oldest first, then a one-line summary."""

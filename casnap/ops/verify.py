@@ -60,8 +60,13 @@ class Problem:
     tags: tuple[str, ...] = ()  # the tags whose pinned manifest it affects
 
     def to_json(self) -> dict[str, object]:
-        return {"kind": self.kind, "subject": self.subject, "detail": self.detail,
-                "snapshots": list(self.snapshots), "tags": list(self.tags)}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "subject": self.subject,
+            "detail": self.detail,
+            "snapshots": list(self.snapshots),
+            "tags": list(self.tags),
+        }
 
 
 @dataclass
@@ -82,13 +87,19 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict[str, object]:
-        return {"ok": self.ok, "snapshots": self.snapshots, "tags": self.tags,
-                "manifests": self.manifests,
-                "chunks": self.chunks, "chunks_read": self.chunks_read,
-                "bytes_read": self.bytes_read,
-                "problems": [p.to_json() for p in self.problems],
-                "unreferenced": (None if self.unreferenced is None
-                                 else dataclasses.asdict(self.unreferenced))}  # fmt: skip
+        return {
+            "ok": self.ok,
+            "snapshots": self.snapshots,
+            "tags": self.tags,
+            "manifests": self.manifests,
+            "chunks": self.chunks,
+            "chunks_read": self.chunks_read,
+            "bytes_read": self.bytes_read,
+            "problems": [p.to_json() for p in self.problems],
+            "unreferenced": (
+                None if self.unreferenced is None else dataclasses.asdict(self.unreferenced)
+            ),
+        }
 
 
 def in_part(chunk_hash: str, part: tuple[int, int] | None) -> bool:
@@ -141,9 +152,13 @@ class Owners:
 
 def _problem(kind: str, subject: str, detail: str, holders: Iterable[Holder] = ()) -> Problem:
     held = set(holders)
-    return Problem(kind, subject, detail,
-                   tuple(sorted(n for k, n in held if k == "snapshot")),
-                   tuple(sorted(n for k, n in held if k == "tag")))  # fmt: skip
+    return Problem(
+        kind,
+        subject,
+        detail,
+        tuple(sorted(n for k, n in held if k == "snapshot")),
+        tuple(sorted(n for k, n in held if k == "tag")),
+    )
 
 
 def roots(repo: RepoStorage, report: VerifyReport) -> dict[str, set[Holder]]:
@@ -221,14 +236,14 @@ def verify(
         if obj not in present:
             missing.setdefault(obj, set()).update(owners.affected(key, stands_in))
     for obj, holders in sorted(missing.items()):
-        report.problems.append(_problem("missing-object", obj, "referenced but not in the store",
-                                        holders))  # fmt: skip
+        report.problems.append(
+            _problem("missing-object", obj, "referenced but not in the store", holders)
+        )
 
     _report_recorded(repo, owners, report, part if read_data else (0, 0), present, stands_in)
 
     if read_data:
-        todo = [r for r in refs.values()
-                if object_name(r) not in missing and in_part(r.hash, part)]  # fmt: skip
+        todo = [r for r in refs.values() if object_name(r) not in missing and in_part(r.hash, part)]
         spans = plan_reads(todo)
         total = sum(r.size for r in todo)  # progress in bytes re-hashed
         done = 0
@@ -351,8 +366,11 @@ def _scrub(
     report.bytes_read += len(blob)
     view = memoryview(blob)
     for _, ref in span.items:
-        frame = view if span.end < 0 else view[ref.offset - span.start :
-                                               ref.offset - span.start + ref.length]  # fmt: skip
+        frame = (
+            view
+            if span.end < 0
+            else view[ref.offset - span.start : ref.offset - span.start + ref.length]
+        )
         try:
             decode_frame(repo, span.key, ref, frame)  # records the damage it finds
         except IntegrityError as exc:

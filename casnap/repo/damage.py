@@ -129,11 +129,17 @@ def record_damage(repo: RepoStorage, ref: ChunkRef, detail: str) -> bool:
         _log.warning(
             "chunk %s in %s is damaged, but casnap could not record it (%s); takes on other "
             "machines may still reference it: run `casnap verify --read-data` with write access",
-            ref.hash, ref.pack or "its loose object", exc,
-        )  # fmt: skip
+            ref.hash,
+            ref.pack or "its loose object",
+            exc,
+        )
         return False
-    _log.warning("chunk %s in %s is damaged; recorded in %s: the next take writes it again",
-                 ref.hash, ref.pack or "its loose object", copy.key)  # fmt: skip
+    _log.warning(
+        "chunk %s in %s is damaged; recorded in %s: the next take writes it again",
+        ref.hash,
+        ref.pack or "its loose object",
+        copy.key,
+    )
     return True
 
 

@@ -351,8 +351,12 @@ def _holds(store: ObjectStore, lock: LeaseRecord) -> bool:
         # a claim no holder makes, which someone should look at.
         _log.warning(
             "casnap: ignoring the stale %s/%s of %s: %s (%s removes it)",
-            store.url, GC_LOCK_KEY, lock.describe(), reason, _unlock_hint(store),
-        )  # fmt: skip
+            store.url,
+            GC_LOCK_KEY,
+            lock.describe(),
+            reason,
+            _unlock_hint(store),
+        )
     return False
 
 
@@ -374,8 +378,13 @@ class _WaitNotice:
         _log.warning(
             "casnap: %s has waited %.0f s for %s/%s, held by %s; if that gc is not "
             "running, %s breaks the lock",
-            self.who, now - self.start, self.url, what, holder.describe(), self.hint,
-        )  # fmt: skip
+            self.who,
+            now - self.start,
+            self.url,
+            what,
+            holder.describe(),
+            self.hint,
+        )
 
 
 def wait_for_gc(store: ObjectStore, notice: _WaitNotice | None = None) -> None:

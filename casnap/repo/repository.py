@@ -359,8 +359,10 @@ def _is_cwd_or_ancestor(path: str) -> bool:
     """Whether local ``path`` is the working directory or a directory above it (``/`` too),
     by its absolute path and, so a link cannot hide it, by its resolved one."""
     cwd, given = os.getcwd(), os.path.expanduser(path)
-    for target, here in ((os.path.abspath(given), cwd),
-                         (os.path.realpath(given), os.path.realpath(cwd))):  # fmt: skip
+    for target, here in (
+        (os.path.abspath(given), cwd),
+        (os.path.realpath(given), os.path.realpath(cwd)),
+    ):
         if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
             return True
     return False

@@ -62,7 +62,10 @@ def drift(
         if row.status != "changed" or not isinstance(ea, TensorEntry):
             continue
         if not isinstance(eb, TensorEntry) or (ea.dtype, ea.shape, ea.chunk_size) != (
-            eb.dtype, eb.shape, eb.chunk_size):  # fmt: skip
+            eb.dtype,
+            eb.shape,
+            eb.chunk_size,
+        ):
             continue
         pairs = [(ca, cb) for ca, cb in zip(ea.chunks, eb.chunks) if ca.hash != cb.hash]
         dtype = torch_dtype(ea.dtype)

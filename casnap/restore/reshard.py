@@ -119,8 +119,11 @@ class ShardedSink:
 
     def needed_of(self, shards: set[int]) -> list[tuple[int, ChunkRef]]:
         """:meth:`needed`, restricted to the chunks of the stored shards ``shards``."""
-        return [(i, self.entry.shards[si].chunks[ci])
-                for i, (si, ci) in enumerate(self._needed) if si in shards]  # fmt: skip
+        return [
+            (i, self.entry.shards[si].chunks[ci])
+            for i, (si, ci) in enumerate(self._needed)
+            if si in shards
+        ]
 
     @property
     def fetch_bytes(self) -> int:
@@ -152,8 +155,10 @@ class ShardedSink:
         if self.result.device.type != "meta":
             return
         whole = torch.empty(self.entry.shape, dtype=self.dtype)
-        self.copies = [(LocalShard(r.offsets, r.sizes, whole) if r.tensor is self.result else r,
-                        si, lo, hi) for r, si, lo, hi in self.copies]  # fmt: skip
+        self.copies = [
+            (LocalShard(r.offsets, r.sizes, whole) if r.tensor is self.result else r, si, lo, hi)
+            for r, si, lo, hi in self.copies
+        ]
         self.result = whole
 
     def allocate(self, shards: set[int]) -> None:

@@ -51,9 +51,15 @@ _RANGE_NOT_SATISFIABLE = 416
 _TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 # Exception types (by name, so that no HTTP client is imported here) a retry may cure.
 _TRANSIENT_TYPES = {
-    "ClientConnectionError", "ClientOSError", "ServerDisconnectedError", "ClientPayloadError",
-    "ServerTimeoutError", "ConnectionError", "TransportError", "ChunkedEncodingError",
-}  # fmt: skip
+    "ClientConnectionError",
+    "ClientOSError",
+    "ServerDisconnectedError",
+    "ClientPayloadError",
+    "ServerTimeoutError",
+    "ConnectionError",
+    "TransportError",
+    "ChunkedEncodingError",
+}
 
 
 def _default_options(protocol: str) -> dict[str, Any]:
@@ -91,8 +97,14 @@ class FsspecStore(ObjectStore):
             fs, root = _open_fs(protocol, url, options)
         except (ImportError, ValueError) as exc:
             raise StoreError(f"cannot open store {url!r}: {exc}") from exc
-        self._attach(fs, root, url, protocol, atomic_create=protocol in _ATOMIC_CREATE,
-                     conditional_replace=protocol in _CONDITIONAL_REPLACE)  # fmt: skip
+        self._attach(
+            fs,
+            root,
+            url,
+            protocol,
+            atomic_create=protocol in _ATOMIC_CREATE,
+            conditional_replace=protocol in _CONDITIONAL_REPLACE,
+        )
 
     def _attach(
         self,
@@ -230,13 +242,15 @@ class FsspecStore(ObjectStore):
         # is what some emulators do not check.
         bucket, name, _ = self.fs.split_path(path)
         head = json.dumps({"name": name}).encode()
-        body = b"".join([
-            f"--{_MULTIPART}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
-            head,
-            f"\r\n--{_MULTIPART}\r\nContent-Type: application/octet-stream\r\n\r\n".encode(),
-            payload,
-            f"\r\n--{_MULTIPART}--".encode(),
-        ])  # fmt: skip
+        body = b"".join(
+            [
+                f"--{_MULTIPART}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
+                head,
+                f"\r\n--{_MULTIPART}\r\nContent-Type: application/octet-stream\r\n\r\n".encode(),
+                payload,
+                f"\r\n--{_MULTIPART}--".encode(),
+            ]
+        )
         self.fs.call(
             "POST",
             f"{self.fs._location}/upload/storage/v1/b/{quote(bucket)}/o",

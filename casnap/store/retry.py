@@ -108,8 +108,9 @@ class RetryingStore(ObjectStore):
                     raise
                 retry += 1
                 pause = random.uniform(0.0, self.policy.backoff(retry))
-                _log.info("casnap: %s %r failed (%s); retry %d in %.2f s",
-                          what, key, exc, retry, pause)  # fmt: skip
+                _log.info(
+                    "casnap: %s %r failed (%s); retry %d in %.2f s", what, key, exc, retry, pause
+                )
                 self._sleep(pause)
 
     def get(self, key: str, *, limit: int | None = None) -> bytes:

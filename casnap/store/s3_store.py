@@ -64,15 +64,27 @@ from casnap.store.fsspec_store import _translate as _translate_fsspec
 # ConditionalRequestConflict: another conditional write to the key was in
 # flight; S3 asks the client to retry (the retry then meets 412 or succeeds).
 _TRANSIENT_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-    "TooManyRequestsException", "RequestTimeout", "InternalError", "ServiceUnavailable",
-    "ConditionalRequestConflict", "OperationAborted", "XAmzContentSHA256Mismatch",
-}  # fmt: skip
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "ConditionalRequestConflict",
+    "OperationAborted",
+    "XAmzContentSHA256Mismatch",
+}
 # botocore's network failures (by name: botocore is imported only with s3fs).
 _TRANSIENT_TYPES = {
-    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-    "HTTPClientError", "ResponseStreamingError", "IncompleteReadError",
-}  # fmt: skip
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "HTTPClientError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+}
 _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
 _PRECONDITION_FAILED = 412
 _PROBED_ATTR = "_casnap_conditional_writes_proven"
@@ -121,8 +133,14 @@ class S3Store(FsspecStore):
         fs.retries = retries
         protocol = url.split("://", 1)[0]
         root = S3FileSystem._strip_protocol(url)
-        self._attach(fs, root, url, protocol, atomic_create=self.conditional_writes,
-                     conditional_replace=self.conditional_writes)  # fmt: skip
+        self._attach(
+            fs,
+            root,
+            url,
+            protocol,
+            atomic_create=self.conditional_writes,
+            conditional_replace=self.conditional_writes,
+        )
 
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         try:

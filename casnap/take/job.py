@@ -129,9 +129,14 @@ class TakeJob:
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
                 scheduler = Scheduler(
-                    writer, self.settings, self.budget, self.live_consumed, self.progress,
-                    self.pool, sum(b.numel() * b.element_size() for b in self.buffers),
-                )  # fmt: skip
+                    writer,
+                    self.settings,
+                    self.budget,
+                    self.live_consumed,
+                    self.progress,
+                    self.pool,
+                    sum(b.numel() * b.element_size() for b in self.buffers),
+                )
                 written = scheduler.run(self.requests)
             with python_gc_paused():
                 manifest, manifest_hash = self._commit_entries(written, lease)
@@ -140,10 +145,15 @@ class TakeJob:
     def _commit_entries(self, written: Written, lease: Lease) -> tuple[Manifest, str]:
         """Every entry and the manifest, from what the scheduler wrote; then the commit."""
         previous, dumped = previous_plan(self.session, self.repo, self.parents)
-        plan, tensors = _plan_of(self.nodes, written, self.settings.chunk_size,
-                                 self.replicated, previous)  # fmt: skip
-        by_hash = {ref.hash: ref for key, node in self.nodes.items()
-                   if isinstance(node, ObjectLeaf) for ref in written.get(key, [])}  # fmt: skip
+        plan, tensors = _plan_of(
+            self.nodes, written, self.settings.chunk_size, self.replicated, previous
+        )
+        by_hash = {
+            ref.hash: ref
+            for key, node in self.nodes.items()
+            if isinstance(node, ObjectLeaf)
+            for ref in written.get(key, [])
+        }
         others = build_entries([plan], by_hash, previous)
         entries = {k: tensors[k] if k in tensors else others[k] for k in self.nodes}
         manifest = trusted_manifest(  # the entries were built (or validated) already
@@ -182,9 +192,14 @@ def _plan_of(
         if isinstance(node, TensorLeaf):
             t = node.tensor
             tensors[key] = tensor_entry(
-                dtype_name(t.dtype, key), list(t.shape), chunk_size, written.get(key, []),
-                is_replicated(key, replicated), node.quantized, old.get(key),
-            )  # fmt: skip
+                dtype_name(t.dtype, key),
+                list(t.shape),
+                chunk_size,
+                written.get(key, []),
+                is_replicated(key, replicated),
+                node.quantized,
+                old.get(key),
+            )
         elif isinstance(node, ObjectLeaf):
             ids = tuple((r.hash, r.size) for r in written.get(key, []))
             entries[key] = ObjectPlan(node.type_name, len(node.payload), ids)
@@ -228,9 +243,21 @@ def prepare_take(
     requests = requests_of(nodes)
     # Pinning pays only when the buffer is reused: a take without a session keeps none.
     pool = session.staging if session is not None else StagingPool(idle_limit=0, pin=False)
-    job = TakeJob(target.repo, target.name, nodes, requests, target.settings, target.parents,
-                  target.metadata, budget, session, pool, list(replicated or []),
-                  fresh=target.fresh, blocking=not stage)  # fmt: skip
+    job = TakeJob(
+        target.repo,
+        target.name,
+        nodes,
+        requests,
+        target.settings,
+        target.parents,
+        target.metadata,
+        budget,
+        session,
+        pool,
+        list(replicated or []),
+        fresh=target.fresh,
+        blocking=not stage,
+    )
     if stage:
         _stage(job)
     else:

@@ -106,8 +106,11 @@ def known_chunks(
 def delta_bases(manifest: Manifest) -> dict[str, tuple[int, tuple[ChunkRef, ...]]]:
     """Each dense tensor's (chunk size, chunks): a changed chunk's natural delta base is
     the chunk at the same offset of the same key in the parent snapshot."""
-    return {key: (e.chunk_size, tuple(e.chunks)) for key, e in manifest.entries.items()
-            if isinstance(e, TensorEntry) and e.chunks}  # fmt: skip
+    return {
+        key: (e.chunk_size, tuple(e.chunks))
+        for key, e in manifest.entries.items()
+        if isinstance(e, TensorEntry) and e.chunks
+    }
 
 
 ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order
@@ -205,8 +208,9 @@ def tensor_entry(
 def _tensor_entry(
     plan: TensorPlan, chunk_size: int, chunks: list[ChunkRef], previous: Entry | None
 ) -> TensorEntry:
-    return tensor_entry(plan.dtype, list(plan.shape), chunk_size, chunks, plan.replicated,
-                        plan.quantized, previous)  # fmt: skip
+    return tensor_entry(
+        plan.dtype, list(plan.shape), chunk_size, chunks, plan.replicated, plan.quantized, previous
+    )
 
 
 def _refs(ids: ChunkIds, refs: dict[str, ChunkRef]) -> list[ChunkRef]:
@@ -225,7 +229,7 @@ def _sharded_entry(
             sizes=list(s.sizes),
             chunk_size=cs,
             chunks=_refs(s.chunks, refs),
-        )  # fmt: skip
+        )
         for _, s in sorted(boxes.items())
     ]
     return ShardedEntry(
@@ -254,8 +258,9 @@ def _sharded_entries(
                 for s in entry.shards:
                     boxes.setdefault(logical(key), {}).setdefault(s.offsets, s)
     cs = plans[0].chunk_size
-    out = {path: _sharded_entry(head, boxes.get(path, {}), cs, refs)
-           for path, head in heads.items()}  # fmt: skip
+    out = {
+        path: _sharded_entry(head, boxes.get(path, {}), cs, refs) for path, head in heads.items()
+    }
     return out, boxes, heads
 
 
@@ -297,9 +302,12 @@ def build_entries(
                 entries[key] = _tensor_entry(e, cs, _refs(e.chunks, refs), old.get(key))
             elif isinstance(e, ObjectPlan):
                 entries[key] = ObjectEntry(
-                    serializer="pickle", type_name=e.type_name, size=e.size, chunk_size=cs,
+                    serializer="pickle",
+                    type_name=e.type_name,
+                    size=e.size,
+                    chunk_size=cs,
                     chunks=_refs(e.chunks, refs),
-                )  # fmt: skip
+                )
             elif isinstance(e, ShardedPlan):
                 entries[key] = _own_sharded(key, e, sharded, cs, refs)
             else:

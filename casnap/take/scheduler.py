@@ -292,8 +292,12 @@ class Scheduler:
         count = math.ceil(req.nbytes / cs)
         pool = self.staging
         # A live tensor on the device path (a staged one is host memory of the pool already).
-        if req.live and req.tensor is not None and pool is not None and \
-                pool.uses_device_path(req.tensor):  # fmt: skip
+        if (
+            req.live
+            and req.tensor is not None
+            and pool is not None
+            and pool.uses_device_path(req.tensor)
+        ):
             return self._submit_pieces(req, pool)
         if req.cost:
             self.budget.acquire(req.cost)  # the host copy stays under the budget

@@ -121,8 +121,9 @@ class Session:
         if idle is not None:
             expect_type(idle, int, "staging_cache_bytes", "a number of bytes (int) or None")
             if idle < 0:
-                raise ConfigError(f"staging_cache_bytes must not be negative, got {idle}",
-                                  "staging_cache_bytes")  # fmt: skip
+                raise ConfigError(
+                    f"staging_cache_bytes must not be negative, got {idle}", "staging_cache_bytes"
+                )
         if idle is None:
             idle = staging_cache_bytes_setting()
         self.lineage = Lineage()

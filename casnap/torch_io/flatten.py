@@ -190,8 +190,11 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
             # child_key(key, k) for each member, its name escaped once above; a plain
             # tensor member (most of a state dict) without a call of its own. Members
             # by key: a Mapping subclass may order keys() unlike values().
-            members = value.values() if type(value) in _PLAIN_MAPS else (
-                [value[k] for k in keys] if mapping else value)  # fmt: skip
+            members = (
+                value.values()
+                if type(value) in _PLAIN_MAPS
+                else ([value[k] for k in keys] if mapping else value)
+            )
             for name, member in zip(seen, members, strict=True):
                 if type(member) in _PLAIN_TENSORS and depth < MAX_DEPTH:
                     out[f"{key}/{name}"] = tensor_leaf(member, f"{key}/{name}")

@@ -40,9 +40,12 @@ def split(tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Quantization]:
     t = tensor.detach()
     ints = t.int_repr().cpu()  # a copy: the snapshot is point-in-time even for an async take
     if scheme == torch.per_tensor_affine:
-        q = Quantization(dtype=name, qscheme="per_tensor_affine",  # type: ignore[arg-type]
-                         scale=float(t.q_scale()).hex(),
-                         zero_point=int(t.q_zero_point()))  # fmt: skip
+        q = Quantization(
+            dtype=name,  # type: ignore[arg-type]
+            qscheme="per_tensor_affine",
+            scale=float(t.q_scale()).hex(),
+            zero_point=int(t.q_zero_point()),
+        )
     else:
         q = Quantization(
             dtype=name,  # type: ignore[arg-type]

@@ -300,8 +300,9 @@ class StagingPool:
         """A copy slot for one tensor's pieces (engines keep one stream per slot)."""
         return next(self._slots)
 
-    def copy_piece(self, raw: torch.Tensor, start: int, stop: int, limit: int | None = None,
-                   slot: int = 0) -> PieceCopy:  # fmt: skip
+    def copy_piece(
+        self, raw: torch.Tensor, start: int, stop: int, limit: int | None = None, slot: int = 0
+    ) -> PieceCopy:
         """Start copying ``raw[start:stop]`` (bytes, :func:`raw_bytes`) into a pool buffer.
 
         Returns at once; :meth:`PieceCopy.wait` waits for the copy.
