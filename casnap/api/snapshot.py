@@ -87,7 +87,7 @@ def _prepare(
     if session is not None:
         expect_type(session, Session, "session", "a casnap.Session")
     group = _group(pg)
-    if group.pg is not None:
+    if group.distributed:  # a group of one rank has nothing to coordinate
         return prepare_distributed_take(
             path,
             app_state,
