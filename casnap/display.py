@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 
 __all__ = ["format_float", "format_size", "format_time", "natural_key", "parse_size"]
 
@@ -71,9 +71,7 @@ def format_time(iso: str) -> str:
     except (ValueError, AttributeError):
         return iso
     if t.tzinfo is None:
-        from datetime import timezone
-
-        t = t.replace(tzinfo=timezone.utc)
+        t = t.replace(tzinfo=UTC)
     return t.astimezone().strftime("%Y-%m-%d %H:%M:%S %z")
 
 

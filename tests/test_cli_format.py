@@ -15,7 +15,7 @@ import pty
 import re
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -133,7 +133,7 @@ def test_times_are_shown_in_the_local_zone_with_its_offset(tmp_path, repo_dir):
 
 def test_format_time_honours_tz_and_keeps_what_is_not_a_time():
     assert format_time("not a time") == "not a time"
-    stamp = datetime(2026, 11, 24, 18, 40, 12, tzinfo=timezone.utc).isoformat()
+    stamp = datetime(2026, 11, 24, 18, 40, 12, tzinfo=UTC).isoformat()
     assert format_time(stamp).startswith("2026-11-2")  # the local zone of the test process
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import timedelta, timezone
+from datetime import UTC, timedelta
 from pathlib import Path
 
 import pytest
@@ -165,7 +165,7 @@ def test_keep_within_uses_the_injected_now(repo):
     assert kept(repo, KeepWithin(timedelta(seconds=window)), now=now) == {"s100", "s110", "s120"}
     assert kept(repo, KeepWithin(3599), now=now, allow_delete_all=True) == set()
     # a naive now means UTC
-    naive = now.astimezone(timezone.utc).replace(tzinfo=None)
+    naive = now.astimezone(UTC).replace(tzinfo=None)
     assert kept(repo, KeepWithin(window), now=naive) == {"s100", "s110", "s120"}
     # everything was created within a day of the real now
     assert kept(repo, KeepWithin(86400)) == ALL

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from casnap.distributed.group import all_gather, resolve_group
 from casnap.errors import ConfigError, IntegrityError, SnapshotNotFoundError, expect_type
@@ -148,5 +148,5 @@ def pick_best(
     if mode is None:
         mode = rule.mode if rule is not None else "min"
     picker = KeepBest(1, metric, mode)  # type: ignore[arg-type]  # a bad mode: RetentionError
-    picked = picker.select(infos, datetime.now(timezone.utc))
+    picked = picker.select(infos, datetime.now(UTC))
     return next((s for s in infos if s.name in picked), None)

@@ -27,7 +27,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from casnap.display import format_time
@@ -98,7 +98,7 @@ def parse_time(text: str) -> datetime | None:
         t = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         return None
-    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def step_of(metadata: Mapping[str, Any]) -> int | None:
@@ -395,8 +395,8 @@ class RetentionResult:
 
 def _now(now: datetime | None) -> datetime:
     if now is None:
-        return datetime.now(timezone.utc)
-    return now if now.tzinfo is not None else now.replace(tzinfo=timezone.utc)
+        return datetime.now(UTC)
+    return now if now.tzinfo is not None else now.replace(tzinfo=UTC)
 
 
 def plan_retention(

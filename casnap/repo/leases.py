@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import TracebackType
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
@@ -93,14 +93,14 @@ WAIT_NOTICE_EVERY = 30.0
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="microseconds")
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds")
 
 
 def parse_time(text: str) -> float:
     """Seconds since the epoch of an ISO 8601 time (naive times are UTC)."""
     dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
 
 

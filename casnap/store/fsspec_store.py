@@ -7,7 +7,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -337,7 +337,7 @@ def _mtime_of(info: dict[str, Any]) -> float | None:
                 dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
             except ValueError:
                 continue
-            return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
+            return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
     return None
 
 
