@@ -1,7 +1,7 @@
 """The local LMDB index: takes in a fresh process probe nothing it knows; it never misleads.
 
-"A fresh process" is simulated with ``lineage.forget()``: the next take has no
-parent, so every chunk it skips was found through the index or the store.
+"A fresh process" is a take without a session and with ``CASNAP_AUTO_PARENT=0``:
+it has no parent, so every chunk it skips was found through the index or the store.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CHUNK = 64 * 1024
 def _private_index(tmp_path, monkeypatch):
     monkeypatch.setenv("CASNAP_INDEX_DIR", str(tmp_path / "index"))
     monkeypatch.delenv("CASNAP_INDEX", raising=False)
+    monkeypatch.setenv("CASNAP_AUTO_PARENT", "0")  # no parent: only the index finds chunks
     yield
     index.close_all()
 
