@@ -203,6 +203,26 @@ def test_a_damaged_entry_is_a_miss_never_a_location(tmp_path):
     assert_restores(repo, "s2", state)
 
 
+def test_a_sealed_entry_that_is_no_location_is_a_miss(tmp_path):
+    """Entries are decoded without pydantic; the rules of a location still hold."""
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    path = index.index_path(repo.config.repo_id)
+    index.close_all()
+    env = lmdb.open(str(path), max_dbs=4)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True, db=chunks) as txn:
+        for key, _value in list(txn.cursor()):
+            bad = index_lmdb._LOOSE.pack(300, 1 << 40)  # a frame longer than its chunk
+            txn.put(key, index_lmdb._seal(key, bad))
+    env.close()
+    store.reset()
+    take(repo, "s2", state)
+    assert store.requests["get_range"] == len(loose_chunks(s1))  # probed: no entry trusted
+    assert_restores(repo, "s2", state)
+
+
 def test_rebuild_fills_the_index_from_the_store(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
