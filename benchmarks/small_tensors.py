@@ -9,9 +9,13 @@ bandwidth: 20,000 tensors of 256 B are 5 MB. For each ``--tensors`` count,
 each repeat takes the state into a fresh repository (the *first take*), then
 takes it again unchanged in the same session (the *re-take*: its parent is
 the first, the every-N-steps loop), and times torch.save + fsync of the same
-dict, interleaved so that a noisy neighbour hits all three alike. Prints
-medians and the ratios (issue #14 point 1: first take <= 1.5x, re-take
-<= 0.5x), of wall time and, next to it, of CPU time (all threads).
+dict, interleaved so that a noisy neighbour hits all of them alike. Each
+repeat also re-takes the state unchanged *without* a session (the
+torchsnapshot loop, ``Snapshot.take(f"{root}/step_{n}", app_state)``: its
+parent is the newest snapshot in the folder, found in the store; issue #25
+point 1). Prints medians and the ratios (issue #14 point 1: first take <=
+1.5x, re-take <= 0.5x; issue #25: re-take without a session <= 0.6x), of
+wall time and, next to it, of CPU time (all threads).
 ``--profile`` runs cProfile over one first take or re-take of the first
 count and prints the top of it instead.
 """
@@ -59,19 +63,20 @@ def measure(tensors: int, numel: int, repeats: int, work: str) -> dict[str, Any]
     """Medians of ``repeats`` first takes, re-takes and torch.save + fsync."""
     state = _state(tensors, numel)
     app = {"model": StateDict(state)}
-    first, retake, save = [], [], []
+    first, retake, alone, save = [], [], [], []
     for i in range(repeats):
         session = Session()  # one training process per repeat
         repo = os.path.join(work, f"repo{i}")
         pt = os.path.join(work, f"t{i}.pt")
         first.append(_clock(partial(Snapshot.take, f"{repo}/s0", app, session=session)))
         retake.append(_clock(partial(Snapshot.take, f"{repo}/s1", app, session=session)))
+        alone.append(_clock(partial(Snapshot.take, f"{repo}/s2", app)))  # parent: s1
         save.append(_clock(partial(_save, state, pt)))
         shutil.rmtree(repo)
         os.unlink(pt)
-    (f, fc), (r, rc), (s, sc) = (
+    (f, fc), (r, rc), (a, ac), (s, sc) = (
         (statistics.median(w for w, _ in x), statistics.median(c for _, c in x))
-        for x in (first, retake, save)
+        for x in (first, retake, alone, save)
     )
     return {
         "tensors": tensors,
@@ -79,11 +84,14 @@ def measure(tensors: int, numel: int, repeats: int, work: str) -> dict[str, Any]
         "repeats": repeats,
         "first_s": f,
         "retake_s": r,
+        "retake_no_session_s": a,
         "save_s": s,
         "first_ratio": f / s,
         "retake_ratio": r / s,
         "first_cpu_ratio": fc / sc,
         "retake_cpu_ratio": rc / sc,
+        "retake_no_session_ratio": a / s,
+        "retake_no_session_cpu_ratio": ac / sc,
     }
 
 
@@ -134,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"  casnap unchanged take  {m['retake_s']:6.3f} s  "
                 f"{m['retake_ratio']:5.2f}x torch.save (target <= 0.5x), "
                 f"CPU {m['retake_cpu_ratio']:4.2f}x"
+            )
+            print(
+                f"  same, without session  {m['retake_no_session_s']:6.3f} s  "
+                f"{m['retake_no_session_ratio']:5.2f}x torch.save (target <= 0.6x), "
+                f"CPU {m['retake_no_session_cpu_ratio']:4.2f}x"
             )
             print(f"  torch.save + fsync     {m['save_s']:6.3f} s")
     return 0

@@ -229,6 +229,13 @@ VARIABLES: Mapping[str, Variable] = _table(
         maximum=64,
     ),
     Variable(
+        "auto_parent",
+        "bool",
+        True,
+        "Whether a take given no parent, outside a session's lineage, descends from "
+        'the newest snapshot committed in its folder (docs/repository.md, "Parents").',
+    ),
+    Variable(
         "io_workers",
         "int",
         None,
@@ -461,6 +468,7 @@ class Settings:
     replica_mismatch: str = "warn"  # or "error" (distributed takes; rank 0's value holds)
     delta: bool = True  # changed chunks as deltas against the parent's (docs/format.md)
     delta_max_chain: int = DEFAULT_DELTA_MAX_CHAIN
+    auto_parent: bool = True  # no parent given: the newest in the folder (casnap.take.parent)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -474,6 +482,7 @@ class Settings:
             replica_mismatch=get("replica_mismatch"),
             delta=get("delta"),
             delta_max_chain=get("delta_max_chain"),
+            auto_parent=get("auto_parent"),
         )
 
     def with_overrides(self, **kwargs: object) -> Settings:

@@ -1,7 +1,7 @@
 """The local LMDB index: takes in a fresh process probe nothing it knows; it never misleads.
 
-"A fresh process" is simulated with ``lineage.forget()``: the next take has no
-parent, so every chunk it skips was found through the index or the store.
+"A fresh process" is a take without a session and with ``CASNAP_AUTO_PARENT=0``:
+it has no parent, so every chunk it skips was found through the index or the store.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CHUNK = 64 * 1024
 def _private_index(tmp_path, monkeypatch):
     monkeypatch.setenv("CASNAP_INDEX_DIR", str(tmp_path / "index"))
     monkeypatch.delenv("CASNAP_INDEX", raising=False)
+    monkeypatch.setenv("CASNAP_AUTO_PARENT", "0")  # no parent: only the index finds chunks
     yield
     index.close_all()
 
@@ -199,6 +200,26 @@ def test_a_damaged_entry_is_a_miss_never_a_location(tmp_path):
     store.reset()
     take(repo, "s2", state)
     assert store.requests["get_range"] == len(loose_chunks(s1))
+    assert_restores(repo, "s2", state)
+
+
+def test_a_sealed_entry_that_is_no_location_is_a_miss(tmp_path):
+    """Entries are decoded without pydantic; the rules of a location still hold."""
+    repo, store = counted_repo(str(tmp_path / "repo"))
+    state = mixed_state()
+    s1 = take(repo, "s1", state)
+    path = index.index_path(repo.config.repo_id)
+    index.close_all()
+    env = lmdb.open(str(path), max_dbs=4)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True, db=chunks) as txn:
+        for key, _value in list(txn.cursor()):
+            bad = index_lmdb._LOOSE.pack(300, 1 << 40)  # a frame longer than its chunk
+            txn.put(key, index_lmdb._seal(key, bad))
+    env.close()
+    store.reset()
+    take(repo, "s2", state)
+    assert store.requests["get_range"] == len(loose_chunks(s1))  # probed: no entry trusted
     assert_restores(repo, "s2", state)
 
 

@@ -1,4 +1,5 @@
-"""A Session is what successive takes share; without one, each take stands alone."""
+"""A Session is what successive takes share; without one, a take descends from the newest
+snapshot in its folder (casnap.take.parent)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,16 @@ def test_sessions_do_not_see_each_other(tmp_path):
     assert Snapshot.take(f"{root}/b2", state, session=b).manifest.parents == [sb.manifest_hash]
 
 
-def test_without_a_session_a_take_has_no_implicit_parent(tmp_path):
+def test_without_a_session_a_take_descends_from_the_newest_in_its_folder(tmp_path):
     root = str(tmp_path / "repo")
     state = {"m": StateDict(w=torch.randn(100))}
     s1 = Snapshot.take(f"{root}/s1", state)
     s2 = Snapshot.take(f"{root}/s2", state)
-    assert s2.manifest.parents == []
-    s3 = Snapshot.take(f"{root}/s3", state, parents=[s1.manifest_hash])
-    assert s3.manifest.parents == [s1.manifest_hash]
+    assert s1.manifest.parents == [] and s2.manifest.parents == [s1.manifest_hash]
     assert s2.last_take_stats is not None and s2.last_take_stats.chunks_written == 0  # dedup
+    s3 = Snapshot.take(f"{root}/s3", state, parents=[s1.manifest_hash])
+    assert s3.manifest.parents == [s1.manifest_hash]  # an explicit parent wins
+    assert Snapshot.take(f"{root}/s4", state, parents=[]).manifest.parents == []  # opted out
 
 
 def test_a_restore_through_a_session_is_the_next_takes_parent(tmp_path):

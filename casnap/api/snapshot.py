@@ -173,9 +173,11 @@ class Snapshot:
 
         ``metadata`` (JSON) is stored in the manifest (step, metrics, tags).
         ``allow_pickle`` permits storing values that are neither tensors,
-        primitives nor containers. ``parents`` sets the lineage (manifest
-        hashes); by default it is ``session``'s previous take or restore into
-        this repository (none without a session). A :class:`casnap.Session`
+        primitives nor containers. ``parents`` sets the lineage (names or
+        manifest hashes; ``[]``: none); by default it is ``session``'s previous
+        take or restore into this repository, and without a session the newest
+        snapshot committed in the same folder (docs/repository.md, "Parents";
+        ``CASNAP_AUTO_PARENT=0`` turns that off). A :class:`casnap.Session`
         also lets the next take reuse this one's plan and staging buffers.
         ``memory_budget_bytes`` bounds the take's in-flight copies (default: a
         quarter of available memory, ``CASNAP_MEMORY_BUDGET``).

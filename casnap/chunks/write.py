@@ -10,16 +10,18 @@ new chunk's frame goes, a loose object or a pack, is
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from casnap.chunks.delta import DeltaEncoder
 from casnap.chunks.frames import FrameWriter, PackFrame
+from casnap.errors import CasnapError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.format.names import digest_of
-from casnap.index import KnownChunks, RepoIndex
+from casnap.index import KnownChunks, RepoIndex, parent_chunks
 from casnap.repo.damage import DamageSet
 from casnap.repo.repository import RepoStorage
 from casnap.settings import Settings
@@ -28,6 +30,9 @@ Buffer = codec.Buffer
 # Fewer small chunks of one element size than this are each tried alone (the
 # trials cost little then), more are judged together first (ChunkWriter._worth_trying).
 _JUDGED_TOGETHER = 8
+# Where a chunk's delta base would be: (tensor key, chunk index, chunk size). Resolved
+# only once the chunk is known to be new, after any parent left for later was read.
+BaseAt = tuple[str, int, int]
 
 
 class ChunkWriter(FrameWriter):
@@ -80,6 +85,10 @@ class ChunkWriter(FrameWriter):
         self.bases: Mapping[str, tuple[int, Sequence[ChunkRef]]] = (
             known.bases if isinstance(known, KnownChunks) else {}
         )
+        # Parents the index vouches for (casnap.index.cover), read on the first large
+        # chunk neither this take nor the index knows (read_later).
+        self._later = list(known.later) if isinstance(known, KnownChunks) else []
+        self._later_lock = threading.Lock()
         self._tensor_of: dict[str, str] = {}
         self.delta = (
             DeltaEncoder(repo, settings.delta_max_chain, settings.zstd_level)
@@ -87,16 +96,45 @@ class ChunkWriter(FrameWriter):
             else None
         )
 
-    def base_of(self, key: str, index: int, chunk_size: int) -> ChunkRef | None:
-        """The delta base of chunk ``index`` of tensor ``key``: the parent's chunk there."""
-        if self.delta is None:
+    def base_of(self, key: str, index: int, chunk_size: int) -> BaseAt | None:
+        """Where the delta base of chunk ``index`` of tensor ``key`` is: the parent's chunk
+        there, looked up (:meth:`_base`) only if the chunk turns out to be new."""
+        return None if self.delta is None else (key, index, chunk_size)
+
+    def _base(self, at: BaseAt | None) -> ChunkRef | None:
+        if at is None:
             return None
+        key, index, chunk_size = at
         found = self.bases.get(key)
         if found is None or found[0] != chunk_size or index >= len(found[1]):
             return None
         base = found[1][index]
-        self._tensor_of[base.hash] = key  # for the delta test's back-off, by tensor
+        with self._lock:
+            self._tensor_of[base.hash] = key  # for the delta test's back-off, by tensor
         return base
+
+    def read_later(self) -> None:
+        """Read the parents left for later, once (the first caller reads, others wait).
+
+        A parent the index covers is read only when a large chunk is unknown
+        to both this take and the index: it may be one of the parent's delta
+        frames (never in the index), or a changed chunk whose delta base is
+        the parent's chunk at its place. Inside the take's lease, like every
+        read of a parent: a manifest still there has all its chunks.
+        """
+        with self._later_lock:
+            later, self._later = self._later, []
+            for parent in later:
+                try:
+                    manifest = self.repo.read_manifest(parent)
+                except CasnapError:
+                    continue  # gone or unreadable: only dedup is lost
+                refs, bases = parent_chunks(manifest, self.damaged)
+                with self._lock:
+                    for h, ref in refs.items():
+                        self.known.setdefault(h, ref)
+                    if not self.bases:
+                        self.bases = bases
 
     def add(
         self,
@@ -104,7 +142,7 @@ class ChunkWriter(FrameWriter):
         on_done: Callable[[], None] | None = None,
         elem_size: int = 0,
         digest: bytes | None = None,
-        base: ChunkRef | None = None,
+        base: BaseAt | None = None,
     ) -> Future[ChunkRef]:
         """Schedule one chunk; ``data`` must stay unchanged until the future resolves.
 
@@ -190,7 +228,7 @@ class ChunkWriter(FrameWriter):
         result: Future[ChunkRef],
         elem_size: int = 0,
         known_digest: bytes | None = None,
-        base: ChunkRef | None = None,
+        base: BaseAt | None = None,
     ) -> None:
         # A digest computed by the caller (the distributed planner) is trusted:
         # the frame's own digest is re-verified on every read anyway.
@@ -206,7 +244,7 @@ class ChunkWriter(FrameWriter):
             heal = self._heals(h)
             ref = self._present_loose(digest, h, size, heal)
             if ref is None:
-                done, choice = self._try_delta(data, digest, h, result, elem_size, base)
+                done, choice = self._try_delta(data, digest, h, result, elem_size, self._base(base))
                 if done:
                     return
                 ref = self._write_loose(data, digest, h, elem_size, heal, choice)
@@ -239,6 +277,13 @@ class ChunkWriter(FrameWriter):
             for i, ref in zip(misses, found, strict=True):
                 if ref is not None and not (self.damaged and ref in self.damaged):
                     refs[i] = ref  # else: the index predates the damage record
+        limit = self.settings.pack_limit
+        if self._later and any(refs[i] is None and sizes[i] >= limit for i in misses):
+            self.read_later()  # a large chunk nobody knows: perhaps the parent's delta
+            with self._lock:
+                for i in misses:
+                    if refs[i] is None:
+                        refs[i] = known.get(hashes[i])
         new: list[int] = []
         twin: Future[ChunkRef] | None = None
         with self._lock:

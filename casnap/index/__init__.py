@@ -30,8 +30,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from casnap.errors import CasnapError, SnapshotNotFoundError
-from casnap.format.entries import ChunkRef
+from casnap.format.entries import ChunkRef, TensorEntry
 from casnap.format.manifest import Manifest
+from casnap.index.cover import covers, record_cover
 from casnap.index.lmdb_store import (
     GC_EPOCH_KEY,
     INDEX_FORMAT,
@@ -59,6 +60,7 @@ __all__ = [
     "RepoIndex",
     "SummaryMemo",
     "close_all",
+    "covers",
     "drop",
     "enabled",
     "index_path",
@@ -67,6 +69,7 @@ __all__ = [
     "open_index",
     "read_epoch_bytes",
     "rebuild",
+    "record_cover",
     "record_manifest",
     "summarize",
 ]
@@ -91,6 +94,40 @@ class KnownChunks(dict[str, ChunkRef]):
         # changed chunk may be stored as a delta against (casnap.chunks.delta).
         self.bases: dict[str, tuple[int, tuple[ChunkRef, ...]]] = {}
         self.fresh = fresh
+        # Parents whose chunks the index knows (casnap.index.cover): read only when a
+        # chunk the index does not know might be theirs (the writer's read_later).
+        self.later: list[str] = []
+        # Every parent is covered: a take that commits covers its own manifest by
+        # recording only what it wrote (else every chunk it names).
+        self.covered = True
+
+    def add_parent(self, manifest: Manifest) -> None:
+        """Add a parent manifest's chunks (the first one's delta bases too)."""
+        refs, bases = parent_chunks(manifest, self.damaged)
+        self.update(refs)
+        if not self.bases:  # the first parent's: the take's lineage
+            self.bases = bases
+
+
+def parent_chunks(
+    manifest: Manifest, damaged: DamageSet
+) -> tuple[dict[str, ChunkRef], dict[str, tuple[int, tuple[ChunkRef, ...]]]]:
+    """A parent's chunks a take may reference, and its delta bases.
+
+    Copies a read found damaged are left out (written again, never
+    referenced). The bases: each dense tensor's (chunk size, chunks); a
+    changed chunk's natural delta base is the chunk at the same offset of the
+    same key in the parent snapshot.
+    """
+    refs = manifest.distinct_refs()
+    if damaged:
+        refs = [c for c in refs if c not in damaged]
+    bases = {
+        key: (e.chunk_size, tuple(e.chunks))
+        for key, e in manifest.entries.items()
+        if isinstance(e, TensorEntry) and e.chunks
+    }
+    return {c.hash: c for c in refs}, bases
 
 
 # -- history -----------------------------------------------------------------

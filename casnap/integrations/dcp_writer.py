@@ -78,6 +78,7 @@ from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget
 from casnap.take.commit import commit_snapshot, remember
+from casnap.take.parent import newest_parent
 from casnap.take.plan import known_chunks
 from casnap.take.scheduler import Scheduler, data_request, tensor_request
 from casnap.take.session import Session
@@ -150,6 +151,11 @@ class CasnapWriter(StorageWriter):
     :class:`casnap.SnapshotExistsError`. FileSystemWriter's other arguments
     (``single_file_per_rank``, ``sync_files``, ``thread_count``, …) are
     accepted and ignored: casnap's writes are always durable before the commit.
+    A save descends from the snapshot it replaces, else from the previous save
+    through this writer or ``session``, else (no ``session`` given) from the
+    newest snapshot in its folder, as ``Snapshot.take`` without a session
+    (docs/repository.md, "Parents"; ``storage_options={"auto_parent": False}``
+    opts out).
 
     Example::
 
@@ -178,6 +184,9 @@ class CasnapWriter(StorageWriter):
             raise UnsupportedValueError(f"metadata key {DCP_METADATA!r} is the DCP writer's own")
         self.overwrite = overwrite
         self.session = session if session is not None else Session()
+        # A save with no parent from its session descends from the newest in its folder,
+        # unless the caller's own session says otherwise (casnap.take.parent).
+        self._auto_parent = session is None
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank = 0
@@ -189,6 +198,7 @@ class CasnapWriter(StorageWriter):
         self._lease: Lease | None = None
         self._name = ""  # the snapshot's name in self._repo
         self._replaces: str | None = None  # the manifest a re-save replaces
+        self._parents: list[str] = []  # the save's parents, chosen by the coordinator
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -236,12 +246,15 @@ class CasnapWriter(StorageWriter):
         replaces = repo.resolve(name) if repo.has_ref(name) else None
         if replaces is not None and not self.overwrite:
             raise SnapshotExistsError(f"checkpoint {self.path!r} exists and overwrite=False", name)
-        last = self.session.lineage.parent(repo.config.repo_id)
-        parents = tuple(p for p in (replaces or last,) if p)
         # From before any rank's first dedup decision until the ref is written.
         self._lease = acquire_lease(repo.store, kind="take")
         self._finalizer = weakref.finalize(self, self._lease.release)
         self._repo, self._name, self._replaces = repo, name, replaces
+        last = replaces or self.session.lineage.parent(repo.config.repo_id)
+        if last is None and self._auto_parent and settings.auto_parent and not repo.created:
+            last = newest_parent(repo, name)  # under the lease (casnap.take.parent)
+        self._parents = [last] if last else []
+        parents = tuple(self._parents)
         store_options = {k: v for k, v in options.items() if k != "repository"}
         target = SaveTarget(repo.url, name, store_options, overrides, settings.chunk_size, parents)
         return [replace(plan, storage_data=target) for plan in plans]
@@ -336,10 +349,7 @@ class CasnapWriter(StorageWriter):
             entries[keys[fqn]] = _entry(fqn, md, stored.get(fqn, []))
         entries.update(containers(entries))
         target_name = self._name
-        parents = [self._replaces] if self._replaces else []
-        if not parents:
-            last = self.session.lineage.parent(repo.config.repo_id)
-            parents = [last] if last else []
+        parents = list(self._parents)  # chosen in prepare_global_plan
         manifest = Manifest(
             created_at=now_iso(),
             world_size=len(results),

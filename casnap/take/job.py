@@ -38,10 +38,12 @@ from casnap.errors import UnsupportedValueError
 from casnap.format.entries import ChunkRef, ContainerEntry, Entry, PrimitiveEntry, TensorEntry
 from casnap.format.manifest import Manifest, format_version_for
 from casnap.format.manifest_bytes import trusted_manifest
+from casnap.index import record_cover
 from casnap.repo.leases import Lease, hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
 from casnap.take.commit import commit_snapshot
+from casnap.take.parent import newest_parent
 from casnap.take.plan import (
     EntryPlan,
     ObjectPlan,
@@ -94,6 +96,7 @@ class TakeJob:
     pool: StagingPool  # the session's, or a private one without a session
     replicated: list[str] = field(default_factory=list)  # fnmatch patterns of logical keys
     fresh: bool = False  # the take created the repository: nothing to probe for
+    auto_parent: bool = False  # parents: the newest in the folder, chosen under the lease
     buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
     # Set once every live request's chunks are consumed (at once when there are none).
     live_consumed: threading.Event = field(default_factory=threading.Event)
@@ -123,6 +126,9 @@ class TakeJob:
         # From before the first dedup decision until the ref makes every chunk it
         # names reachable, the lease keeps gc from sweeping (docs/gc.md).
         with hold_lease(self.repo, kind="take") as lease:
+            if self.auto_parent:  # under the lease: its chunks stay until our ref is written
+                found = newest_parent(self.repo, self.name)
+                self.parents = [found] if found else []
             last_plan = self.session.last_plan if self.session is not None else None
             known = known_chunks(self.repo, self.parents, last_plan, self.fresh)
             workers = self.settings.io_workers
@@ -140,6 +146,9 @@ class TakeJob:
                 written = scheduler.run(self.requests)
             with python_gc_paused():
                 manifest, manifest_hash = self._commit_entries(written, lease)
+                # Every chunk it names is in the index now (docs/index.md, "Cover entries").
+                refs = [] if known.covered else manifest.distinct_refs()
+                record_cover(known.index, manifest_hash, refs)
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
 
     def _commit_entries(self, written: Written, lease: Lease) -> tuple[Manifest, str]:
@@ -256,6 +265,7 @@ def prepare_take(
         pool,
         list(replicated or []),
         fresh=target.fresh,
+        auto_parent=target.auto_parent,
         blocking=not stage,
     )
     if stage:

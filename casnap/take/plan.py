@@ -31,7 +31,7 @@ from casnap.format.entries import (
     ShardRecord,
     TensorEntry,
 )
-from casnap.format.manifest import Dumped, Manifest
+from casnap.format.manifest import Dumped
 from casnap.format.manifest_bytes import trusted_tensor_entry
 from casnap.index import KnownChunks
 from casnap.repo.damage import DamageSet, damage_set
@@ -66,7 +66,10 @@ def known_chunks(
     swept since (docs/index.md). The parents' chunk locations come from their
     manifests (one get each); every other chunk is looked up in the index by
     the ChunkWriter, so a take in a fresh process probes no chunk the index
-    knows. Without the index (``CASNAP_INDEX=0``) this is the parents' chunks only.
+    knows. A parent whose every chunk the index knows (``index.covers``) is
+    not read here but left in ``known.later``, for the writer to read only if
+    a chunk might be its and not the index's (:meth:`ChunkWriter.read_later`).
+    Without the index (``CASNAP_INDEX=0``) this is the parents' chunks only.
     Copies a read found damaged (``.casnap/damaged/``, docs/damage.md) are left
     out, whoever vouches for them, so the writer stores those chunks again.
     ``fresh`` (the take created the repository): no damage listing, and the
@@ -74,43 +77,29 @@ def known_chunks(
     """
     damaged = DamageSet() if fresh else damage_set(repo)  # one listing, normally empty
     known = KnownChunks(index.open_index(repo), damaged, fresh)
-
-    def add(manifest: Manifest) -> None:
-        if not known.bases and manifest.entries:  # the first parent's: the take's lineage
-            known.bases = delta_bases(manifest)
-        if damaged:  # a copy a read found damaged is written again, never referenced
-            known.update((c.hash, c) for c in manifest.distinct_refs() if c not in damaged)
-        else:
-            known.update((c.hash, c) for c in manifest.distinct_refs())
-
     summaries = []
     for parent in parents:
+        covered = index.covers(known.index, parent)
+        known.covered &= covered
         manifest = last_plan.get(repo.config.repo_id, parent) if last_plan else None
         if manifest is not None and repo.store.exists(manifest_key(parent)):
             # Written by this session, and still stored: gc deletes a manifest before
             # its chunks and cannot run while this take's lease is held, so its
             # chunks are all there, exactly as if it had been read back (docs/gc.md).
-            add(manifest)
+            known.add_parent(manifest)
+            continue
+        if covered:
+            known.later.append(parent)
             continue
         try:
             manifest = repo.read_manifest(parent)
         except CasnapError:
             continue  # a parent that is gone only costs dedup, never correctness
-        add(manifest)
+        known.add_parent(manifest)
         summaries.append(index.summarize(parent, manifest))
     if known.index is not None and summaries:
         known.index.record_summaries(summaries)  # free for log/du: already read
     return known
-
-
-def delta_bases(manifest: Manifest) -> dict[str, tuple[int, tuple[ChunkRef, ...]]]:
-    """Each dense tensor's (chunk size, chunks): a changed chunk's natural delta base is
-    the chunk at the same offset of the same key in the parent snapshot."""
-    return {
-        key: (e.chunk_size, tuple(e.chunks))
-        for key, e in manifest.entries.items()
-        if isinstance(e, TensorEntry) and e.chunks
-    }
 
 
 ChunkIds = tuple[tuple[str, int], ...]  # (hash, raw size) per chunk, in order

@@ -18,10 +18,12 @@ Lifetime: the object's. :class:`casnap.Checkpointer` and
 :class:`casnap.Repository` each own one, so their successive takes link as
 parent and child and reuse plans and buffers; ``Snapshot.take(...,
 session=s)`` and ``Snapshot(path, session=s).restore(...)`` use the one they
-are given. A take without a session starts from nothing: no implicit parent
-(pass ``parents=``), nothing reused, as every torchsnapshot call is
-independent. Nothing here is process-wide; an async take's background thread
-and the caller may use one session at once, so every part has its own lock.
+are given. A take without a session reuses nothing, as every torchsnapshot
+call is independent; its parent is the newest snapshot in its folder, read
+from the store (:mod:`casnap.take.parent`). A session's first take has no
+parent unless it restored one: two sessions never parent each other's takes.
+Nothing here is process-wide; an async take's background thread and the
+caller may use one session at once, so every part has its own lock.
 
 Example::
 

@@ -35,7 +35,14 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 # Keys of ``storage_options`` that tune the take rather than open the store.
-TAKE_OPTIONS = ("chunk_size", "compression", "replica_mismatch", "delta", "delta_max_chain")
+TAKE_OPTIONS = (
+    "chunk_size",
+    "compression",
+    "replica_mismatch",
+    "delta",
+    "delta_max_chain",
+    "auto_parent",
+)
 # A snapshot's metadata lives in its manifest and in every ``log``; 1 MiB is
 # far more than steps, metrics and tags need, and bounds what a take can add there.
 MAX_METADATA_BYTES = 1 << 20
@@ -175,6 +182,9 @@ class Target:
     parents: list[str]
     # The repository was created for this take: no chunk, ref or damage record to look for.
     fresh: bool = False
+    # No parent was given or remembered: the newest snapshot in the name's folder is
+    # chosen inside the take's lease (casnap.take.parent.newest_parent).
+    auto_parent: bool = False
 
 
 def resolve_target(
@@ -202,7 +212,10 @@ def resolve_target(
         )
     if parents is None:  # the session's previous take or restore, if any (gc may have swept it)
         last = session.lineage.parent(repo.config.repo_id) if session is not None else None
-        return Target(repo, name, settings, meta, [last] if last else [], fresh)
+        # Without a session: the newest snapshot in the folder, chosen under the lease
+        # (casnap.take.parent). A session's first take has none: sessions are separate runs.
+        auto = session is None and settings.auto_parent and not fresh
+        return Target(repo, name, settings, meta, [last] if last else [], fresh, auto_parent=auto)
     return Target(repo, name, settings, meta, [_parent(repo, p) for p in parents], fresh)
 
 
