@@ -392,3 +392,25 @@ def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(
             fresh.chunk_refs,
         )
         assert recorded.stored_bytes == stored_bytes(repo.read_manifest(h))
+
+
+def test_rebuild_never_records_a_delta_frame_as_a_whole_chunk(tmp_path):
+    """A rebuilt index learns whole chunks only: a delta frame read without its base
+    would give a later take a reference no read can serve."""
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    table = torch.randn(64, 4096, generator=torch.Generator().manual_seed(1))
+    take(repo, "run/s1", StateDict(table=table))
+    table[::50, :3] += 1.0  # a sparse change: every chunk of the table stored as a delta
+    s2 = Snapshot.take(
+        f"{repo.url}/run/s2",
+        {"s": StateDict(table=table)},
+        storage_options=opts(repo),
+        parents=["run/s1"],
+    )
+    deltas = {c.hash for c in s2.manifest.chunk_refs() if c.base is not None}
+    assert deltas, "the sparse change was not stored as deltas"
+    index.drop(repo.config.repo_id)
+    index.rebuild(repo)
+    # A take elsewhere of the same state, with no parent: what the index vouches for it uses.
+    take(repo, "other/s", StateDict(table=table))
+    assert_restores(repo, "other/s", StateDict(table=table))

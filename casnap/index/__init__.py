@@ -210,6 +210,9 @@ def rebuild(repo: RepoStorage) -> RebuildStats:
             index.record_summaries([summarize(h, m)])
             if not lease.valid():
                 break  # a gc may sweep from now on: learn nothing more about chunks
-            chunks += index.record_chunks({r.hash: r for r in m.distinct_refs()}.values())
+            # Whole frames only: a delta frame is no location of its chunk without its
+            # base, and the index stores none (a take would reference it whole).
+            whole = {r.chain()[-1].hash: r.chain()[-1] for r in m.distinct_refs()}
+            chunks += index.record_chunks(whole.values())
             manifests += 1
     return RebuildStats(manifests, chunks)
