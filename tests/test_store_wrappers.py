@@ -21,6 +21,7 @@ from casnap.store import (
     RetryPolicy,
     WrapperStore,
 )
+from casnap.store.faults import FaultyStore
 
 # Every public method of the contract, the ones with a default included.
 CONTRACT = {
@@ -94,6 +95,7 @@ WRAPPERS: dict[str, Callable[[ObjectStore], ObjectStore]] = {
     "prefix view": lambda s: s.child("view"),
     "counting": CountingStore,
     "retrying": lambda s: RetryingStore(s, RetryPolicy(retries=1, delay=0.0)),
+    "faulty": lambda s: FaultyStore(s, 0.0),
 }
 
 
