@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from casnap.errors import StoreError
 from casnap.store import (
     CountingStore,
     FsspecStore,
@@ -21,7 +22,7 @@ from casnap.store import (
     RetryPolicy,
     WrapperStore,
 )
-from casnap.store.faults import FaultyStore
+from casnap.store.faults import FailingStore, FaultyStore
 
 # Every public method of the contract, the ones with a default included.
 CONTRACT = {
@@ -96,6 +97,7 @@ WRAPPERS: dict[str, Callable[[ObjectStore], ObjectStore]] = {
     "counting": CountingStore,
     "retrying": lambda s: RetryingStore(s, RetryPolicy(retries=1, delay=0.0)),
     "faulty": lambda s: FaultyStore(s, 0.0),
+    "failing": lambda s: FailingStore(s, 1, op="map", prefixes=("nothing/",)),
 }
 
 
@@ -132,3 +134,24 @@ def test_a_counting_wrapper_counts_mapped_reads(tmp_path: Path) -> None:
     store.put("k", b"12345")
     assert bytes(store.map("k", 3) or b"") == b"123"
     assert store.mapped_keys == ["k"] and store.requests["get"] == 1 and store.bytes_read == 3
+
+
+def test_a_failing_store_fails_the_nth_call_it_names(tmp_path: Path) -> None:
+    local = LocalStore(str(tmp_path / "store"))
+    store = FailingStore(local, 2, prefixes=("c/",))
+    store.put("c/1", b"1")
+    store.put("other", b"x")  # another prefix: not counted
+    with pytest.raises(StoreError, match="injected failure of put 'c/2'") as info:
+        store.put("c/2", b"2")
+    assert not info.value.transient and not local.exists("c/2")  # failed before it landed
+    store.put("c/3", b"3")  # only the n-th fails
+    assert store.calls == 3 and sorted(local.list()) == ["c/1", "c/3", "other"]
+
+    lost = FailingStore(local, 1, op="delete", prefixes=("c/",), after=True, lasting=True)
+    for key in ("c/1", "c/3"):  # the first and every later one
+        with pytest.raises(StoreError):
+            lost.delete(key)
+        assert not local.exists(key)  # it took effect; only its answer was lost
+    lost.armed = False
+    lost.delete("c/none")
+    assert lost.calls == 2

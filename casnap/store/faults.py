@@ -1,13 +1,16 @@
 """Stores that fail on purpose: what the retry wrapper and the commit protocol are tested against.
 
-They wrap a store and forward every call to it (:class:`~casnap.store.base.WrapperStore`),
+Both wrap a store and forward every call to it (:class:`~casnap.store.base.WrapperStore`),
 ``map`` and ``flush`` included, so what runs over them reads and writes as it would over
 the store below, until a call they choose fails:
 
 - :class:`FaultyStore` fails a seeded share of its calls with transient errors, before
   or after the call took effect (a lost response): a flaky network.
+- :class:`FailingStore` fails the n-th call of one operation on keys under some prefixes
+  (and, if asked, every later one): a disk that fills, a connection that drops, a
+  process killed halfway.
 
-This module does not need pytest; benchmarks and child processes use it too.
+Neither needs pytest; benchmarks and child processes use them too.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from casnap.store.base import Buffer, Data, ObjectInfo, ObjectStore, WrapperStor
 
 T = TypeVar("T")
 When = Literal["before", "after"] | None
+
+CHUNK_OBJECTS = (".casnap/chunks/", ".casnap/packs/")  # a repository's chunk files and packs
 
 
 class _Injecting(WrapperStore):
@@ -120,3 +125,52 @@ class FaultyStore(_Injecting):
                 f"injected transient fault before {op} ({key!r})", key, transient=True
             )
         return StoreError(f"injected lost response of {op} ({key!r})", key, transient=True)
+
+
+class FailingStore(_Injecting):
+    """``inner`` whose ``n``-th call of ``op`` on a key under ``prefixes`` fails.
+
+    ``fail(key)`` gives the exception raised (by default a permanent
+    :class:`StoreError`); it may end the process itself instead (``os._exit``).
+    ``after``: the call takes effect first, then fails (its answer was lost).
+    ``lasting``: every later such call fails too (a full disk stays full).
+    Calls count only while ``armed`` (a test may arm it at the step it means);
+    ``calls`` counts them, the failing ones included.
+
+    Example: ``FailingStore(LocalStore(root), 3)`` fails the third put of a chunk
+    file or pack, as a disk filling up halfway through a take would.
+    """
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        n: int,
+        *,
+        op: str = "put",
+        prefixes: tuple[str, ...] = CHUNK_OBJECTS,
+        fail: Callable[[str], BaseException] | None = None,
+        after: bool = False,
+        lasting: bool = False,
+        armed: bool = True,
+    ) -> None:
+        super().__init__(inner)
+        self.n, self.op, self.prefixes = n, op, prefixes
+        self.fail = fail
+        self.after, self.lasting = after, lasting
+        self.armed = armed
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def _fault(self, op: str, key: str) -> When:
+        if op != self.op or not self.armed or not key.startswith(self.prefixes):
+            return None
+        with self._lock:
+            self.calls += 1
+            if self.calls < self.n or (self.calls > self.n and not self.lasting):
+                return None
+        return "after" if self.after else "before"
+
+    def _error(self, op: str, key: str, when: str) -> BaseException:
+        if self.fail is not None:
+            return self.fail(key)
+        return StoreError(f"injected failure of {op} {key!r} (call {self.calls})", key)

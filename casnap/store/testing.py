@@ -17,9 +17,9 @@ pytest module and provide a ``store`` fixture that yields an empty store::
 The contract itself is documented in :mod:`casnap.store.base`. This module
 needs pytest (the ``test`` extra); nothing else in casnap imports it.
 
-The stores that fail on purpose (:class:`~casnap.store.faults.FaultyStore`)
-live in :mod:`casnap.store.faults`, which does not need pytest; ``FaultyStore``
-is importable from here too.
+The stores that fail on purpose (:class:`~casnap.store.faults.FaultyStore`,
+:class:`~casnap.store.faults.FailingStore`) live in :mod:`casnap.store.faults`,
+which does not need pytest; ``FaultyStore`` is importable from here too.
 """
 
 from __future__ import annotations
