@@ -1,6 +1,6 @@
 """Phase "faults": takes against a store failing 10% of calls transiently, with and without retries.
 
-The store is casnap's FaultyStore (casnap/store/testing.py): a failing call
+The store is casnap's FaultyStore (casnap/store/faults.py): a failing call
 fails before it reaches the disk or, half the time, after it took effect
 (a lost response, what makes a committed snapshot look like a conflict:
 #10 point 6). The same seeded faults are run twice: through RetryingStore
@@ -32,7 +32,7 @@ def one_variant(
     from casnap import CasnapError
     from casnap.repo.repository import RepoStorage
     from casnap.store import LocalStore, RetryingStore, RetryPolicy
-    from casnap.store.testing import FaultyStore
+    from casnap.store.faults import FaultyStore
 
     RepoStorage.on_store(LocalStore(str(root)))
     faulty = FaultyStore(LocalStore(str(root)), RATE, seed=seed)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from casnap.api.checkpointer import Checkpointer
 from casnap.errors import StoreError
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy
 from casnap.store import LocalStore
+from casnap.store.faults import FailingStore
 
 NAMES = [f"step_{s:09d}" for s in (5, 10, 15, 20)]
 
@@ -140,29 +140,21 @@ def test_the_newest_snapshot_is_never_retired(tmp_path):
     assert plan_reasons is not None and plan_reasons.deleted == (NAMES[1],)
 
 
-class FailingStore(LocalStore):
-    """Fails every chunk write while ``failing`` is set."""
-
-    failing = False
-
-    def put(self, key: str, data: Any, *, create_only: bool = False, durable: bool = True) -> None:
-        if self.failing and key.startswith(".casnap/chunks/"):
-            raise StoreError("disk full (injected)", key)
-        super().put(key, data, create_only=create_only, durable=durable)
-
-
 def test_an_async_failure_is_raised_once_and_the_step_can_be_retried(tmp_path):
-    store = FailingStore(str(tmp_path / "run"))
+    # Every chunk write fails while armed (a full disk): below, around the take that fails.
+    disk_full = lambda key: StoreError("disk full (injected)", key)  # noqa: E731
+    local, chunks = LocalStore(str(tmp_path / "run")), (".casnap/chunks/",)
+    store = FailingStore(local, 1, prefixes=chunks, fail=disk_full, lasting=True, armed=False)
     repo = Repository.on_store(store, chunk_size=4096)
     ckpt = Checkpointer(repo.url, 5, async_take=True, storage_options={"repository": repo})
     state = fresh()
     fill(state, 5)
-    store.failing = True
+    store.armed = True
     assert isinstance(ckpt.maybe_take(5, state), PendingSnapshot)
     with pytest.raises(StoreError, match="injected"):
         ckpt.wait()
     assert ckpt.wait() is None and ckpt.snapshots() == []
-    store.failing = False
+    store.armed = False
     assert isinstance(ckpt.maybe_take(5, state), PendingSnapshot)  # not "already taken"
     ckpt.close()
     assert ckpt.snapshots() == NAMES[:1]
@@ -209,25 +201,29 @@ import torch
 from casnap import Repository, StateDict
 from casnap.api.checkpointer import Checkpointer
 from casnap.store import LocalStore
+from casnap.store.faults import FailingStore
 
 {helpers}
 
 
-class KillPoint(LocalStore):
-    armed = False
-    tripped = threading.Lock()
-
-    def put(self, key, data, *, create_only=False, durable=True):
-        super().put(key, data, create_only=create_only, durable=durable)
-        if self.armed and key.startswith(".casnap/chunks/"):
-            # Several writer threads get here: the first tells the parent (one atomic
-            # write) to SIGKILL us, and every writer stops until it does.
-            if self.tripped.acquire(blocking=False):
-                os.write(1, b"CHUNK_WRITTEN\\n")
-            time.sleep(120)
+tripped = threading.Lock()
 
 
-store = KillPoint(sys.argv[1])
+def killed_here(key):
+    # Several writer threads get here: the first tells the parent (one atomic
+    # write) to SIGKILL us, and every writer stops until it does.
+    if tripped.acquire(blocking=False):
+        os.write(1, b"CHUNK_WRITTEN\\n")
+    time.sleep(120)
+    return RuntimeError("not killed")
+
+
+# Once armed, each chunk write lands, then waits to be killed.
+chunks = (".casnap/chunks/",)
+store = FailingStore(
+    LocalStore(sys.argv[1]), 1, prefixes=chunks, fail=killed_here, after=True, lasting=True,
+    armed=False,
+)
 repo = Repository.on_store(store, chunk_size=4096)
 ckpt = Checkpointer(sys.argv[1], 5, storage_options={{"repository": repo}})
 state = fresh()

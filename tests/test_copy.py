@@ -27,6 +27,7 @@ from casnap import (
 from casnap.gc import gc
 from casnap.repo.reach import reached_objects
 from casnap.store import CountingStore, FsspecStore, LocalStore
+from casnap.store.faults import FailingStore
 
 CHUNK = 64 * 1024
 
@@ -159,26 +160,17 @@ def test_a_damaged_source_object_fails_its_snapshot_and_nothing_of_it_is_visible
     assert src.store.list("damaged"), "the damage is recorded at the source"
 
 
-class _FailAfter(LocalStore):
-    """A local store whose object puts fail (a lost connection) after ``n`` of them."""
-
-    def __init__(self, root: str, n: int) -> None:
-        super().__init__(root)
-        self.left = n
-
-    def put(self, key, data, *, create_only=False, durable=True):  # type: ignore[no-untyped-def]
-        if key.split("/")[1] in ("chunks", "packs"):
-            if self.left == 0:
-                raise StoreError(f"connection lost writing {key}", key, transient=False)
-            self.left -= 1
-        super().put(key, data, create_only=create_only, durable=durable)
+def _connection_lost(key: str) -> StoreError:
+    return StoreError(f"connection lost writing {key}", key, transient=False)
 
 
 def test_an_interrupted_copy_shows_nothing_and_a_rerun_sends_only_the_rest(src, tmp_path):
     root = str(tmp_path / "dst")
     every = _objects(src, "step_1") | _objects(src, "step_2")
     with pytest.raises(StoreError, match="connection lost"):
-        cn.copy(src, Repository.on_store(_FailAfter(root, 3)), ["step_2", "step_1"])
+        # The 4th put of a chunk file or pack fails, and every one after it.
+        lost = FailingStore(LocalStore(root), 4, fail=_connection_lost, lasting=True)
+        cn.copy(src, Repository.on_store(lost), ["step_2", "step_1"])
     dst = Repository(root)
     assert dst.snapshots() == [] and list(dst.store.list("manifests")) == []
     sent_before = {k for k in every if dst.store.exists(k)}

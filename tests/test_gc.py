@@ -40,7 +40,8 @@ from casnap.repo.leases import (
 )
 from casnap.repo.repository import chunk_key, manifest_key, pack_key
 from casnap.repo.tags import add_tag, remove_tag
-from casnap.store import Capabilities, CountingStore, LocalStore
+from casnap.store import Capabilities, LocalStore
+from casnap.store.faults import FailingStore
 
 CHUNK = 64 * 1024
 
@@ -518,17 +519,10 @@ def test_a_take_deduping_against_garbage_that_gc_is_sweeping(repo, monkeypatch, 
 # -- crash safety -------------------------------------------------------------------
 
 
-class _DiesOnSecondChunkDelete(CountingStore):
-    def delete(self, key: str) -> None:
-        if key.startswith((".casnap/chunks/", ".casnap/packs/")):
-            if self.requests["chunk-delete"]:
-                os._exit(17)  # killed: no cleanup, no lock release
-            self._count("chunk-delete")
-        super().delete(key)
-
-
 def _gc_that_dies(root: str) -> None:
-    repo = Repository.on_store(_DiesOnSecondChunkDelete(LocalStore(root)))
+    # Killed at its second deletion of a chunk file or pack: no cleanup, no lock release.
+    dies = FailingStore(LocalStore(root), 2, op="delete", fail=lambda key: os._exit(17))
+    repo = Repository.on_store(dies)
     gc(repo, grace_seconds=0)
 
 

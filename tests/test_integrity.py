@@ -22,7 +22,7 @@ from casnap.errors import StoreError
 from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
-from casnap.store.base import Data, ObjectStore
+from casnap.store.faults import FailingStore
 from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
@@ -165,37 +165,8 @@ def test_absurdly_deep_nesting_is_refused_not_a_crash(tmp_path):
         Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s")
 
 
-class FailingStore(ObjectStore):
-    """Fails the n-th put of a chunk or pack, like a full disk would."""
-
-    def __init__(self, inner: ObjectStore, fail_at: int) -> None:
-        self.inner, self.fail_at, self.puts = inner, fail_at, 0
-        self.url, self.capabilities = inner.url, inner.capabilities
-
-    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
-        if key.startswith((".casnap/chunks/", ".casnap/packs/")):
-            self.puts += 1
-            if self.puts == self.fail_at:
-                raise StoreError(f"no space left on device while writing {key!r}", key)
-        self.inner.put(key, data, create_only=create_only, durable=durable)
-
-    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
-        self.inner.replace(key, data, expected=expected)
-
-    def get(self, key, *, limit=None):
-        return self.inner.get(key, limit=limit)
-
-    def get_range(self, key, start, end):
-        return self.inner.get_range(key, start, end)
-
-    def exists(self, key):
-        return self.inner.exists(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self.inner.delete(key)
+def disk_full(key: str) -> StoreError:
+    return StoreError(f"no space left on device while writing {key!r}", key)
 
 
 def test_a_failed_take_leaves_no_ref_and_earlier_snapshots_restorable(tmp_path):
@@ -204,7 +175,7 @@ def test_a_failed_take_leaves_no_ref_and_earlier_snapshots_restorable(tmp_path):
     take(tmp_path, "s1", {"s": state})
     before = {k: v.clone() for k, v in state.items()}
     state["w"].mul_(2)
-    failing = Repository.on_store(FailingStore(LocalStore(root), fail_at=3))
+    failing = Repository.on_store(FailingStore(LocalStore(root), 3, fail=disk_full))
     with pytest.raises(StoreError, match="no space"):
         Snapshot.take(
             f"{root}/s2", {"s": state}, storage_options={"repository": failing, "chunk_size": CHUNK}

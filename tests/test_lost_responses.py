@@ -12,7 +12,7 @@ import torch
 from casnap import Snapshot, SnapshotExistsError, StateDict, StoreError
 from casnap.repo.repository import RepoStorage
 from casnap.store import LocalStore, RetryingStore, RetryPolicy
-from casnap.store.testing import FaultyStore
+from casnap.store.faults import FaultyStore
 
 
 class _ClientRetriesInternally(LocalStore):

@@ -20,7 +20,7 @@ from casnap.cli.app import main
 from casnap.format import codec
 from casnap.repo.damage import list_damage
 from casnap.store import LocalStore
-from casnap.store.base import Data
+from casnap.store.faults import FailingStore
 from tests.helpers import flip_byte
 
 CHUNK = 16 * 1024
@@ -211,30 +211,24 @@ def test_dry_run_changes_nothing(tmp_path, capsys):
 # -- crash safety ---------------------------------------------------------------
 
 
-class DiesOnSecondChunkPut(LocalStore):
-    """A real local store whose process 'dies' (raises) when repair puts its second chunk."""
-
-    puts = 0
-
-    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
-        if key.startswith(".casnap/chunks/"):
-            type(self).puts += 1
-            if type(self).puts == 2:
-                raise KeyboardInterrupt("killed")
-        super().put(key, data, create_only=create_only, durable=durable)
-
-
 def test_a_repair_killed_halfway_leaves_every_snapshot_as_restorable_as_before(tmp_path, capsys):
     repo = make_repo(tmp_path / "repo")
     damage_loose_and_packed(repo)
     repo.verify(read_data=True)
     records = list_damage(repo)
-    dying = Repository.on_store(DiesOnSecondChunkPut(str(tmp_path / "repo")))
+    # The process 'dies' (raises) when repair puts its second chunk.
+    store = FailingStore(
+        LocalStore(str(tmp_path / "repo")),
+        2,
+        prefixes=(".casnap/chunks/",),
+        fail=lambda key: KeyboardInterrupt("killed"),
+    )
+    dying = Repository.on_store(store)
     assert isinstance(dying, Repository)
     with pytest.raises(KeyboardInterrupt):
         dying.repair(from_states=[live_state()])
     # One chunk was written (and verified), the other not: still damaged, still recorded.
-    assert DiesOnSecondChunkPut.puts == 2 and len(records) == 2
+    assert store.calls == 2 and len(records) == 2
     assert not restores(repo, "s1")
     code, out = cli(capsys, "verify", repo.url, "--read-data", "--json")
     assert code == 1 and len(json.loads(out)["problems"]) == 1

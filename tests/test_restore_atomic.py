@@ -26,7 +26,7 @@ from casnap.repo.damage import list_damage
 from casnap.repo.repository import now_iso
 from casnap.settings import Settings
 from casnap.store import CountingStore, LocalStore
-from casnap.store.base import Data, ObjectStore
+from casnap.store.base import Buffer, ObjectStore, WrapperStore
 from casnap.torch_io.tensors import byte_view
 from tests.helpers import chunk_path, flip_byte, pack_path
 
@@ -132,55 +132,52 @@ def test_a_missing_chunk_leaves_its_tensor_unchanged(tmp_path):
     assert_each_old_or_new(target, state, {"a"})
 
 
-class DroppingStore(ObjectStore):
-    """Fails reading one object halfway, after part of it reached the caller's memory."""
+class DroppingStore(WrapperStore):
+    """Fails reading one object: halfway through ``read_into``, after part of it reached
+    the caller's memory, or at ``map``. Without ``maps`` it cannot map (as every remote
+    store), so the object is read with ``read_into``; with it, a local store maps."""
 
-    def __init__(self, inner: ObjectStore, key: str) -> None:
-        self.inner, self.key = inner, key
-        self.url, self.capabilities = inner.url, inner.capabilities
+    def __init__(self, inner: ObjectStore, key: str, *, maps: bool) -> None:
+        super().__init__(inner)
+        self.key, self.maps = key, maps
+        self.dropped_in: list[str] = []
+
+    def _drop(self, op: str, key: str) -> None:
+        if key == self.key:
+            self.dropped_in.append(op)
+            raise StoreError(f"connection reset while reading {key!r}", key)
 
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
         n = self.inner.read_into(key, buffers)
-        if key == self.key:
-            raise StoreError(f"connection reset while reading {key!r}", key)
+        self._drop("read_into", key)
         return n
 
-    def get(self, key, *, limit=None):
-        if key == self.key:
-            raise StoreError(f"connection reset while reading {key!r}", key)
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
+        if not self.maps:
+            return None
+        self._drop("map", key)
+        return self.inner.map(key, limit, private=private)
+
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        self._drop("get", key)
         return self.inner.get(key, limit=limit)
 
-    def get_range(self, key, start, end):
-        return self.inner.get_range(key, start, end)
 
-    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
-        self.inner.put(key, data, create_only=create_only, durable=durable)
-
-    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
-        self.inner.replace(key, data, expected=expected)
-
-    def exists(self, key):
-        return self.inner.exists(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self.inner.delete(key)
-
-
-def test_a_store_error_mid_restore_leaves_its_tensor_unchanged(tmp_path):
+@pytest.mark.parametrize("maps", [False, True], ids=["read", "mapped"])
+def test_a_store_error_mid_restore_leaves_its_tensor_unchanged(tmp_path, maps):
     state = state_of()
     snap = take(tmp_path, state)
     ref = snap.get_manifest()["0/s/c"].chunks[1]
     key = f".casnap/chunks/{ref.hash[:2]}/{ref.hash}"
     root = str(tmp_path / "repo")
-    dropping = Repository.on_store(DroppingStore(LocalStore(root), key))
+    store = DroppingStore(LocalStore(root), key, maps=maps)
+    dropping = Repository.on_store(store)
     target = patterned(state)
     with pytest.raises(StoreError, match="connection reset"):
         Snapshot(f"{root}/s1", storage_options={"repository": dropping}).restore(
             {"s": StateDict(target)}
         )
+    assert store.dropped_in == ["map" if maps else "read_into"]
     assert_each_old_or_new(target, state, {"c"})
 
 

@@ -34,8 +34,9 @@ from casnap.store import (
     RetryPolicy,
     open_store,
 )
+from casnap.store.faults import FaultyStore, When
 from casnap.store.fsspec_store import _translate as translate_fsspec
-from casnap.store.testing import FaultyStore, StoreConformance
+from casnap.store.testing import StoreConformance
 
 
 class TestLocalStore(StoreConformance):
@@ -136,9 +137,9 @@ class _Calls(FaultyStore):
         super().__init__(inner, rate, **kw)  # type: ignore[arg-type]
         self.calls = 0
 
-    def _fault(self, op: str) -> str | None:
+    def _fault(self, op: str, key: str) -> When:
         self.calls += 1
-        return super()._fault(op)
+        return super()._fault(op, key)
 
 
 def test_retry_gives_up_after_the_bound_with_a_transient_error(local: LocalStore) -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from casnap.store.base import Capabilities, ObjectInfo, ObjectStore, PrefixStore, check_key
+from casnap.store.base import (
+    Capabilities,
+    ObjectInfo,
+    ObjectStore,
+    PrefixStore,
+    WrapperStore,
+    check_key,
+)
 from casnap.store.counting import CountingStore
 from casnap.store.fsspec_store import FsspecStore
 from casnap.store.local import LocalStore
@@ -22,6 +29,7 @@ __all__ = [
     "RetryPolicy",
     "RetryingStore",
     "S3Store",
+    "WrapperStore",
     "check_key",
     "open_store",
 ]

@@ -20,6 +20,8 @@ Around them, with defaults a minimal backend inherits:
   the backend cannot map (every remote store), and the caller reads instead.
 - ``unwrap()``: the backend below views and wrappers (:class:`PrefixStore`,
   a counting or retrying wrapper), for code that must know what it talks to.
+  Wrappers build on :class:`WrapperStore`, which forwards every call of the
+  contract, so a wrapper overrides only what it changes and skips nothing.
 - ``capabilities``: what the backend promises beyond the contract
   (:class:`Capabilities`); gc reads ``atomic_create`` to choose how it locks.
 - ``replace(key, data, expected=...)``: the default raises
@@ -267,14 +269,74 @@ class ObjectStore(ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
-class PrefixStore(ObjectStore):
-    """Another store seen from a sub-folder; its errors name keys as the view sees them."""
+class WrapperStore(ObjectStore):
+    """``inner`` with every call of the contract forwarded to it unchanged.
+
+    The base of the wrappers (zarr's ``WrapperStore`` is the model): a subclass
+    overrides only what it changes, and inherits the rest, ``map`` and ``flush``
+    included, so a wrapped store reads and writes as the store below it does
+    (a wrapped local store still maps its files). ``url``, ``capabilities`` and
+    ``unwrap()`` are the inner store's; ``child`` is a view of the wrapper, so
+    what the wrapper adds applies below the view too.
+    """
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.capabilities = inner.capabilities
+
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        return self.inner.get(key, limit=limit)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.inner.get_range(key, start, end)
+
+    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
+        self.inner.put(key, data, create_only=create_only, durable=durable)
+
+    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
+        self.inner.replace(key, data, expected=expected)
+
+    def read_into(self, key: str, buffers: list[memoryview]) -> int:
+        return self.inner.read_into(key, buffers)
+
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
+        return self.inner.map(key, limit, private=private)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list_info(prefix)
+
+    def list_temporary(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list_temporary(prefix)
+
+    def delete_temporary(self, key: str) -> bool:
+        return self.inner.delete_temporary(key)
+
+    def unwrap(self) -> ObjectStore:
+        return self.inner.unwrap()
+
+
+class PrefixStore(WrapperStore):
+    """Another store seen from a sub-folder; its errors name keys as the view sees them.
+
+    It overrides every call that takes a key or a prefix (a test holds it to that)."""
 
     def __init__(self, inner: ObjectStore, prefix: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.prefix = prefix
         self.url = inner.url.rstrip("/") + "/" + prefix
-        self.capabilities = inner.capabilities
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{check_key(key)}"
@@ -303,9 +365,6 @@ class PrefixStore(ObjectStore):
     def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
         with self._as_seen(key):
             self.inner.replace(self._k(key), data, expected=expected)
-
-    def flush(self) -> None:
-        self.inner.flush()
 
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
         with self._as_seen(key):
@@ -348,6 +407,3 @@ class PrefixStore(ObjectStore):
     def delete_temporary(self, key: str) -> bool:
         # Temporary names are outside the key alphabet: no check_key here.
         return self.inner.delete_temporary(f"{self.prefix}/{key}")
-
-    def unwrap(self) -> ObjectStore:
-        return self.inner.unwrap()

@@ -6,20 +6,18 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 
-from casnap.store.base import Buffer, Data, ObjectInfo, ObjectStore, as_parts
+from casnap.store.base import Buffer, Data, ObjectInfo, ObjectStore, WrapperStore, as_parts
 
 
-class CountingStore(ObjectStore):
-    """Delegates to ``inner`` and counts each operation and the bytes moved.
+class CountingStore(WrapperStore):
+    """Forwards to ``inner`` and counts each operation and the bytes moved.
 
     ``requests[op]`` counts calls; ``bytes_written`` and ``bytes_read`` count
     payload bytes; ``written_keys`` lists the keys of successful puts.
     """
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.capabilities = inner.capabilities
+        super().__init__(inner)
         self._lock = threading.Lock()
         self.reset()
 
@@ -78,9 +76,6 @@ class CountingStore(ObjectStore):
             self.bytes_written += sum(len(memoryview(p).cast("B")) for p in parts)
             self.written_keys.append(key)
 
-    def flush(self) -> None:
-        self.inner.flush()
-
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
         n = 0
         try:
@@ -126,6 +121,3 @@ class CountingStore(ObjectStore):
     def delete_temporary(self, key: str) -> bool:
         self._count("delete")
         return self.inner.delete_temporary(key)
-
-    def unwrap(self) -> ObjectStore:
-        return self.inner.unwrap()

@@ -51,7 +51,15 @@ from casnap.errors import (
     StoreError,
 )
 from casnap.settings import get as setting
-from casnap.store.base import Buffer, Data, ObjectInfo, ObjectStore, as_parts, join_parts
+from casnap.store.base import (
+    Buffer,
+    Data,
+    ObjectInfo,
+    ObjectStore,
+    WrapperStore,
+    as_parts,
+    join_parts,
+)
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,7 +86,7 @@ class RetryPolicy:
         return float(min(self.max_delay, self.delay * 2.0 ** (retry - 1)))
 
 
-class RetryingStore(ObjectStore):
+class RetryingStore(WrapperStore):
     """``inner`` with transient failures retried (see the module docstring)."""
 
     def __init__(
@@ -88,10 +96,8 @@ class RetryingStore(ObjectStore):
         *,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.policy = RetryPolicy.from_settings() if policy is None else policy
-        self.url = inner.url
-        self.capabilities = inner.capabilities
         self._sleep = sleep
 
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
@@ -187,6 +193,3 @@ class RetryingStore(ObjectStore):
             return self._call("get", key, lambda: self.inner.get(key)) == join_parts(parts)
         except ObjectNotFoundError:
             return False
-
-    def unwrap(self) -> ObjectStore:
-        return self.inner.unwrap()

@@ -17,19 +17,17 @@ pytest module and provide a ``store`` fixture that yields an empty store::
 The contract itself is documented in :mod:`casnap.store.base`. This module
 needs pytest (the ``test`` extra); nothing else in casnap imports it.
 
-:class:`FaultyStore` wraps a store and fails a chosen share of its calls with
-transient errors, before or after the call took effect (a lost response):
-what the retry wrapper and the commit protocol are tested against.
+The stores that fail on purpose (:class:`~casnap.store.faults.FaultyStore`,
+:class:`~casnap.store.faults.FailingStore`) live in :mod:`casnap.store.faults`,
+which does not need pytest; ``FaultyStore`` is importable from here too.
 """
 
 from __future__ import annotations
 
 import array
 import os
-import random
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -41,9 +39,12 @@ from casnap.errors import (
     ObjectRefusedError,
     StoreError,
 )
-from casnap.store.base import Capabilities, Data, ObjectInfo, ObjectStore, as_parts
+from casnap.store.base import Capabilities, ObjectInfo, ObjectStore
+from casnap.store.faults import FaultyStore
 from casnap.store.testing_replace import ReplaceConformance
 from casnap.store.testing_replace import race as _race
+
+__all__ = ["FaultyStore", "ReplaceConformance", "StoreConformance"]
 
 UNSAFE_KEYS = [
     "../x",
@@ -465,92 +466,3 @@ class StoreConformance(ReplaceConformance):
         assert isinstance(store.capabilities, Capabilities)
         assert store.capabilities == base.capabilities
         assert isinstance(store.capabilities.conditional_replace, bool)
-
-
-class FaultyStore(ObjectStore):
-    """``inner`` with a share ``rate`` of calls failing transiently (seeded, reproducible).
-
-    A failing call fails either before it reaches ``inner`` or, with
-    probability ``lost``, after it took effect (the response was lost). Only
-    the operations in ``ops`` fail. ``faults`` counts the failures injected.
-    """
-
-    OPS = ("get", "get_range", "read_into", "put", "replace", "exists", "list", "delete")
-
-    def __init__(
-        self,
-        inner: ObjectStore,
-        rate: float,
-        *,
-        lost: float = 0.5,
-        seed: int = 0,
-        ops: tuple[str, ...] = OPS,
-    ) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.capabilities = inner.capabilities
-        self.rate, self.lost, self.ops = rate, lost, ops
-        self.faults = 0
-        self._random = random.Random(seed)
-        self._lock = threading.Lock()
-
-    def _fault(self, op: str) -> str | None:
-        """None, "before" or "after": whether and how this call fails."""
-        if op not in self.ops:
-            return None
-        with self._lock:
-            if self._random.random() >= self.rate:
-                return None
-            self.faults += 1
-            return "after" if self._random.random() < self.lost else "before"
-
-    def _run(self, op: str, key: str, call: Callable[[], object]) -> object:
-        fault = self._fault(op)
-        if fault == "before":
-            raise StoreError(f"injected transient fault before {op} ({key!r})", key, transient=True)
-        result = call()
-        if fault == "after":
-            raise StoreError(f"injected lost response of {op} ({key!r})", key, transient=True)
-        return result
-
-    def get(self, key: str, *, limit: int | None = None) -> bytes:
-        call = lambda: self.inner.get(key, limit=limit)  # noqa: E731
-        return self._run("get", key, call)  # type: ignore[return-value]
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        call = lambda: self.inner.get_range(key, start, end)  # noqa: E731
-        return self._run("get_range", key, call)  # type: ignore[return-value]
-
-    def read_into(self, key: str, buffers: list[memoryview]) -> int:
-        call = lambda: self.inner.read_into(key, buffers)  # noqa: E731
-        return self._run("read_into", key, call)  # type: ignore[return-value]
-
-    def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
-        parts = as_parts(data)
-        call = lambda: self.inner.put(key, parts, create_only=create_only, durable=durable)  # noqa: E731
-        self._run("put", key, call)
-
-    def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
-        parts = as_parts(data)
-        call = lambda: self.inner.replace(key, parts, expected=expected)  # noqa: E731
-        self._run("replace", key, call)
-
-    def exists(self, key: str) -> bool:
-        return self._run("exists", key, lambda: self.inner.exists(key))  # type: ignore[return-value]
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        keys = self._run("list", prefix, lambda: list(self.inner.list(prefix)))
-        yield from keys  # type: ignore[misc]
-
-    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        infos = self._run("list", prefix, lambda: list(self.inner.list_info(prefix)))
-        yield from infos  # type: ignore[misc]
-
-    def delete(self, key: str) -> None:
-        self._run("delete", key, lambda: self.inner.delete(key))
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    def unwrap(self) -> ObjectStore:
-        return self.inner.unwrap()
