@@ -43,6 +43,7 @@ from casnap.errors import (
     ObjectRefusedError,
 )
 from casnap.format import codec
+from casnap.format.delta import apply_delta
 from casnap.format.entries import ChunkRef
 from casnap.format.names import digest_of
 from casnap.repo.damage import DamagedCopy, record_damage
@@ -182,7 +183,7 @@ def _apply(raw: Buffer, link: ChunkRef, out: Any) -> bool:
     if frame is None:
         return False
     key, hdr, payload, base_digest = frame
-    codec.apply_delta(hdr, payload, key, base_digest, out)
+    apply_delta(hdr, payload, key, base_digest, out)
     return True
 
 

@@ -36,6 +36,7 @@ from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
+from casnap.format.delta import apply_delta
 from casnap.format.entries import (
     DTYPE_ITEMSIZE,
     MAX_DELTA_CHAIN,
@@ -393,7 +394,7 @@ class _FromDeltas:
                     continue
                 out = bytearray(data)
                 payload = memoryview(frame)[codec.HEADER_SIZE : hdr.frame_length]
-                codec.apply_delta(hdr, payload, object_name(delta), bytes.fromhex(chunk), out)
+                apply_delta(hdr, payload, object_name(delta), bytes.fromhex(chunk), out)
             except CasnapError:
                 continue  # the delta's own frame is damaged or gone: another user may serve
             if digest_of(out) == bytes.fromhex(chunk):
