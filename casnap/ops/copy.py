@@ -39,7 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from casnap.chunks.decode import contain, decode_frame, frame_limit
+from casnap.chunks.decode import decode_frame
+from casnap.chunks.stored import contain, frame_limit
 from casnap.display import format_size
 from casnap.errors import (
     CasnapError,

@@ -31,9 +31,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from casnap.chunks.decode import fetch_frame, loose_copy, read_copy
+from casnap.chunks.decode import loose_copy, read_copy
 from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
+from casnap.chunks.stored import fetch_frame
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
 from casnap.format.delta import apply_delta
