@@ -34,7 +34,8 @@ from casnap.gc.reclaim import ReclaimResult, reclaim
 from casnap.ops.copy import CopyResult
 from casnap.ops.copy import copy as copy_snapshots
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
-from casnap.ops.repair import ChunkSource, RepairResult, SnapshotSource, repair
+from casnap.ops.repair import RepairResult, repair
+from casnap.ops.repair_sources import ChunkSource, SnapshotSource
 from casnap.ops.retention import (
     RetentionPlan,
     RetentionPolicy,
