@@ -44,7 +44,7 @@ from casnap.ops.retention import (
     plan_retention,
 )
 from casnap.ops.verify import VerifyReport, verify
-from casnap.repo.leases import break_gc_lock
+from casnap.repo.gc_lock import break_gc_lock
 from casnap.repo.repository import RepoStorage, locate
 from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 
