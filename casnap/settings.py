@@ -56,7 +56,7 @@ DEFAULT_READ_WORKERS = 12
 DEFAULT_REMOTE_IO_WORKERS = 16
 DEFAULT_LEASE_TTL = 120.0
 # The longest lease TTL: readers bound every lease and gc lock by it
-# (casnap/repo/leases.py), so no record can hold others up for longer.
+# (casnap/repo/lease_record.py), so no record can hold others up for longer.
 MAX_LEASE_TTL = 1800.0
 DEFAULT_DIST_TIMEOUT = 600.0
 DEFAULT_INDEX_MAP_SIZE = 4 * GiB

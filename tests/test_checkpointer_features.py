@@ -4,6 +4,7 @@ damaged newest snapshot (docs/retention.md, "The Checkpointer")."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -23,6 +24,7 @@ from test_checkpointer import expected, fill, fresh, same_bits, wait_for_line
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
 from casnap.api.checkpointer import Checkpointer
+from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions
 from casnap.errors import ConfigError, SnapshotNotFoundError
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy, plan_retention
 from tests.helpers import chunk_path
@@ -99,9 +101,47 @@ def test_every_seconds_on_the_real_clock(tmp_path):
     assert ckpt.maybe_take(3, state) is None  # counts from the end of the take
 
 
-def test_an_interval_is_required_and_checked(tmp_path):
-    with pytest.raises(ConfigError, match="every_n_steps, every_seconds"):
-        Checkpointer(str(tmp_path))
+def test_a_checkpointer_without_an_interval_resumes_and_refuses_only_maybe_take(tmp_path):
+    url = str(tmp_path / "run")
+    with Checkpointer(url, every_n_steps=2) as writer:
+        state = fresh()
+        for step in range(5):
+            fill(state, step)
+            writer.maybe_take(step, state)
+    ckpt = Checkpointer(url)  # a resuming script: no interval
+    assert ckpt.latest_step() == 4
+    state = fresh()
+    assert ckpt.restore_latest(state) == 4
+    assert same_bits(state, expected(4))
+    ckpt.restore(state, step=2)
+    assert same_bits(state, expected(2))
+    with pytest.raises(ConfigError, match="maybe_take needs an interval") as caught:
+        ckpt.maybe_take(5, state)
+    assert "every_n_steps" in str(caught.value) and "every_seconds" in str(caught.value)
+    with pytest.raises(ConfigError, match="should_take needs an interval"):
+        ckpt.should_take(6)
+    assert steps_of(ckpt) == [0, 2, 4]  # nothing was taken
+    fill(state, 5)
+    assert ckpt.maybe_take(5, state, force=True) is not None  # force needs no interval
+    assert steps_of(ckpt) == [0, 2, 4, 5]
+
+
+def test_options_as_one_value_and_as_keywords_are_the_same(tmp_path):
+    options = CheckpointerOptions(every_n_steps=3, name_format="s{step}", tags=["a"])
+    ckpt = Checkpointer(str(tmp_path / "run"), options=options, every_n_steps=2)
+    assert (ckpt.every_n_steps, ckpt.name_format, ckpt.tags) == (2, "s{step}", ["a"])
+    assert options.every_n_steps == 3  # the value is not changed
+    state = fresh()
+    fill(state, 2)
+    assert ckpt.maybe_take(2, state) is not None and ckpt.snapshots() == ["s2"]
+    # Every option is a keyword of the constructor, typed.
+    fields = {f.name for f in dataclasses.fields(CheckpointerOptions)}
+    assert set(CheckpointerKeywords.__annotations__) | {"every_n_steps"} == fields
+    with pytest.raises(ConfigError, match="reclaim_wait_seconds"):
+        CheckpointerOptions(reclaim_wait_seconds=-1)
+
+
+def test_an_interval_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="every_seconds"):
         Checkpointer(str(tmp_path), every_seconds=0)
     with pytest.raises(ConfigError, match="every_seconds"):
@@ -363,6 +403,7 @@ def test_a_signal_takes_the_next_step_then_reaches_the_previous_handler(tmp_path
 PREEMPTED_CHILD = """
 import sys, time
 from casnap.api.checkpointer import Checkpointer
+from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions
 
 {helpers}
 

@@ -23,6 +23,7 @@ from casnap.errors import (
     UnsupportedFormatError,
 )
 from casnap.format import codec
+from casnap.format.delta import encode_delta
 from casnap.format.entries import TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
@@ -233,7 +234,7 @@ def test_a_delta_frame_checks_its_base() -> None:
     data = bytearray(base)
     data[100] ^= 1
     digest, base_digest = digest_of(data), digest_of(base)
-    head, payload = codec.encode_delta(data, digest, base, base_digest, group=4)
+    head, payload = encode_delta(data, digest, base, base_digest, group=4)
     frame = head + payload
     assert len(frame) < 200
     assert bytes(codec.decode(frame, "f", digest, 4096, (base_digest, base))) == bytes(data)

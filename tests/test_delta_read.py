@@ -16,6 +16,7 @@ import torch
 
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.format import codec
+from casnap.format.delta import DELTA_BLOCK
 from casnap.format.entries import TensorEntry
 
 CHUNK = 64 * 1024
@@ -98,7 +99,7 @@ def test_a_delta_ending_in_a_ragged_block_restores_bit_exact(tmp_path: Path) -> 
         f"{tmp_path}/b", {"m": StateDict(w=u)}, session=session, storage_options=opts
     )
     refs = _chunks(f"{tmp_path}/b", "0/m/w")
-    assert refs[-1].size % codec.DELTA_BLOCK and refs[-1].base is not None
+    assert refs[-1].size % DELTA_BLOCK and refs[-1].base is not None
     assert snap.last_take_stats.deltas_written == 2
     out = StateDict(w=torch.zeros(n))
     Snapshot(f"{tmp_path}/b").restore({"m": out})

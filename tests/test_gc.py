@@ -27,13 +27,12 @@ from casnap.gc.collect import (
     plan_gc,
     read_gc_epoch,
 )
+from casnap.repo.gc_lock import acquire_gc_lock
+from casnap.repo.lease_record import GC_LOCK_KEY, LeaseRecord
 from casnap.repo.leases import (
-    GC_LOCK_KEY,
     GcBlockedError,
     GcBusyError,
     LeaseLostError,
-    LeaseRecord,
-    acquire_gc_lock,
     acquire_lease,
     hold_lease,
     scan_leases,
@@ -441,7 +440,7 @@ def _two_gcs_at_once(root: str) -> list[object]:
 @pytest.mark.parametrize("claims", [True, False], ids=["claims", "without-claims"])
 def test_two_gcs_on_a_store_without_atomic_create(tmp_path, monkeypatch, claims):
     if not claims:  # the negative control: what the claim step prevents
-        monkeypatch.setattr("casnap.repo.leases._alone", _nobody_else)
+        monkeypatch.setattr("casnap.repo.gc_lock._alone", _nobody_else)
     won = []
     for round_ in range(3):
         results = _two_gcs_at_once(str(tmp_path / f"r{round_}"))

@@ -21,14 +21,9 @@ from casnap import Repository, Snapshot, StateDict
 from casnap.cli.app import main
 from casnap.errors import ConfigError, GcBusyError
 from casnap.gc.collect import GcSession
-from casnap.repo.leases import (
-    GC_LOCK_KEY,
-    MAX_RECORD_LIFE,
-    WAIT_NOTICE_AFTER,
-    LeaseRecord,
-    acquire_gc_lock,
-    read_gc_lock,
-)
+from casnap.repo.gc_lock import acquire_gc_lock
+from casnap.repo.lease_record import GC_LOCK_KEY, MAX_RECORD_LIFE, LeaseRecord, read_gc_lock
+from casnap.repo.leases import WAIT_NOTICE_AFTER
 
 # The record from the issue, byte for byte.
 HOSTILE = b'{"id":"a","kind":"gc","created_at":"x","expires_at":"9999-01-01","host":"h","pid":1}'

@@ -329,7 +329,7 @@ def test_healthy_repository_passes_every_call(repo: Path, tmp_path: Path) -> Non
 def test_every_record_parser_refuses_bad_json_with_a_casnap_error(body: bytes) -> None:
     from casnap.errors import ManifestValidationError
     from casnap.format.parse import parse_config, parse_damage_record, parse_ref
-    from casnap.repo.leases import parse_record
+    from casnap.repo.lease_record import parse_record
     from casnap.repo.tags import _parse_tag
 
     parsers: list[Callable[[bytes], object]] = [

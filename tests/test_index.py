@@ -19,6 +19,7 @@ import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
 from casnap import Repository, Session, Snapshot, StateDict, index
+from casnap.index import lmdb_envs
 from casnap.index import lmdb_store as index_lmdb
 from casnap.ops.history import stored_bytes
 from casnap.store import CountingStore, FsspecStore
@@ -354,7 +355,7 @@ def test_index_lives_where_configured(tmp_path):
 
 
 def test_an_index_folder_on_a_network_filesystem_is_not_used(tmp_path, monkeypatch):
-    monkeypatch.setattr(index_lmdb, "_filesystem_type", lambda path: "nfs4")
+    monkeypatch.setattr(lmdb_envs, "_filesystem_type", lambda path: "nfs4")
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     s1 = take(repo, "s1", state)

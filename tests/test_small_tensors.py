@@ -16,7 +16,7 @@ import torch
 from casnap import Session, Snapshot, StateDict
 from casnap.chunks import ChunkWriter
 from casnap.chunks.budget import ByteBudget
-from casnap.format import codec
+from casnap.format import codec, frame
 from casnap.format.names import hash_bytes
 from casnap.format.parse import parse_manifest
 from casnap.repo.repository import RepoStorage, manifest_key
@@ -164,8 +164,8 @@ class _CountingCompressor:
 
 
 def _count_compressions(monkeypatch) -> None:
-    real = codec._compressor
-    monkeypatch.setattr(codec, "_compressor", lambda level: _CountingCompressor(real(level)))
+    real = frame.compressor
+    monkeypatch.setattr(frame, "compressor", lambda level: _CountingCompressor(real(level)))
     _CountingCompressor.calls = 0
 
 

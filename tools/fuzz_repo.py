@@ -117,7 +117,7 @@ def build(base: Path) -> dict[str, dict[str, Any]]:
     """Create the base repository at ``base``; returns each snapshot's state."""
     from casnap import Repository, Snapshot, StateDict
     from casnap.repo.damage import record_damage
-    from casnap.repo.leases import LEASES, LeaseRecord
+    from casnap.repo.lease_record import LEASES, LeaseRecord
 
     states = _states()
     for name, state in states.items():
@@ -574,7 +574,7 @@ def run_case(
 def _damaged_record(case: Path, rel: str) -> bool:
     """Whether the planted record (gc.lock, else the lease ``rel``) is not a record at all."""
     from casnap.errors import CasnapError
-    from casnap.repo.leases import parse_record
+    from casnap.repo.lease_record import parse_record
 
     lock = case / ".casnap" / "gc.lock"
     path = lock if lock.exists() else case / rel

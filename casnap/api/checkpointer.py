@@ -34,17 +34,16 @@ that fails its checks or whose restore meets damage, logs why (logger
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 from casnap.api.checkpointer_mirror import is_rank_zero, make_mirror
+from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions
 from casnap.api.checkpointer_resume import pick_best, resume, try_restore
 from casnap.api.checkpointer_triggers import (
-    Clock,
     PreemptionGuard,
     Schedule,
     any_rank,
@@ -52,7 +51,6 @@ from casnap.api.checkpointer_triggers import (
 )
 from casnap.api.snapshot import PendingSnapshot, Snapshot
 from casnap.errors import (
-    CasnapError,
     ConfigError,
     SnapshotNotFoundError,
     StoreError,
@@ -62,7 +60,7 @@ from casnap.errors import (
 )
 from casnap.format.entries import TensorEntry
 from casnap.format.names import check_ref_name
-from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS, ReclaimResult
+from casnap.gc.reclaim import ReclaimResult
 from casnap.gc.reclaim import reclaim as reclaim_retired
 from casnap.ops.retention import (
     RetentionPolicy,
@@ -126,31 +124,16 @@ class Checkpointer:
       without an exception, takes the step of the last ``maybe_take`` if it
       was not taken.
 
-    A step is never taken twice. Other options:
-
-    - ``retention``: a :class:`~casnap.ops.retention.RetentionPolicy` applied to this
-      checkpointer's snapshots after each commit, which also deletes what only
-      the retired snapshots reached (:func:`casnap.gc.reclaim.reclaim`;
-      ``reclaim=False`` leaves that to ``gc``). The newest snapshot is always
-      kept. Its first ``KeepBest`` rule is what :meth:`best` ranks by.
-    - ``async_take``: write in the background; a new take first waits for the
-      previous one. The state is copied before ``maybe_take`` returns.
-    - ``name_format``: the snapshot name, formatted with ``step=``.
-    - ``storage_options``: as for :meth:`Snapshot.take` (fsspec options,
-      ``chunk_size``, ``compression``, or ``repository``: a
-      :class:`~casnap.Repository` to use instead of opening ``repo_url``).
-    - ``tags``: stored in every snapshot's ``metadata["tags"]``.
-    - ``reclaim`` / ``reclaim_wait_seconds``: whether retention's reclaim runs
-      after each commit, and how long it waits for other processes' takes in
-      flight before deferring to the next commit (default 1 s).
-    - ``mirror``: a second repository (``"gs://bucket/run1"``, or a
-      :class:`~casnap.Repository`) each committed
-      snapshot is copied to in a background thread, with
-      ``mirror_storage_options``; ``mirror_retention`` (default: ``retention``)
-      is applied there after each copy; training waits only when
-      ``mirror_queue`` snapshots already wait for the copier. Failures are
-      logged and retried at the next commit; :meth:`wait` and :meth:`close`
-      wait for the mirror (casnap/api/checkpointer_mirror.py, docs/copy.md).
+    A step is never taken twice. Only ``repo_url`` is required: a
+    Checkpointer without ``every_n_steps`` or ``every_seconds`` resumes
+    (:meth:`restore_latest`, :meth:`restore`, :meth:`latest_step`) and lists,
+    and its :meth:`maybe_take` raises :class:`ConfigError` naming the missing
+    interval unless given ``force=True``. The other options (``retention``,
+    ``async_take``, ``name_format``, ``storage_options``, ``tags``,
+    ``reclaim``, ``mirror``, ...) are described on
+    :class:`~casnap.api.checkpointer_options.CheckpointerOptions`; give them as
+    keyword arguments, or as one ``options=CheckpointerOptions(...)`` value
+    (keyword arguments then override its fields).
 
     Each take's parent is the previous take of this checkpointer, or the
     snapshot :meth:`restore_latest` restored: the checkpointer owns a
@@ -170,68 +153,38 @@ class Checkpointer:
         repo_url: str,
         every_n_steps: int | None = None,
         *,
-        every_seconds: float | timedelta | None = None,
-        retention: RetentionPolicy | None = None,
-        async_take: bool = False,
-        name_format: str = "step_{step:09d}",
-        storage_options: dict[str, Any] | None = None,
-        tags: Iterable[str] | None = None,
-        session: Session | None = None,
-        take_on_close: bool = False,
-        take_on_preemption: bool | int | Iterable[int] = False,
-        clock: Clock = time.monotonic,
-        reclaim: bool = True,
-        reclaim_wait_seconds: float = RECLAIM_WAIT_SECONDS,
-        mirror: str | RepoStorage | None = None,
-        mirror_storage_options: dict[str, Any] | None = None,
-        mirror_retention: RetentionPolicy | RetentionRule | None | Literal["same"] = "same",
-        mirror_queue: int = 2,
+        options: CheckpointerOptions | None = None,
+        **keywords: Unpack[CheckpointerKeywords],
     ) -> None:
         repo_url = as_path(repo_url, "repo_url")
-        if isinstance(retention, RetentionRule):
-            retention = RetentionPolicy(retention)
-        if retention is not None:
-            expect_type(retention, RetentionPolicy, "retention", "a casnap.RetentionPolicy or None")
-        expect_type(name_format, str, "name_format", "a format string like 'step_{step:09d}'")
-        expect_type(take_on_close, bool, "take_on_close", "True or False")
-        expect_type(reclaim, bool, "reclaim", "True or False")
-        expect_type(reclaim_wait_seconds, (int, float), "reclaim_wait_seconds", "seconds")
-        if reclaim_wait_seconds < 0:
-            raise ConfigError(
-                f"reclaim_wait_seconds must not be negative, got {reclaim_wait_seconds}",
-                "reclaim_wait_seconds",
-            )
-        tags = as_names(tags, "tags")
-        self.schedule = Schedule(every_n_steps, every_seconds, clock)
-        self.every_n_steps = every_n_steps
+        fields: dict[str, Any] = dict(keywords)
+        if every_n_steps is not None:
+            fields["every_n_steps"] = every_n_steps
+        opts = replace(options, **fields) if options is not None else CheckpointerOptions(**fields)
+        self.options = opts
+        retention = opts.retention
+        assert retention is None or isinstance(retention, RetentionPolicy)  # made so when checked
+        self.schedule = Schedule(opts.every_n_steps, opts.every_seconds, opts.clock)
+        self.every_n_steps = opts.every_n_steps
         self.every_seconds = self.schedule.every_seconds
         self.retention = retention
-        self.async_take = async_take
-        self.name_format = name_format
-        self.take_on_close = take_on_close
+        self.async_take = opts.async_take
+        self.name_format = opts.name_format
+        self.take_on_close = opts.take_on_close
         # Reclaim after retention (docs/retention.md): on by default; the wait for
         # other processes' takes in flight is short because it blocks training.
-        self.reclaim = reclaim
-        self.reclaim_wait_seconds = float(reclaim_wait_seconds)
-        self.tags = [check_ref_name(t) for t in (tags or [])]
-        try:  # a bad format fails here, not at the first take
-            check_ref_name(self._name(0))
-        except (KeyError, IndexError, ValueError, TypeError) as exc:
-            if isinstance(exc, CasnapError):
-                raise
-            raise ConfigError(
-                f"name_format {name_format!r} must name snapshots from {{step}}: {exc!r}",
-                "name_format",
-            ) from exc
-        signals = preemption_signals(take_on_preemption)
-        options = dict(storage_options or {})
-        explicit = options.pop("repository", None)
+        self.reclaim = opts.reclaim
+        self.reclaim_wait_seconds = float(opts.reclaim_wait_seconds)
+        self.tags = list(opts.tags or ())
+        signals = preemption_signals(opts.take_on_preemption)
+        take_options = dict(opts.storage_options or {})
+        explicit = take_options.pop("repository", None)
         self._repo: RepoStorage | None = explicit if isinstance(explicit, RepoStorage) else None
         self._url: str = explicit if isinstance(explicit, str) else repo_url
-        self._take_options = options
-        self._store_options = {k: v for k, v in options.items() if k not in _TAKE_ONLY_OPTIONS}
+        self._take_options = take_options
+        self._store_options = {k: v for k, v in take_options.items() if k not in _TAKE_ONLY_OPTIONS}
         # Lineage, plan reuse and staging buffers from one take to the next.
-        self.session = session if session is not None else Session()
+        self.session = opts.session if opts.session is not None else Session()
         self._steps: set[int] = set()  # steps taken (or being taken) by this checkpointer
         self._pending: PendingSnapshot | None = None
         self._pending_step: int | None = None
@@ -242,13 +195,13 @@ class Checkpointer:
         # The last commit whose retention kept snapshots the mirror was still owed.
         self._kept_for_mirror: tuple[Snapshot, str] | None = None
         self.mirror = make_mirror(
-            mirror,
-            mirror_storage_options,
+            opts.mirror,
+            opts.mirror_storage_options,
             retention,
-            mirror_retention,
+            opts.mirror_retention,
             self._is_mine,
-            queue_size=mirror_queue,
-            reclaim=reclaim,
+            queue_size=opts.mirror_queue,
+            reclaim=opts.reclaim,
         )
         self._guard = PreemptionGuard(signals) if signals else None
         if self._guard is not None:
@@ -260,7 +213,17 @@ class Checkpointer:
         counting ``force`` or a signal); e.g. to compute costly metrics only then.
         One process only: under a process group the time trigger is agreed in
         ``maybe_take``."""
+        self._need_interval("should_take")
         return step not in self._steps and self.schedule.due(step) is not None
+
+    def _need_interval(self, method: str) -> None:
+        if self.every_n_steps is None and self.every_seconds is None:
+            raise ConfigError(
+                f"{method} needs an interval: this Checkpointer was made without "
+                "every_n_steps or every_seconds (give Checkpointer(..., every_n_steps=N) or "
+                "every_seconds=T, or force=True to take now); without one it only resumes",
+                "every_n_steps",
+            )
 
     def maybe_take(
         self,
@@ -293,6 +256,8 @@ class Checkpointer:
         if metrics is not None:
             expect_type(metrics, Mapping, "metrics", "a dict of numbers or None")
         expect_type(force, bool, "force", "True or False")
+        if not force:
+            self._need_interval("maybe_take")
         extra = [check_ref_name(t) for t in (as_names(tags, "tags") or [])]
         self._poll()
         if self._guard is not None:

@@ -43,7 +43,8 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 class Schedule:
     """The interval triggers: a step multiple of ``every_n_steps``, or at least
-    ``every_seconds`` since the last take ended (or since the schedule started)."""
+    ``every_seconds`` since the last take ended (or since the schedule started).
+    Neither given: nothing is ever due (the Checkpointer refuses ``maybe_take``)."""
 
     def __init__(
         self,
@@ -65,11 +66,6 @@ class Schedule:
                 raise ConfigError(
                     f"every_seconds must be positive, got {every_seconds}", "every_seconds"
                 )
-        if every_n_steps is None and every_seconds is None:
-            raise ConfigError(
-                "give every_n_steps, every_seconds or both: the checkpointer needs an interval",
-                "every_n_steps",
-            )
         if not callable(clock):
             raise ConfigError(f"clock must be callable, got {clock!r}", "clock")
         self.every_n_steps = every_n_steps

@@ -34,7 +34,8 @@ from casnap.gc.reclaim import ReclaimResult, reclaim
 from casnap.ops.copy import CopyResult
 from casnap.ops.copy import copy as copy_snapshots
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
-from casnap.ops.repair import ChunkSource, RepairResult, SnapshotSource, repair
+from casnap.ops.repair import RepairResult, repair
+from casnap.ops.repair_sources import ChunkSource, SnapshotSource
 from casnap.ops.retention import (
     RetentionPlan,
     RetentionPolicy,
@@ -43,7 +44,7 @@ from casnap.ops.retention import (
     plan_retention,
 )
 from casnap.ops.verify import VerifyReport, verify
-from casnap.repo.leases import break_gc_lock
+from casnap.repo.gc_lock import break_gc_lock
 from casnap.repo.repository import RepoStorage, locate
 from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 

@@ -1,7 +1,8 @@
-"""Decoding stored frames, verified: the one decode every read goes through, and containment.
+"""Decoding stored frames, verified: the one decode every read goes through.
 
 This is where a verified read decodes a frame (any codec, a delta rebuilt
-from its chain) and reacts to a damaged one (docs/damage.md).
+from its chain: :mod:`casnap.chunks.rebuild`) and reacts to a damaged one
+(docs/damage.md; containment is :func:`casnap.chunks.stored.contain`).
 
 Every read that checks a frame against its chunk's hash goes through
 :func:`decode_frame` (restore, ``read_object``, export and drift through
@@ -29,12 +30,8 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-from typing import Any
-
-from casnap import index
-from casnap.chunks.chain import ChainFrames
+from casnap.chunks.rebuild import fetch_chain, rebuild
+from casnap.chunks.stored import contain, fetch_frame, object_key
 from casnap.errors import (
     CasnapError,
     DeltaBaseError,
@@ -44,19 +41,10 @@ from casnap.errors import (
 )
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
-from casnap.format.names import digest_of
 from casnap.repo.damage import DamagedCopy, record_damage
-from casnap.repo.repository import RepoStorage, chunk_key, pack_key
+from casnap.repo.repository import RepoStorage
 
 Buffer = codec.Buffer
-
-
-def contain(repo: RepoStorage, ref: ChunkRef, exc: IntegrityError) -> None:
-    """Record ``ref``'s copy as damaged and make this machine's index forget the chunk."""
-    record_damage(repo, ref, str(exc))
-    handle = index.open_index(repo, chunks=False)
-    if handle is not None:
-        handle.forget_chunks([ref.hash])
 
 
 def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffer:
@@ -72,7 +60,7 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     """
     if ref.base is None:
         return _decode_one(repo, key, ref, frame, None)
-    fast = _rebuild(repo, key, ref, frame)
+    fast = rebuild(repo, key, ref, frame)
     if fast is not None:
         return fast
     # Something in the chain is wrong: rebuild link by link, each verified, so the
@@ -87,129 +75,6 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
             raise
         return data
     return _decode_one(repo, key, ref, frame, base)
-
-
-def rebuild_into(
-    repo: RepoStorage, ref: ChunkRef, view: memoryview, shared: ChainFrames | None = None
-) -> bool:
-    """Rebuild delta ``ref`` straight into ``view`` (its final memory); False if not done.
-
-    Only for a chain that ends in a loose object stored raw (the usual case:
-    the whole chunk written by an earlier take): it is read into ``view``, each
-    delta applied there, and the result's digest checked there, so a sparse
-    chain costs what reading the whole chunk does. False (``view`` possibly
-    overwritten) when anything fails; the caller then takes the careful path.
-    """
-    whole = whole_loose(ref)
-    if whole is None or len(view) != ref.size:
-        return False
-    try:
-        head = bytearray(codec.HEADER_SIZE)
-        n = repo.store.read_into(chunk_key(whole.hash), [memoryview(head), view])
-        hdr = codec.parse_header(head, chunk_key(whole.hash))
-    except (CasnapError, ValueError):
-        return False
-    if n != frame_limit(whole) or hdr.codec != codec.CODEC_RAW or hdr.digest.hex() != whole.hash:
-        return False  # stored compressed (any valid frame serves), or damaged
-    return patch_in_place(repo, ref, view, shared)
-
-
-def patch_in_place(
-    repo: RepoStorage, ref: ChunkRef, out: memoryview, shared: ChainFrames | None = None
-) -> bool:
-    """Apply the deltas of ``ref``'s chain to ``out`` (the bytes of the whole frame at its
-    end, unverified) and check the result against ``ref``'s digest: True if it is
-    ``ref``'s chunk, False (``out`` possibly changed) when anything fails.
-
-    One digest check covers every link, the whole frame included (a damaged
-    one yields other bytes); the caller takes the careful path, which names
-    the link at fault, on False. A restore applies the deltas to a private
-    (copy-on-write) mapping of the whole frame: only the pages a delta
-    changes are copied, and the digest is taken in one pass, as for a chunk
-    stored whole.
-    """
-    chain = ref.chain()
-    if len(out) != ref.size:
-        return False
-    try:
-        frames = _fetch_chain(repo, chain[:-1], shared)
-        with shared.rebuilds if shared is not None else nullcontext():
-            dst = out.cast("B") if out.format != "B" else out
-            for link, raw in zip(chain[:-1], frames, strict=True):  # XOR: any order
-                if not _apply(raw, link, dst):
-                    return False
-            return digest_of(out).hex() == ref.hash
-    except (CasnapError, ValueError):
-        return False
-
-
-def _delta_frame(
-    raw: Buffer, link: ChunkRef
-) -> tuple[str, codec.FrameHeader, memoryview, bytes] | None:
-    """``raw``'s key, header, payload and base digest if it is the delta frame ``link``
-    names, else None."""
-    key = _name(link)
-    hdr = codec.parse_header(raw, key)
-    if hdr.codec != codec.CODEC_DELTA or hdr.frame_length != len(raw):
-        return None
-    if hdr.digest.hex() != link.hash or hdr.raw_length != link.size or link.base is None:
-        return None
-    return key, hdr, memoryview(raw)[codec.HEADER_SIZE :], bytes.fromhex(link.base.hash)
-
-
-def whole_loose(ref: ChunkRef) -> ChunkRef | None:
-    """The end of ``ref``'s chain if it is a loose object (readable in place when its
-    stored frame, whatever the manifest recorded, turns out raw)."""
-    whole = ref.chain()[-1]
-    return whole if whole.pack is None else None
-
-
-def frame_limit(ref: ChunkRef) -> int:
-    """The most bytes a read of ``ref``'s frame takes, refusing a longer object unread.
-
-    A packed frame is where the manifest says, ``ref.length`` bytes (a pack is
-    immutable). A loose object ``chunks/<h>`` is any valid frame of chunk
-    ``h``: another take or a repair may have stored it again with another codec
-    (docs/format.md, "Loose objects"), so its length is not the manifest's but
-    at most the largest valid frame, the header and the raw bytes.
-    """
-    return ref.length if ref.pack is not None else codec.HEADER_SIZE + ref.size
-
-
-def _apply(raw: Buffer, link: ChunkRef, out: Any) -> bool:
-    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta."""
-    frame = _delta_frame(raw, link)
-    if frame is None:
-        return False
-    key, hdr, payload, base_digest = frame
-    codec.apply_delta(hdr, payload, key, base_digest, out)
-    return True
-
-
-def _rebuild(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffer | None:
-    """The delta ``ref`` rebuilt with one digest check, of the result; None if anything fails.
-
-    The whole frame at the chain's end is decoded without its own check and
-    every delta is XORed into it in place: a sparse chain costs about what
-    reading the whole chunk does. The result's digest covers every link
-    (a damaged one yields other bytes), so the careful path is only needed
-    to say which link failed.
-    """
-    chain = ref.chain()
-    try:
-        frames = [frame, *_fetch_chain(repo, chain[1:])]
-        whole = chain[-1]
-        out = bytearray(
-            codec.decode(
-                frames[-1], _name(whole), bytes.fromhex(whole.hash), whole.size, check_digest=False
-            )
-        )
-        for link, raw in zip(reversed(chain[:-1]), reversed(frames[:-1]), strict=True):
-            if not _apply(raw, link, out):
-                return None
-    except (CasnapError, ValueError):
-        return None
-    return out if digest_of(out).hex() == ref.hash else None
 
 
 def _decode_one(
@@ -229,13 +94,6 @@ def _decode_one(
         raise
 
 
-def fetch_frame(repo: RepoStorage, ref: ChunkRef) -> bytes:
-    """The stored frame of ``ref`` (at most :func:`frame_limit` bytes), unchecked."""
-    if ref.pack is None:
-        return repo.store.get(chunk_key(ref.hash), limit=frame_limit(ref))
-    return repo.store.get_range(pack_key(ref.pack), ref.offset, ref.offset + ref.length)
-
-
 def base_bytes(repo: RepoStorage, base: ChunkRef, user: str) -> Buffer:
     """The verified bytes of chunk ``base``, which the delta in object ``user`` needs.
 
@@ -247,56 +105,26 @@ def base_bytes(repo: RepoStorage, base: ChunkRef, user: str) -> Buffer:
     """
     if base.base is not None:  # one digest check for the chain, unless it fails
         try:
-            fast = _rebuild(repo, _name(base), base, fetch_frame(repo, base))
+            fast = rebuild(repo, object_key(base), base, fetch_frame(repo, base))
         except CasnapError:
             fast = None
         if fast is not None:
             return fast
     chain = base.chain()
     try:
-        frames = _fetch_chain(repo, chain)
+        frames = fetch_chain(repo, chain)
         data: Buffer | None = None
         for ref, frame in zip(reversed(chain), reversed(frames), strict=True):
             link = (bytes.fromhex(ref.base.hash), data) if ref.base is not None else None
-            data = _decode_one(repo, _name(ref), ref, frame, link)  # type: ignore[arg-type]
+            data = _decode_one(repo, object_key(ref), ref, frame, link)  # type: ignore[arg-type]
     except (ObjectNotFoundError, IntegrityError) as exc:
         what = "is missing" if isinstance(exc, ObjectNotFoundError) else "cannot be read"
         raise DeltaBaseError(
-            f"{user}: delta base {_name(base)} (chunk {base.hash[:12]}) {what}: {exc}", _name(base)
+            f"{user}: delta base {object_key(base)} (chunk {base.hash[:12]}) {what}: {exc}",
+            object_key(base),
         ) from exc
     assert data is not None
     return data
-
-
-def _name(ref: ChunkRef) -> str:
-    return pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)
-
-
-def _fetch_chain(
-    repo: RepoStorage, chain: list[ChunkRef], shared: ChainFrames | None = None
-) -> list[Buffer]:
-    """Every frame of ``chain``; from ``shared`` where it holds them, the others
-    concurrently where each request waits on a network."""
-
-    def one(ref: ChunkRef) -> Buffer:
-        try:
-            return fetch_frame(repo, ref)
-        except ObjectRefusedError as exc:  # a FIFO, a link: damage to that copy
-            contain(repo, ref, exc)
-            raise
-
-    got: list[Buffer | None] = [None] * len(chain)
-    if shared is not None:
-        got = [shared.get(ref) for ref in chain]
-    missing = [i for i, frame in enumerate(got) if frame is None]
-    if len(missing) <= 1 or repo.root.capabilities.local:
-        for i in missing:  # a local read is a page-cache copy: no gain from threads
-            got[i] = one(chain[i])
-    else:
-        with ThreadPoolExecutor(len(missing), thread_name_prefix="casnap-chain") as pool:
-            for i, frame in zip(missing, pool.map(one, [chain[i] for i in missing]), strict=True):
-                got[i] = frame
-    return [frame for frame in got if frame is not None]  # every None was filled
 
 
 def loose_copy(repo: RepoStorage, chunk: str, size: int, record: bool = True) -> Buffer | None:
@@ -309,7 +137,7 @@ def loose_copy(repo: RepoStorage, chunk: str, size: int, record: bool = True) ->
 
 def read_copy(repo: RepoStorage, ref: ChunkRef, record: bool) -> Buffer | None:
     """The verified bytes of one stored copy, or None (damage recorded if ``record``)."""
-    key = _name(ref)
+    key = object_key(ref)
     base = None
     if ref.base is not None:
         try:

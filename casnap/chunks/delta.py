@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from casnap.chunks.decode import base_bytes
 from casnap.errors import CasnapError
 from casnap.format import codec
+from casnap.format.delta import changed_share, delta_sample_size, encode_delta
 from casnap.format.entries import ChunkRef
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 
@@ -106,17 +107,17 @@ class DeltaEncoder:
                 sample_base = memoryview(whole)[:SAMPLE]
             if len(sample_base) != len(sample):
                 return self._missed(tensor, whole_plain)  # a base shorter than it says: whole
-            changed = codec.changed_share(sample, sample_base) * len(sample)
+            changed = changed_share(sample, sample_base) * len(sample)
             if changed > plain * ratio * DENSE_SLACK:
                 return self._missed(tensor, whole_plain)  # a dense change: no delta can pay
-            delta = codec.delta_sample_size(sample, sample_base, group, self.level)
+            delta = delta_sample_size(sample, sample_base, group, self.level)
             if delta > plain * ratio:
                 return self._missed(tensor, whole_plain)
             if whole is None:
                 whole = base_bytes(self.repo, base, user)
         except CasnapError:
             return whole_plain  # the base is missing or damaged: write the chunk whole
-        head, payload = codec.encode_delta(
+        head, payload = encode_delta(
             data, digest, whole, bytes.fromhex(base.hash), group=group, level=self.level
         )
         expected_plain = plain / len(sample) * size

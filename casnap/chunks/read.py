@@ -17,15 +17,9 @@ from dataclasses import dataclass
 
 from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.chain import ChainFrames
-from casnap.chunks.decode import (
-    contain,
-    decode_frame,
-    frame_limit,
-    patch_in_place,
-    rebuild_into,
-    whole_loose,
-)
+from casnap.chunks.decode import decode_frame
+from casnap.chunks.rebuild import ChainFrames, patch_in_place, rebuild_into, whole_loose
+from casnap.chunks.stored import contain, frame_limit
 from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef

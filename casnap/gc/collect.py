@@ -58,14 +58,9 @@ from casnap.gc.plan import (
 )
 from casnap.index import GC_EPOCH_KEY
 from casnap.repo.damage import clear_damage, list_damage
-from casnap.repo.leases import (
-    Lease,
-    LeaseRecord,
-    acquire_gc_lock,
-    read_gc_lock,
-    read_record,
-    wait_for_leases,
-)
+from casnap.repo.gc_lock import acquire_gc_lock
+from casnap.repo.lease_record import LeaseRecord, read_gc_lock, read_record
+from casnap.repo.leases import Lease, wait_for_leases
 from casnap.repo.repository import RepoStorage, chunk_key, now_iso, pack_key
 from casnap.settings import Settings
 from casnap.store import ObjectStore
@@ -175,9 +170,9 @@ class GcSession:
 
     Entering writes the lock (waiting up to ``lock_wait_seconds``, default
     ``wait_seconds``, for another gc, else
-    :class:`casnap.repo.leases.GcBusyError`) and then waits up to
+    :class:`casnap.errors.GcBusyError`) and then waits up to
     ``wait_seconds`` for the takes in flight to finish (else
-    :class:`casnap.repo.leases.GcBlockedError`, having deleted nothing). Takes that
+    :class:`casnap.errors.GcBlockedError`, having deleted nothing). Takes that
     start meanwhile wait for the session to end.
 
     Example::
@@ -396,8 +391,8 @@ def gc(
     ``dry_run`` plans and deletes nothing, and writes nothing either (no lock, no
     epoch): it works with read-only access. ``progress(count, total)`` counts
     objects (manifests read while marking, then objects deleted), each phase
-    from 0. Raises :class:`casnap.repo.leases.GcBusyError`
-    or :class:`casnap.repo.leases.GcBlockedError` (having deleted nothing) when another
+    from 0. Raises :class:`casnap.errors.GcBusyError`
+    or :class:`casnap.errors.GcBlockedError` (having deleted nothing) when another
     gc or takes in flight keep it out for longer than ``wait_seconds``.
 
     Example::

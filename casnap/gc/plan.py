@@ -25,7 +25,8 @@ from casnap.errors import (
     expect_type,
 )
 from casnap.repo.damage import list_damage
-from casnap.repo.leases import GC_CLAIMS, GC_LOCK_KEY, LEASES, scan_leases
+from casnap.repo.lease_record import GC_CLAIMS, GC_LOCK_KEY, LEASES
+from casnap.repo.leases import scan_leases
 from casnap.repo.reach import object_refs
 from casnap.repo.repository import CONFIG_KEY, RepoStorage, chunk_key, now_iso
 from casnap.repo.tags import list_tags

@@ -20,7 +20,8 @@ docs/index.md for the protocol and the measured effect.
 
 Code: this module is the API the rest of casnap uses (the known-chunks view a
 take dedups against, summaries for ``log``/``du``, rebuild);
-:mod:`casnap.index.lmdb_store` is the LMDB storage layer and
+:mod:`casnap.index.lmdb_store` is the LMDB storage layer,
+:mod:`casnap.index.lmdb_envs` the environments this process holds open, and
 :mod:`casnap.index.summaries` the summary record.
 """
 
@@ -33,14 +34,11 @@ from casnap.errors import CasnapError, SnapshotNotFoundError
 from casnap.format.entries import ChunkRef, TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.index.cover import covers, record_cover
+from casnap.index.lmdb_envs import INDEX_FORMAT, close_all, drop, index_path
 from casnap.index.lmdb_store import (
     GC_EPOCH_KEY,
-    INDEX_FORMAT,
     RepoIndex,
-    close_all,
-    drop,
     enabled,
-    index_path,
     open_index,
     read_epoch_bytes,
 )

@@ -1,11 +1,10 @@
-"""The local index's storage layer: LMDB environments and the entries in them.
+"""The local index's storage layer: the entries in an LMDB environment.
 
-One LMDB environment per repository and machine, kept open per process
-(reopened after fork, closed when unused, deleted and recreated when damaged,
-never on a network filesystem), holding chunk locations and manifest
-summaries, each value sealed with a short blake3 check. :class:`RepoIndex` is
-one process's handle on one repository's index; :func:`open_index` checks the
-store's gc epoch before chunk entries may be used. The callers' API is
+Chunk locations and manifest summaries, each value sealed with a short
+blake3 check, in one LMDB environment per repository and machine
+(:mod:`casnap.index.lmdb_envs` keeps them open per process). :class:`RepoIndex`
+is one process's handle on one repository's index; :func:`open_index` checks
+the store's gc epoch before chunk entries may be used. The callers' API is
 :mod:`casnap.index`; docs/index.md has the protocol.
 """
 
@@ -13,11 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 import struct
-import threading
-import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -30,39 +25,25 @@ from casnap.format.entries import ChunkRef
 from casnap.format.manifest_bytes import trusted_chunk_ref
 from casnap.format.names import check_hash
 from casnap.format.parse import MAX_RECORD_BYTES
-from casnap.index.lmdb_files import (
-    MAX_READERS,
-    check_data_file,
-    reserve_lock_file,
-)
+from casnap.index import lmdb_envs
+from casnap.index.lmdb_envs import Env
 from casnap.index.summaries import ManifestSummary, decode_summary, encode_summary
 from casnap.repo.repository import RepoStorage
-from casnap.settings import index_enabled, index_map_size, index_root
+from casnap.settings import index_enabled
 
 _log = logging.getLogger("casnap.index")  # the logger users configure (docs/index.md)
 
-INDEX_FORMAT = b"casnap-index-1"
 GC_EPOCH_KEY = "gc-epoch"  # below .casnap/; written by gc after a sweep that deleted something
 
-_META_FORMAT = b"format"
 _META_CHUNKS_FOR = b"chunks-for"  # store URL + gc epoch the chunk entries were recorded under
 _CHECK = 8  # bytes of blake3 that guard every value against a damaged page
 _LOOSE = struct.Struct("<QQ")  # raw size, frame length
 _PACKED = struct.Struct("<QQQ32s")  # raw size, frame length, offset, pack digest
-_SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def enabled() -> bool:
     """Whether takes and history use the index (``CASNAP_INDEX=0`` turns it off)."""
     return index_enabled()
-
-
-def index_path(repo_id: str) -> Path:
-    """Where the index of repository ``repo_id`` lives on this machine."""
-    root = index_root()
-    # The id comes from the store's config.json: never let it name another folder.
-    safe = repo_id if _SAFE_ID.match(repo_id) else blake3.blake3(repo_id.encode()).hexdigest()
-    return root / safe
 
 
 # -- values ------------------------------------------------------------------
@@ -106,225 +87,6 @@ def _decode_chunk(h: str, body: bytes) -> ChunkRef:
     return trusted_chunk_ref(h, size, pack, offset, length)
 
 
-# -- environments ------------------------------------------------------------
-
-
-class _Env:
-    """One open LMDB environment (LMDB allows one per path per process)."""
-
-    def __init__(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        map_size = index_map_size()
-        self.path = path
-        self.broken = False  # damaged: delete the files and start over
-        self.stale = False  # unusable as opened (another process grew the map): reopen
-        self.off = False  # this process gave up on it (no space, read-only): never reopened
-        self.users: weakref.WeakSet[RepoIndex] = weakref.WeakSet()  # open handles
-        reserve_lock_file(path / "lock.mdb")
-        # metasync=False: a commit is one fsync, not two. LMDB keeps the database
-        # intact; a system crash may undo the last commit, which a cache of "this
-        # existed" can afford (a take probes what the index does not say).
-        self.env = lmdb.open(
-            str(path),
-            map_size=map_size,
-            max_dbs=4,
-            subdir=True,
-            lock=True,
-            max_readers=MAX_READERS,
-            writemap=False,
-            readahead=False,
-            meminit=False,
-            metasync=False,
-        )
-        try:
-            check_data_file(self.env, path / "data.mdb")
-            # One write transaction for the databases and the format mark: each
-            # commit is an fsync, paid by every rank of a take into a new repository.
-            with self.env.begin(write=True) as txn:
-                self.meta = self.env.open_db(b"meta", txn=txn)
-                self.chunks = self.env.open_db(b"chunks", txn=txn)
-                self.manifests = self.env.open_db(b"manifests", txn=txn)
-                fmt = txn.get(_META_FORMAT, db=self.meta)
-                if fmt != INDEX_FORMAT:  # new, or written by another index version
-                    txn.drop(self.chunks, delete=False)
-                    txn.drop(self.manifests, delete=False)
-                    txn.drop(self.meta, delete=False)
-                    txn.put(_META_FORMAT, INDEX_FORMAT, db=self.meta)
-        except BaseException:
-            self.env.close()
-            raise
-
-    @property
-    def usable(self) -> bool:
-        return not (self.broken or self.stale or self.off)
-
-
-# The one piece of module-level mutable state in casnap (docs/architecture.md):
-# LMDB forbids opening one path twice in a process and using an environment
-# across fork(), so open environments must be kept per process, whoever opens
-# them, and dropped in a forked child. At most _MAX_OPEN stay open (two file descriptors
-# each); the least recently used one no RepoIndex refers to is closed first.
-_MAX_OPEN = 16
-# Errors that mean the files are damaged (delete and rebuild) rather than
-# that this process cannot use them right now.
-_DAMAGED = (
-    lmdb.InvalidError,
-    lmdb.CorruptedError,
-    lmdb.PageNotFoundError,
-    lmdb.PanicError,
-    lmdb.VersionMismatchError,
-    lmdb.IncompatibleError,
-    lmdb.BadChecksumError,
-)
-# Errors that pass: reopening the environment is the cure. Any other error
-# (no space, read-only, I/O error, no address space) turns the index off for
-# this process, with one warning, instead of one per take.
-_TRANSIENT = (
-    lmdb.MapResizedError,
-    lmdb.ReadersFullError,
-    lmdb.TlsFullError,
-    lmdb.LockError,
-    lmdb.BadRslotError,
-)
-_registry_lock = threading.Lock()
-_registry: dict[str, _Env] = {}  # least recently used first
-_given_up: dict[str, str] = {}  # index paths this process runs without, and why
-
-
-def _forget_after_fork() -> None:
-    """In a forked child: drop the parent's environments, so this process opens its own.
-
-    py-lmdb refuses to open a path that is open "in this process", which the
-    child's copies are, so they are closed. That is safe on Linux: closing
-    touches only reader slots of the closing pid (none in the child) and
-    releases no lock the parent holds (fcntl locks are not inherited).
-    """
-    global _registry_lock
-    _registry_lock = threading.Lock()  # another thread may have held it at the fork
-    envs = list(_registry.values())
-    _registry.clear()
-    for env in envs:
-        try:
-            env.env.close()
-        except lmdb.Error:
-            pass
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-# LMDB's locks do not work across machines; on these a shared folder would
-# let two hosts write one file unsynchronised.
-_REMOTE_FS = (
-    "nfs",
-    "nfs4",
-    "cifs",
-    "smb3",
-    "smbfs",
-    "lustre",
-    "gpfs",
-    "beegfs",
-    "ceph",
-    "glusterfs",
-    "9p",
-    "afs",
-    "fuse",
-)
-
-
-def _filesystem_type(path: Path) -> str:
-    """The type of the filesystem holding ``path`` (the longest matching mount)."""
-    target = os.path.realpath(path)
-    best, fstype = "", "unknown"
-    try:
-        with open("/proc/mounts", encoding="utf-8") as fh:
-            for line in fh:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mnt = fields[1]
-                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, fstype = mnt, fields[2]
-    except OSError:
-        pass
-    return fstype
-
-
-def _handle(repo_id: str) -> RepoIndex | None:
-    """A handle on the index of ``repo_id``, opening (or rebuilding) it if needed."""
-    try:
-        path = index_path(repo_id)
-    except (RuntimeError, OSError) as exc:  # no home directory
-        _log.warning("casnap index has no place to live, running without it: %s", exc)
-        return None
-    key = str(path)
-    with _registry_lock:
-        if key in _given_up:
-            return None  # said once already
-        if key not in _registry:
-            fstype = _filesystem_type(path.parent)
-            if fstype.split(".")[0] in _REMOTE_FS:
-                _give_up(
-                    key,
-                    f"{path.parent} is on {fstype}, where LMDB cannot lock "
-                    "(set CASNAP_INDEX_DIR to a local disk)",
-                )
-                return None
-        env = _registry.get(key)
-        if env is not None and env.usable:
-            _registry[key] = _registry.pop(key)
-            return RepoIndex(env, None)  # held before the lock is released
-        if env is not None:
-            del _registry[key]
-            env.env.close()
-            if env.broken:
-                shutil.rmtree(path, ignore_errors=True)
-        for attempt in range(2):
-            try:
-                env = _Env(path)
-            except _DAMAGED as exc:
-                if attempt:
-                    _give_up(key, f"damaged again after a rebuild: {exc}")
-                    return None
-                _log.warning("casnap index at %s damaged, rebuilding it: %s", path, exc)
-                shutil.rmtree(path, ignore_errors=True)
-                continue
-            except (lmdb.Error, OSError, ValueError) as exc:  # no space, no memory, no access
-                _give_up(key, f"cannot be opened: {exc}")
-                return None
-            _registry[key] = env
-            handle = RepoIndex(env, None)
-            _close_unused(keep=_MAX_OPEN)
-            return handle
-    return None
-
-
-def _give_up(key: str, why: str) -> None:
-    """Run without the index at ``key`` in this process from now on; warn once (locked).
-
-    Its environment, if open, is closed; handles still holding it see it off.
-    ``close_all`` or ``drop`` forgets this, so the next use tries again.
-    """
-    env = _registry.pop(key, None)
-    if env is not None:
-        env.off = True
-        env.env.close()  # py-lmdb invalidates the transactions of other threads, safely
-    if key not in _given_up:
-        _given_up[key] = why
-        _log.warning("casnap index at %s %s; this process runs without it", key, why)
-
-
-def _close_unused(keep: int) -> None:
-    """Close least recently used environments nobody holds until ``keep`` remain (locked)."""
-    for key, env in list(_registry.items()):
-        if len(_registry) <= keep:
-            return
-        if not env.users:
-            del _registry[key]
-            env.env.close()
-
-
 def _store_identity(repo: RepoStorage) -> str:
     url = repo.url.removeprefix("file://")
     return url if "://" in url else os.path.realpath(url)
@@ -345,7 +107,7 @@ class RepoIndex:
     (``open_index(repo)``); summaries work on any.
     """
 
-    def __init__(self, env: _Env, chunks_for: bytes | None) -> None:
+    def __init__(self, env: Env, chunks_for: bytes | None) -> None:
         self._env = env
         self._chunks_for = chunks_for
         env.users.add(self)
@@ -355,26 +117,8 @@ class RepoIndex:
         return self._env.path
 
     def _failed(self, what: str, exc: Exception) -> None:
-        """Carry on without the index this time; repair it on the next open."""
-        if isinstance(exc, _DAMAGED):
-            _log.warning(
-                "casnap index at %s failed to %s (%s); it will be rebuilt",
-                self._env.path,
-                what,
-                exc,
-            )
-            self._env.broken = True
-        elif isinstance(exc, _TRANSIENT):
-            _log.info(
-                "casnap index at %s failed to %s (%s); reopening it", self._env.path, what, exc
-            )
-            self._env.stale = True
-        else:  # no space, read-only, an I/O error: it would fail again, and again say so
-            self._env.off = True
-            with _registry_lock:
-                if _registry.get(str(self._env.path)) is not self._env:
-                    return  # already replaced or closed; its successor speaks for itself
-                _give_up(str(self._env.path), f"failed to {what} ({exc})")
+        """Carry on without the index this time (see :func:`casnap.index.lmdb_envs.failed`)."""
+        lmdb_envs.failed(self._env, what, exc)
 
     def lookup_chunk(self, h: str, size: int) -> ChunkRef | None:
         """Where chunk ``h`` of ``size`` raw bytes is stored, if the index knows it."""
@@ -521,7 +265,7 @@ def open_index(repo: RepoStorage, *, chunks: bool = True) -> RepoIndex | None:
     """
     if not enabled():
         return None
-    index = _handle(repo.config.repo_id)
+    index = lmdb_envs.acquire(repo.config.repo_id, lambda env: RepoIndex(env, None))
     if index is None or not chunks:
         return index
     env = index._env
@@ -544,24 +288,3 @@ def open_index(repo: RepoStorage, *, chunks: bool = True) -> RepoIndex | None:
         return None
     index._chunks_for = chunks_for
     return index
-
-
-def drop(repo_id: str) -> None:
-    """Delete the index of repository ``repo_id`` on this machine (it is rebuilt on use)."""
-    path = index_path(repo_id)
-    with _registry_lock:
-        _given_up.pop(str(path), None)
-        env = _registry.pop(str(path), None)
-        if env is not None:
-            env.env.close()
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def close_all() -> None:
-    """Close every index this process opened (the next use reopens it)."""
-    with _registry_lock:
-        envs = list(_registry.values())
-        _registry.clear()
-        _given_up.clear()
-    for env in envs:
-        env.env.close()

@@ -22,29 +22,23 @@ safe (docs/damage.md, "Repair"). A chunk is named by the hash of its bytes, so
    leaves every snapshot at least as restorable as before.
 
 What no source supplies, and bad manifests, refs and tags, are reported per
-snapshot and tag as unrecoverable.
+snapshot and tag as unrecoverable. The sources are :mod:`casnap.ops.repair_sources`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from casnap.chunks.decode import fetch_frame, loose_copy, read_copy
+from casnap.chunks.decode import loose_copy
 from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
-from casnap.format.entries import (
-    DTYPE_ITEMSIZE,
-    MAX_DELTA_CHAIN,
-    ChunkRef,
-    ShardedEntry,
-    TensorEntry,
-)
+from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
+from casnap.ops.repair_sources import ChunkSource, FromDeltas, RepoCopies
 from casnap.ops.verify import Holder, Owners, StandIns, VerifyReport, roots, verify
 from casnap.repo.damage import DamagedCopy, clear_damage, list_damage
 from casnap.repo.leases import hold_lease
@@ -53,34 +47,6 @@ from casnap.settings import Settings
 
 Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
 Buffer = codec.Buffer
-
-
-class ChunkSource(Protocol):
-    """Somewhere good bytes of a chunk may come from; what it returns is verified by repair."""
-
-    label: str
-
-    def fetch(self, chunk: str, size: int) -> Buffer | None:
-        """Bytes claimed to be chunk ``chunk`` (``size`` bytes), or None."""
-
-
-class SnapshotSource:
-    """The chunks of snapshots (manifests), read from their repository and verified."""
-
-    def __init__(self, repo: RepoStorage, manifests: Iterable[Manifest], label: str) -> None:
-        self.repo = repo
-        self.label = label
-        self.copies: dict[str, list[ChunkRef]] = {}
-        for m in manifests:
-            for ref in m.stored_refs():
-                self.copies.setdefault(ref.hash, []).append(ref)
-
-    def fetch(self, chunk: str, size: int) -> Buffer | None:
-        for ref in self.copies.get(chunk, ()):
-            data = read_copy(self.repo, ref, record=False)
-            if data is not None:
-                return data
-        return None
 
 
 @dataclass(frozen=True)
@@ -280,7 +246,7 @@ def plan_repair(
     plan = find_bad(repo, read_data=read_data, progress=progress)
     recorded = set(list_damage(repo))
     total = sum(bad.size for bad in plan.bad)
-    deltas = _FromDeltas(repo, sources)
+    deltas = FromDeltas(repo, sources)
     done = 0
     for bad in plan.bad:
         digest = bytes.fromhex(bad.chunk)
@@ -313,101 +279,10 @@ def _sources(
     bad: BadChunk,
     dry_run: bool,
     given: Sequence[ChunkSource],
-    deltas: _FromDeltas,
+    deltas: FromDeltas,
 ) -> list[ChunkSource]:
     """Where a bad chunk's bytes may come from, in the order they are asked."""
-    return [_RepoCopies(repo, bad, dry_run), *given, deltas]
-
-
-class _RepoCopies:
-    """This repository's other copies of a chunk: every referenced frame that is not bad."""
-
-    label = "another copy in this repository"
-
-    def __init__(self, repo: RepoStorage, bad: BadChunk, dry_run: bool) -> None:
-        self.repo, self.bad, self.record = repo, bad, not dry_run
-
-    def fetch(self, chunk: str, size: int) -> Buffer | None:
-        bad_keys = {c.rsplit(" ", 1)[0] for c in self.bad.copies}
-        for ref in _referenced_copies(self.repo, chunk):
-            if object_name(ref) in bad_keys:
-                continue
-            data = read_copy(self.repo, ref, self.record)
-            if data is not None:
-                return data
-        return None
-
-
-def _referenced_copies(repo: RepoStorage, chunk: str) -> list[ChunkRef]:
-    out: dict[tuple[str | None, int], ChunkRef] = {}
-    for mhash in roots(repo, VerifyReport()):
-        try:
-            manifest = repo.read_manifest(mhash)
-        except CasnapError:
-            continue
-        out.update(((r.pack, r.offset), r) for r in manifest.stored_refs() if r.hash == chunk)
-    return list(out.values())
-
-
-class _FromDeltas:
-    """A damaged base rebuilt from a delta on it: a delta frame is the XOR of its chunk
-    with its base over the runs that differ, so applying it to the chunk's bytes
-    gives the base's. The chunk's bytes come from the other sources (live state
-    still holding them, a snapshot) or, for a chain, from a delta on *it*, each
-    verified against its hash before it is used.
-    """
-
-    label = "a delta on it, rebuilt from another source"
-
-    def __init__(self, repo: RepoStorage, sources: Sequence[ChunkSource]) -> None:
-        self.repo, self.sources = repo, sources
-        self._users: dict[str, list[ChunkRef]] | None = None
-
-    def users(self) -> dict[str, list[ChunkRef]]:
-        """The referenced delta frames by the hash of their base (read once)."""
-        if self._users is None:
-            self._users = {}
-            seen: set[tuple[str | None, int]] = set()
-            for mhash in roots(self.repo, VerifyReport()):
-                try:
-                    manifest = self.repo.read_manifest(mhash)
-                except CasnapError:
-                    continue
-                for ref in manifest.stored_refs():
-                    if ref.base is not None and (ref.pack, ref.offset) not in seen:
-                        seen.add((ref.pack, ref.offset))
-                        self._users.setdefault(ref.base.hash, []).append(ref)
-        return self._users
-
-    def fetch(self, chunk: str, size: int, depth: int = 0) -> Buffer | None:
-        if depth > MAX_DELTA_CHAIN:
-            return None
-        for delta in self.users().get(chunk, ()):
-            data = self._verified(delta, depth)
-            if data is None:
-                continue
-            try:
-                frame = fetch_frame(self.repo, delta)
-                hdr = codec.parse_header(frame, object_name(delta))
-                if hdr.codec != codec.CODEC_DELTA or hdr.raw_length != size:
-                    continue
-                out = bytearray(data)
-                payload = memoryview(frame)[codec.HEADER_SIZE : hdr.frame_length]
-                codec.apply_delta(hdr, payload, object_name(delta), bytes.fromhex(chunk), out)
-            except CasnapError:
-                continue  # the delta's own frame is damaged or gone: another user may serve
-            if digest_of(out) == bytes.fromhex(chunk):
-                return out
-        return None
-
-    def _verified(self, delta: ChunkRef, depth: int) -> Buffer | None:
-        want = bytes.fromhex(delta.hash)
-        for source in self.sources:
-            data = source.fetch(delta.hash, delta.size)
-            if data is not None and len(data) == delta.size and digest_of(data) == want:
-                return data
-        data = self.fetch(delta.hash, delta.size, depth + 1)  # a delta on the delta's chunk
-        return data if data is not None and digest_of(data) == want else None
+    return [RepoCopies(repo, bad.copies, dry_run), *given, deltas]
 
 
 def execute_repair(
@@ -427,7 +302,7 @@ def execute_repair(
     result = RepairResult(plan, dry_run=False)
     todo = [f for f in plan.fixes if f.source]
     by_chunk = {b.chunk: b for b in plan.bad}
-    deltas = _FromDeltas(repo, sources)
+    deltas = FromDeltas(repo, sources)
     total = sum(by_chunk[f.chunk].size for f in todo)
     done = 0
     with hold_lease(repo, kind="repair") as lease:
@@ -450,7 +325,7 @@ def _fetch(
     bad: BadChunk,
     label: str,
     sources: Sequence[ChunkSource],
-    deltas: _FromDeltas,
+    deltas: FromDeltas,
 ) -> Buffer | None:
     for source in _sources(repo, bad, True, sources, deltas):
         if source.label != label:
