@@ -53,13 +53,19 @@ def build(tp: int, seed: int = 1234) -> Any:
     return model
 
 
-def sharded_state(model: Any, step: int) -> dict[str, Any]:
-    """The model's sharded state dict plus common state (the step) and a ShardedObject."""
+def sharded_state(model: Any, step: int, rng: bool = True) -> dict[str, Any]:
+    """The model's sharded state dict plus common state (the step) and a ShardedObject.
+
+    The ShardedObject (an RNG state per TP rank) belongs to its layout, as in
+    Megatron: a load into another layout leaves it out (``rng=False``).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing import ShardedObject
 
     sd: dict[str, Any] = {"model": model.sharded_state_dict(prefix="model.")}
     sd["step"] = step  # common state: Megatron writes it to common.pt
+    if not rng:
+        return sd
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
     sd["rng"] = ShardedObject(
