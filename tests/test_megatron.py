@@ -9,6 +9,8 @@ and a ShardedObject, is saved through ``dist_checkpointing.save`` with
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ from megatron_helpers import (
     sharded_state,
 )
 
+REPO = str(Path(__file__).resolve().parents[1])
+
 pytestmark = pytest.mark.skipif(megatron_missing() is not None, reason=str(megatron_missing()))
 
 
@@ -37,6 +41,7 @@ def _save_twice_and_load(rank: int, world: int, root: str) -> dict[str, Any]:
     model = build(tp=1)
     strategy = CasnapSaveStrategy()
     out: dict[str, Any] = {"stats": [], "boxes": []}
+    _torch_dist_save(sharded_state(model, 1), os.path.join(root + "-torch_dist", "iter_0000001"))
     for it, step in ((1, 1), (2, 2), (3, 2)):
         if it == 2:  # a training step that changed a few tensors
             with torch.no_grad():
@@ -66,6 +71,20 @@ def _save_twice_and_load(rank: int, world: int, root: str) -> dict[str, Any]:
     # the snapshot's own copy of common.pt, for a directory that lost it
     assert load_common(os.path.join(root, "iter_0000002"))["step"] == 2
     return out
+
+
+def _torch_dist_save(sd: dict[str, Any], ckpt: str) -> None:
+    """Megatron's own torch_dist save, which assumes CUDA in two calls: patched here only."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(ckpt)
+    cuda = (torch.cuda.synchronize, torch.cuda.current_device)
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        dist_checkpointing.save(sd, ckpt)  # the default: torch_dist
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = cuda  # type: ignore[assignment]
 
 
 def build_like(model: Any) -> Any:
@@ -122,3 +141,33 @@ def test_each_save_is_a_snapshot_casnap_tools_work_on(saved: Any) -> None:
     # the directory Megatron wrote: its metadata, common.pt and casnap's pointer
     files = sorted(os.listdir(root / "iter_0000002"))
     assert files == ["casnap.json", "common.pt", "metadata.json"]
+
+
+def test_casnap_import_reads_a_torch_dist_checkpoint_bit_exact(saved: Any) -> None:
+    from casnap.api.repository import Repository
+    from casnap.api.snapshot import Snapshot
+
+    root, out = saved
+    src = Path(f"{root}-torch_dist") / "iter_0000001"
+    assert (src / ".metadata").exists() and (src / "common.pt").exists()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from casnap.cli import main; main()",
+            "import",
+            str(src),
+            str(root / "td_iter_0000001"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert done.returncode == 0, done.stderr
+    full = full_tensors([out["boxes"][0]])
+    snap = Snapshot(str(root / "td_iter_0000001"))
+    for key, tensor in full.items():  # Megatron's sharded keys, under rank 0
+        assert torch.equal(snap.read_object(f"0/{key}"), tensor), key
+    repo = Repository(str(root))
+    assert repo.log()[-1].name == "td_iter_0000001" and repo.verify(read_data=True).ok
