@@ -33,6 +33,7 @@ from casnap.cli.common import (
     human,
     open_repo,
     open_snapshot,
+    parent_label,
     primitive_value,
     storage_options,
     table,
@@ -96,6 +97,7 @@ def cmd_log(args: argparse.Namespace) -> int:
             "logical_bytes": ln.logical_bytes,
             "stored_bytes": ln.stored_bytes,
             "new_bytes": ln.new_bytes,
+            "parents_absent": list(ln.parents_absent),
         }
         for ln in lines
     ]
@@ -109,7 +111,7 @@ def cmd_log(args: argparse.Namespace) -> int:
                 age(ln.created_at),
                 human(ln.logical_bytes),
                 human(ln.new_bytes),
-                ", ".join(names.get(p, f"{p[:12]} (deleted)") for p in ln.parents),
+                ", ".join(parent_label(p, names, ln.parents_absent) for p in ln.parents),
             ]
             for lane, ln in zip(lanes, lines)
         ]

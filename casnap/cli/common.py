@@ -118,3 +118,12 @@ def primitive_value(e: PrimitiveEntry) -> tuple[Any, str]:
 def age(iso: str) -> str:
     """A recorded time for people: local time zone, with its offset (:func:`format_time`)."""
     return format_time(iso)
+
+
+def parent_label(parent: str, names: dict[str, str], absent: Sequence[str]) -> str:
+    """A parent as ``log`` shows it: its snapshot's name; else its manifest hash and why
+    no name: ``(deleted)`` while its manifest is still stored, ``(not in this repository)``
+    when it is not (collected by gc since, or never here: a copy brings no parents along)."""
+    if parent in names:
+        return names[parent]
+    return f"{parent[:12]} ({'not in this repository' if parent in absent else 'deleted'})"

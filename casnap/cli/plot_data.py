@@ -196,7 +196,7 @@ class LogPoint:
     name: str
     x: float  # the step, or the position oldest first when steps cannot order the run
     new_bytes: int
-    shared_bytes: int  # stored bytes also held by a parent
+    shared_bytes: int  # stored bytes an earlier snapshot (or a parent) already held
     metric: float | None  # None: absent; NaN or infinite: stored but not drawable
 
 

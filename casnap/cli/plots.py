@@ -255,14 +255,14 @@ def write_log_plot(
     unit, scale = _binary_unit(max((p.new_bytes + p.shared_bytes for p in points), default=0))
     new = [p.new_bytes / scale for p in points]
     shared = [p.shared_bytes / scale for p in points]
-    ax.bar(xs, new, width, color=COLORS["changed"], label="added: new bytes this snapshot wrote")
+    ax.bar(xs, new, width, color=COLORS["changed"], label="added: bytes this snapshot added")
     ax.bar(
         xs,
         shared,
         width,
         bottom=new,
         color=COLORS["shared"],
-        label="shared: bytes already stored by its parents",
+        label="shared: bytes already stored by earlier snapshots",
     )
     ax.set_ylabel(f"stored bytes per snapshot ({unit})")
     # Headroom: a full bar must not look cut off (the stacked bars' bottoms are sticky

@@ -42,8 +42,13 @@ class LogLine:
     parents: tuple[str, ...]
     logical_bytes: int
     stored_bytes: int
-    new_bytes: int  # stored bytes not shared with any parent
+    # Stored bytes the take added to the repository: frames that no earlier snapshot
+    # still here (nor any of its parents whose manifest is still stored) references.
+    new_bytes: int
     metadata: dict[str, Any]
+    # Parents whose manifest this repository does not hold: collected by gc after
+    # their snapshot was deleted, or never here (a copy brings no parents along).
+    parents_absent: tuple[str, ...] = ()
 
 
 def _heads(repo: RepoStorage) -> dict[str, str]:
@@ -58,24 +63,30 @@ def _heads(repo: RepoStorage) -> dict[str, str]:
 
 
 def log(repo: RepoStorage) -> list[LogLine]:
-    """Every snapshot, oldest first, with its size and what it added over its parents.
+    """Every snapshot, oldest first, with its size and what it added to the repository.
 
-    Manifest summaries come from the local index when cached (manifests are
-    immutable), so a second ``log`` of a remote repository reads only refs.
+    "Added" is counted from the manifests: the frames a snapshot references
+    that no snapshot created before it (nor a parent whose manifest is still
+    stored) references. A take that found every chunk already stored, with or
+    without a parent (an unchanged re-take, a DCP re-save, an import of the
+    same file), added nothing. Manifest summaries come from the local index
+    when cached (manifests are immutable), so a second ``log`` of a remote
+    repository reads only refs.
     """
     heads = _heads(repo)
     sums = manifest_summaries(repo, heads.values(), missing_ok=True)
     parents = {p for s in sums.values() for p in s.parents} - sums.keys()
     sums |= manifest_summaries(repo, parents, missing_ok=True)
+    named = sorted(
+        ((name, mhash, sums[mhash]) for name, mhash in heads.items() if mhash in sums),
+        key=lambda item: item[2].created_at,
+    )
+    seen: set[tuple[str, int, int]] = set()  # every frame of the snapshots listed so far
     lines = []
-    for name, mhash in heads.items():
-        s = sums.get(mhash)
-        if s is None:
-            continue
-        inherited: set[tuple[str, int, int]] = set()
+    for name, mhash, s in named:
         for p in s.parents:
             if p in sums:
-                inherited |= sums[p].spans
+                seen |= sums[p].spans
         lines.append(
             LogLine(
                 name=name,
@@ -85,11 +96,12 @@ def log(repo: RepoStorage) -> list[LogLine]:
                 parents=tuple(s.parents),
                 logical_bytes=s.logical_bytes,
                 stored_bytes=s.stored_bytes,
-                new_bytes=sum(x[2] for x in s.spans - inherited),
+                new_bytes=sum(x[2] for x in s.spans - seen),
                 metadata=dict(s.metadata),
+                parents_absent=tuple(p for p in s.parents if p not in sums),
             )
         )
-    lines.sort(key=lambda line: line.created_at)
+        seen |= s.spans
     return lines
 
 
