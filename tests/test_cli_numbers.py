@@ -110,3 +110,81 @@ def test_parents_deleted_and_never_held_are_told_apart(tmp_path):
     (copied,) = log_json(tmp_path, "copy").values()
     assert copied["parents_absent"] == copied["parents"] != []
     assert copied["new_bytes"] == copied["stored_bytes"]  # the copy added all of it
+
+
+def store_files_bytes(repo: Path) -> int:
+    """What the repository's manifests, chunk objects and packs hold on disk."""
+    meta = repo / ".casnap"
+    return sum(
+        f.stat().st_size
+        for kind in ("manifests", "chunks", "packs")
+        for f in (meta / kind).rglob("*")
+        if f.is_file()
+    )
+
+
+def test_du_accounts_for_what_the_store_holds(tmp_path):
+    """Retention deletes snapshots whose frames share packs with kept ones: gc cannot free
+    those packs, and du says where every byte beyond "stored" is."""
+    from casnap import Checkpointer, KeepLast, RetentionPolicy
+
+    torch.manual_seed(0)
+    # Small tensors go to packs; the same third of them changes every step.
+    state = StateDict(**{f"s{i}": torch.randn(300) for i in range(200)})
+    ckpt = Checkpointer(
+        str(tmp_path / "repo"), every_n_steps=1, retention=RetentionPolicy(KeepLast(2))
+    )
+    for step in range(1, 6):
+        for i in range(0, 200, 3):
+            state[f"s{i}"].add_(1)
+        ckpt.maybe_take(step, {"m": state})
+    ckpt.close()
+    code, out, err = casnap(tmp_path, "gc", "repo", "--grace", "0", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["plan"]["bytes_to_free"] == 0, (out, err)
+
+    code, out, err = casnap(tmp_path, "du", "repo", "--json")
+    assert code == 0, err
+    usage = json.loads(out)
+    store = usage["store"]
+    assert store["total_bytes"] == store_files_bytes(tmp_path / "repo")
+    assert store["frame_bytes"] == usage["stored_bytes"]
+    assert store["unused_in_packs"] > 0  # frames of the retired snapshots
+    assert (
+        usage["stored_bytes"] + store["unused_in_packs"] + store["manifest_bytes"]
+        == (store["total_bytes"])
+    )
+
+    code, out, err = casnap(tmp_path, "du", "repo")
+    assert code == 0, err
+    assert "the store holds " in out and "frames only deleted snapshots used" in out
+    assert "gc deletes a pack whole" in out and "du -sh" in out
+
+
+def test_du_says_how_gc_removes_leftovers_and_garbage(tmp_path):
+    state = StateDict(w=torch.randn(64 * 1024))
+    Snapshot.take(str(tmp_path / "repo/a"), {"m": state})
+    state["w"].add_(1)
+    Snapshot.take(str(tmp_path / "repo/b"), {"m": state})
+    code, _, err = casnap(tmp_path, "rm", "repo/a")  # no --prune: garbage for gc
+    assert code == 0, err
+    temp = tmp_path / f"repo/.casnap/chunks/ab/{'ab' * 32}~tmp-crashed"  # a dead put's
+    temp.parent.mkdir(parents=True, exist_ok=True)
+    temp.write_bytes(b"x" * 1000)
+    code, out, err = casnap(tmp_path, "du", "repo")
+    assert code == 0, err
+    left = next(line for line in out.splitlines() if line.startswith("left by interrupted"))
+    assert "older than its grace period (1h)" in left and "`casnap gc --grace 0`" in left
+    junk = next(line for line in out.splitlines() if line.startswith("unreferenced:"))
+    assert "grace period (1h)" in junk and "`casnap gc --grace 0` at once" in junk
+    code, out, err = casnap(tmp_path, "du", "repo", "--json")
+    store = json.loads(out)["store"]
+    assert store["unreferenced_bytes"] > 256 * 1024 and store["temp_bytes"] == 1000
+    assert store["total_bytes"] == store_files_bytes(tmp_path / "repo")
+    # plain gc keeps them (young); --grace 0 removes them now
+    code, out, err = casnap(tmp_path, "gc", "repo")
+    assert code == 0, err
+    assert json.loads(casnap(tmp_path, "du", "repo", "--json")[1])["store"]["temp_bytes"] == 1000
+    code, out, err = casnap(tmp_path, "gc", "repo", "--grace", "0")
+    assert code == 0, err
+    store = json.loads(casnap(tmp_path, "du", "repo", "--json")[1])["store"]
+    assert store["unreferenced_bytes"] == store["temp_bytes"] == 0

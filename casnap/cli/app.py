@@ -16,14 +16,13 @@ go before or after the command.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from casnap.api.repository import Repository
-from casnap.cli import copy_cmd, import_cmd, maintenance, plots
+from casnap.cli import copy_cmd, du_cmd, import_cmd, maintenance, plots
 from casnap.cli.common import (
     EXIT_ERROR,
     EXIT_PROBLEMS,
@@ -269,56 +268,6 @@ def note(message: str) -> None:
     print(f"casnap: {message}", file=sys.stderr)
 
 
-def cmd_du(args: argparse.Namespace) -> int:
-    usage = open_repo(args).du()
-    data = {
-        "snapshots": usage.snapshots,
-        "logical_bytes": usage.logical_bytes,
-        "stored_bytes": usage.stored_bytes,
-        "dedup_ratio": usage.dedup_ratio,
-        "per_snapshot": [
-            {
-                "name": u.name,
-                "logical_bytes": u.logical_bytes,
-                "stored_bytes": u.stored_bytes,
-                "freed_if_deleted": u.exclusive_bytes,
-            }
-            for u in usage.per_snapshot
-        ],
-        "leftovers": dataclasses.asdict(usage.leftovers),
-        "unreferenced": {
-            **dataclasses.asdict(usage.unreferenced),
-            "hint": usage.unreferenced.describe() if usage.unreferenced else None,
-        },
-    }
-
-    def text() -> str:
-        rows = [
-            [u.name, human(u.logical_bytes), human(u.stored_bytes), human(u.exclusive_bytes)]
-            for u in usage.per_snapshot
-        ]
-        head = table(rows, ["snapshot", "logical", "stored", "freed if deleted"], {1, 2, 3})
-        out = (
-            f"{head}\n\n{usage.snapshots} snapshots: logical {human(usage.logical_bytes)}, "
-            f"stored {human(usage.stored_bytes)}, dedup ratio {usage.dedup_ratio:.2f}x"
-        )
-        left = usage.leftovers
-        if left:
-            out += (
-                f"\nleft by interrupted takes: {left.temp_files} temp file(s) "
-                f"({human(left.temp_bytes)}), {left.expired_leases} expired lease(s); "
-                "`casnap gc` removes them"
-            )
-        if left.live_leases:
-            out += f"\ntakes in flight now: {left.live_leases}"
-        if usage.unreferenced:
-            out += "\n" + usage.unreferenced.describe()
-        return out
-
-    emit(args, data, text)
-    return 0
-
-
 def _part(text: str) -> tuple[int, int]:
     k, sep, n = text.partition("/")
     try:
@@ -457,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw each entry's relative change in model order (implies reading the "
         "changed chunks as --stats does; needs casnap[plot])",
     )
-    p = add("du", cmd_du, "logical and stored bytes, dedup ratio, what deleting each would free")
+    p = add(
+        "du", du_cmd.cmd_du, "logical and stored bytes, dedup ratio, what deleting each would free"
+    )
     p.add_argument("repo", help="repository directory or URL")
     p = add("verify", cmd_verify, "check refs, manifests and chunks; exit 1 on any problem")
     p.add_argument("repo", help="repository directory or URL")

@@ -17,6 +17,7 @@ from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import list_damage
 from casnap.repo.leases import scan_leases
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
+from casnap.store import ObjectInfo
 
 
 def _object_of(ref: ChunkRef) -> tuple[str, int, int]:
@@ -109,8 +110,8 @@ def log(repo: RepoStorage) -> list[LogLine]:
 class SnapshotUsage:
     name: str
     logical_bytes: int
-    stored_bytes: int  # bytes of the objects it references
-    exclusive_bytes: int  # what deleting it (then gc) would free
+    stored_bytes: int  # bytes of the frames it references, shared frames counted once
+    exclusive_bytes: int  # what deleting it (then gc) would free: whole objects only it uses
 
 
 @dataclass(frozen=True)
@@ -127,13 +128,40 @@ class Leftovers:
 
 
 @dataclass(frozen=True)
+class StoreSpace:
+    """Where the bytes the store holds go: ``stored`` (the frames the snapshots and
+    tags reference) plus what else the store lists (docs/repository.md, "du")."""
+
+    frame_bytes: int = 0  # = Usage.stored_bytes
+    # Bytes of the packs in use that no referenced frame occupies: frames only deleted
+    # snapshots used. gc deletes whole objects, so they go with a pack's last used frame.
+    unused_in_packs: int = 0
+    manifest_bytes: int = 0  # the manifests of the snapshots and tags
+    unreferenced_bytes: int = 0  # = Usage.unreferenced.bytes: gc's, after its grace period
+    temp_bytes: int = 0  # = Usage.leftovers.temp_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything below ``manifests/``, ``chunks/`` and ``packs/`` and the temp files,
+        as the store lists them (refs, tags and config.json, a few hundred bytes each, aside)."""
+        return (
+            self.frame_bytes
+            + self.unused_in_packs
+            + self.manifest_bytes
+            + self.unreferenced_bytes
+            + self.temp_bytes
+        )
+
+
+@dataclass(frozen=True)
 class Usage:
     snapshots: int
     logical_bytes: int  # what the snapshots would take without dedup or compression
-    stored_bytes: int  # the objects they reference, each counted once
+    stored_bytes: int  # the frames they (and tags) reference, each counted once, headers included
     per_snapshot: tuple[SnapshotUsage, ...] = ()
     leftovers: Leftovers = Leftovers()
     unreferenced: Unreferenced = Unreferenced()  # what gc would delete after its grace period
+    space: StoreSpace = StoreSpace()  # stored, and the rest of what the store holds
 
     @property
     def dedup_ratio(self) -> float:
@@ -143,50 +171,83 @@ class Usage:
 def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
     """Space used, overall and per snapshot. ``pinned`` maps extra roots (tags) to manifests.
 
-    An object (a loose chunk or a whole pack) counts toward a snapshot's
-    "freed if deleted" only if no other snapshot or pinned root uses it,
-    because gc frees whole objects.
+    "Stored" counts frames (each with its header), a frame shared by several
+    snapshots once. An object (a loose chunk or a whole pack) counts toward a
+    snapshot's "freed if deleted" only if no other snapshot or pinned root
+    uses it, because gc frees whole objects. One listing of the store gives
+    the objects' sizes and what no root reaches (:class:`StoreSpace`).
     """
     heads = _heads(repo)
     roots = [(n, h, True) for n, h in heads.items()]
     roots += [(f"tag:{t}", m, False) for t, m in (pinned or {}).items()]
     sums = manifest_summaries(repo, [h for _, h, _ in roots], missing_ok=True)
-    sizes: dict[str, int] = {}
+    extents: dict[str, int] = {}
     uses: dict[str, set[str]] = {}
     owners: dict[str, int] = {}
+    frames: set[tuple[str, int, int]] = set()
     for name, mhash, _is_ref in roots:
         s = sums.get(mhash)
         if s is None:
             continue
-        extents = s.object_extents()
-        for obj, end in extents.items():
-            sizes[obj] = max(sizes.get(obj, 0), end)
+        frames |= s.spans
+        ends = s.object_extents()
+        for obj, end in ends.items():
+            extents[obj] = max(extents.get(obj, 0), end)
             owners[obj] = owners.get(obj, 0) + 1
-        uses[name] = set(extents)
+        uses[name] = set(ends)
+    listed = [i for kind in ("chunks", "packs") for i in repo.store.list_info(kind)]
+    manifests = list(repo.store.list_info("manifests"))
+    sizes = _object_sizes(listed, extents)
     per = []
     for name, mhash, is_ref in roots:
         if not is_ref or name not in uses:
             continue
-        objs = uses[name]
         per.append(
             SnapshotUsage(
                 name,
                 sums[mhash].logical_bytes,
-                sum(sizes[o] for o in objs),
-                sum(sizes[o] for o in objs if owners[o] == 1),
+                sums[mhash].stored_bytes,
+                sum(sizes[o] for o in uses[name] if owners[o] == 1),
             )
         )
+    frame_bytes = sum(length for _, _, length in frames)
+    left = leftovers(repo)
+    junk = _unreferenced(repo, set(sums), set(extents), listed, manifests)
     return Usage(
         snapshots=len(per),
         logical_bytes=sum(u.logical_bytes for u in per),
-        stored_bytes=sum(sizes.values()),
+        stored_bytes=frame_bytes,
         per_snapshot=tuple(per),
-        leftovers=leftovers(repo),
-        unreferenced=_unreferenced(repo, set(sums), set(sizes)),
+        leftovers=left,
+        unreferenced=junk,
+        space=StoreSpace(
+            frame_bytes=frame_bytes,
+            unused_in_packs=max(sum(sizes.values()) - frame_bytes, 0),
+            manifest_bytes=sum(i.size or 0 for i in manifests if i.key.rpartition("/")[2] in sums),
+            unreferenced_bytes=junk.bytes,
+            temp_bytes=left.temp_bytes,
+        ),
     )
 
 
-def _unreferenced(repo: RepoStorage, manifests: set[str], digests: set[str]) -> Unreferenced:
+def _object_sizes(listed: list[ObjectInfo], extents: dict[str, int]) -> dict[str, int]:
+    """Each object the roots use (by digest): its size as listed, else the end of its last
+    referenced frame (a store that lists no sizes, or an object missing from the listing)."""
+    sizes = dict(extents)
+    for info in listed:
+        digest = info.key.rpartition("/")[2]
+        if digest in sizes and info.size is not None:
+            sizes[digest] = max(sizes[digest], info.size)
+    return sizes
+
+
+def _unreferenced(
+    repo: RepoStorage,
+    manifests: set[str],
+    digests: set[str],
+    listed: list[ObjectInfo],
+    listed_manifests: list[ObjectInfo],
+) -> Unreferenced:
     """Objects no root reaches; ``digests`` are the packs and loose chunks the roots use.
 
     A summary does not say whether a digest names a pack or a loose chunk, so
@@ -198,7 +259,7 @@ def _unreferenced(repo: RepoStorage, manifests: set[str], digests: set[str]) -> 
         keys |= {chunk_key(c.chunk) for c in list_damage(repo) if c.pack in digests}
     except CasnapError:
         pass  # a replacement then counts as unreferenced: du only reports
-    return find_unreferenced(repo, manifests, keys)
+    return find_unreferenced(repo, manifests, keys, listed, listed_manifests)
 
 
 def leftovers(repo: RepoStorage) -> Leftovers:
