@@ -188,3 +188,25 @@ def test_du_says_how_gc_removes_leftovers_and_garbage(tmp_path):
     assert code == 0, err
     store = json.loads(casnap(tmp_path, "du", "repo", "--json")[1])["store"]
     assert store["unreferenced_bytes"] == store["temp_bytes"] == 0
+
+
+@pytest.mark.slow
+def test_demo_says_what_its_gc_does(tmp_path):
+    """The README's demo: what it says about retention and gc is what they did."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CASNAP_INDEX_DIR": str(tmp_path / "ix")}
+    argv = ["--repo", str(tmp_path / "demo-repo"), "--steps", "150", "--every", "25"]
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore::UserWarning", str(REPO_ROOT / "tools/demo.py"), *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    said = next(line for line in out.splitlines() if line.startswith("retention deleted"))
+    assert "gc has nothing left to free" in said and not said.startswith("retention deleted 0 ")
+    gc_line = next(line for line in out.splitlines() if line.startswith("gc of "))
+    assert "freed 0 B" in gc_line, gc_line
+    assert "weights identical: True" in out
