@@ -6,12 +6,22 @@ the manifests' chunk references (sizes, hashes, frame lengths).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from casnap.display import natural_key
 from casnap.errors import CasnapError
-from casnap.format.entries import ChunkRef, ObjectEntry, ShardedEntry, TensorEntry
+from casnap.format.entries import (
+    ChunkRef,
+    ContainerEntry,
+    Entry,
+    ObjectEntry,
+    ShardedEntry,
+    TensorEntry,
+)
 from casnap.format.manifest import Manifest
+from casnap.format.tree import missing_key
 from casnap.index import manifest_summaries
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import list_damage
@@ -314,7 +324,11 @@ Status = Literal["added", "removed", "changed", "unchanged"]
 class EntryDiff:
     """One entry of a diff. The drift figures are filled in only by a diff with
     stats (``casnap.Repository.diff(..., stats=True)``), for changed tensors of
-    equal dtype, shape and chunking; they stay ``None`` otherwise."""
+    equal dtype, shape and chunking; they stay ``None`` otherwise.
+
+    A container (``container=True``: a dict, list or object holding other
+    entries) is ``changed`` when its own members or anything below it changed;
+    counts of what changed (:func:`value_counts`) leave containers out."""
 
     key: str
     status: Status
@@ -322,13 +336,22 @@ class EntryDiff:
     changed_chunks: int
     max_abs_diff: float | None = None  # max |b - a| over the changed chunks
     rel_l2: float | None = None  # ||b - a|| / ||a|| over the changed chunks
+    container: bool = False
 
 
-def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
-    """Per entry of ``a`` and ``b``: added, removed, changed or unchanged, from chunk hashes."""
+def diff(a: Manifest, b: Manifest, key: str | None = None) -> list[EntryDiff]:
+    """Per entry of ``a`` and ``b`` (only ``key`` and below, when given), in natural key
+    order (``layer2`` before ``layer10``): added, removed, changed or unchanged, from chunk
+    hashes. A ``key`` neither holds raises MissingKeyError naming the nearest keys."""
+    entries_a, entries_b = a.entries, b.entries
+    if key is not None:
+        entries_a, entries_b = _under(entries_a, key), _under(entries_b, key)
+        if not entries_a and not entries_b:
+            raise missing_key(key, {*a.entries, *b.entries})
     out = []
-    for key in sorted(set(a.entries) | set(b.entries)):
-        ea, eb = a.entries.get(key), b.entries.get(key)
+    for key in sorted(set(entries_a) | set(entries_b), key=natural_key):
+        ea, eb = entries_a.get(key), entries_b.get(key)
+        is_container = all(isinstance(e, ContainerEntry) for e in (ea, eb) if e is not None)
         if ea is None or eb is None:
             e = eb if ea is None else ea
             chunks = _chunks_of(e)
@@ -338,6 +361,7 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
                     "added" if ea is None else "removed",
                     sum(c.size for c in chunks),
                     len(chunks),
+                    container=is_container,
                 )
             )
             continue
@@ -365,8 +389,41 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
             )
         else:
             same = ea.model_dump() == eb.model_dump()
-            out.append(EntryDiff(key, "unchanged" if same else "changed", 0, 0))
-    return out
+            out.append(
+                EntryDiff(key, "unchanged" if same else "changed", 0, 0, container=is_container)
+            )
+    return _containers_follow_their_members(out)
+
+
+def _under(entries: Mapping[str, Entry], key: str) -> dict[str, Entry]:
+    return {k: e for k, e in entries.items() if k == key or k.startswith(key + "/")}
+
+
+def _containers_follow_their_members(rows: list[EntryDiff]) -> list[EntryDiff]:
+    """Mark ``changed`` every container with an entry below it that is not unchanged."""
+    moved: set[str] = set()
+    for r in rows:
+        if r.status != "unchanged":
+            parent = r.key.rpartition("/")[0]
+            while parent and parent not in moved:
+                moved.add(parent)
+                parent = parent.rpartition("/")[0]
+    return [
+        replace(r, status="changed")
+        if r.container and r.status == "unchanged" and r.key in moved
+        else r
+        for r in rows
+    ]
+
+
+def value_counts(rows: list[EntryDiff]) -> dict[str, int]:
+    """How many values (tensors, primitives, objects; not containers) have each status,
+    in the order added, removed, changed, unchanged (statuses none has left out)."""
+    counts = {s: 0 for s in ("added", "removed", "changed", "unchanged")}
+    for r in rows:
+        if not r.container:
+            counts[r.status] += 1
+    return {s: n for s, n in counts.items() if n}
 
 
 def _chunks_of(entry: object) -> list[ChunkRef]:
