@@ -107,3 +107,32 @@ def test_a_missing_key_is_not_found_with_the_nearest_keys(tmp_path, pair):
     assert code == 0 and listed_keys(out) == ["0/model/layer1"], err
     with pytest.raises(MissingKeyError, match="did you mean '0/model/layer1'"):
         Snapshot(str(tmp_path / b)).read_object("0/model/layr1")
+
+
+def test_every_command_exits_3_for_what_is_not_there(tmp_path, pair):
+    """The exit-code table of docs/repository.md: 3 for a missing repository, snapshot,
+    tag or key, whichever command meets it, in one ``casnap: error:`` line."""
+    a, b = pair
+    missing = [
+        *([cmd, "nowhere"] for cmd in ("ls", "log", "du", "verify", "gc", "unlock", "repair")),
+        ["tag", "nowhere", "ls"],
+        ["retain", "nowhere", "--keep-last", "1"],
+        ["copy", "nowhere", "elsewhere"],
+        ["show", "repo/zz"],
+        ["diff", a, "repo/zz"],
+        ["export", "repo/zz", "out.pt"],
+        ["rm", "repo/zz"],
+        ["tag", "repo", "add", "t", "zz"],
+        ["tag", "repo", "rm", "zz"],
+        ["copy", "repo", "elsewhere", "zz"],
+        ["show", b, "--key", "0/zz"],
+    ]
+    for argv in missing:
+        code, _, err = casnap(tmp_path, *argv)
+        lines = err.strip().splitlines()
+        assert code == 3 and len(lines) == 1 and lines[0].startswith("casnap: error: "), (
+            argv,
+            code,
+            err,
+        )
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "out.pt").exists()
