@@ -245,6 +245,7 @@ def test_a_refused_connection_is_one_line_within_the_timeout(tmp_path):
     assert code == 5 and took < 60  # gcsfs alone retries for ~30 s, then casnap 4 more times
     assert "no answer from gs://bucket/run1 within 6 s" in line
     assert f"127.0.0.1:{port}" in line and "CASNAP_REMOTE_TIMEOUT" in line
+    assert "(last cause seen: " in line  # the words docs/repository.md quotes
 
 
 def test_a_server_that_never_answers_is_one_line_within_the_timeout(tmp_path):

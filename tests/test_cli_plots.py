@@ -165,7 +165,7 @@ def test_log_plot_draws_bytes_and_a_metric_skipping_nan(tmp_path):
     # Names the metrics there are when asked for one no snapshot has; --metric needs --plot.
     out = casnap(tmp_path, "log", str(root), "--plot", "x.png", "--metric", "acc")
     assert out.returncode == 2 and out.stderr.strip() == (
-        "casnap: no snapshot has a metric 'acc' (metrics found: loss)"
+        "casnap: error: no snapshot has a metric 'acc' (metrics found: loss)"
     )
     assert not (tmp_path / "x.png").exists()
     out = casnap(tmp_path, "log", str(root), "--metric", "loss")
@@ -197,7 +197,8 @@ def test_plot_without_matplotlib_says_which_extra(tmp_path):
         out = casnap(tmp_path, *args, pythonpath=hidden)
         assert out.returncode == 2, out.stderr
         assert out.stderr == (
-            "casnap: --plot needs matplotlib, which is not installed: pip install 'casnap[plot]'\n"
+            "casnap: error: --plot needs matplotlib, which is not installed: "
+            "pip install matplotlib (casnap's plot extra)\n"
         )
         assert out.stdout == "" and not (tmp_path / "out.png").exists()
     out = casnap(tmp_path, "log", "run", pythonpath=hidden)  # matplotlib only for --plot

@@ -47,3 +47,29 @@ def test_the_wheel_ships_py_typed_and_the_casnap_command(tmp_path):
 def test_the_source_tree_marks_the_package_typed():
     assert (ROOT / "casnap" / "py.typed").is_file()
     assert 'casnap = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_install_words_name_what_pip_can_install():
+    """casnap is on no package index: `pip install 'casnap[lightning]'` finds nothing. What
+    the README, the docs and casnap's own messages tell a user to run installs from a
+    checkout (`.[extra]`) or a git URL (`casnap[extra] @ git+...`), with extras that exist."""
+    import re
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts += sorted((ROOT / "casnap").rglob("*.py"))
+    named = 0
+    for path in texts:
+        for line in path.read_text().splitlines():
+            for command in re.findall(r"pip install ([^`#\n]*)", line):
+                by_name = r"""(^|\s)['"]?casnap(\[[^\]]*\])?(?!\s*@)['"]?(\s|$)"""
+                assert not re.search(by_name, command), f"{path.name}: {line.strip()}"
+                for listed in re.findall(r"\[([a-z0-9_,-]+)\]", command):
+                    named += 1
+                    assert set(listed.split(",")) <= extras, f"{path.name}: {line.strip()}"
+    assert named >= 5  # the README and docs do name extras

@@ -103,7 +103,8 @@ def test_show_returns_the_header_and_the_entries_under_a_key(repo):
     assert isinstance(view.entries["0/m"], ContainerEntry)
     assert set(repo.show("step_3", key="0/m/w").entries) == {"0/m/w"}
     assert set(repo.show("step_3", key="0/m").entries) == {"0/m", "0/m/w", "0/m/step"}
-    assert repo.show("step_3", key="0/nothing").entries == {}
+    with pytest.raises(casnap.errors.MissingKeyError, match="did you mean '0/m/w'"):
+        repo.show("step_3", key="0/m/x")  # a key no entry is at or below
     with pytest.raises(casnap.SnapshotNotFoundError):
         repo.show("step_9")
 

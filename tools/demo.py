@@ -1,9 +1,11 @@
 """The casnap demo: train a small model, snapshot it every N steps, show log, du and diff.
 
 A Checkpointer takes a snapshot every N steps and applies a retention policy
-after each one; then the casnap CLI shows the repository, gc reclaims what
-retention released, verify re-hashes everything, and a fresh model resumes
-from the newest snapshot.
+after each one, deleting the snapshots it retires and, at once, the space
+only they used (its default ``prune=True``, as ``casnap retain --prune``);
+then the casnap CLI shows the repository, gc finds nothing left to free
+(retention freed it already), verify re-hashes everything, and a fresh model
+resumes from the newest snapshot.
 
 bash tools/demo                       # what the README runs
 .venv/bin/python tools/demo.py --steps 300 --every 50 --repo demo-repo
@@ -93,6 +95,9 @@ def main() -> None:
     # Keep the last 3 snapshots, every 100th step, and the best by loss.
     policy = RetentionPolicy(KeepLast(3), KeepEveryStep(100), KeepBest(1, "loss"))
     ckpt = Checkpointer(str(repo_dir), every_n_steps=args.every, retention=policy)
+    retired: list[str] = []
+    freed = 0
+    seen = None
 
     print(
         f"training {sum(p.numel() for p in model.parameters()):,} parameters for "
@@ -112,10 +117,20 @@ def main() -> None:
         if snap is not None:
             ms = (time.perf_counter() - t0) * 1000
             stats = snap.last_take_stats  # type: ignore[union-attr]
-            print(
+            line = (
                 f"  step {step:5d}  loss {loss.item():.4f}  snapshot in {ms:.0f} ms, wrote "
                 f"{human(stats.stored_bytes_written)} of {human(stats.raw_bytes)}"
             )
+            kept = ckpt.last_retention
+            if kept is not None and kept is not seen and kept.deleted:
+                seen, done = kept, kept.reclaimed
+                retired += kept.deleted
+                freed += done.bytes_freed if done is not None else 0
+                line += (
+                    f"; retention deleted {', '.join(kept.deleted)}, freed "
+                    f"{human(done.bytes_freed) if done is not None else 'nothing yet'}"
+                )
+            print(line)
     ckpt.close()
 
     repo = str(repo_dir)
@@ -123,6 +138,11 @@ def main() -> None:
     run_cli("du", repo)
     names = Repository.open(repo).list_snapshots()
     run_cli("diff", f"{repo}/{names[-2]}", f"{repo}/{names[-1]}", "--stats")
+    print(
+        f"\nretention deleted {len(retired)} snapshot(s) and freed {human(freed)} as it went: "
+        "gc has nothing left to free (what du lists as frames of deleted snapshots in their "
+        "packs goes with each pack's last used frame)"
+    )
     run_cli("gc", repo, "--grace", "0")
     run_cli("verify", repo, "--read-data")
 

@@ -29,6 +29,7 @@ from casnap.errors import CasnapError, ConfigError, SnapshotNotFoundError
 from casnap.format.entries import TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import check_ref_name
+from casnap.format.tree import entries_under
 from casnap.gc.collect import DEFAULT_GRACE_SECONDS, DEFAULT_WAIT_SECONDS, GcResult, gc
 from casnap.gc.reclaim import ReclaimResult, reclaim
 from casnap.ops.copy import CopyResult
@@ -161,9 +162,7 @@ class Repository(RepoStorage):
         """
         mhash = self.resolve(name)
         m: Manifest = self.read_manifest(mhash)
-        entries = {
-            k: e for k, e in m.entries.items() if key is None or k == key or k.startswith(key + "/")
-        }
+        entries = entries_under(m.entries, key)  # MissingKeyError naming the nearest keys
         return SnapshotView(
             name, mhash, m.created_at, m.world_size, dict(m.metadata), tuple(m.parents), entries
         )
@@ -182,12 +181,13 @@ class Repository(RepoStorage):
         stats: bool = False,
         other: Repository | None = None,
         memory_budget_bytes: int | None = None,
+        key: str | None = None,
     ) -> list[EntryDiff]:
-        """Per entry (sorted by key): added, removed, changed or unchanged from ``a`` to ``b``.
+        """Per entry, natural key order: added, removed, changed or unchanged from a to b.
 
-        From the manifests alone, unless ``stats=True``: then the changed chunks
-        of each changed tensor are read (and only those) and ``max_abs_diff``
-        and ``rel_l2`` are filled in; that path loads torch. ``b`` is looked up
+        Only ``key`` and below, when given. From the manifests alone, unless ``stats=True``:
+        then the changed chunks of each changed tensor are read (and only those), filling in
+        ``max_abs_diff`` and ``rel_l2``; that path loads torch. ``b`` is looked up
         in ``other`` when given (another repository), else in this one::
 
             [d.key for d in repo.diff("step_2", "step_3") if d.status != "unchanged"]
@@ -195,7 +195,7 @@ class Repository(RepoStorage):
         repo_b = other if other is not None else self
         ma = self.read_manifest(self.resolve(a))
         mb = repo_b.read_manifest(repo_b.resolve(b))
-        rows = diff(ma, mb)
+        rows = diff(ma, mb, key=key)
         if not stats:
             return rows
         from casnap.restore.drift import drift  # the torch layer: only when asked

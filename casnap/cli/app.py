@@ -16,26 +16,27 @@ go before or after the command.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from casnap.api.repository import Repository
-from casnap.cli import copy_cmd, import_cmd, maintenance, plots
+from casnap.cli import copy_cmd, diff_cmd, du_cmd, import_cmd, maintenance, plots
 from casnap.cli.common import (
-    EXIT_ERROR,
     EXIT_PROBLEMS,
-    EXIT_USAGE,
     age,
+    cannot_write,
     emit,
     human,
+    note,
     open_repo,
     open_snapshot,
+    parent_label,
     primitive_value,
     storage_options,
     table,
+    usage,
 )
 from casnap.cli.contract import (
     add_global_options,
@@ -46,7 +47,6 @@ from casnap.cli.contract import (
 )
 from casnap.cli.plot_data import metric_names
 from casnap.cli.progress import progress_bar
-from casnap.display import format_float
 from casnap.errors import (
     IntegrityError,
     RepositoryNotFoundError,
@@ -81,8 +81,7 @@ def cmd_log(args: argparse.Namespace) -> int:
         try:
             drawn = plots.write_log_plot(args.plot, lines, args.metric, args.repo)
         except OSError as exc:
-            print(f"casnap: cannot write {args.plot}: {exc}", file=sys.stderr)
-            return EXIT_ERROR
+            return cannot_write(args.plot, exc)
         note(f"wrote {args.plot}: {len(lines)} snapshots by {drawn['x']}")
     lanes = graph_lanes(lines)
     names = {line.manifest: line.name for line in lines}
@@ -96,6 +95,7 @@ def cmd_log(args: argparse.Namespace) -> int:
             "logical_bytes": ln.logical_bytes,
             "stored_bytes": ln.stored_bytes,
             "new_bytes": ln.new_bytes,
+            "parents_absent": list(ln.parents_absent),
         }
         for ln in lines
     ]
@@ -109,7 +109,7 @@ def cmd_log(args: argparse.Namespace) -> int:
                 age(ln.created_at),
                 human(ln.logical_bytes),
                 human(ln.new_bytes),
-                ", ".join(names.get(p, f"{p[:12]} (deleted)") for p in ln.parents),
+                ", ".join(parent_label(p, names, ln.parents_absent) for p in ln.parents),
             ]
             for lane, ln in zip(lanes, lines)
         ]
@@ -194,126 +194,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         },
         lambda: head + table(rows, ["key", "kind", "dtype/type", "shape", "size"], {4}),
     )
-    return 0
-
-
-def cmd_diff(args: argparse.Namespace) -> int:
-    if args.plot and (why := plots.problem(args.plot)):
-        return usage(why)
-    repo_a, name_a = open_snapshot(args, args.a)
-    repo_b, name_b = open_snapshot(args, args.b)
-    # The picture's bars are the drift figures: --plot reads the changed chunks as --stats does.
-    rows = repo_a.diff(name_a, name_b, stats=args.stats or bool(args.plot), other=repo_b)
-    if args.plot:
-        entries_a, entries_b = repo_a.show(name_a).entries, repo_b.show(name_b).entries
-        try:
-            picture = plots.write_diff_plot(
-                args.plot, rows, entries_a, entries_b, f"{args.a} → {args.b}"
-            )
-        except OSError as exc:
-            print(f"casnap: cannot write {args.plot}: {exc}", file=sys.stderr)
-            return EXIT_ERROR
-        how = "one per entry" if picture.grouping == "entry" else f"grouped by {picture.grouping}"
-        note(f"wrote {args.plot}: {len(picture.rows)} rows, {how}")
-    shown = [r for r in rows if args.all or r.status != "unchanged"]
-    data = []
-    for r in shown:
-        item: dict[str, Any] = {
-            "key": r.key,
-            "status": r.status,
-            "changed_bytes": r.changed_bytes,
-            "changed_chunks": r.changed_chunks,
-        }
-        if r.rel_l2 is not None:
-            item.update(max_abs_diff=r.max_abs_diff, rel_l2=r.rel_l2)
-        data.append(item)
-
-    def text() -> str:
-        counts: dict[str, int] = {}
-        for r in rows:
-            counts[r.status] = counts.get(r.status, 0) + 1
-        header = ["key", "status", "changed", "chunks"]
-        if args.stats:
-            header += ["max |b-a|", "rel L2"]
-        out = []
-        for r, item in zip(shown, data):
-            row = [
-                r.key,
-                r.status,
-                human(r.changed_bytes) if r.changed_bytes else "",
-                str(r.changed_chunks) if r.changed_chunks else "",
-            ]
-            if args.stats:
-                row += (
-                    [format_float(item["max_abs_diff"], 3), format_float(item["rel_l2"], 3)]
-                    if ("rel_l2" in item)
-                    else ["", ""]
-                )
-            out.append(row)
-        summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-        return (table(out, header, {2, 3, 4, 5}) + "\n" if out else "") + summary
-
-    emit(args, data, text)
-    return 0
-
-
-def usage(message: str) -> int:
-    print(f"casnap: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-def note(message: str) -> None:
-    """A line for the person at the terminal, kept off stdout so ``--json`` stays parseable."""
-    print(f"casnap: {message}", file=sys.stderr)
-
-
-def cmd_du(args: argparse.Namespace) -> int:
-    usage = open_repo(args).du()
-    data = {
-        "snapshots": usage.snapshots,
-        "logical_bytes": usage.logical_bytes,
-        "stored_bytes": usage.stored_bytes,
-        "dedup_ratio": usage.dedup_ratio,
-        "per_snapshot": [
-            {
-                "name": u.name,
-                "logical_bytes": u.logical_bytes,
-                "stored_bytes": u.stored_bytes,
-                "freed_if_deleted": u.exclusive_bytes,
-            }
-            for u in usage.per_snapshot
-        ],
-        "leftovers": dataclasses.asdict(usage.leftovers),
-        "unreferenced": {
-            **dataclasses.asdict(usage.unreferenced),
-            "hint": usage.unreferenced.describe() if usage.unreferenced else None,
-        },
-    }
-
-    def text() -> str:
-        rows = [
-            [u.name, human(u.logical_bytes), human(u.stored_bytes), human(u.exclusive_bytes)]
-            for u in usage.per_snapshot
-        ]
-        head = table(rows, ["snapshot", "logical", "stored", "freed if deleted"], {1, 2, 3})
-        out = (
-            f"{head}\n\n{usage.snapshots} snapshots: logical {human(usage.logical_bytes)}, "
-            f"stored {human(usage.stored_bytes)}, dedup ratio {usage.dedup_ratio:.2f}x"
-        )
-        left = usage.leftovers
-        if left:
-            out += (
-                f"\nleft by interrupted takes: {left.temp_files} temp file(s) "
-                f"({human(left.temp_bytes)}), {left.expired_leases} expired lease(s); "
-                "`casnap gc` removes them"
-            )
-        if left.live_leases:
-            out += f"\ntakes in flight now: {left.live_leases}"
-        if usage.unreferenced:
-            out += "\n" + usage.unreferenced.describe()
-        return out
-
-    emit(args, data, text)
     return 0
 
 
@@ -440,22 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("snapshot", help="snapshot path, e.g. /ckpt/run1/step_100")
     p.add_argument("--key", help="only this entry and what is below it")
     p.add_argument("--all", action="store_true", help="also list containers")
-    p = add("diff", cmd_diff, "per entry: added, removed, changed or unchanged (manifests only)")
-    p.add_argument("a", help="snapshot path")
-    p.add_argument("b", help="snapshot path (may be in another repository)")
-    p.add_argument(
-        "--stats",
-        action="store_true",
-        help="numeric drift per changed tensor (reads only the changed chunks)",
+    diff_cmd.register(add)
+    p = add(
+        "du", du_cmd.cmd_du, "logical and stored bytes, dedup ratio, what deleting each would free"
     )
-    p.add_argument("--all", action="store_true", help="also list unchanged entries")
-    p.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="also draw each entry's relative change in model order (implies reading the "
-        "changed chunks as --stats does; needs casnap[plot])",
-    )
-    p = add("du", cmd_du, "logical and stored bytes, dedup ratio, what deleting each would free")
     p.add_argument("repo", help="repository directory or URL")
     p = add("verify", cmd_verify, "check refs, manifests and chunks; exit 1 on any problem")
     p.add_argument("repo", help="repository directory or URL")

@@ -10,6 +10,7 @@ import argparse
 import base64
 import json
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,24 @@ from casnap.errors import ConfigError
 from casnap.format.entries import PrimitiveEntry
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
+
+
+def usage(message: str) -> int:
+    """Bad usage found by casnap (not argparse): one line, ``casnap: error: <message>``,
+    exit 2 (docs/repository.md: every error is one line in that form)."""
+    print(f"casnap: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cannot_write(path: str, exc: OSError) -> int:
+    """A picture that could not be written: one error line, exit 5."""
+    print(f"casnap: error: cannot write {path}: {exc}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def note(message: str) -> None:
+    """A line for the person at the terminal, kept off stdout so ``--json`` stays parseable."""
+    print(f"casnap: {message}", file=sys.stderr)
 
 
 def human(n: float) -> str:
@@ -118,3 +137,12 @@ def primitive_value(e: PrimitiveEntry) -> tuple[Any, str]:
 def age(iso: str) -> str:
     """A recorded time for people: local time zone, with its offset (:func:`format_time`)."""
     return format_time(iso)
+
+
+def parent_label(parent: str, names: dict[str, str], absent: Sequence[str]) -> str:
+    """A parent as ``log`` shows it: its snapshot's name; else its manifest hash and why
+    no name: ``(deleted)`` while its manifest is still stored, ``(not in this repository)``
+    when it is not (collected by gc since, or never here: a copy brings no parents along)."""
+    if parent in names:
+        return names[parent]
+    return f"{parent[:12]} ({'not in this repository' if parent in absent else 'deleted'})"

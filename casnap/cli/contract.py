@@ -10,7 +10,7 @@ Exit codes (the table in docs/repository.md, "The command line"):
       :class:`casnap.RetentionError`
 3     not found: :class:`casnap.SnapshotNotFoundError`,
       :class:`casnap.RepositoryNotFoundError`, :class:`casnap.ObjectNotFoundError`
-      (a tag)
+      (a tag), :class:`casnap.errors.MissingKeyError` (a key the snapshot lacks)
 4     integrity: :class:`casnap.IntegrityError` and its subclasses
 5     any other error (a store that fails or does not answer, a busy gc, a full
       disk, ...)
@@ -48,6 +48,7 @@ from casnap.errors import (
     ConfigError,
     IntegrityError,
     InvalidNameError,
+    MissingKeyError,
     ObjectNotFoundError,
     RepositoryNotFoundError,
     RetentionError,
@@ -57,7 +58,8 @@ from casnap.errors import (
 EXIT_INTERRUPTED = 130
 EXIT_CLOSED_PIPE = 128 + 13  # what a shell reports for a process killed by SIGPIPE
 
-_NOT_FOUND = (SnapshotNotFoundError, RepositoryNotFoundError, ObjectNotFoundError)
+# MissingKeyError: a key the snapshot does not hold (export, show and diff --key).
+_NOT_FOUND = (SnapshotNotFoundError, RepositoryNotFoundError, ObjectNotFoundError, MissingKeyError)
 _USAGE = (ConfigError, InvalidNameError, RetentionError)
 
 

@@ -44,7 +44,9 @@ def cmd_import(args: argparse.Namespace) -> int:
         "source": record["path"],
         "tensors": tensors,
         "logical_bytes": stats.raw_bytes,
-        "new_bytes": stats.raw_bytes_written,
+        # What the import added to the repository: the stored bytes `log` counts as new.
+        "new_bytes": stats.stored_bytes_written,
+        "raw_bytes_written": stats.raw_bytes_written,
         "stored_bytes_written": stats.stored_bytes_written,
     }
     emit(
@@ -53,7 +55,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         lambda: (
             f"imported {record['format']} {record['path']} as {snap.name} in "
             f"{snap.repository.url}: {tensors} tensors, {human(stats.raw_bytes)}, "
-            f"{human(stats.raw_bytes_written)} new"
+            f"{human(stats.stored_bytes_written)} new"
         ),
     )
     return 0

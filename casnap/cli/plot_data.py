@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from casnap.format.entries import ContainerEntry, Entry
 from casnap.format.tree import leaf_order
-from casnap.ops.history import EntryDiff, LogLine
+from casnap.ops.history import EntryDiff, LogLine, value_counts
 from casnap.ops.retention import SnapshotInfo
 
 # One row per entry up to this many; beyond it entries are grouped by module.
@@ -63,6 +63,14 @@ def model_order(entries_a: Mapping[str, Entry], entries_b: Mapping[str, Entry]) 
         out.append(key)
         out.extend(after.get(key, []))
     return out
+
+
+def value_summary(rows: Sequence[EntryDiff], under: str = "") -> str:
+    """``64 values: 23 changed, 41 unchanged``: what the text and the picture's title say."""
+    counts = value_counts(list(rows))
+    total = sum(counts.values())
+    what = ", ".join(f"{n} {status}" for status, n in counts.items())
+    return f"{total} value{'' if total == 1 else 's'}{under}" + (f": {what}" if what else "")
 
 
 def _status(row: EntryDiff) -> str:
@@ -196,7 +204,7 @@ class LogPoint:
     name: str
     x: float  # the step, or the position oldest first when steps cannot order the run
     new_bytes: int
-    shared_bytes: int  # stored bytes also held by a parent
+    shared_bytes: int  # stored bytes an earlier snapshot (or a parent) already held
     metric: float | None  # None: absent; NaN or infinite: stored but not drawable
 
 

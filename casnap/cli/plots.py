@@ -1,6 +1,6 @@
 """The ``--plot`` pictures of ``casnap diff`` and ``casnap log``, drawn with matplotlib.
 
-matplotlib is the optional ``plot`` extra (``pip install 'casnap[plot]'``):
+matplotlib is the optional ``plot`` extra (``pip install '.[plot]'`` in a checkout):
 it is imported here only, and only when a picture is asked for, and drawn
 with the Agg canvas on a ``Figure`` of its own (no pyplot, so no global
 state and no display needed). What a picture shows is computed in
@@ -23,11 +23,12 @@ from casnap.cli.plot_data import (
     DiffPicture,
     diff_rows,
     log_points,
+    value_summary,
 )
 from casnap.format.entries import Entry
 from casnap.ops.history import EntryDiff, LogLine
 
-INSTALL = "pip install 'casnap[plot]'"
+INSTALL = "pip install matplotlib (casnap's plot extra)"
 FORMATS = (".png", ".svg", ".pdf")
 
 # Okabe-Ito colours: told apart with the common colour-vision deficiencies.
@@ -169,14 +170,16 @@ def write_diff_plot(
     main.grid(axis="x", alpha=0.3)
     main.tick_params(axis="y", length=0)
     main.spines[["top", "right"]].set_visible(False)
-    counts = {s: sum(r.counts[s] for r in shown) for s in STATUSES}
-    total = sum(counts.values())
-    summary = ", ".join(f"{v} {s}" for s, v in counts.items() if v)
+    # The counts the text prints (values, not containers); "no figure" is part of "changed".
+    no_figure = sum(r.counts["no figure"] for r in shown)
     how = (
         "one row per entry" if not grouped else f"{len(shown)} rows: grouped by {picture.grouping}"
     )
     under = f" under {picture.prefix}" if picture.prefix else ""
-    heading = f"{total} entries{under} ({summary}); {how}, model order"
+    heading = value_summary(rows, under) + (
+        f" ({no_figure} changed with no figure)" if no_figure else ""
+    )
+    heading += f"; {how}, model order"
     fig.suptitle(f"casnap diff {_shorten(title, 120)}\n{heading}", fontsize=10)
     # Above the bars, attached to an axes: constrained layout then keeps it clear of the
     # title and of the note below (a figure legend "outside" overlaps the suptitle).
@@ -204,6 +207,7 @@ def write_diff_plot(
         f"casnap diff {title}",
         {
             "kind": "diff",
+            "summary": heading,
             "prefix": picture.prefix,
             "grouping": picture.grouping,
             "log_scale": log,
@@ -255,14 +259,14 @@ def write_log_plot(
     unit, scale = _binary_unit(max((p.new_bytes + p.shared_bytes for p in points), default=0))
     new = [p.new_bytes / scale for p in points]
     shared = [p.shared_bytes / scale for p in points]
-    ax.bar(xs, new, width, color=COLORS["changed"], label="added: new bytes this snapshot wrote")
+    ax.bar(xs, new, width, color=COLORS["changed"], label="added: bytes this snapshot added")
     ax.bar(
         xs,
         shared,
         width,
         bottom=new,
         color=COLORS["shared"],
-        label="shared: bytes already stored by its parents",
+        label="shared: bytes already stored by earlier snapshots",
     )
     ax.set_ylabel(f"stored bytes per snapshot ({unit})")
     # Headroom: a full bar must not look cut off (the stacked bars' bottoms are sticky

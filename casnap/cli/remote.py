@@ -90,7 +90,7 @@ def first_contact(url: str, open_: Callable[[], T]) -> T:
             lg.removeHandler(watcher)
             lg.setLevel(level)
     if worker.is_alive():
-        cause = f" (last error: {watcher.cause})" if watcher.cause else ""
+        cause = f" (last cause seen: {watcher.cause})" if watcher.cause else ""
         raise StoreError(
             f"no answer from {url} within {limit:g} s{cause}; check the network, the "
             "bucket name and the credentials (CASNAP_REMOTE_TIMEOUT=SECONDS waits longer)",

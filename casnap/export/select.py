@@ -10,10 +10,10 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from casnap.errors import MissingKeyError, UnsupportedValueError, expect_type
+from casnap.errors import UnsupportedValueError, expect_type
 from casnap.format.entries import ContainerEntry, ObjectEntry, PrimitiveEntry, TensorEntry
 from casnap.format.manifest import Manifest
-from casnap.format.tree import subtree
+from casnap.format.tree import missing_key, subtree
 
 if TYPE_CHECKING:
     from casnap.api.snapshot import Snapshot
@@ -39,9 +39,7 @@ def resolve_key(manifest: Manifest, key: str) -> str:
         return key
     if f"0/{key}" in entries and all(k.startswith("0/") for k in entries):
         return f"0/{key}"
-    near = [k for k in entries if k.endswith(key) or key in k][:8]
-    hint = f"; did you mean {', '.join(repr(k) for k in near)}?" if near else ""
-    raise MissingKeyError(f"no entry {key!r} in the snapshot{hint}", key)
+    raise missing_key(key, entries)  # naming the nearest keys
 
 
 def _roots(entries: dict[str, Any]) -> list[str]:

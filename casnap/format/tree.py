@@ -5,9 +5,10 @@ Containers list their members' keys; a member lives at ``<key>/<escaped member>`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 
-from casnap.errors import ManifestValidationError
+from casnap.errors import ManifestValidationError, MissingKeyError
 from casnap.format.entries import ContainerEntry, Entry
 from casnap.format.names import escape_key
 
@@ -62,3 +63,37 @@ def leaf_order(entries: Mapping[str, Entry]) -> list[str]:
             else:
                 out.append(k)
     return out
+
+
+def nearest_keys(key: str, keys: Iterable[str], n: int = 3) -> list[str]:
+    """The keys most like ``key``: those it is the tail of (``model/w`` for ``0/model/w``),
+    then the closest by difflib's ratio (at least 0.6)."""
+    keys = list(keys)
+    tails = sorted(k for k in keys if k.endswith("/" + key))
+    close = difflib.get_close_matches(key, keys, n=n, cutoff=0.6)
+    return list(dict.fromkeys(tails + close))[:n]
+
+
+def missing_key(key: str, keys: Iterable[str]) -> MissingKeyError:
+    """The error for a key the snapshot does not hold, naming the nearest keys it does::
+
+    no entry '0/modl' in the snapshot; did you mean '0/model' or '0/model/w'?
+    """
+    close = [repr(k) for k in nearest_keys(key, keys)]
+    if close:
+        head = ", ".join(close[:-1])
+        hint = f"; did you mean {head + ' or ' if head else ''}{close[-1]}?"
+    else:
+        hint = "; `casnap show SNAPSHOT` lists its keys"
+    return MissingKeyError(f"no entry {key!r} in the snapshot{hint}", key)
+
+
+def entries_under(entries: Mapping[str, Entry], key: str | None) -> dict[str, Entry]:
+    """The entries at ``key`` and below it (all of them for None); a key no entry is at or
+    below raises :class:`casnap.errors.MissingKeyError` naming the nearest keys."""
+    if key is None:
+        return dict(entries)
+    found = {k: e for k, e in entries.items() if k == key or k.startswith(key + "/")}
+    if not found:
+        raise missing_key(key, entries)
+    return found

@@ -6,17 +6,28 @@ the manifests' chunk references (sizes, hashes, frame lengths).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from casnap.display import natural_key
 from casnap.errors import CasnapError
-from casnap.format.entries import ChunkRef, ObjectEntry, ShardedEntry, TensorEntry
+from casnap.format.entries import (
+    ChunkRef,
+    ContainerEntry,
+    Entry,
+    ObjectEntry,
+    ShardedEntry,
+    TensorEntry,
+)
 from casnap.format.manifest import Manifest
+from casnap.format.tree import missing_key
 from casnap.index import manifest_summaries
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import list_damage
 from casnap.repo.leases import scan_leases
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
+from casnap.store import ObjectInfo
 
 
 def _object_of(ref: ChunkRef) -> tuple[str, int, int]:
@@ -42,8 +53,13 @@ class LogLine:
     parents: tuple[str, ...]
     logical_bytes: int
     stored_bytes: int
-    new_bytes: int  # stored bytes not shared with any parent
+    # Stored bytes the take added to the repository: frames that no earlier snapshot
+    # still here (nor any of its parents whose manifest is still stored) references.
+    new_bytes: int
     metadata: dict[str, Any]
+    # Parents whose manifest this repository does not hold: collected by gc after
+    # their snapshot was deleted, or never here (a copy brings no parents along).
+    parents_absent: tuple[str, ...] = ()
 
 
 def _heads(repo: RepoStorage) -> dict[str, str]:
@@ -58,24 +74,30 @@ def _heads(repo: RepoStorage) -> dict[str, str]:
 
 
 def log(repo: RepoStorage) -> list[LogLine]:
-    """Every snapshot, oldest first, with its size and what it added over its parents.
+    """Every snapshot, oldest first, with its size and what it added to the repository.
 
-    Manifest summaries come from the local index when cached (manifests are
-    immutable), so a second ``log`` of a remote repository reads only refs.
+    "Added" is counted from the manifests: the frames a snapshot references
+    that no snapshot created before it (nor a parent whose manifest is still
+    stored) references. A take that found every chunk already stored, with or
+    without a parent (an unchanged re-take, a DCP re-save, an import of the
+    same file), added nothing. Manifest summaries come from the local index
+    when cached (manifests are immutable), so a second ``log`` of a remote
+    repository reads only refs.
     """
     heads = _heads(repo)
     sums = manifest_summaries(repo, heads.values(), missing_ok=True)
     parents = {p for s in sums.values() for p in s.parents} - sums.keys()
     sums |= manifest_summaries(repo, parents, missing_ok=True)
+    named = sorted(
+        ((name, mhash, sums[mhash]) for name, mhash in heads.items() if mhash in sums),
+        key=lambda item: item[2].created_at,
+    )
+    seen: set[tuple[str, int, int]] = set()  # every frame of the snapshots listed so far
     lines = []
-    for name, mhash in heads.items():
-        s = sums.get(mhash)
-        if s is None:
-            continue
-        inherited: set[tuple[str, int, int]] = set()
+    for name, mhash, s in named:
         for p in s.parents:
             if p in sums:
-                inherited |= sums[p].spans
+                seen |= sums[p].spans
         lines.append(
             LogLine(
                 name=name,
@@ -85,11 +107,12 @@ def log(repo: RepoStorage) -> list[LogLine]:
                 parents=tuple(s.parents),
                 logical_bytes=s.logical_bytes,
                 stored_bytes=s.stored_bytes,
-                new_bytes=sum(x[2] for x in s.spans - inherited),
+                new_bytes=sum(x[2] for x in s.spans - seen),
                 metadata=dict(s.metadata),
+                parents_absent=tuple(p for p in s.parents if p not in sums),
             )
         )
-    lines.sort(key=lambda line: line.created_at)
+        seen |= s.spans
     return lines
 
 
@@ -97,8 +120,8 @@ def log(repo: RepoStorage) -> list[LogLine]:
 class SnapshotUsage:
     name: str
     logical_bytes: int
-    stored_bytes: int  # bytes of the objects it references
-    exclusive_bytes: int  # what deleting it (then gc) would free
+    stored_bytes: int  # bytes of the frames it references, shared frames counted once
+    exclusive_bytes: int  # what deleting it (then gc) would free: whole objects only it uses
 
 
 @dataclass(frozen=True)
@@ -115,13 +138,40 @@ class Leftovers:
 
 
 @dataclass(frozen=True)
+class StoreSpace:
+    """Where the bytes the store holds go: ``stored`` (the frames the snapshots and
+    tags reference) plus what else the store lists (docs/repository.md, "du")."""
+
+    frame_bytes: int = 0  # = Usage.stored_bytes
+    # Bytes of the packs in use that no referenced frame occupies: frames only deleted
+    # snapshots used. gc deletes whole objects, so they go with a pack's last used frame.
+    unused_in_packs: int = 0
+    manifest_bytes: int = 0  # the manifests of the snapshots and tags
+    unreferenced_bytes: int = 0  # = Usage.unreferenced.bytes: gc's, after its grace period
+    temp_bytes: int = 0  # = Usage.leftovers.temp_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything below ``manifests/``, ``chunks/`` and ``packs/`` and the temp files,
+        as the store lists them (refs, tags and config.json, a few hundred bytes each, aside)."""
+        return (
+            self.frame_bytes
+            + self.unused_in_packs
+            + self.manifest_bytes
+            + self.unreferenced_bytes
+            + self.temp_bytes
+        )
+
+
+@dataclass(frozen=True)
 class Usage:
     snapshots: int
     logical_bytes: int  # what the snapshots would take without dedup or compression
-    stored_bytes: int  # the objects they reference, each counted once
+    stored_bytes: int  # the frames they (and tags) reference, each counted once, headers included
     per_snapshot: tuple[SnapshotUsage, ...] = ()
     leftovers: Leftovers = Leftovers()
     unreferenced: Unreferenced = Unreferenced()  # what gc would delete after its grace period
+    space: StoreSpace = StoreSpace()  # stored, and the rest of what the store holds
 
     @property
     def dedup_ratio(self) -> float:
@@ -131,50 +181,83 @@ class Usage:
 def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
     """Space used, overall and per snapshot. ``pinned`` maps extra roots (tags) to manifests.
 
-    An object (a loose chunk or a whole pack) counts toward a snapshot's
-    "freed if deleted" only if no other snapshot or pinned root uses it,
-    because gc frees whole objects.
+    "Stored" counts frames (each with its header), a frame shared by several
+    snapshots once. An object (a loose chunk or a whole pack) counts toward a
+    snapshot's "freed if deleted" only if no other snapshot or pinned root
+    uses it, because gc frees whole objects. One listing of the store gives
+    the objects' sizes and what no root reaches (:class:`StoreSpace`).
     """
     heads = _heads(repo)
     roots = [(n, h, True) for n, h in heads.items()]
     roots += [(f"tag:{t}", m, False) for t, m in (pinned or {}).items()]
     sums = manifest_summaries(repo, [h for _, h, _ in roots], missing_ok=True)
-    sizes: dict[str, int] = {}
+    extents: dict[str, int] = {}
     uses: dict[str, set[str]] = {}
     owners: dict[str, int] = {}
+    frames: set[tuple[str, int, int]] = set()
     for name, mhash, _is_ref in roots:
         s = sums.get(mhash)
         if s is None:
             continue
-        extents = s.object_extents()
-        for obj, end in extents.items():
-            sizes[obj] = max(sizes.get(obj, 0), end)
+        frames |= s.spans
+        ends = s.object_extents()
+        for obj, end in ends.items():
+            extents[obj] = max(extents.get(obj, 0), end)
             owners[obj] = owners.get(obj, 0) + 1
-        uses[name] = set(extents)
+        uses[name] = set(ends)
+    listed = [i for kind in ("chunks", "packs") for i in repo.store.list_info(kind)]
+    manifests = list(repo.store.list_info("manifests"))
+    sizes = _object_sizes(listed, extents)
     per = []
     for name, mhash, is_ref in roots:
         if not is_ref or name not in uses:
             continue
-        objs = uses[name]
         per.append(
             SnapshotUsage(
                 name,
                 sums[mhash].logical_bytes,
-                sum(sizes[o] for o in objs),
-                sum(sizes[o] for o in objs if owners[o] == 1),
+                sums[mhash].stored_bytes,
+                sum(sizes[o] for o in uses[name] if owners[o] == 1),
             )
         )
+    frame_bytes = sum(length for _, _, length in frames)
+    left = leftovers(repo)
+    junk = _unreferenced(repo, set(sums), set(extents), listed, manifests)
     return Usage(
         snapshots=len(per),
         logical_bytes=sum(u.logical_bytes for u in per),
-        stored_bytes=sum(sizes.values()),
+        stored_bytes=frame_bytes,
         per_snapshot=tuple(per),
-        leftovers=leftovers(repo),
-        unreferenced=_unreferenced(repo, set(sums), set(sizes)),
+        leftovers=left,
+        unreferenced=junk,
+        space=StoreSpace(
+            frame_bytes=frame_bytes,
+            unused_in_packs=max(sum(sizes.values()) - frame_bytes, 0),
+            manifest_bytes=sum(i.size or 0 for i in manifests if i.key.rpartition("/")[2] in sums),
+            unreferenced_bytes=junk.bytes,
+            temp_bytes=left.temp_bytes,
+        ),
     )
 
 
-def _unreferenced(repo: RepoStorage, manifests: set[str], digests: set[str]) -> Unreferenced:
+def _object_sizes(listed: list[ObjectInfo], extents: dict[str, int]) -> dict[str, int]:
+    """Each object the roots use (by digest): its size as listed, else the end of its last
+    referenced frame (a store that lists no sizes, or an object missing from the listing)."""
+    sizes = dict(extents)
+    for info in listed:
+        digest = info.key.rpartition("/")[2]
+        if digest in sizes and info.size is not None:
+            sizes[digest] = max(sizes[digest], info.size)
+    return sizes
+
+
+def _unreferenced(
+    repo: RepoStorage,
+    manifests: set[str],
+    digests: set[str],
+    listed: list[ObjectInfo],
+    listed_manifests: list[ObjectInfo],
+) -> Unreferenced:
     """Objects no root reaches; ``digests`` are the packs and loose chunks the roots use.
 
     A summary does not say whether a digest names a pack or a loose chunk, so
@@ -186,7 +269,7 @@ def _unreferenced(repo: RepoStorage, manifests: set[str], digests: set[str]) -> 
         keys |= {chunk_key(c.chunk) for c in list_damage(repo) if c.pack in digests}
     except CasnapError:
         pass  # a replacement then counts as unreferenced: du only reports
-    return find_unreferenced(repo, manifests, keys)
+    return find_unreferenced(repo, manifests, keys, listed, listed_manifests)
 
 
 def leftovers(repo: RepoStorage) -> Leftovers:
@@ -241,7 +324,11 @@ Status = Literal["added", "removed", "changed", "unchanged"]
 class EntryDiff:
     """One entry of a diff. The drift figures are filled in only by a diff with
     stats (``casnap.Repository.diff(..., stats=True)``), for changed tensors of
-    equal dtype, shape and chunking; they stay ``None`` otherwise."""
+    equal dtype, shape and chunking; they stay ``None`` otherwise.
+
+    A container (``container=True``: a dict, list or object holding other
+    entries) is ``changed`` when its own members or anything below it changed;
+    counts of what changed (:func:`value_counts`) leave containers out."""
 
     key: str
     status: Status
@@ -249,13 +336,22 @@ class EntryDiff:
     changed_chunks: int
     max_abs_diff: float | None = None  # max |b - a| over the changed chunks
     rel_l2: float | None = None  # ||b - a|| / ||a|| over the changed chunks
+    container: bool = False
 
 
-def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
-    """Per entry of ``a`` and ``b``: added, removed, changed or unchanged, from chunk hashes."""
+def diff(a: Manifest, b: Manifest, key: str | None = None) -> list[EntryDiff]:
+    """Per entry of ``a`` and ``b`` (only ``key`` and below, when given), in natural key
+    order (``layer2`` before ``layer10``): added, removed, changed or unchanged, from chunk
+    hashes. A ``key`` neither holds raises MissingKeyError naming the nearest keys."""
+    entries_a, entries_b = a.entries, b.entries
+    if key is not None:
+        entries_a, entries_b = _under(entries_a, key), _under(entries_b, key)
+        if not entries_a and not entries_b:
+            raise missing_key(key, {*a.entries, *b.entries})
     out = []
-    for key in sorted(set(a.entries) | set(b.entries)):
-        ea, eb = a.entries.get(key), b.entries.get(key)
+    for key in sorted(set(entries_a) | set(entries_b), key=natural_key):
+        ea, eb = entries_a.get(key), entries_b.get(key)
+        is_container = all(isinstance(e, ContainerEntry) for e in (ea, eb) if e is not None)
         if ea is None or eb is None:
             e = eb if ea is None else ea
             chunks = _chunks_of(e)
@@ -265,6 +361,7 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
                     "added" if ea is None else "removed",
                     sum(c.size for c in chunks),
                     len(chunks),
+                    container=is_container,
                 )
             )
             continue
@@ -292,8 +389,41 @@ def diff(a: Manifest, b: Manifest) -> list[EntryDiff]:
             )
         else:
             same = ea.model_dump() == eb.model_dump()
-            out.append(EntryDiff(key, "unchanged" if same else "changed", 0, 0))
-    return out
+            out.append(
+                EntryDiff(key, "unchanged" if same else "changed", 0, 0, container=is_container)
+            )
+    return _containers_follow_their_members(out)
+
+
+def _under(entries: Mapping[str, Entry], key: str) -> dict[str, Entry]:
+    return {k: e for k, e in entries.items() if k == key or k.startswith(key + "/")}
+
+
+def _containers_follow_their_members(rows: list[EntryDiff]) -> list[EntryDiff]:
+    """Mark ``changed`` every container with an entry below it that is not unchanged."""
+    moved: set[str] = set()
+    for r in rows:
+        if r.status != "unchanged":
+            parent = r.key.rpartition("/")[0]
+            while parent and parent not in moved:
+                moved.add(parent)
+                parent = parent.rpartition("/")[0]
+    return [
+        replace(r, status="changed")
+        if r.container and r.status == "unchanged" and r.key in moved
+        else r
+        for r in rows
+    ]
+
+
+def value_counts(rows: list[EntryDiff]) -> dict[str, int]:
+    """How many values (tensors, primitives, objects; not containers) have each status,
+    in the order added, removed, changed, unchanged (statuses none has left out)."""
+    counts = {s: 0 for s in ("added", "removed", "changed", "unchanged")}
+    for r in rows:
+        if not r.container:
+            counts[r.status] += 1
+    return {s: n for s, n in counts.items() if n}
 
 
 def _chunks_of(entry: object) -> list[ChunkRef]:

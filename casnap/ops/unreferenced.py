@@ -57,19 +57,23 @@ def find_unreferenced(
     manifests: Collection[str],
     objects: Collection[str],
     listed: Iterable[ObjectInfo] | None = None,
+    listed_manifests: Iterable[ObjectInfo] | None = None,
 ) -> Unreferenced:
     """What one listing of ``manifests/``, ``chunks/`` and ``packs/`` holds beyond the given.
 
     ``manifests`` are the hashes the roots name; ``objects`` the keys
     (``chunks/<h[:2]>/<h>``, ``packs/<p[:2]>/<p>``) their manifests need;
-    ``listed`` a listing of ``chunks/`` and ``packs/`` the caller already made.
+    ``listed`` a listing of ``chunks/`` and ``packs/`` the caller already made,
+    ``listed_manifests`` one of ``manifests/``.
     Keys of a shape casnap never writes and temp files are not counted.
     """
     count = {"manifests": 0, "objects": 0}
     size = 0
     if listed is None:
         listed = [i for kind in ("chunks", "packs") for i in repo.store.list_info(kind)]
-    for info in itertools.chain(repo.store.list_info("manifests"), listed):
+    if listed_manifests is None:
+        listed_manifests = repo.store.list_info("manifests")
+    for info in itertools.chain(listed_manifests, listed):
         match = _KEY.match(info.key)
         if match is None or match.group(3)[:2] != match.group(2):
             continue

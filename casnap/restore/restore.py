@@ -29,9 +29,9 @@ from casnap.errors import (
 from casnap.format.entries import ChunkRef, ObjectEntry, ShardedEntry, TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import escape_key
-from casnap.format.tree import subtree
+from casnap.format.tree import missing_key, subtree
 from casnap.repo.repository import RepoStorage
-from casnap.restore.keys import MAX_LISTED, check_keys, failed_load_note, listed
+from casnap.restore.keys import check_keys, failed_load_note
 from casnap.restore.progress import Progress, counted
 from casnap.restore.reshard import ShardedSink
 from casnap.restore.undo import TensorUndo, Undo
@@ -486,9 +486,7 @@ def read_entry(
     memory_budget_bytes: int | None,
 ) -> Any:
     if path not in manifest.entries:
-        near = [k for k in manifest.entries if k.endswith(path) or path in k][:MAX_LISTED]
-        hint = f"; did you mean {listed(near)}?" if near else ""
-        raise MissingKeyError(f"no entry {path!r} in the snapshot{hint}", path)
+        raise missing_key(path, manifest.entries)  # naming the nearest keys
     target: dict[str, Any] = {}
     if obj_out is not None:
         leaves_of(obj_out, path, target)

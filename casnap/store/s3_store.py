@@ -123,7 +123,7 @@ class S3Store(FsspecStore):
             from s3fs import S3FileSystem
         except ImportError as exc:
             raise StoreError(
-                f"cannot open store {url!r}: s3:// needs s3fs (pip install 'casnap[s3]')"
+                f"cannot open store {url!r}: s3:// needs s3fs (pip install s3fs: casnap's s3 extra)"
             ) from exc
         try:
             fs = S3FileSystem(**options)
