@@ -228,21 +228,61 @@ def replica_divergence(
     return bad, all(len(form.get(k, ())) <= 1 for k in bad)
 
 
+def _per_rank(plans: list[RankPlan], keys: set[str]) -> list[RankPlan]:
+    """``plans`` with the tensors of logical ``keys`` as per-rank state (not replicated)."""
+    if not keys:
+        return plans
+    return [
+        RankPlan(
+            p.rank,
+            p.chunk_size,
+            {
+                k: replace(e, replicated=False)
+                if isinstance(e, TensorPlan) and e.replicated and logical(k) in keys
+                else e
+                for k, e in p.entries.items()
+            },
+        )
+        for p in plans
+    ]
+
+
+def undeclared_replicas(plans: list[RankPlan], members: Members | None = None) -> set[str]:
+    """Logical keys some rank declared replicated that not every rank declared so.
+
+    torchsnapshot 0.1.0 treats a path as replicated only when every rank's
+    ``replicated`` names it (and the path exists on every rank); so does casnap,
+    key by key. Pure: every rank computes the same answer from the gathered plans.
+    """
+    world = sum(len(members[p.rank]) for p in plans) if members else len(plans)
+    declared: dict[str, int] = {}
+    for p in plans:
+        weight = len(members[p.rank]) if members else 1
+        for key, entry in p.entries.items():
+            if isinstance(entry, TensorPlan) and entry.replicated:
+                name = logical(key)
+                declared[name] = declared.get(name, 0) + weight
+    return {k for k, n in declared.items() if n < world}
+
+
 def settle_replicas(
     plans: list[RankPlan], mode: str, members: Members | None = None
 ) -> list[RankPlan]:
     """The plans to commit once replicated values are compared across ranks.
 
     Called by every rank after the planning exchange, with rank 0's ``mode``.
-    Equal everywhere: ``plans`` as they are. Different, with ``mode="warn"``
-    (the default): a :class:`ReplicaMismatchWarning` naming each key and the
-    groups of ranks that agree, and plans in which those tensors are per-rank
-    state (``replicated`` false: each rank's entry names its own chunks, so
+    A tensor some rank did not declare replicated (its ``replicated=`` or the
+    inferred DDP globs did not match it there) is per-rank state on every rank
+    (:func:`undeclared_replicas`). Equal everywhere: ``plans`` as they are.
+    Different, with ``mode="warn"`` (the default): a :class:`ReplicaMismatchWarning`
+    naming each key and the groups of ranks that agree, and plans in which those
+    tensors are per-rank state (``replicated`` false: each rank's entry names its own chunks, so
     each rank restores its own value and nothing is dropped); differing shard
     boxes are kept per rank by the entries' builder. With ``mode="error"``, or
     when shard boxes differ in dtype or shape, :class:`ReplicaMismatchError`
     on every rank before anything is written.
     """
+    plans = _per_rank(plans, undeclared_replicas(plans, members))
     bad, keepable = replica_divergence(plans, members)
     if not bad:
         return plans
@@ -263,17 +303,4 @@ def settle_replicas(
         ),
         stacklevel=6,  # the user code calling take: through coordinate()
     )
-    diverged = set(bad)
-    return [
-        RankPlan(
-            p.rank,
-            p.chunk_size,
-            {
-                k: replace(e, replicated=False)
-                if isinstance(e, TensorPlan) and e.replicated and logical(k) in diverged
-                else e
-                for k, e in p.entries.items()
-            },
-        )
-        for p in plans
-    ]
+    return _per_rank(plans, set(bad))
