@@ -113,7 +113,9 @@ def build_local(
             )
         elif isinstance(node, ShardLeaf):
             shards = tuple(
-                ShardPlan(s.offsets, s.sizes, _tensor_ids(s.tensor, key, chunk_size, local))
+                ShardPlan(
+                    s.offsets, s.sizes, _tensor_ids(s.tensor, key, chunk_size, local), s.quantized
+                )
                 for s in node.shards
             )
             entries[key] = ShardedPlan(node.layout, dtype_name(node.dtype, key), node.shape, shards)
@@ -221,7 +223,7 @@ def replica_divergence(
             elif isinstance(entry, ShardedPlan):
                 for s in entry.shards:
                     box = f"{logical(key)}[offsets={list(s.offsets)}]"
-                    value = (entry.dtype, entry.shape, s.sizes, s.chunks)
+                    value = (entry.dtype, entry.shape, s.sizes, s.chunks, s.quantized)
                     seen.setdefault(box, {}).setdefault(value, []).extend(ranks)
                     form.setdefault(box, set()).add(value[:3])
     bad = {k: sorted(sorted(g) for g in v.values()) for k, v in seen.items() if len(v) > 1}

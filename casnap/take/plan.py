@@ -137,6 +137,7 @@ class ShardPlan:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     chunks: ChunkIds
+    quantized: Quantization | None = None
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ def _sharded_entry(
             sizes=list(s.sizes),
             chunk_size=cs,
             chunks=_refs(s.chunks, refs),
+            quantized=s.quantized,
         )
         for _, s in sorted(boxes.items())
     ]
