@@ -82,6 +82,15 @@ class SnapshotChangedError(SnapshotExistsError):
     (a re-save to the same name); the replace was not made."""
 
 
+class CheckpointExistsError(SnapshotExistsError, RuntimeError):
+    """A DCP save with ``CasnapWriter(overwrite=False)`` found its checkpoint id taken.
+
+    Also a ``RuntimeError`` whose message starts with the words of DCP's own
+    ``FileSystemWriter`` (``"Checkpoint already exists and
+    self.overwrite=False."``), so code written for DCP's refusal matches it.
+    """
+
+
 class IntegrityError(CasnapError, ValueError):
     """Stored bytes do not match their hash, or an object is malformed."""
 

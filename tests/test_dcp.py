@@ -129,11 +129,22 @@ def test_saving_again_to_an_id_replaces_it_and_keeps_the_old_one_in_history(tmp_
     assert repo.verify(read_data=True).ok
 
 
-def test_overwrite_false_refuses_an_existing_id(tmp_path):
+def test_overwrite_false_refuses_an_existing_id_in_dcps_words(tmp_path):
     model, _ = _trained()
-    dcp.save(_state(model), storage_writer=CasnapWriter(tmp_path / "r" / "s"))
-    with pytest.raises(CheckpointException, match="exists"):
-        dcp.save(_state(model), storage_writer=CasnapWriter(tmp_path / "r" / "s", overwrite=False))
+    path = tmp_path / "r" / "s"
+    dcp.save(_state(model), storage_writer=CasnapWriter(path))
+    before = casnap.Repository(str(tmp_path / "r")).resolve("s")
+    # FileSystemWriter(overwrite=False) raises RuntimeError("Checkpoint already exists and
+    # self.overwrite=False."), which DCP wraps; code matching that matches casnap's too.
+    with pytest.raises(CheckpointException, match="Checkpoint already exists") as info:
+        dcp.save(_state(_model(1)), storage_writer=CasnapWriter(path, overwrite=False))
+    ((error, _trace),) = info.value.failures.values()
+    assert isinstance(error, RuntimeError) and isinstance(error, casnap.errors.SnapshotExistsError)
+    assert str(error).startswith("Checkpoint already exists and self.overwrite=False.")
+    repo = casnap.Repository(str(tmp_path / "r"))
+    assert repo.resolve("s") == before and repo.snapshots() == ["s"]  # nothing changed
+    # A new id saves as usual with overwrite=False.
+    dcp.save(_state(model), storage_writer=CasnapWriter(tmp_path / "r" / "t", overwrite=False))
 
 
 def test_checkpoint_id_no_dist_and_the_deprecated_api(tmp_path):

@@ -127,6 +127,27 @@ def _fsdp2(rank: int, world: int, path: str, load: bool) -> bool:
     return all(torch.equal(got[k], want[k]) for k in want)
 
 
+def _refused_resave(rank: int, world: int, path: str) -> dict:
+    """Saving to an existing id with overwrite=False, caught as DCP code catches it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from casnap.integrations.dcp import CasnapWriter
+
+    warnings.simplefilter("ignore")
+    w = distribute_tensor(torch.zeros(ROWS, COLS), init_device_mesh("cpu", (world,)), [Shard(0)])
+    try:
+        dcp.save({"model": {"w": w}}, storage_writer=CasnapWriter(path, overwrite=False))
+    except CheckpointException as exc:
+        return {
+            "text": str(exc),
+            "failures": {r: (type(e).__mro__, str(e)) for r, (e, _) in exc.failures.items()},
+        }
+    return {"text": "saved"}
+
+
 def _on_two_ranks(rank: int, world: int, root: str) -> dict:
     """Every 2-rank scenario in one group (starting processes is most of the cost)."""
     out = _save_dtensor(rank, world, f"{root}/run/a", 0)
@@ -134,6 +155,7 @@ def _on_two_ranks(rank: int, world: int, root: str) -> dict:
     out["resave_written"] = _save_dtensor(rank, world, f"{root}/run/b", 0)["written"]
     out["sharded_tensor"] = _sharded_tensor_roundtrip(rank, world, f"{root}/st/st")
     out["fsdp2_saved"] = _fsdp2(rank, world, f"{root}/fsdp/f", False)
+    out["refused"] = _refused_resave(rank, world, f"{root}/run/a")
     return out
 
 
@@ -195,3 +217,20 @@ def test_sharded_tensor_state_roundtrips_and_loads_whole(saved):
 def test_fsdp2_fully_shard_on_cpu_saves_on_2_and_loads_on_3(saved, on_three):
     assert [r["fsdp2_saved"] for r in saved[1]] == [True, True]
     assert [r["fsdp2"] for r in on_three] == [True] * 3
+
+
+def test_overwrite_false_fails_every_rank_in_dcps_words(saved):
+    root, ranks = saved
+    import casnap
+    from casnap.errors import CheckpointExistsError
+
+    for r in ranks:  # as FileSystemWriter(overwrite=False): every rank's own RuntimeError
+        assert "Checkpoint already exists and self.overwrite=False." in r["refused"]["text"]
+        assert sorted(r["refused"]["failures"]) == [0, 1]
+        for mro, message in r["refused"]["failures"].values():
+            assert RuntimeError in mro and CheckpointExistsError in mro, mro
+            assert message.startswith("Checkpoint already exists and self.overwrite=False.")
+    # The existing checkpoint is untouched: no new version, none moved to the history.
+    repo = casnap.Repository(str(root / "run"))
+    assert not [n for n in repo.snapshots() if n.startswith("a@")]
+    assert torch.equal(_load_plain(str(root / "run" / "a")), _full())

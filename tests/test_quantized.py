@@ -201,3 +201,31 @@ def test_a_stored_quantized_manifest_parses_and_validates(tmp_path: Path) -> Non
     body = canonical_json(broken)
     with pytest.raises(ManifestValidationError, match="per-channel"):
         parse_manifest(body, hash_bytes(body))
+
+
+def test_quantized_shard_records_are_checked_with_the_manifest() -> None:
+    from casnap.format.entries import Quantization, ShardedEntry
+
+    q = {"dtype": "qint8", "qscheme": "per_tensor_affine", "scale": "0x1.0p-3", "zero_point": 0}
+    shard = {"chunk_size": 4, "chunks": [], "sizes": [0, 2]}
+
+    def entry(*quantized: dict | None, dtype: str = "int8") -> ShardedEntry:
+        shards = [
+            {**shard, "offsets": [0, 2 * i], **({"quantized": x} if x else {})}
+            for i, x in enumerate(quantized)
+        ]
+        return ShardedEntry.model_validate(
+            {"layout": "dtensor", "dtype": dtype, "shape": [0, 4], "shards": shards}
+        )
+
+    assert entry(q, {**q, "scale": "0x1.0p-2"}).quantized_shards  # each shard its own parameters
+    assert entry(q, q).shards[0].quantized == Quantization.model_validate(q)
+    assert not entry(None, None).quantized_shards
+    assert "quantized" not in entry(None).model_dump(mode="json")["shards"][0]  # left out
+    for bad, why in (
+        (lambda: entry(q, None), "mix"),
+        (lambda: entry(q, {**q, "dtype": "quint8"}), "mix"),
+        (lambda: entry(q, dtype="uint8"), "stored as int8"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            bad()

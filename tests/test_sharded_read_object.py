@@ -2,7 +2,8 @@
 
 torchsnapshot 0.1.0 (tests/test_read_object.py) reads a ShardedTensor's entry
 into one plain tensor on one rank, after a take whose
-``_custom_tensor_prepare_func`` converted every shard.
+``_custom_tensor_prepare_func`` converted every shard; with ``quantized=True``
+the shards are stored quantized and read back into a quantized tensor.
 """
 
 from __future__ import annotations
@@ -64,26 +65,81 @@ def read_into_plain(rank: int, world: int, root: str) -> dict[str, Any]:
     half.read_object("0/state/st", obj_out=out16)
     assert torch.equal(out16, _full().half())
     assert torch.equal(half.read_object("0/state/dt"), _full().half())
+    return {}
 
-    def quantize(path: str, tensor: torch.Tensor, tracing: bool) -> torch.Tensor:
-        return torch.quantize_per_tensor(tensor, 0.1, 10, torch.qint8)
 
-    error = ""
+def _quantize(path: str, tensor: torch.Tensor, tracing: bool) -> torch.Tensor:
+    return torch.quantize_per_tensor(tensor, 0.1, 10, torch.qint8)  # torchsnapshot's
+
+
+def _quantize_per_shard(path: str, tensor: torch.Tensor, tracing: bool) -> torch.Tensor:
+    return torch.quantize_per_tensor(tensor, float(tensor.abs().max()) / 100, 0, torch.qint8)
+
+
+def read_quantized_shards(rank: int, world: int, root: str) -> dict[str, Any]:
+    """torchsnapshot's test_read_sharded_tensor_into_tensor(quantized=True), and more."""
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from casnap import ShapeMismatchError, Snapshot, StateDict
+
+    snap = Snapshot.take(
+        f"{root}/q", {"state": StateDict(_sharded(world))}, _custom_tensor_prepare_func=_quantize
+    )
+    want = torch.quantize_per_tensor(_full(), 0.1, 10, torch.qint8)
+    out: dict[str, Any] = {"version": snap.manifest.format_version}
+    if rank == 0:  # the rank that reads needs no group: read_object is not collective
+        for key in ("st", "dt"):
+            bar = torch.quantize_per_tensor(torch.rand(SHAPE), 0.1, 10, torch.qint8)
+            got = snap.read_object(f"0/state/{key}", obj_out=bar)
+            assert got is bar and torch.equal(bar.int_repr(), want.int_repr()), key
+            assert torch.allclose(torch.dequantize(bar), torch.dequantize(want)), key
+            plain = torch.zeros(SHAPE)  # a float target receives the dequantized values
+            assert snap.read_object(f"0/state/{key}", obj_out=plain) is plain
+            assert torch.equal(plain, want.dequantize()), key
+            fresh = snap.read_object(f"0/state/{key}")  # the quantized tensor itself
+            assert fresh.is_quantized and torch.equal(fresh.int_repr(), want.int_repr()), key
+            assert (fresh.q_scale(), fresh.q_zero_point()) == (0.1, 10), key
+        wrong = torch.zeros(SHAPE, dtype=torch.int32)
+        with pytest.raises(ShapeMismatchError, match="state/st"):
+            snap.read_object("0/state/st", obj_out=wrong)
+        assert not wrong.any()
+    # Restoring into the float sharded state it was taken from: each rank's boxes
+    # receive the dequantized values.
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
+    target = StateDict(st=empty(spec, *SHAPE), dt=_sharded(world)["dt"] * 0)
+    Snapshot(f"{root}/q").restore({"state": target})
+    for shard in target["st"].local_shards():
+        o, n = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        assert torch.equal(shard.tensor, want.dequantize()[o[0] : o[0] + n[0], o[1] : o[1] + n[1]])
+    assert torch.equal(target["dt"].full_tensor(), want.dequantize())
+    # Each shard quantized with its own scale: a float target assembles them; no single
+    # quantized tensor can, and reading without one says what to pass instead.
+    per = Snapshot.take(
+        f"{root}/p",
+        {"state": StateDict(_sharded(world))},
+        _custom_tensor_prepare_func=_quantize_per_shard,
+    )
+    whole = torch.zeros(SHAPE)
+    per.read_object("0/state/st", obj_out=whole)
+    out["per_shard_error"] = float((whole - _full()).abs().max())
     try:
-        Snapshot.take(
-            f"{root}/s3",
-            {"state": StateDict(_sharded(world))},
-            _custom_tensor_prepare_func=quantize,
-        )
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return {"error": error}
+        per.read_object("0/state/st")
+    except ShapeMismatchError as exc:
+        out["per_shard_refusal"] = str(exc)
+    return out
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_sharded_entry_into_a_plain_tensor_and_prepared_shards(tmp_path: Path) -> None:
-    root = tmp_path / "repo"
-    out = values(run_ranks(2, read_into_plain, str(root)))
-    for o in out:  # quantized shards are refused on every rank, naming the key; no ref
-        assert "state/st" in o["error"] and "quantized" in o["error"], o["error"]
-    assert not (root / ".casnap" / "refs" / "s3").exists()
+    values(run_ranks(2, read_into_plain, str(tmp_path / "repo")))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_quantized_shards_read_into_a_plain_tensor(tmp_path: Path) -> None:
+    out = values(run_ranks(2, read_quantized_shards, str(tmp_path / "repo")))
+    for o in out:
+        assert o["version"] == "1.4"  # only manifests holding quantized shards say 1.4
+        assert o["per_shard_error"] < float(_full().abs().max()) / 100  # within one step
+        assert "different parameters" in o["per_shard_refusal"]
+        assert "floating-point" in o["per_shard_refusal"]

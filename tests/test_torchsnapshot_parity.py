@@ -198,6 +198,25 @@ def test_a_load_state_dict_that_raises_leaves_what_the_note_says(tmp_path: Path)
     assert torch.equal(model.bias, torch.full((2,), 2.0))
 
 
+def test_invalid_app_state_is_a_type_error_before_storage_is_touched(tmp_path: Path) -> None:
+    # torchsnapshot's test_invalid_app_state: the take fails, so no snapshot exists,
+    # and a restore through Snapshot(path) still raises TypeError, not "not found".
+    path = snap_path(tmp_path)
+    app_state: dict[str, Any] = {"optim": 1}
+    with pytest.raises(TypeError, match="'optim'"):
+        Snapshot.take(path=path, app_state=app_state)
+    snapshot = Snapshot(path=path)
+    with pytest.raises(TypeError, match="'optim'.*state_dict"):
+        snapshot.restore(app_state=app_state)
+    assert not (tmp_path / "repo").exists()  # neither call created anything
+    # Where the snapshot exists, the same value is refused before anything is read or changed.
+    model = linear(2.0)
+    Snapshot.take(path, {"model": linear(1.0), "optim": StateDict(lr=0.1)})
+    with pytest.raises(TypeError, match="'optim'"):
+        Snapshot(path).restore({"model": model, "optim": 1})
+    assert torch.equal(model.weight, torch.full((2, 3), 2.0))
+
+
 def test_app_state_key_absent_from_the_snapshot_is_refused_first(tmp_path: Path) -> None:
     path = snap_path(tmp_path)
     Snapshot.take(path, {"model": linear(1.0)})

@@ -33,7 +33,7 @@ from casnap.errors import as_names, as_path, expect_type
 from casnap.format.entries import Entry
 from casnap.format.manifest import Manifest
 from casnap.repo.repository import RepoStorage, locate
-from casnap.restore.restore import read_entry, restore_state
+from casnap.restore.restore import check_app_state, read_entry, restore_state
 from casnap.take.commit import remember
 from casnap.take.job import TakeJob, TakeResult, prepare_take
 from casnap.take.python_gc import python_gc_paused
@@ -121,7 +121,9 @@ class Snapshot:
     """A snapshot in a casnap repository (``Snapshot(path)`` refers to an existing one).
 
     Nothing is read until the snapshot is used; a path that names no snapshot
-    raises :class:`casnap.SnapshotNotFoundError` then. A restore through a
+    raises :class:`casnap.SnapshotNotFoundError` then. :meth:`restore` checks
+    ``app_state`` before that: a value without ``state_dict()`` raises a
+    ``TypeError`` whether or not the snapshot exists (as torchsnapshot). A restore through a
     ``session`` (:class:`casnap.Session`) makes this snapshot the parent of
     that session's next take into the repository.
     """
@@ -357,6 +359,7 @@ class Snapshot:
             Snapshot("/ckpt/run1/step_100").restore({"model": model})
         """
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
+        check_app_state(app_state)  # a TypeError before any storage is touched
         rank = _group(self.pg).rank  # not collective: each rank restores its own state
         repo, manifest = self._load()
         restore_state(

@@ -113,7 +113,9 @@ def build_local(
             )
         elif isinstance(node, ShardLeaf):
             shards = tuple(
-                ShardPlan(s.offsets, s.sizes, _tensor_ids(s.tensor, key, chunk_size, local))
+                ShardPlan(
+                    s.offsets, s.sizes, _tensor_ids(s.tensor, key, chunk_size, local), s.quantized
+                )
                 for s in node.shards
             )
             entries[key] = ShardedPlan(node.layout, dtype_name(node.dtype, key), node.shape, shards)
@@ -221,11 +223,48 @@ def replica_divergence(
             elif isinstance(entry, ShardedPlan):
                 for s in entry.shards:
                     box = f"{logical(key)}[offsets={list(s.offsets)}]"
-                    value = (entry.dtype, entry.shape, s.sizes, s.chunks)
+                    value = (entry.dtype, entry.shape, s.sizes, s.chunks, s.quantized)
                     seen.setdefault(box, {}).setdefault(value, []).extend(ranks)
                     form.setdefault(box, set()).add(value[:3])
     bad = {k: sorted(sorted(g) for g in v.values()) for k, v in seen.items() if len(v) > 1}
     return bad, all(len(form.get(k, ())) <= 1 for k in bad)
+
+
+def _per_rank(plans: list[RankPlan], keys: set[str]) -> list[RankPlan]:
+    """``plans`` with the tensors of logical ``keys`` as per-rank state (not replicated)."""
+    if not keys:
+        return plans
+    return [
+        RankPlan(
+            p.rank,
+            p.chunk_size,
+            {
+                k: replace(e, replicated=False)
+                if isinstance(e, TensorPlan) and e.replicated and logical(k) in keys
+                else e
+                for k, e in p.entries.items()
+            },
+        )
+        for p in plans
+    ]
+
+
+def undeclared_replicas(plans: list[RankPlan], members: Members | None = None) -> set[str]:
+    """Logical keys some rank declared replicated that not every rank declared so.
+
+    torchsnapshot 0.1.0 treats a path as replicated only when every rank's
+    ``replicated`` names it (and the path exists on every rank); so does casnap,
+    key by key. Pure: every rank computes the same answer from the gathered plans.
+    """
+    world = sum(len(members[p.rank]) for p in plans) if members else len(plans)
+    declared: dict[str, int] = {}
+    for p in plans:
+        weight = len(members[p.rank]) if members else 1
+        for key, entry in p.entries.items():
+            if isinstance(entry, TensorPlan) and entry.replicated:
+                name = logical(key)
+                declared[name] = declared.get(name, 0) + weight
+    return {k for k, n in declared.items() if n < world}
 
 
 def settle_replicas(
@@ -234,15 +273,18 @@ def settle_replicas(
     """The plans to commit once replicated values are compared across ranks.
 
     Called by every rank after the planning exchange, with rank 0's ``mode``.
-    Equal everywhere: ``plans`` as they are. Different, with ``mode="warn"``
-    (the default): a :class:`ReplicaMismatchWarning` naming each key and the
-    groups of ranks that agree, and plans in which those tensors are per-rank
-    state (``replicated`` false: each rank's entry names its own chunks, so
+    A tensor some rank did not declare replicated (its ``replicated=`` or the
+    inferred DDP globs did not match it there) is per-rank state on every rank
+    (:func:`undeclared_replicas`). Equal everywhere: ``plans`` as they are.
+    Different, with ``mode="warn"`` (the default): a :class:`ReplicaMismatchWarning`
+    naming each key and the groups of ranks that agree, and plans in which those
+    tensors are per-rank state (``replicated`` false: each rank's entry names its own chunks, so
     each rank restores its own value and nothing is dropped); differing shard
     boxes are kept per rank by the entries' builder. With ``mode="error"``, or
     when shard boxes differ in dtype or shape, :class:`ReplicaMismatchError`
     on every rank before anything is written.
     """
+    plans = _per_rank(plans, undeclared_replicas(plans, members))
     bad, keepable = replica_divergence(plans, members)
     if not bad:
         return plans
@@ -263,17 +305,4 @@ def settle_replicas(
         ),
         stacklevel=6,  # the user code calling take: through coordinate()
     )
-    diverged = set(bad)
-    return [
-        RankPlan(
-            p.rank,
-            p.chunk_size,
-            {
-                k: replace(e, replicated=False)
-                if isinstance(e, TensorPlan) and e.replicated and logical(k) in diverged
-                else e
-                for k, e in p.entries.items()
-            },
-        )
-        for p in plans
-    ]
+    return _per_rank(plans, set(bad))

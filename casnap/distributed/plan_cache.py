@@ -161,7 +161,9 @@ def _slot(e: EntryPlan) -> SlotPlan:
     if isinstance(e, ObjectPlan):
         return ObjectPlan(e.type_name, e.size, _hollow(e.chunks))
     if isinstance(e, ShardedPlan):
-        shards = tuple(ShardPlan(s.offsets, s.sizes, _hollow(s.chunks)) for s in e.shards)
+        shards = tuple(
+            ShardPlan(s.offsets, s.sizes, _hollow(s.chunks), s.quantized) for s in e.shards
+        )
         return ShardedPlan(e.layout, e.dtype, e.shape, shards)
     if isinstance(e, PrimitiveEntry):
         return PrimitiveSlot()
@@ -211,7 +213,9 @@ class _Filler:
         if isinstance(slot, ObjectPlan):
             return ObjectPlan(slot.type_name, slot.size, self.ids(slot.chunks))
         if isinstance(slot, ShardedPlan):
-            shards = tuple(ShardPlan(s.offsets, s.sizes, self.ids(s.chunks)) for s in slot.shards)
+            shards = tuple(
+                ShardPlan(s.offsets, s.sizes, self.ids(s.chunks), s.quantized) for s in slot.shards
+            )
             return ShardedPlan(slot.layout, slot.dtype, slot.shape, shards)
         if isinstance(slot, PrimitiveSlot):
             return self.primitive()
@@ -239,7 +243,12 @@ def _canonical(slot: SlotPlan | EntryPlan) -> list[Any]:
     if isinstance(slot, ObjectPlan):
         return ["o", slot.type_name, slot.size, _sizes(slot.chunks)]
     if isinstance(slot, ShardedPlan):
-        boxes = [[list(s.offsets), list(s.sizes), _sizes(s.chunks)] for s in slot.shards]
+        boxes = [
+            [list(s.offsets), list(s.sizes), _sizes(s.chunks)]
+            # Quantization parameters count as structure, as for a tensor.
+            + ([] if s.quantized is None else [s.quantized.model_dump(mode="json")])
+            for s in slot.shards
+        ]
         return ["s", slot.layout, slot.dtype, list(slot.shape), boxes]
     if isinstance(slot, ContainerEntry):
         return ["c", slot.type, list(slot.keys)]  # ints stay ints, strings strings

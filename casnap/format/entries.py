@@ -317,12 +317,17 @@ MAX_SHARDS = 1 << 16
 
 
 class ShardRecord(FormatModel):
-    """One stored shard of a sharded tensor: the box ``offsets``..``offsets+sizes``, row-major."""
+    """One stored shard of a sharded tensor: the box ``offsets``..``offsets+sizes``, row-major.
+
+    ``quantized`` (format 1.4): the shard is a quantized tensor stored as its
+    integer representation, as a quantized tensor entry is; left out otherwise.
+    """
 
     offsets: list[Size]
     sizes: list[Size]
     chunk_size: ChunkSize
     chunks: list[ChunkRef]
+    quantized: Quantization | None = Field(default=None, exclude_if=_not_quantized)
 
 
 class ShardedEntry(_PerRank, FormatModel):
@@ -370,7 +375,30 @@ class ShardedEntry(_PerRank, FormatModel):
                     raise ValueError(f"shard {i} lies outside the tensor")
                 nbytes *= size
             _check_chunks(shard.chunks, nbytes, shard.chunk_size)
+        _check_quantized_shards(self)
         return self
+
+    @property
+    def quantized_shards(self) -> bool:
+        """Whether the shards are quantized tensors (every shard or none is)."""
+        return bool(self.shards) and self.shards[0].quantized is not None
+
+
+def _check_quantized_shards(entry: ShardedEntry) -> None:
+    """Every shard quantized or none; one quantized dtype and qscheme, stored as ``dtype``."""
+    kinds = {(q.dtype, q.qscheme) if q else None for q in (s.quantized for s in entry.shards)}
+    if len(kinds) > 1:
+        raise ValueError("the shards of a sharded entry mix quantizations")
+    for i, shard in enumerate(entry.shards):
+        q = shard.quantized
+        if q is None:
+            continue
+        if QUANTIZED_STORAGE[q.dtype] != entry.dtype:
+            raise ValueError(f"a {q.dtype} shard is stored as {QUANTIZED_STORAGE[q.dtype]}")
+        if q.axis is not None and (
+            q.axis >= len(shard.sizes) or len(q.scales or ()) != shard.sizes[q.axis]
+        ):
+            raise ValueError(f"shard {i}: per-channel parameters do not match its sizes")
 
 
 Entry = Annotated[

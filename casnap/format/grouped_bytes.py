@@ -7,7 +7,7 @@ What a distributed take writes is ``canonical_json(manifest.to_jsonable())``
 entry's dump (every shard's every chunk) is the same for each path it
 appears under. Here each entry object is dumped once, a dense tensor's and a
 sharded entry's from a template (their strings and ints need no escaping:
-the models admit nothing else; a delta reference or a quantized tensor is
+the models admit nothing else; a delta reference, a quantized tensor or shard is
 dumped the usual way), and the texts are spliced into the document in the
 order ``canonical_json`` sorts them.
 
@@ -80,7 +80,7 @@ def _tensor_text(e: TensorEntry) -> str:
 def value_text(entry: Entry) -> str:
     """``canonical_json(entry.model_dump(mode="json"))`` as text, from a template where
     one exists."""
-    if type(entry) is ShardedEntry:
+    if type(entry) is ShardedEntry and not entry.quantized_shards:
         return _sharded_text(entry)
     if type(entry) is TensorEntry and entry.quantized is None:
         return _tensor_text(entry)

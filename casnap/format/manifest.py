@@ -20,6 +20,7 @@ from casnap.format.entries import (
     Entry,
     FormatModel,
     HashStr,
+    ShardedEntry,
     TensorEntry,
     chunks_of,
 )
@@ -28,6 +29,7 @@ from casnap.format.versions import (
     FORMAT_VERSION,
     GROUPED_FORMAT_VERSION,
     QUANTIZED_FORMAT_VERSION,
+    QUANTIZED_SHARDS_FORMAT_VERSION,
     version_at_least,
 )
 
@@ -255,6 +257,8 @@ def format_version_for(entries: dict[str, Entry]) -> str:
     """The format a manifest of ``entries`` is written in: the oldest that can hold them."""
     if any(c.base is not None for e in entries.values() for c in chunks_of(e)):
         return DELTA_FORMAT_VERSION
+    if any(isinstance(e, ShardedEntry) and e.quantized_shards for e in entries.values()):
+        return QUANTIZED_SHARDS_FORMAT_VERSION
     quantized = any(
         isinstance(e, TensorEntry) and e.quantized is not None for e in entries.values()
     )

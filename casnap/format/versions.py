@@ -22,6 +22,9 @@ MANIFEST_MAJORS = (1, 2)  # what this casnap reads; the config stays major 1
 # once, with the ranks holding them (a distributed take of 1,024 ranks otherwise writes
 # its sharded entries 1,024 times). Only distributed takes write 1.3 (docs/format.md).
 GROUPED_FORMAT_VERSION = "1.3"
+# 1.4 added a shard record's ``quantized`` field (the shards of a sharded tensor that
+# ``_custom_tensor_prepare_func`` quantized). Only a manifest that uses it says 1.4.
+QUANTIZED_SHARDS_FORMAT_VERSION = "1.4"
 
 
 def version_at_least(version: str, than: str) -> bool:

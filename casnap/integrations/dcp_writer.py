@@ -55,7 +55,14 @@ from casnap import index
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.frames import WriteStats
 from casnap.chunks.write import ChunkWriter
-from casnap.errors import CasnapWarning, ConfigError, SnapshotExistsError, UnsupportedValueError
+from casnap.errors import (
+    CasnapWarning,
+    CheckpointExistsError,
+    ConfigError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    UnsupportedValueError,
+)
 from casnap.format.entries import (
     ChunkRef,
     Entry,
@@ -147,9 +154,11 @@ class CasnapWriter(StorageWriter):
     live"). ``storage_options`` are those of a take (``repository``,
     ``chunk_size``, ``compression``, fsspec options). ``metadata`` (JSON) goes
     into each snapshot's manifest (``step`` orders retention). With
-    ``overwrite=False`` saving to a name that exists raises
-    :class:`casnap.SnapshotExistsError`. FileSystemWriter's other arguments
-    (``single_file_per_rank``, ``sync_files``, ``thread_count``, …) are
+    ``overwrite=False`` saving to a name that exists fails on every rank as with
+    ``FileSystemWriter``: :class:`casnap.errors.CheckpointExistsError` (a
+    ``RuntimeError``) in DCP's words, ``"Checkpoint already exists and
+    self.overwrite=False."``, inside DCP's ``CheckpointException``. The other
+    arguments of FileSystemWriter (``single_file_per_rank``, ``sync_files``, …) are
     accepted and ignored: casnap's writes are always durable before the commit.
     A save descends from the snapshot it replaces, else from the previous save
     through this writer or ``session``, else (no ``session`` given) from the
@@ -234,6 +243,16 @@ class CasnapWriter(StorageWriter):
         self.rank = int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """(all ranks) ``overwrite=False``: refuse an existing id on every rank, as DCP does."""
+        if not self.overwrite:
+            assert self.path is not None
+            options, _ = split_options(self.storage_options)
+            try:
+                repo, name = locate(self.path, options, create=False)
+            except SnapshotNotFoundError:
+                return plan  # no repository holds it yet
+            if repo.has_ref(name):
+                raise _exists(name, repo)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -245,7 +264,7 @@ class CasnapWriter(StorageWriter):
         settings = take_settings(repo, overrides)
         replaces = repo.resolve(name) if repo.has_ref(name) else None
         if replaces is not None and not self.overwrite:
-            raise SnapshotExistsError(f"checkpoint {self.path!r} exists and overwrite=False", name)
+            raise _exists(name, repo)
         # From before any rank's first dedup decision until the ref is written.
         self._lease = acquire_lease(repo.store, kind="take")
         self._finalizer = weakref.finalize(self, self._lease.release)
@@ -358,9 +377,12 @@ class CasnapWriter(StorageWriter):
             entries=entries,
         )
         if self._replaces is None and not self.overwrite:
-            self.last_manifest = commit_snapshot(
-                repo, target_name, manifest, lease=lease, session=self.session
-            )
+            try:
+                self.last_manifest = commit_snapshot(
+                    repo, target_name, manifest, lease=lease, session=self.session
+                )
+            except SnapshotExistsError as exc:  # another save committed it meanwhile
+                raise _exists(target_name, repo) from exc
             return
         self.last_manifest = _commit_replacing(
             repo, target_name, manifest, self._replaces, lease, self.session
@@ -374,6 +396,15 @@ class CasnapWriter(StorageWriter):
             finalizer.detach()
         if lease is not None:
             lease.release()
+
+
+def _exists(name: str, repo: RepoStorage) -> CheckpointExistsError:
+    """The refusal of ``overwrite=False``, in the words of DCP's ``FileSystemWriter``."""
+    return CheckpointExistsError(
+        f"Checkpoint already exists and self.overwrite=False. (casnap: snapshot {name!r} "
+        f"exists in {repo.url}; save to another id, or overwrite=True keeps it as history)",
+        name,
+    )
 
 
 def _world() -> int:

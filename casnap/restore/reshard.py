@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from casnap.errors import IntegrityError, ShapeMismatchError
-from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, ShardRecord
+from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, Quantization, ShardedEntry, ShardRecord
+from casnap.torch_io import quantized
 from casnap.torch_io.sharded import LocalShard, global_shape, target_regions
 from casnap.torch_io.tensors import byte_view, copy_bits, dtype_name, torch_dtype
 
@@ -73,19 +74,31 @@ class ShardedSink:
         self.entry = entry
         self.dtype = torch_dtype(entry.dtype)
         self.itemsize = DTYPE_ITEMSIZE[entry.dtype]
-        self.in_place = target is not None  # the target's boxes change as shards are copied out
         regions = target_regions(target, key) if target is not None else None
+        # Quantized shards (docs/format.md, "Quantized tensors"): a plain target, or
+        # none, gets the whole tensor once read, as from a quantized tensor entry;
+        # otherwise each target box receives the dequantized values.
+        self._whole_q: Quantization | None = None
+        self._land: torch.Tensor | None = None
+        self._dequantize = entry.quantized_shards
+        if entry.quantized_shards:
+            _check_quantized(key, entry, target)
+            q = _uniform(entry)
+            if regions is None and (q is not None or target is None):
+                self._whole_q, self._land, self._dequantize, target = q, target, False, None
+        self.in_place = target is not None  # the target's boxes change as shards are copied out
         if target is not None:
-            _check(key, entry, target)
+            if not entry.quantized_shards:
+                _check(key, entry, target)
             if regions is None:
                 regions = [LocalShard((0,) * len(entry.shape), tuple(entry.shape), target)]
-            self.result = target
+            self._result = target
         else:
             # Allocated by allocate() or prepare(), once the reader has checked what
             # the whole read allocates against the memory ceiling (fresh_bytes).
             whole = torch.empty(entry.shape, dtype=self.dtype, device="meta")
             regions = [LocalShard((0,) * len(entry.shape), tuple(entry.shape), whole)]
-            self.result = whole
+            self._result = whole
         # (target region, stored shard index, overlap lo, hi)
         self.copies: list[tuple[LocalShard, int, list[int], list[int]]] = []
         chunks: dict[int, set[int]] = {}
@@ -152,14 +165,23 @@ class ShardedSink:
 
     def materialize(self) -> None:
         """Allocate the new tensor this read returns (a no-op when restoring into a target)."""
-        if self.result.device.type != "meta":
+        if self._result.device.type != "meta":
             return
         whole = torch.empty(self.entry.shape, dtype=self.dtype)
         self.copies = [
-            (LocalShard(r.offsets, r.sizes, whole) if r.tensor is self.result else r, si, lo, hi)
+            (LocalShard(r.offsets, r.sizes, whole) if r.tensor is self._result else r, si, lo, hi)
             for r, si, lo, hi in self.copies
         ]
-        self.result = whole
+        self._result = whole
+
+    @property
+    def result(self) -> Any:
+        """The read value: the target, or the new tensor (quantized shards: rebuilt, landed)."""
+        if self._whole_q is not None:
+            value = quantized.rebuild(self._result, self._whole_q)
+            self._result = quantized.land_value(value, self._whole_q, self._land)
+            self._whole_q = None
+        return self._result
 
     def allocate(self, shards: set[int]) -> None:
         """Allocate the staging buffers of ``shards`` (before their reads start, one thread)."""
@@ -184,6 +206,8 @@ class ShardedSink:
                 continue
             src_t = self._buffer(si)[0]
             shard = self.entry.shards[si]
+            if self._dequantize and shard.quantized is not None:
+                src_t = quantized.rebuild(src_t, shard.quantized).dequantize()
             src = src_t[
                 tuple(
                     slice(low - o, h - o) for low, h, o in zip(lo, hi, shard.offsets, strict=True)
@@ -194,7 +218,11 @@ class ShardedSink:
                     slice(low - o, h - o) for low, h, o in zip(lo, hi, region.offsets, strict=True)
                 )
             ]
-            copy_bits(dst, src)
+            if self._dequantize:
+                with torch.no_grad():
+                    dst.copy_(src)
+            else:
+                copy_bits(dst, src)
         for si in shards:
             self._buffers.pop(si, None)
 
@@ -213,5 +241,40 @@ def _check(key: str, entry: ShardedEntry, target: Any) -> None:
         raise ShapeMismatchError(
             f"{key}: snapshot holds {entry.dtype}{list(entry.shape)}, the target is "
             f"{dtype_name(tdtype, key)}{shape}",
+            key,
+        )
+
+
+def _uniform(entry: ShardedEntry) -> Quantization | None:
+    """The quantization every shard shares, if one set of parameters rebuilds the whole."""
+    first = entry.shards[0].quantized
+    if first is None or any(s.quantized != first for s in entry.shards):
+        return None
+    if first.axis is not None and len(first.scales or ()) != entry.shape[first.axis]:
+        return None  # per-channel parameters of a part of the axis
+    return first
+
+
+def _check_quantized(key: str, entry: ShardedEntry, target: Any) -> None:
+    """Raise before anything is read if ``target`` cannot receive quantized shards."""
+    q = entry.shards[0].quantized
+    assert q is not None
+    if target is None:
+        if _uniform(entry) is None:
+            raise ShapeMismatchError(
+                f"{key}: its shards are {q.dtype} with different parameters, so no one "
+                "quantized tensor holds them; read it into a floating-point tensor "
+                "(obj_out) to receive the dequantized values",
+                key,
+            )
+        return
+    shape = list(global_shape(target))
+    plain = target_regions(target, key) is None
+    whole = plain and target.is_quantized and _uniform(entry) is not None
+    if shape != list(entry.shape) or not (whole or target.dtype.is_floating_point):
+        raise ShapeMismatchError(
+            f"{key}: snapshot holds {q.dtype}{list(entry.shape)} shards; a "
+            f"{str(target.dtype).removeprefix('torch.')}{shape} target can receive neither "
+            "them nor their dequantized values",
             key,
         )

@@ -91,6 +91,13 @@ def _plan_subtree(
     return keys
 
 
+def check_app_state(app_state: Mapping[str, Any]) -> None:
+    """Raise if an ``app_state`` key is not a string or a value lacks ``state_dict()`` or
+    ``load_state_dict()`` (a ``TypeError``): needs no snapshot, so it runs before any read."""
+    for key, stateful in app_state.items():
+        _check_stateful(key, stateful)
+
+
 def _check_stateful(key: Any, stateful: Any) -> None:
     if not isinstance(key, str) or not key:
         raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
@@ -158,8 +165,7 @@ def restore_state(
     casnap's key check: the target's keys and the snapshot's must match,
     checked before anything is read.
     """
-    for key, stateful in app_state.items():
-        _check_stateful(key, stateful)
+    check_app_state(app_state)
     plans: list[tuple[str, Any, str]] = []
     load = _Load({}, {}, {})
     for key, stateful in app_state.items():

@@ -126,6 +126,7 @@ class ShardPlan:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     chunks: ChunkIds
+    quantized: Quantization | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ def _sharded_entry(
             sizes=list(s.sizes),
             chunk_size=cs,
             chunks=_refs(s.chunks, refs),
+            quantized=s.quantized,
         )
         for _, s in sorted(boxes.items())
     ]

@@ -150,25 +150,28 @@ def _prepared(prepare: TensorPrepareFunc, key: str, tensor: torch.Tensor) -> tor
 
 
 def _prepared_shards(prepare: TensorPrepareFunc, key: str, leaf: ShardLeaf) -> ShardLeaf:
-    """Every local shard of a sharded value through the prepare function, as torchsnapshot."""
-    shards = tuple(
-        LocalShard(s.offsets, s.sizes, _prepared(prepare, key, s.tensor)) for s in leaf.shards
-    )
-    dtypes = {s.tensor.dtype for s in shards}
-    for s in shards:
-        if s.tensor.is_quantized:
-            raise UnsupportedValueError(
-                f"{key}: the shards of a sharded tensor cannot be stored quantized; "
-                "quantize the whole tensor, or store the shards unquantized",
-                key,
-            )
-        check_storable(s.tensor, key)
+    """Every local shard of a sharded value through the prepare function, as torchsnapshot.
+
+    A quantized shard is stored as its integers and parameters, as a quantized
+    tensor is (format 1.4: docs/format.md, "Quantized tensors")."""
+    shards = []
+    for s in leaf.shards:
+        out = _prepared(prepare, key, s.tensor)
+        if out.is_quantized:
+            ints, q = quantized.split(out, key)
+            shards.append(LocalShard(s.offsets, s.sizes, ints, q))
+        else:
+            check_storable(out, key)
+            shards.append(LocalShard(s.offsets, s.sizes, out))
+    dtypes = {(s.tensor.dtype, s.quantized and s.quantized.qscheme) for s in shards}
     if len(dtypes) > 1:
         raise UnsupportedValueError(
-            f"{key}: _custom_tensor_prepare_func gave the shards different dtypes {dtypes}", key
+            f"{key}: _custom_tensor_prepare_func gave the shards different dtypes "
+            f"{sorted(str(d) for d in dtypes)}",
+            key,
         )
-    dtype = dtypes.pop() if dtypes else leaf.dtype
-    return ShardLeaf(leaf.layout, dtype, leaf.shape, shards)
+    dtype = dtypes.pop()[0] if dtypes else leaf.dtype
+    return ShardLeaf(leaf.layout, dtype, leaf.shape, tuple(shards))
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,11 @@ def land(entry: TensorEntry, ints: torch.Tensor, target: torch.Tensor | None) ->
     """The restored value of a quantized entry read as ``ints`` (see the module docstring)."""
     q = entry.quantized
     assert q is not None and QUANTIZED_STORAGE[q.dtype] == entry.dtype
-    value = rebuild(ints, q)
+    return land_value(rebuild(ints, q), q, target)
+
+
+def land_value(value: torch.Tensor, q: Quantization, target: torch.Tensor | None) -> torch.Tensor:
+    """The restored value of quantized ``value`` (parameters ``q``) given ``target``."""
     if target is None:
         return value
     with torch.no_grad():

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from casnap.errors import UnsupportedValueError
+from casnap.format.entries import Quantization
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -24,6 +25,8 @@ class LocalShard:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     tensor: torch.Tensor  # this rank's data for the box, any layout or device
+    # A quantized shard (from _custom_tensor_prepare_func): ``tensor`` is its integers.
+    quantized: Quantization | None = None
 
 
 @dataclass(frozen=True)
