@@ -171,3 +171,28 @@ def test_casnap_import_reads_a_torch_dist_checkpoint_bit_exact(saved: Any) -> No
         assert torch.equal(snap.read_object(f"0/{key}"), tensor), key
     repo = Repository(str(root))
     assert repo.log()[-1].name == "td_iter_0000001" and repo.verify(read_data=True).ok
+
+
+def test_du_retention_and_gc_keep_what_remains_readable(saved: Any, tmp_path: Path) -> None:
+    """The maintenance commands on Megatron saves, on a copy of the repository."""
+    import shutil
+
+    from casnap.api.repository import Repository
+    from casnap.ops.retention import KeepLast, RetentionPolicy
+
+    root, _ = saved
+    copy = tmp_path / "run1"
+    shutil.copytree(root, copy)
+    repo = Repository(str(copy))
+    keep = repo.snapshot("iter_0000003")
+    keys = [k for k in keep.get_manifest() if k.startswith("0/model.") and "_extra" not in k]
+    before = {k: keep.read_object(k) for k in keys}
+    usage = repo.du()
+    assert usage.snapshots == 3 and usage.logical_bytes > 2 * usage.stored_bytes  # dedup
+    result = repo.retain(RetentionPolicy(KeepLast(1)))
+    assert sorted(result.deleted) == ["iter_0000001", "iter_0000002"]
+    freed = repo.gc(grace_seconds=0)
+    assert freed.bytes_freed > 0  # what only the older saves used
+    assert repo.snapshots() == ["iter_0000003"] and repo.verify(read_data=True).ok
+    keep = repo.snapshot("iter_0000003")
+    assert all(torch.equal(keep.read_object(k), before[k]) for k in keys)
