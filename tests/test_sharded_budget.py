@@ -8,13 +8,14 @@ left it; reading it needs no process group.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
 
-from casnap import Repository, Snapshot
+from casnap import Repository, Snapshot, StateDict
 from casnap.chunks.write import ChunkWriter
-from casnap.format.entries import ShardedEntry, ShardRecord
+from casnap.format.entries import ContainerEntry, ShardedEntry, ShardRecord
 from casnap.format.manifest import Manifest
 from casnap.repo.repository import now_iso
 from casnap.restore import reshard
@@ -25,7 +26,9 @@ CHUNK = 16 * 1024
 ROWS, COLS, PARTS = 256, 64, 8  # 64 KiB, stored as 8 row shards of 8 KiB
 
 
-def sharded_snapshot(root: str, full: torch.Tensor, parts: int) -> str:
+def sharded_snapshot(root: str, full: torch.Tensor, parts: int, container: bool = False) -> str:
+    """A snapshot whose entry ``0/m/w`` is ``full`` in ``parts`` row shards (and, with
+    ``container``, ``0/m`` the dict that holds it, so that ``restore`` finds ``m``)."""
     repo = Repository.open_or_create(root, chunk_size=CHUNK)
     settings = Settings.from_env().with_overrides(chunk_size=CHUNK)
     per = full.shape[0] // parts
@@ -44,7 +47,10 @@ def sharded_snapshot(root: str, full: torch.Tensor, parts: int) -> str:
             )
     repo.store.flush()
     entry = ShardedEntry(layout="dtensor", dtype="float32", shape=list(full.shape), shards=shards)
-    manifest = Manifest(created_at=now_iso(), world_size=parts, entries={"0/m/w": entry})
+    entries: dict[str, Any] = {"0/m/w": entry}
+    if container:
+        entries["0/m"] = ContainerEntry(type="dict", keys=["w"])
+    manifest = Manifest(created_at=now_iso(), world_size=parts, entries=entries)
     repo.write_ref("s1", repo.write_manifest(manifest))
     return f"{root}/s1"
 
@@ -101,3 +107,18 @@ def test_a_shard_larger_than_half_the_budget_is_staged_alone(tmp_path, staged):
     out = Snapshot(path).read_object("0/m/w", memory_budget_bytes=16 * 1024)
     assert torch.equal(out, full)
     assert staged["peak"] == full.numel() * 4 // 2
+
+
+def test_restore_progress_counts_the_chunks_of_sharded_entries(tmp_path):
+    full = torch.randn(ROWS, COLS)
+    path = sharded_snapshot(str(tmp_path / "repo"), full, PARTS, container=True)
+    calls: list[tuple[int, int]] = []
+    target = {"m": StateDict(w=torch.zeros(ROWS, COLS))}
+    Snapshot(path).restore(
+        target, progress=lambda done, total: calls.append((done, total)), memory_budget_bytes=None
+    )
+    assert torch.equal(target["m"]["w"], full)
+    dones = [d for d, _ in calls]
+    assert dones == sorted(dones)
+    assert {t for _, t in calls} == {full.numel() * 4}  # every stored shard is needed
+    assert dones[-1] == full.numel() * 4

@@ -461,15 +461,15 @@ def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Read
 def _shard_batch(
     sharded: Mapping[str, ShardedSink], group: dict[str, set[int]], budget: ByteBudget
 ) -> _Reads:
-    refs: list[ChunkRef] = []
-    routes: list[tuple[str, int]] = []
+    # Listed now, not when the batch runs: a restore's progress totals them first.
+    needed = [
+        (key, *pair) for key, shards in group.items() for pair in sharded[key].needed_of(shards)
+    ]
+    refs, routes = [n[2] for n in needed], [(n[0], n[1]) for n in needed]
 
     def allocate() -> None:
         for key, shards in group.items():
             sharded[key].allocate(shards)
-            for route, ref in sharded[key].needed_of(shards):
-                refs.append(ref)
-                routes.append((key, route))
 
     def sink(index: int, data: Any) -> None:
         key, route = routes[index]
