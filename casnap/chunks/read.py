@@ -2,7 +2,8 @@
 
 :func:`read_chunks`: frames of one pack that lie close together are fetched
 by one ranged get; every frame is decoded and verified against its hash
-before its bytes are handed on, and a damaged one is contained
+before its bytes are handed to the read's one target
+(:class:`~casnap.chunks.target.ReadTarget`), and a damaged one is contained
 (:mod:`casnap.chunks.decode`).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from casnap.chunks.budget import ByteBudget
 from casnap.chunks.decode import decode_frame
 from casnap.chunks.rebuild import ChainFrames, patch_in_place, rebuild_into, whole_loose
 from casnap.chunks.stored import contain, frame_limit
+from casnap.chunks.target import ReadTarget
 from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
@@ -104,15 +106,6 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _loose(span: Span) -> tuple[int, ChunkRef] | None:
-    """The one chunk of ``span`` if it is a loose object (any valid frame of the chunk:
-    read whole, then decoded where it is)."""
-    if span.end >= 0 or len(span.items) != 1:
-        return None
-    i, ref = span.items[0]
-    return (i, ref) if ref.base is None else None
-
-
 def fetch_span(repo: RepoStorage, span: Span) -> bytes:
     """The stored bytes of ``span``: a loose object (at most its frame's length) or a pack range.
 
@@ -130,120 +123,127 @@ def fetch_span(repo: RepoStorage, span: Span) -> bytes:
 def read_chunks(
     repo: RepoStorage,
     refs: list[ChunkRef],
-    sink: Callable[[int, Buffer], None],
+    target: ReadTarget,
     pool: ThreadPoolExecutor,
     budget: ByteBudget,
-    dest: Callable[[int], memoryview | None] | None = None,
-    landed: Callable[[int], None] | None = None,
-    mapped: Callable[[int], Callable[[Buffer], None] | None] | None = None,
 ) -> int:
-    """Fetch, decode and verify ``refs``; ``sink(i, data)`` receives chunk ``i``.
+    """Fetch, decode and verify ``refs``; ``target`` receives chunk ``i``'s verified bytes.
 
-    In-flight fetched and decoded bytes stay under ``budget``; ``sink`` may be
-    called from worker threads (for different ``i`` concurrently). Returns the
-    bytes fetched from the store.
+    In-flight fetched and decoded bytes stay under ``budget``; ``target``'s
+    methods may be called from worker threads (for different ``i``
+    concurrently). Returns the bytes fetched from the store.
 
-    ``dest(i)``, when given, may return the memory chunk ``i`` finally belongs
-    in: a loose chunk is then read whole into a reused page-aligned buffer
-    under ``budget`` (:mod:`casnap.chunks.bounce`), decoded and verified there
-    and only then copied into it, with no ``sink`` call; a chunk that fails verification
-    raises :class:`IntegrityError` and writes nothing. A delta rebuilt in
-    place (below) is written to ``dest`` before its check. ``landed(i)``, when
-    given, is called once chunk ``i`` written to ``dest`` has been verified
-    (the caller keeps what ``dest`` overwrote until then).
+    Each span of the plan (:func:`plan_reads`) takes one path, chosen by what
+    it holds and what ``target`` offers for its chunk (:class:`ReadTarget`):
 
-    ``mapped(i)``, when given, may return a function that takes chunk ``i``'s
-    verified bytes instead: a loose chunk whose object the store can map
-    (:meth:`~casnap.store.base.ObjectStore.map`) is verified on the mapping
-    (decoded first if not stored raw) and only then handed to it (no ``dest``
-    or ``sink`` call), so no unverified byte reaches the caller's memory. The bytes stay valid while
-    referenced. Where the store cannot map, ``dest`` and ``sink`` serve.
-    A delta chunk whose chain ends in a mappable whole frame is rebuilt on a
-    private (copy-on-write) mapping of that frame and verified there, then
-    handed to it the same way.
+    - a loose chunk the target :meth:`~ReadTarget.holds`, from a store that can
+      map it (:meth:`~casnap.store.base.ObjectStore.map`): verified on the
+      mapping (decoded first if not stored raw), then :meth:`~ReadTarget.hold`
+      (raw) or :meth:`~ReadTarget.consume`; no unverified byte reaches the
+      target's memory;
+    - a loose chunk the target places (:meth:`~ReadTarget.place`): read whole into a
+      reused page-aligned buffer under ``budget`` (:mod:`casnap.chunks.bounce`),
+      decoded and verified there, only then copied into place; a chunk that
+      fails verification raises :class:`IntegrityError` and writes nothing;
+    - a delta the target holds, whose chain ends in a mappable raw whole frame:
+      rebuilt on a private (copy-on-write) mapping of that frame, verified there;
+    - a delta the target places: rebuilt in its final memory, verified there
+      (written before its check: the target keeps what it overwrote);
+    - everything else (packed frames, several chunks of one span, a target that
+      only consumes): fetched by one get, decoded through a buffer, consumed.
     """
-    spans = plan_reads(refs)
-    fetched = 0
-    lock = threading.Lock()
-    # The delta frames of every chain, fetched by shared pack ranges (casnap.chunks.chain).
-    shared = ChainFrames(repo, refs) if any(ref.base is not None for ref in refs) else None
-    bounce = BouncePool(budget)
+    reader = _Reader(repo, refs, target, budget)
+    futures = [pool.submit(reader.run, span) for span in plan_reads(refs)]
+    errors = [f.exception() for f in futures]
+    reader.bounce.close()
+    for exc in errors:
+        if exc is not None:
+            raise exc  # a store, integrity or target error, with its own type
+    return reader.fetched
 
-    def direct(span: Span) -> bool:
-        """A loose object read whole into a page-aligned buffer, decoded and verified
-        there, then copied into ``dest`` (:mod:`casnap.chunks.bounce` says why not
-        into place). A raw frame is verified where it was read; another codec is
-        decoded from there."""
-        nonlocal fetched
-        one = _loose(span)
-        if dest is None or one is None:
-            return False  # packed: decoded through a buffer
-        i, ref = one
-        view = dest(i)
-        if view is None or len(view) != ref.size:
+
+class _Reader:
+    """One :func:`read_chunks` call: each span runs on a worker, by one path."""
+
+    def __init__(
+        self, repo: RepoStorage, refs: list[ChunkRef], target: ReadTarget, budget: ByteBudget
+    ) -> None:
+        self.repo = repo
+        self.target = target
+        self.budget = budget
+        self.fetched = 0
+        self._lock = threading.Lock()
+        # The delta frames of every chain, fetched by shared pack ranges (casnap.chunks.chain).
+        self.shared = ChainFrames(repo, refs) if any(ref.base is not None for ref in refs) else None
+        self.bounce = BouncePool(budget)
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.fetched += n
+
+    def run(self, span: Span) -> None:
+        """The span by the first path that takes it (:func:`read_chunks` lists them)."""
+        one = span.items[0] if len(span.items) == 1 else None
+        if one is None or not self._fast(span, *one):
+            self._buffered(span)
+
+    def _fast(self, span: Span, i: int, ref: ChunkRef) -> bool:
+        """A span of one chunk by its fast path, if the target and the store allow one."""
+        if ref.base is not None:  # a delta, loose or packed
+            return self._delta_mapped(span, i, ref) or self._delta_placed(span, i, ref)
+        if span.end < 0:  # a loose object (any valid frame of the chunk: read whole)
+            return self._loose_mapped(span, i, ref) or self._loose_placed(span, i, ref)
+        return False  # one packed frame
+
+    def _loose_mapped(self, span: Span, i: int, ref: ChunkRef) -> bool:
+        """A loose object mapped and verified on the mapping: a raw frame's bytes are
+        held by the target in place, another codec's decoded bytes consumed."""
+        if not self.target.holds(i, ref.size):
             return False
-        with bounce.buffer(frame_limit(ref)) as (frame, address):
-            with _missing_is_integrity_error(span), _refused_is_damage(repo, span):
-                n = repo.store.read_into(span.key, [frame])
-            with lock:
-                fetched += n
-            data = decode_frame(repo, span.key, ref, frame[:n])
+        with _missing_is_integrity_error(span), _refused_is_damage(self.repo, span):
+            frame = self.repo.store.map(span.key, frame_limit(ref))
+        if frame is None:
+            return False  # the store cannot map: read as usual
+        view = memoryview(frame)
+        self._count(len(view))
+        data = decode_frame(self.repo, span.key, ref, view)  # a short file too
+        if len(view) == frame_limit(ref):
+            self.target.hold(i, memoryview(data))  # stored raw: verified bytes of the mapping
+        else:
+            self.target.consume(i, data)  # decoded into memory of its own
+        return True
+
+    def _loose_placed(self, span: Span, i: int, ref: ChunkRef) -> bool:
+        """A loose object read whole into a page-aligned buffer, decoded and verified
+        there, then copied into place (:mod:`casnap.chunks.bounce` says why not
+        straight into place). A raw frame is verified where it was read; another
+        codec is decoded from there."""
+        view = self.target.place(i, ref.size)
+        if view is None or len(view) != ref.size:
+            return False  # decoded through a buffer
+        with self.bounce.buffer(frame_limit(ref)) as (frame, address):
+            with _missing_is_integrity_error(span), _refused_is_damage(self.repo, span):
+                n = self.repo.store.read_into(span.key, [frame])
+            self._count(n)
+            data = decode_frame(self.repo, span.key, ref, frame[:n])
             if ref.size and len(data) == n - codec.HEADER_SIZE:  # raw: still in the buffer
                 ctypes.memmove(_address(view), address + codec.HEADER_SIZE, ref.size)
             elif ref.size:
                 view[:] = memoryview(data).cast("B")
-        if landed is not None:
-            landed(i)
+        self.target.placed(i)
         return True
 
-    def from_mapping(span: Span) -> bool:
-        """A loose object mapped and verified on the mapping: a raw frame's bytes are
-        handed to ``mapped(i)`` in place, another codec's decoded bytes to ``sink``."""
-        nonlocal fetched
-        one = _loose(span)
-        if mapped is None or one is None:
-            return False
-        i, ref = one
-        take = mapped(i)
-        if take is None:
-            return False
-        with _missing_is_integrity_error(span), _refused_is_damage(repo, span):
-            frame = repo.store.map(span.key, frame_limit(ref))
-        if frame is None:
-            return False  # the store cannot map: read as usual
-        view = memoryview(frame)
-        with lock:
-            fetched += len(view)
-        data = decode_frame(repo, span.key, ref, view)  # a short file too
-        if len(view) == frame_limit(ref):
-            take(data)  # stored raw: verified bytes of the mapping, no copy
-        else:
-            sink(i, data)  # decoded into memory of its own: handed on as any decoded chunk
-        return True
-
-    def lone_delta(span: Span) -> tuple[int, ChunkRef] | None:
-        """The span's one item, if it is a delta (the two rebuilds below take one)."""
-        return span.items[0] if len(span.items) == 1 and span.items[0][1].base is not None else None
-
-    def delta_from_mapping(span: Span) -> bool:
+    def _delta_mapped(self, span: Span, i: int, ref: ChunkRef) -> bool:
         """A delta whose chain ends in a loose raw frame the store can map, rebuilt on a
         private mapping of it (only the pages the deltas change are copied) and
-        verified there: handed on as a chunk stored whole is (no undo copy, no
+        verified there: held as a chunk stored whole is (no undo copy, no
         rebuild buffer, one digest pass)."""
-        nonlocal fetched
-        one = lone_delta(span)
-        if mapped is None or one is None:
-            return False
-        i, ref = one
         whole = whole_loose(ref)
-        if whole is None:
-            return False
-        take = mapped(i)
-        if take is None:
+        if whole is None or not self.target.holds(i, ref.size):
             return False
         key = chunk_key(whole.hash)
         try:
-            frame = repo.store.map(key, frame_limit(whole), private=True)
+            frame = self.repo.store.map(key, frame_limit(whole), private=True)
         except CasnapError:
             return False  # the paths below read it and say what is wrong
         if frame is None:
@@ -258,60 +258,43 @@ def read_chunks(
         if hdr.digest.hex() != whole.hash:
             return False
         payload = view[codec.HEADER_SIZE :]
-        if not patch_in_place(repo, ref, payload, shared):
+        if not patch_in_place(self.repo, ref, payload, self.shared):
             return False  # damage somewhere: rebuilt link by link below, which names it
-        with lock:
-            fetched += len(view) + sum(link.length for link in ref.chain()[:-1])
-        take(payload)
+        self._count(len(view) + sum(link.length for link in ref.chain()[:-1]))
+        self.target.hold(i, payload)
         return True
 
-    def delta_in_place(span: Span) -> bool:
-        """A delta rebuilt in its final memory (``dest``), verified there."""
-        one = lone_delta(span)
-        if dest is None or one is None:
-            return False
-        i, ref = one
-        view = dest(i)
+    def _delta_placed(self, span: Span, i: int, ref: ChunkRef) -> bool:
+        """A delta rebuilt in its final memory, verified there."""
+        view = self.target.place(i, ref.size)
         if view is None:
             return False
-        if not rebuild_into(repo, ref, view, shared):
+        if not rebuild_into(self.repo, ref, view, self.shared):
             # The careful path decodes link by link and names what failed (raising);
-            # ``dest`` was handed out, so its bytes land there, then ``landed``.
+            # the view was handed out, so its bytes land there, then ``placed``.
             with _missing_is_integrity_error(span):
-                blob = fetch_span(repo, span)
-            view[:] = memoryview(decode_frame(repo, span.key, ref, memoryview(blob))).cast("B")
-        if landed is not None:
-            landed(i)
+                blob = fetch_span(self.repo, span)
+            data = decode_frame(self.repo, span.key, ref, memoryview(blob))
+            view[:] = memoryview(data).cast("B")
+        self.target.placed(i)
         return True
 
-    def run(span: Span) -> None:
-        nonlocal fetched
-        if from_mapping(span) or direct(span) or delta_from_mapping(span) or delta_in_place(span):
-            return
+    def _buffered(self, span: Span) -> None:
+        """The span fetched by one get, each frame decoded through a buffer, consumed."""
         # A delta also holds its base's bytes and its decoded XOR while it is rebuilt.
         raw = sum(ref.size * (3 if ref.base else 1) for _, ref in span.items)
         cost = raw + (span.end - span.start if span.end >= 0 else frame_limit(span.items[0][1]))
-        budget.acquire(cost)
+        self.budget.acquire(cost)
         try:
             with _missing_is_integrity_error(span):
-                blob = fetch_span(repo, span)
-            with lock:
-                fetched += len(blob)
+                blob = fetch_span(self.repo, span)
+            self._count(len(blob))
             mv = memoryview(blob)
             for i, ref in span.items:
                 if span.end < 0:
                     frame = mv
                 else:
                     frame = mv[ref.offset - span.start : ref.offset - span.start + ref.length]
-                data = decode_frame(repo, span.key, ref, frame)
-                sink(i, data)
+                self.target.consume(i, decode_frame(self.repo, span.key, ref, frame))
         finally:
-            budget.release(cost)
-
-    futures = [pool.submit(run, span) for span in spans]
-    errors = [f.exception() for f in futures]
-    bounce.close()
-    for exc in errors:
-        if exc is not None:
-            raise exc  # a store, integrity or sink error, with its own type
-    return fetched
+            self.budget.release(cost)

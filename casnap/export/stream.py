@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Literal
 
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.read import Buffer, read_chunks
+from casnap.chunks.target import Consumer
 from casnap.errors import OutputSpaceError
 from casnap.export.select import ExportItem
 from casnap.format.entries import ChunkRef
@@ -175,7 +176,7 @@ def stream(
     if refs:
         workers = Settings.from_env().io_workers
         with ThreadPoolExecutor(workers, thread_name_prefix="casnap-export") as pool:
-            fetched = read_chunks(snapshot.repository, refs, sink, pool, budget)
+            fetched = read_chunks(snapshot.repository, refs, Consumer(sink), pool, budget)
     if failures:
         raise failures[0]
     return fetched, budget.peak, crcs

@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.read import Buffer, read_chunks
+from casnap.chunks.target import Consumer
 from casnap.errors import ConfigError, IntegrityError
 from casnap.format.entries import (
     DTYPE_ITEMSIZE,
@@ -228,7 +229,7 @@ def _fetch(
     def sink(i: int, data: Buffer) -> None:
         out[starts[i] : starts[i] + len(data)] = data
 
-    return read_chunks(repo, refs, sink, pool, budget)
+    return read_chunks(repo, refs, Consumer(sink), pool, budget)
 
 
 def _load_bytes(

@@ -10,6 +10,7 @@ import torch
 
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.read import read_chunks
+from casnap.chunks.target import Consumer
 from casnap.format.entries import ChunkRef, TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.ops.history import EntryDiff
@@ -35,7 +36,7 @@ def _values(
         out[i] = torch.frombuffer(bytearray(data), dtype=dtype)
 
     with ThreadPoolExecutor(DEFAULT_IO_WORKERS) as pool:
-        read_chunks(repo, refs, sink, pool, budget)
+        read_chunks(repo, refs, Consumer(sink), pool, budget)
     return [t for t in out if t is not None]
 
 

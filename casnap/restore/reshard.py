@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from casnap.chunks.target import Buffer, ReadTarget
 from casnap.errors import IntegrityError, ShapeMismatchError
 from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, Quantization, ShardedEntry, ShardRecord
 from casnap.torch_io import quantized
@@ -61,12 +62,13 @@ def _byte_runs(shard: ShardRecord, lo: list[int], hi: list[int], itemsize: int) 
     return runs
 
 
-class ShardedSink:
+class ShardedSink(ReadTarget):
     """Plans and performs the read of one sharded entry into ``target``.
 
     Construction validates (dtype, global shape, coverage) without modifying
-    anything; :meth:`needed` lists the chunks to fetch, :meth:`write` receives
-    them and :meth:`finish` copies the overlaps into the target.
+    anything; :meth:`needed` lists the chunks to fetch, :meth:`consume` receives
+    them (the read's target: :class:`~casnap.chunks.target.ReadTarget`) and
+    :meth:`finish` copies the overlaps into the target.
     """
 
     def __init__(self, key: str, entry: ShardedEntry, target: Any) -> None:
@@ -127,7 +129,7 @@ class ShardedSink:
         self._buffers: dict[int, tuple[torch.Tensor, memoryview]] = {}
 
     def needed(self) -> list[tuple[int, ChunkRef]]:
-        """(route id, chunk) pairs to fetch; route ids are handed back to :meth:`write`."""
+        """(route id, chunk) pairs to fetch; route ids are handed back to :meth:`consume`."""
         return [(i, self.entry.shards[si].chunks[ci]) for i, (si, ci) in enumerate(self._needed)]
 
     def needed_of(self, shards: set[int]) -> list[tuple[int, ChunkRef]]:
@@ -193,7 +195,7 @@ class ShardedSink:
         """Allocate every staging buffer (an unbounded read: :meth:`finish` follows)."""
         self.allocate({si for si, _ in self._needed})
 
-    def write(self, route: int, data: Any) -> None:
+    def consume(self, route: int, data: Buffer) -> None:
         si, ci = self._needed[route]
         cs = self.entry.shards[si].chunk_size
         view = self._buffers[si][1]

@@ -11,7 +11,7 @@ state dict the snapshot holds, RNG state last.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ import torch
 
 from casnap.chunks.budget import ByteBudget, allocating, check_allocation, check_budget
 from casnap.chunks.read import read_chunks
+from casnap.chunks.target import Chunked, Discard, ReadTarget, Routes
 from casnap.errors import (
     MissingKeyError,
     ObjectLoadError,
@@ -34,7 +35,7 @@ from casnap.repo.repository import RepoStorage
 from casnap.restore.keys import check_keys, failed_load_note
 from casnap.restore.progress import Progress, counted
 from casnap.restore.reshard import ShardedSink
-from casnap.restore.undo import TensorUndo, Undo
+from casnap.restore.undo import Guarded, Undo, UndoPool
 from casnap.settings import read_workers_for
 from casnap.torch_io import quantized
 from casnap.torch_io.flatten import inflate, leaves_of
@@ -196,37 +197,36 @@ def restore_state(
 
 @dataclass
 class _Reads:
-    """One batch of chunk reads: where each chunk goes, under which budget.
+    """One batch of chunk reads: the read's target, under which budget.
 
     Plain tensors and pickled objects form batches whose in-place tensors'
-    saved bytes (:mod:`casnap.restore.undo`) fit half the budget; sharded
-    entries form batches of stored shards that fit half the budget (each
-    overlapping shard is staged whole, then copied into the target's boxes).
-    Every batch runs through the same verified reader
-    (:func:`casnap.chunks.read_chunks`).
+    saved bytes (:mod:`casnap.restore.undo`) fit half the budget (``undo``:
+    the pool and that limit); sharded entries form batches of stored shards
+    that fit half the budget (``staged``: each overlapping shard is staged
+    whole, then copied into the target's boxes). Every batch runs through the
+    same verified reader (:func:`casnap.chunks.read_chunks`).
     """
 
     refs: list[ChunkRef]
-    sink: Callable[[int, Any], None]
+    target: ReadTarget
     budget: ByteBudget
-    dest: Callable[[int], memoryview | None] | None = None  # read straight into the target
-    landed: Callable[[int], None] | None = None  # a chunk read into ``dest`` verified
-    before: Callable[[], None] = lambda: None  # allocate staging
-    after: Callable[[], None] = lambda: None  # copy staging out
-    mapped: Callable[[int], Callable[[Any], None] | None] | None = None  # verified on a mapping
+    undo: tuple[UndoPool, int] | None = None  # the pool's limit while this batch reads
+    staged: list[tuple[ShardedSink, set[int]]] = field(default_factory=list)
 
     def run(self, repo: RepoStorage, pool: ThreadPoolExecutor) -> None:
-        self.before()
+        if self.undo is not None:
+            self.undo[0].limit = self.undo[1]
+        for sink, shards in self.staged:
+            sink.allocate(shards)
         if self.refs:
-            read_chunks(
-                repo, self.refs, self.sink, pool, self.budget, self.dest, self.landed, self.mapped
-            )
-        self.after()
+            read_chunks(repo, self.refs, self.target, pool, self.budget)
+        for sink, shards in self.staged:
+            sink.copy_out(shards)
 
 
 def _verify_first(refs: list[ChunkRef], limit: int) -> _Reads:
     """Reads that only verify (the bytes are dropped): for targets no budget can keep whole."""
-    return _Reads(refs, lambda _i, _data: None, ByteBudget(limit))
+    return _Reads(refs, Discard(), ByteBudget(limit))
 
 
 def load_values(
@@ -369,63 +369,24 @@ def _plain_batch(
     guarded: dict[str, int],
     saved: int,
 ) -> _Reads:
+    """The reads of ``keys``: a guarded tensor keeps what its chunks overwrite."""
     refs: list[ChunkRef] = []
-    routes: list[tuple[str, int]] = []
-    guards: dict[str, TensorUndo] = {}
+    parts: list[tuple[ReadTarget, int]] = []
     for key in keys:
+        target: ReadTarget
         if key in load.tensors:
             entry: TensorEntry | ObjectEntry = load.tensors[key][0]
+            target = sinks[key]
             if key in guarded:
-                guards[key] = undo.guard(sinks[key].view, entry.chunk_size, len(entry.chunks))
+                guard = undo.guard(sinks[key].view, entry.chunk_size, len(entry.chunks))
+                target = Guarded(sinks[key], guard)
         else:
             entry = load.objects[key]
+            target = Chunked(blobs[key], entry.chunk_size)
         refs.extend(entry.chunks)
-        routes.extend((key, i) for i in range(len(entry.chunks)))
-
-    def sink(index: int, data: Any) -> None:
-        key, i = routes[index]
-        if key in sinks:
-            guard = guards.get(key)
-            if guard is not None:
-                guard.before_write(i, len(data), verified=True)
-            sinks[key].write(i, data)
-            if guard is not None:
-                guard.landed(i)
-        else:
-            cs = load.objects[key].chunk_size
-            blobs[key][i * cs : i * cs + len(data)] = data
-
-    def landing(index: int) -> memoryview | None:
-        key, i = routes[index]
-        if key not in sinks:
-            return None
-        size = refs[index].size
-        view = sinks[key].view_for(i, size)
-        if len(view) != size:
-            return None  # the reader decodes it through a buffer instead
-        guard = guards.get(key)
-        if guard is not None:
-            guard.before_write(i, size, verified=False)
-        return view
-
-    def landed(index: int) -> None:
-        guard = guards.get(routes[index][0])
-        if guard is not None:
-            guard.landed(routes[index][1])
-
-    def mapped(index: int) -> Callable[[Any], None] | None:
-        key, i = routes[index]
-        guard = guards.get(key)
-        size = refs[index].size
-        if guard is None or len(sinks[key].view_for(i, size)) != size:
-            return None  # read into place, or decoded through a buffer
-        return lambda data: guard.deliver(i, data)
-
-    def before() -> None:
-        undo.pool.limit = saved
-
+        parts.extend((target, i) for i in range(len(entry.chunks)))
     budget = ByteBudget(max(1, limit - saved))
-    return _Reads(refs, sink, budget, landing, landed, before, mapped=mapped)
+    return _Reads(refs, Routes(parts), budget, undo=(undo.pool, saved))
 
 
 def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Reads]:
@@ -461,25 +422,15 @@ def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Read
 def _shard_batch(
     sharded: Mapping[str, ShardedSink], group: dict[str, set[int]], budget: ByteBudget
 ) -> _Reads:
-    # Listed now, not when the batch runs: a restore's progress totals them first.
-    needed = [
-        (key, *pair) for key, shards in group.items() for pair in sharded[key].needed_of(shards)
-    ]
-    refs, routes = [n[2] for n in needed], [(n[0], n[1]) for n in needed]
-
-    def allocate() -> None:
-        for key, shards in group.items():
-            sharded[key].allocate(shards)
-
-    def sink(index: int, data: Any) -> None:
-        key, route = routes[index]
-        sharded[key].write(route, data)
-
-    def copy_out() -> None:
-        for key, shards in group.items():
-            sharded[key].copy_out(shards)
-
-    return _Reads(refs, sink, budget, None, None, allocate, copy_out)
+    """The reads of the stored shards ``group`` names, staged before and copied out after."""
+    refs: list[ChunkRef] = []
+    parts: list[tuple[ReadTarget, int]] = []
+    for key, shards in group.items():
+        for route, ref in sharded[key].needed_of(shards):
+            refs.append(ref)
+            parts.append((sharded[key], route))
+    staged = [(sharded[key], shards) for key, shards in group.items()]
+    return _Reads(refs, Routes(parts), budget, staged=staged)
 
 
 def read_entry(

@@ -29,6 +29,8 @@ import ctypes
 import mmap
 import threading
 
+from casnap.chunks.target import Buffer, Chunked, ReadTarget
+
 # Fresh anonymous memory costs a page fault per page on first touch; populating
 # a buffer when it is mapped costs about half as much on this VM
 # (benchmarks/restore_atomic.py). Linux only; elsewhere a bytearray.
@@ -220,3 +222,32 @@ class Undo:
         for undo in reversed(self._tensors):
             if not undo.complete:
                 undo.rollback()
+
+
+class Guarded(ReadTarget):
+    """The read target of one in-place tensor (``sink``) whose ``undo`` keeps what each
+    chunk overwrites until the tensor is complete; a verified mapping is held instead."""
+
+    def __init__(self, sink: Chunked, undo: TensorUndo) -> None:
+        self.sink = sink
+        self.undo = undo
+
+    def consume(self, i: int, data: Buffer) -> None:
+        self.undo.before_write(i, len(data), verified=True)
+        self.sink.consume(i, data)
+        self.undo.landed(i)
+
+    def place(self, i: int, size: int) -> memoryview | None:
+        view = self.sink.place(i, size)
+        if view is not None:
+            self.undo.before_write(i, size, verified=False)
+        return view
+
+    def placed(self, i: int) -> None:
+        self.undo.landed(i)
+
+    def holds(self, i: int, size: int) -> bool:
+        return len(self.sink.view_for(i, size)) == size  # else decoded through a buffer
+
+    def hold(self, i: int, data: memoryview) -> None:
+        self.undo.deliver(i, data)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any
 
 import torch
 
+from casnap.chunks.target import Chunked
 from casnap.errors import ShapeMismatchError, UnsupportedValueError
 from casnap.format.entries import DTYPE_ITEMSIZE
 
@@ -134,33 +134,30 @@ def fills_in_place(target: torch.Tensor) -> bool:
     )
 
 
-class TensorSink:
-    """Receives the chunks of one stored tensor and lands them in ``target``.
+class TensorSink(Chunked):
+    """The read target (:class:`~casnap.chunks.target.ReadTarget`) of one stored
+    tensor's chunks, landed in ``target``.
 
-    Contiguous CPU targets are filled in place chunk by chunk; other targets
-    (non-contiguous views, accelerator tensors) get a contiguous CPU staging
-    tensor that is copied in once complete (``finish``).
+    Contiguous CPU targets are filled in place chunk by chunk (the reader may
+    read a chunk straight into :meth:`place`); other targets (non-contiguous
+    views, accelerator tensors) get a contiguous CPU staging tensor that is
+    copied in once complete (``finish``).
     """
 
     def __init__(
         self, dtype: str, shape: list[int], chunk_size: int, target: torch.Tensor | None
     ) -> None:
-        self.chunk_size = chunk_size
         self.target = target
         if target is not None and fills_in_place(target):
             self.buffer = target
         else:
             self.buffer = torch.empty(shape, dtype=torch_dtype(dtype))
-        self.view = byte_view(self.buffer)
+        super().__init__(byte_view(self.buffer), chunk_size)
 
-    def view_for(self, index: int, size: int) -> memoryview:
-        """Where chunk ``index`` lands: chunks can be read straight into it."""
-        start = index * self.chunk_size
-        return self.view[start : start + size]
-
-    def write(self, index: int, data: Any) -> None:
-        start = index * self.chunk_size
-        self.view[start : start + len(data)] = data
+    def place(self, i: int, size: int) -> memoryview | None:
+        """Where chunk ``i`` lands: read straight into it, unless it does not fit."""
+        view = self.view_for(i, size)
+        return view if len(view) == size else None
 
     def finish(self) -> torch.Tensor:
         if self.target is None:
