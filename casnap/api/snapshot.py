@@ -35,7 +35,7 @@ from casnap.format.manifest import Manifest
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import check_app_state, read_entry, restore_state
 from casnap.take.commit import remember
-from casnap.take.job import TakeJob, TakeResult, prepare_take
+from casnap.take.job import ShardedNeedsGroupError, TakeJob, TakeResult, prepare_take
 from casnap.take.python_gc import python_gc_paused
 from casnap.take.session import Session
 from casnap.take.target import TensorPrepareFunc
@@ -87,7 +87,31 @@ def _prepare(
     if session is not None:
         expect_type(session, Session, "session", "a casnap.Session")
     group = _group(pg)
-    if group.distributed:  # a group of one rank has nothing to coordinate
+
+    def single_process() -> TakeJob:
+        return prepare_take(
+            path,
+            app_state,
+            storage_options=storage_options,
+            metadata=metadata,
+            allow_pickle=allow_pickle,
+            parents=parents,
+            stage=stage,
+            custom_prepare=custom_prepare,
+            memory_budget_bytes=memory_budget_bytes,
+            session=session,
+            replicated=replicated,
+        )
+
+    if group.pg is not None and not group.distributed:
+        # A group of one rank has nothing to coordinate: the single-process take,
+        # which stages without hashing in the caller's thread, unless the state
+        # holds sharded values (refused there before anything is created).
+        try:
+            return single_process()
+        except ShardedNeedsGroupError:
+            pass
+    if group.pg is not None:
         return prepare_distributed_take(
             path,
             app_state,
@@ -102,19 +126,7 @@ def _prepare(
             memory_budget_bytes=memory_budget_bytes,
             session=session,
         )
-    return prepare_take(
-        path,
-        app_state,
-        storage_options=storage_options,
-        metadata=metadata,
-        allow_pickle=allow_pickle,
-        parents=parents,
-        stage=stage,
-        custom_prepare=custom_prepare,
-        memory_budget_bytes=memory_budget_bytes,
-        session=session,
-        replicated=replicated,
-    )
+    return single_process()
 
 
 class Snapshot:

@@ -217,6 +217,11 @@ def _plan_of(
     return RankPlan(0, chunk_size, entries), tensors
 
 
+class ShardedNeedsGroupError(UnsupportedValueError):
+    """A single-process take met a sharded value (a caller with a group of one retries
+    through the distributed take, which handles them)."""
+
+
 def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
     """One write request per tensor and pickled object; sharded values need a process group."""
     requests = []
@@ -226,7 +231,7 @@ def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
         elif isinstance(node, ObjectLeaf):
             requests.append(data_request(key, memoryview(node.payload)))
         elif not isinstance(node, (ContainerEntry, PrimitiveEntry)):
-            raise UnsupportedValueError(f"{key}: sharded tensors need a process group", key)
+            raise ShardedNeedsGroupError(f"{key}: sharded tensors need a process group", key)
     return requests
 
 
@@ -248,8 +253,8 @@ def prepare_take(
     """Phase 1 of a take (see the module docstring)."""
     budget = ByteBudget(check_budget(memory_budget_bytes))
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
+    requests = requests_of(nodes)  # sharded values: refused before anything is created
     target = resolve_target(path, storage_options, metadata, parents, session)
-    requests = requests_of(nodes)
     # Pinning pays only when the buffer is reused: a take without a session keeps none.
     pool = session.staging if session is not None else StagingPool(idle_limit=0, pin=False)
     job = TakeJob(
