@@ -35,7 +35,7 @@ from casnap.format.manifest import Manifest
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import check_app_state, read_entry, restore_state
 from casnap.take.commit import remember
-from casnap.take.job import ShardedNeedsGroupError, TakeJob, TakeResult, prepare_take
+from casnap.take.job import ShardedNeedsGroup, TakeJob, TakeResult, prepare_take
 from casnap.take.python_gc import python_gc_paused
 from casnap.take.session import Session
 from casnap.take.target import TensorPrepareFunc
@@ -109,7 +109,7 @@ def _prepare(
         # holds sharded values (refused there before anything is created).
         try:
             return single_process()
-        except ShardedNeedsGroupError:
+        except ShardedNeedsGroup:
             pass
     if group.pg is not None:
         return prepare_distributed_take(

@@ -217,7 +217,7 @@ def _plan_of(
     return RankPlan(0, chunk_size, entries), tensors
 
 
-class ShardedNeedsGroupError(UnsupportedValueError):
+class ShardedNeedsGroup(UnsupportedValueError):
     """A single-process take met a sharded value (a caller with a group of one retries
     through the distributed take, which handles them)."""
 
@@ -231,7 +231,7 @@ def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
         elif isinstance(node, ObjectLeaf):
             requests.append(data_request(key, memoryview(node.payload)))
         elif not isinstance(node, (ContainerEntry, PrimitiveEntry)):
-            raise ShardedNeedsGroupError(f"{key}: sharded tensors need a process group", key)
+            raise ShardedNeedsGroup(f"{key}: sharded tensors need a process group", key)
     return requests
 
 
