@@ -125,3 +125,84 @@ def test_a_replicated_dtensor_that_differs_keeps_each_ranks_value(tmp_path: Path
         (message,) = o["warned"]
         assert "m/r[offsets=[0]]: ranks [0] vs [1]" in message, message
         assert o["restored"] == [float(rank)] * 6
+
+
+# Large replicated chunks are compared by check id, and only their writer hashes them
+# (casnap.distributed.replica_check): 4 chunks of 256 KiB, 2 written by each rank.
+BIG = {"chunk_size": "256KiB"}
+BIG_NUMEL = 4 * (256 << 10) // 4  # float32
+
+
+def _big(rank: int, diverge_at: int | None) -> torch.Tensor:
+    w = torch.arange(BIG_NUMEL, dtype=torch.float32)
+    if rank == 1 and diverge_at is not None:
+        w[diverge_at * (BIG_NUMEL // 4) + 1000] += 0.5  # one value, in chunk ``diverge_at``
+    return w
+
+
+def big_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
+    from casnap import ReplicaMismatchError, ReplicaMismatchWarning, Snapshot, StateDict
+    from casnap.format.names import hash_bytes
+    from casnap.torch_io.tensors import byte_view
+
+    def take(name: str, diverge_at: int | None, **opts: Any) -> tuple[Any, list[str]]:
+        state = {"s": StateDict(w=_big(rank, diverge_at))}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            snap = Snapshot.take(
+                f"{root}/{name}", state, replicated=["s/**"], storage_options={**BIG, **opts}
+            )
+        found = [str(w.message) for w in caught if issubclass(w.category, ReplicaMismatchWarning)]
+        return snap, found
+
+    equal, warned = take("equal", None)
+    entry = equal.get_manifest()[f"{rank}/s/w"]
+    value = _big(rank, None)
+    mine = byte_view(value)  # valid while ``value`` lives
+    cs = 256 << 10
+    out: dict[str, Any] = {
+        "equal_warned": warned,
+        "equal_replicated": entry.replicated,
+        # The manifest names content hashes (blake3 of the bytes), not check ids.
+        "hashes_are_content": [r.hash for r in entry.chunks]
+        == [hash_bytes(mine[i * cs : (i + 1) * cs]) for i in range(4)],
+        "written": [s.raw_bytes_written for s in equal.last_take_rank_stats or []],
+    }
+    again, _ = take("again", None)  # unchanged: every chunk found by its real hash
+    out["again_written"] = [s.raw_bytes_written for s in again.last_take_rank_stats or []]
+    # Rank 1 diverges in one chunk, each chunk in turn: two of them are chunks rank 0
+    # writes when the values agree, which rank 1 then never hashes.
+    out["diverged"] = []
+    for at in range(4):
+        snap, warned = take(f"d{at}", at)
+        target = StateDict(w=torch.zeros(BIG_NUMEL))
+        Snapshot(f"{root}/d{at}").restore({"s": target})
+        out["diverged"].append(
+            {
+                "warned": warned,
+                "own": torch.equal(target["w"], _big(rank, at)),
+                "replicated": snap.get_manifest()[f"{rank}/s/w"].replicated,
+            }
+        )
+    try:
+        take("err", 2, replica_mismatch="error")
+        out["error"] = None
+    except ReplicaMismatchError as exc:
+        out["error"] = exc.mismatches
+    return out
+
+
+def test_a_divergence_in_a_large_chunk_another_rank_writes_is_detected(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    out = values(run_ranks(2, big_scenario, str(root)))
+    for o in out:
+        assert o["equal_warned"] == [] and o["equal_replicated"] is True
+        assert o["hashes_are_content"]
+        assert o["written"] == [2 * (256 << 10)] * 2  # one copy, half each
+        assert o["again_written"] == [0, 0]
+        for d in o["diverged"]:
+            (message,) = d["warned"]
+            assert "s/w: ranks [0] vs [1]" in message, message
+            assert d["own"] and d["replicated"] is False
+        assert o["error"] == {"s/w": [[0], [1]]}
+    assert not (root / ".casnap" / "refs" / "err").exists()

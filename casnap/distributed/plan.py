@@ -1,7 +1,9 @@
 """The save plan of a distributed take: what each rank holds, and who writes which chunk.
 
 Each rank hashes its chunks locally and sends a :class:`RankPlan` (keys, entry
-kinds, chunk hashes; never data). Every rank then computes the same
+kinds, chunk hashes; never data). Large chunks of replicated tensors carry a
+check id instead of a hash (:mod:`casnap.distributed.replica_check`): only
+their writer hashes them. Every rank then computes the same
 :func:`assign` from the gathered plans: each unique chunk goes to exactly one
 of the ranks holding it, balanced by bytes. Rank 0 turns the plans and the
 written chunks' locations into manifest entries with the same
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from casnap.distributed.replica_check import check_id
 from casnap.errors import ReplicaMismatchError, ReplicaMismatchWarning
 from casnap.format.names import digest_of
 from casnap.take.plan import (
@@ -45,12 +48,14 @@ class LocalData:
     not). ``live`` holds the chunks whose bytes are the caller's own tensor
     memory, which training may change once the take returns: an async take
     copies those it writes (casnap.take.scheduler.stage); copies made while
-    hashing (device-to-host, non-contiguous) are already private.
+    hashing (device-to-host, non-contiguous) are already private. ``checked``
+    holds the ids that are check ids, not hashes: their writer hashes them.
     """
 
     chunks: dict[str, memoryview] = field(default_factory=dict)
     owners: dict[str, Any] = field(default_factory=dict)
     live: set[str] = field(default_factory=set)
+    checked: set[str] = field(default_factory=set)
 
     def keep(self, hashes: list[str]) -> None:
         """Drop every chunk but ``hashes`` (those this rank writes), and their memory."""
@@ -58,16 +63,29 @@ class LocalData:
         self.chunks = {h: v for h, v in self.chunks.items() if h in wanted}
         self.owners = {h: o for h, o in self.owners.items() if h in wanted}
         self.live &= wanted
+        self.checked &= wanted
 
 
 def _chunk_ids(
-    view: memoryview, chunk_size: int, local: LocalData, owner: Any = None, live: bool = False
+    view: memoryview,
+    chunk_size: int,
+    local: LocalData,
+    owner: Any = None,
+    live: bool = False,
+    place: str | None = None,
 ) -> ChunkIds:
+    """Each chunk's blake3 hash, or for a replicated value (``place``: its logical key)
+    the check id of each large chunk (:func:`~casnap.distributed.replica_check.check_id`)."""
     n = len(view)
     ids = []
     for i in range(math.ceil(n / chunk_size) if n else 0):
         piece = view[i * chunk_size : (i + 1) * chunk_size]
-        h = digest_of(piece).hex()
+        checked = check_id(piece, f"{place}\0{i}") if place is not None else None
+        if checked is not None:
+            h = checked.hex()
+            local.checked.add(h)
+        else:
+            h = digest_of(piece).hex()
         if h not in local.chunks:
             local.chunks[h] = piece
             local.owners[h] = owner
@@ -77,11 +95,15 @@ def _chunk_ids(
     return tuple(ids)
 
 
-def _tensor_ids(t: torch.Tensor, key: str, chunk_size: int, local: LocalData) -> ChunkIds:
-    """Hash a tensor in place when it is contiguous CPU memory (zero-copy), else a copy."""
+def _tensor_ids(
+    t: torch.Tensor, key: str, chunk_size: int, local: LocalData, replicated: bool = False
+) -> ChunkIds:
+    """Hash a tensor in place when it is contiguous CPU memory (zero-copy), else a copy;
+    a replicated one's large chunks get check ids."""
     view, owner = host_view(t, key)
     live = t.device.type == "cpu" and owner.data_ptr() == t.data_ptr()
-    return _chunk_ids(view, chunk_size, local, owner, live)
+    place = logical(key) if replicated else None
+    return _chunk_ids(view, chunk_size, local, owner, live, place)
 
 
 def build_local(
@@ -98,11 +120,12 @@ def build_local(
     for key, node in nodes.items():
         if isinstance(node, TensorLeaf):
             t = node.tensor
+            rep = is_replicated(key, replicated)
             entries[key] = TensorPlan(
                 dtype_name(t.dtype, key),
                 tuple(t.shape),
-                is_replicated(key, replicated),
-                _tensor_ids(t, key, chunk_size, local),
+                rep,
+                _tensor_ids(t, key, chunk_size, local, rep),
                 node.quantized,
             )
         elif isinstance(node, ObjectLeaf):

@@ -9,9 +9,11 @@ Order of events (docs/distributed.md):
    creates the repository, checks the name is free, picks the parents and
    acquires the take's single lease; the other ranks open the repository only
    after the lease is held, so no rank makes a dedup decision outside it.
-2. planning (collective): every rank hashes its flattened chunks and
-   shares the hashes (and its structure, unless the previous take's still
-   holds: casnap/distributed/plan_cache.py); every rank computes the same
+2. planning (collective): every rank hashes its flattened chunks (a large
+   replicated chunk gets a check id instead, hashed only by its writer:
+   casnap/distributed/replica_check.py) and shares the hashes (and its
+   structure, unless the previous take's still holds:
+   casnap/distributed/plan_cache.py); every rank computes the same
    writer assignment. Replicated values that differ are kept per rank with a
    warning, or (``replica_mismatch="error"``) fail the take here, before
    anything is written. The chunks this rank writes become write
@@ -214,9 +216,14 @@ def prepare_distributed_take(
     assert repo is not None
     mine = sorted(h for h, r in writers.items() if r == group.rank)
     local.keep(mine)
+    # A check id is no hash: the writer hashes that chunk (the ref it posts names the hash).
     requests = [
         data_request(
-            h, local.chunks[h], local.owners[h], live=h in local.live, digests=[bytes.fromhex(h)]
+            h,
+            local.chunks[h],
+            local.owners[h],
+            live=h in local.live,
+            digests=None if h in local.checked else [bytes.fromhex(h)],
         )
         for h in mine
     ]
