@@ -565,7 +565,7 @@ def test_a_fallback_names_the_tensors_the_older_snapshot_does_not_hold(tmp_path,
 
 
 def test_a_reclaim_that_fails_does_not_stop_training_and_is_retried(tmp_path, monkeypatch, caplog):
-    import casnap.api.checkpointer as module
+    import casnap.api.checkpointer_listing as module
     from casnap.errors import StoreError
 
     real = module.reclaim_retired

@@ -34,15 +34,15 @@ that fails its checks or whose restore meets damage, logs why (logger
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from datetime import datetime
 from types import TracebackType
-from typing import Any, Literal, Unpack
+from typing import Any, Unpack
 
+from casnap.api.checkpointer_listing import KeepNames, Listing, retain_after_commit
 from casnap.api.checkpointer_mirror import is_rank_zero, make_mirror
-from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions
-from casnap.api.checkpointer_resume import pick_best, resume, try_restore
+from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions, plain_metric
+from casnap.api.checkpointer_resume import resume, try_restore
 from casnap.api.checkpointer_triggers import (
     PreemptionGuard,
     Schedule,
@@ -53,61 +53,26 @@ from casnap.api.snapshot import PendingSnapshot, Snapshot
 from casnap.errors import (
     ConfigError,
     SnapshotNotFoundError,
-    StoreError,
     as_names,
     as_path,
     expect_type,
 )
 from casnap.format.entries import TensorEntry
 from casnap.format.names import check_ref_name
-from casnap.gc.reclaim import ReclaimResult
-from casnap.gc.reclaim import reclaim as reclaim_retired
 from casnap.ops.retention import (
     RetentionPolicy,
     RetentionResult,
-    RetentionRule,
-    SnapshotInfo,
     SummaryCache,
-    encode_metric,
-    execute_retention,
-    plan_retention,
     read_snapshots,
 )
 from casnap.repo.repository import RepoStorage
-from casnap.settings import Settings
 from casnap.take.session import Session
 
 _TAKE_ONLY_OPTIONS = ("chunk_size", "compression")
 log = logging.getLogger("casnap.checkpointer")
 
 
-class _KeepNames(RetentionRule):
-    """Keeps the given snapshots: the checkpointer never retires its newest one."""
-
-    def __init__(self, names: Iterable[str], reason: str) -> None:
-        self.names = frozenset(names)
-        self.reason = reason
-
-    def select(self, snapshots: Sequence[SnapshotInfo], now: datetime) -> dict[str, str]:
-        return {s.name: self.reason for s in snapshots if s.name in self.names}
-
-
-def _plain(key: Any, value: Any) -> Any:
-    """Metric values as JSON: a 0-d tensor or numpy scalar becomes its Python number,
-    and a NaN or infinite one the string ``"NaN"``/``"Infinity"``/``"-Infinity"``
-    (JSON has no such numbers; a diverged loss must not stop training)."""
-    item = getattr(value, "item", None)
-    if callable(item):
-        try:
-            value = item()
-        except (RuntimeError, ValueError) as exc:  # a tensor of several elements
-            raise ConfigError(
-                f"metrics[{key!r}] must be a number or a one-element tensor: {exc}", "metrics"
-            ) from exc
-    return encode_metric(value)
-
-
-class Checkpointer:
+class Checkpointer(Listing):
     """Takes snapshots of a training loop into the repository at ``repo_url``.
 
     When :meth:`maybe_take` takes (any one suffices):
@@ -291,7 +256,7 @@ class Checkpointer:
         name = self._name(step)
         metadata = {
             "step": step,
-            "metrics": {str(k): _plain(k, v) for k, v in (metrics or {}).items()},
+            "metrics": {str(k): plain_metric(k, v) for k, v in (metrics or {}).items()},
             "tags": self.tags + [t for t in extra if t not in self.tags],
         }
         if self.async_take:
@@ -427,48 +392,25 @@ class Checkpointer:
         if self.mirror is not None and is_rank_zero():  # one copier per repository
             policy = self.mirror.retention
             if policy is not None:
-                policy = RetentionPolicy(*policy.rules, _KeepNames([name], "newest checkpoint"))
+                policy = RetentionPolicy(*policy.rules, KeepNames([name], "newest checkpoint"))
             self.mirror.submit(snap.repository, name, policy)
 
     def _retain(self, snap: Snapshot, name: str) -> None:
         if self.retention is None:
             return
-        keep = [_KeepNames([name], "newest checkpoint")]
-        repo = snap.repository
-        mine = {s.name for s in self._mine(repo)}
-        mirror = self.mirror
-        if mirror is not None and not mirror.same_retention:
-            # The mirror keeps its own policy: a snapshot it may keep is not deleted here
-            # before it was copied there. Rank 0 runs the copier, so it alone knows that.
-            if not is_rank_zero():
-                return
-            owed = mirror.owed_of(sorted(mine - {name}))
-            keep.append(_KeepNames(owed, "not yet copied to the mirror"))
+        done = retain_after_commit(
+            snap.repository,
+            name,
+            self.retention,
+            {s.name for s in self._mine(snap.repository)},
+            self.mirror,
+            self._summaries,
+            self.last_retention,
+            self.reclaim_wait_seconds if self.reclaim else None,
+        )
+        if done is not None:
+            self.last_retention, owed = done
             self._kept_for_mirror = (snap, name) if owed else None
-            if owed and mirror.failing:
-                log.warning(
-                    "casnap: %d snapshot(s) kept here until the mirror %s has them "
-                    "(its last copy failed: %s)",
-                    len(owed),
-                    mirror.url,
-                    mirror.last_error,
-                )
-        policy = RetentionPolicy(*self.retention.rules, *keep)
-        plan = plan_retention(repo, policy, names=mine, cache=self._summaries)
-        result = execute_retention(repo, plan)
-        earlier = self.last_retention.reclaimed if self.last_retention is not None else None
-        retired = (earlier.pending if earlier is not None else ()) + result.retired_manifests
-        if self.reclaim and retired:
-            try:
-                freed = reclaim_retired(repo, retired, wait_seconds=self.reclaim_wait_seconds)
-            except (StoreError, OSError) as exc:
-                # The snapshot is committed; freeing space is housekeeping, and what
-                # a sweep cut short deleted is consistent (manifests before chunks).
-                # Try again at the next commit rather than stop the training loop.
-                log.warning("casnap: reclaim after retention failed, retried next commit: %s", exc)
-                freed = ReclaimResult(retired, pending=retired, deferred=f"failed: {exc}")
-            result = replace(result, reclaimed=freed)
-        self.last_retention = result
 
     # -- resuming ------------------------------------------------------------
     def restore_latest(self, app_state: dict[str, Any], **restore_kwargs: Any) -> int | None:
@@ -547,80 +489,6 @@ class Checkpointer:
         snap.restore(app_state, **restore_kwargs)
         self._steps.add(step)
         return snap
-
-    # -- listing -------------------------------------------------------------
-    def latest(self) -> str | None:
-        """The name of this checkpointer's newest committed snapshot, or ``None``."""
-        mine = self.snapshot_infos()
-        return mine[-1].name if mine else None
-
-    def latest_step(self) -> int | None:
-        """The step of this checkpointer's newest committed snapshot, or ``None``."""
-        mine = self.snapshot_infos()
-        return mine[-1].step if mine else None
-
-    def best(
-        self, metric: str | None = None, mode: Literal["min", "max"] | None = None
-    ) -> str | None:
-        """The name of the best snapshot by ``metric``, or ``None`` if none has a finite value.
-
-        Without ``metric``, the retention's first ``KeepBest`` rule decides the
-        metric and mode; ``mode`` defaults to that rule's for its metric, else
-        ``"min"``. As in ``KeepBest``: NaN and infinite values are never best,
-        ties go to the newer snapshot. Example: ``ckpt.best("accuracy", "max")``.
-        """
-        info = self._best(metric, mode)
-        return info.name if info is not None else None
-
-    def best_step(
-        self, metric: str | None = None, mode: Literal["min", "max"] | None = None
-    ) -> int | None:
-        """The step of :meth:`best` (Orbax's ``best_step()``), or ``None``."""
-        info = self._best(metric, mode)
-        return info.step if info is not None else None
-
-    def _best(self, metric: str | None, mode: str | None) -> SnapshotInfo | None:
-        rules = self.retention.rules if self.retention is not None else ()
-        return pick_best(self.snapshot_infos(), rules, metric, mode)
-
-    def snapshots(self) -> list[str]:
-        """This checkpointer's committed snapshots, oldest first (by step)."""
-        return [s.name for s in self.snapshot_infos()]
-
-    def snapshot_infos(self) -> list[SnapshotInfo]:
-        """Like :meth:`snapshots`, with step, metadata and tags."""
-        repo = self._open(create=False)
-        return self._mine(repo) if repo is not None else []
-
-    # -- internals -----------------------------------------------------------
-    def _name(self, step: int) -> str:
-        return self.name_format.format(step=step)
-
-    def _is_mine(self, info: SnapshotInfo) -> bool:
-        return info.step is not None and info.name == self._name(info.step)
-
-    def _mine(self, repo: RepoStorage) -> list[SnapshotInfo]:
-        """Snapshots named by this checkpointer's format for their own step, oldest first."""
-        infos, _ = read_snapshots(repo, cache=self._summaries)
-        return [s for s in infos if self._is_mine(s)]
-
-    def _snapshot(self, repo: RepoStorage, name: str) -> Snapshot:
-        return Snapshot(
-            f"{repo.url.rstrip('/')}/{name}",
-            storage_options={**self._take_options, "repository": repo},
-            session=self.session,
-        )
-
-    def _open(self, *, create: bool) -> RepoStorage | None:
-        if self._repo is None:
-            if create:
-                chunk = self._take_options.get("chunk_size", Settings.from_env().chunk_size)
-                self._repo = RepoStorage.open_or_create(
-                    self._url, self._store_options, chunk_size=int(chunk)
-                )
-            elif RepoStorage.exists_at(self._url, self._store_options):
-                self._repo = RepoStorage.open(self._url, self._store_options)
-        return self._repo
 
     def __repr__(self) -> str:
         every = f"every_n_steps={self.every_n_steps}"

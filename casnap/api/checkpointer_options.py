@@ -25,7 +25,7 @@ from casnap.api.checkpointer_triggers import Clock
 from casnap.errors import CasnapError, ConfigError, as_names, expect_type
 from casnap.format.names import check_ref_name
 from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS
-from casnap.ops.retention import RetentionPolicy, RetentionRule
+from casnap.ops.retention import RetentionPolicy, RetentionRule, encode_metric
 from casnap.repo.repository import RepoStorage
 from casnap.take.session import Session
 
@@ -142,3 +142,18 @@ class CheckpointerKeywords(TypedDict, total=False):
     mirror_storage_options: dict[str, Any] | None
     mirror_retention: RetentionPolicy | RetentionRule | None | Literal["same"]
     mirror_queue: int
+
+
+def plain_metric(key: Any, value: Any) -> Any:
+    """Metric values as JSON: a 0-d tensor or numpy scalar becomes its Python number,
+    and a NaN or infinite one the string ``"NaN"``/``"Infinity"``/``"-Infinity"``
+    (JSON has no such numbers; a diverged loss must not stop training)."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            value = item()
+        except (RuntimeError, ValueError) as exc:  # a tensor of several elements
+            raise ConfigError(
+                f"metrics[{key!r}] must be a number or a one-element tensor: {exc}", "metrics"
+            ) from exc
+    return encode_metric(value)
