@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from casnap import KeepLast, Repository, Snapshot, StateDict, index, settings
-from casnap.integrations.dcp import CasnapWriter
+from casnap.integrations.dcp import CasnapReader, CasnapWriter
 from tests.helpers import flip_byte, pack_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,3 +279,23 @@ def test_a_damaged_parent_chunk_is_not_referenced(tmp_path):
     assert s2.manifest.parents == [s1.manifest_hash]
     assert s2.manifest.entries["0/m/t1"].chunks[0].pack != packed.pack
     assert restores(root / "s2", app)
+
+
+def test_a_dcp_save_reusing_a_delta_chunk_loads_back(tmp_path):
+    """A DCP save descends from the newest snapshot in its folder, and so reuses its
+    delta chunks: its manifest must say format 2.0, or every reader refuses it."""
+    root = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(1024, 1024, generator=g)  # 4 MiB: one loose chunk
+    Snapshot.take(str(root / "step_1"), {"emb": StateDict(weight=table)})
+    table[torch.randperm(1024, generator=g)[:10]] += 1.0
+    s2 = Snapshot.take(str(root / "step_2"), {"emb": StateDict(weight=table)})
+    assert s2.last_take_stats.deltas_written == 1
+    writer = CasnapWriter(root / "step_3")
+    dcp.save({"emb": {"weight": table}}, storage_writer=writer)
+    assert writer.last_write_stats is not None
+    assert writer.last_write_stats.chunks_written == 0  # the delta chunk, reused
+    out = {"emb": {"weight": torch.zeros_like(table)}}
+    dcp.load(out, storage_reader=CasnapReader(root / "step_3"))
+    assert torch.equal(out["emb"]["weight"], table)
+    assert Repository(str(root)).verify().ok

@@ -65,7 +65,7 @@ from casnap.format.entries import (
     ShardRecord,
     TensorEntry,
 )
-from casnap.format.manifest import Manifest
+from casnap.format.manifest import Manifest, format_version_for
 from casnap.format.manifest_bytes import entry_texts
 from casnap.integrations.dcp_layout import (
     DCP_METADATA,
@@ -351,6 +351,9 @@ class CasnapWriter(StorageWriter):
         target_name = self._name
         parents = list(self._parents)  # chosen in prepare_global_plan
         manifest = Manifest(
+            # 2.0 where an entry holds a delta chunk (written now, or a parent's reused):
+            # a 1.x manifest with deltas is refused by every reader
+            format_version=format_version_for(entries),
             created_at=now_iso(),
             world_size=len(results),
             parents=parents,
