@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 from casnap import KeepLast, Repository, Snapshot, StateDict, index, settings
 from casnap.integrations.dcp import CasnapReader, CasnapWriter
+from casnap.store import LocalStore
+from casnap.store.base import ObjectInfo, WrapperStore
 from tests.helpers import flip_byte, pack_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,3 +302,33 @@ def test_a_dcp_save_reusing_a_delta_chunk_loads_back(tmp_path):
     dcp.load(out, storage_reader=CasnapReader(root / "step_3"))
     assert torch.equal(out["emb"]["weight"], table)
     assert Repository(str(root)).verify().ok
+
+
+class _WholeSeconds(WrapperStore):
+    """A listing that gives modification times in whole seconds, as S3's does."""
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for info in super().list_info(prefix):
+            mtime = None if info.mtime is None else float(int(info.mtime))
+            yield ObjectInfo(info.key, info.size, mtime)
+
+
+def test_after_a_dcp_re_save_the_parent_is_the_new_save_not_its_history(tmp_path):
+    """A re-save keeps the old one as ``<id>@<12 hex>`` and replaces ``<id>``
+    within the same second: on a store that lists whole seconds, the next take
+    must still descend from what ``<id>`` names now, not from the history."""
+    Repository.init(str(tmp_path / "run"))
+    repo = Repository.on_store(_WholeSeconds(LocalStore(str(tmp_path / "run"))))
+    opts = {"repository": repo}
+    model = torch.nn.Linear(64, 64)
+    dcp.save(
+        {"model": model.state_dict()},
+        storage_writer=CasnapWriter(f"{repo.url}/ckpt", storage_options=opts),
+    )
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    resave = CasnapWriter(f"{repo.url}/ckpt", overwrite=True, storage_options=opts)
+    dcp.save({"model": model.state_dict()}, storage_writer=resave)
+    assert len(repo.snapshots()) == 2  # ckpt and its history
+    s = Snapshot.take(f"{repo.url}/after", {"model": model}, storage_options=opts)
+    assert s.manifest.parents == [repo.resolve("ckpt")]
