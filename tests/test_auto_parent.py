@@ -332,3 +332,18 @@ def test_after_a_dcp_re_save_the_parent_is_the_new_save_not_its_history(tmp_path
     assert len(repo.snapshots()) == 2  # ckpt and its history
     s = Snapshot.take(f"{repo.url}/after", {"model": model}, storage_options=opts)
     assert s.manifest.parents == [repo.resolve("ckpt")]
+
+
+def test_saves_through_a_repository_object_made_here_get_parents(tmp_path):
+    """``storage_options={"repository": repo}`` with a repository this process just
+    created (``Repository.init``, ``on_store``): only the first save into it is
+    "fresh"; every later save, DCP or take, descends from the one before."""
+    repo = Repository.on_store(LocalStore(str(tmp_path / "run")))
+    opts = {"repository": repo}
+    model = torch.nn.Linear(64, 64)
+    for step in (1, 2):
+        writer = CasnapWriter(f"{repo.url}/step_{step}", storage_options=opts)
+        dcp.save({"model": model.state_dict()}, storage_writer=writer)
+    assert repo.read_manifest(repo.resolve("step_2")).parents == [repo.resolve("step_1")]
+    s3 = Snapshot.take(f"{repo.url}/step_3", {"model": model}, storage_options=opts)
+    assert s3.manifest.parents == [repo.resolve("step_2")]

@@ -243,6 +243,9 @@ class CasnapWriter(StorageWriter):
         new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
         repo, name = locate(self.path, options, create=True, chunk_size=new_repo_chunk)
         settings = take_settings(repo, overrides)
+        # Created for this save, or (a repository object given in the options) since it
+        # was made: later saves and takes through the same object are not (target.py).
+        fresh, repo.created = repo.created, False
         replaces = repo.resolve(name) if repo.has_ref(name) else None
         if replaces is not None and not self.overwrite:
             raise SnapshotExistsError(f"checkpoint {self.path!r} exists and overwrite=False", name)
@@ -251,7 +254,7 @@ class CasnapWriter(StorageWriter):
         self._finalizer = weakref.finalize(self, self._lease.release)
         self._repo, self._name, self._replaces = repo, name, replaces
         last = replaces or self.session.lineage.parent(repo.config.repo_id)
-        if last is None and self._auto_parent and settings.auto_parent and not repo.created:
+        if last is None and self._auto_parent and settings.auto_parent and not fresh:
             last = newest_parent(repo, name)  # under the lease (casnap.take.parent)
         self._parents = [last] if last else []
         parents = tuple(self._parents)
