@@ -347,3 +347,23 @@ def test_saves_through_a_repository_object_made_here_get_parents(tmp_path):
     assert repo.read_manifest(repo.resolve("step_2")).parents == [repo.resolve("step_1")]
     s3 = Snapshot.take(f"{repo.url}/step_3", {"model": model}, storage_options=opts)
     assert s3.manifest.parents == [repo.resolve("step_2")]
+
+
+def test_an_import_descends_from_the_newest_snapshot_in_its_folder(tmp_path):
+    """``casnap import`` is a take without a session like any other (docs/import.md)."""
+    from safetensors.torch import save_file
+
+    from casnap.integrations.importers import import_checkpoint
+
+    root = tmp_path / "run"
+    s1 = take(root / "step_1", state())
+    save_file(dict(state()["m"]), tmp_path / "m.safetensors")
+    imported = import_checkpoint(tmp_path / "m.safetensors", root / "step_2")
+    assert imported.manifest.parents == [s1.manifest_hash]
+    again = import_checkpoint(tmp_path / "m.safetensors", root / "step_3")
+    assert again.manifest.parents == [imported.manifest_hash]
+    assert again.last_take_stats.chunks_written == 0
+    off = import_checkpoint(
+        tmp_path / "m.safetensors", root / "step_4", storage_options={"auto_parent": False}
+    )
+    assert off.manifest.parents == []
