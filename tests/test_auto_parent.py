@@ -367,3 +367,21 @@ def test_an_import_descends_from_the_newest_snapshot_in_its_folder(tmp_path):
         tmp_path / "m.safetensors", root / "step_4", storage_options={"auto_parent": False}
     )
     assert off.manifest.parents == []
+
+
+def test_a_sparse_update_saved_through_dcp_is_stored_as_a_delta(tmp_path):
+    """docs/repository.md: a CasnapWriter per save forms a lineage and stores sparse
+    updates as deltas, as Snapshot.take does."""
+    root = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(4096, 1024, generator=g)  # 16 MiB, four 4 MiB chunks
+    dcp.save({"emb": {"weight": table}}, storage_writer=CasnapWriter(root / "step_1"))
+    table[torch.randperm(4096, generator=g)[:41]] += 0.01  # 1% of the rows
+    writer = CasnapWriter(root / "step_2")
+    dcp.save({"emb": {"weight": table}}, storage_writer=writer)
+    stats = writer.last_write_stats
+    assert stats is not None and stats.deltas_written > 0
+    assert stats.stored_bytes_written < table.numel() * 4 // 20  # < 0.8 MiB of 16 MiB
+    out = {"emb": {"weight": torch.zeros_like(table)}}
+    dcp.load(out, storage_reader=CasnapReader(root / "step_2"))
+    assert torch.equal(out["emb"]["weight"], table)

@@ -90,6 +90,9 @@ class ChunkWriter(FrameWriter):
         self._later = list(known.later) if isinstance(known, KnownChunks) else []
         self._later_lock = threading.Lock()
         self._tensor_of: dict[str, str] = {}
+        # A request key -> the key of its entry in the parent, where they differ (a DCP
+        # save's requests are named by write item; base_of looks bases up by entry).
+        self.entry_keys: Mapping[str, str] = {}
         self.delta = (
             DeltaEncoder(repo, settings.delta_max_chain, settings.zstd_level)
             if settings.delta and settings.compression == "auto"
@@ -105,7 +108,7 @@ class ChunkWriter(FrameWriter):
         if at is None:
             return None
         key, index, chunk_size = at
-        found = self.bases.get(key)
+        found = self.bases.get(self.entry_keys.get(key, key))
         if found is None or found[0] != chunk_size or index >= len(found[1]):
             return None
         base = found[1][index]

@@ -73,6 +73,7 @@ from casnap.integrations.dcp_layout import (
     dcp_record,
     fqn_keys,
     planner_paths,
+    whole_tensor_keys,
 )
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
@@ -295,6 +296,11 @@ class CasnapWriter(StorageWriter):
         settings = take_settings(repo, target.overrides, chunk_size=target.chunk_size)
         requests = []
         kinds: list[torch.Tensor | PrimitiveEntry | int] = []
+        data_of_planner = plan.planner_data
+        if data_of_planner is None:
+            data_of_planner = getattr(planner, "mappings", None)
+        whole = whole_tensor_keys(plan.items, data_of_planner)  # for delta bases
+        entry_keys = {f"{i}:{plan.items[i].index.fqn}": key for i, key in whole.items()}
         for i, item in enumerate(plan.items):
             key = f"{i}:{item.index.fqn}"
             data = planner.resolve_data(item)
@@ -313,6 +319,7 @@ class CasnapWriter(StorageWriter):
         known = known_chunks(repo, list(target.parents), last_plan)
         with ThreadPoolExecutor(settings.io_workers, thread_name_prefix="casnap-dcp") as pool:
             writer = ChunkWriter(repo, settings, pool, known)
+            writer.entry_keys = entry_keys
             budget = ByteBudget(default_memory_budget())
             written = Scheduler(writer, settings, budget).run(requests)
         # Chunks are put non-durably; the coordinator's durable manifest put covers only
