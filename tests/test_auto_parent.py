@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -385,3 +386,38 @@ def test_a_sparse_update_saved_through_dcp_is_stored_as_a_delta(tmp_path):
     out = {"emb": {"weight": torch.zeros_like(table)}}
     dcp.load(out, storage_reader=CasnapReader(root / "step_2"))
     assert torch.equal(out["emb"]["weight"], table)
+
+
+class _SlowManifests(WrapperStore):
+    """Manifest reads take a remote store's time (the rest is as fast as a local disk)."""
+
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        if "/manifests/" in key:
+            time.sleep(0.3)
+        return super().get(key, limit=limit)
+
+
+def test_every_changed_chunk_of_a_take_finds_its_delta_base(tmp_path):
+    """The parent the index covers is read when the first changed large chunk needs
+    its base; every other worker's changed chunk waits for that read, not only the
+    first one's (on a remote store, or with a manifest of many entries, it is slow)."""
+    Repository.init(str(tmp_path / "run"))
+    repo = Repository.on_store(_SlowManifests(LocalStore(str(tmp_path / "run"))))
+    opts = {"repository": repo, "chunk_size": 1 << 20}
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(4096, 1024, generator=g)  # 16 MiB: sixteen 1 MiB chunks
+    app = {"emb": StateDict(weight=table, bias=torch.randn(1024, generator=g))}
+    Snapshot.take(f"{repo.url}/step_1", app, storage_options=opts)
+    table[::256] += 0.01  # one row in each chunk
+    s2 = Snapshot.take(f"{repo.url}/step_2", app, storage_options=opts)
+    stats = s2.last_take_stats
+    assert stats.chunks_written == 16
+    assert stats.deltas_written == 16
+    assert stats.stored_bytes_written < 1 << 20  # of 16 MiB
+    assert restores_emb(f"{repo.url}/step_2", app, opts)
+
+
+def restores_emb(path: str, app: dict, opts: dict) -> bool:
+    blank = {"emb": StateDict({k: torch.zeros_like(v) for k, v in app["emb"].items()})}
+    Snapshot(path, storage_options=opts).restore(blank)
+    return all(torch.equal(blank["emb"][k], app["emb"][k]) for k in app["emb"])

@@ -126,18 +126,22 @@ class ChunkWriter(FrameWriter):
         read of a parent: a manifest still there has all its chunks.
         """
         with self._later_lock:
-            later, self._later = self._later, []
-            for parent in later:
-                try:
-                    manifest = self.repo.read_manifest(parent)
-                except CasnapError:
-                    continue  # gone or unreadable: only dedup is lost
-                refs, bases = parent_chunks(manifest, self.damaged)
-                with self._lock:
-                    for h, ref in refs.items():
-                        self.known.setdefault(h, ref)
-                    if not self.bases:
-                        self.bases = bases
+            # ``_later`` empties only once every parent is in: until then a caller that
+            # saw it non-empty waits here, and finds the bases its chunk needs after.
+            try:
+                for parent in self._later:
+                    try:
+                        manifest = self.repo.read_manifest(parent)
+                    except CasnapError:
+                        continue  # gone or unreadable: only dedup is lost
+                    refs, bases = parent_chunks(manifest, self.damaged)
+                    with self._lock:
+                        for h, ref in refs.items():
+                            self.known.setdefault(h, ref)
+                        if not self.bases:
+                            self.bases = bases
+            finally:
+                self._later = []
 
     def add(
         self,
