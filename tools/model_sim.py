@@ -971,11 +971,31 @@ def run_program(
     avoid: frozenset[str] = frozenset(),
 ) -> Sim:
     """Run ``ops`` generated operations (or exactly ``program``) with a check after each."""
+    log = logging.getLogger("casnap")
+    level, threads = log.level, torch.get_num_threads()
+    torch.set_num_threads(1)
+    log.setLevel(logging.ERROR)  # damage warnings are expected here
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return _run(seed, workdir, ops, deadline, weights, program, max_violations, avoid)
+    finally:  # a test run after this one in the same process sees casnap's warnings again
+        log.setLevel(level)
+        torch.set_num_threads(threads)
+
+
+def _run(
+    seed: int,
+    workdir: Path,
+    ops: int,
+    deadline: float | None,
+    weights: dict[str, int] | None,
+    program: list[dict[str, Any]] | None,
+    max_violations: int,
+    avoid: frozenset[str],
+) -> Sim:
     import time
 
-    torch.set_num_threads(1)
-    logging.getLogger("casnap").setLevel(logging.ERROR)  # damage warnings are expected here
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     sim = Sim(seed, workdir, weights=weights, avoid=avoid)
