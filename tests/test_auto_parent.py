@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from casnap import KeepLast, Repository, Snapshot, StateDict, index, settings
-from casnap.integrations.dcp import CasnapWriter
+from casnap.integrations.dcp import CasnapReader, CasnapWriter
+from casnap.store import LocalStore
+from casnap.store.base import ObjectInfo, WrapperStore
 from tests.helpers import flip_byte, pack_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,3 +283,141 @@ def test_a_damaged_parent_chunk_is_not_referenced(tmp_path):
     assert s2.manifest.parents == [s1.manifest_hash]
     assert s2.manifest.entries["0/m/t1"].chunks[0].pack != packed.pack
     assert restores(root / "s2", app)
+
+
+def test_a_dcp_save_reusing_a_delta_chunk_loads_back(tmp_path):
+    """A DCP save descends from the newest snapshot in its folder, and so reuses its
+    delta chunks: its manifest must say format 2.0, or every reader refuses it."""
+    root = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(1024, 1024, generator=g)  # 4 MiB: one loose chunk
+    Snapshot.take(str(root / "step_1"), {"emb": StateDict(weight=table)})
+    table[torch.randperm(1024, generator=g)[:10]] += 1.0
+    s2 = Snapshot.take(str(root / "step_2"), {"emb": StateDict(weight=table)})
+    assert s2.last_take_stats.deltas_written == 1
+    writer = CasnapWriter(root / "step_3")
+    dcp.save({"emb": {"weight": table}}, storage_writer=writer)
+    assert writer.last_write_stats is not None
+    assert writer.last_write_stats.chunks_written == 0  # the delta chunk, reused
+    out = {"emb": {"weight": torch.zeros_like(table)}}
+    dcp.load(out, storage_reader=CasnapReader(root / "step_3"))
+    assert torch.equal(out["emb"]["weight"], table)
+    assert Repository(str(root)).verify().ok
+
+
+class _WholeSeconds(WrapperStore):
+    """A listing that gives modification times in whole seconds, as S3's does."""
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for info in super().list_info(prefix):
+            mtime = None if info.mtime is None else float(int(info.mtime))
+            yield ObjectInfo(info.key, info.size, mtime)
+
+
+def test_after_a_dcp_re_save_the_parent_is_the_new_save_not_its_history(tmp_path):
+    """A re-save keeps the old one as ``<id>@<12 hex>`` and replaces ``<id>``
+    within the same second: on a store that lists whole seconds, the next take
+    must still descend from what ``<id>`` names now, not from the history."""
+    Repository.init(str(tmp_path / "run"))
+    repo = Repository.on_store(_WholeSeconds(LocalStore(str(tmp_path / "run"))))
+    opts = {"repository": repo}
+    model = torch.nn.Linear(64, 64)
+    dcp.save(
+        {"model": model.state_dict()},
+        storage_writer=CasnapWriter(f"{repo.url}/ckpt", storage_options=opts),
+    )
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    resave = CasnapWriter(f"{repo.url}/ckpt", overwrite=True, storage_options=opts)
+    dcp.save({"model": model.state_dict()}, storage_writer=resave)
+    assert len(repo.snapshots()) == 2  # ckpt and its history
+    s = Snapshot.take(f"{repo.url}/after", {"model": model}, storage_options=opts)
+    assert s.manifest.parents == [repo.resolve("ckpt")]
+
+
+def test_saves_through_a_repository_object_made_here_get_parents(tmp_path):
+    """``storage_options={"repository": repo}`` with a repository this process just
+    created (``Repository.init``, ``on_store``): only the first save into it is
+    "fresh"; every later save, DCP or take, descends from the one before."""
+    repo = Repository.on_store(LocalStore(str(tmp_path / "run")))
+    opts = {"repository": repo}
+    model = torch.nn.Linear(64, 64)
+    for step in (1, 2):
+        writer = CasnapWriter(f"{repo.url}/step_{step}", storage_options=opts)
+        dcp.save({"model": model.state_dict()}, storage_writer=writer)
+    assert repo.read_manifest(repo.resolve("step_2")).parents == [repo.resolve("step_1")]
+    s3 = Snapshot.take(f"{repo.url}/step_3", {"model": model}, storage_options=opts)
+    assert s3.manifest.parents == [repo.resolve("step_2")]
+
+
+def test_an_import_descends_from_the_newest_snapshot_in_its_folder(tmp_path):
+    """``casnap import`` is a take without a session like any other (docs/import.md)."""
+    from safetensors.torch import save_file
+
+    from casnap.integrations.importers import import_checkpoint
+
+    root = tmp_path / "run"
+    s1 = take(root / "step_1", state())
+    save_file(dict(state()["m"]), tmp_path / "m.safetensors")
+    imported = import_checkpoint(tmp_path / "m.safetensors", root / "step_2")
+    assert imported.manifest.parents == [s1.manifest_hash]
+    again = import_checkpoint(tmp_path / "m.safetensors", root / "step_3")
+    assert again.manifest.parents == [imported.manifest_hash]
+    assert again.last_take_stats.chunks_written == 0
+    off = import_checkpoint(
+        tmp_path / "m.safetensors", root / "step_4", storage_options={"auto_parent": False}
+    )
+    assert off.manifest.parents == []
+
+
+def test_a_sparse_update_saved_through_dcp_is_stored_as_a_delta(tmp_path):
+    """docs/repository.md: a CasnapWriter per save forms a lineage and stores sparse
+    updates as deltas, as Snapshot.take does."""
+    root = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(4096, 1024, generator=g)  # 16 MiB, four 4 MiB chunks
+    dcp.save({"emb": {"weight": table}}, storage_writer=CasnapWriter(root / "step_1"))
+    table[torch.randperm(4096, generator=g)[:41]] += 0.01  # 1% of the rows
+    writer = CasnapWriter(root / "step_2")
+    dcp.save({"emb": {"weight": table}}, storage_writer=writer)
+    stats = writer.last_write_stats
+    assert stats is not None and stats.deltas_written > 0
+    assert stats.stored_bytes_written < table.numel() * 4 // 20  # < 0.8 MiB of 16 MiB
+    out = {"emb": {"weight": torch.zeros_like(table)}}
+    dcp.load(out, storage_reader=CasnapReader(root / "step_2"))
+    assert torch.equal(out["emb"]["weight"], table)
+
+
+class _SlowManifests(WrapperStore):
+    """Manifest reads take a remote store's time (the rest is as fast as a local disk)."""
+
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        if "/manifests/" in key:
+            time.sleep(0.3)
+        return super().get(key, limit=limit)
+
+
+def test_every_changed_chunk_of_a_take_finds_its_delta_base(tmp_path):
+    """The parent the index covers is read when the first changed large chunk needs
+    its base; every other worker's changed chunk waits for that read, not only the
+    first one's (on a remote store, or with a manifest of many entries, it is slow)."""
+    Repository.init(str(tmp_path / "run"))
+    repo = Repository.on_store(_SlowManifests(LocalStore(str(tmp_path / "run"))))
+    opts = {"repository": repo, "chunk_size": 1 << 20}
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(4096, 1024, generator=g)  # 16 MiB: sixteen 1 MiB chunks
+    app = {"emb": StateDict(weight=table, bias=torch.randn(1024, generator=g))}
+    Snapshot.take(f"{repo.url}/step_1", app, storage_options=opts)
+    table[::256] += 0.01  # one row in each chunk
+    s2 = Snapshot.take(f"{repo.url}/step_2", app, storage_options=opts)
+    stats = s2.last_take_stats
+    assert stats.chunks_written == 16
+    assert stats.deltas_written == 16
+    assert stats.stored_bytes_written < 1 << 20  # of 16 MiB
+    assert restores_emb(f"{repo.url}/step_2", app, opts)
+
+
+def restores_emb(path: str, app: dict, opts: dict) -> bool:
+    blank = {"emb": StateDict({k: torch.zeros_like(v) for k, v in app["emb"].items()})}
+    Snapshot(path, storage_options=opts).restore(blank)
+    return all(torch.equal(blank["emb"][k], app["emb"][k]) for k in app["emb"])

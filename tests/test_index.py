@@ -22,7 +22,8 @@ from casnap import Repository, Session, Snapshot, StateDict, index
 from casnap.index import lmdb_envs
 from casnap.index import lmdb_store as index_lmdb
 from casnap.ops.history import stored_bytes
-from casnap.store import CountingStore, FsspecStore
+from casnap.store import CountingStore, FsspecStore, LocalStore
+from casnap.store.base import WrapperStore
 from tests.helpers import chunk_path
 
 CHUNK = 64 * 1024
@@ -170,6 +171,43 @@ def test_a_copy_of_the_repository_never_trusts_the_originals_entries(tmp_path):
     take(copy, "s2", state)
     assert f".casnap/chunks/{victim[:2]}/{victim}" in store.written_keys
     assert_restores(copy, "s2", state)
+
+
+class _Meanwhile(WrapperStore):
+    """Runs ``meanwhile`` once, at the first manifest read: inside a take, after it
+    opened the index (a take in the other copy, in another process, at that moment)."""
+
+    def __init__(self, inner: LocalStore, meanwhile) -> None:
+        super().__init__(inner)
+        self.meanwhile = meanwhile
+
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        if "/manifests/" in key and self.meanwhile is not None:
+            run, self.meanwhile = self.meanwhile, None
+            run()
+        return super().get(key, limit=limit)
+
+
+def test_a_take_in_a_copy_meanwhile_never_lends_its_entries(tmp_path, monkeypatch):
+    """Two copies of one repository (``cp -r``: one repo id, so one index folder) in
+    use at once on one machine: a take in one must not find the chunks the other's
+    take just recorded, which live in packs only the other copy has."""
+    monkeypatch.setenv("CASNAP_INDEX", "0")
+    take(
+        Repository.on_store(LocalStore(str(tmp_path / "a")), chunk_size=CHUNK), "s1", mixed_state()
+    )
+    monkeypatch.delenv("CASNAP_INDEX")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    new = mixed_state(1)
+
+    def take_in_b() -> None:
+        b = Repository(str(tmp_path / "b"))
+        Snapshot.take(f"{b.url}/t1", {"s": new}, storage_options=opts(b))
+
+    a = Repository.on_store(_Meanwhile(LocalStore(str(tmp_path / "a")), take_in_b))
+    Snapshot.take(f"{a.url}/s2", {"s": new}, parents=["s1"], storage_options=opts(a))
+    assert a.verify().ok
+    assert_restores(Repository(str(tmp_path / "a")), "s2", new)
 
 
 def test_a_corrupt_index_file_is_rebuilt_silently(tmp_path):

@@ -6,8 +6,9 @@ valid re-encodings), verify, repair, restore, read_object, rm, retention, gc,
 copy and a concurrent taker, and checks after every operation that every
 restore that succeeds is bit-exact, that a snapshot whose stored copies all
 decode restores, that ``verify --read-data`` agrees with restore, that a
-take after recorded damage is whole, and that nothing taken is lost
-(docs/model.md). Fixed seed; ``CASNAP_MODEL_SECONDS`` (default 60) bounds
+take after recorded damage is whole, that nothing taken is lost, and that a
+take or DCP save without a session descends from the snapshot committed last
+in its folder (docs/model.md). Fixed seed; ``CASNAP_MODEL_SECONDS`` (default 60) bounds
 the time, ``CASNAP_MODEL_SEED`` and ``CASNAP_MODEL_OPS`` pick another program.
 The long run is ``tools/model_run.py``.
 """

@@ -17,7 +17,9 @@ every operation :meth:`Sim.check` asserts (docs/model.md):
 (b) ``verify(read_data=True)`` flags a snapshot iff its restore fails;
 (c) a take of intact live state never references a copy that was recorded
     damaged before the take (a delta base included);
-(d) every snapshot that was taken and not removed still has its ref.
+(d) every snapshot that was taken and not removed still has its ref;
+(e) a take or DCP save with neither a session nor parents descends from the
+    snapshot committed last in its folder.
 
 Nothing here changes casnap; it only drives its public API and reads files.
 """
@@ -143,6 +145,26 @@ class RepoModel:
     snaps: dict[str, Expected] = field(default_factory=dict)
     session: Session | None = None
     cache: dict[str, tuple[Any, Verdict]] = field(default_factory=dict)
+    # When each name's ref was last written: equal numbers for refs written by one
+    # operation in an order the model does not fix (a copy, a concurrent take).
+    commits: dict[str, int] = field(default_factory=dict)
+    clock: int = 0
+
+    def committed(self, *names: str) -> None:
+        """``names`` were committed just now, together (their order unknown)."""
+        self.clock += 1
+        for name in names:
+            self.commits[name] = self.clock
+
+    def newest(self, name: str) -> set[str]:
+        """The snapshots a take of ``name`` without a session may descend from: the
+        last committed in its folder (docs/repository.md, "Parents")."""
+        folder = name.rpartition("/")[0]
+        mine = [n for n in self.snaps if n != name and n.rpartition("/")[0] == folder]
+        if not mine:
+            return set()
+        last = max(self.commits.get(n, -1) for n in mine)
+        return {n for n in mine if self.commits.get(n, -1) == last}
 
     @property
     def url(self) -> str:
@@ -329,8 +351,11 @@ class Sim:
             op["chunk_size"] = 64 << 10 if rng.random() < 0.7 else rng.choice(CHUNK_SIZES)
             op["delta"] = rng.random() < 0.7
         if kind == "take":
-            op["name"] = f"s{i}"
-            op["mode"] = rng.choice(["session", "session", "session", "none", "parents", "fresh"])
+            # a few runs in folders of their own: a take never descends from another's
+            op["name"] = f"s{i}" if rng.random() < 0.7 else f"r{rng.randint(0, 1)}/s{i}"
+            op["mode"] = rng.choice(
+                ["session", "session", "session", "none", "none", "async", "parents", "fresh"]
+            )
             op["parent"] = pick
         elif kind == "dcp":
             op["id"] = rng.choice(["d0", "d0", "d1"])
@@ -479,16 +504,36 @@ class Sim:
             kw["parents"] = [self.handle(op["repo"]).resolve(op["parent"])]
         before = self.records(op["repo"])
         self._trim(op["repo"])
+        auto = "session" not in kw and "parents" not in kw  # the newest in its folder
+        newest = rm.newest(op["name"])
+        args: tuple[Any, ...] = (f"{rm.url}/{op['name']}", {"m": StateDict(**self.live)})
+        options = {"repository": rm.url, "chunk_size": op["chunk_size"]}
         with self._settings(op):
-            Snapshot.take(
-                f"{rm.url}/{op['name']}",
-                {"m": StateDict(**self.live)},
-                storage_options={"repository": rm.url, "chunk_size": op["chunk_size"]},
-                **kw,
-            )
+            if mode == "async":
+                snap = Snapshot.async_take(*args, storage_options=options, **kw).wait()
+            else:
+                snap = Snapshot.take(*args, storage_options=options, **kw)
         rm.snaps[op["name"]] = Expected(clone(self.live), "take", op["i"])
+        rm.committed(op["name"])
+        if auto:
+            self._check_parent(op["repo"], op["name"], snap.manifest.parents, newest)
         self._check_fresh(op["repo"], op["name"], before)
         return "ok"
+
+    def _check_parent(self, repo: str, name: str, parents: list[str], newest: set[str]) -> None:
+        """(e): a take or DCP save with no parent given and no session descends from the
+        last snapshot committed in its folder, or from none when the folder is empty."""
+        handle = self.handle(repo)
+        allowed = {handle.resolve(n) for n in newest if handle.has_ref(n)}
+        if (parents == [] and not allowed) or (len(parents) == 1 and parents[0] in allowed):
+            return
+        names = {
+            h: n for n in self.repos[repo].snaps if handle.has_ref(n) for h in [handle.resolve(n)]
+        }
+        got = [names.get(p, p[:12]) for p in parents]
+        self.violate(
+            "wrong-parent", f"{repo}/{name}", f"parents {got}, expected one of {sorted(newest)}"
+        )
 
     def op_dcp(self, op: dict[str, Any]) -> str:
         import torch.distributed.checkpoint as dcp
@@ -501,6 +546,8 @@ class Sim:
         old = repo.resolve(op["id"]) if repo.has_ref(op["id"]) else None
         before = self.records(op["repo"])
         self._trim(op["repo"])
+        current = repo.resolve(op["id"]) if repo.has_ref(op["id"]) else None  # after the trim
+        newest = rm.newest(op["id"])
         writer = CasnapWriter(
             f"{rm.url}/{op['id']}",
             metadata={"step": op["i"]},
@@ -509,8 +556,17 @@ class Sim:
         with self._settings(op):
             dcp.save({"model": dict(self.live)}, storage_writer=writer)
         if old is not None and op["id"] in rm.snaps:
-            rm.snaps[f"{op['id']}{HISTORY_SEP}{old[:12]}"] = rm.snaps.pop(op["id"])
+            history = f"{op['id']}{HISTORY_SEP}{old[:12]}"
+            rm.snaps[history] = rm.snaps.pop(op["id"])
+            rm.committed(history)
         rm.snaps[op["id"]] = Expected(clone(self.live), "dcp", op["i"])
+        rm.committed(op["id"])
+        if writer.last_manifest is not None:
+            parents = repo.read_manifest(writer.last_manifest).parents
+            if current is not None and parents != [current]:  # a re-save: the one it replaced
+                self.violate("wrong-parent", f"{op['repo']}/{op['id']}", "not the replaced save")
+            elif current is None:
+                self._check_parent(op["repo"], op["id"], parents, newest)
         self._check_fresh(op["repo"], op["id"], before)
         return "resave" if old is not None else "ok"
 
@@ -699,6 +755,8 @@ class Sim:
             dst.snaps[name] = Expected(
                 clone(src.snaps[name].tensors), src.snaps[name].via, src.snaps[name].op
             )
+        if result.copied:
+            dst.committed(*result.copied)
         for name in failed:
             # Copy sends every object the manifest names, each checked on its own
             # (docs/copy.md): a pack against its name, so one damaged frame refuses every
@@ -755,6 +813,8 @@ class Sim:
         if proc.returncode == 0:
             theirs = seeded_state(op["sub_seed"], SHAPES)
             rm.snaps[op["sub_name"]] = Expected(theirs, "take", op["i"])
+            together = [n for n in (op["sub_name"], op["name"]) if n in rm.snaps]
+            rm.committed(*together)  # which ref came last is not known
             return f"both-{op['main']}"
         self.violate(
             "concurrent-take-failed",
@@ -911,11 +971,31 @@ def run_program(
     avoid: frozenset[str] = frozenset(),
 ) -> Sim:
     """Run ``ops`` generated operations (or exactly ``program``) with a check after each."""
+    log = logging.getLogger("casnap")
+    level, threads = log.level, torch.get_num_threads()
+    torch.set_num_threads(1)
+    log.setLevel(logging.ERROR)  # damage warnings are expected here
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return _run(seed, workdir, ops, deadline, weights, program, max_violations, avoid)
+    finally:  # a test run after this one in the same process sees casnap's warnings again
+        log.setLevel(level)
+        torch.set_num_threads(threads)
+
+
+def _run(
+    seed: int,
+    workdir: Path,
+    ops: int,
+    deadline: float | None,
+    weights: dict[str, int] | None,
+    program: list[dict[str, Any]] | None,
+    max_violations: int,
+    avoid: frozenset[str],
+) -> Sim:
     import time
 
-    torch.set_num_threads(1)
-    logging.getLogger("casnap").setLevel(logging.ERROR)  # damage warnings are expected here
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     sim = Sim(seed, workdir, weights=weights, avoid=avoid)

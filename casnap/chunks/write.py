@@ -90,6 +90,9 @@ class ChunkWriter(FrameWriter):
         self._later = list(known.later) if isinstance(known, KnownChunks) else []
         self._later_lock = threading.Lock()
         self._tensor_of: dict[str, str] = {}
+        # A request key -> the key of its entry in the parent, where they differ (a DCP
+        # save's requests are named by write item; base_of looks bases up by entry).
+        self.entry_keys: Mapping[str, str] = {}
         self.delta = (
             DeltaEncoder(repo, settings.delta_max_chain, settings.zstd_level)
             if settings.delta and settings.compression == "auto"
@@ -105,7 +108,7 @@ class ChunkWriter(FrameWriter):
         if at is None:
             return None
         key, index, chunk_size = at
-        found = self.bases.get(key)
+        found = self.bases.get(self.entry_keys.get(key, key))
         if found is None or found[0] != chunk_size or index >= len(found[1]):
             return None
         base = found[1][index]
@@ -123,18 +126,22 @@ class ChunkWriter(FrameWriter):
         read of a parent: a manifest still there has all its chunks.
         """
         with self._later_lock:
-            later, self._later = self._later, []
-            for parent in later:
-                try:
-                    manifest = self.repo.read_manifest(parent)
-                except CasnapError:
-                    continue  # gone or unreadable: only dedup is lost
-                refs, bases = parent_chunks(manifest, self.damaged)
-                with self._lock:
-                    for h, ref in refs.items():
-                        self.known.setdefault(h, ref)
-                    if not self.bases:
-                        self.bases = bases
+            # ``_later`` empties only once every parent is in: until then a caller that
+            # saw it non-empty waits here, and finds the bases its chunk needs after.
+            try:
+                for parent in self._later:
+                    try:
+                        manifest = self.repo.read_manifest(parent)
+                    except CasnapError:
+                        continue  # gone or unreadable: only dedup is lost
+                    refs, bases = parent_chunks(manifest, self.damaged)
+                    with self._lock:
+                        for h, ref in refs.items():
+                            self.known.setdefault(h, ref)
+                        if not self.bases:
+                            self.bases = bases
+            finally:
+                self._later = []
 
     def add(
         self,

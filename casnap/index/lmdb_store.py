@@ -120,6 +120,13 @@ class RepoIndex:
         """Carry on without the index this time (see :func:`casnap.index.lmdb_envs.failed`)."""
         lmdb_envs.failed(self._env, what, exc)
 
+    def _still_ours(self, txn: lmdb.Transaction) -> bool:
+        """Whether the chunk entries are still those of the store and epoch this handle
+        checked. Another process (or handle) opening the index for another copy of the
+        repository (``cp -r``: the same repo id, another URL) drops them and records
+        its own, which name objects only that copy holds: a take must not see those."""
+        return bool(txn.get(_META_CHUNKS_FOR, db=self._env.meta) == self._chunks_for)
+
     def lookup_chunk(self, h: str, size: int) -> ChunkRef | None:
         """Where chunk ``h`` of ``size`` raw bytes is stored, if the index knows it."""
         if self._chunks_for is None or not self._env.usable:
@@ -127,7 +134,7 @@ class RepoIndex:
         key = bytes.fromhex(h)
         try:
             with self._env.env.begin(db=self._env.chunks, buffers=False) as txn:
-                value = txn.get(key)
+                value = txn.get(key) if self._still_ours(txn) else None
             if value is None:
                 return None
             body = _unseal(key, value)
@@ -146,6 +153,8 @@ class RepoIndex:
             return out
         try:
             with self._env.env.begin(db=self._env.chunks, buffers=False) as txn:
+                if not self._still_ours(txn):
+                    return out
                 for i, (h, size) in enumerate(wanted):
                     key = bytes.fromhex(h)
                     value = txn.get(key)

@@ -23,7 +23,7 @@ retention see every chunk:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from casnap.errors import ManifestValidationError, UnsupportedValueError
@@ -65,6 +65,25 @@ def planner_paths(planner_data: Any) -> dict[str, PathT]:
                 f"DCP planner data for {fqn!r} is not a state-dict path ({path!r})"
             )
         out[fqn] = tuple(path)
+    return out
+
+
+def whole_tensor_keys(items: Sequence[Any], planner_data: Any) -> dict[int, str]:
+    """Per index of a write item that is a whole tensor (not one of a DTensor's or
+    ShardedTensor's boxes), the key of its entry (:func:`fqn_keys`'s rule): its chunk i
+    is chunk i of that entry, so a parent's chunk there is its delta base. A planner
+    whose data is not the default planner's paths gives none."""
+    try:
+        paths = planner_paths(planner_data)
+    except UnsupportedValueError:
+        return {}
+    out = {}
+    for i, item in enumerate(items):
+        data = getattr(item, "tensor_data", None)
+        if data is None or any(data.chunk.offsets) or list(data.chunk.sizes) != list(data.size):
+            continue
+        fqn = item.index.fqn
+        out[i] = path_key(paths.get(fqn) or (fqn,))
     return out
 
 

@@ -72,7 +72,7 @@ from casnap.format.entries import (
     ShardRecord,
     TensorEntry,
 )
-from casnap.format.manifest import Manifest
+from casnap.format.manifest import Manifest, format_version_for
 from casnap.format.manifest_bytes import entry_texts
 from casnap.integrations.dcp_layout import (
     DCP_METADATA,
@@ -80,6 +80,7 @@ from casnap.integrations.dcp_layout import (
     dcp_record,
     fqn_keys,
     planner_paths,
+    whole_tensor_keys,
 )
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
@@ -262,6 +263,9 @@ class CasnapWriter(StorageWriter):
         new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
         repo, name = locate(self.path, options, create=True, chunk_size=new_repo_chunk)
         settings = take_settings(repo, overrides)
+        # Created for this save, or (a repository object given in the options) since it
+        # was made: later saves and takes through the same object are not (target.py).
+        fresh, repo.created = repo.created, False
         replaces = repo.resolve(name) if repo.has_ref(name) else None
         if replaces is not None and not self.overwrite:
             raise _exists(name, repo)
@@ -270,7 +274,7 @@ class CasnapWriter(StorageWriter):
         self._finalizer = weakref.finalize(self, self._lease.release)
         self._repo, self._name, self._replaces = repo, name, replaces
         last = replaces or self.session.lineage.parent(repo.config.repo_id)
-        if last is None and self._auto_parent and settings.auto_parent and not repo.created:
+        if last is None and self._auto_parent and settings.auto_parent and not fresh:
             last = newest_parent(repo, name)  # under the lease (casnap.take.parent)
         self._parents = [last] if last else []
         parents = tuple(self._parents)
@@ -311,6 +315,11 @@ class CasnapWriter(StorageWriter):
         settings = take_settings(repo, target.overrides, chunk_size=target.chunk_size)
         requests = []
         kinds: list[torch.Tensor | PrimitiveEntry | int] = []
+        data_of_planner = plan.planner_data
+        if data_of_planner is None:
+            data_of_planner = getattr(planner, "mappings", None)
+        whole = whole_tensor_keys(plan.items, data_of_planner)  # for delta bases
+        entry_keys = {f"{i}:{plan.items[i].index.fqn}": key for i, key in whole.items()}
         for i, item in enumerate(plan.items):
             key = f"{i}:{item.index.fqn}"
             data = planner.resolve_data(item)
@@ -329,6 +338,7 @@ class CasnapWriter(StorageWriter):
         known = known_chunks(repo, list(target.parents), last_plan)
         with ThreadPoolExecutor(settings.io_workers, thread_name_prefix="casnap-dcp") as pool:
             writer = ChunkWriter(repo, settings, pool, known)
+            writer.entry_keys = entry_keys
             budget = ByteBudget(default_memory_budget())
             written = Scheduler(writer, settings, budget).run(requests)
         # Chunks are put non-durably; the coordinator's durable manifest put covers only
@@ -370,6 +380,9 @@ class CasnapWriter(StorageWriter):
         target_name = self._name
         parents = list(self._parents)  # chosen in prepare_global_plan
         manifest = Manifest(
+            # 2.0 where an entry holds a delta chunk (written now, or a parent's reused):
+            # a 1.x manifest with deltas is refused by every reader
+            format_version=format_version_for(entries),
             created_at=now_iso(),
             world_size=len(results),
             parents=parents,

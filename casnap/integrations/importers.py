@@ -169,6 +169,8 @@ def import_checkpoint(
             budget,
             None,
             StagingPool(idle_limit=0),
+            fresh=target.fresh,
+            auto_parent=target.auto_parent,  # a take without a session (docs/repository.md)
         )
         job.live_consumed.set()  # nothing is staged: the take blocks until committed
         job.progress = progress

@@ -12,9 +12,11 @@ the store, as restic finds the latest snapshot of the same host and paths:
   ``runA/eval/step_5`` is not in ``runA/``, and ``runB/step_5`` never
   parents ``runA/step_6``;
 - the **newest** is the one whose ref the store wrote last (its modification
-  time in the listing; by natural name order among equal or unknown times,
-  so ``step_10`` after ``step_9``). A ref is the commit point, so every
-  candidate is a committed snapshot.
+  time in the listing). Among refs listed with the same time (S3 lists whole
+  seconds, and a DCP re-save writes ``<id>@<12 hex>`` and ``<id>`` within
+  one), the one whose manifest was created last; by natural name order among
+  unknown times, so ``step_10`` after ``step_9``. A ref is the commit point,
+  so every candidate is a committed snapshot.
 
 The choice is made inside the take's lease (docs/gc.md): from then until the
 ref is written no gc sweeps, so the parent's manifest, present when chosen,
@@ -28,13 +30,18 @@ False}``, or ``CASNAP_AUTO_PARENT=0`` (docs/settings.md).
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from itertools import groupby
+
 from casnap.display import natural_key
 from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError
 from casnap.format.names import decode_name, is_hashed_key
+from casnap.index import manifest_summary
 from casnap.repo.named import recorded_name
 from casnap.repo.repository import RepoStorage, manifest_key
 
 _REFS = "refs"
+_NEVER = datetime.min.replace(tzinfo=UTC)
 
 
 def folder_of(name: str) -> str:
@@ -51,17 +58,36 @@ def _name_of(repo: RepoStorage, key: str) -> str | None:
         return None  # deleted meanwhile, or damaged: not a parent (verify reports it)
 
 
-def candidates(repo: RepoStorage, name: str) -> list[str]:
-    """The snapshots in ``name``'s folder other than ``name``, newest first (see above)."""
+def _listed(repo: RepoStorage, name: str) -> list[tuple[float | None, str]]:
+    """(listed time, name) of the snapshots in ``name``'s folder other than ``name``,
+    newest first by time, then by natural name order (see above)."""
     folder = folder_of(name)
-    found: list[tuple[float, str]] = []
+    found: list[tuple[float | None, str]] = []
     for info in repo.store.list_info(_REFS):
         other = _name_of(repo, info.key[len(_REFS) + 1 :])
         if other is None or other == name or folder_of(other) != folder:
             continue
-        found.append((info.mtime if info.mtime is not None else float("-inf"), other))
-    found.sort(key=lambda t: (t[0], natural_key(t[1])), reverse=True)
-    return [other for _, other in found]
+        found.append((info.mtime, other))
+    found.sort(
+        key=lambda t: (t[0] if t[0] is not None else float("-inf"), natural_key(t[1])),
+        reverse=True,
+    )
+    return found
+
+
+def candidates(repo: RepoStorage, name: str) -> list[str]:
+    """The snapshots in ``name``'s folder other than ``name``, by listed time and name,
+    newest first (:func:`newest_parent` orders refs listed with one time further)."""
+    return [other for _, other in _listed(repo, name)]
+
+
+def _created(repo: RepoStorage, manifest: str) -> datetime:
+    try:
+        when = manifest_summary(repo, manifest).created_at
+        created = datetime.fromisoformat(when)
+    except (CasnapError, ValueError):
+        return _NEVER  # unreadable: after every readable one of its time
+    return created if created.tzinfo is not None else created.replace(tzinfo=UTC)
 
 
 def newest_parent(repo: RepoStorage, name: str) -> str | None:
@@ -69,13 +95,27 @@ def newest_parent(repo: RepoStorage, name: str) -> str | None:
 
     Called inside the take's lease. A candidate whose ref cannot be read
     (deleted meanwhile, damaged) or whose manifest is gone is passed over
-    for the next newest one.
+    for the next newest one. Refs listed with the same time are ordered by
+    their manifests' creation (a summary the index usually holds): only
+    those are resolved together.
     """
-    for other in candidates(repo, name):
-        try:
-            manifest = repo.resolve(other)
-            if repo.store.exists(manifest_key(manifest)):
-                return manifest
-        except CasnapError:
+    for listed_at, group in groupby(_listed(repo, name), key=lambda t: t[0]):
+        names = [other for _, other in group]
+        if listed_at is None:  # unknown times: natural name order, resolved one by one
+            for other in names:
+                if (manifest := _manifest_of(repo, other)) is not None:
+                    return manifest
             continue
+        found = [m for m in (_manifest_of(repo, other) for other in names) if m is not None]
+        if found:
+            # stable: natural name order among equal creation times
+            return max(found, key=lambda m: _created(repo, m)) if len(found) > 1 else found[0]
     return None
+
+
+def _manifest_of(repo: RepoStorage, name: str) -> str | None:
+    try:
+        manifest = repo.resolve(name)
+        return manifest if repo.store.exists(manifest_key(manifest)) else None
+    except CasnapError:
+        return None
