@@ -42,10 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
     StorageMeta,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -64,16 +62,12 @@ from casnap.errors import (
     UnsupportedValueError,
 )
 from casnap.format.entries import (
-    ChunkRef,
     Entry,
-    ObjectEntry,
     PrimitiveEntry,
-    ShardedEntry,
-    ShardRecord,
-    TensorEntry,
 )
 from casnap.format.manifest import Manifest, format_version_for
 from casnap.format.manifest_bytes import entry_texts
+from casnap.integrations.dcp_entries import StoredBytes, StoredTensor, entry_of, primitive_of
 from casnap.integrations.dcp_layout import (
     DCP_METADATA,
     containers,
@@ -91,7 +85,6 @@ from casnap.take.plan import known_chunks
 from casnap.take.scheduler import Scheduler, data_request, tensor_request
 from casnap.take.session import Session
 from casnap.take.target import check_metadata, split_options, take_settings
-from casnap.torch_io.flatten import encode_primitive
 from casnap.torch_io.tensors import dtype_name
 
 HISTORY_SEP = "@"  # <name>@<12 hex>: an earlier save to the same checkpoint id
@@ -107,26 +100,6 @@ class SaveTarget:
     overrides: dict[str, Any]
     chunk_size: int
     parents: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """A tensor item as written (a WriteResult's ``storage_data``)."""
-
-    dtype: str
-    sizes: tuple[int, ...]
-    chunk_size: int
-    chunks: tuple[ChunkRef, ...]
-
-
-@dataclass(frozen=True)
-class StoredBytes:
-    """A non-tensor item: inline as a primitive, or DCP's ``torch.save`` bytes as chunks."""
-
-    primitive: PrimitiveEntry | None
-    size: int
-    chunk_size: int
-    chunks: tuple[ChunkRef, ...]
 
 
 def _as_path(checkpoint_id: str | os.PathLike[str]) -> str:
@@ -326,7 +299,7 @@ class CasnapWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 assert isinstance(data, io.BytesIO)
                 raw = data.getvalue()
-                primitive = _primitive(raw)
+                primitive = primitive_of(raw)
                 kinds.append(primitive if primitive is not None else len(raw))
                 if primitive is None:
                     requests.append(data_request(key, memoryview(raw), raw))
@@ -375,7 +348,7 @@ class CasnapWriter(StorageWriter):
         keys = fqn_keys(metadata.state_dict_metadata, paths)
         entries: dict[str, Entry] = {}
         for fqn, md in metadata.state_dict_metadata.items():
-            entries[keys[fqn]] = _entry(fqn, md, stored.get(fqn, []))
+            entries[keys[fqn]] = entry_of(fqn, md, stored.get(fqn, []))
         entries.update(containers(entries))
         target_name = self._name
         parents = list(self._parents)  # chosen in prepare_global_plan
@@ -422,59 +395,6 @@ def _exists(name: str, repo: RepoStorage) -> CheckpointExistsError:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _primitive(raw: bytes) -> PrimitiveEntry | None:
-    """A JSON scalar stored inline instead of DCP's ``torch.save`` bytes, when it is one.
-
-    The bytes were made by this process's planner a moment ago; ``weights_only``
-    loads plain Python values only, and anything else stays DCP's bytes.
-    """
-    try:
-        value = torch.load(io.BytesIO(raw), weights_only=True)
-    except Exception:
-        return None
-    if isinstance(value, torch.dtype):
-        return None  # DCP hands loaded bytes back as they were; keep them exact
-    return encode_primitive(value)
-
-
-def _entry(fqn: str, md: Any, mine: list[tuple[Any, Any]]) -> Entry:
-    """The manifest entry of one DCP value, from its metadata and the ranks' results for it."""
-    if isinstance(md, BytesStorageMetadata):
-        if len(mine) != 1 or not isinstance(mine[0][1], StoredBytes):
-            raise UnsupportedValueError(f"{fqn}: DCP reported {len(mine)} writes of one value")
-        s = mine[0][1]
-        if s.primitive is not None:
-            return s.primitive
-        return ObjectEntry(
-            serializer="pickle",
-            type_name="torch.save",
-            size=s.size,
-            chunk_size=s.chunk_size,
-            chunks=list(s.chunks),
-        )
-    assert isinstance(md, TensorStorageMetadata)
-    dtype = dtype_name(md.properties.dtype, fqn)
-    shape = list(md.size)
-    shards = []
-    by_offset = {tuple(idx.offset or ()): s for idx, s in mine}
-    for chunk in md.chunks:
-        box = by_offset.get(tuple(chunk.offsets))
-        if not isinstance(box, StoredTensor):
-            raise UnsupportedValueError(f"{fqn}: no write of the box at {list(chunk.offsets)}")
-        shards.append(
-            ShardRecord(
-                offsets=list(chunk.offsets),
-                sizes=list(chunk.sizes),
-                chunk_size=box.chunk_size,
-                chunks=list(box.chunks),
-            )
-        )
-    if len(shards) == 1 and not any(shards[0].offsets) and shards[0].sizes == shape:
-        one = shards[0]
-        return TensorEntry(dtype=dtype, shape=shape, chunk_size=one.chunk_size, chunks=one.chunks)
-    return ShardedEntry(layout="dtensor", dtype=dtype, shape=shape, shards=shards)
 
 
 def _commit_replacing(
