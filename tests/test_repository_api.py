@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
+from test_cli_contract import casnap as run_cli
 
 import casnap
-from casnap import KeepLast, KeepTagged, Repository, RetentionPolicy, StateDict
+from casnap import KeepLast, KeepTagged, Repository, RetentionPolicy, Snapshot, StateDict
 from casnap.format.entries import ContainerEntry, TensorEntry
 
 
@@ -237,3 +239,54 @@ def test_maintenance_and_show_never_import_torch(repo):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# -- names resolve as on the command line --------------------------------------------
+
+
+def _take(url: str, name: str, step: int, value: float) -> None:
+    state = {"model": StateDict(w=torch.full((64,), value)), "progress": StateDict(step=step)}
+    Snapshot.take(f"{url}/{name}", state, metadata={"step": step})
+
+
+def test_latest_and_tags_resolve_in_python_as_on_the_command_line(tmp_path):
+    url = str(tmp_path / "run1")
+    _take(url, "step_9", 9, 9.0)
+    _take(url, "step_10", 10, 10.0)  # the newest: by step, not by name
+    repo = Repository(url)
+    repo.tag("best", "step_9")
+
+    assert repo.show("latest").name == "step_10"
+
+    for name, want in (("latest", 10.0), ("best", 9.0)):
+        snap = repo.snapshot(name)
+        got = {"model": StateDict(w=torch.zeros(64)), "progress": StateDict(step=0)}
+        snap.restore(got)
+        assert torch.equal(got["model"]["w"], torch.full((64,), want)), name
+        assert got["progress"]["step"] == int(want)
+    assert repo.snapshot("latest").name == "step_10"
+    assert repo.snapshot("best").name == "step_9"
+
+    # The command line names the same snapshots.
+    for name, want in (("latest", "step_10"), ("best", "step_9")):
+        code, out, _ = run_cli(tmp_path, "show", f"{url}/{name}", "--json")
+        assert code == 0 and json.loads(out)["name"] == want
+
+    with pytest.raises(casnap.SnapshotNotFoundError, match="did you mean 'best'"):
+        repo.snapshot("bset")
+    # delete goes by a snapshot's own name only.
+    with pytest.raises(casnap.SnapshotNotFoundError):
+        repo.delete("latest")
+    assert repo.snapshots() == ["step_9", "step_10"]
+
+
+def test_latest_below_a_folder_of_a_shared_repository(tmp_path):
+    root = str(tmp_path / "ckpt")
+    Repository.init(root)
+    _take(root, "a/step_1", 1, 1.0)
+    _take(root, "b/step_2", 2, 2.0)
+    _take(root, "a/step_3", 3, 3.0)
+    _take(root, "b/step_4", 4, 4.0)
+    repo = Repository(root)
+    assert repo.snapshot("a/latest").name == "a/step_3"
+    assert repo.snapshot("latest").name == "b/step_4"

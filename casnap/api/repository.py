@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from casnap.errors import CasnapError, ConfigError, SnapshotNotFoundError
+from casnap.errors import CasnapError, ConfigError
 from casnap.format.entries import TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import check_ref_name
@@ -35,6 +35,7 @@ from casnap.gc.reclaim import ReclaimResult, reclaim
 from casnap.ops.copy import CopyResult
 from casnap.ops.copy import copy as copy_snapshots
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
+from casnap.ops.naming import resolve_name
 from casnap.ops.repair import RepairResult, repair
 from casnap.ops.repair_sources import ChunkSource, SnapshotSource
 from casnap.ops.retention import (
@@ -160,6 +161,7 @@ class Repository(RepoStorage):
             view = repo.show("step_3", key="0/model")
             {k: e.kind for k, e in view.entries.items()}
         """
+        name = resolve_name(self, name)  # a tag or "latest" too, as on the command line
         mhash = self.resolve(name)
         m: Manifest = self.read_manifest(mhash)
         entries = entries_under(m.entries, key)  # MissingKeyError naming the nearest keys
@@ -436,13 +438,18 @@ class Repository(RepoStorage):
 
     # -- the torch side ----------------------------------------------------
     def snapshot(self, name: str) -> Snapshot:
-        """The snapshot ``name`` (:class:`casnap.SnapshotNotFoundError` if there is none)."""
+        """The snapshot ``name``, or the one a tag or ``latest`` names, found as the
+        command line finds it (:mod:`casnap.ops.naming`;
+        :class:`casnap.SnapshotNotFoundError`, with the closest names, if none);
+        ``.name`` is the snapshot's own name::
+
+            repo.snapshot("latest").restore(app_state)  # the newest, by step then time
+        """
         from casnap.api.snapshot import Snapshot
 
-        if not self.has_ref(name):
-            raise SnapshotNotFoundError(f"no snapshot {name!r} in {self.url}", name)
+        found = resolve_name(self, name)
         return Snapshot(
-            self._path(name), storage_options={"repository": self}, session=self._take_session()
+            self._path(found), storage_options={"repository": self}, session=self._take_session()
         )
 
     def take(self, name: str, app_state: dict[str, Any], **kwargs: Any) -> Snapshot:

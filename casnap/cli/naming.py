@@ -1,92 +1,15 @@
 """Naming a snapshot on the command line: by its name, by a tag, or as ``latest``.
 
-Wherever a command takes a snapshot (``show``, ``diff``, ``export``, ``rm``,
-``tag add``), the last part of the path is looked up in this order:
-
-1. a snapshot of that name (an explicit name always wins);
-2. a repository tag of that name: the snapshot it was put on, while that
-   snapshot still holds the manifest the tag pins;
-3. ``latest``: the newest snapshot, by step and then by creation time (the
-   order retention uses, :func:`casnap.ops.retention.order_key`);
-   ``run1/latest`` in a shared repository is the newest below ``run1/``.
-
-Anything else is :class:`casnap.SnapshotNotFoundError` with the closest
-snapshot and tag names ("did you mean ...?"); the CLI exits 3.
+The resolver, and the order it looks names up in, is :mod:`casnap.ops.naming`:
+the Python API (:meth:`casnap.Repository.snapshot`) shares it, so a name means
+the same snapshot in both.
 
 Example::
 
-    repo, name = Repository.locate("/ckpt/run1/latest")
+    repo, name = Repository.locate("/ckpt/run1/latest", must_exist=False)
     resolve_name(repo, name)  # "step_1000"
 """
 
-from __future__ import annotations
+from casnap.ops.naming import LATEST, resolve_name, suggest
 
-import difflib
-from collections.abc import Iterable
-
-from casnap.api.repository import Repository
-from casnap.errors import InvalidNameError, ObjectNotFoundError, SnapshotNotFoundError
-from casnap.ops.retention import read_snapshots
-from casnap.repo.tags import read_tag, tag_names
-
-LATEST = "latest"
-
-
-def resolve_name(repo: Repository, name: str) -> str:
-    """The snapshot ``name`` means in ``repo`` (see the module docstring for the order)."""
-    try:
-        if repo.has_ref(name):
-            return name
-    except InvalidNameError:
-        pass  # not a snapshot name; a tag or "latest" cannot be one either
-    tagged = _tagged(repo, name)
-    if tagged is not None:
-        return tagged
-    if name == LATEST or name.endswith("/" + LATEST):
-        return _latest(repo, name[: -len(LATEST)])
-    raise SnapshotNotFoundError(
-        f"no snapshot or tag {name!r} in {repo.url}"
-        + suggest(name, [*repo.snapshots(), *tag_names(repo)], f"`casnap ls {repo.url}`"),
-        name,
-    )
-
-
-def suggest(name: str, known: Iterable[str], listing: str) -> str:
-    """``"; did you mean 'a' or 'b'?"`` from the names closest to ``name``, else
-    where to look (``listing``: the command that lists them)."""
-    close = difflib.get_close_matches(name, sorted(set(known)), n=3, cutoff=0.6)
-    if not close:
-        return f"; {listing} lists them"
-    quoted = [repr(c) for c in close]
-    head = ", ".join(quoted[:-1])
-    return f"; did you mean {head + ' or ' if head else ''}{quoted[-1]}?"
-
-
-def _tagged(repo: Repository, name: str) -> str | None:
-    """The snapshot tag ``name`` is on, or None if there is no such tag."""
-    try:
-        info = read_tag(repo, name)
-    except (ObjectNotFoundError, InvalidNameError):
-        return None
-    try:
-        current = repo.resolve(info.snapshot)
-    except SnapshotNotFoundError:
-        current = None
-    if current != info.manifest:
-        # The commands read through snapshot names; the tag's manifest has none now.
-        raise SnapshotNotFoundError(
-            f"tag {name!r} pins snapshot {info.snapshot!r} as it was (manifest "
-            f"{info.manifest[:12]}), and {repo.url} no longer has it under that name",
-            name,
-        )
-    return info.snapshot
-
-
-def _latest(repo: Repository, prefix: str) -> str:
-    """The newest snapshot whose name starts with ``prefix`` (by step, then time)."""
-    names = [n for n in repo.snapshots() if n.startswith(prefix)]
-    infos, _unreadable = read_snapshots(repo, names, tags={})
-    if not infos:
-        where = f" below {prefix.rstrip('/')!r}" if prefix else ""
-        raise SnapshotNotFoundError(f"no snapshot{where} in {repo.url} to be 'latest'", LATEST)
-    return infos[-1].name
+__all__ = ["LATEST", "resolve_name", "suggest"]
