@@ -166,9 +166,9 @@ def run_mode(
     for attempt in ("first", "again"):
         store.reset()
         start = log.mark()
-        names = repo.list_snapshots()
-        hashes = [repo.resolve(name) for name in names]
-        index.manifest_summaries(repo, hashes)
+        names = repo.snapshots()
+        hashes = [repo.storage.resolve(name) for name in names]
+        index.manifest_summaries(repo.storage, hashes)
         http = log.between(start, log.mark())
         history.append(
             {"pass": attempt, "store": dict(store.requests), "http_total": sum(http.values())}

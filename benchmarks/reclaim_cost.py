@@ -55,7 +55,7 @@ def main() -> None:
                 commits.append(elapsed)
                 reclaims.append(result.seconds)
         started = time.perf_counter()
-        plan_gc(Repository(root), grace_seconds=0)
+        plan_gc(Repository(root).storage, grace_seconds=0)
         full = time.perf_counter() - started
         index = "off" if os.environ.get("CASNAP_INDEX") == "0" else "on"
         print(

@@ -30,7 +30,7 @@ def taker(url: str, k: int, seconds: float, out: str, env: dict[str, str]) -> No
     enter_child(env)
     from casnap import CasnapError, Repository, Snapshot
 
-    repo = Repository.open(url)
+    repo = Repository(url)
     opts = {"repository": repo, "chunk_size": CHUNK}
     mine: list[tuple[int, str, str]] = []
     deleted: list[str] = []
@@ -51,7 +51,7 @@ def taker(url: str, k: int, seconds: float, out: str, env: dict[str, str]) -> No
             for r, m, n in mine[:-2]:  # keep the last two, and every fifth
                 if r % 5 and m not in deleted:
                     try:
-                        repo.delete_ref(n)
+                        repo.delete(n)
                     except CasnapError:
                         pass  # `casnap retain` deleted it first
                     deleted.append(m)
@@ -115,17 +115,17 @@ def run(workdir: Path, seconds: float, seed: int, env: dict[str, str]) -> dict[s
                 expected[record["name"]] = record["sums"]
             else:
                 by_takers.add(record["name"])
-    listed = set(repo.list_snapshots())
+    listed = set(repo.snapshots())
     fig["takes"] = len(expected)
     fig["deleted_by_takers"] = len(by_takers)
     fig["deleted_by_retain"] = len(retained_away)
     fig["listed_at_end"] = len(listed)
     fig["lost"] = sorted(set(expected) - listed - by_takers - retained_away)
-    fig["damaged_refs"] = damaged_refs(repo, expected)
-    fig["missing_objects"] = missing_objects(repo)
+    fig["damaged_refs"] = damaged_refs(repo.storage, expected)
+    fig["missing_objects"] = missing_objects(repo.storage)
     rc, _ = casnap_cli("gc", url, "--grace", "0", env=env)  # a last gc with nothing running
-    fig["damaged_after_last_gc"] = damaged_refs(repo, expected)
-    fig["missing_after_last_gc"] = missing_objects(repo)
+    fig["damaged_after_last_gc"] = damaged_refs(repo.storage, expected)
+    fig["missing_after_last_gc"] = missing_objects(repo.storage)
     return fig
 
 

@@ -98,7 +98,7 @@ def check_run(repo: Any, k: int, mode: str, sidecar: str) -> dict[str, Any]:
     commits = [r["name"] for r in records if r["ev"] == "commit"]
     retired = {n for r in records if r["ev"] == "commit" for n in r["retired"]}
     prefix = f"k{k:04d}/"
-    refs = [n for n in repo.list_snapshots() if n.startswith(prefix)]
+    refs = [n for n in repo.snapshots() if n.startswith(prefix)]
     shapes = model_state(0)
     broken, wrong, unknown = [], [], []
     for name in refs:
@@ -241,7 +241,7 @@ def run(
     final = [check_run(repo, k, mode, sc) for k, (mode, sc) in sidecars.items()]
     fig["lost_after_gc"] = [n for f in final for n in f["lost"]]
     fig["broken_after_gc"] = [b for f in final for b in f["broken"] + f["wrong"]]
-    fig["snapshots_at_end"] = len(repo.list_snapshots())
+    fig["snapshots_at_end"] = len(repo.snapshots())
     rc, out = casnap_cli("verify", url, "--read-data", env=env)
     fig["verify_read_data_exit"] = rc
     if rc != 0:

@@ -221,13 +221,13 @@ def test_dcp_saves_with_a_new_writer_each_descend_from_the_last(tmp_path):
     writer = CasnapWriter(root / "step_2")
     dcp.save({"model": model.state_dict()}, storage_writer=writer)
     repo = Repository(str(root))
-    m2 = repo.read_manifest(repo.resolve("step_2"))
+    m2 = repo.storage.read_manifest(repo.resolve("step_2"))
     assert m2.parents == [repo.resolve("step_1")]
     assert writer.last_write_stats is not None
     assert writer.last_write_stats.stored_bytes_written < 4 * 1024  # only the bias
     off = CasnapWriter(root / "step_3", storage_options={"auto_parent": False})
     dcp.save({"model": model.state_dict()}, storage_writer=off)
-    assert repo.read_manifest(repo.resolve("step_3")).parents == []
+    assert repo.storage.read_manifest(repo.resolve("step_3")).parents == []
 
 
 # -- retention, gc and damage ----------------------------------------------

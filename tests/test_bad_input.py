@@ -1,7 +1,7 @@
 """Bad input to a public function raises a CasnapError that says what was wrong.
 
 Each error is also the builtin it means: a wrong type is a ``TypeError``
-(:class:`casnap.ArgumentTypeError`), a wrong value a ``ValueError``
+(:class:`casnap.errors.ArgumentTypeError`), a wrong value a ``ValueError``
 (:class:`casnap.ConfigError` and friends), a missing snapshot a
 ``FileNotFoundError``. Nothing is created by a call that was refused.
 """
@@ -16,11 +16,9 @@ import pytest
 import torch
 
 from casnap import (
-    ArgumentTypeError,
     CasnapError,
     Checkpointer,
     ConfigError,
-    InvalidNameError,
     KeepLast,
     Repository,
     Session,
@@ -29,6 +27,7 @@ from casnap import (
     StateDict,
     export_torch,
 )
+from casnap.errors import ArgumentTypeError, InvalidNameError
 from casnap.repo.tags import add_tag
 
 
@@ -134,8 +133,8 @@ def test_a_parent_is_a_snapshot_name_or_a_manifest_hash(repo: Path) -> None:
     Snapshot.take(f"{repo}/b", _state(), parents=["a"])
     Snapshot.take(f"{repo}/c", _state(), parents=[a])
     repository = Repository(str(repo))
-    assert repository.read_manifest(repository.resolve("b")).parents == [a]
-    assert repository.read_manifest(repository.resolve("c")).parents == [a]
+    assert repository.storage.read_manifest(repository.resolve("b")).parents == [a]
+    assert repository.storage.read_manifest(repository.resolve("c")).parents == [a]
     with pytest.raises(SnapshotNotFoundError, match="'nope'"):
         Snapshot.take(f"{repo}/d", _state(), parents=["nope"])
     with pytest.raises(InvalidNameError):

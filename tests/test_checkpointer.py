@@ -18,6 +18,7 @@ from casnap import PendingSnapshot, Repository, Snapshot, StateDict
 from casnap.api.checkpointer import Checkpointer
 from casnap.errors import StoreError
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy
+from casnap.repo.repository import RepoStorage
 from casnap.store import LocalStore
 from casnap.store.faults import FailingStore
 
@@ -66,8 +67,8 @@ def run_loop(ckpt: Checkpointer, state: dict[str, StateDict]) -> list[object]:
 
 
 def manifests(root: Path) -> dict[str, Snapshot]:
-    repo = Repository.open(str(root))
-    return {name: Snapshot(f"{root}/{name}") for name in repo.list_snapshots()}
+    repo = Repository(str(root))
+    return {name: Snapshot(f"{root}/{name}") for name in repo.storage.list_snapshots()}
 
 
 @pytest.mark.parametrize("async_take", [False, True])
@@ -109,10 +110,13 @@ def test_retention_runs_after_each_commit_and_keeps_foreign_snapshots(tmp_path):
             seen.append(ckpt.snapshots())
     assert seen == [NAMES[:1], NAMES[:2], NAMES[1:3], NAMES[2:4]]
     assert ckpt.last_retention is not None and ckpt.last_retention.deleted == (NAMES[1],)
-    repo = Repository.open(str(root))
-    assert repo.list_snapshots() == ["base", *NAMES[2:]]  # the foreign snapshot is untouched
+    repo = Repository(str(root))
+    assert repo.storage.list_snapshots() == [
+        "base",
+        *NAMES[2:],
+    ]  # the foreign snapshot is untouched
     # the retired snapshots' manifests were reclaimed: base's and the two kept ones remain
-    assert len(list(repo.iter_manifest_names())) == 3
+    assert len(list(repo.storage.iter_manifest_names())) == 3
 
 
 def test_async_retention_applies_when_the_take_is_observed_complete(tmp_path):
@@ -165,7 +169,7 @@ def test_restore_latest_on_missing_or_empty_repository(tmp_path):
     assert ckpt.restore_latest(fresh()) is None
     assert ckpt.latest() is None and ckpt.snapshots() == []
     assert not (tmp_path / "absent").exists()  # asking does not create a repository
-    Repository.open_or_create(str(tmp_path / "empty"))
+    Repository.of(RepoStorage.open_or_create(str(tmp_path / "empty")))
     assert Checkpointer(str(tmp_path / "empty"), 5).restore_latest(fresh()) is None
 
 
@@ -262,11 +266,13 @@ def test_restore_latest_after_a_take_killed_halfway(tmp_path):
     assert line == "CHUNK_WRITTEN\n", f"child said {line!r}; stderr:\n{err}"
     assert proc.returncode == -signal.SIGKILL, err
 
-    repo = Repository.open(str(root))
-    assert repo.list_snapshots() == NAMES[:2]  # the killed take left no ref ...
-    assert len(list(repo.iter_manifest_names())) == 2  # ... and no manifest
+    repo = Repository(str(root))
+    assert repo.storage.list_snapshots() == NAMES[:2]  # the killed take left no ref ...
+    assert len(list(repo.storage.iter_manifest_names())) == 2  # ... and no manifest
     referenced = {
-        c.hash for name in NAMES[:2] for c in repo.read_manifest(repo.resolve(name)).chunk_refs()
+        c.hash
+        for name in NAMES[:2]
+        for c in repo.storage.read_manifest(repo.resolve(name)).chunk_refs()
     }
     loose = {p.name for p in (root / ".casnap" / "chunks").rglob("*") if p.is_file()}
     assert loose - referenced, "the killed take had written a chunk"

@@ -198,8 +198,8 @@ def test_nan_and_infinite_metrics_are_stored_and_never_best(tmp_path):
     assert steps_of(ckpt) == [1, 5]  # best (0.5) and newest; -inf is no "min"
     assert ckpt.best_step() == 1 and ckpt.best() == name(1)
 
-    repo = Repository.open(root)
-    infos = {s.step: s for s in plan_retention(repo, policy).snapshots}
+    repo = Repository(root)
+    infos = {s.step: s for s in plan_retention(repo.storage, policy).snapshots}
     assert infos[5].metric("acc") == math.inf and infos[1].metric("loss") == 0.5
     # every "acc" is +inf: no best in either mode
     assert ckpt.best("acc", "max") is None and ckpt.best("acc", "min") is None
@@ -347,7 +347,7 @@ def test_a_recorded_damage_is_skipped_without_reading_data(tmp_path, caplog):
 def test_an_unreadable_newest_manifest_is_skipped(tmp_path, caplog):
     root = tmp_path / "run"
     take_steps(str(root), [5, 10])
-    manifest = Repository.open(str(root)).list_snapshots()  # both refs
+    manifest = Repository(str(root)).snapshots()  # both refs
     mhash = Snapshot(f"{root}/{name(10)}").manifest_hash
     path = root / ".casnap" / "manifests" / mhash[:2] / mhash
     path.write_bytes(path.read_bytes()[:-5] + b"xxxxx")
@@ -471,7 +471,7 @@ def time_trigger_on_two_ranks(rank: int, world: int, root: str) -> list[int]:
 def test_the_time_trigger_is_agreed_across_ranks(tmp_path):
     root = str(tmp_path / "run")
     assert values(run_ranks(2, time_trigger_on_two_ranks, root)) == [[2, 4, 6], [2, 4, 6]]
-    assert Repository.open(root).list_snapshots() == [name(2), name(4), name(6)]
+    assert Repository(root).snapshots() == [name(2), name(4), name(6)]
 
 
 def test_take_on_preemption_needs_the_main_thread(tmp_path):
@@ -532,7 +532,7 @@ class _Gone:
 
 
 def test_an_object_that_cannot_be_unpickled_is_not_skipped_as_damage(tmp_path, monkeypatch):
-    from casnap import ObjectLoadError
+    from casnap.errors import ObjectLoadError
 
     root = str(tmp_path / "run")
     ckpt = Checkpointer(root, 1)

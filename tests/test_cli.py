@@ -96,12 +96,12 @@ def test_diff_reads_no_data_without_stats(capsys, repo_dir, tmp_path):
 def test_diff_stats_reads_only_changed_chunks(repo_dir):
     store = CountingStore(LocalStore(repo_dir))
     repo = Repository.on_store(store)
-    a = repo.read_manifest(repo.resolve("s2"))
-    b = repo.read_manifest(repo.resolve("s3"))
+    a = repo.storage.read_manifest(repo.resolve("s2"))
+    b = repo.storage.read_manifest(repo.resolve("s3"))
     store.reset()
     rows = diff(a, b)
     assert store.requests == {}  # manifests only
-    (d,) = drift(repo, a, repo, b, rows)
+    (d,) = drift(repo.storage, a, repo.storage, b, rows)
     assert d.key == "0/s/big" and d.max_abs_diff == pytest.approx(1.0)
     changed = [
         cb
@@ -179,7 +179,7 @@ def test_verify_detects_a_flipped_bit_only_when_reading_data(capsys, repo_dir):
 
 
 def test_verify_detects_a_ref_naming_a_missing_manifest(capsys, repo_dir):
-    repo = Repository.open(repo_dir)
+    repo = Repository(repo_dir)
     mhash = repo.resolve("s2")
     os.unlink(os.path.join(repo_dir, ".casnap", "manifests", mhash[:2], mhash))
     code, out, _ = run(capsys, "verify", repo_dir)

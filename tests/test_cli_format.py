@@ -253,7 +253,9 @@ def test_take_restore_verify_export_and_repair_report_bytes(tmp_path):
     exported.check(nbytes)
 
     # One damaged loose chunk, repaired from the state in memory: bytes of that chunk.
-    ref = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack is None)
+    ref = next(
+        r for r in repo.storage.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack is None
+    )
     path = chunk_path(Path(root), ref.hash)
     data = bytearray(path.read_bytes())
     data[codec.HEADER_SIZE + 5] ^= 1

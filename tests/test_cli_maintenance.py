@@ -47,9 +47,9 @@ def test_retain_plans_then_deletes_refs_and_gc_reclaims(capsys, repo_dir):
     code, out = run(capsys, *args, "--dry-run", "--json")
     plan = json.loads(out)
     assert code == 0 and sorted(plan["delete"]) == ["s2", "s4"]
-    assert Repository.open(repo_dir).list_snapshots() == [f"s{i}" for i in range(1, 7)]
+    assert Repository(repo_dir).snapshots() == [f"s{i}" for i in range(1, 7)]
     code, out = run(capsys, *args)
-    assert code == 0 and Repository.open(repo_dir).list_snapshots() == ["s1", "s3", "s5", "s6"]
+    assert code == 0 and Repository(repo_dir).snapshots() == ["s1", "s3", "s5", "s6"]
     before = sum(len(f) for _, _, f in os.walk(os.path.join(repo_dir, ".casnap", "chunks")))
     code, out = run(capsys, "gc", repo_dir, "--grace", "0", "--dry-run", "--json")
     assert code == 0 and json.loads(out)["plan"]["bytes_to_free"] > 0
@@ -71,7 +71,7 @@ def test_retain_refuses_to_delete_everything(capsys, repo_dir):
     code = main(["retain", repo_dir, "--keep-tagged"])  # a rule that keeps none of them
     err = capsys.readouterr().err
     assert code == 2 and "--allow-delete-all" in err and "allow_delete_all" not in err
-    assert len(Repository.open(repo_dir).list_snapshots()) == 6
+    assert len(Repository(repo_dir).snapshots()) == 6
 
 
 def test_export_both_formats(capsys, repo_dir, tmp_path):

@@ -14,16 +14,8 @@ import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 from test_cli_contract import casnap, error_line
 
-import casnap as cn
-from casnap import (
-    CopyIntegrityError,
-    GcBlockedError,
-    Repository,
-    Snapshot,
-    SnapshotExistsError,
-    StateDict,
-    StoreError,
-)
+from casnap import Repository, Snapshot, SnapshotExistsError, StateDict
+from casnap.errors import CopyIntegrityError, GcBlockedError, StoreError
 from casnap.gc import gc
 from casnap.repo.reach import reached_objects
 from casnap.store import CountingStore, FsspecStore, LocalStore
@@ -67,7 +59,7 @@ def _same_as_original(url: str, name: str, seed: int) -> None:
 
 
 def _objects(repo: Repository, name: str) -> set[str]:
-    return set(reached_objects(repo.read_manifest(repo.resolve(name))))
+    return set(reached_objects(repo.storage.read_manifest(repo.resolve(name))))
 
 
 def _sent(store: CountingStore) -> list[str]:
@@ -102,7 +94,7 @@ def test_local_copy_restores_equal_and_a_second_copy_sends_only_the_new_objects(
 
     _take(src, "step_3", 3)  # the backbone's chunks are already at the destination
     dst_store.reset()
-    again = cn.copy(src, dst)
+    again = src.copy_to(dst)
     new = _objects(src, "step_3") - every
     assert sorted(_sent(dst_store)) == sorted(new) and new
     assert again.copied == ("step_3",) and again.present == ("step_1", "step_2")
@@ -110,7 +102,7 @@ def test_local_copy_restores_equal_and_a_second_copy_sends_only_the_new_objects(
     _same_as_original(dst.url, "step_3", 3)
 
     dst_store.reset()  # nothing left to send: no object put, no object asked about
-    assert cn.copy(src, dst).copied == ()
+    assert src.copy_to(dst).copied == ()
     assert _sent(dst_store) == [] and dst_store.requests["exists"] == 0
 
 
@@ -126,7 +118,7 @@ def test_copy_to_gcs_and_back(src, tmp_path, gcs_bucket):  # noqa: F811
     second = src.copy_to(remote)  # step_1 shares the backbone: only its head and packs go
     assert second.copied == ("step_1",)
     assert sorted(_sent(store)) == sorted(_objects(src, "step_1") - _objects(src, "step_2"))
-    back = cn.copy(url, str(tmp_path / "back"))  # and from gs:// to a new local repository
+    back = Repository(url).copy_to(str(tmp_path / "back"))  # from gs:// to a new local one
     assert back.copied == ("step_1", "step_2")
     _same_as_original(str(tmp_path / "back"), "step_1", 1)
 
@@ -155,9 +147,11 @@ def test_a_damaged_source_object_fails_its_snapshot_and_nothing_of_it_is_visible
     assert only_3[0] in str(info.value) and set(info.value.failed) == {"step_3"}
     dst = Repository(dst_url)
     assert dst.snapshots() == ["step_1", "step_2"]  # the others were copied
-    assert not dst.store.exists(only_3[0])  # the damaged bytes were not written
-    assert not dst.store.exists(f"manifests/{src.resolve('step_3')[:2]}/{src.resolve('step_3')}")
-    assert src.store.list("damaged"), "the damage is recorded at the source"
+    assert not dst.storage.store.exists(only_3[0])  # the damaged bytes were not written
+    assert not dst.storage.store.exists(
+        f"manifests/{src.resolve('step_3')[:2]}/{src.resolve('step_3')}"
+    )
+    assert src.storage.store.list("damaged"), "the damage is recorded at the source"
 
 
 def _connection_lost(key: str) -> StoreError:
@@ -170,14 +164,14 @@ def test_an_interrupted_copy_shows_nothing_and_a_rerun_sends_only_the_rest(src, 
     with pytest.raises(StoreError, match="connection lost"):
         # The 4th put of a chunk file or pack fails, and every one after it.
         lost = FailingStore(LocalStore(root), 4, fail=_connection_lost, lasting=True)
-        cn.copy(src, Repository.on_store(lost), ["step_2", "step_1"])
+        src.copy_to(Repository.on_store(lost), ["step_2", "step_1"])
     dst = Repository(root)
-    assert dst.snapshots() == [] and list(dst.store.list("manifests")) == []
-    sent_before = {k for k in every if dst.store.exists(k)}
+    assert dst.snapshots() == [] and list(dst.storage.store.list("manifests")) == []
+    sent_before = {k for k in every if dst.storage.store.exists(k)}
     assert 0 < len(sent_before) < len(every)
 
     store = CountingStore(LocalStore(root))
-    result = cn.copy(src, Repository.on_store(store))
+    result = src.copy_to(Repository.on_store(store))
     assert sorted(_sent(store)) == sorted(every - sent_before)  # only what was still missing
     assert result.objects_present == len(sent_before) and result.copied == ("step_1", "step_2")
     _same_as_original(root, "step_1", 1)
@@ -192,12 +186,12 @@ def test_gc_at_the_destination_cannot_sweep_while_a_copy_runs(src, tmp_path):
             super().put(key, data, create_only=create_only, durable=durable)
             if key.startswith(".casnap/manifests/") and not outcome:  # objects sent, no ref
                 try:
-                    outcome.append(gc(Repository(root), grace_seconds=0, wait_seconds=0.3))
+                    outcome.append(gc(Repository(root).storage, grace_seconds=0, wait_seconds=0.3))
                 except BaseException as exc:
                     outcome.append(exc)
 
     root = str(tmp_path / "dst")
-    cn.copy(src, Repository.on_store(GcMidway(root)), ["step_1"])
+    src.copy_to(Repository.on_store(GcMidway(root)), ["step_1"])
     assert outcome and isinstance(outcome[0], GcBlockedError)
     _same_as_original(root, "step_1", 1)
 
@@ -221,7 +215,7 @@ def test_concurrent_copies_into_one_destination_both_succeed(src, tmp_path):
 
     def run() -> None:
         try:
-            cn.copy(src.url, dst)
+            Repository(src.url).copy_to(dst)
         except BaseException as exc:
             errors.append(exc)
 

@@ -112,7 +112,7 @@ def test_loose_chunk_found_by_verify_is_rewritten_by_the_next_take_in_a_new_proc
     assert restores_bit_exact(repo, "s2")
     assert restores_bit_exact(repo, "s1")  # same name, good bytes again: the old one heals
     assert Repository(str(repo)).verify(read_data=True).ok
-    assert list_damage(Repository(str(repo))) == []  # the rewrite cleared the record
+    assert list_damage(Repository(str(repo)).storage) == []  # the rewrite cleared the record
 
 
 def test_packed_chunk_found_by_verify_is_written_anew_by_the_next_take(tmp_path):
@@ -219,7 +219,7 @@ def test_a_missing_object_is_not_recorded_as_damage(tmp_path):
     (chunk_path(repo, ref.hash)).unlink()
     with pytest.raises(IntegrityError, match="missing"):
         restores_bit_exact(repo, "s1")
-    assert list_damage(Repository(str(repo))) == []
+    assert list_damage(Repository(str(repo)).storage) == []
 
 
 class _ReadOnlyStore(LocalStore):
@@ -241,7 +241,7 @@ def test_verify_on_a_read_only_repository_reports_damage_and_warns(tmp_path, cap
         report = read_only.verify(read_data=True)
     assert len(corrupt_chunks(report)) == 1
     assert any("could not record" in r.getMessage() for r in caplog.records)
-    assert list_damage(Repository(str(repo))) == []
+    assert list_damage(Repository(str(repo)).storage) == []
 
 
 def test_gc_drops_the_record_of_a_damaged_object_it_deletes(tmp_path):
@@ -249,11 +249,11 @@ def test_gc_drops_the_record_of_a_damaged_object_it_deletes(tmp_path):
     s1 = take_here(repo, "s1")
     damage_packed(repo, s1)
     assert not Repository(str(repo)).verify(read_data=True).ok
-    assert len(list_damage(Repository(str(repo)))) == 1
+    assert len(list_damage(Repository(str(repo)).storage)) == 1
     r = Repository(str(repo))
-    r.delete_ref("s1")
+    r.storage.delete_ref("s1")
     r.gc(grace_seconds=0)
-    assert list_damage(Repository(str(repo))) == []
+    assert list_damage(Repository(str(repo)).storage) == []
 
 
 def test_a_flipped_bit_in_a_frame_version_is_damage_not_a_newer_format(tmp_path):
@@ -264,7 +264,7 @@ def test_a_flipped_bit_in_a_frame_version_is_damage_not_a_newer_format(tmp_path)
     flip_byte(path, 4)  # the frame's version byte: 1 -> 0
     with pytest.raises(IntegrityError, match="damaged frame header"):
         restores_bit_exact(repo, "s1")
-    assert [d.chunk for d in list_damage(Repository(str(repo)))] == [ref.hash]
+    assert [d.chunk for d in list_damage(Repository(str(repo)).storage)] == [ref.hash]
     assert len(corrupt_chunks(Repository(str(repo)).verify(read_data=True))) == 1
     take_in_new_process(repo, "s2")
     assert restores_bit_exact(repo, "s2") and restores_bit_exact(repo, "s1")
@@ -288,14 +288,14 @@ def test_a_loose_chunk_casnap_will_not_read_is_damage_and_the_next_take_replaces
     else:
         with pytest.raises(IntegrityError):
             restores_bit_exact(repo, "s1")
-    assert [c.chunk for c in list_damage(Repository(str(repo)))] == [ref.hash]  # recorded
+    assert [c.chunk for c in list_damage(Repository(str(repo)).storage)] == [ref.hash]  # recorded
 
     take_in_new_process(repo, "s2")
 
     assert path.is_file() and not path.is_symlink()  # replaced by the good bytes
     assert restores_bit_exact(repo, "s2") and restores_bit_exact(repo, "s1")
     assert Repository(str(repo)).verify(read_data=True).ok
-    assert list_damage(Repository(str(repo))) == []
+    assert list_damage(Repository(str(repo)).storage) == []
 
 
 def test_a_damaged_loose_chunk_never_lands_in_tensors_the_restore_allocates(tmp_path):

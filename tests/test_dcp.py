@@ -118,7 +118,7 @@ def test_saving_again_to_an_id_replaces_it_and_keeps_the_old_one_in_history(tmp_
     assert out["step"] == 2 and bool((out["model"]["0.bias"] == 7.0).all())
     history = f"latest{HISTORY_SEP}{old[:12]}"
     assert sorted(repo.snapshots()) == sorted(["latest", history])
-    assert repo.read_manifest(repo.resolve("latest")).parents == [old]
+    assert repo.storage.read_manifest(repo.resolve("latest")).parents == [old]
     back = _blank()
     dcp.load(back, storage_reader=CasnapReader(tmp_path / "run" / history))
     assert back["step"] == 1 and not bool((back["model"]["0.bias"] == 7.0).all())

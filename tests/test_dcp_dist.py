@@ -186,7 +186,7 @@ def test_dtensor_saved_on_2_ranks_loads_with_another_placement_and_in_one_proces
     import casnap
 
     repo = casnap.Repository(str(root / "run"))
-    manifest = repo.read_manifest(repo.resolve("a"))
+    manifest = repo.storage.read_manifest(repo.resolve("a"))
     assert manifest.world_size == 2 and manifest.entries["0/model/w"].kind == "sharded"
     assert repo.verify(read_data=True).ok
 

@@ -9,6 +9,7 @@ import repo_helpers
 import torch
 
 from casnap import Repository, Snapshot, StateDict
+from casnap.repo.repository import RepoStorage
 from casnap.store import CountingStore
 
 CHUNK = 64 * 1024
@@ -152,7 +153,7 @@ def test_compressible_chunks_are_stored_smaller_and_incompressible_raw(tmp_path)
 def test_chunk_size_of_a_new_repository_is_remembered(tmp_path):
     state = {"s": StateDict(w=torch.randn(50_000))}
     Snapshot.take(str(tmp_path / "repo" / "s1"), state, storage_options={"chunk_size": 8192})
-    assert Repository.open(str(tmp_path / "repo")).config.chunk_size == 8192
+    assert RepoStorage.open(str(tmp_path / "repo")).config.chunk_size == 8192
     snap = Snapshot.take(str(tmp_path / "repo" / "s2"), state)  # no option: the repo's size
     assert snap.get_manifest()["0/s/w"].chunk_size == 8192
     assert snap.last_take_stats.chunks_written == 0

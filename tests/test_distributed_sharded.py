@@ -104,7 +104,8 @@ def _assert_exact(name: str, value: Any) -> None:
 
 
 def restore(rank: int, world: int, root: str, name: str, saved_world: int) -> dict[str, Any]:
-    from casnap import MissingKeyError, Snapshot, StateDict
+    from casnap import Snapshot, StateDict
+    from casnap.errors import MissingKeyError
 
     snap = Snapshot(f"{root}/{name}")
     for layout in ("a", "b"):

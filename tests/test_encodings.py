@@ -57,7 +57,9 @@ def verified(repo: Repository, name: str) -> bool:
 
 
 def loose_refs(repo: Repository, name: str) -> list[ChunkRef]:
-    return [r for r in repo.read_manifest(repo.resolve(name)).chunk_refs() if r.pack is None]
+    return [
+        r for r in repo.storage.read_manifest(repo.resolve(name)).chunk_refs() if r.pack is None
+    ]
 
 
 def stored_codec(repo: Repository, h: str) -> int:
@@ -90,7 +92,7 @@ def test_repair_of_a_damaged_compressed_loose_chunk_writes_what_a_take_would(tmp
     assert restores(repo, "s1", state)
     assert verified(repo, "s1")
     assert stored_codec(repo, ref.hash) == codec.CODEC_ZSTD_GROUPED  # as a take writes it
-    assert list_damage(repo) == []
+    assert list_damage(repo.storage) == []
 
 
 def test_a_heal_with_other_codec_settings_keeps_every_snapshot_restorable(tmp_path: Path):
@@ -129,7 +131,7 @@ def test_any_valid_encoding_of_a_loose_chunk_serves_every_reader(tmp_path: Path,
     assert verified(repo, "s1")
     got = Repository(repo.url).snapshot("s1").read_object("0/m/w")
     assert torch.equal(got, state["m"]["w"])
-    assert list_damage(repo) == []
+    assert list_damage(repo.storage) == []
 
 
 def test_a_loose_object_larger_than_any_frame_of_its_chunk_is_refused_unread(tmp_path: Path):
@@ -142,7 +144,7 @@ def test_a_loose_object_larger_than_any_frame_of_its_chunk_is_refused_unread(tmp
     with pytest.raises(IntegrityError):
         Repository(repo.url).snapshot("s1").restore(like(state))
     assert not verified(repo, "s1")
-    assert [d.chunk for d in list_damage(repo)] == [ref.hash]
+    assert [d.chunk for d in list_damage(repo.storage)] == [ref.hash]
 
 
 def test_a_take_does_not_reuse_a_delta_whose_base_is_recorded_damaged(tmp_path: Path):
@@ -153,7 +155,7 @@ def test_a_take_does_not_reuse_a_delta_whose_base_is_recorded_damaged(tmp_path: 
     base = {r.hash for r in loose_refs(repo, "s0")}
     state["m"]["emb"][::100] += 1.0  # 1% of the rows: stored as deltas on s0's chunks
     repo.take("s1", state, session=session)
-    deltas = [r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.base]
+    deltas = [r for r in repo.storage.read_manifest(repo.resolve("s1")).chunk_refs() if r.base]
     assert deltas and all(r.base.hash in base for r in deltas)
     s0_state = table_state()
     flip_byte(chunk_path(repo.url, deltas[0].base.hash), codec.HEADER_SIZE + 40)
@@ -176,7 +178,11 @@ def test_a_checkpointer_resumes_after_a_scrub_recorded_a_delta_base_damaged(tmp_
     ckpt.maybe_take(1, state)
     ckpt.wait()
     repo = Repository(url)
-    refs = [r for n in repo.snapshots() for r in repo.read_manifest(repo.resolve(n)).chunk_refs()]
+    refs = [
+        r
+        for n in repo.snapshots()
+        for r in repo.storage.read_manifest(repo.resolve(n)).chunk_refs()
+    ]
     base = next(r.base for r in refs if r.base is not None)
     flip_byte(chunk_path(url, base.hash), codec.HEADER_SIZE + 40)
     assert not repo.verify(read_data=True).ok  # the scrub records it
@@ -200,7 +206,7 @@ def delta_on_a_damaged_base(tmp_path: Path) -> tuple[Repository, Session, dict, 
     live = table_state()
     live["m"]["emb"][::100] += 1.0
     repo.take("s1", live, session=session)
-    delta = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.base)
+    delta = next(r for r in repo.storage.read_manifest(repo.resolve("s1")).chunk_refs() if r.base)
     flip_byte(chunk_path(repo.url, delta.base.hash), codec.HEADER_SIZE + 40)
     assert not restores(repo, "s1", live)  # records the base's damage
     return repo, session, s0, live, delta
@@ -215,7 +221,7 @@ def test_repair_rebuilds_a_damaged_delta_base_from_live_state_of_the_delta(tmp_p
     assert {r.name: r.status for r in result.roots} == {"s0": "repaired", "s1": "repaired"}
     assert restores(repo, "s0", s0) and restores(repo, "s1", live)
     assert verified(repo, "s0") and verified(repo, "s1")
-    assert list_damage(repo) == []
+    assert list_damage(repo.storage) == []
 
 
 def test_a_chunk_recorded_damaged_in_a_pack_and_loose_is_listed_and_retaken(tmp_path: Path):
@@ -227,10 +233,12 @@ def test_a_chunk_recorded_damaged_in_a_pack_and_loose_is_listed_and_retaken(tmp_
     repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
     state = {"m": StateDict(b=torch.arange(1000, dtype=torch.float32))}  # a packed chunk
     repo.take("s1", state)
-    packed = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack)
-    record_damage(repo, packed, "a flipped bit")
-    record_damage(repo, ChunkRef(hash=packed.hash, size=packed.size, length=packed.length), "too")
-    assert sorted((d.pack is None) for d in list_damage(repo)) == [False, True]
+    packed = next(r for r in repo.storage.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack)
+    record_damage(repo.storage, packed, "a flipped bit")
+    record_damage(
+        repo.storage, ChunkRef(hash=packed.hash, size=packed.size, length=packed.length), "too"
+    )
+    assert sorted((d.pack is None) for d in list_damage(repo.storage)) == [False, True]
     assert not Repository(repo.url).verify().ok
     repo.take("s2", state)
     assert restores(repo, "s2", state)
@@ -262,7 +270,7 @@ def test_repair_does_not_call_a_snapshot_whose_pack_is_gone_repaired(tmp_path: P
     repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
     state = {"m": StateDict(b=torch.arange(1000, dtype=torch.float32))}
     repo.take("s1", state)
-    packed = next(r for r in repo.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack)
+    packed = next(r for r in repo.storage.read_manifest(repo.resolve("s1")).chunk_refs() if r.pack)
     data = state["m"]["b"].numpy().tobytes()
     head, payload = codec.encode(data, digest_of(data), compress=False)
     chunk_path(repo.url, packed.hash).parent.mkdir(parents=True, exist_ok=True)

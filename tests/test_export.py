@@ -22,13 +22,8 @@ import safetensors.torch
 import torch
 from torch.utils.serialization import config as torch_serialization_config
 
-from casnap import (
-    IntegrityError,
-    MissingKeyError,
-    Snapshot,
-    StateDict,
-    UnsupportedValueError,
-)
+from casnap import IntegrityError, Snapshot, StateDict
+from casnap.errors import MissingKeyError, UnsupportedValueError
 from casnap.export import (
     SAFETENSORS_DTYPES,
     TORCH_LEGACY_STORAGES,

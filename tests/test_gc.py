@@ -37,7 +37,7 @@ from casnap.repo.leases import (
     hold_lease,
     scan_leases,
 )
-from casnap.repo.repository import chunk_key, manifest_key, pack_key
+from casnap.repo.repository import RepoStorage, chunk_key, manifest_key, pack_key
 from casnap.repo.tags import add_tag, remove_tag
 from casnap.store import Capabilities, LocalStore
 from casnap.store.faults import FailingStore
@@ -60,34 +60,34 @@ def make_state(seed: int) -> StateDict:
     return StateDict({**big, **small})
 
 
-def take(repo: Repository, name: str, state: StateDict, **kw) -> Snapshot:
+def take(repo: RepoStorage, name: str, state: StateDict, **kw) -> Snapshot:
     opts = {"repository": repo, "chunk_size": CHUNK}
     return Snapshot.take(f"{repo.url}/{name}", {"s": state}, storage_options=opts, **kw)
 
 
-def restored(repo: Repository, name: str, like: StateDict) -> StateDict:
+def restored(repo: RepoStorage, name: str, like: StateDict) -> StateDict:
     out = StateDict({k: torch.zeros_like(v) for k, v in like.items()})
     Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"s": out})
     return out
 
 
-def assert_restores(repo: Repository, name: str, state: StateDict) -> None:
+def assert_restores(repo: RepoStorage, name: str, state: StateDict) -> None:
     out = restored(repo, name, state)
     assert all(torch.equal(out[k], state[k]) for k in state)
 
 
-def stored(repo: Repository) -> set[str]:
+def stored(repo: RepoStorage) -> set[str]:
     return {k for kind in ("manifests", "chunks", "packs") for k in repo.store.list(kind)}
 
 
-def needs(repo: Repository, manifest: str) -> set[str]:
+def needs(repo: RepoStorage, manifest: str) -> set[str]:
     """The manifest object and every chunk object or pack it references."""
     m = repo.read_manifest(manifest)
     objs = {pack_key(c.pack) if c.pack else chunk_key(c.hash) for c in m.chunk_refs()}
     return objs | {manifest_key(manifest)}
 
 
-def assert_whole(repo: Repository) -> None:
+def assert_whole(repo: RepoStorage) -> None:
     """Every manifest in the store (referenced or not) has every object it names."""
     present = stored(repo)
     for key in repo.store.list("manifests"):
@@ -95,19 +95,19 @@ def assert_whole(repo: Repository) -> None:
         assert not missing, f"{key} names missing objects {sorted(missing)}"
 
 
-def age(repo: Repository, keys: set[str], seconds: float) -> None:
+def age(repo: RepoStorage, keys: set[str], seconds: float) -> None:
     then = time.time() - seconds
     for key in keys:
         os.utime(os.path.join(repo.url, ".casnap", *key.split("/")), (then, then))
 
 
 @pytest.fixture
-def repo(tmp_path) -> Repository:
-    return Repository.open_or_create(str(tmp_path / "repo"), chunk_size=CHUNK)
+def repo(tmp_path) -> RepoStorage:
+    return RepoStorage.open_or_create(str(tmp_path / "repo"), chunk_size=CHUNK)
 
 
 @contextmanager
-def _no_lease(repo: Repository, **kw):
+def _no_lease(repo: RepoStorage, **kw):
     """What a take did before leases existed: decide dedup with no exclusion from gc."""
     yield SimpleNamespace(check=lambda: None)
 
@@ -223,7 +223,7 @@ def test_progress_is_reported_while_deleting(repo):
 
 
 def test_gc_works_on_an_fsspec_store_using_its_object_times():
-    repo = Repository.open_or_create(f"memory://gc-{uuid.uuid4().hex}", chunk_size=CHUNK)
+    repo = RepoStorage.open_or_create(f"memory://gc-{uuid.uuid4().hex}", chunk_size=CHUNK)
     take(repo, "s1", make_state(1))
     take(repo, "s2", make_state(2))
     repo.delete_ref("s1")
@@ -285,7 +285,7 @@ def test_temp_files_at_the_top_of_the_store_are_swept_or_kept_by_who_writes_them
     epoch = _temp_files(repo, (), ["gc-epoch"], 5)
     lock, config = _temp_files(repo, (), ["gc.lock", "config.json"], 5)
     claim = _temp_files(repo, ("gc-claims",), ["c1"], 5)
-    assert repo.du().leftovers.temp_files == 4  # what du reports counts them too
+    assert Repository.of(repo).du().leftovers.temp_files == 4  # what du reports counts them too
     result = gc(repo, grace_seconds=0)
     assert result.deleted_temp_files == 1
     assert not any(map(os.path.exists, epoch))
@@ -294,7 +294,7 @@ def test_temp_files_at_the_top_of_the_store_are_swept_or_kept_by_who_writes_them
     for path in (lock, config, *claim):
         os.utime(path, (old, old))
     assert gc(repo, grace_seconds=0).deleted_temp_files == 3
-    assert repo.du().leftovers.temp_files == 0
+    assert Repository.of(repo).du().leftovers.temp_files == 0
     assert_restores(repo, "s1", make_state(1))
 
 
@@ -521,7 +521,7 @@ def test_a_take_deduping_against_garbage_that_gc_is_sweeping(repo, monkeypatch, 
 def _gc_that_dies(root: str) -> None:
     # Killed at its second deletion of a chunk file or pack: no cleanup, no lock release.
     dies = FailingStore(LocalStore(root), 2, op="delete", fail=lambda key: os._exit(17))
-    repo = Repository.on_store(dies)
+    repo = RepoStorage.on_store(dies)
     gc(repo, grace_seconds=0)
 
 
@@ -558,7 +558,9 @@ def test_gc_killed_between_manifest_and_chunk_deletion_leaves_every_ref_whole(re
 
 @pytest.mark.gcs
 def test_gc_and_leases_on_gcs(gcs_bucket):  # noqa: F811
-    repo = Repository.open_or_create(f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo", chunk_size=CHUNK)
+    repo = RepoStorage.open_or_create(
+        f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo", chunk_size=CHUNK
+    )
     take(repo, "s1", make_state(1))
     take(repo, "s2", make_state(2))
     repo.delete_ref("s1")
@@ -596,13 +598,13 @@ def test_du_reports_what_a_killed_take_left_and_gc_grace_0_reclaims_it(repo, cap
     proc = subprocess.run([sys.executable, "-c", _KILLED_TAKE, f"{repo.url}/s2"], env=env)
     assert proc.returncode == 9
     time.sleep(0.6)  # its lease expires: nobody renews it
-    left = repo.du().leftovers
+    left = Repository.of(repo).du().leftovers
     assert left.temp_files >= 1 and left.temp_bytes > 0 and left.expired_leases == 1
     assert main(["du", repo.url]) == 0
     assert "left by interrupted takes: " in capsys.readouterr().out
     result = gc(repo, grace_seconds=0)
     assert result.deleted_temp_files == left.temp_files and result.deleted_leases == 1
-    assert not repo.du().leftovers
+    assert not Repository.of(repo).du().leftovers
     assert main(["du", repo.url]) == 0
     assert "left by interrupted takes" not in capsys.readouterr().out
     assert_restores(repo, "s1", make_state(1))

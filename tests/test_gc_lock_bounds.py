@@ -24,6 +24,7 @@ from casnap.gc.collect import GcSession
 from casnap.repo.gc_lock import acquire_gc_lock
 from casnap.repo.lease_record import GC_LOCK_KEY, MAX_RECORD_LIFE, LeaseRecord, read_gc_lock
 from casnap.repo.leases import WAIT_NOTICE_AFTER
+from casnap.repo.repository import RepoStorage
 
 # The record from the issue, byte for byte.
 HOSTILE = b'{"id":"a","kind":"gc","created_at":"x","expires_at":"9999-01-01","host":"h","pid":1}'
@@ -38,7 +39,7 @@ def _isolated(tmp_path, monkeypatch):
 
 @pytest.fixture
 def repo(tmp_path) -> Repository:
-    return Repository.open_or_create(str(tmp_path / "repo"))
+    return Repository.of(RepoStorage.open_or_create(str(tmp_path / "repo")))
 
 
 def state(seed: int) -> StateDict:
@@ -69,7 +70,7 @@ def restores(repo: Repository, name: str, st: StateDict) -> bool:
 
 
 def test_the_hostile_lock_from_the_issue_stops_no_take(repo, caplog):
-    repo.store.put(GC_LOCK_KEY, HOSTILE)
+    repo.storage.store.put(GC_LOCK_KEY, HOSTILE)
     st = state(1)
     started = time.monotonic()
     thread, outcome = take_in_thread(repo, "s1", st)
@@ -84,12 +85,12 @@ def test_the_hostile_lock_from_the_issue_stops_no_take(repo, caplog):
 
 def test_the_hostile_lock_from_the_issue_is_broken_by_gc(repo):
     Snapshot.take(f"{repo.url}/s1", {"s": state(1)}, storage_options={"repository": repo})
-    repo.store.put(GC_LOCK_KEY, HOSTILE)
+    repo.storage.store.put(GC_LOCK_KEY, HOSTILE)
     started = time.monotonic()
     result = repo.gc(grace_seconds=0, wait_seconds=BOUND)  # GcBusyError after BOUND before
     assert time.monotonic() - started < BOUND / 2
     assert result.plan is not None
-    assert not repo.store.exists(GC_LOCK_KEY)
+    assert not repo.storage.store.exists(GC_LOCK_KEY)
 
 
 @pytest.mark.parametrize(
@@ -123,12 +124,12 @@ def test_a_live_gc_lock_still_holds_a_take_and_the_wait_names_its_holder(repo, c
     # longer than the TTL, so only the bound on claims, not on holding, applies.
     caplog.set_level(logging.WARNING)
     st = state(2)
-    with GcSession(repo, wait_seconds=5) as session:
+    with GcSession(repo.storage, wait_seconds=5) as session:
         holder = session.lock.record
         thread, outcome = take_in_thread(repo, "s1", st)
         time.sleep(max(6.0, WAIT_NOTICE_AFTER + 1))  # past the TTL: renewed, still live
-        assert thread.is_alive() and not outcome and not repo.has_ref("s1")
-        assert read_gc_lock(repo.store).id == holder.id  # nobody broke it
+        assert thread.is_alive() and not outcome and not repo.storage.has_ref("s1")
+        assert read_gc_lock(repo.storage.store).id == holder.id  # nobody broke it
         waits = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
         assert waits, caplog.text
         assert holder.id[:12] in waits[0] and f"pid {holder.pid}" in waits[0]
@@ -139,7 +140,7 @@ def test_a_live_gc_lock_still_holds_a_take_and_the_wait_names_its_holder(repo, c
 
 def test_a_gc_waiting_for_a_live_lock_names_its_holder(repo, caplog):
     caplog.set_level(logging.WARNING)
-    lock = acquire_gc_lock(repo.store, ttl=5)
+    lock = acquire_gc_lock(repo.storage.store, ttl=5)
     try:
         with pytest.raises(GcBusyError, match="casnap unlock"):
             repo.gc(grace_seconds=0, wait_seconds=WAIT_NOTICE_AFTER + 1)
@@ -150,34 +151,34 @@ def test_a_gc_waiting_for_a_live_lock_names_its_holder(repo, caplog):
 
 def test_unlock_breaks_a_stale_lock_and_keeps_a_live_one(repo):
     assert repo.unlock() is None
-    repo.store.put(GC_LOCK_KEY, HOSTILE)
+    repo.storage.store.put(GC_LOCK_KEY, HOSTILE)
     removed = repo.unlock()
     assert removed is not None and "gc a" in removed and "9999" in removed
-    assert not repo.store.exists(GC_LOCK_KEY)
+    assert not repo.storage.store.exists(GC_LOCK_KEY)
 
-    lock = acquire_gc_lock(repo.store, ttl=5)
+    lock = acquire_gc_lock(repo.storage.store, ttl=5)
     try:
         with pytest.raises(GcBusyError, match="live gc"):
             repo.unlock()
-        assert read_gc_lock(repo.store).id == lock.id
+        assert read_gc_lock(repo.storage.store).id == lock.id
         assert "removed by force" in repo.unlock(force=True)
-        assert not repo.store.exists(GC_LOCK_KEY)
+        assert not repo.storage.store.exists(GC_LOCK_KEY)
     finally:
         lock.release()  # finds the lock gone or not its own: deletes nothing
 
 
 def test_casnap_unlock_on_the_command_line(repo, capsys):
-    repo.store.put(GC_LOCK_KEY, b"{not json")  # damaged: nothing would ever release it
+    repo.storage.store.put(GC_LOCK_KEY, b"{not json")  # damaged: nothing would ever release it
     assert main(["unlock", repo.url, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert "damaged" in out["removed"] and not repo.store.exists(GC_LOCK_KEY)
+    assert "damaged" in out["removed"] and not repo.storage.store.exists(GC_LOCK_KEY)
 
-    lock = acquire_gc_lock(repo.store, ttl=5)
+    lock = acquire_gc_lock(repo.storage.store, ttl=5)
     try:
         assert main(["unlock", repo.url]) != 0  # live: refused, naming the holder
         assert lock.id[:12] in capsys.readouterr().err
-        assert repo.store.exists(GC_LOCK_KEY)
+        assert repo.storage.store.exists(GC_LOCK_KEY)
         assert main(["unlock", repo.url, "--force"]) == 0
-        assert not repo.store.exists(GC_LOCK_KEY)
+        assert not repo.storage.store.exists(GC_LOCK_KEY)
     finally:
         lock.release()

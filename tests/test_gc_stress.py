@@ -28,8 +28,9 @@ import blake3
 import pytest
 import torch
 
-from casnap import CasnapError, Repository, Snapshot, StateDict, StoreError
-from casnap.repo.repository import chunk_key, pack_key
+from casnap import CasnapError, Snapshot, StateDict
+from casnap.errors import StoreError
+from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 from casnap.torch_io.tensors import host_view
 
 CHUNK = 16 * 1024
@@ -58,7 +59,7 @@ def checksums(state: StateDict) -> dict[str, str]:
 
 
 @contextmanager
-def _no_lease(repo: Repository, **kw: Any) -> Any:
+def _no_lease(repo: RepoStorage, **kw: Any) -> Any:
     yield SimpleNamespace(check=lambda: None)
 
 
@@ -67,7 +68,7 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
         import casnap.take.job
 
         casnap.take.job.hold_lease = _no_lease  # type: ignore[assignment]
-    repo = Repository.open(url)
+    repo = RepoStorage.open(url)
     if not protected:
         # Widen the window between dedup and ref, so the unprotected run reliably
         # meets a sweep there instead of depending on the scheduler's luck.
@@ -110,7 +111,7 @@ def collector(url: str, stop: Any, out: str) -> None:
     from casnap.gc.collect import gc
     from casnap.repo.leases import GcBlockedError
 
-    repo = Repository.open(url)
+    repo = RepoStorage.open(url)
     stats = {"runs": 0, "sweeps": 0, "deleted": 0, "blocked": 0, "waited": 0}
     rng = random.Random(0)
     while not stop.is_set():
@@ -129,7 +130,7 @@ def collector(url: str, stop: Any, out: str) -> None:
 
 def run_scenario(root: Path, protected: bool, rounds: int = ROUNDS) -> dict[str, Any]:
     url = str(root / "repo")
-    repo = Repository.open_or_create(url, chunk_size=CHUNK)
+    repo = RepoStorage.open_or_create(url, chunk_size=CHUNK)
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     logs = [str(root / f"taker{k}.jsonl") for k in range(TAKERS)]
@@ -156,7 +157,7 @@ def run_scenario(root: Path, protected: bool, rounds: int = ROUNDS) -> dict[str,
     return {"repo": repo, "expected": expected, "gc": json.loads((root / "gc.json").read_text())}
 
 
-def damaged_refs(repo: Repository, expected: dict[str, dict[str, str]]) -> list[str]:
+def damaged_refs(repo: RepoStorage, expected: dict[str, dict[str, str]]) -> list[str]:
     """Refs that do not restore bit-exact to what their taker recorded."""
     bad = []
     template = state_for(0, 0)
@@ -172,7 +173,7 @@ def damaged_refs(repo: Repository, expected: dict[str, dict[str, str]]) -> list[
     return bad
 
 
-def missing_objects(repo: Repository) -> list[str]:
+def missing_objects(repo: RepoStorage) -> list[str]:
     """Objects some manifest in the store (referenced or not) names but the store lacks."""
     present = set(repo.store.list("chunks")) | set(repo.store.list("packs"))
     missing = []

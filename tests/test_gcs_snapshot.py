@@ -10,6 +10,7 @@ import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
 from casnap import Repository, Snapshot, SnapshotExistsError, StateDict
+from casnap.repo.repository import RepoStorage
 from casnap.store import CountingStore, FsspecStore
 
 pytestmark = pytest.mark.gcs
@@ -34,12 +35,12 @@ def test_take_restore_and_dedup_on_gcs(gcs_bucket):  # noqa: F811
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
     assert got["step"] == 7 and torch.equal(got["small"], extra["small"])
     assert torch.equal(Snapshot(f"{url}/s1").read_object("0/model/bias"), model.bias)
-    assert Repository.open(url).list_snapshots() == ["s1", "s2"]
+    assert Repository(url).snapshots() == ["s1", "s2"]
 
 
 def test_a_snapshot_name_is_taken_once_even_under_a_race(gcs_bucket):  # noqa: F811
     url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
-    repo = Repository.open_or_create(url)
+    repo = RepoStorage.open_or_create(url)
     manifests = []
     for i in range(4):
         Snapshot.take(f"{url}/seed{i}", {"s": StateDict(i=i)}, parents=[])

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from casnap import PickleNotAllowedError, Repository, Snapshot, StateDict
+from casnap import Repository, Snapshot, StateDict
 from casnap.cli import main as cli_main
+from casnap.errors import PickleNotAllowedError
 from casnap.format.manifest_bytes import serialize
 from casnap.format.names import hash_bytes
 from casnap.format.parse import parse_manifest
@@ -85,10 +86,10 @@ def test_golden_snapshots_restore_bit_exact(golden):
 
 
 def test_golden_repository_metadata_and_lineage(golden):
-    repo = Repository.open(str(golden))
-    assert repo.list_snapshots() == ["first", "second"]
-    first = repo.read_manifest(repo.resolve("first"))
-    second = repo.read_manifest(repo.resolve("second"))
+    repo = Repository(str(golden))
+    assert repo.storage.list_snapshots() == ["first", "second"]
+    first = repo.storage.read_manifest(repo.resolve("first"))
+    second = repo.storage.read_manifest(repo.resolve("second"))
     assert first.format_version == "1.0" and first.metadata == {"step": 1, "note": "golden v1"}
     assert second.parents == [repo.resolve("first")]
     w1, w2 = first.entries["0/state/weights"], second.entries["0/state/weights"]
@@ -112,7 +113,7 @@ def test_golden_manifests_named_by_their_unchanged_bytes(tmp_path, name, version
         assert manifest.format_version == version
         assert serialize(manifest) == data  # serialization did not change
     repo = Repository(str(root))
-    assert repo.config.format_version == version
+    assert repo.storage.config.format_version == version
     assert sorted(repo.resolve(s) for s in repo.snapshots()) == [f.name for f in files]
 
 
@@ -190,8 +191,8 @@ def test_golden_v11_read_object_every_entry(golden11):
 def test_golden_v11_manifest_layout_lineage_and_dedupe(golden11):
     repo = Repository(str(golden11))
     assert repo.snapshots() == ["first", "second"]
-    first = repo.read_manifest(repo.resolve("first"))
-    second = repo.read_manifest(repo.resolve("second"))
+    first = repo.storage.read_manifest(repo.resolve("first"))
+    second = repo.storage.read_manifest(repo.resolve("second"))
     assert first.format_version == second.format_version == "1.1"
     assert first.world_size == second.world_size == V11_WORLD
     assert first.parents == [] and second.parents == [repo.resolve("first")]

@@ -20,14 +20,8 @@ import pytest
 import torch
 import zstandard
 
-from casnap import (
-    IntegrityError,
-    ManifestValidationError,
-    OutputSpaceError,
-    Snapshot,
-    StateDict,
-    TooLargeError,
-)
+from casnap import IntegrityError, Snapshot, StateDict
+from casnap.errors import ManifestValidationError, OutputSpaceError, TooLargeError
 from casnap.format import codec
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest_bytes import serialize

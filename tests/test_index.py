@@ -132,7 +132,7 @@ def test_a_new_gc_epoch_drops_every_chunk_entry(tmp_path):
     # a gc deletes one loose chunk and records that it swept
     victim = sorted(loose_chunks(s1))[0]
     os.unlink(chunk_path(root, victim))
-    repo.store.put(index.GC_EPOCH_KEY, b'{"epoch": "%s"}' % uuid.uuid4().hex.encode())
+    repo.storage.store.put(index.GC_EPOCH_KEY, b'{"epoch": "%s"}' % uuid.uuid4().hex.encode())
     store.reset()
     take(repo, "s2", state)
     assert store.requests["get_range"] == len(loose_chunks(s1))  # nothing trusted
@@ -151,8 +151,8 @@ def test_after_a_real_gc_a_take_rewrites_what_it_deleted(tmp_path):
     old = mixed_state(0)
     take(repo, "s1", old)
     take(repo, "s2", mixed_state(1))
-    repo.delete_ref("s1")
-    assert gc(repo, grace_seconds=0).deleted > 0  # s1's chunks are gone
+    repo.storage.delete_ref("s1")
+    assert gc(repo.storage, grace_seconds=0).deleted > 0  # s1's chunks are gone
     store.reset()
     s3 = take(repo, "s3", old)  # the index still lists s1's chunks: it must not trust them
     assert store.requests["get_range"] == len(loose_chunks(s3))
@@ -167,7 +167,7 @@ def test_a_copy_of_the_repository_never_trusts_the_originals_entries(tmp_path):
     victim = sorted(loose_chunks(s1))[0]
     os.unlink(chunk_path(tmp_path / "b", victim))
     copy, store = counted_repo(str(tmp_path / "b"))
-    assert copy.config.repo_id == repo.config.repo_id
+    assert copy.storage.config.repo_id == repo.storage.config.repo_id
     take(copy, "s2", state)
     assert f".casnap/chunks/{victim[:2]}/{victim}" in store.written_keys
     assert_restores(copy, "s2", state)
@@ -214,7 +214,7 @@ def test_a_corrupt_index_file_is_rebuilt_silently(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     take(repo, "s1", state)
-    path = index.index_path(repo.config.repo_id)
+    path = index.index_path(repo.storage.config.repo_id)
     index.close_all()  # as if a new process
     (path / "data.mdb").write_bytes(b"\xde\xad" * 8192)
     take(repo, "s2", state)  # no error: the index is rebuilt, the take probes
@@ -228,7 +228,7 @@ def test_a_damaged_entry_is_a_miss_never_a_location(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     s1 = take(repo, "s1", state)
-    path = index.index_path(repo.config.repo_id)
+    path = index.index_path(repo.storage.config.repo_id)
     index.close_all()
     env = lmdb.open(str(path), max_dbs=4)
     chunks = env.open_db(b"chunks")
@@ -247,7 +247,7 @@ def test_a_sealed_entry_that_is_no_location_is_a_miss(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     s1 = take(repo, "s1", state)
-    path = index.index_path(repo.config.repo_id)
+    path = index.index_path(repo.storage.config.repo_id)
     index.close_all()
     env = lmdb.open(str(path), max_dbs=4)
     chunks = env.open_db(b"chunks")
@@ -266,8 +266,8 @@ def test_rebuild_fills_the_index_from_the_store(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     s1 = take(repo, "s1", state)
-    index.drop(repo.config.repo_id)
-    stats = index.rebuild(repo)
+    index.drop(repo.storage.config.repo_id)
+    stats = index.rebuild(repo.storage)
     assert stats.manifests == 1
     assert stats.chunks == len({c.hash for c in s1.manifest.chunk_refs()})
     store.reset()
@@ -283,13 +283,13 @@ def test_manifest_summaries_are_read_once_then_served_locally(tmp_path):
     s2 = Snapshot.take(
         f"{repo.url}/s2", {"s": state}, storage_options=opts(repo), parents=[s1.manifest_hash]
     )
-    index.drop(repo.config.repo_id)
+    index.drop(repo.storage.config.repo_id)
     store.reset()
     hashes = [repo.resolve("s1"), repo.resolve("s2")]
-    first = index.manifest_summaries(repo, hashes)
+    first = index.manifest_summaries(repo.storage, hashes)
     assert store.requests["get"] == 2 + 2  # two refs, two manifests
     store.reset()
-    again = index.manifest_summaries(repo, hashes)
+    again = index.manifest_summaries(repo.storage, hashes)
     assert store.requests == {}, "no store request for a cached summary"
     for h, snap in zip(hashes, (s1, s2)):
         m = snap.manifest
@@ -300,25 +300,25 @@ def test_manifest_summaries_are_read_once_then_served_locally(tmp_path):
         assert s.parents == tuple(m.parents) and s.created_at == m.created_at
     assert again[hashes[1]].parents == (hashes[0],)
     with pytest.raises(FileNotFoundError):
-        index.manifest_summary(repo, "0" * 64)
-    assert index.manifest_summaries(repo, [hashes[0], "0" * 64], missing_ok=True).keys() == {
-        hashes[0]
-    }
+        index.manifest_summary(repo.storage, "0" * 64)
+    assert index.manifest_summaries(
+        repo.storage, [hashes[0], "0" * 64], missing_ok=True
+    ).keys() == {hashes[0]}
 
 
 def test_disabled_index_gives_the_same_summaries(tmp_path, monkeypatch):
     repo, _ = counted_repo(str(tmp_path / "repo"))
     take(repo, "s1", StateDict(step=3, w=torch.randn(10)))
     h = repo.resolve("s1")
-    cached = index.manifest_summary(repo, h)
+    cached = index.manifest_summary(repo.storage, h)
     monkeypatch.setenv("CASNAP_INDEX", "off")
-    direct = index.manifest_summary(repo, h)
+    direct = index.manifest_summary(repo.storage, h)
     assert direct.spans == cached.spans and direct.metadata == cached.metadata
 
 
 def _take_in_child(root: str, index_dir: str, name: str, seed: int) -> None:
     os.environ["CASNAP_INDEX_DIR"] = index_dir
-    repo = Repository.open(root)
+    repo = Repository(root)
     state = mixed_state(0)
     state["t1"].add_(seed)  # one tensor differs per process
     for i in range(3):
@@ -386,8 +386,8 @@ def test_on_gcs_a_fresh_process_take_sends_no_probe(gcs_bucket, monkeypatch):  #
 def test_index_lives_where_configured(tmp_path):
     repo, _ = counted_repo(str(tmp_path / "repo"))
     take(repo, "s1", StateDict(w=torch.randn(10)))
-    assert Path(index.index_path(repo.config.repo_id)).parent == tmp_path / "index"
-    assert (tmp_path / "index" / repo.config.repo_id / "data.mdb").exists()
+    assert Path(index.index_path(repo.storage.config.repo_id)).parent == tmp_path / "index"
+    assert (tmp_path / "index" / repo.storage.config.repo_id / "data.mdb").exists()
     # an id from an untrusted config never names another folder
     assert index.index_path("../../etc").parent == tmp_path / "index"
 
@@ -397,7 +397,7 @@ def test_an_index_folder_on_a_network_filesystem_is_not_used(tmp_path, monkeypat
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = mixed_state()
     s1 = take(repo, "s1", state)
-    assert index.open_index(repo) is None
+    assert index.open_index(repo.storage) is None
     assert not (tmp_path / "index").exists()
     store.reset()
     take(repo, "s2", state)  # works, as without an index
@@ -420,17 +420,19 @@ def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(
     for i, change in enumerate(steps):
         change()
         Snapshot.take(f"{repo.url}/s{i}", {"s": state}, storage_options=opts(repo), session=session)
-    assert any(c.base is not None for c in repo.read_manifest(repo.resolve("s2")).chunk_refs())
+    assert any(
+        c.base is not None for c in repo.storage.read_manifest(repo.resolve("s2")).chunk_refs()
+    )
     for i in range(len(steps)):
         h = repo.resolve(f"s{i}")
-        recorded = index.manifest_summary(repo, h)  # recorded at commit, with the memo
-        fresh = index.summarize(h, repo.read_manifest(h))
+        recorded = index.manifest_summary(repo.storage, h)  # recorded at commit, with the memo
+        fresh = index.summarize(h, repo.storage.read_manifest(h))
         assert (recorded.spans, recorded.logical_bytes, recorded.chunk_refs) == (
             fresh.spans,
             fresh.logical_bytes,
             fresh.chunk_refs,
         )
-        assert recorded.stored_bytes == stored_bytes(repo.read_manifest(h))
+        assert recorded.stored_bytes == stored_bytes(repo.storage.read_manifest(h))
 
 
 def test_rebuild_never_records_a_delta_frame_as_a_whole_chunk(tmp_path):
@@ -448,8 +450,8 @@ def test_rebuild_never_records_a_delta_frame_as_a_whole_chunk(tmp_path):
     )
     deltas = {c.hash for c in s2.manifest.chunk_refs() if c.base is not None}
     assert deltas, "the sparse change was not stored as deltas"
-    index.drop(repo.config.repo_id)
-    index.rebuild(repo)
+    index.drop(repo.storage.config.repo_id)
+    index.rebuild(repo.storage)
     # A take elsewhere of the same state, with no parent: what the index vouches for it uses.
     take(repo, "other/s", StateDict(table=table))
     assert_restores(repo, "other/s", StateDict(table=table))

@@ -105,7 +105,7 @@ def assert_survived(proc: subprocess.CompletedProcess[str], warnings: int | None
 
 
 def assert_restores(root: Path, name: str = "s", takes: int = 3) -> None:
-    repo = Repository.open(str(root))
+    repo = Repository(str(root))
     for i in range(takes):
         want = state(i)
         got = StateDict({k: torch.empty_like(v) for k, v in want.items()})
@@ -116,7 +116,7 @@ def assert_restores(root: Path, name: str = "s", takes: int = 3) -> None:
 def new_repo(root: Path) -> Path:
     """A repository at ``root``; the path of its index folder."""
     repo = Repository.init(str(root), chunk_size=CHUNK)
-    return index.index_path(repo.config.repo_id)
+    return index.index_path(repo.storage.config.repo_id)
 
 
 # -- small filesystems ---------------------------------------------------------
@@ -272,7 +272,7 @@ def test_one_warning_per_process_then_silence(tmp_path, caplog, monkeypatch):
     folder = new_repo(root)
     folder.mkdir(parents=True)
     (folder / "lock.mdb").mkdir()  # never openable
-    repo = Repository.open(str(root))
+    repo = Repository(str(root))
     with caplog.at_level("WARNING", logger="casnap.index"):
         for i in range(3):
             Snapshot.take(f"{root}/s{i}", {"s": state(i)}, storage_options={"repository": repo})
@@ -280,7 +280,7 @@ def test_one_warning_per_process_then_silence(tmp_path, caplog, monkeypatch):
     assert_restores(root)
     index.close_all()  # forgets that it gave up: the next use tries again
     (folder / "lock.mdb").rmdir()
-    assert index.open_index(repo) is not None
+    assert index.open_index(repo.storage) is not None
 
 
 def test_the_lock_file_reservation_is_lmdbs_own_size(tmp_path):

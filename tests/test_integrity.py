@@ -10,15 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from casnap import (
-    IntegrityError,
-    ManifestValidationError,
-    Repository,
-    Snapshot,
-    StateDict,
-    UnsupportedFormatError,
-)
-from casnap.errors import StoreError
+from casnap import IntegrityError, Repository, Snapshot, StateDict
+from casnap.errors import ManifestValidationError, StoreError, UnsupportedFormatError
 from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
@@ -99,14 +92,14 @@ def test_corrupt_manifest_is_refused(tmp_path):
 
 def _rewrite_manifest(tmp_path, mutate) -> None:
     """Replace the snapshot's manifest with a mutated one that is correctly hashed."""
-    repo = Repository.open(str(tmp_path / "repo"))
+    repo = Repository(str(tmp_path / "repo"))
     ref_path = tmp_path / "repo" / ".casnap" / "refs" / "s1"
     old = json.loads(ref_path.read_text())
     doc = json.loads(Path(_manifest_file(tmp_path)).read_bytes())
     mutate(doc)
     data = canonical_json(doc)
     name = hash_bytes(data)
-    repo.store.put(f"manifests/{name[:2]}/{name}", data)
+    repo.storage.store.put(f"manifests/{name[:2]}/{name}", data)
     old["manifest"] = name
     ref_path.write_text(json.dumps(old))
 
@@ -180,7 +173,7 @@ def test_a_failed_take_leaves_no_ref_and_earlier_snapshots_restorable(tmp_path):
         Snapshot.take(
             f"{root}/s2", {"s": state}, storage_options={"repository": failing, "chunk_size": CHUNK}
         )
-    assert Repository.open(root).list_snapshots() == ["s1"]
+    assert Repository(root).snapshots() == ["s1"]
     with pytest.raises(FileNotFoundError):
         Snapshot(f"{root}/s2").get_manifest()
     restored = StateDict(w=torch.empty(300_000), b=torch.empty(10))
@@ -199,4 +192,4 @@ def test_a_config_without_format_version_is_refused(tmp_path):
     del doc["format_version"]
     config.write_bytes(canonical_json(doc))
     with pytest.raises(ManifestValidationError, match="no format_version"):
-        Repository.open(str(tmp_path / "repo"))
+        Repository(str(tmp_path / "repo"))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from casnap import Snapshot, SnapshotExistsError, StateDict, StoreError
+from casnap import Snapshot, SnapshotExistsError, StateDict
+from casnap.errors import StoreError
 from casnap.repo.repository import RepoStorage
 from casnap.store import LocalStore, RetryingStore, RetryPolicy
 from casnap.store.faults import FaultyStore

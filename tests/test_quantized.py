@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from casnap import ShapeMismatchError, Snapshot, StateDict
+from casnap import Snapshot, StateDict
+from casnap.errors import ShapeMismatchError
 from casnap.format.parse import parse_manifest
 
 # torch deprecates creating quantized tensors; the tensors still exist and must be stored.

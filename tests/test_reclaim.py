@@ -158,8 +158,8 @@ def test_a_chunk_shared_by_a_dropped_and_a_kept_snapshot_stays(tmp_path):
         objects[step] = needs(snap.manifest)
     repo = Repository(root)
     shared = objects[2] & objects[3]
-    assert len(shared) == 1 and all(repo.store.exists(k) for k in shared)
-    assert not any(repo.store.exists(k) for k in objects[2] - shared)
+    assert len(shared) == 1 and all(repo.storage.store.exists(k) for k in shared)
+    assert not any(repo.storage.store.exists(k) for k in objects[2] - shared)
     result = ckpt.last_retention.reclaimed
     assert result.shared_objects == 1 and result.shared_bytes >= MiB
     assert result.deleted_chunks == 1  # step 2's own "w"
@@ -208,20 +208,20 @@ def test_objects_the_retirement_did_not_create_keep_the_grace_period(tmp_path, c
     repo = Repository.init(root)
     # A take that died after its manifest: unreachable, but not retired by anyone.
     orphan = repo.take("crashed", {"m": state_at(100)}).manifest_hash
-    repo.delete_ref("crashed")
-    orphan_keys = {manifest_key(orphan)} | needs(repo.read_manifest(orphan))
+    repo.storage.delete_ref("crashed")
+    orphan_keys = {manifest_key(orphan)} | needs(repo.storage.read_manifest(orphan))
     ckpt = Checkpointer(root, 1, retention=RetentionPolicy(KeepLast(1)))
     for step in (1, 2, 3):
         ckpt.maybe_take(step, {"m": state_at(step)})
     assert ckpt.last_retention.reclaimed.deleted_manifests == 1
-    assert all(repo.store.exists(k) for k in orphan_keys)
+    assert all(repo.storage.store.exists(k) for k in orphan_keys)
     code, out = run_cli(capsys, "gc", root)
     assert code == 0 and "freed 0 B" in out
     # gc says what its grace period kept and how to free it
     assert f"kept: {len(orphan_keys)} unreachable object(s)" in out and "--grace 0" in out
     code, out = run_cli(capsys, "gc", root, "--grace", "0", "--json")
     assert json.loads(out)["deleted_manifests"] == 1
-    assert not any(repo.store.exists(k) for k in orphan_keys)
+    assert not any(repo.storage.store.exists(k) for k in orphan_keys)
 
 
 def test_an_unreferenced_manifest_that_uses_a_retired_chunk_keeps_it(tmp_path):
@@ -230,13 +230,13 @@ def test_an_unreferenced_manifest_that_uses_a_retired_chunk_keeps_it(tmp_path):
     old = repo.take("old", {"m": state}).manifest_hash
     other = repo.take("other", {"m": StateDict(dict(state.items()))}).manifest_hash
     repo.take("new", {"m": state_at(2)})
-    repo.delete_ref("other")  # e.g. a take that died before its ref
-    repo.delete_ref("old")
-    result = reclaim(repo, [old])
+    repo.storage.delete_ref("other")  # e.g. a take that died before its ref
+    repo.storage.delete_ref("old")
+    result = reclaim(repo.storage, [old])
     assert result.deleted_manifests == 1 and result.deleted_chunks == 0
     assert result.held_objects == BIG + 1 and "other unreferenced manifests" in result.render()
-    assert repo.store.exists(manifest_key(other))
-    repo.write_ref("other", other)
+    assert repo.storage.store.exists(manifest_key(other))
+    repo.storage.write_ref("other", other)
     assert restores_bit_exact(repo, "other", state)
 
 
@@ -245,10 +245,10 @@ def test_a_retired_manifest_a_tag_still_pins_is_kept(tmp_path):
     m = repo.take("a", {"m": state_at(1)}).manifest_hash
     repo.take("b", {"m": state_at(2)})
     repo.tag("golden", "a")
-    repo.delete_ref("a")
-    result = reclaim(repo, [m])
+    repo.storage.delete_ref("a")
+    result = reclaim(repo.storage, [m])
     assert result.deleted == 0 and result.still_rooted == 1
-    assert repo.store.exists(manifest_key(m))
+    assert repo.storage.store.exists(manifest_key(m))
 
 
 # -- beside takes in flight --------------------------------------------------
@@ -258,22 +258,22 @@ def test_reclaim_under_its_own_lease_defers_quickly_instead_of_deadlocking(tmp_p
     repo = Repository.init(str(tmp_path / "run"))
     m = repo.take("a", {"m": state_at(1)}).manifest_hash
     repo.take("b", {"m": state_at(2)})
-    repo.delete_ref("a")
+    repo.storage.delete_ref("a")
     before = disk_bytes(repo.url)
-    with hold_lease(repo):  # as if this process's own async take were in flight
+    with hold_lease(repo.storage):  # as if this process's own async take were in flight
         started = time.monotonic()
-        result = reclaim(repo, [m], wait_seconds=0.2)
+        result = reclaim(repo.storage, [m], wait_seconds=0.2)
         assert time.monotonic() - started < 2
     assert result.deferred is not None and "in flight" in result.deferred
     assert result.pending == (m,) and result.deleted == 0
     assert disk_bytes(repo.url) == before
     assert "deferred" in result.render()
-    assert reclaim(repo, result.pending).deleted_manifests == 1
+    assert reclaim(repo.storage, result.pending).deleted_manifests == 1
 
 
 def _hold_a_lease(root: str, held, release) -> None:
     repo = Repository(root)
-    with hold_lease(repo):
+    with hold_lease(repo.storage):
         held.set()
         release.wait(60)
 
@@ -355,11 +355,11 @@ def test_reclaim_beside_takes_in_another_process_keeps_every_snapshot_whole(tmp_
         proc.join(120)
     assert proc.exitcode == 0
     repo = Repository(root)
-    names = repo.list_snapshots()
+    names = repo.storage.list_snapshots()
     assert ckpt.snapshots() == ["step_000000011", "step_000000012"]
     assert len(names) == 3  # and the other run's newest
     # Reclaims that met the other run's gc lock were deferred; catch up now.
-    results.append(reclaim(repo, ckpt.last_retention.reclaimed.pending))
+    results.append(reclaim(repo.storage, ckpt.last_retention.reclaimed.pending))
     assert sum(r.bytes_freed for r in results if r is not None) > 0
     assert repo.verify(read_data=True).ok
     for name in names:

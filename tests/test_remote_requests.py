@@ -67,4 +67,4 @@ def test_later_takes_still_look_before_writing(gcs_bucket):  # noqa: F811
 
     # A repository opened (not created) by this process: probes as before.
     reopened = Repository.on_store(CountingStore(FsspecStore(url)))
-    assert reopened.created is False
+    assert reopened.storage.created is False

@@ -66,7 +66,7 @@ def save_live(path: Path) -> Path:
 
 
 def refs_of(repo: Repository, name: str):
-    return repo.read_manifest(repo.resolve(name)).chunk_refs()
+    return repo.storage.read_manifest(repo.resolve(name)).chunk_refs()
 
 
 def damage_loose_and_packed(repo: Repository, name: str = "s1") -> tuple[str, str]:
@@ -144,7 +144,7 @@ def test_a_packed_chunk_is_repaired_from_another_copy_in_the_repository(tmp_path
     assert restores(repo, "s1")
     # The damaged frame keeps its record; reads fall back to its replacement, and gc
     # keeps that replacement while s1 points into the damaged frame.
-    assert any(c.chunk == packed and c.pack for c in list_damage(repo))
+    assert any(c.chunk == packed and c.pack for c in list_damage(repo.storage))
     repo.gc(grace_seconds=0)
     assert restores(repo, "s1") and cli(capsys, "verify", repo.url, "--read-data")[0] == 0
 
@@ -215,7 +215,7 @@ def test_a_repair_killed_halfway_leaves_every_snapshot_as_restorable_as_before(t
     repo = make_repo(tmp_path / "repo")
     damage_loose_and_packed(repo)
     repo.verify(read_data=True)
-    records = list_damage(repo)
+    records = list_damage(repo.storage)
     # The process 'dies' (raises) when repair puts its second chunk.
     store = FailingStore(
         LocalStore(str(tmp_path / "repo")),

@@ -1,6 +1,6 @@
 """Values declared replicated that differ between ranks (``-m dist``, docs/distributed.md).
 
-By default the take succeeds with a :class:`casnap.ReplicaMismatchWarning`
+By default the take succeeds with a :class:`casnap.errors.ReplicaMismatchWarning`
 naming the keys and the ranks, and keeps every rank's own value;
 ``replica_mismatch="error"`` fails the take on every rank with no ref written.
 """
@@ -28,7 +28,8 @@ def _state(rank: int) -> dict[str, Any]:
 
 
 def warn_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
-    from casnap import ReplicaMismatchWarning, Snapshot, StateDict
+    from casnap import Snapshot, StateDict
+    from casnap.errors import ReplicaMismatchWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -66,7 +67,8 @@ def test_default_warns_naming_keys_and_ranks_and_keeps_each_value(tmp_path: Path
 
 
 def error_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
-    from casnap import ReplicaMismatchError, Snapshot
+    from casnap import Snapshot
+    from casnap.errors import ReplicaMismatchError
     from casnap.settings import override
 
     errors = []
@@ -101,7 +103,8 @@ def test_the_error_option_fails_every_rank_without_a_ref(tmp_path: Path) -> None
 def dtensor_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
 
-    from casnap import ReplicaMismatchWarning, Snapshot, StateDict
+    from casnap import Snapshot, StateDict
+    from casnap.errors import ReplicaMismatchWarning
 
     mesh = init_device_mesh("cpu", (world,))
 

@@ -13,6 +13,7 @@ from test_cli_contract import casnap as run_cli
 import casnap
 from casnap import KeepLast, KeepTagged, Repository, RetentionPolicy, Snapshot, StateDict
 from casnap.format.entries import ContainerEntry, TensorEntry
+from casnap.repo.repository import RepoStorage
 
 
 @pytest.fixture
@@ -170,7 +171,7 @@ def test_retain_dry_run_returns_the_plan_and_deletes_nothing(repo):
 
 
 def test_retain_refuses_to_delete_everything_unless_allowed(repo):
-    with pytest.raises(casnap.RetentionError):
+    with pytest.raises(casnap.errors.RetentionError):
         repo.retain(RetentionPolicy(KeepTagged()))  # nothing is tagged
     assert len(repo.snapshots()) == 3
     result = repo.retain(RetentionPolicy(KeepTagged()), allow_delete_all=True)
@@ -181,7 +182,7 @@ def test_gc_dry_run_options_and_progress(repo):
     repo.retain(RetentionPolicy(KeepLast(1)))
 
     def objects() -> int:
-        return len([*repo.store.list("chunks"), *repo.store.list("packs")])
+        return len([*repo.storage.store.list("chunks"), *repo.storage.store.list("packs")])
 
     before = objects()
     preview = repo.gc(grace_seconds=0, dry_run=True)
@@ -203,10 +204,10 @@ def test_tag_untag_and_tags_return_what_was_pinned(repo):
     assert info.tag == "best" and info.snapshot == "step_2"
     assert info.manifest == repo.resolve("step_2")
     assert repo.tags() == {"best": info}
-    with pytest.raises(casnap.ObjectExistsError):
+    with pytest.raises(casnap.errors.ObjectExistsError):
         repo.tag("best", "step_3")
     assert repo.untag("best") == info and repo.tags() == {}
-    with pytest.raises(casnap.ObjectNotFoundError):
+    with pytest.raises(casnap.errors.ObjectNotFoundError):
         repo.untag("best")
 
 
@@ -241,12 +242,26 @@ def test_maintenance_and_show_never_import_torch(repo):
     assert result.returncode == 0, result.stderr
 
 
-# -- names resolve as on the command line --------------------------------------------
+# -- a Repository holds its storage; names resolve as on the command line -------------
 
 
 def _take(url: str, name: str, step: int, value: float) -> None:
     state = {"model": StateDict(w=torch.full((64,), value)), "progress": StateDict(step=step)}
     Snapshot.take(f"{url}/{name}", state, metadata={"step": step})
+
+
+def test_a_repository_holds_its_storage_and_commits_only_through_its_methods(tmp_path):
+    url = str(tmp_path / "run1")
+    _take(url, "step_1", 1, 1.0)
+    repo = Repository(url)
+    assert not isinstance(repo, RepoStorage) and isinstance(repo.storage, RepoStorage)
+    for commit_point in ("write_ref", "write_manifest", "delete_ref", "replace_ref", "store"):
+        assert not hasattr(repo, commit_point)
+    assert repo.url == repo.storage.url
+    # A Repository serves as storage_options["repository"], as before.
+    got = {"model": StateDict(w=torch.zeros(64)), "progress": StateDict(step=0)}
+    Snapshot(f"{url}/step_1", storage_options={"repository": repo}).restore(got)
+    assert torch.equal(got["model"]["w"], torch.ones(64))
 
 
 def test_latest_and_tags_resolve_in_python_as_on_the_command_line(tmp_path):
@@ -256,7 +271,12 @@ def test_latest_and_tags_resolve_in_python_as_on_the_command_line(tmp_path):
     repo = Repository(url)
     repo.tag("best", "step_9")
 
+    assert repo.resolve("latest") == repo.resolve("step_10")
+    assert repo.resolve("best") == repo.resolve("step_9")
     assert repo.show("latest").name == "step_10"
+    assert [d.status for d in repo.diff("best", "latest") if d.key.endswith("model/w")] == [
+        "changed"
+    ]
 
     for name, want in (("latest", 10.0), ("best", 9.0)):
         snap = repo.snapshot(name)
@@ -274,6 +294,8 @@ def test_latest_and_tags_resolve_in_python_as_on_the_command_line(tmp_path):
 
     with pytest.raises(casnap.SnapshotNotFoundError, match="did you mean 'best'"):
         repo.snapshot("bset")
+    with pytest.raises(casnap.SnapshotNotFoundError, match="did you mean 'best'"):
+        repo.resolve("bset")
     # delete goes by a snapshot's own name only.
     with pytest.raises(casnap.SnapshotNotFoundError):
         repo.delete("latest")

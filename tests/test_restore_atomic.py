@@ -23,7 +23,7 @@ from casnap.format import codec
 from casnap.format.entries import ChunkRef, ShardedEntry, ShardRecord
 from casnap.format.manifest import Manifest
 from casnap.repo.damage import list_damage
-from casnap.repo.repository import now_iso
+from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
 from casnap.store import CountingStore, LocalStore
 from casnap.store.base import Buffer, ObjectStore, WrapperStore
@@ -230,7 +230,7 @@ ROWS, COLS = 256, 64  # 64 KiB
 
 def sharded_snapshot(root: str, full: torch.Tensor, parts: int) -> tuple[str, list[ShardRecord]]:
     """A repository holding ``full`` as ``parts`` row shards, as a distributed take leaves it."""
-    repo = Repository.open_or_create(root, chunk_size=SCHUNK)
+    repo = RepoStorage.open_or_create(root, chunk_size=SCHUNK)
     settings = Settings.from_env().with_overrides(chunk_size=SCHUNK, compression="none")
     per = full.shape[0] // parts
     shards = []
@@ -380,5 +380,5 @@ def test_a_short_mapped_chunk_is_damage(tmp_path):
         )
     assert torch.equal(target["c"], torch.full_like(target["c"], PATTERN))
     assert_each_old_or_new(target, state, {"c"})
-    damaged = list_damage(Repository.open(str(tmp_path / "repo")))
+    damaged = list_damage(Repository(str(tmp_path / "repo")).storage)
     assert [d.chunk for d in damaged] == [ref.hash]  # recorded: the next take writes it again

@@ -147,7 +147,7 @@ def test_taking_twice_to_the_same_path(tmp_path: Any) -> None:
         with pytest.raises(SnapshotExistsError, match="snap1") as info:
             take(path, {"model": linear(2.0)})
         assert isinstance(info.value, FileExistsError)
-    assert Repository.open(f"{tmp_path}/repo").list_snapshots() == ["snap1"]
+    assert Repository(f"{tmp_path}/repo").snapshots() == ["snap1"]
 
     target = linear(3.0)
     Snapshot(path).restore({"model": target})
@@ -273,11 +273,11 @@ def test_arbitrary_object_needs_allow_pickle(tmp_path: Any) -> None:
         Snapshot.take(f"{repo}/refused", {"s": state})
     assert isinstance(info.value, TypeError) and not isinstance(info.value, OSError)
     assert "Opaque" in str(info.value) and "allow_pickle" in str(info.value)
-    assert not Repository.exists_at(repo)  # refused before anything was created
+    assert not RepoStorage.exists_at(repo)  # refused before anything was created
 
     path = f"{repo}/allowed"
     Snapshot.take(path, {"s": state}, allow_pickle=True)
-    assert Repository.open(repo).list_snapshots() == ["allowed"]
+    assert Repository(repo).snapshots() == ["allowed"]
 
     target = {"s": StateDict(w=torch.zeros(4), obj=Opaque(0))}
     before = fingerprint(target)
@@ -308,7 +308,7 @@ def test_non_stateful_value_in_app_state(tmp_path: Any, value: Any) -> None:
         Snapshot.take(f"{repo}/snap1", {"good": StateDict(x=1), "bad": value})
     assert isinstance(info.value, TypeError)
     assert "StateDict" in str(info.value)  # says how to fix it
-    assert not Repository.exists_at(repo)  # refused before anything was created
+    assert not RepoStorage.exists_at(repo)  # refused before anything was created
 
     Snapshot.take(f"{repo}/snap2", {"good": StateDict(x=1), "bad": StateDict(y=2)})
     good = StateDict(x=0)
@@ -352,7 +352,7 @@ def test_failed_take_leaves_no_ref_and_earlier_snapshots_restore(
     assert pending.done()
     monkeypatch.undo()
 
-    assert Repository.open(repo).list_snapshots() == ["good"]
+    assert Repository(repo).snapshots() == ["good"]
     for name in ("exploded", "pickle", "quantized", "late", "async"):
         with pytest.raises(SnapshotNotFoundError, match=name):
             Snapshot(f"{repo}/{name}").restore({"model": linear(0.0)})
@@ -363,7 +363,7 @@ def test_failed_take_leaves_no_ref_and_earlier_snapshots_restore(
 
     # A failed take does not burn its name.
     Snapshot.take(f"{repo}/exploded", {"model": model})
-    assert Repository.open(repo).list_snapshots() == ["exploded", "good"]
+    assert Repository(repo).snapshots() == ["exploded", "good"]
 
 
 def test_errors_share_one_root(tmp_path: Any) -> None:

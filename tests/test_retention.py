@@ -19,16 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from casnap import (
-    CasnapError,
-    ManifestValidationError,
-    ObjectExistsError,
-    Repository,
-    Snapshot,
-    SnapshotNotFoundError,
-    StateDict,
-)
-from casnap.errors import InvalidNameError
+from casnap import CasnapError, Snapshot, SnapshotNotFoundError, StateDict
+from casnap.errors import InvalidNameError, ManifestValidationError, ObjectExistsError
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -41,6 +33,7 @@ from casnap.ops.retention import (
     plan_retention,
     read_snapshots,
 )
+from casnap.repo.repository import RepoStorage
 from casnap.repo.tags import TagInfo, add_tag, list_tags, read_tag, remove_tag, tag_key
 
 STEPS = list(range(10, 130, 10))
@@ -79,18 +72,18 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if step in META_TAGS:
             meta["tags"] = META_TAGS[step]
         Snapshot.take(str(root / f"s{step:03d}"), _state(step), metadata=meta)
-    add_tag(Repository.open(str(root)), "release", "s050")
+    add_tag(RepoStorage.open(str(root)), "release", "s050")
     return root
 
 
 @pytest.fixture
-def repo(built: Path, tmp_path: Path) -> Repository:
+def repo(built: Path, tmp_path: Path) -> RepoStorage:
     root = tmp_path / "repo"
     shutil.copytree(built, root)
-    return Repository.open(str(root))
+    return RepoStorage.open(str(root))
 
 
-def kept(repo: Repository, *rules: object, **kwargs: object) -> set[str]:
+def kept(repo: RepoStorage, *rules: object, **kwargs: object) -> set[str]:
     plan = plan_retention(repo, RetentionPolicy(*rules), **kwargs)
     assert set(plan.keep) | set(plan.delete) == ALL
     assert not set(plan.keep) & set(plan.delete)
@@ -115,7 +108,7 @@ def test_keep_last_without_steps_orders_by_creation_time(tmp_path):
     root = tmp_path / "r"
     for name in ("zz", "aa", "mm"):  # creation order differs from name order
         Snapshot.take(str(root / name), _state(1))
-    repo = Repository.open(str(root))
+    repo = RepoStorage.open(str(root))
     plan = plan_retention(repo, RetentionPolicy(KeepLast(2)))
     assert set(plan.keep) == {"aa", "mm"} and plan.delete == ("zz",)
 
@@ -142,7 +135,7 @@ def test_keep_best_ties_favour_the_newer_snapshot(tmp_path):
         Snapshot.take(
             str(root / f"t{step}"), _state(step), metadata={"step": step, "metrics": {"loss": 1.0}}
         )
-    repo = Repository.open(str(root))
+    repo = RepoStorage.open(str(root))
     assert set(plan_retention(repo, RetentionPolicy(KeepBest(1, "loss"))).keep) == {"t3"}
 
 

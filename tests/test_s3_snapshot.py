@@ -20,6 +20,7 @@ import torch
 from s3_server import S3Bucket, s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 from casnap import Repository, Snapshot, SnapshotExistsError, StateDict
+from casnap.repo.repository import RepoStorage
 from casnap.store import CountingStore, S3Store
 
 pytestmark = pytest.mark.s3
@@ -52,7 +53,7 @@ def test_take_restore_and_dedup_on_s3(s3_bucket):  # noqa: F811
     assert got["step"] == 7 and torch.equal(got["small"], extra["small"])
     s1 = Snapshot(f"{url}/s1", storage_options=s3_bucket.options)
     assert torch.equal(s1.read_object("0/model/bias"), model.bias)
-    assert Repository.open(url, s3_bucket.options).list_snapshots() == ["s1", "s2"]
+    assert Repository(url, s3_bucket.options).snapshots() == ["s1", "s2"]
 
 
 def test_verify_and_gc_on_s3(s3_bucket):  # noqa: F811
@@ -71,7 +72,7 @@ def test_verify_and_gc_on_s3(s3_bucket):  # noqa: F811
 
     repo.delete("a")
     # The gc lock is a create-only put: on S3 a conditional write (atomic_create).
-    assert repo.root.capabilities.atomic_create
+    assert repo.storage.root.capabilities.atomic_create
     result = repo.gc(grace_seconds=0)
     assert result.deleted_manifests == 1 and result.deleted_chunks + result.deleted_packs > 0
     assert result.bytes_freed >= head.numel() * head.element_size()
@@ -84,7 +85,7 @@ def test_verify_and_gc_on_s3(s3_bucket):  # noqa: F811
 
 def test_a_snapshot_name_is_taken_once_even_under_a_race(s3_bucket):  # noqa: F811
     url = _repo_url(s3_bucket)
-    repo = Repository.open_or_create(url, s3_bucket.options)
+    repo = RepoStorage.open_or_create(url, s3_bucket.options)
     manifests = []
     for i in range(4):
         Snapshot.take(
@@ -94,10 +95,10 @@ def test_a_snapshot_name_is_taken_once_even_under_a_race(s3_bucket):  # noqa: F8
     outcomes: list[str] = []
     # Each committer has its own S3 client: only the server decides who wins.
     handles = [
-        Repository(url, {**s3_bucket.options, "skip_instance_cache": True}) for _ in manifests
+        RepoStorage.open(url, {**s3_bucket.options, "skip_instance_cache": True}) for _ in manifests
     ]
 
-    def commit(handle: Repository, manifest: str) -> None:
+    def commit(handle: RepoStorage, manifest: str) -> None:
         try:
             handle.write_ref("contended", manifest)
             outcomes.append(manifest)

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from casnap import Repository, Snapshot, StateDict
+from casnap import Snapshot, StateDict
 from casnap.chunks.write import ChunkWriter
 from casnap.format.entries import ContainerEntry, ShardedEntry, ShardRecord
 from casnap.format.manifest import Manifest
-from casnap.repo.repository import now_iso
+from casnap.repo.repository import RepoStorage, now_iso
 from casnap.restore import reshard
 from casnap.settings import Settings
 from casnap.torch_io.tensors import byte_view
@@ -29,7 +29,7 @@ ROWS, COLS, PARTS = 256, 64, 8  # 64 KiB, stored as 8 row shards of 8 KiB
 def sharded_snapshot(root: str, full: torch.Tensor, parts: int, container: bool = False) -> str:
     """A snapshot whose entry ``0/m/w`` is ``full`` in ``parts`` row shards (and, with
     ``container``, ``0/m`` the dict that holds it, so that ``restore`` finds ``m``)."""
-    repo = Repository.open_or_create(root, chunk_size=CHUNK)
+    repo = RepoStorage.open_or_create(root, chunk_size=CHUNK)
     settings = Settings.from_env().with_overrides(chunk_size=CHUNK)
     per = full.shape[0] // parts
     shards = []

@@ -39,7 +39,8 @@ def _sharded(world: int) -> dict[str, Any]:
 
 
 def read_into_plain(rank: int, world: int, root: str) -> dict[str, Any]:
-    from casnap import ShapeMismatchError, Snapshot, StateDict
+    from casnap import Snapshot, StateDict
+    from casnap.errors import ShapeMismatchError
 
     snap = Snapshot.take(f"{root}/s1", {"state": StateDict(_sharded(world))})
     for key in ("st", "dt"):

@@ -21,19 +21,17 @@ import casnap
 from casnap import (
     CasnapError,
     ConfigError,
-    InvalidNameError,
     Repository,
     Snapshot,
     SnapshotExistsError,
     SnapshotNotFoundError,
     StateDict,
-    UnsupportedValueError,
 )
 from casnap.cli.app import main
 from casnap.distributed.group import Group
 from casnap.distributed.take import prepare_distributed_take
+from casnap.errors import InvalidNameError, UnsupportedValueError
 from casnap.repo.repository import RepoStorage
-from casnap.repo.tags import add_tag, list_tags
 
 GOLDEN = Path(__file__).parent / "data" / "golden-v1"
 
@@ -111,7 +109,7 @@ def test_init_marks_a_repository_a_take_created_as_shared(tmp_path):
     assert repositories(tmp_path) == ["ckpt", "ckpt/run1"]
 
     repo = Repository.init(str(tmp_path / "ckpt"))
-    assert repo.config.shared and repo.snapshots() == ["s0"]
+    assert repo.storage.config.shared and repo.snapshots() == ["s0"]
     Snapshot.take(str(tmp_path / "ckpt" / "run2" / "s2"), state(2))  # now held by ckpt
     # The nearest repository decides: run1's own repository keeps run1's snapshots.
     Snapshot.take(str(tmp_path / "ckpt" / "run1" / "s3"), state(3))
@@ -299,7 +297,7 @@ def test_a_value_without_state_dict_is_a_type_error_like_torchsnapshot(tmp_path)
 def test_bad_input_to_a_distributed_take_creates_nothing(tmp_path, case):
     # rank 0's part of a distributed take, in a world of one (no collective needed)
     app_state, metadata, name, _error, _text = BAD_INPUTS[case]
-    with pytest.raises(casnap.DistributedTakeError):
+    with pytest.raises(casnap.errors.DistributedTakeError):
         prepare_distributed_take(
             str(tmp_path / "run" / name),
             app_state,
@@ -345,8 +343,8 @@ def test_tags_take_the_same_names(tmp_path):
     repo = Repository.init(str(tmp_path / "repo"))
     repo.take("a", state(1))
     for tag in ["beste Version", "a", "a/b", "ü#1"]:
-        add_tag(repo, tag, "a")
-    assert sorted(list_tags(repo)) == sorted(["beste Version", "a", "a/b", "ü#1"])
+        repo.tag(tag, "a")
+    assert sorted(repo.tags()) == sorted(["beste Version", "a", "a/b", "ü#1"])
     repo.untag("a/b")
     assert sorted(repo.tags()) == sorted(["beste Version", "a", "ü#1"])
     assert repo.verify().ok
@@ -375,7 +373,7 @@ def test_hostile_names_are_refused(tmp_path, name, text):
     with pytest.raises(InvalidNameError, match=text.replace(".", r"\.")):
         repo.take(name, state())
     with pytest.raises(InvalidNameError):
-        repo.write_ref(name, "0" * 64)
+        repo.storage.write_ref(name, "0" * 64)
     assert repo.snapshots() == []
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [".casnap"]
 
@@ -438,7 +436,8 @@ def test_rm_prune_frees_the_space_only_that_snapshot_used_at_once(tmp_path, caps
 
 
 def _bad_state_on_rank_0(rank: int, world: int, root: str) -> str:
-    from casnap import DistributedTakeError, Snapshot
+    from casnap import Snapshot
+    from casnap.errors import DistributedTakeError
 
     app_state = {"m": _NoStateDict()} if rank == 0 else state(rank)
     try:
@@ -558,11 +557,11 @@ def test_a_tampered_long_name_record_is_refused(tmp_path, capsys, tampered):
     (tag,) = (root / ".casnap" / "tags").glob("%%*")
     _retarget(tag, "tag", value)
 
-    with pytest.raises(casnap.ManifestValidationError, match=ref.name):
+    with pytest.raises(casnap.errors.ManifestValidationError, match=ref.name):
         repo.snapshots()
-    with pytest.raises(casnap.ManifestValidationError, match="damaged"):
+    with pytest.raises(casnap.errors.ManifestValidationError, match="damaged"):
         Snapshot(f"{root}/{'é' * 60}").restore(state(0))
-    with pytest.raises(casnap.ManifestValidationError, match=tag.name):
+    with pytest.raises(casnap.errors.ManifestValidationError, match=tag.name):
         repo.tags()
     code, _, err = cli(capsys, "ls", str(root))
     assert code == 4 and ref.name in err

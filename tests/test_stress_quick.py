@@ -151,7 +151,7 @@ def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path, ma
     data[ref.length - 3] ^= 0x01
     pack.write_bytes(bytes(data))
     assert not Repository(str(repo)).verify(read_data=True).ok  # found and recorded
-    assert len(list_damage(Repository(str(repo)))) == 1
+    assert len(list_damage(Repository(str(repo)).storage)) == 1
 
     if machine == "another":
         index = tmp_path / "another-index"
@@ -169,4 +169,4 @@ def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path, ma
     Snapshot(str(repo / "s1")).restore(s1)  # the same pack name, good bytes again: s1 heals
     assert all(torch.equal(s1["m"][k], expected[k]) for k in expected)
     assert Repository(str(repo)).verify(read_data=True).ok
-    assert list_damage(Repository(str(repo))) == []  # the replacement cleared the record
+    assert list_damage(Repository(str(repo)).storage) == []  # the replacement cleared the record

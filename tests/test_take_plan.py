@@ -68,8 +68,8 @@ def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_pa
     assert_same(restored(repo, "s2", state), state)
     # What was written is exactly what a fresh read of the manifest gives, and its
     # bytes are the canonical JSON of a full dump (the reused entry dumps changed nothing).
-    assert repo.read_manifest(s2.manifest_hash) == s2.manifest
-    stored = repo.store.get(manifest_key(s2.manifest_hash))
+    assert repo.storage.read_manifest(s2.manifest_hash) == s2.manifest
+    stored = repo.storage.store.get(manifest_key(s2.manifest_hash))
     assert stored == canonical_json(s2.manifest.model_dump(mode="json"))
 
 
@@ -79,8 +79,8 @@ def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path, session):
     repo, _ = counted_repo(str(tmp_path / "repo"))
     old = state_of(20, seed=0)
     s1 = take(repo, "s1", old, session)  # remembered as the session's plan
-    repo.delete_ref("s1")
-    assert gc(repo, grace_seconds=0).deleted > 0  # its manifest, chunks and pack are gone
+    repo.storage.delete_ref("s1")
+    assert gc(repo.storage, grace_seconds=0).deleted > 0  # its manifest, chunks and pack are gone
     s2 = take(repo, "s2", old, session)  # parent: s1, from the session's lineage and last plan
     assert s2.last_take_stats.chunks_written == len(s1.manifest.chunk_refs())  # all again
     assert_same(restored(repo, "s2", old), old)
@@ -117,7 +117,7 @@ def test_a_failure_inside_a_batch_fails_the_take_and_writes_no_ref(tmp_path, mon
     with pytest.raises(StoreError, match="disk full"):
         take(repo, "s1", state_of(40), session)
     assert len(small) == 7  # failed on the 7th small chunk, in the middle of the batch
-    assert not repo.has_ref("s1")
+    assert not repo.storage.has_ref("s1")
     monkeypatch.undo()
     state = state_of(40)
     take(repo, "s1", state, session)

@@ -18,13 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from casnap import (
+from casnap import RNGState, Snapshot, StateDict
+from casnap.errors import (
     MissingKeyError,
     PickleNotAllowedError,
-    RNGState,
     ShapeMismatchError,
-    Snapshot,
-    StateDict,
     UnexpectedKeyError,
 )
 from casnap.format.entries import ContainerEntry, ObjectEntry, PrimitiveEntry, TensorEntry

@@ -83,14 +83,14 @@ def layout(tmp_path_factory) -> Layout:
             big = big.clone()
             big[i * 1000] += 1  # one chunk changes per snapshot, the rest is shared
             repo.take(f"s{i}", _state(i, big), allow_pickle=True)
-        repo.write_ref("alias", repo.resolve("s1"))  # two refs, one manifest
+        repo.storage.write_ref("alias", repo.resolve("s1"))  # two refs, one manifest
         repo.tag("best", "s1")
         repo.take("gone", {"x": StateDict(t=torch.randn(8192))})  # pinned by a tag only, below
         repo.tag("kept", "gone")
-        repo.delete_ref("gone")
+        repo.storage.delete_ref("gone")
         repo.take("garbage", {"y": StateDict(t=torch.randn(8192))})  # reached by nothing, below
         garbage = RepoStorage.open(str(root)).read_manifest(repo.resolve("garbage"))
-        repo.delete_ref("garbage")
+        repo.storage.delete_ref("garbage")
     holders: dict[str, set[tuple[str, str]]] = {}
     frames: dict[str, list[tuple[int, int, set[tuple[str, str]]]]] = {}
     pinned: dict[str, set[tuple[str, str]]] = {}
@@ -100,7 +100,7 @@ def layout(tmp_path_factory) -> Layout:
         pinned.setdefault(info.manifest, set()).add(("tag", tag))
     for mhash, who in pinned.items():
         holders[f"manifests/{mhash[:2]}/{mhash}"] = who
-        for ref in repo.read_manifest(mhash).stored_refs():  # delta bases too
+        for ref in repo.storage.read_manifest(mhash).stored_refs():  # delta bases too
             if ref.pack:
                 key = f"packs/{ref.pack[:2]}/{ref.pack}"
                 frames.setdefault(key, []).append((ref.offset, ref.offset + ref.length, who))

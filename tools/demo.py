@@ -136,7 +136,7 @@ def main() -> None:
     repo = str(repo_dir)
     run_cli("log", repo)
     run_cli("du", repo)
-    names = Repository.open(repo).list_snapshots()
+    names = Repository(repo).snapshots()
     run_cli("diff", f"{repo}/{names[-2]}", f"{repo}/{names[-1]}", "--stats")
     print(
         f"\nretention deleted {len(retired)} snapshot(s) and freed {human(freed)} as it went: "

@@ -127,9 +127,9 @@ def build(base: Path) -> dict[str, dict[str, Any]]:
     repo.tag("best", "s2")
     repo.gc(grace_seconds=0)  # nothing unreachable: writes the gc epoch
     record = LeaseRecord.new("take", 0.001)  # a stale lease of a take that crashed
-    repo.store.put(f"{LEASES}/{record.id}", record.to_bytes())
+    repo.storage.store.put(f"{LEASES}/{record.id}", record.to_bytes())
     ref = repo.snapshot("s1").manifest.entries["0/s/b"].chunks[0]  # type: ignore[union-attr]
-    record_damage(repo, ref, "planted by the fuzzer")  # a record of a copy that is fine
+    record_damage(repo.storage, ref, "planted by the fuzzer")  # a record of a copy that is fine
     return states
 
 

@@ -285,7 +285,8 @@ class Oracle:
 
 
 def refs_of(repo: Repository, name: str) -> list[Any]:
-    return list(repo.read_manifest(repo.resolve(name)).chunk_refs())
+    storage = repo.storage
+    return list(storage.read_manifest(storage.resolve(name)).chunk_refs())
 
 
 def copies_of(refs: list[Any]) -> set[tuple[str, str | None]]:
@@ -488,7 +489,7 @@ class Sim:
             self.live = clone(self.repos["A"].snaps[m["to"]].tensors)
 
     def records(self, repo: str) -> set[tuple[str, str | None]]:
-        return {(c.chunk, c.pack) for c in list_damage(self.handle(repo))}
+        return {(c.chunk, c.pack) for c in list_damage(self.handle(repo).storage)}
 
     def op_take(self, op: dict[str, Any]) -> str:
         rm = self.repos[op["repo"]]
@@ -501,7 +502,7 @@ class Sim:
             rm.session = rm.session or Session()
             kw["session"] = rm.session
         if mode == "parents" and op.get("parent") in rm.snaps:
-            kw["parents"] = [self.handle(op["repo"]).resolve(op["parent"])]
+            kw["parents"] = [self.handle(op["repo"]).storage.resolve(op["parent"])]
         before = self.records(op["repo"])
         self._trim(op["repo"])
         auto = "session" not in kw and "parents" not in kw  # the newest in its folder
@@ -543,7 +544,8 @@ class Sim:
         rm = self.repos[op["repo"]]
         self._mutate(op["mutate"])
         repo = self.handle(op["repo"])
-        old = repo.resolve(op["id"]) if repo.has_ref(op["id"]) else None
+        storage = repo.storage
+        old = storage.resolve(op["id"]) if storage.has_ref(op["id"]) else None
         before = self.records(op["repo"])
         self._trim(op["repo"])
         current = repo.resolve(op["id"]) if repo.has_ref(op["id"]) else None  # after the trim
@@ -749,7 +751,7 @@ class Sim:
         failed: dict[str, str] = {}
         try:
             result = self.handle(src_name).copy_to(dst.url, names, force=True)
-        except casnap.CopyIntegrityError as exc:
+        except casnap.errors.CopyIntegrityError as exc:
             result, failed = exc.result, exc.failed
         for name in (*result.copied, *result.present):
             dst.snaps[name] = Expected(
@@ -859,7 +861,7 @@ class Sim:
     def must_restore(self, repo: str, name: str) -> bool:
         oracle = Oracle(self.repos[repo].root)
         try:
-            refs = self.manifest_refs(repo, self.handle(repo).resolve(name))[0]
+            refs = self.manifest_refs(repo, self.handle(repo).storage.resolve(name))[0]
         except CasnapError:
             return False
         return all(oracle.value(r)[0] is not None for r in refs)
@@ -870,13 +872,13 @@ class Sim:
         key = (repo, manifest)
         if key not in self._refs:
             oracle = Oracle(self.repos[repo].root)
-            refs = list(self.handle(repo).read_manifest(manifest).chunk_refs())
+            refs = list(self.handle(repo).storage.read_manifest(manifest).chunk_refs())
             paths = sorted({p for r in refs for p in oracle.files_of(r)})
             self._refs[key] = (refs, paths, copies_of(refs))
         return self._refs[key]
 
     def fingerprint(self, repo: str, name: str, records: set[Any]) -> Any:
-        manifest = self.handle(repo).resolve(name)
+        manifest = self.handle(repo).storage.resolve(name)
         _, paths, copies = self.manifest_refs(repo, manifest)
         stats = []
         for p in paths:

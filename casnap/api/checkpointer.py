@@ -49,6 +49,7 @@ from casnap.api.checkpointer_triggers import (
     any_rank,
     preemption_signals,
 )
+from casnap.api.repository import Repository
 from casnap.api.snapshot import PendingSnapshot, Snapshot
 from casnap.errors import (
     ConfigError,
@@ -144,6 +145,8 @@ class Checkpointer(Listing):
         signals = preemption_signals(opts.take_on_preemption)
         take_options = dict(opts.storage_options or {})
         explicit = take_options.pop("repository", None)
+        if isinstance(explicit, Repository):
+            explicit = explicit.storage
         self._repo: RepoStorage | None = explicit if isinstance(explicit, RepoStorage) else None
         self._url: str = explicit if isinstance(explicit, str) else repo_url
         self._take_options = take_options
@@ -160,7 +163,7 @@ class Checkpointer(Listing):
         # The last commit whose retention kept snapshots the mirror was still owed.
         self._kept_for_mirror: tuple[Snapshot, str] | None = None
         self.mirror = make_mirror(
-            opts.mirror,
+            opts.mirror.storage if isinstance(opts.mirror, Repository) else opts.mirror,
             opts.mirror_storage_options,
             retention,
             opts.mirror_retention,

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Literal, TypedDict
 
 from casnap.api.checkpointer_triggers import Clock
+from casnap.api.repository import Repository
 from casnap.errors import CasnapError, ConfigError, as_names, expect_type
 from casnap.format.names import check_ref_name
 from casnap.gc.reclaim import RECLAIM_WAIT_SECONDS
@@ -88,7 +89,7 @@ class CheckpointerOptions:
     reclaim: bool = True
     reclaim_wait_seconds: float = RECLAIM_WAIT_SECONDS
     # A second repository each committed snapshot is copied to.
-    mirror: str | RepoStorage | None = None
+    mirror: str | Repository | RepoStorage | None = None
     mirror_storage_options: dict[str, Any] | None = None
     mirror_retention: RetentionPolicy | RetentionRule | None | Literal["same"] = "same"
     mirror_queue: int = 2
@@ -138,7 +139,7 @@ class CheckpointerKeywords(TypedDict, total=False):
     retention: RetentionPolicy | RetentionRule | None
     reclaim: bool
     reclaim_wait_seconds: float
-    mirror: str | RepoStorage | None
+    mirror: str | Repository | RepoStorage | None
     mirror_storage_options: dict[str, Any] | None
     mirror_retention: RetentionPolicy | RetentionRule | None | Literal["same"]
     mirror_queue: int

@@ -11,6 +11,12 @@ Example::
     repo.retain(casnap.RetentionPolicy(casnap.KeepLast(3)))
     repo.gc(grace_seconds=3600)
 
+Wherever a method reads a snapshot by name (``resolve``, ``show``, ``diff``,
+``snapshot``, ``export``), the name may also be a tag or ``latest``, resolved as
+the command line does (:mod:`casnap.ops.naming`)::
+
+    repo.snapshot("latest").restore(app_state)
+
 Listing, ``locate``, ``show``, ``log``, ``du``, ``diff``, ``verify``, ``retain``, ``gc``,
 tags and ``repair`` from snapshots never import torch; ``take``, ``snapshot``,
 ``export``, ``diff(..., stats=True)`` and ``repair`` from live state load the
@@ -20,16 +26,15 @@ torch layers when called.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from casnap.errors import CasnapError, ConfigError
-from casnap.format.entries import TensorEntry
-from casnap.format.manifest import Manifest
+from casnap.api.repair_inputs import repair_sources
+from casnap.api.snapshot_view import SnapshotView
+from casnap.errors import ConfigError
 from casnap.format.names import check_ref_name
-from casnap.format.tree import entries_under
 from casnap.gc.collect import DEFAULT_GRACE_SECONDS, DEFAULT_WAIT_SECONDS, GcResult, gc
 from casnap.gc.reclaim import ReclaimResult, reclaim
 from casnap.ops.copy import CopyResult
@@ -37,7 +42,6 @@ from casnap.ops.copy import copy as copy_snapshots
 from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
 from casnap.ops.naming import resolve_name
 from casnap.ops.repair import RepairResult, repair
-from casnap.ops.repair_sources import ChunkSource, SnapshotSource
 from casnap.ops.retention import (
     RetentionPlan,
     RetentionPolicy,
@@ -49,47 +53,55 @@ from casnap.ops.verify import VerifyReport, verify
 from casnap.repo.gc_lock import break_gc_lock
 from casnap.repo.repository import RepoStorage, locate
 from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
+from casnap.settings import DEFAULT_CHUNK_SIZE
+from casnap.store import ObjectStore
 
 if TYPE_CHECKING:
     from casnap.api.snapshot import Snapshot
     from casnap.export.stream import ExportResult
-    from casnap.format.entries import Entry
     from casnap.take.session import Session
 
 Progress = Callable[[int, int], None]  # (done, total), for a progress bar
 
 
-@dataclass(frozen=True)
-class SnapshotView:
-    """One snapshot as :meth:`Repository.show` sees it: its manifest's header and entries."""
-
-    name: str
-    manifest: str  # the manifest hash the ref named when read
-    created_at: str
-    world_size: int
-    metadata: dict[str, Any]
-    parents: tuple[str, ...]  # parent manifest hashes
-    entries: dict[str, Entry]  # key -> entry, in manifest order (containers included)
-
-
-class Repository(RepoStorage):
+class Repository:
     """An existing casnap repository at ``url`` (a directory or an fsspec URL).
 
     ``Repository(url)`` opens it (:class:`casnap.RepositoryNotFoundError` if
     there is none); :meth:`init` creates one. Takes through one Repository
     object share a :class:`casnap.Session`: each descends from the previous.
+
+    ``storage`` is the :class:`~casnap.repo.repository.RepoStorage` underneath
+    (objects, manifests, refs: the commit point), for casnap's own layers and
+    tools; a Repository is not one, and writes refs only through its methods.
+    ``storage_options={"repository": repo}`` takes and reads through it.
     """
 
+    storage: RepoStorage
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        opened = RepoStorage.open(url, storage_options)  # RepositoryNotFoundError if none
-        RepoStorage.__init__(self, opened.root, opened.config)
+        self.storage = RepoStorage.open(url, storage_options)  # RepositoryNotFoundError if none
         self._session: Session | None = None
 
     @classmethod
-    def _make(cls, root: Any, config: Any) -> Any:
-        obj = super()._make(root, config)
-        obj._session = None
-        return obj
+    def of(cls, storage: RepoStorage) -> Repository:
+        """The Repository over an open ``storage`` (casnap's own layers and tools)."""
+        repo = cls.__new__(cls)
+        repo.storage, repo._session = storage, None
+        return repo
+
+    @classmethod
+    def on_store(
+        cls, store: ObjectStore, *, chunk_size: int = DEFAULT_CHUNK_SIZE, shared: bool = False
+    ) -> Repository:
+        """The repository rooted at an already-open ``store`` (a wrapped or custom
+        :class:`casnap.store.ObjectStore`), created there if absent."""
+        return cls.of(RepoStorage.on_store(store, chunk_size=chunk_size, shared=shared))
+
+    @property
+    def url(self) -> str:
+        """Where the repository is (its root, as opened)."""
+        return self.storage.url
 
     @classmethod
     def init(
@@ -109,13 +121,10 @@ class Repository(RepoStorage):
 
             repo = Repository.init("/ckpt")                # then takes into /ckpt/<run>/<step>
         """
-        if chunk_size is None:
-            repo = cls.open_or_create(url, storage_options, shared=True)
-        else:
-            repo = cls.open_or_create(url, storage_options, chunk_size=chunk_size, shared=True)
-        assert isinstance(repo, Repository)  # _make builds a cls
-        repo.share()
-        return repo
+        size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+        storage = RepoStorage.open_or_create(url, storage_options, chunk_size=size, shared=True)
+        storage.share()
+        return cls.of(storage)
 
     @classmethod
     def locate(
@@ -140,18 +149,26 @@ class Repository(RepoStorage):
         and tag names in it).
         """
         storage, name = locate(path, storage_options, create=False, existing=must_exist)
-        if isinstance(storage, Repository):
-            return storage, name
-        return cls._make(storage.root, storage.config), name
+        return cls.of(storage), name
 
     # -- reading the graph -----------------------------------------------
     def snapshots(self) -> list[str]:
         """Snapshot names in natural order: ``step_2`` before ``step_10`` and ``step_100``."""
-        return self.list_snapshots()
+        return self.storage.list_snapshots()
+
+    def resolve(self, name: str) -> str:
+        """The manifest hash snapshot ``name`` names now; ``name`` may also be a tag or
+        ``latest`` (the newest snapshot; ``run1/latest``: the newest below ``run1/``),
+        looked up as the command line does (:mod:`casnap.ops.naming`;
+        :class:`casnap.SnapshotNotFoundError`, with the closest names, if none)::
+
+            repo.resolve("latest")  # the newest snapshot's manifest hash (by step, then time)
+        """
+        return self.storage.resolve(resolve_name(self.storage, name))
 
     def log(self) -> list[LogLine]:
         """Every snapshot, oldest first, with lineage, step, size and the bytes it added."""
-        return log(self)
+        return log(self.storage)
 
     def show(self, name: str, *, key: str | None = None) -> SnapshotView:
         """Snapshot ``name``'s manifest: header and entries (only ``key`` and below, if given).
@@ -161,19 +178,15 @@ class Repository(RepoStorage):
             view = repo.show("step_3", key="0/model")
             {k: e.kind for k, e in view.entries.items()}
         """
-        name = resolve_name(self, name)  # a tag or "latest" too, as on the command line
-        mhash = self.resolve(name)
-        m: Manifest = self.read_manifest(mhash)
-        entries = entries_under(m.entries, key)  # MissingKeyError naming the nearest keys
-        return SnapshotView(
-            name, mhash, m.created_at, m.world_size, dict(m.metadata), tuple(m.parents), entries
-        )
+        found = resolve_name(self.storage, name)
+        mhash = self.storage.resolve(found)
+        return SnapshotView.of(found, mhash, self.storage.read_manifest(mhash), key)
 
     def du(self) -> Usage:
         """Logical and stored bytes, dedup ratio, and per snapshot what deleting it frees.
 
         Tags count as roots: an object a tag still reaches is never "freed"."""
-        return du(self, {t: info.manifest for t, info in list_tags(self).items()})
+        return du(self.storage, {t: info.manifest for t, info in self.tags().items()})
 
     def diff(
         self,
@@ -195,14 +208,16 @@ class Repository(RepoStorage):
             [d.key for d in repo.diff("step_2", "step_3") if d.status != "unchanged"]
         """
         repo_b = other if other is not None else self
-        ma = self.read_manifest(self.resolve(a))
-        mb = repo_b.read_manifest(repo_b.resolve(b))
+        ma = self.storage.read_manifest(self.resolve(a))
+        mb = repo_b.storage.read_manifest(repo_b.resolve(b))
         rows = diff(ma, mb, key=key)
         if not stats:
             return rows
         from casnap.restore.drift import drift  # the torch layer: only when asked
 
-        found = {d.key: d for d in drift(self, ma, repo_b, mb, rows, memory_budget_bytes)}
+        found = {
+            d.key: d for d in drift(self.storage, ma, repo_b.storage, mb, rows, memory_budget_bytes)
+        }
         return [
             replace(r, max_abs_diff=found[r.key].max_abs_diff, rel_l2=found[r.key].rel_l2)
             if r.key in found
@@ -225,7 +240,9 @@ class Repository(RepoStorage):
             report = repo.verify(part=(0, 7))  # a seventh of the chunks, e.g. one per day
             report.ok, [p.kind for p in report.problems]
         """
-        return verify(self, read_data=read_data or part is not None, part=part, progress=progress)
+        return verify(
+            self.storage, read_data=read_data or part is not None, part=part, progress=progress
+        )
 
     # -- maintenance -----------------------------------------------------
     def repair(
@@ -252,37 +269,10 @@ class Repository(RepoStorage):
             result = repo.repair(from_states=[{"model": model.state_dict()}])
             result.ok, result.unrecoverable
         """
-        sources: list[ChunkSource] = []
-        for snap in from_snapshots:
-            if "/" not in str(snap) and self.has_ref(str(snap)):
-                other, name = self, str(snap)
-            else:
-                other, name = Repository.locate(str(snap))
-            sources.append(
-                SnapshotSource(
-                    other, [other.read_manifest(other.resolve(name))], f"snapshot {snap}"
-                )
-            )
-        if from_files or from_states:
-            from casnap.torch_io.live import LiveSource, load_state_file  # the torch layer
-
-            sizes = self._chunk_sizes()
-            for path in from_files:
-                sources.append(LiveSource(load_state_file(path), sizes, f"file {path}"))
-            for i, state in enumerate(from_states):
-                sources.append(LiveSource(state, sizes, f"live state #{i}"))
-        return repair(self, sources, read_data=read_data, dry_run=dry_run, progress=progress)
-
-    def _chunk_sizes(self) -> set[int]:
-        """Every chunk size the snapshots' tensors were cut with (and the repository's)."""
-        sizes = {self.config.chunk_size}
-        for name in self.list_snapshots():
-            try:
-                m = self.read_manifest(self.resolve(name))
-            except CasnapError:
-                continue
-            sizes.update(e.chunk_size for e in m.entries.values() if isinstance(e, TensorEntry))
-        return sizes
+        sources = repair_sources(self.storage, from_snapshots, from_files, from_states)
+        return repair(
+            self.storage, sources, read_data=read_data, dry_run=dry_run, progress=progress
+        )
 
     def retain(
         self,
@@ -300,7 +290,7 @@ class Repository(RepoStorage):
         stops there (nothing deleted). A :class:`RetentionPlan` from an
         earlier dry run can be passed instead of a policy to execute exactly
         it (refs changed since are skipped). A plan that deletes every
-        snapshot raises :class:`casnap.RetentionError` unless
+        snapshot raises :class:`casnap.errors.RetentionError` unless
         ``allow_delete_all``. ``prune`` deletes, right after, the manifests of
         the deleted refs and what only they reference, with no grace period
         (:func:`casnap.gc.reclaim.reclaim`, waiting up to ``wait_seconds`` for
@@ -314,12 +304,12 @@ class Repository(RepoStorage):
         if isinstance(policy, RetentionPlan):
             plan = policy
         else:
-            plan = plan_retention(self, policy, now, allow_delete_all=allow_delete_all)
+            plan = plan_retention(self.storage, policy, now, allow_delete_all=allow_delete_all)
         if dry_run:
             return RetentionResult((), {}, plan, dry_run=True)
-        result = execute_retention(self, plan)
+        result = execute_retention(self.storage, plan)
         if prune:
-            freed = reclaim(self, result.retired_manifests, wait_seconds=wait_seconds)
+            freed = reclaim(self.storage, result.retired_manifests, wait_seconds=wait_seconds)
             result = replace(result, reclaimed=freed)
         return result
 
@@ -334,14 +324,14 @@ class Repository(RepoStorage):
         """Delete what no ref or tag reaches and is older than ``grace_seconds`` (default 1 h).
 
         Safe beside running takes: it waits up to ``wait_seconds`` for takes in
-        flight (else :class:`casnap.GcBlockedError`, having deleted nothing).
+        flight (else :class:`casnap.errors.GcBlockedError`, having deleted nothing).
         ``dry_run`` plans only; ``result.plan`` says what would go::
 
             repo.gc(dry_run=True).plan.bytes_to_free
             repo.gc(grace_seconds=0).bytes_freed
         """
         return gc(
-            self,
+            self.storage,
             grace_seconds=grace_seconds,
             dry_run=dry_run,
             wait_seconds=wait_seconds,
@@ -353,12 +343,12 @@ class Repository(RepoStorage):
 
         Takes and gc already pass over a stale lock (expired, or claiming more
         than any holder writes, docs/gc.md); this removes it for good. A live
-        lock, which a running gc renews, stays (:class:`casnap.GcBusyError`
+        lock, which a running gc renews, stays (:class:`casnap.errors.GcBusyError`
         naming its holder) unless ``force``, for a gc known to be gone::
 
             repo.unlock()  # 'the gc lock of gc a (host h, pid 1, ...): it claims ...'
         """
-        return break_gc_lock(self.store, force=force)
+        return break_gc_lock(self.storage.store, force=force)
 
     def delete(self, name: str) -> str:
         """Delete snapshot ``name`` (its ref); returns the manifest hash it named.
@@ -367,15 +357,15 @@ class Repository(RepoStorage):
         reclaims the chunks no other snapshot or tag reaches; :meth:`du` says
         how much that is beforehand (``exclusive_bytes``). A tag on the
         snapshot keeps its data. :class:`casnap.SnapshotNotFoundError` if there
-        is no such snapshot::
+        is no such snapshot (``name`` is the snapshot's own name: no tag or ``latest``)::
 
             repo.delete("step_100")
             repo.gc(grace_seconds=0).bytes_freed
 
         or, at once and only for this snapshot, :meth:`reclaim`.
         """
-        manifest = self.resolve(name)
-        self.delete_ref(name)
+        manifest = self.storage.resolve(name)
+        self.storage.delete_ref(name)
         return manifest
 
     def reclaim(
@@ -387,11 +377,11 @@ class Repository(RepoStorage):
 
             repo.reclaim([repo.delete("step_100")]).bytes_freed
         """
-        return reclaim(self, manifests, wait_seconds=wait_seconds)
+        return reclaim(self.storage, manifests, wait_seconds=wait_seconds)
 
     def copy_to(
         self,
-        dst: RepoStorage | str,
+        dst: Repository | str,
         names: Sequence[str] | None = None,
         *,
         force: bool = False,
@@ -406,7 +396,7 @@ class Repository(RepoStorage):
         again, sends only the rest. ``storage_options`` open ``dst``;
         ``progress(bytes_done, bytes_total)``; ``dry_run`` returns the plan
         (``result.plan``) and writes nothing. Raises
-        :class:`casnap.CopyIntegrityError` when a snapshot needs a damaged
+        :class:`casnap.errors.CopyIntegrityError` when a snapshot needs a damaged
         source object (the others are copied), :class:`casnap.SnapshotExistsError`
         when ``dst`` has a name with other content and not ``force``
         (docs/copy.md)::
@@ -415,8 +405,8 @@ class Repository(RepoStorage):
             print(result.render())
         """
         return copy_snapshots(
-            self,
-            dst,
+            self.storage,
+            dst.storage if isinstance(dst, Repository) else dst,
             names,
             force=force,
             dry_run=dry_run,
@@ -426,37 +416,35 @@ class Repository(RepoStorage):
 
     def tag(self, tag: str, snapshot: str) -> TagInfo:
         """Pin ``snapshot`` under ``tag`` against retention and gc."""
-        return add_tag(self, tag, snapshot)
+        return add_tag(self.storage, tag, snapshot)
 
     def untag(self, tag: str) -> TagInfo:
-        """Remove ``tag``; returns what it pinned (:class:`casnap.ObjectNotFoundError` if none)."""
-        return remove_tag(self, tag)
+        """Remove ``tag``; returns what it pinned
+        (:class:`casnap.errors.ObjectNotFoundError` if none)."""
+        return remove_tag(self.storage, tag)
 
     def tags(self) -> dict[str, TagInfo]:
         """Every tag by name, in natural order (``v2`` before ``v10``)."""
-        return list_tags(self)
+        return list_tags(self.storage)
 
     # -- the torch side ----------------------------------------------------
     def snapshot(self, name: str) -> Snapshot:
-        """The snapshot ``name``, or the one a tag or ``latest`` names, found as the
-        command line finds it (:mod:`casnap.ops.naming`;
-        :class:`casnap.SnapshotNotFoundError`, with the closest names, if none);
-        ``.name`` is the snapshot's own name::
+        """The snapshot ``name``, a tag or ``latest`` names, as :meth:`resolve` finds it
+        (:class:`casnap.SnapshotNotFoundError` if none); ``.name`` is its own name::
 
-            repo.snapshot("latest").restore(app_state)  # the newest, by step then time
+            repo.snapshot("latest").restore(app_state)
+            repo.snapshot("best").name  # "step_300", the snapshot tag "best" is on
         """
         from casnap.api.snapshot import Snapshot
 
-        found = resolve_name(self, name)
-        return Snapshot(
-            self._path(found), storage_options={"repository": self}, session=self._take_session()
-        )
+        path, options = self._path(resolve_name(self.storage, name)), {"repository": self.storage}
+        return Snapshot(path, storage_options=options, session=self._take_session())
 
     def take(self, name: str, app_state: dict[str, Any], **kwargs: Any) -> Snapshot:
         """``Snapshot.take`` of ``app_state`` as ``name`` in this repository."""
         from casnap.api.snapshot import Snapshot
 
-        options = {**kwargs.pop("storage_options", {}), "repository": self}
+        options = {**kwargs.pop("storage_options", {}), "repository": self.storage}
         kwargs.setdefault("session", self._take_session())
         return Snapshot.take(self._path(name), app_state, storage_options=options, **kwargs)
 

@@ -270,7 +270,7 @@ def _next_part(repo: Repository, n: int) -> tuple[int, int]:
     from casnap.settings import state_dir
 
     base = state_dir()
-    state = base / "verify" / f"{repo.config.repo_id}-{n}"
+    state = base / "verify" / f"{repo.storage.config.repo_id}-{n}"
     try:
         k = (int(state.read_text()) + 1) % n
     except (OSError, ValueError):

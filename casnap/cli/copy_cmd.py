@@ -19,6 +19,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from casnap.api.repository import Repository
 from casnap.cli.common import emit, open_repo, storage_options
 from casnap.cli.naming import resolve_name
 from casnap.cli.progress import progress_bar
@@ -36,11 +37,14 @@ def cmd_copy(args: argparse.Namespace) -> int:
         dst_options[key] = value
     # The first request to the destination is bounded like every remote opening.
     dst = first_contact(
-        args.dst, lambda: open_destination(args.dst, dst_options, src, create=not args.dry_run)
+        args.dst,
+        lambda: open_destination(args.dst, dst_options, src.storage, create=not args.dry_run),
     )
     with progress_bar(args, "copy") as bar:
         try:
-            result = src.copy_to(dst, names, force=args.force, dry_run=args.dry_run, progress=bar)
+            result = src.copy_to(
+                Repository.of(dst), names, force=args.force, dry_run=args.dry_run, progress=bar
+            )
         except CopyIntegrityError as exc:
             if isinstance(exc.result, CopyResult):  # say what was copied before the error line
                 emit(args, exc.result.to_json(), exc.result.render)

@@ -36,7 +36,9 @@ def cmd_du(args: argparse.Namespace) -> int:
             "hint": usage.unreferenced.describe() if usage.unreferenced else None,
         },
     }
-    emit(args, data, lambda: render(usage, local=isinstance(repo.store.unwrap(), LocalStore)))
+    emit(
+        args, data, lambda: render(usage, local=isinstance(repo.storage.store.unwrap(), LocalStore))
+    )
     return 0
 
 

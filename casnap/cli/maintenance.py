@@ -81,9 +81,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     )
     data = {
         "repo": repo.url,
-        "repo_id": repo.config.repo_id,
-        "shared": repo.config.shared,
-        "chunk_size": repo.config.chunk_size,
+        "repo_id": repo.storage.config.repo_id,
+        "shared": repo.storage.config.shared,
+        "chunk_size": repo.storage.config.chunk_size,
     }
     emit(args, data, lambda: f"shared repository at {repo.url}: snapshot paths below it go in it")
     return 0
@@ -202,7 +202,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
         try:
             info = repo.untag(args.tag)
         except ObjectNotFoundError as exc:
-            hint = suggest(args.tag, tag_names(repo), f"`casnap tag {repo.url} ls`")
+            hint = suggest(args.tag, tag_names(repo.storage), f"`casnap tag {repo.url} ls`")
             raise ObjectNotFoundError(f"{exc}{hint}", exc.key) from exc
         emit(args, vars(info), lambda: f"removed tag {info.tag} (was {info.snapshot})")
     else:

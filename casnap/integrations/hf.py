@@ -148,7 +148,7 @@ class CasnapTrainerMixin:
         if pointer is None:
             return None
         repo = pointer.open_repository()
-        if repo.resolve(pointer.snapshot) != pointer.manifest:
+        if repo.storage.resolve(pointer.snapshot) != pointer.manifest:
             raise SnapshotNotFoundError(
                 f"{checkpoint} names snapshot {pointer.snapshot!r} of manifest {pointer.manifest}, "
                 f"but {repo.url} holds another snapshot under that name now",

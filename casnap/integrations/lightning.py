@@ -96,7 +96,7 @@ def checkpoint_snapshot(path: str) -> Snapshot:
     if pointer is None:
         return Snapshot(path)  # SnapshotNotFoundError (a FileNotFoundError) if none
     repo = pointer.open_repository()
-    if repo.resolve(pointer.snapshot) != pointer.manifest:
+    if repo.storage.resolve(pointer.snapshot) != pointer.manifest:
         raise SnapshotNotFoundError(
             f"{path} names snapshot {pointer.snapshot!r} of manifest {pointer.manifest}, but "
             f"{repo.url} holds another snapshot under that name now",
@@ -124,7 +124,7 @@ class CasnapCheckpointIO(CheckpointIO):
     - ``allow_pickle``: store values that are neither tensors, primitives nor
       containers (a ``Namespace`` in ``hyper_parameters``) by pickling them, and
       load them back (never when Lightning asks for ``weights_only=True``).
-      Without it such a value fails the save with :class:`casnap.PickleNotAllowedError`
+      Without it such a value fails the save with :class:`casnap.errors.PickleNotAllowedError`
       naming its key.
     - ``memory_budget_bytes``: bounds the in-flight copies of a save and a load.
     - ``reclaim_wait_seconds``: how long deleting a checkpoint waits for a save in

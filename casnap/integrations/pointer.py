@@ -181,7 +181,7 @@ class Retirer:
     def retire(self, repo: Repository, name: str, manifest: str | None) -> None:
         """Delete snapshot ``name`` if it still names ``manifest`` (any, if None); reclaim it."""
         try:
-            current = repo.resolve(name)
+            current = repo.storage.resolve(name)
         except SnapshotNotFoundError:
             current = None
         if current is not None and manifest is not None and current != manifest:

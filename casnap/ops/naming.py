@@ -1,7 +1,7 @@
 """Naming a snapshot: by its name, by a tag, or as ``latest``.
 
 Wherever a command or the Python API takes a snapshot name (``show``, ``diff``,
-``export``, ``rm``, ``tag add``; ``Repository.snapshot``, ``Repository.show``),
+``export``, ``rm``, ``tag add``; ``Repository.resolve``, ``Repository.snapshot``),
 it is looked up in this order:
 
 1. a snapshot of that name (an explicit name always wins);
@@ -17,7 +17,7 @@ snapshot and tag names ("did you mean ...?"); the CLI exits 3.
 Example::
 
     repo, name = Repository.locate("/ckpt/run1/latest", must_exist=False)
-    resolve_name(repo, name)  # "step_1000"
+    resolve_name(repo.storage, name)  # "step_1000"
 """
 
 from __future__ import annotations

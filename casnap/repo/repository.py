@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from casnap.errors import (
     ConfigError,
@@ -84,14 +84,11 @@ def ref_key(name: str) -> str:
     return f"refs/{name_key(check_ref_name(name))}"
 
 
-_Repo = TypeVar("_Repo", bound="RepoStorage")
-
-
 class RepoStorage:
     """The storage of a casnap repository: its config, immutable objects and refs.
 
     This is the layer the pipelines build on; :class:`casnap.Repository` is
-    the public face (log, diff, du, gc, ...) built on top of it.
+    the public face (log, diff, du, gc, ...) and holds one as ``.storage``.
 
     Example::
 
@@ -109,13 +106,6 @@ class RepoStorage:
         # consumes it (casnap.take.target.resolve_target): nothing to deduplicate against.
         self.created = False
 
-    @classmethod
-    def _make(cls: type[_Repo], root: ObjectStore, config: RepoConfig) -> _Repo:
-        """An instance of ``cls`` over ``root``, whatever ``cls``'s own constructor takes."""
-        obj = cls.__new__(cls)
-        RepoStorage.__init__(obj, root, config)
-        return obj
-
     # -- opening ---------------------------------------------------------
     @classmethod
     def open(cls, url: str, storage_options: dict[str, Any] | None = None) -> RepoStorage:
@@ -124,7 +114,7 @@ class RepoStorage:
             data = root.get(f"{META}/{CONFIG_KEY}", limit=MAX_RECORD_BYTES)
         except ObjectNotFoundError as exc:
             raise RepositoryNotFoundError(f"no casnap repository at {url!r}") from exc
-        return cls._make(root, parse_config(data))
+        return cls(root, parse_config(data))
 
     @classmethod
     def open_or_create(
@@ -165,7 +155,7 @@ class RepoStorage:
         key = f"{META}/{CONFIG_KEY}"
         if not seen_absent:
             try:
-                return cls._make(root, parse_config(root.get(key, limit=MAX_RECORD_BYTES)))
+                return cls(root, parse_config(root.get(key, limit=MAX_RECORD_BYTES)))
             except ObjectNotFoundError:
                 pass
         config = RepoConfig(
@@ -178,8 +168,8 @@ class RepoStorage:
         try:
             root.put(key, config_bytes(config), create_only=True)
         except ObjectExistsError:
-            return cls._make(root, parse_config(root.get(key, limit=MAX_RECORD_BYTES)))
-        repo = cls._make(root, config)
+            return cls(root, parse_config(root.get(key, limit=MAX_RECORD_BYTES)))
+        repo = cls(root, config)
         repo.created = True
         return repo
 
@@ -306,7 +296,7 @@ class RepoStorage:
         they were given to the take.
 
         A damaged ref under a hashed key (a long name) cannot say its name: it is
-        refused (:class:`casnap.ManifestValidationError`); ``verify`` lists them all.
+        refused (:class:`casnap.errors.ManifestValidationError`); ``verify`` lists them all.
         """
         return names_in(self.store, "refs")
 
@@ -432,7 +422,8 @@ def locate(
 
     The rules (docs/repository.md, "Where snapshots live"):
 
-    1. An explicit ``storage_options["repository"]`` (a URL or a RepoStorage) wins.
+    1. An explicit ``storage_options["repository"]`` (a URL, a RepoStorage, or a
+       ``casnap.Repository``: its ``.storage``) wins.
     2. Else the nearest ancestor of ``path`` holding a repository, if it is the
        path's parent or was created to be shared (``config.shared``: ``casnap
        init``, ``Repository.init``). A read (``create=False``) looks for the
@@ -444,7 +435,7 @@ def locate(
        home directory, and a take path that is the working or home directory
        is refused (:class:`casnap.ConfigError`).
 
-    The name is checked before anything is created (:class:`casnap.InvalidNameError`).
+    The name is checked before anything is created (:class:`casnap.errors.InvalidNameError`).
     ``existing``: a read of a snapshot that must exist; when no repository holds
     it, :class:`casnap.SnapshotNotFoundError` names every repository looked in.
     (Without it a read may return the repository a take would use: other ranks
@@ -452,6 +443,7 @@ def locate(
     """
     options = dict(_options(storage_options) or {})
     explicit = options.pop("repository", None)
+    explicit = getattr(explicit, "storage", explicit)  # a casnap.Repository: what it holds
     scheme, parts = split_url(path)
     if create and explicit is None:
         _check_take_path(path, scheme, parts)  # "/" too: a ConfigError that says what to do
