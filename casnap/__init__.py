@@ -1,68 +1,35 @@
-"""casnap: a content-addressed, deduplicating checkpoint store for PyTorch."""
+"""casnap: a content-addressed, deduplicating checkpoint store for PyTorch.
+
+The top level holds what a training script names; each name and why it is
+here: docs/architecture.md, "Public API". Every error and warning is in
+:mod:`casnap.errors`; the few a user catches every day are here too.
+"""
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from casnap import settings
+from casnap import errors, settings
 from casnap.api.repository import Repository
 from casnap.errors import (
-    ArgumentTypeError,
     CasnapError,
     CasnapWarning,
-    CheckpointExistsError,
-    ConditionalReplaceUnsupportedError,
     ConfigError,
-    CopyIntegrityError,
-    DamagedSourceError,
-    DeltaBaseError,
-    DistributedTakeError,
-    GcBlockedError,
-    GcBusyError,
-    GcRefusedError,
     IntegrityError,
-    InvalidNameError,
-    LeaseLostError,
-    ManifestValidationError,
-    MissingKeyError,
-    ObjectChangedError,
-    ObjectExistsError,
-    ObjectLoadError,
-    ObjectNotFoundError,
-    ObjectRefusedError,
-    OutputSpaceError,
-    PickleNotAllowedError,
-    ReplicaMismatchError,
-    ReplicaMismatchWarning,
-    RepositoryError,
     RepositoryNotFoundError,
-    RetentionError,
-    ShapeMismatchError,
-    SnapshotChangedError,
     SnapshotExistsError,
     SnapshotNotFoundError,
-    SourceFormatError,
-    SourceNotFoundError,
-    StateError,
-    StoreError,
-    TooLargeError,
-    UnexpectedKeyError,
-    UnsupportedFormatError,
-    UnsupportedValueError,
 )
-from casnap.ops.copy import CopyResult, copy
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
     KeepLast,
     KeepTagged,
     KeepWithin,
-    RetentionPlan,
     RetentionPolicy,
-    execute_retention,
-    plan_retention,
 )
-from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 
 # The torch layers load on first use, so that listing, du, gc and verify (and
 # the CLI) never import torch.
@@ -81,15 +48,36 @@ _LAZY = {
 __version__ = "0.1.0"
 
 
+def _moved(name: str) -> tuple[str, str] | None:
+    """(module holding it, its new spelling) for a name that left the top level."""
+    from casnap.api import deprecated
+
+    if name in errors.__all__:
+        return "casnap.errors", f"casnap.errors.{name}"
+    if name in deprecated.MOVED_CLASSES:
+        module = deprecated.MOVED_CLASSES[name]
+        return module, f"{module}.{name}"
+    if name in deprecated.MOVED_FUNCTIONS:
+        return "casnap.api.deprecated", deprecated.MOVED_FUNCTIONS[name]
+    return None
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    moved = _moved(name)
+    if moved is None:
         raise AttributeError(f"module 'casnap' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    # Deprecated aliases, for one release: not cached, so that every use warns.
+    warnings.warn(
+        f"casnap.{name} is deprecated and leaves the top level in the next release; use {moved[1]}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(moved[0]), name)
 
 
 if TYPE_CHECKING:
@@ -100,72 +88,34 @@ if TYPE_CHECKING:
     from casnap.torch_io.stateful import RNGState, StateDict, Stateful
 
 __all__ = [
-    "ArgumentTypeError",
-    "CasnapError",
-    "CasnapWarning",
-    "CheckpointExistsError",
-    "ConfigError",
-    "CopyIntegrityError",
-    "CopyResult",
-    "DamagedSourceError",
-    "DeltaBaseError",
-    "SourceFormatError",
-    "SourceNotFoundError",
-    "copy",
-    "DistributedTakeError",
-    "GcBlockedError",
-    "GcBusyError",
-    "GcRefusedError",
-    "LeaseLostError",
-    "ReplicaMismatchError",
-    "ReplicaMismatchWarning",
+    # taking and restoring (the torchsnapshot API)
+    "Snapshot",
+    "PendingSnapshot",
+    "StateDict",
+    "Stateful",
+    "RNGState",
+    "Session",
+    # training loops
     "Checkpointer",
-    "InvalidNameError",
-    "KeepBest",
-    "KeepEveryStep",
-    "KeepLast",
-    "KeepTagged",
-    "KeepWithin",
-    "RetentionError",
-    "RetentionPlan",
     "RetentionPolicy",
-    "TagInfo",
-    "add_tag",
-    "execute_retention",
+    "KeepLast",
+    "KeepEveryStep",
+    "KeepBest",
+    "KeepWithin",
+    "KeepTagged",
+    # the repository
+    "Repository",
     "export_safetensors",
     "export_torch",
-    "list_tags",
-    "plan_retention",
-    "remove_tag",
-    "ConditionalReplaceUnsupportedError",
-    "IntegrityError",
-    "ManifestValidationError",
-    "MissingKeyError",
-    "ObjectChangedError",
-    "ObjectExistsError",
-    "ObjectNotFoundError",
-    "ObjectRefusedError",
-    "OutputSpaceError",
-    "PendingSnapshot",
-    "ObjectLoadError",
-    "PickleNotAllowedError",
-    "RNGState",
-    "Repository",
+    # modules
+    "errors",
     "settings",
-    "RepositoryError",
-    "RepositoryNotFoundError",
-    "ShapeMismatchError",
-    "Session",
-    "Snapshot",
-    "SnapshotChangedError",
-    "SnapshotExistsError",
+    # the errors caught every day (all of them: casnap.errors)
+    "CasnapError",
+    "CasnapWarning",
     "SnapshotNotFoundError",
-    "StateDict",
-    "StateError",
-    "Stateful",
-    "StoreError",
-    "TooLargeError",
-    "UnexpectedKeyError",
-    "UnsupportedFormatError",
-    "UnsupportedValueError",
+    "SnapshotExistsError",
+    "RepositoryNotFoundError",
+    "IntegrityError",
+    "ConfigError",
 ]

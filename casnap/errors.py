@@ -3,6 +3,10 @@
 Every error casnap raises derives from :class:`CasnapError`; each subclass also
 derives from the builtin exception it means, so ``except FileNotFoundError``
 keeps working for code that does not know casnap.
+
+Reach them here: ``from casnap.errors import CopyIntegrityError``. The few a
+user catches every day are also at the top level (``casnap.SnapshotNotFoundError``;
+docs/architecture.md, "Public API").
 """
 
 from __future__ import annotations
@@ -344,3 +348,49 @@ class SourceFormatError(ConfigError):
 
 class DamagedSourceError(IntegrityError):
     """The source is of a known format but truncated or malformed: exit code 4."""
+
+
+__all__ = [
+    "CasnapError",
+    "StoreError",
+    "ObjectNotFoundError",
+    "ObjectExistsError",
+    "ObjectChangedError",
+    "ConditionalReplaceUnsupportedError",
+    "RepositoryError",
+    "RepositoryNotFoundError",
+    "UnsupportedFormatError",
+    "SnapshotNotFoundError",
+    "SnapshotExistsError",
+    "SnapshotChangedError",
+    "CheckpointExistsError",
+    "IntegrityError",
+    "CopyIntegrityError",
+    "DeltaBaseError",
+    "ManifestValidationError",
+    "ObjectRefusedError",
+    "InvalidNameError",
+    "StateError",
+    "UnsupportedValueError",
+    "ObjectLoadError",
+    "PickleNotAllowedError",
+    "MissingKeyError",
+    "UnexpectedKeyError",
+    "ShapeMismatchError",
+    "RetentionError",
+    "ArgumentTypeError",
+    "ConfigError",
+    "LeaseLostError",
+    "GcBusyError",
+    "GcBlockedError",
+    "DistributedTakeError",
+    "ReplicaMismatchError",
+    "CasnapWarning",
+    "ReplicaMismatchWarning",
+    "GcRefusedError",
+    "TooLargeError",
+    "OutputSpaceError",
+    "SourceNotFoundError",
+    "SourceFormatError",
+    "DamagedSourceError",
+]

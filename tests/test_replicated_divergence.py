@@ -144,7 +144,8 @@ def _big(rank: int, diverge_at: int | None) -> torch.Tensor:
 
 
 def big_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
-    from casnap import ReplicaMismatchError, ReplicaMismatchWarning, Snapshot, StateDict
+    from casnap import Snapshot, StateDict
+    from casnap.errors import ReplicaMismatchError, ReplicaMismatchWarning
     from casnap.format.names import hash_bytes
     from casnap.torch_io.tensors import byte_view
 

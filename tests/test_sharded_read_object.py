@@ -82,7 +82,8 @@ def read_quantized_shards(rank: int, world: int, root: str) -> dict[str, Any]:
     from torch.distributed._shard.sharded_tensor import empty
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
-    from casnap import ShapeMismatchError, Snapshot, StateDict
+    from casnap import Snapshot, StateDict
+    from casnap.errors import ShapeMismatchError
 
     snap = Snapshot.take(
         f"{root}/q", {"state": StateDict(_sharded(world))}, _custom_tensor_prepare_func=_quantize

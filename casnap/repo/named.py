@@ -80,7 +80,7 @@ def check_recorded_name(folder: str, key: str, name: str, recorded: str | None) 
 def recorded_name(store: ObjectStore, folder: str, key: str) -> str:
     """The name the record under hashed ``key`` carries, checked to be stored under that key.
 
-    :class:`casnap.ManifestValidationError` (naming the key) when the key is not
+    :class:`casnap.errors.ManifestValidationError` (naming the key) when the key is not
     one casnap writes, the record is unreadable or has no name, or its name
     does not hash to the key: the record is damaged or not casnap's.
     """
@@ -135,7 +135,7 @@ def stored_names(store: ObjectStore, folder: str) -> tuple[list[str], list[tuple
 
 def names_in(store: ObjectStore, folder: str) -> list[str]:
     """The names stored below ``folder``, in natural order; a damaged hashed record is refused
-    (:class:`casnap.ManifestValidationError`): a listing must not lose a name silently."""
+    (:class:`casnap.errors.ManifestValidationError`): a listing must not lose a name silently."""
     names, damaged = stored_names(store, folder)
     if damaged:
         key, reason = damaged[0]

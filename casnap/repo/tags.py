@@ -101,9 +101,9 @@ def _parse_tag(tag: str, data: bytes, key: str | None = None) -> TagInfo:
 def add_tag(repo: RepoStorage, tag: str, snapshot_name: str) -> TagInfo:
     """Pin ``snapshot_name``'s current manifest under ``tag`` (create-only).
 
-    Raises :class:`casnap.ObjectExistsError` (a ``FileExistsError``) when the
+    Raises :class:`casnap.errors.ObjectExistsError` (a ``FileExistsError``) when the
     tag exists, :class:`casnap.SnapshotNotFoundError` when the snapshot does
-    not, and :class:`casnap.InvalidNameError` for a malformed tag name.
+    not, and :class:`casnap.errors.InvalidNameError` for a malformed tag name.
 
     Example: ``add_tag(repo, "best", "step_000004200")``.
     """
@@ -136,7 +136,7 @@ def add_tag(repo: RepoStorage, tag: str, snapshot_name: str) -> TagInfo:
 
 
 def read_tag(repo: RepoStorage, tag: str) -> TagInfo:
-    """One tag; :class:`casnap.ObjectNotFoundError` when it does not exist."""
+    """One tag; :class:`casnap.errors.ObjectNotFoundError` when it does not exist."""
     expect_type(repo, RepoStorage, "repo", "a casnap repository")
     key = _stored_key(repo, tag)
     try:
@@ -149,7 +149,7 @@ def read_tag(repo: RepoStorage, tag: str) -> TagInfo:
 def remove_tag(repo: RepoStorage, tag: str) -> TagInfo:
     """Delete ``tag`` and return what it pinned; the snapshot's ref is untouched.
 
-    Raises :class:`casnap.ObjectNotFoundError` (a ``FileNotFoundError``) when
+    Raises :class:`casnap.errors.ObjectNotFoundError` (a ``FileNotFoundError``) when
     there is no such tag. Once removed, the manifest it pinned is reclaimable
     by gc unless a ref or another tag still reaches it.
     """
@@ -163,7 +163,7 @@ def remove_tag(repo: RepoStorage, tag: str) -> TagInfo:
 def list_tags(repo: RepoStorage) -> dict[str, TagInfo]:
     """Every repository tag by name, in natural order. Gc roots: see ``TagInfo.manifest``.
 
-    A malformed tag file raises :class:`casnap.ManifestValidationError` rather
+    A malformed tag file raises :class:`casnap.errors.ManifestValidationError` rather
     than being skipped, so a collector can never lose a root silently.
     """
     expect_type(repo, RepoStorage, "repo", "a casnap repository")
