@@ -345,7 +345,7 @@ def test_saves_through_a_repository_object_made_here_get_parents(tmp_path):
     for step in (1, 2):
         writer = CasnapWriter(f"{repo.url}/step_{step}", storage_options=opts)
         dcp.save({"model": model.state_dict()}, storage_writer=writer)
-    assert repo.read_manifest(repo.resolve("step_2")).parents == [repo.resolve("step_1")]
+    assert repo.storage.read_manifest(repo.resolve("step_2")).parents == [repo.resolve("step_1")]
     s3 = Snapshot.take(f"{repo.url}/step_3", {"model": model}, storage_options=opts)
     assert s3.manifest.parents == [repo.resolve("step_2")]
 

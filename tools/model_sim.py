@@ -524,7 +524,7 @@ class Sim:
     def _check_parent(self, repo: str, name: str, parents: list[str], newest: set[str]) -> None:
         """(e): a take or DCP save with no parent given and no session descends from the
         last snapshot committed in its folder, or from none when the folder is empty."""
-        handle = self.handle(repo)
+        handle = self.handle(repo).storage
         allowed = {handle.resolve(n) for n in newest if handle.has_ref(n)}
         if (parents == [] and not allowed) or (len(parents) == 1 and parents[0] in allowed):
             return
@@ -548,7 +548,7 @@ class Sim:
         old = storage.resolve(op["id"]) if storage.has_ref(op["id"]) else None
         before = self.records(op["repo"])
         self._trim(op["repo"])
-        current = repo.resolve(op["id"]) if repo.has_ref(op["id"]) else None  # after the trim
+        current = storage.resolve(op["id"]) if storage.has_ref(op["id"]) else None  # after trim
         newest = rm.newest(op["id"])
         writer = CasnapWriter(
             f"{rm.url}/{op['id']}",
@@ -564,7 +564,7 @@ class Sim:
         rm.snaps[op["id"]] = Expected(clone(self.live), "dcp", op["i"])
         rm.committed(op["id"])
         if writer.last_manifest is not None:
-            parents = repo.read_manifest(writer.last_manifest).parents
+            parents = storage.read_manifest(writer.last_manifest).parents
             if current is not None and parents != [current]:  # a re-save: the one it replaced
                 self.violate("wrong-parent", f"{op['repo']}/{op['id']}", "not the replaced save")
             elif current is None:
