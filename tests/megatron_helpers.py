@@ -153,3 +153,15 @@ def full_tensors(per_rank: list[list[tuple[str, tuple[int, ...], torch.Tensor]]]
 def env_quiet() -> None:
     os.environ.setdefault("CASNAP_DIST_TIMEOUT", "60")
     warnings.filterwarnings("ignore")
+
+
+def two_rank_scenarios(rank: int, world: int, layouts_root: str, async_root: str) -> dict[str, Any]:
+    """(every rank) test_megatron_dist.py's scenario, then test_megatron_async.py's."""
+    from megatron.core import parallel_state as ps
+    from test_megatron_async import _async
+    from test_megatron_dist import _layouts
+
+    out = {"layouts": _layouts(rank, world, layouts_root)}
+    ps.destroy_model_parallel()
+    out["async"] = _async(rank, world, async_root)
+    return out

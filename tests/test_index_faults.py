@@ -235,11 +235,28 @@ def test_an_empty_read_only_index_filesystem(small_fs, tmp_path):
 # -- a damaged index (no mount needed) ------------------------------------------------
 
 
-def test_a_truncated_index_file_is_rebuilt(tmp_path):
-    """A data.mdb shorter than the database it describes faults on read: it is rebuilt."""
+@pytest.fixture(scope="module")
+def one_take(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository with snapshot ``a0`` and its index, taken by a child: built once."""
+    base = tmp_path_factory.mktemp("one-take")
+    with pytest.MonkeyPatch.context() as mp:  # Repository.init's own index state: in base too
+        mp.setenv("CASNAP_INDEX_DIR", str(base / "init-index"))
+        new_repo(base / "repo")
+    assert_survived(run_takes(base / "repo", base / "index", name="a", takes=1), warnings=0)
+    return base
+
+
+def copy_of(one_take: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """This test's own copy of ``one_take``'s repository and index (the same repository id)."""
     root, index_dir = tmp_path / "repo", tmp_path / "index"
-    new_repo(root)
-    assert_survived(run_takes(root, index_dir, name="a", takes=1), warnings=0)
+    shutil.copytree(one_take / "repo", root)
+    shutil.copytree(one_take / "index", index_dir)
+    return root, index_dir
+
+
+def test_a_truncated_index_file_is_rebuilt(tmp_path, one_take):
+    """A data.mdb shorter than the database it describes faults on read: it is rebuilt."""
+    root, index_dir = copy_of(one_take, tmp_path)
     (data,) = index_dir.glob("*/data.mdb")
     os.truncate(data, data.stat().st_size // 2)
     probes = assert_survived(run_takes(root, index_dir, takes=2))
@@ -250,10 +267,8 @@ def test_a_truncated_index_file_is_rebuilt(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "empty", "folder"])
-def test_a_damaged_lock_file(tmp_path, damage):
-    root, index_dir = tmp_path / "repo", tmp_path / "index"
-    new_repo(root)
-    assert_survived(run_takes(root, index_dir, name="a", takes=1), warnings=0)
+def test_a_damaged_lock_file(tmp_path, one_take, damage):
+    root, index_dir = copy_of(one_take, tmp_path)
     (lock,) = index_dir.glob("*/lock.mdb")
     if damage == "garbage":
         lock.write_bytes(os.urandom(lock.stat().st_size))

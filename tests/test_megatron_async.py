@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from megatron_helpers import (
     build,
     check_loaded,
@@ -129,13 +128,8 @@ def _async(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("megatron-async") / "run1"
-    root.mkdir()
-    outcomes = run_ranks(2, _async, str(root), timeout=600)
-    for o in outcomes:
-        assert o.error_type == "", o.error_text
-    return root, [o.value for o in outcomes]
+def async_run(megatron_two_ranks: dict[str, Any]) -> tuple[Path, list[dict[str, Any]]]:
+    return megatron_two_ranks["async"]  # one launch with test_megatron_dist.py's scenario
 
 
 def test_async_saves_are_point_in_time_and_load_bit_exact(async_run: Any) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from megatron_helpers import (
     build,
     check_loaded,
@@ -115,13 +114,8 @@ def _layouts(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("megatron-dist") / "run1"
-    root.mkdir()
-    outcomes = run_ranks(2, _layouts, str(root), timeout=600)
-    for o in outcomes:
-        assert o.error_type == "", o.error_text
-    return root, [o.value for o in outcomes]
+def layouts(megatron_two_ranks: dict[str, Any]) -> tuple[Path, list[dict[str, Any]]]:
+    return megatron_two_ranks["layouts"]  # one launch with test_megatron_async.py's scenario
 
 
 def test_tensor_parallel_save_loads_bit_exact_into_data_parallel(layouts: Any) -> None:

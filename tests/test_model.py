@@ -8,7 +8,7 @@ restore that succeeds is bit-exact, that a snapshot whose stored copies all
 decode restores, that ``verify --read-data`` agrees with restore, that a
 take after recorded damage is whole, that nothing taken is lost, and that a
 take or DCP save without a session descends from the snapshot committed last
-in its folder (docs/model.md). Fixed seed; ``CASNAP_MODEL_SECONDS`` (default 60) bounds
+in its folder (docs/model.md). Fixed seed; ``CASNAP_MODEL_SECONDS`` (default 30) bounds
 the time, ``CASNAP_MODEL_SEED`` and ``CASNAP_MODEL_OPS`` pick another program.
 The long run is ``tools/model_run.py``.
 """
@@ -25,7 +25,7 @@ import model_run  # noqa: E402
 import model_sim  # noqa: E402
 
 SEED = int(os.environ.get("CASNAP_MODEL_SEED", "20231"))
-SECONDS = float(os.environ.get("CASNAP_MODEL_SECONDS", "60"))
+SECONDS = float(os.environ.get("CASNAP_MODEL_SECONDS", "30"))
 OPS = int(os.environ.get("CASNAP_MODEL_OPS", "100000"))  # the time budget ends the run
 
 

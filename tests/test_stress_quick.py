@@ -34,6 +34,14 @@ def quick(tmp_path_factory) -> dict:
             sys.executable,
             str(ROOT / "benchmarks" / "stress.py"),
             "--quick",
+            # fewer than the preset's 6 kills, 40 flips and 10 s of gc, still above what
+            # the tests below require of each phase (3 kills, 30 flips, 20 takes beside gc)
+            "--kills",
+            "4",
+            "--flips",
+            "32",
+            "--gc-seconds",
+            "6",
             "--workdir",
             str(work),
             "--json",
