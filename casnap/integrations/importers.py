@@ -158,20 +158,8 @@ def import_checkpoint(
         meta = {**(metadata or {}), SOURCE_KEY: record}
         # Only now, with the source validated, is the repository found or created.
         target = resolve_target(snapshot_path, storage_options, meta, None, None)
-        job = TakeJob(
-            target.repo,
-            target.name,
-            nodes,
-            requests,
-            target.settings,
-            target.parents,
-            target.metadata,
-            budget,
-            None,
-            StagingPool(idle_limit=0),
-            fresh=target.fresh,
-            auto_parent=target.auto_parent,  # a take without a session (docs/repository.md)
-        )
+        # A take without a session: fresh and auto-parent as any (docs/repository.md).
+        job = TakeJob.of(target, nodes, requests, budget, None, StagingPool(idle_limit=0))
         job.live_consumed.set()  # nothing is staged: the take blocks until committed
         job.progress = progress
         result = job.run()

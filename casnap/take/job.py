@@ -64,7 +64,13 @@ from casnap.take.scheduler import (
     tensor_request,
 )
 from casnap.take.session import Session
-from casnap.take.target import TensorPrepareFunc, collect, resolve_target, staging_limit
+from casnap.take.target import (
+    Target,
+    TensorPrepareFunc,
+    collect,
+    resolve_target,
+    staging_limit,
+)
 from casnap.torch_io.flatten import Node, ObjectLeaf, TensorLeaf
 from casnap.torch_io.staging import StagingPool
 from casnap.torch_io.tensors import dtype_name
@@ -105,6 +111,34 @@ class TakeJob:
     # throughout. An async take's commit pauses it only for its per-entry steps after
     # the writes, not while training runs beside a long write (casnap.take.python_gc).
     blocking: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        target: Target,
+        nodes: dict[str, Node],
+        requests: list[WriteRequest],
+        budget: ByteBudget,
+        session: Session | None,
+        pool: StagingPool,
+        **rest: Any,
+    ) -> TakeJob:
+        """A job writing to ``target``: its repository, name, settings, parents and flags."""
+        return cls(
+            target.repo,
+            target.name,
+            nodes,
+            requests,
+            target.settings,
+            target.parents,
+            target.metadata,
+            budget,
+            session,
+            pool,
+            fresh=target.fresh,
+            auto_parent=target.auto_parent,
+            **rest,
+        )
 
     def run(self) -> TakeResult:
         """Write, then commit; the staging buffers go back to the pool either way."""
@@ -257,20 +291,14 @@ def prepare_take(
     target = resolve_target(path, storage_options, metadata, parents, session)
     # Pinning pays only when the buffer is reused: a take without a session keeps none.
     pool = session.staging if session is not None else StagingPool(idle_limit=0, pin=False)
-    job = TakeJob(
-        target.repo,
-        target.name,
+    job = TakeJob.of(
+        target,
         nodes,
         requests,
-        target.settings,
-        target.parents,
-        target.metadata,
         budget,
         session,
         pool,
-        list(replicated or []),
-        fresh=target.fresh,
-        auto_parent=target.auto_parent,
+        replicated=list(replicated or []),
         blocking=not stage,
     )
     if stage:
