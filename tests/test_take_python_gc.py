@@ -1,4 +1,4 @@
-"""A take pauses Python's cyclic collector (casnap.take.python_gc), and restores it.
+"""Takes, restores and manifest parses pause Python's cyclic collector (casnap.python_gc).
 
 A full collection walks every object of the process (0.1 s with torch
 imported); a take of many small tensors used to trigger several.
@@ -14,7 +14,7 @@ import torch
 
 from casnap import Session, Snapshot, StateDict
 from casnap.errors import CasnapError
-from casnap.take.python_gc import python_gc_paused
+from casnap.python_gc import python_gc_paused
 
 
 @pytest.fixture
@@ -99,4 +99,22 @@ def test_overlapping_pauses_restore_collection_once_the_last_ends(eager_collecto
     assert not gc.isenabled()  # the other thread's take still runs
     release.set()
     t.join(10)
+    assert gc.isenabled()
+
+
+def test_a_restore_and_a_manifest_parse_make_no_full_collection(tmp_path, eager_collector):
+    from casnap import Repository
+
+    app = {"m": _state(500)}
+    Snapshot.take(str(tmp_path / "repo" / "s1"), app)
+    storage = Repository(str(tmp_path / "repo")).storage
+    manifest_hash = storage.read_ref("s1").manifest
+    parsed = _full_collections_during(lambda: storage.read_manifest(manifest_hash))
+    target = {"m": StateDict({k: torch.zeros(64) for k in app["m"]})}
+    restored = _full_collections_during(
+        lambda: Snapshot(str(tmp_path / "repo" / "s1")).restore(target)
+    )
+    # Collection resumes when the restore ends: at most the one it deferred runs then.
+    assert parsed == 0 and restored <= 1
+    assert all(torch.equal(target["m"][k], app["m"][k]) for k in app["m"])
     assert gc.isenabled()

@@ -32,11 +32,11 @@ from casnap.distributed.take import DistributedJob, prepare_distributed_take
 from casnap.errors import as_names, as_path, expect_type
 from casnap.format.entries import Entry
 from casnap.format.manifest import Manifest
+from casnap.python_gc import python_gc_paused
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import check_app_state, read_entry, restore_state
 from casnap.take.commit import remember
 from casnap.take.job import ShardedNeedsGroup, TakeJob, TakeResult, prepare_take
-from casnap.take.python_gc import python_gc_paused
 from casnap.take.session import Session
 from casnap.take.target import TensorPrepareFunc
 
@@ -202,7 +202,7 @@ class Snapshot:
             Snapshot.take(path, app_state, progress=lambda done, total: print(done, total))
         """
         progress = _checked(progress)  # before anything is created
-        with python_gc_paused():  # no full collection per ~50,000 objects (take.python_gc)
+        with python_gc_paused():  # no full collection per ~50,000 objects (casnap.python_gc)
             job = _prepare(
                 path,
                 app_state,
@@ -373,17 +373,19 @@ class Snapshot:
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         check_app_state(app_state)  # a TypeError before any storage is touched
         rank = _group(self.pg).rank  # not collective: each rank restores its own state
-        repo, manifest = self._load()
-        restore_state(
-            repo,
-            manifest,
-            app_state,
-            rank=rank,
-            strict=strict,
-            allow_pickle=allow_pickle,
-            memory_budget_bytes=memory_budget_bytes,
-            progress=_checked(progress),
-        )
+        progress = _checked(progress)
+        with python_gc_paused():  # several objects per entry, no cycles (casnap.python_gc)
+            repo, manifest = self._load()
+            restore_state(
+                repo,
+                manifest,
+                app_state,
+                rank=rank,
+                strict=strict,
+                allow_pickle=allow_pickle,
+                memory_budget_bytes=memory_budget_bytes,
+                progress=progress,
+            )
         remember(repo, self.manifest_hash, manifest, self.session)
 
     def read_object(

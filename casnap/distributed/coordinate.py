@@ -35,9 +35,9 @@ from casnap.format.manifest import (
     rank_ranges,
 )
 from casnap.format.versions import GROUPED_FORMAT_VERSION
+from casnap.python_gc import python_gc_paused
 from casnap.repo.repository import now_iso
 from casnap.take.plan import RankPlan, build_entries
-from casnap.take.python_gc import python_gc_paused
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def coordinate(gathered: Gathered, mode: str) -> Planned:
     ``mode`` is rank 0's ``replica_mismatch`` ("warn" or "error"), as for
     :func:`~casnap.distributed.plan.settle_replicas`.
     """
-    with python_gc_paused():  # many tuples and models, no cycles (take.python_gc)
+    with python_gc_paused():  # many tuples and models, no cycles (casnap.python_gc)
         return _coordinate(gathered, mode)
 
 
@@ -104,7 +104,7 @@ def assemble_entries(
     how the manifest writes them (:class:`~casnap.format.manifest.GroupedEntries`),
     found per plan rather than per key.
     """
-    with python_gc_paused():  # many tuples and models, no cycles (take.python_gc)
+    with python_gc_paused():  # many tuples and models, no cycles (casnap.python_gc)
         built = build_entries(planned.plans, dict(refs), previous)
         tails: list[list[str]] = []
         objs: list[list[Entry]] = []
@@ -188,7 +188,7 @@ def manifest_of(
     validated as usual (the shell), and the keys are checked here: per path
     of a group when ``entries`` come from :func:`assemble_entries`.
     """
-    with python_gc_paused():  # many tuples and models, no cycles (take.python_gc)
+    with python_gc_paused():  # many tuples and models, no cycles (casnap.python_gc)
         if isinstance(entries, GroupedEntries) and entries.intact():
             _check_keys(entries.plain)
             distinct = {id(e): e for e in entries.plain.values()}

@@ -20,6 +20,7 @@ from casnap.format.manifest import Manifest
 from casnap.format.names import check_hash, hash_bytes
 from casnap.format.records import DamageRecord, Ref, RepoConfig, TagRecord
 from casnap.format.versions import DELTA_FORMAT_VERSION, FORMAT_MAJOR, MANIFEST_MAJORS
+from casnap.python_gc import python_gc_paused
 
 MAX_MANIFEST_BYTES = 1 << 30
 # Refs, the config, tags, leases, gc records and damage records are a few
@@ -69,6 +70,7 @@ def _parse(
         ) from exc
 
 
+@python_gc_paused()  # a model or more per entry, no cycles (casnap.python_gc)
 def parse_manifest(data: bytes, name: str) -> Manifest:
     """Validate an untrusted manifest; ``name`` is its hash, checked against the bytes."""
     check_hash(name, "manifest name")

@@ -39,6 +39,7 @@ from casnap.format.entries import ChunkRef, ContainerEntry, Entry, PrimitiveEntr
 from casnap.format.manifest import Manifest, format_version_for
 from casnap.format.manifest_bytes import trusted_manifest
 from casnap.index import record_cover
+from casnap.python_gc import python_gc_paused
 from casnap.repo.leases import Lease, hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
@@ -54,7 +55,6 @@ from casnap.take.plan import (
     previous_plan,
     tensor_entry,
 )
-from casnap.take.python_gc import python_gc_paused
 from casnap.take.scheduler import (
     Scheduler,
     WriteRequest,
@@ -109,7 +109,7 @@ class TakeJob:
     progress: Callable[[int, int], None] | None = None  # (done_bytes, total_bytes) written
     # The caller waits for the whole commit (a blocking take): the collector stays paused
     # throughout. An async take's commit pauses it only for its per-entry steps after
-    # the writes, not while training runs beside a long write (casnap.take.python_gc).
+    # the writes, not while training runs beside a long write (casnap.python_gc).
     blocking: bool = False
 
     @classmethod
@@ -269,7 +269,7 @@ def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
     return requests
 
 
-@python_gc_paused()  # per-entry work in the caller's thread (casnap.take.python_gc)
+@python_gc_paused()  # per-entry work in the caller's thread (casnap.python_gc)
 def prepare_take(
     path: str,
     app_state: Mapping[str, Any],
