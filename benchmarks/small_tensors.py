@@ -1,7 +1,7 @@
 """A state of many small tensors: first take and unchanged re-take against torch.save + fsync.
 
     .venv/bin/python benchmarks/small_tensors.py [--tensors 20000 2000] [--numel 64]
-        [--repeats 5] [--workdir bench-out/scratch] [--profile first|retake] [--json]
+        [--repeats 5] [--workdir bench-out/scratch] [--profile first|retake|alone] [--json]
 
 Per-tensor overheads (a future per chunk, a work item per chunk, building
 and validating one manifest entry per tensor) decide this case, not
@@ -106,9 +106,9 @@ def profile(tensors: int, numel: int, which: str, work: str) -> None:
     Snapshot.take(os.path.join(repo, "s0"), app, session=session)
     if which == "first":
         prof.disable()
-    else:
+    else:  # the re-take through the session, or without one (parent: s0, from the store)
         prof.enable()
-        Snapshot.take(os.path.join(repo, "s1"), app, session=session)
+        Snapshot.take(os.path.join(repo, "s1"), app, session=session if which == "retake" else None)
         prof.disable()
     pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numel", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--workdir", default="bench-out/scratch")
-    p.add_argument("--profile", choices=["first", "retake"])
+    p.add_argument("--profile", choices=["first", "retake", "alone"])
     p.add_argument("--json", action="store_true", help="print one JSON line per count")
     args = p.parse_args(argv)
     with scratch_dir(args.workdir) as work:
