@@ -100,6 +100,10 @@ def trusted_manifest(entries: dict[str, Entry], **fields: Any) -> Manifest:
     return Manifest(entries={}, **fields).model_copy(update={"entries": entries})
 
 
+# ``json.dumps(s, ensure_ascii=False)`` of a str, without building an encoder per call.
+_quoted = json.encoder.encode_basestring
+
+
 def _ref_text(r: ChunkRef) -> str:
     if r.base is not None:  # a delta: its chain nests, dumped the usual way
         return canonical_json(r.model_dump(mode="json")).decode("utf-8")
@@ -117,10 +121,11 @@ def entry_text(key: str, entry: Entry) -> str:
     need no escaping: the model admits nothing else); any other entry is
     dumped the usual way.
     """
-    name = json.dumps(key, ensure_ascii=False)
+    name = _quoted(key)
     if isinstance(entry, TensorEntry) and entry.quantized is None:
-        chunks = ",".join([_ref_text(r) for r in entry.chunks])
-        shape = ",".join([str(d) for d in entry.shape])
+        refs = entry.chunks
+        chunks = _ref_text(refs[0]) if len(refs) == 1 else ",".join(map(_ref_text, refs))
+        shape = ",".join(map(str, entry.shape))
         replicated = "true" if entry.replicated else "false"
         return (
             f'{name}:{{"chunk_size":{entry.chunk_size},"chunks":[{chunks}],'
