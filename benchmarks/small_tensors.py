@@ -10,14 +10,16 @@ each repeat takes the state into a fresh repository (the *first take*), then
 takes it again unchanged in the same session (the *re-take*: its parent is
 the first, the every-N-steps loop), and times torch.save + fsync of the same
 dict, interleaved so that a noisy neighbour hits all of them alike. Each
-repeat also re-takes the state unchanged *without* a session (the
+repeat also re-takes the state unchanged twice *without* a session (the
 torchsnapshot loop, ``Snapshot.take(f"{root}/step_{n}", app_state)``: its
 parent is the newest snapshot in the folder, found in the store; issue #25
-point 1). Prints medians and the ratios (issue #14 point 1: first take <=
-1.5x, re-take <= 0.5x; issue #25: re-take without a session <= 0.6x), of
-wall time and, next to it, of CPU time (all threads).
-``--profile`` runs cProfile over one first take or re-take of the first
-count and prints the top of it instead.
+point 1): the first of them has a parent this process did not take without a
+session (as in a new process per save), the second is the loop's steady state,
+its parent the first (the target row). Prints medians and the ratios
+(issue #14 point 1: first take <= 1.5x, re-take <= 0.5x; issue #25: re-take
+without a session <= 0.6x), of wall time and, next to it, of CPU time (all
+threads). ``--profile`` runs cProfile over one first take, re-take, or
+session-less re-take (``alone``) of the first count and prints the top of it.
 """
 
 from __future__ import annotations
@@ -63,20 +65,23 @@ def measure(tensors: int, numel: int, repeats: int, work: str) -> dict[str, Any]
     """Medians of ``repeats`` first takes, re-takes and torch.save + fsync."""
     state = _state(tensors, numel)
     app = {"model": StateDict(state)}
-    first, retake, alone, save = [], [], [], []
+    first, retake, cold, alone, save = [], [], [], [], []
     for i in range(repeats):
         session = Session()  # one training process per repeat
         repo = os.path.join(work, f"repo{i}")
         pt = os.path.join(work, f"t{i}.pt")
         first.append(_clock(partial(Snapshot.take, f"{repo}/s0", app, session=session)))
         retake.append(_clock(partial(Snapshot.take, f"{repo}/s1", app, session=session)))
-        alone.append(_clock(partial(Snapshot.take, f"{repo}/s2", app)))  # parent: s1
+        # Without a session: the parent (s1) is not one this process took without a
+        # session, as for a new process per save; then the loop's next take (parent s2).
+        cold.append(_clock(partial(Snapshot.take, f"{repo}/s2", app)))
+        alone.append(_clock(partial(Snapshot.take, f"{repo}/s3", app)))
         save.append(_clock(partial(_save, state, pt)))
         shutil.rmtree(repo)
         os.unlink(pt)
-    (f, fc), (r, rc), (a, ac), (s, sc) = (
+    (f, fc), (r, rc), (c, cc), (a, ac), (s, sc) = (
         (statistics.median(w for w, _ in x), statistics.median(c for _, c in x))
-        for x in (first, retake, alone, save)
+        for x in (first, retake, cold, alone, save)
     )
     return {
         "tensors": tensors,
@@ -85,12 +90,14 @@ def measure(tensors: int, numel: int, repeats: int, work: str) -> dict[str, Any]
         "first_s": f,
         "retake_s": r,
         "retake_no_session_s": a,
+        "retake_new_process_s": c,
         "save_s": s,
         "first_ratio": f / s,
         "retake_ratio": r / s,
         "first_cpu_ratio": fc / sc,
         "retake_cpu_ratio": rc / sc,
         "retake_no_session_ratio": a / s,
+        "retake_new_process_ratio": c / s,
         "retake_no_session_cpu_ratio": ac / sc,
     }
 
@@ -106,9 +113,14 @@ def profile(tensors: int, numel: int, which: str, work: str) -> None:
     Snapshot.take(os.path.join(repo, "s0"), app, session=session)
     if which == "first":
         prof.disable()
-    else:  # the re-take through the session, or without one (parent: s0, from the store)
+    elif which == "retake":
         prof.enable()
-        Snapshot.take(os.path.join(repo, "s1"), app, session=session if which == "retake" else None)
+        Snapshot.take(os.path.join(repo, "s1"), app, session=session)
+        prof.disable()
+    else:  # the session-less loop's second take (parent s1, taken without a session)
+        Snapshot.take(os.path.join(repo, "s1"), app)
+        prof.enable()
+        Snapshot.take(os.path.join(repo, "s2"), app)
         prof.disable()
     pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
@@ -147,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"  same, without session  {m['retake_no_session_s']:6.3f} s  "
                 f"{m['retake_no_session_ratio']:5.2f}x torch.save (target <= 0.6x), "
                 f"CPU {m['retake_no_session_cpu_ratio']:4.2f}x"
+            )
+            print(
+                f"  same, parent not taken {m['retake_new_process_s']:6.3f} s  "
+                f"{m['retake_new_process_ratio']:5.2f}x torch.save (a new process per save)"
             )
             print(f"  torch.save + fsync     {m['save_s']:6.3f} s")
     return 0

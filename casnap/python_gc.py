@@ -19,8 +19,9 @@ restores it afterwards: what a take frees dies by reference counting as
 before, and what it keeps is examined by the next collection the process
 makes anyway.
 
-The collector is process-wide, so the pause is too (the one exception to
-"no process-global state"): takes running at once in several threads share
+The collector is process-wide, so the pause is too (an exception to "no
+process-global state", with the LMDB environments and the detached plans of
+casnap.take.session): takes running at once in several threads share
 one pause, counted, and the last to finish restores collection, only if a
 take disabled it. A process that disabled collection itself keeps it
 disabled.

@@ -24,6 +24,7 @@ from casnap import KeepLast, Repository, Snapshot, StateDict, index, settings
 from casnap.integrations.dcp import CasnapReader, CasnapWriter
 from casnap.store import LocalStore
 from casnap.store.base import ObjectInfo, WrapperStore
+from casnap.take.session import DETACHED_PLANS
 from tests.helpers import flip_byte, pack_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,6 +147,7 @@ def test_an_unchanged_retake_with_the_index_reads_no_manifest(tmp_path):
     opts = {"repository": repo, "chunk_size": CHUNK}
     app = state()
     s1 = Snapshot.take(f"{repo.url}/s1", app, storage_options=opts)
+    DETACHED_PLANS.last_plan.clear()  # as in a new process: s1's plan is not in memory
     store.reset()
     s2 = Snapshot.take(f"{repo.url}/s2", app, storage_options=opts)
     assert s2.manifest.parents == [s1.manifest_hash]
@@ -153,6 +155,7 @@ def test_an_unchanged_retake_with_the_index_reads_no_manifest(tmp_path):
     assert s2.last_take_stats.chunks_written == 0
     # one large tensor changed: the parent is read for its chunks' delta bases
     app["m"]["t0"][:100] += 1.0
+    DETACHED_PLANS.last_plan.clear()
     store.reset()
     s3 = Snapshot.take(f"{repo.url}/s3", app, storage_options=opts)
     assert [k for k in store.read_keys if "/manifests/" in k] == [
@@ -160,6 +163,14 @@ def test_an_unchanged_retake_with_the_index_reads_no_manifest(tmp_path):
     ]
     assert s3.last_take_stats.chunks_written == 1 and s3.last_take_stats.deltas_written == 1
     assert restores(f"{repo.url}/s3", app)
+    # In the same process, the next take finds s3's plan in memory: no manifest read.
+    app["m"]["t0"][:100] += 1.0
+    store.reset()
+    s4 = Snapshot.take(f"{repo.url}/s4", app, storage_options=opts)
+    assert s4.manifest.parents == [s3.manifest_hash]
+    assert not [k for k in store.read_keys if "/manifests/" in k]
+    assert s4.last_take_stats.chunks_written == 1 and s4.last_take_stats.deltas_written == 1
+    assert restores(f"{repo.url}/s4", app)
 
 
 def test_the_newest_is_the_last_committed_not_the_last_name(tmp_path):
@@ -260,6 +271,7 @@ def test_after_a_gc_the_index_no_longer_vouches_for_the_parent(tmp_path):
     s2 = Snapshot.take(f"{repo.url}/s2", state(1), storage_options=opts)
     repo.delete("s1")
     repo.gc(grace_seconds=0)  # a new gc epoch: every chunk entry, every cover, dropped
+    DETACHED_PLANS.last_plan.clear()  # as in a new process: s2's plan is not in memory
     store.reset()
     s3 = Snapshot.take(f"{repo.url}/s3", state(1), storage_options=opts)
     assert s3.manifest.parents == [s2.manifest_hash]

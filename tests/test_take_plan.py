@@ -11,23 +11,30 @@ from casnap.errors import StoreError
 from casnap.format.json_text import canonical_json
 from casnap.repo.repository import manifest_key
 from casnap.store import CountingStore
+from casnap.take.session import DETACHED_PLANS
 
 CHUNK = 64 * 1024
 
 
-@pytest.fixture
-def session() -> Session:
-    """What one process keeps between takes: lineage and the last plan."""
-    return Session()
+@pytest.fixture(params=["session", "none"])
+def session(request) -> Session | None:
+    """What one process keeps between takes: lineage and the last plan; or no session,
+    whose takes leave their plans in the detached ones (casnap.take.session)."""
+    DETACHED_PLANS.last_plan.clear()
+    return Session() if request.param == "session" else None
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
     return repo_helpers.counted_repo(root, CHUNK)
 
 
-def take(repo: Repository, name: str, state: StateDict, session: Session) -> Snapshot:
+def take(
+    repo: Repository, name: str, state: StateDict, session: Session | None, **kwargs
+) -> Snapshot:
     opts = {"repository": repo, "chunk_size": CHUNK}
-    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, storage_options=opts, session=session)
+    return Snapshot.take(
+        f"{repo.url}/{name}", {"s": state}, storage_options=opts, session=session, **kwargs
+    )
 
 
 def state_of(n_small: int, seed: int = 0) -> StateDict:
@@ -84,6 +91,44 @@ def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path, session):
     s2 = take(repo, "s2", old, session)  # parent: s1, from the session's lineage and last plan
     assert s2.last_take_stats.chunks_written == len(s1.manifest.chunk_refs())  # all again
     assert_same(restored(repo, "s2", old), old)
+
+
+def test_a_detached_plan_whose_manifest_gc_swept_is_not_trusted(tmp_path):
+    from casnap.gc.collect import gc
+
+    DETACHED_PLANS.last_plan.clear()
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    old = state_of(20, seed=0)
+    s1 = take(repo, "s1", old, None)  # remembered in the detached plans
+    repo.storage.delete_ref("s1")
+    assert gc(repo.storage, grace_seconds=0).deleted > 0  # its manifest, chunks and pack are gone
+    s2 = take(repo, "s2", old, None, parents=[s1.manifest_hash])  # named, as a user may
+    assert s2.last_take_stats.chunks_written == len(s1.manifest.chunk_refs())  # all again
+    assert_same(restored(repo, "s2", old), old)
+
+
+def test_detached_plans_serve_only_their_own_repositories(tmp_path):
+    """Two session-less loops into two repositories each keep their plan; a third
+    repository's take forgets the least recent, which then re-takes from the store."""
+    DETACHED_PLANS.last_plan.clear()
+    state = state_of(30)
+    repos = [counted_repo(str(tmp_path / f"repo{i}")) for i in range(3)]
+    firsts = [take(r, "s1", state, None) for r, _ in repos[:2]]
+    agains = []
+    for (repo, store), first in zip(repos[:2], firsts, strict=True):
+        store.reset()
+        agains.append(take(repo, "s2", state, None))
+        assert [k for k in store.read_keys if "/manifests/" in k] == []
+        assert agains[-1].manifest.entries["0/s/small1"] is first.manifest.entries["0/s/small1"]
+    take(repos[2][0], "s1", state, None)  # repo0 is now the least recent of three
+    repo, store = repos[0]
+    store.reset()
+    third = take(repo, "s3", state, None)
+    assert third.manifest.parents == [agains[0].manifest_hash]
+    assert third.manifest.entries["0/s/small1"] is not agains[0].manifest.entries["0/s/small1"]
+    assert third.last_take_stats.chunks_written == 0  # the index still knows every chunk
+    assert repo.storage.read_manifest(third.manifest_hash) == third.manifest
+    assert_same(restored(repo, "s3", state), state)
 
 
 def test_thousands_of_small_tensors_round_trip_through_batches(tmp_path, session):

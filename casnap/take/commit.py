@@ -8,8 +8,9 @@ every chunk the manifest names is durable, inside the take's lease:
 2. check the lease is still ours: a take stalled past its lease may have been
    declared dead and its unreferenced chunks swept, so it must not commit;
 3. write the ref, create-only: the commit point. Before it nothing is visible;
-4. remember it: the session's lineage and last plan, and the local index's
-   summary (so ``log`` need not read the manifest back).
+4. remember it: the session's lineage and last plan (without a session, the
+   detached plans: casnap.take.session), and the local index's summary (so
+   ``log`` need not read the manifest back).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from casnap.format.manifest import Dumped, Manifest
 from casnap.format.manifest_bytes import entry_texts
 from casnap.repo.leases import Lease
 from casnap.repo.repository import RepoStorage
-from casnap.take.session import Session
+from casnap.take.session import Session, plans_of
 
 
 def commit_snapshot(
@@ -46,8 +47,10 @@ def commit_snapshot(
         lease.check()
     repo.write_ref(name, manifest_hash)  # the commit point
     remember(repo, manifest_hash, manifest, session, texts)
-    memo = session.summaries if session is not None else None
-    index.record_manifest(repo, manifest_hash, manifest, memo)
+    plans = plans_of(session)  # without a session, the detached plans (casnap.take.session)
+    if session is None:
+        plans.last_plan.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
+    index.record_manifest(repo, manifest_hash, manifest, plans.summaries)
     return manifest_hash
 
 
@@ -61,5 +64,10 @@ def remember(
     """Make a committed (or restored) snapshot the session's parent and plan for the next take."""
     if session is not None:
         session.lineage.record(repo.config.repo_id, manifest_hash)
-        dumped = Dumped(manifest, texts) if texts is not None else None
-        session.last_plan.put(repo.config.repo_id, manifest_hash, manifest, dumped)
+        session.last_plan.put(
+            repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts)
+        )
+
+
+def _dumped(manifest: Manifest, texts: Mapping[str, str] | None) -> Dumped | None:
+    return Dumped(manifest, texts) if texts is not None else None

@@ -63,7 +63,7 @@ from casnap.take.scheduler import (
     stage,
     tensor_request,
 )
-from casnap.take.session import Session
+from casnap.take.session import Session, plans_of
 from casnap.take.target import (
     Target,
     TensorPrepareFunc,
@@ -163,7 +163,7 @@ class TakeJob:
             if self.auto_parent:  # under the lease: its chunks stay until our ref is written
                 found = newest_parent(self.repo, self.name)
                 self.parents = [found] if found else []
-            last_plan = self.session.last_plan if self.session is not None else None
+            last_plan = plans_of(self.session).last_plan  # without a session: detached
             known = known_chunks(self.repo, self.parents, last_plan, self.fresh)
             workers = self.settings.io_workers
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
@@ -187,7 +187,7 @@ class TakeJob:
 
     def _commit_entries(self, written: Written, lease: Lease) -> tuple[Manifest, str]:
         """Every entry and the manifest, from what the scheduler wrote; then the commit."""
-        previous, dumped = previous_plan(self.session, self.repo, self.parents)
+        previous, dumped = previous_plan(plans_of(self.session).last_plan, self.repo, self.parents)
         plan, tensors = _plan_of(
             self.nodes, written, self.settings.chunk_size, self.replicated, previous
         )

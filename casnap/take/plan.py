@@ -36,23 +36,21 @@ from casnap.format.manifest_bytes import trusted_tensor_entry
 from casnap.index import KnownChunks
 from casnap.repo.damage import DamageSet, damage_set
 from casnap.repo.repository import RepoStorage, manifest_key
-from casnap.take.session import LastPlan, Session
+from casnap.take.session import LastPlan
 
 
 def previous_plan(
-    session: Session | None, repo: RepoStorage, parents: list[str]
+    last_plan: LastPlan, repo: RepoStorage, parents: list[str]
 ) -> tuple[Mapping[str, Entry], Dumped | None]:
-    """The entries of the first parent the session remembers, and its JSON form if it has it.
+    """The entries of the first parent ``last_plan`` remembers, and its JSON form if it has it.
 
     A take reuses unchanged entries of that manifest (:func:`build_entries`)
-    and their JSON (:meth:`Manifest.to_jsonable`); without a session, nothing.
+    and their JSON (:meth:`Manifest.to_jsonable`); when none is remembered, nothing.
     """
-    if session is None:
-        return {}, None
     for parent in parents:
-        manifest = session.last_plan.get(repo.config.repo_id, parent)
+        manifest = last_plan.get(repo.config.repo_id, parent)
         if manifest is not None:
-            return manifest.entries, session.last_plan.dumped(repo.config.repo_id, parent)
+            return manifest.entries, last_plan.dumped(repo.config.repo_id, parent)
     return {}, None
 
 

@@ -18,12 +18,20 @@ Lifetime: the object's. :class:`casnap.Checkpointer` and
 :class:`casnap.Repository` each own one, so their successive takes link as
 parent and child and reuse plans and buffers; ``Snapshot.take(...,
 session=s)`` and ``Snapshot(path, session=s).restore(...)`` use the one they
-are given. A take without a session reuses nothing, as every torchsnapshot
-call is independent; its parent is the newest snapshot in its folder, read
-from the store (:mod:`casnap.take.parent`). A session's first take has no
-parent unless it restored one: two sessions never parent each other's takes.
-Nothing here is process-wide; an async take's background thread and the
-caller may use one session at once, so every part has its own lock.
+are given. A take without a session has no lineage: its parent is the newest
+snapshot in its folder, read from the store (:mod:`casnap.take.parent`). A
+session's first take has no parent unless it restored one: two sessions
+never parent each other's takes.
+
+The one process-wide part is :data:`DETACHED_PLANS`: the :class:`Plans` that
+takes without a session leave and reuse, for the last two repositories. It
+changes no result, only what a take must rebuild: a plan is found only by the
+hash of the parent the take chose from the store, and a manifest's hash names
+its bytes, so reusing the remembered one is reading that parent back, minus
+the parse (torchsnapshot's loop ``Snapshot.take(f"{root}/step_{n}", app)``
+in one process then re-takes as fast as through a session; docs/pipeline.md).
+An async take's background thread and the caller may use one session at
+once, so every part has its own lock.
 
 Example::
 
@@ -68,19 +76,28 @@ class LastPlan:
     """Per repository id: the manifest this session committed or restored last, with its hash.
 
     Only a manifest that was validated (built by this session, or parsed when
-    restored) is kept, one per repository.
+    restored) is kept, one per repository; ``repos``: for at most that many
+    repositories, the least recently remembered forgotten first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, repos: int | None = None) -> None:
         self._lock = threading.Lock()
         self._by_repo: dict[str, tuple[str, Manifest, Dumped | None]] = {}
+        self._repos = repos
 
     def put(
         self, repo_id: str, manifest_hash: str, manifest: Manifest, dumped: Dumped | None = None
     ) -> None:
         """Remember ``manifest`` (``dumped``: with its JSON form, when it was serialized here)."""
         with self._lock:
+            self._by_repo.pop(repo_id, None)  # insertion order is recency
             self._by_repo[repo_id] = (manifest_hash, manifest, dumped)
+            while self._repos is not None and len(self._by_repo) > self._repos:
+                del self._by_repo[next(iter(self._by_repo))]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_repo.clear()
 
     def get(self, repo_id: str, manifest_hash: str) -> Manifest | None:
         with self._lock:
@@ -111,6 +128,26 @@ class KeyedCache(Generic[K, V]):
             self._entries[key] = value
 
 
+class Plans:
+    """What a take leaves for the next: per repository, the manifest it committed
+    (:class:`LastPlan`), and the parts of that manifest's index summary
+    (:class:`~casnap.index.summaries.SummaryMemo`)."""
+
+    def __init__(self, repos: int | None = None) -> None:
+        self.last_plan = LastPlan(repos)
+        self.summaries = SummaryMemo()  # the index summary of the next commit reuses it
+
+
+# Takes without a session (see the module docstring): two repositories, so that
+# two such loops in one process, each into its own repository, keep theirs.
+DETACHED_PLANS = Plans(repos=2)
+
+
+def plans_of(session: Session | None) -> Plans:
+    """The plans a take through ``session`` uses: the session's, else the detached ones."""
+    return session.plans if session is not None else DETACHED_PLANS
+
+
 class Session:
     """The state successive takes and restores share (see the module docstring).
 
@@ -129,10 +166,17 @@ class Session:
         if idle is None:
             idle = staging_cache_bytes_setting()
         self.lineage = Lineage()
-        self.last_plan = LastPlan()
+        self.plans = Plans()
         self.staging = StagingPool(idle)
         self.plan_cache: KeyedCache[object, object] = KeyedCache()
-        self.summaries = SummaryMemo()  # the index summary of the next commit reuses it
+
+    @property
+    def last_plan(self) -> LastPlan:
+        return self.plans.last_plan
+
+    @property
+    def summaries(self) -> SummaryMemo:
+        return self.plans.summaries
 
     def __repr__(self) -> str:
         return f"<casnap.Session staging={self.staging!r}>"
