@@ -1,0 +1,130 @@
+"""Where the restore of the newest of a delta series spends its CPU, per stage (#26).
+
+    .venv/bin/python benchmarks/delta_stages.py [--size-mib 128] [--series 10]
+        [--repeats 10] [--workdir bench-out/scratch]
+
+Builds the ``series`` scenario of benchmarks/delta.py (an fp32 table, 1% of
+its rows scaled per snapshot) with deltas on and off, then restores the
+newest snapshot in place ``--repeats`` times each, the on and off restores
+alternating, with the read path's stages wrapped to add up their thread CPU
+time (``time.thread_time``: the time a stage ran on a core, whatever else
+runs on the machine) and wall time. Prints, per restore, the process CPU
+and wall time and each stage's CPU and wall, and the on/off ratios. On a
+shared machine the CPU figures are the steady ones; the wall of a stage
+that waits (the ``rebuilds`` semaphore, the GIL) says how much it waited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from delta import _sparse_step, _table, _take
+from harness import MiB, scratch_dir
+
+import casnap
+import casnap.chunks.read as read_mod
+import casnap.chunks.rebuild as rebuild_mod
+import casnap.restore.undo as undo_mod
+
+_CPU: collections.Counter[str] = collections.Counter()
+_WALL: collections.Counter[str] = collections.Counter()
+_CALLS: collections.Counter[str] = collections.Counter()
+
+# (module or class, attribute, label): the stages of the two in-place paths.
+STAGES: list[tuple[Any, str, str]] = [
+    (rebuild_mod, "fetch_chain", "delta frames fetched"),
+    (rebuild_mod, "apply_link", "delta decoded and XORed"),
+    (rebuild_mod, "digest_of", "rebuilt chunk hashed"),
+    (read_mod, "patch_in_place", "rebuild (all of the above)"),
+    (read_mod, "decode_frame", "whole chunk verified (off)"),
+    (undo_mod.TensorUndo, "_copy_in", "copied into the tensor"),
+    (read_mod._Reader, "run", "worker, per chunk"),
+]
+
+
+def _wrap(owner: Any, name: str, label: str) -> None:
+    inner: Callable[..., Any] = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _CPU[label] += time.thread_time() - c0
+            _WALL[label] += time.perf_counter() - t0
+            _CALLS[label] += 1
+
+    setattr(owner, name, timed)
+
+
+def _series(work: str, size_mib: int, series: int, delta: bool) -> torch.Tensor:
+    state = _table(size_mib * MiB)
+    session = casnap.Session()
+    for i in range(series):
+        if i:
+            state, _ = _sparse_step(state, i)
+        _take(f"{work}/s{i}", {"emb": state}, session, delta)
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--size-mib", type=int, default=128)
+    p.add_argument("--series", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--workdir", default="bench-out/scratch")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    for owner, name, label in STAGES:
+        _wrap(owner, name, label)
+    runs: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
+    with scratch_dir(args.workdir) as work:
+        newest = {}
+        for mode in ("on", "off"):
+            newest[mode] = _series(f"{work}/{mode}", args.size_mib, args.series, mode == "on")
+        target = {"emb": torch.zeros_like(newest["on"])}
+        for r in range(args.repeats + 1):
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                target["emb"].zero_()
+                _CPU.clear(), _WALL.clear(), _CALLS.clear()
+                t0, c0 = time.perf_counter(), time.process_time()
+                snap = casnap.Snapshot(f"{work}/{mode}/s{args.series - 1}")
+                snap.restore({"m": casnap.StateDict(target)})
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if not torch.equal(target["emb"], newest[mode]):
+                    raise SystemExit(f"{mode}: the restore did not reproduce the newest state")
+                if r == 0:
+                    continue  # first-call set-up
+                got = runs[mode]
+                got.setdefault("restore wall", []).append(wall)
+                got.setdefault("restore cpu", []).append(cpu)
+                for label in _CPU:
+                    got.setdefault(f"{label} cpu", []).append(_CPU[label])
+                    got.setdefault(f"{label} wall", []).append(_WALL[label])
+    med = {m: {k: statistics.median(v) for k, v in runs[m].items()} for m in runs}
+    if args.json:
+        print(json.dumps(med))
+        return 0
+    print(
+        f"restore of the newest of {args.series} snapshots, {args.size_mib} MiB, medians of "
+        f"{args.repeats} (ms per restore; stage wall adds up over threads):"
+    )
+    for mode in ("on", "off"):
+        print(f"  deltas {mode}:")
+        for key, value in med[mode].items():
+            print(f"    {key:40s} {value * 1e3:8.1f}")
+    for key in ("restore wall", "restore cpu"):
+        print(f"  on/off {key}: {med['on'][key] / med['off'][key]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
