@@ -35,7 +35,7 @@ from casnap.errors import (
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import Manifest
 from casnap.format.manifest_bytes import serialize
-from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key, name_key
+from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key
 from casnap.format.parse import (
     MAX_MANIFEST_BYTES,
     MAX_RECORD_BYTES,
@@ -76,12 +76,6 @@ def pack_key(p: str) -> str:
 
 def manifest_key(m: str) -> str:
     return f"manifests/{m[:2]}/{m}"
-
-
-def ref_key(name: str) -> str:
-    """The key of snapshot ``name``'s ref: one flat, percent-encoded component, or a
-    hashed one for a name too long for that (:func:`casnap.format.names.name_key`)."""
-    return f"refs/{name_key(check_ref_name(name))}"
 
 
 class RepoStorage:
