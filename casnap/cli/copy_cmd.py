@@ -1,13 +1,9 @@
 """``casnap copy SRC DST [SNAPSHOT...]``: replicate snapshots into another repository.
 
-Calls :meth:`casnap.Repository.copy_to` and prints what it did: snapshots
-copied, objects and bytes sent, objects skipped because the destination had
-them. Exit codes: 0 copied (or nothing to do), 3 a named snapshot or the
-source is missing, 4 some snapshots need a damaged or missing source object
-(the others were copied), 5 the destination holds a name with other content
-(``--force`` replaces it) or a store failed (run again: it resumes).
-
-Example::
+Calls :meth:`casnap.Repository.copy_to` and prints what it did; exit codes as
+in docs/copy.md, "The command" (4: some snapshots need a damaged or missing
+source object; 5: a name with other content at the destination, or a store
+failure: run again, it resumes). Example::
 
     casnap copy /ckpt/run1 gs://bucket/run1              # every snapshot
     casnap copy /ckpt/run1 gs://bucket/run1 latest best  # a snapshot and a tag's
