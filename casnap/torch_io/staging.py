@@ -145,7 +145,7 @@ class PieceCopy:
 
 
 class StagingPool:
-    """Reused host buffers for staging (see the module docstring).
+    """Reused host buffers for staging (docs/gpu.md).
 
     ``pin``: allocate page-locked buffers (default: when CUDA is available;
     plain memory otherwise, or when pinning fails). ``engine``: the copy
