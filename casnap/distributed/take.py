@@ -273,8 +273,7 @@ class DistributedJob:
             self.rendezvous.post("written", self.group.rank, written)
             if self.group.rank == 0:
                 return self._commit_rank0()
-            stats = written.stats if isinstance(written, _Written) else WriteStats()
-            return self._await_commit(stats)
+            return self._await_commit()
         finally:
             self.live_consumed.set()  # also on failure: the caller must not hang
             if self.lease is not None:
@@ -335,7 +334,7 @@ class DistributedJob:
         self.rendezvous.post("done", 0, _Done(manifest_hash, per_rank))
         return TakeResult(self.repo, self.info.name, manifest_hash, manifest, per_rank[0], per_rank)
 
-    def _await_commit(self, stats: WriteStats) -> TakeResult:
+    def _await_commit(self) -> TakeResult:
         # Rank 0 waits up to the timeout for the others, then commits: allow both.
         got, _ = self.rendezvous.collect("done", [0], 2 * dist_timeout() + 30)
         done = got.get(0)
