@@ -20,7 +20,7 @@ from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
-from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, TensorEntry
+from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, TensorEntry, chunks_of
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.ops.repair_sources import ChunkSource, FromDeltas, RepoCopies
@@ -210,12 +210,7 @@ def element_sizes(manifest: Manifest) -> dict[str, int]:
         if not entry.dtype.startswith(("float", "bfloat")):
             continue  # torch groups floats only (casnap.take.scheduler.tensor_request)
         elem = DTYPE_ITEMSIZE.get(entry.dtype, 0)
-        chunks = (
-            entry.chunks
-            if isinstance(entry, TensorEntry)
-            else [c for shard in entry.shards for c in shard.chunks]
-        )
-        out.update((c.hash, elem) for ref in chunks for c in ref.chain())
+        out.update((c.hash, elem) for ref in chunks_of(entry) for c in ref.chain())
     return out
 
 
