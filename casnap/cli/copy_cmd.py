@@ -17,16 +17,16 @@ from typing import Any
 
 from casnap.api.repository import Repository
 from casnap.cli.common import emit, open_repo, storage_options
-from casnap.cli.naming import resolve_name
 from casnap.cli.progress import progress_bar
 from casnap.cli.remote import first_contact
 from casnap.errors import CopyIntegrityError
 from casnap.ops.copy import CopyResult, open_destination
+from casnap.ops.naming import resolve_name
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
     src = open_repo(args)
-    names = [resolve_name(src, n) for n in args.snapshots] or None
+    names = [resolve_name(src.storage, n) for n in args.snapshots] or None
     dst_options = dict(storage_options(args))
     for item in args.dst_storage_option or []:
         key, _, value = item.partition("=")
