@@ -1,24 +1,16 @@
-"""Every tunable of casnap in one table, read one way.
+"""Every tunable of casnap in one table, read one way (docs/settings.md).
 
 Each setting has a name (``chunk_size``), an environment variable
 (``CASNAP_CHUNK_SIZE``), a kind, a default and bounds (``VARIABLES``). A value
-comes from, highest first: an active ``override(...)`` block, the environment
-variable, the default. Every value is parsed by the same policy: a value that
-cannot be used raises ``ConfigError`` naming the variable; nothing is silently
-ignored. Sizes accept plain bytes or units (``4MiB``, ``1.5GB``) through
-``pydantic.ByteSize`` (:func:`casnap.display.parse_size`).
-
-Operations read settings when they start and pass them down (``Settings`` for
-a take's chunking and compression); no module keeps configuration of its own.
-``override`` is a context manager, like torchsnapshot's knobs, but scoped to
-the current thread and the tasks it starts (a ``ContextVar``), so two threads
-can use different values and nothing leaks out of the block::
+comes from, highest first: an active ``override(...)`` block (scoped to the
+current thread and the tasks it starts, a ``ContextVar``), the environment
+variable, the default. A value that cannot be used raises ``ConfigError``
+naming the variable; nothing is silently ignored. Operations read settings
+when they start and pass them down; background work casnap starts for a call
+runs in a copy of the caller's context::
 
     with casnap.settings.override(chunk_size="1MiB", memory_budget="2GiB"):
         Snapshot.take(path, app_state)
-
-Background work that casnap starts on behalf of a call (an ``async_take``'s
-commit) runs in a copy of the caller's context, so it sees the same values.
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
 """The training-loop helper: take every N steps or T seconds, on request, at the end
 and on preemption; async takes; retention; resume from the newest snapshot that restores.
 
-Example::
-
-    from casnap.api.checkpointer import Checkpointer
-    from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy
-
-    app_state = {"model": model, "optim": optimizer}
-    with Checkpointer(
-        "/ckpt/run1", every_n_steps=500, every_seconds=1800, async_take=True,
-        retention=RetentionPolicy(KeepLast(3), KeepBest(1, "loss")),
-        take_on_close=True, take_on_preemption=True,
-    ) as ckpt:
-        start = ckpt.restore_latest(app_state)  # None on a fresh run
-        for step in range(0 if start is None else start + 1, total_steps):
-            loss = train_step()
-            ckpt.maybe_take(step, app_state, metrics={"loss": loss})
-    best = ckpt.best_step()  # by the KeepBest metric
-
 A Checkpointer's snapshots are those whose name is ``name_format`` applied to
-their ``metadata["step"]``; listing, resuming and retention see only those, so
-other snapshots in the same repository (a base model, another run's
-checkpoints under another name format) are never touched.
-
-Decisions (docs/retention.md, "The Checkpointer"): a take on close is opt-in
-(``take_on_close``, like Lightning's ``save_last``; Orbax takes none) and never
-follows an exception; the SIGTERM take is opt-in; a non-finite metric is
-stored as a string and is never best; ``restore_latest`` skips a snapshot
-that fails its checks or whose restore meets damage, logs why (logger
-``casnap.checkpointer``), and raises when none restores.
+their ``metadata["step"]``; listing, resuming and retention see only those.
+Its decisions (the take on close and on SIGTERM are opt-in, a non-finite metric
+is never best, ``restore_latest`` skips damage and logs why) and an example are
+in docs/retention.md, "The Checkpointer".
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """The Checkpointer's mirror: each committed snapshot is copied to a second repository
 in the background (fast local disk first, a durable copy after), with retention there.
 
-After every commit the :class:`~casnap.api.checkpointer.Checkpointer` hands the
-snapshot's name to :meth:`Mirror.submit`; a worker thread copies it with
-:func:`casnap.ops.copy.copy` (only the objects the mirror lacks, verified,
-ref last), then applies the retention policy to this checkpointer's
-snapshots in the mirror and reclaims what only the retired ones reached.
-Training waits only when ``queue_size`` snapshots are already waiting for
-the worker (backpressure: the durable copy is never further behind).
-
-Failures never reach the training loop: a store error is logged and the
-snapshot is tried again with the next commit (or at :meth:`Mirror.flush`);
-while a snapshot is owed to the mirror (:attr:`Mirror.owed`) and the
-mirror keeps its own retention, the checkpointer's local retention keeps it
-(the mirror may be asked to keep what local retention drops); with the same
-policy on both, a snapshot local retention deleted before the worker
-reached it is skipped (the same policy drops it in the mirror anyway); a damaged local
-object is logged as an error and that snapshot is not retried (it never
-heals by itself; the next snapshots are copied). :meth:`Mirror.flush`
-(the checkpointer's ``wait()`` and ``close()``) waits for the queue, retries
-what failed once more, and returns the names still not mirrored.
-
-Example::
-
-    ckpt = Checkpointer("/local/run1", every_n_steps=500, mirror="gs://bucket/run1",
-                        retention=RetentionPolicy(KeepLast(3)))
-    ...
-    ckpt.close()                       # waits for the mirror too
-    print(ckpt.mirror.unmirrored)      # () when every snapshot reached the mirror
+:meth:`Mirror.submit` queues a name for a worker thread that copies it
+(:func:`casnap.ops.copy.copy`), then applies the mirror's retention and
+reclaims there; training waits only when ``queue_size`` snapshots already wait.
+Failures never reach the training loop: they are logged and retried with the
+next commit or at :meth:`Mirror.flush`; while a snapshot is owed to the mirror
+(:attr:`Mirror.owed`) local retention keeps it. docs/copy.md, "The
+Checkpointer's mirror", has the rules.
 """
 
 from __future__ import annotations

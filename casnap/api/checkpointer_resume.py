@@ -1,21 +1,10 @@
 """Which snapshot a :class:`~casnap.api.checkpointer.Checkpointer` resumes from, and which
 is best: the newest one that restores whole, skipping damage with a logged reason.
 
-Split from ``checkpointer.py``, which owns taking and the public methods.
-
-A candidate is checked cheaply first (:func:`casnap.ops.verify.check_snapshot`:
-its ref and manifest read and validate, none of its chunk copies is recorded
-as damaged), then restored; a restore verifies every chunk as it reads it and
-leaves each tensor whole (its previous value or the snapshot's,
-docs/pipeline.md), so when it meets damage the next older candidate's restore
-overwrites whatever the failed attempt filled that it holds too (the rest is
-named in a warning). Only damage moves on to an
-older snapshot (:class:`IntegrityError`, a missing manifest); a store timeout
-or a key mismatch is raised as it is, since an older snapshot would not fix it.
-
-Example::
-
-    step = resume(candidates, unreadable, lambda name: try_restore(repo, name, restore_one))
+A candidate is checked cheaply first (:func:`casnap.ops.verify.check_snapshot`),
+then restored. Only damage (:class:`IntegrityError`, a missing manifest) moves
+on to an older snapshot, whose restore overwrites what the failed attempt
+filled; a store timeout or a key mismatch is raised as it is.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """When a :class:`~casnap.api.checkpointer.Checkpointer` takes: every N steps, every T
 seconds, and on a preemption signal (SIGTERM), each decided the same on every rank.
 
-Split from ``checkpointer.py``, which owns taking, retention and resuming.
-
-- :class:`Schedule`: ``every_n_steps`` and ``every_seconds``, either one triggers.
-  The time is a monotonic clock (injectable, so tests need not sleep) and
-  counts from the end of the last take, or from the checkpointer's creation.
-- :class:`PreemptionGuard`: installs a handler that only *records* the signal;
-  the checkpointer's next ``maybe_take`` takes that step, waits until it is
-  committed, and then hands the signal to the handler that was there before
-  (the default action for SIGTERM: the process ends, killed by the signal, as
-  the scheduler expects). This is what Lightning's SIGTERM handling and
-  Orbax's preemption policy do: finish the step, checkpoint, then stop.
-- :func:`any_rank`: under an initialized process group the time and signal
-  decisions differ between ranks (clocks, signal arrival), while a take is
-  collective; one exchange per ``maybe_take`` makes every rank take if any
-  rank decided to.
-
-Example::
-
-    schedule = Schedule(every_n_steps=500, every_seconds=1800.0)
-    if schedule.due(step) is not None:
-        ...  # take, then
-        schedule.restart()
+:class:`Schedule` (either interval triggers; a monotonic, injectable clock
+counted from the end of the last take), :class:`PreemptionGuard` (records the
+signal; the next take hands it on to the handler that was there before) and
+:func:`any_rank` (one exchange per ``maybe_take``, so every rank takes if any
+decided to). docs/retention.md, "When it takes", gives the semantics.
 """
 
 from __future__ import annotations

@@ -10,13 +10,9 @@ Code written for torchsnapshot works by changing the import::
     Snapshot("/ckpt/run1/step_100").restore(app_state)
 
 ``/ckpt/run1``, the path's parent, is the repository (created by the first
-take) and ``step_100`` the snapshot's name in it; the next take into the same
-repository shares every unchanged chunk. A repository further up holds the
-path only if it was created to be shared (``casnap init /ckpt``, then the
-snapshot is ``run1/step_100`` of ``/ckpt``), and ``storage_options={"repository":
-url}`` names one explicitly. ``""``, ``"."``, ``"/ckpt_x"`` and the home
-directory are refused, and ``app_state``, the name and ``metadata`` are checked
-before anything is created (docs/repository.md, "Where snapshots live").
+take) and ``step_100`` the snapshot's name in it; docs/repository.md, "Where
+snapshots live", has the rules, the paths refused, and what is checked
+before anything is created.
 """
 
 from __future__ import annotations

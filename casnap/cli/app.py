@@ -3,14 +3,9 @@ repair.
 
 Each command opens a :class:`casnap.Repository` and calls one of its methods
 (docs/repository.md has the map); this package only parses arguments,
-formats the results and maps errors to exit codes.
-
-Tables for people by default, ``--json`` for scripts. Exit codes: 0 success,
-1 verify found problems (repair: snapshots stay unrecoverable), 2 bad usage,
-3 no such repository, snapshot or tag, 4 integrity or validation error, 5 any
-other error, 141 stdout closed early (casnap/cli/contract.py has the table).
-Global options (``--json``, ``--storage-option``, ``-v``, ``-q``, ``--debug``)
-go before or after the command.
+formats the results and maps errors to exit codes (:mod:`casnap.cli.contract`).
+Tables for people by default, ``--json`` for scripts; global options go
+before or after the command.
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from casnap.api.repository import Repository
-from casnap.cli.naming import resolve_name
 from casnap.cli.remote import first_contact
 from casnap.display import format_float, format_size, format_time, parse_size
 from casnap.errors import ConfigError
 from casnap.format.entries import PrimitiveEntry
+from casnap.ops.naming import resolve_name
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
 
@@ -92,10 +92,10 @@ def open_repo(args: argparse.Namespace) -> Repository:
 
 def open_snapshot(args: argparse.Namespace, path: str) -> tuple[Repository, str]:
     """The repository holding the snapshot at ``path``, and the snapshot's name
-    (``latest`` and tags resolved: casnap/cli/naming.py)."""
+    (``latest`` and tags resolved: casnap/ops/naming.py)."""
     options = storage_options(args)
     repo, name = first_contact(path, lambda: Repository.locate(path, options, must_exist=False))
-    return repo, resolve_name(repo, name)
+    return repo, resolve_name(repo.storage, name)
 
 
 def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:

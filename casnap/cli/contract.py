@@ -1,29 +1,11 @@
 """What every command promises: exit codes, one line per error, logging, a closed pipe.
 
-Exit codes (the table in docs/repository.md, "The command line"):
-
-====  ==========================================================================
-0     success
-1     ``verify`` found problems (``repair``: snapshots stay unrecoverable)
-2     bad usage: argparse's errors, :class:`casnap.ConfigError` (a setting or an
-      argument casnap cannot use), :class:`casnap.InvalidNameError`,
-      :class:`casnap.RetentionError`
-3     not found: :class:`casnap.SnapshotNotFoundError`,
-      :class:`casnap.RepositoryNotFoundError`, :class:`casnap.ObjectNotFoundError`
-      (a tag), :class:`casnap.errors.MissingKeyError` (a key the snapshot lacks)
-4     integrity: :class:`casnap.IntegrityError` and its subclasses
-5     any other error (a store that fails or does not answer, a busy gc, a full
-      disk, ...)
-130   interrupted (Ctrl-C)
-141   standard output was closed early (``casnap show ... | head``): the rest of
-      the output is dropped quietly, as ``cat`` does when it gets SIGPIPE
-====  ==========================================================================
-
-An error is one line on stderr, ``casnap: error: <what>``; ``-v`` (or
-``--debug``) prints the traceback before it. Logging goes through the
-``casnap`` logger hierarchy: warnings by default, ``-q`` errors only, ``-v``
-info, ``-vv``/``--debug`` debug (with other libraries' records too).
-
+The exit codes (0 success, 1 problems found, 2 bad usage, 3 not found,
+4 integrity, 5 any other error, 130 interrupted, 141 standard output closed)
+are the table in docs/repository.md, "The command line". An error is one
+line on stderr, ``casnap: error: <what>``; ``-v`` (or ``--debug``) prints
+the traceback before it. Logging goes through the ``casnap`` logger: warnings
+by default, ``-q`` errors only, ``-v`` info, ``-vv``/``--debug`` debug.
 Example::
 
     code = run_command(args, cmd_ls)   # what main() does after parsing

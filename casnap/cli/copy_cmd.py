@@ -1,13 +1,9 @@
 """``casnap copy SRC DST [SNAPSHOT...]``: replicate snapshots into another repository.
 
-Calls :meth:`casnap.Repository.copy_to` and prints what it did: snapshots
-copied, objects and bytes sent, objects skipped because the destination had
-them. Exit codes: 0 copied (or nothing to do), 3 a named snapshot or the
-source is missing, 4 some snapshots need a damaged or missing source object
-(the others were copied), 5 the destination holds a name with other content
-(``--force`` replaces it) or a store failed (run again: it resumes).
-
-Example::
+Calls :meth:`casnap.Repository.copy_to` and prints what it did; exit codes as
+in docs/copy.md, "The command" (4: some snapshots need a damaged or missing
+source object; 5: a name with other content at the destination, or a store
+failure: run again, it resumes). Example::
 
     casnap copy /ckpt/run1 gs://bucket/run1              # every snapshot
     casnap copy /ckpt/run1 gs://bucket/run1 latest best  # a snapshot and a tag's
@@ -21,16 +17,16 @@ from typing import Any
 
 from casnap.api.repository import Repository
 from casnap.cli.common import emit, open_repo, storage_options
-from casnap.cli.naming import resolve_name
 from casnap.cli.progress import progress_bar
 from casnap.cli.remote import first_contact
 from casnap.errors import CopyIntegrityError
 from casnap.ops.copy import CopyResult, open_destination
+from casnap.ops.naming import resolve_name
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
     src = open_repo(args)
-    names = [resolve_name(src, n) for n in args.snapshots] or None
+    names = [resolve_name(src.storage, n) for n in args.snapshots] or None
     dst_options = dict(storage_options(args))
     for item in args.dst_storage_option or []:
         key, _, value = item.partition("=")

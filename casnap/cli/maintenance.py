@@ -27,10 +27,10 @@ from casnap.cli.common import (
     table,
 )
 from casnap.cli.contract import check_output_path
-from casnap.cli.naming import resolve_name, suggest
 from casnap.cli.progress import progress_bar
 from casnap.cli.remote import first_contact
 from casnap.errors import ConfigError, ObjectNotFoundError, RetentionError
+from casnap.ops.naming import resolve_name, suggest
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
@@ -196,7 +196,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
         raise ConfigError(f"tag {args.action} is used as: {_TAG_USAGE[args.action]}", "tag")
     repo = open_repo(args)
     if args.action == "add":
-        info = repo.tag(args.tag, resolve_name(repo, args.snapshot))
+        info = repo.tag(args.tag, resolve_name(repo.storage, args.snapshot))
         emit(args, vars(info), lambda: f"tagged {info.snapshot} as {info.tag}")
     elif args.action == "rm":
         try:

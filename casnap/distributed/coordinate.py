@@ -3,18 +3,9 @@
 Every rank runs :func:`coordinate` on the gathered planning messages (the
 same input, so the same answer); rank 0 runs :func:`assemble_entries` once
 every chunk is written. Neither communicates, so the real take and
-``benchmarks/plan_scale.py`` (a simulated world of 1,024 ranks, from
-metadata alone) run the same code.
-
-Replicas make most plans equal up to their rank: in an HSDP job every box of
-a node group is held again by the same position in every other group; in DDP
-every rank holds the whole model. Each message carries its *body* (the
-plan up to its rank: rank-free structure and chunk digests), and the work
-that grows with the plans' contents is done once per distinct body: one
-structure decoded and joined, the replica check and the writer assignment
-over those plans with the ranks each stands for, the entries built once and
-given to every member's keys (the very same objects). What remains per rank
-is its message and its keys: no step costs ranks x chunks.
+``benchmarks/plan_scale.py`` run the same code. Work that grows with the
+plans' contents is done once per distinct *body* (replicas send equal
+bodies), so no step costs ranks x chunks (docs/distributed.md, "Planning at scale").
 """
 
 from __future__ import annotations

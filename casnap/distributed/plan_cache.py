@@ -1,35 +1,13 @@
 """The planning exchange, reusing the previous take's plans when the structure is unchanged.
 
-A rank's plan (:class:`~casnap.distributed.plan.RankPlan`) is a *structure*
-(keys, entry kinds, dtypes, shapes, replicated flags, shard boxes, chunk
-sizes and the chunk size) and a *content*: the chunk digests in order, and
-the values of primitive entries (a step counter or a learning rate changes
-every take; counting it as structure would defeat the reuse). A training
-job takes the same structure again and again, so sending it every time is
-waste: on many small tensors it is most of the planning payload.
-
-Protocol (collective: every rank of the group calls :func:`exchange_plans`
-once per take, in the planning phase, in the same order):
-
-1. Each rank fingerprints its structure (blake3 of a canonical JSON
-   encoding). If the fingerprint equals its own entry in its cache, it sends
-   a *compact* message: fingerprint, the digest naming its cached all-rank
-   structure list, and its content. Otherwise it also sends its structure.
-2. One ``all_gather``. Every rank decides from the gathered messages alone,
-   so every rank decides the same: with no compact message, every structure
-   is at hand; with some, the plans are rebuilt from the cache only if every
-   rank reported the same cache digest (then every cache holds the same
-   structures, including each compact sender's: its fingerprint matched its
-   own entry there). Otherwise a second ``all_gather`` carries the compact
-   senders' structures (a rank restarted with an empty cache, a cache from
-   another job layout).
-3. Every rank stores the same new cache entry: all structures, their
-   fingerprints, and the digest of the fingerprint list.
-
-The cache belongs to a :class:`casnap.Session` (its ``plan_cache``): the
-takes of one session share it, keyed by (group size, rank, repository id); a
-stale or foreign entry only costs the second gather, never a wrong plan.
-Without a session every take sends its structure.
+:func:`exchange_plans` is collective: every rank of the group calls it once
+per take, in the planning phase, in the same order. A rank whose structure
+fingerprint matches its cached one sends only its content; one ``all_gather``
+(two when the ranks' caches disagree) gives every rank the same plans, and
+every rank stores the same new cache entry. The protocol is in
+docs/distributed.md, "Plan reuse across takes". The cache is a
+:class:`casnap.Session`'s ``plan_cache``, keyed by (group size, rank,
+repository id); a stale entry costs the second gather, never a wrong plan.
 """
 
 from __future__ import annotations

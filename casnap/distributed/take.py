@@ -1,32 +1,11 @@
 """The distributed take: every rank of the group calls :func:`prepare_distributed_take`.
 
-Order of events (docs/distributed.md):
-
-0. every rank calls its ``state_dict()``s and flattens its state, so a rank 0
-   whose state cannot be taken creates nothing (another rank's bad state fails
-   the take at planning; the repository may exist by then, no ref is written).
-1. start (collective): rank 0 validates the path, name and metadata, opens or
-   creates the repository, checks the name is free, picks the parents and
-   acquires the take's single lease; the other ranks open the repository only
-   after the lease is held, so no rank makes a dedup decision outside it.
-2. planning (collective): every rank hashes its flattened chunks (a large
-   replicated chunk gets a check id instead, hashed only by its writer:
-   casnap/distributed/replica_check.py) and shares the hashes (and its
-   structure, unless the previous take's still holds:
-   casnap/distributed/plan_cache.py); every rank computes the same
-   writer assignment. Replicated values that differ are kept per rank with a
-   warning, or (``replica_mismatch="error"``) fail the take here, before
-   anything is written. The chunks this rank writes become write
-   requests; an async take stages them into the session's pooled buffers,
-   up to its memory budget (:func:`casnap.take.scheduler.stage`).
-3. commit (store only; in the background for ``async_take``): each rank runs
-   its requests through the scheduler every take shares (live ones first:
-   ``async_take`` returns once they are consumed), flushes them and posts
-   their locations; rank 0 waits for all ranks, builds the entries and
-   commits with the same :func:`~casnap.take.commit.commit_snapshot` as a
-   single process, and posts the outcome.
-
-A failure on any rank in any phase makes every rank raise
+Its phases (start, planning, commit) are in docs/distributed.md, "The take,
+step by step": rank 0 holds the take's single lease before any rank decides
+dedup, every rank computes the same writer assignment from the shared plans
+(:mod:`casnap.distributed.plan_cache`, :mod:`casnap.distributed.replica_check`),
+and rank 0 commits with the same :func:`~casnap.take.commit.commit_snapshot` as
+a single process. A failure on any rank in any phase makes every rank raise
 :class:`DistributedTakeError` naming the failed ranks; no ref is written.
 """
 
@@ -294,8 +273,7 @@ class DistributedJob:
             self.rendezvous.post("written", self.group.rank, written)
             if self.group.rank == 0:
                 return self._commit_rank0()
-            stats = written.stats if isinstance(written, _Written) else WriteStats()
-            return self._await_commit(stats)
+            return self._await_commit()
         finally:
             self.live_consumed.set()  # also on failure: the caller must not hang
             if self.lease is not None:
@@ -357,7 +335,7 @@ class DistributedJob:
         self.rendezvous.post("done", 0, _Done(manifest_hash, per_rank))
         return TakeResult(self.repo, self.info.name, manifest_hash, manifest, per_rank[0], per_rank)
 
-    def _await_commit(self, stats: WriteStats) -> TakeResult:
+    def _await_commit(self) -> TakeResult:
         # Rank 0 waits up to the timeout for the others, then commits: allow both.
         got, _ = self.rendezvous.collect("done", [0], 2 * dist_timeout() + 30)
         done = got.get(0)

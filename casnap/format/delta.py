@@ -45,16 +45,6 @@ def _np() -> Any:
     return np
 
 
-def xor_bytes(a: Buffer, b: Buffer) -> bytearray:
-    """``a`` XOR ``b`` (equal lengths)."""
-    np = _np()
-    out = bytearray(len(a))
-    np.bitwise_xor(
-        np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8), out=np.frombuffer(out, np.uint8)
-    )
-    return out
-
-
 def changed_share(data: Buffer, base: Buffer) -> float:
     """The share of the bytes of ``data`` that differ from ``base`` (same length, not empty):
     one pass, no compression. The XOR of two versions of float weights compresses to

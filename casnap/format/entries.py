@@ -405,7 +405,6 @@ Entry = Annotated[
     TensorEntry | PrimitiveEntry | ContainerEntry | ObjectEntry | ShardedEntry,
     Field(discriminator="kind"),
 ]
-DataEntry = TensorEntry | ObjectEntry
 
 
 def chunks_of(e: Entry) -> list[ChunkRef]:

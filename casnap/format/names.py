@@ -154,7 +154,3 @@ def escape_key(key: str) -> str:
 
 def unescape_key(component: str) -> str:
     return component.replace("%2F", "/").replace("%25", "%")
-
-
-def join_key(*components: str) -> str:
-    return "/".join(components)

@@ -1,26 +1,12 @@
 """gc: delete the manifests, chunks and packs no ref or tag reaches (docs/gc.md).
 
-gc runs as a session holding ``.casnap/gc.lock``, entered only once no take
-is in flight (:mod:`casnap.repo.leases`), so nothing decides dedup while gc marks
-and sweeps. Inside the session it first *plans* (mark from the roots, list
-what is unreachable and older than the grace period) and then *executes*
-the plan: unreachable manifests first, made durable, then chunks and packs,
-so "a manifest that exists has all its chunks" holds even if gc dies halfway.
-The gc epoch (``.casnap/gc-epoch``) is replaced before the first deletion and
-after the last, which is how local caches learn that objects may be gone.
-
-This module holds the session (lock, epoch, sweep) and the one-call API;
-:mod:`casnap.gc.plan` makes the plan. Everything gc asks of the backend
-(listings with sizes and ages, leftover temp files, durable deletes) is part
-of the store contract (:mod:`casnap.store.base`).
-
-Example::
-
-    from casnap.gc.collect import GcSession, gc
+This module holds the session (:class:`GcSession`: the gc lock, entered once
+no take is in flight, the epoch, the sweep) and the one-call API :func:`gc`;
+:mod:`casnap.gc.plan` makes the plan. Unreachable manifests go first, made
+durable, then chunks and packs, so "a manifest that exists has all its chunks"
+holds even if gc dies halfway. Example::
 
     print(gc(repo, dry_run=True).plan.render())      # what would go
-    result = gc(repo, grace_seconds=3600)             # sweep
-
     with GcSession(repo) as session:                  # plan, look, execute
         plan = session.plan(grace_seconds=0)
         if plan.bytes_to_free > 1 << 30:

@@ -1,38 +1,12 @@
-"""Reclaim: delete what only the snapshots retention just retired reached (docs/gc.md).
+"""Reclaim: delete what only the snapshots retention just retired reached.
 
-Retention deletes refs; a full gc then waits out its grace period (1 h by
-default) before it deletes anything, because it cannot tell a manifest or
-chunk nobody will ever use from one a writer without a lease is about to
-reference. The caller that deleted the refs *can* tell for the manifests it
-retired, so reclaim deletes, under the gc lock (:class:`GcSession`) and with
-no grace period:
-
-- each retired manifest that no ref or tag names again, and
-- each chunk object or pack such a manifest references that no *remaining*
-  manifest references (a root's, or any other manifest still in the store:
-  a crashed take's, one inside gc's grace period), so "every manifest in the
-  store has all its chunks" holds as it does for gc.
-
-Everything else no root reaches (another writer's objects, orphans of crashed
-takes) is left to ``gc`` and its grace period. Marking reads the refs, the
-tags, one listing of ``manifests/`` and the manifest summaries (served by the
-local index once cached, :func:`casnap.index.manifest_summaries`), never a
-listing of ``chunks/`` or ``packs/``: its cost grows with the number of
-snapshots, not with the number of chunks.
-
-A reclaim that cannot get the lock at once (another gc) or whose takes in
-flight do not finish within ``wait_seconds`` deletes nothing and says so in
-:attr:`ReclaimResult.deferred`; :attr:`ReclaimResult.pending` lists the
-manifests to hand to the next reclaim (the Checkpointer does that at its next
-commit).
-
-Example::
-
-    from casnap.gc.reclaim import reclaim
-
-    retired = [plan_manifest[name] for name in retention_result.deleted]
-    result = reclaim(repo, retired)
-    print(result.render())
+Under the gc lock and with no grace period, :func:`reclaim` deletes each
+retired manifest no ref or tag names again and each chunk object or pack only
+such manifests reference; everything else is left to ``gc``. It never lists
+``chunks/`` or ``packs/``. One that cannot get the lock, or whose takes in
+flight outlast ``wait_seconds``, deletes nothing and says so
+(:attr:`ReclaimResult.deferred`, :attr:`ReclaimResult.pending`).
+docs/gc.md, "Reclaim after retention", has the argument.
 """
 
 from __future__ import annotations

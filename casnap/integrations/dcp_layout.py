@@ -1,24 +1,11 @@
 """How a DCP checkpoint is laid out in a casnap manifest (shared by the writer and the reader).
 
-A DCP save names each value by a *fqn* (``model.layer.weight``) and, with the
-default planner's flattening, records the path it came from in the state
-dict (``planner_data``: ``{"model.layer.weight": ("model", "layer.weight")}``).
-casnap stores each fqn under the logical key a casnap take of the same state
-would use: ``0/<path component>/<path component>``, each component escaped
-(docs/format.md). An fqn without a recorded path is ``0/<fqn>``. So
-``Snapshot(path).read_object("0/model/layer.weight")`` reads what DCP saved.
-
-The manifest's ``metadata["dcp"]`` keeps what DCP's ``Metadata`` needs beyond
-the entries: the DCP version and the planner data (as JSON). Entries are
-casnap's own kinds, so ``log``, ``du``, ``diff``, ``verify``, ``gc`` and
-retention see every chunk:
-
-- a tensor saved whole (one chunk at offset 0): a ``tensor`` entry;
-- a tensor saved as several boxes (DTensor, ShardedTensor): a ``sharded``
-  entry, one shard per DCP chunk, with its global offsets;
-- a non-tensor value: a ``primitive`` entry when it is a JSON scalar, else an
-  ``object`` entry holding DCP's own ``torch.save`` bytes;
-- ``container`` entries for the paths' prefixes, so a subtree reads as a dict.
+Each DCP fqn is stored under the logical key a casnap take of the same state
+would use: ``0/<path component>/...`` from the planner's recorded path, each
+component escaped, else ``0/<fqn>``. Whole tensors are ``tensor`` entries,
+boxes ``sharded`` entries, other values ``primitive`` or ``object`` entries,
+with ``container`` entries for the prefixes; ``metadata["dcp"]`` keeps DCP's
+version and planner data. docs/dcp.md, "DCP's concepts in casnap's", has the table.
 """
 
 from __future__ import annotations

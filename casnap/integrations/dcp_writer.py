@@ -1,30 +1,13 @@
 """``CasnapWriter``: a torch.distributed.checkpoint ``StorageWriter`` that saves into casnap.
 
-DCP calls, in this order (``torch/distributed/checkpoint/storage.py``):
-
-1. (all ranks) ``reset(checkpoint_id)`` when one is given, then
-   ``set_up_storage_writer(is_coordinator, rank=...)``;
-2. (all ranks) ``prepare_local_plan(plan)``: nothing to add;
-3. (coordinator) ``prepare_global_plan(plans)``: find or create the
-   repository (``Repository.locate`` rules), take the save's lease (gc sweeps
-   nothing from here until the ref is written), choose the chunk size and the
-   parents, and hand them to every rank in the plans' ``storage_data``;
-4. (all ranks) ``write_data(plan, planner)``: each rank cuts its items into
-   chunks and writes those the repository lacks (casnap's scheduler and
-   ``ChunkWriter``: hashing, dedup against the parents and the local index,
-   packing of small chunks); results carry the chunk references;
-5. (coordinator) ``finish(metadata, results)``: build the manifest
-   (casnap.integrations.dcp_layout), write it, then the ref: the commit point.
-
-Saving again to a name that exists (DCP's default ``overwrite=True``) keeps the
-old version as the snapshot ``<name>@<12 hex of its manifest>`` and then
-replaces the ref if it still names that version (a conditional replace), so
-the previous save stays in the history until retention drops it; a save that
-loses that race to another save of the same name is kept as
-``<name>@<12 hex of its own manifest>`` (docs/dcp.md, "What is atomic").
-Cross-rank dedup: DCP's planner already gives each replicated
-tensor to one rank; identical loose chunks of different ranks land on one
-object (content addressing), small packed ones may be packed by each rank.
+What each DCP call does is in docs/dcp.md, "What each rank does": the
+coordinator's ``prepare_global_plan`` locates or creates the repository,
+takes the save's lease and picks the chunk size and parents; every rank's
+``write_data`` writes the chunks the repository lacks; the coordinator's
+``finish`` writes the manifest (:mod:`casnap.integrations.dcp_layout`), then
+the ref. Saving again to a name that exists keeps the old version as
+``<name>@<12 hex of its manifest>`` and replaces the ref conditionally
+(docs/dcp.md, "What is atomic").
 """
 
 from __future__ import annotations

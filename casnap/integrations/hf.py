@@ -12,24 +12,12 @@ Example::
 For a subclass of ``Trainer`` (``Seq2SeqTrainer``, TRL's ``SFTTrainer``), mix
 :class:`CasnapTrainerMixin` in first: ``class MyTrainer(CasnapTrainerMixin, SFTTrainer)``.
 
-Every ``save_steps`` (or epoch, or best: any ``save_strategy``) the Trainer's
-``_save_checkpoint`` takes one snapshot of the model, optimizer, scheduler,
-grad scaler and RNG state (torch, CUDA, Python and NumPy) as
-``output_dir/checkpoint-N``: ``output_dir`` is the repository (casnap's rules,
-docs/repository.md) and ``checkpoint-N`` the snapshot. The directory
-``checkpoint-N`` still exists with the small files Hugging Face's own tools
-read (``trainer_state.json``, the model's ``config.json``) and ``casnap.json``,
-a pointer to the snapshot, instead of the weights and optimizer files. So
-``get_last_checkpoint``, ``resume_from_checkpoint=True`` and ``save_total_limit``
-(which deletes old directories, keeping the best with
-``load_best_model_at_end``) work unchanged, and after each rotation the
-snapshots whose directories were deleted are deleted and their space
-reclaimed at once. Resuming reads the snapshot, verifying every chunk; a
-``checkpoint-N`` directory without ``casnap.json`` (written by a plain
-``Trainer``) is loaded by the Trainer's own code.
-
-Single-process training. With DeepSpeed, FSDP or several processes the Trainer's
-own checkpointing runs unchanged (a warning says so).
+``output_dir/checkpoint-N`` becomes snapshot ``checkpoint-N`` of the repository
+``output_dir``; the directory keeps the small files Hugging Face's tools read
+and a ``casnap.json`` pointer, so ``get_last_checkpoint``, resuming and
+``save_total_limit`` work unchanged (docs/lightning-hf.md). Single-process
+training; with DeepSpeed, FSDP or several processes the Trainer's own
+checkpointing runs unchanged (a warning says so).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""Bring an existing checkpoint into a casnap repository as one snapshot.
+"""Bring an existing checkpoint into a casnap repository as one snapshot (docs/import.md).
 
 Sources (detected from the path, :mod:`casnap.integrations.import_sources`):
-a DCP checkpoint directory (``FileSystemWriter``), a safetensors file, a Hugging
-Face model directory (sharded safetensors with ``model.safetensors.index.json``,
-or one ``model.safetensors``), and a ``torch.save`` file (read with
-``weights_only=True``).
-
-The import is a take like any other: chunks already in the repository are
-not written again (importing the same file twice, or two fine-tunes sharing
-tensors, stores the shared chunks once), and nothing is visible until the ref
-is written. The bytes stream: each tensor is read only when the take's byte
-budget has room for it and released once hashed, so the resident memory is
-bounded by the budget (and the largest tensor), not by the checkpoint's size
-(docs/import.md).
-
-Example::
-
-    from casnap.integrations.importers import import_checkpoint
+a DCP checkpoint directory, a safetensors file, a Hugging Face model directory
+and a ``torch.save`` file (read with ``weights_only=True``). The import is a
+take like any other, and its bytes stream within the take's budget. Example::
 
     snap = import_checkpoint("llama/", "/ckpt/base/llama")  # HF directory
-    snap.read_object("0/model/lm_head.weight")
     Snapshot("/ckpt/base/llama").restore({"model": model})
 """
 

@@ -12,20 +12,10 @@ Example::
     trainer.fit(model)
     trainer.fit(model, ckpt_path="last")       # or a path ModelCheckpoint wrote
 
-Lightning hands :meth:`CasnapCheckpointIO.save_checkpoint` the checkpoint dict
-and a path such as ``/ckpt/run1/epoch=0-step=10.ckpt``. The dict is taken as a
-snapshot by casnap's rules (docs/repository.md, "Where snapshots live"): the
-path's parent ``/ckpt/run1`` is the repository (created by the first save)
-and ``epoch=0-step=10.ckpt`` the snapshot's name, so successive checkpoints
-share every unchanged chunk and ``casnap ls/du/verify/gc /ckpt/run1`` work on
-them. At the path itself a small pointer file is left
-(:mod:`casnap.integrations.pointer`), so that everything Lightning does with
-checkpoint files keeps working: ``ModelCheckpoint``'s existence checks and
-version counter, ``ckpt_path="last"`` (which lists ``last*.ckpt`` files and
-compares modification times), ``save_last="link"`` (a symbolic link to the
-pointer), ``ckpt_path="best"``. :meth:`~CasnapCheckpointIO.remove_checkpoint`
-(``save_top_k``) deletes the pointer, then the snapshot, then reclaims at once
-what only that snapshot used. docs/lightning-hf.md has the details.
+``/ckpt/run1/epoch=0-step=10.ckpt`` becomes snapshot ``epoch=0-step=10.ckpt``
+of the repository ``/ckpt/run1``, and a pointer file
+(:mod:`casnap.integrations.pointer`) is left at the path so that Lightning's
+file checks keep working; docs/lightning-hf.md has the details.
 """
 
 from __future__ import annotations

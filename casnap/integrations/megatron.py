@@ -12,32 +12,13 @@ Pass them where Megatron-core takes a sharded strategy and each
     state = dist_checkpointing.load(model.sharded_state_dict(), "/ckpt/run1/iter_0000100",
                                     sharded_strategy=CasnapLoadStrategy())
 
-Megatron-core's ``torch_dist`` format translates its ``ShardedTensor``s to
-PyTorch sharded tensors and saves them with torch.distributed.checkpoint
-(DCP). These strategies keep that translation and Megatron's own DCP planners
-(so replica ids, prepended axes, uneven shards and resharding on load behave
-exactly as with ``torch_dist``) and swap the file system writer and reader for
-casnap's :class:`~casnap.integrations.dcp.CasnapWriter` and
-:class:`~casnap.integrations.dcp.CasnapReader`:
-
-- a ``ShardedTensor`` box (its global offsets) is one shard of a ``sharded``
-  entry; only main replicas (``replica_id`` 0) are written, so each box is
-  written once, by the rank Megatron (or ``FullyParallelSaveStrategyWrapper``)
-  chose;
-- a ``ShardedObject`` is an ``object`` entry (Megatron's ``torch.save`` bytes);
-- the common state (Megatron's ``common.pt``, which its common strategy still
-  writes into the checkpoint directory) is kept in the snapshot too, as the
-  object entry ``0/__megatron_common__.pt``;
-- the snapshot path is the checkpoint directory: ``/ckpt/run1/iter_0000100``
-  is snapshot ``iter_0000100`` of the repository ``/ckpt/run1`` (or of
-  ``repository=`` when given); ``{"step": 100}`` is read from the name. After
-  the commit, rank 0 leaves a pointer ``casnap.json`` in the directory, which
-  the load strategy follows.
-
-Importing this module imports Megatron-core (extra ``megatron``) and
-registers the strategies as Megatron's defaults for the backend ``casnap``,
-so ``dist_checkpointing.load`` finds the load strategy from the checkpoint's
-``metadata.json`` alone.
+They keep Megatron's ``torch_dist`` translation and DCP planners and swap
+DCP's file system writer and reader for casnap's
+:class:`~casnap.integrations.dcp.CasnapWriter` and
+:class:`~casnap.integrations.dcp.CasnapReader`; docs/megatron.md, "What a save
+is", maps Megatron's objects to snapshot entries. Importing this module imports
+Megatron-core (extra ``megatron``) and registers the strategies as Megatron's
+defaults for the backend ``casnap``.
 """
 
 from __future__ import annotations

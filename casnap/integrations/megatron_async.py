@@ -1,27 +1,12 @@
 """Megatron-core's async save over casnap: plan and stage now, write in the background.
 
-Megatron-core splits an async save into three calls (``AsyncRequest``):
-
-1. ``strategy.async_save`` (every rank, the training process): the DCP
-   planning collectives (Megatron's ``save_state_dict_async_plan``; rank 0's
-   ``CasnapWriter.prepare_global_plan`` takes the save's lease), then
-   :meth:`_AsyncWriter.prepare_write_data`: every item this rank writes is
-   copied point-in-time into casnap's staging pool (the session's, reused by
-   the next save) within the staging share of the memory budget; items past
-   that share are written now, before ``async_save`` returns;
-2. ``async_fn`` (every rank; in Megatron's forked background process, or in
-   this one with ``execute_sync``): :func:`write_staged` cuts the staged items
-   into chunks and writes those the repository lacks, durably, and leaves the
-   write results in a private file (a forked process cannot hand back more
-   than a pipe holds before the parent reads it);
-3. the finalize function (every rank, the training process, after every
-   rank's ``async_fn`` ended): the results are gathered on rank 0, which
-   writes the manifest and the ref (the commit point) and the pointer; the
-   outcome is broadcast so that every rank raises if any part failed. The
-   staging buffers go back to the pool.
-
-A failure anywhere leaves no ref: earlier snapshots are untouched and the
-chunks written meanwhile are unreferenced (gc reclaims them).
+Megatron-core splits an async save into three calls (``AsyncRequest``,
+docs/megatron.md, "Async save"): ``strategy.async_save`` plans and stages
+every item this rank writes into the session's pool
+(:meth:`_AsyncWriter.prepare_write_data`); ``async_fn`` (possibly in a forked
+process) writes the chunks (:func:`write_staged`) and leaves the results in a
+private file; the finalize function gathers them on rank 0, which commits.
+A failure anywhere leaves no ref.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Pointer files: where a training library expects a checkpoint file, the snapshot it names.
 
-Lightning and the Hugging Face Trainer look for checkpoints on the file system
-(``os.path.exists``, ``ls``, modification times, symbolic links to
-``last.ckpt``, ``checkpoint-N`` directories). The integrations store the
-state in a casnap repository and leave, where the library looks, a small JSON
-*pointer* naming the snapshot::
-
-    {"casnap": "lightning-checkpoint", "version": 1,
-     "repository": ".", "snapshot": "epoch=0-step=10.ckpt", "manifest": "3f2a..."}
-
-``repository`` is relative to the pointer's directory for a local repository
-(so the directory can be moved as a whole), else a URL. ``manifest`` is the
-manifest hash the snapshot had when the pointer was written: a reader refuses a
-snapshot that was replaced since. The pointer is written after the snapshot's
-ref (the commit point) and atomically, so a pointer always names a complete
-snapshot.
+A pointer is a small JSON naming the repository (relative to the pointer's
+directory when local), the snapshot and its manifest hash; a reader refuses a
+snapshot replaced since. It is written atomically after the snapshot's ref,
+so it always names a complete snapshot (docs/lightning-hf.md, "How a
+checkpoint maps to a snapshot").
 
 :class:`Retirer` deletes snapshots and reclaims what only they used, retrying
 a reclaim that had to wait for a take in flight at the next call.

@@ -1,27 +1,10 @@
 """Copy snapshots from one repository to another: only what is missing, verified, resumable.
 
-Plan, then execute (docs/copy.md):
-
-- :func:`casnap.ops.copy_plan.plan_copy` lists, per snapshot, the objects
-  its manifest reaches that the destination lacks.
-- :func:`execute_copy` fetches each missing object from the source, checks
-  its bytes against its name (a pack: the blake3 of its bytes; a loose
-  chunk: its frame decodes to bytes whose blake3 is the chunk's hash) and
-  only then puts it at the destination, create-only. Once a snapshot's
-  objects are durable it writes the manifest (the same bytes, so the same
-  name) and then the ref: the commit point. A damaged or missing source
-  object fails the snapshots needing it, which stay invisible at the
-  destination; the others are copied.
-
-:func:`copy` holds a lease on the destination from the first existence
-check to the last ref, as a take does, so a gc there cannot delete an object
-the copy has found present (or just sent) before the ref that reaches it
-lands. An interrupted copy leaves only unreferenced objects; run again, it
-finds them present and sends the rest.
-
-Example::
-
-    from casnap.ops.copy import copy
+Plan (:func:`casnap.ops.copy_plan.plan_copy`), then :func:`execute_copy`: each
+missing object is checked against its name before its create-only put, and a
+snapshot's manifest and then its ref (the commit point) are written once its
+objects are durable. :func:`copy` holds a lease on the destination throughout,
+as a take does. docs/copy.md has the rules. Example::
 
     result = copy("/ckpt/run1", "gs://bucket/run1")       # every snapshot
     print(result.render())

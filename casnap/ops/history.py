@@ -19,6 +19,7 @@ from casnap.format.entries import (
     ObjectEntry,
     ShardedEntry,
     TensorEntry,
+    chunks_of,
 )
 from casnap.format.manifest import Manifest
 from casnap.format.tree import missing_key
@@ -354,7 +355,7 @@ def diff(a: Manifest, b: Manifest, key: str | None = None) -> list[EntryDiff]:
         is_container = all(isinstance(e, ContainerEntry) for e in (ea, eb) if e is not None)
         if ea is None or eb is None:
             e = eb if ea is None else ea
-            chunks = _chunks_of(e)
+            chunks = chunks_of(e)
             out.append(
                 EntryDiff(
                     key,
@@ -376,8 +377,8 @@ def diff(a: Manifest, b: Manifest, key: str | None = None) -> list[EntryDiff]:
             out.append(EntryDiff(key, status, sum(c.size for c in changed), len(changed)))
         elif isinstance(ea, ShardedEntry) or isinstance(eb, ShardedEntry):
             # Shards may be cut differently (another world size): compare by content.
-            before = {c.hash for c in _chunks_of(ea)}
-            changed = [c for c in _chunks_of(eb) if c.hash not in before]
+            before = {c.hash for c in chunks_of(ea)}
+            changed = [c for c in chunks_of(eb) if c.hash not in before]
             same = ea.model_dump() == eb.model_dump()
             out.append(
                 EntryDiff(
@@ -424,14 +425,6 @@ def value_counts(rows: list[EntryDiff]) -> dict[str, int]:
         if not r.container:
             counts[r.status] += 1
     return {s: n for s, n in counts.items() if n}
-
-
-def _chunks_of(entry: object) -> list[ChunkRef]:
-    if isinstance(entry, (TensorEntry, ObjectEntry)):
-        return list(entry.chunks)
-    if isinstance(entry, ShardedEntry):
-        return [c for shard in entry.shards for c in shard.chunks]
-    return []
 
 
 def _same_layout(a: TensorEntry | ObjectEntry, b: TensorEntry | ObjectEntry) -> bool:

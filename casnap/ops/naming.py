@@ -1,23 +1,10 @@
 """Naming a snapshot: by its name, by a tag, or as ``latest``.
 
-Wherever a command or the Python API takes a snapshot name (``show``, ``diff``,
-``export``, ``rm``, ``tag add``; ``Repository.resolve``, ``Repository.snapshot``),
-it is looked up in this order:
-
-1. a snapshot of that name (an explicit name always wins);
-2. a repository tag of that name: the snapshot it was put on, while that
-   snapshot still holds the manifest the tag pins;
-3. ``latest``: the newest snapshot, by step and then by creation time (the
-   order retention uses, :func:`casnap.ops.retention.order_key`);
-   ``run1/latest`` in a shared repository is the newest below ``run1/``.
-
-Anything else is :class:`casnap.SnapshotNotFoundError` with the closest
-snapshot and tag names ("did you mean ...?"); the CLI exits 3.
-
-Example::
-
-    repo, name = Repository.locate("/ckpt/run1/latest", must_exist=False)
-    resolve_name(repo.storage, name)  # "step_1000"
+Looked up in this order: a snapshot of that name, a repository tag of that
+name (while its snapshot still holds the pinned manifest), then ``latest``
+(by step, then creation time; ``run1/latest``: the newest below ``run1/``).
+Anything else is :class:`casnap.SnapshotNotFoundError` naming the closest
+snapshot and tag names (docs/repository.md, "Naming a snapshot").
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """repair: write good copies of damaged or missing chunks, then say what stays unrecoverable.
 
 The model is restic's ``repair``, reduced to what content addressing makes
-safe (docs/damage.md, "Repair"). A chunk is named by the hash of its bytes, so
-*any* bytes that hash to the name are the chunk, wherever they come from:
-
-1. **Plan.** Every ref and tag is resolved to its manifest; every referenced
-   copy that is recorded damaged (``.casnap/damaged/``, optionally after a
-   ``read_data`` scrub that records what it finds) or missing is *bad*. For
-   each bad chunk the sources are asked in turn for bytes that hash to its
-   name: the repository's other copies of the chunk, the snapshots given
-   (in this or another repository), then the live states given (tensors
-   chunked the way takes chunk them). The plan is a value: print it, dry-run it.
-2. **Execute.** For each chunk a source supplies, the verified bytes are put
-   atomically at ``chunks/<h>``, made durable and read back. A damaged loose
-   object is thereby replaced (healing every snapshot naming it) and its
-   record deleted. A damaged pack frame keeps its record and gets a
-   *replacement*: reads of the frame fall back to ``chunks/<h>``
-   (:func:`casnap.chunks.decode.decode_frame`), and gc keeps the replacement
-   while the record and a reachable reference into the frame exist. No
-   manifest, ref, tag or pack is rewritten, so a repair killed at any point
-   leaves every snapshot at least as restorable as before.
-
-What no source supplies, and bad manifests, refs and tags, are reported per
-snapshot and tag as unrecoverable. The sources are :mod:`casnap.ops.repair_sources`.
+safe (docs/damage.md, "Repair"): any bytes that hash to a chunk's name are
+the chunk. :func:`plan_repair` finds every bad copy a ref or tag reaches and
+asks the sources (:mod:`casnap.ops.repair_sources`) in turn for its bytes;
+executing puts the verified bytes at ``chunks/<h>``, durably, and rewrites no
+manifest, ref, tag or pack, so a repair killed at any point leaves every
+snapshot at least as restorable as before. What no source supplies is
+reported per snapshot and tag as unrecoverable.
 """
 
 from __future__ import annotations
@@ -35,7 +20,7 @@ from casnap.chunks.frames import encode_chunk
 from casnap.chunks.read import object_name
 from casnap.errors import CasnapError, IntegrityError
 from casnap.format import codec
-from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, TensorEntry
+from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, TensorEntry, chunks_of
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.ops.repair_sources import ChunkSource, FromDeltas, RepoCopies
@@ -225,12 +210,7 @@ def element_sizes(manifest: Manifest) -> dict[str, int]:
         if not entry.dtype.startswith(("float", "bfloat")):
             continue  # torch groups floats only (casnap.take.scheduler.tensor_request)
         elem = DTYPE_ITEMSIZE.get(entry.dtype, 0)
-        chunks = (
-            entry.chunks
-            if isinstance(entry, TensorEntry)
-            else [c for shard in entry.shards for c in shard.chunks]
-        )
-        out.update((c.hash, elem) for ref in chunks for c in ref.chain())
+        out.update((c.hash, elem) for ref in chunks_of(entry) for c in ref.chain())
     return out
 
 

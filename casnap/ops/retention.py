@@ -1,19 +1,11 @@
-"""Retention: which snapshots to keep, planned first, then executed.
+"""Retention: which snapshots to keep, planned first, then executed (docs/retention.md).
 
 A :class:`RetentionPolicy` is a union of rules: a snapshot is kept when any
 rule keeps it, and every rule that keeps it is recorded as a reason.
-:func:`plan_retention` reads the refs, manifests and tags and returns a
-:class:`RetentionPlan`, a value to print, test or dry-run;
-:func:`execute_retention` deletes the refs the plan deletes and nothing else.
-Retention itself deletes only refs; :func:`casnap.gc.reclaim.reclaim` (what
-``Repository.retain(..., prune=True)``, ``casnap retain --prune`` and the
-Checkpointer call next) deletes what only the retired snapshots reached, and
-``gc`` the rest of what no ref or tag reaches. See docs/retention.md.
-
+:func:`plan_retention` returns a :class:`RetentionPlan`, a value to print,
+test or dry-run; :func:`execute_retention` deletes the refs the plan deletes
+and nothing else (:func:`casnap.gc.reclaim.reclaim` and ``gc`` free the space).
 Example::
-
-    from casnap.ops.retention import KeepBest, KeepEveryStep, KeepLast, RetentionPolicy
-    from casnap.ops.retention import execute_retention, plan_retention
 
     policy = RetentionPolicy(KeepLast(3), KeepEveryStep(1000), KeepBest(1, "loss"))
     plan = plan_retention(repo, policy)

@@ -1,22 +1,11 @@
 """Damage records: which stored copies of chunks a read found damaged (docs/damage.md).
 
-A read that decodes a frame whose bytes do not match the chunk's hash (the
-verified reader, :mod:`casnap.chunks.read`) records the damaged copy here::
-
-    .casnap/damaged/<chunk hash>/<pack id>   a frame inside a pack
-    .casnap/damaged/<chunk hash>/chunk       the loose object chunks/<h[:2]>/<h>
-
-The key alone names the damaged copy, so a take learns every record with one
-listing (normally of an empty folder) and stops trusting those copies: its
-parents' manifests, the session's last plan and the local index may all still
-name them. The body (:class:`~casnap.format.records.DamageRecord`) is for
-people and a later ``repair``.
-
-Recording is always safe, even when wrong: it only makes the next take that
-needs the chunk write it again. Nothing here deletes or moves a chunk.
-Recording needs write access; where there is none (a read-only mount), the
-damage is logged as a warning and the read carries on (the caller still
-raises its :class:`~casnap.errors.IntegrityError`).
+A read whose frame fails its check records the damaged copy at
+``.casnap/damaged/<chunk hash>/<pack id>`` (a frame inside a pack) or
+``.casnap/damaged/<chunk hash>/chunk`` (the loose object); the key alone names
+it, so a take learns every record with one listing and stops trusting those
+copies. Recording is always safe, even when wrong, and deletes nothing; where
+it cannot write (a read-only mount) the damage is logged and the read carries on.
 """
 
 from __future__ import annotations

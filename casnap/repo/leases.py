@@ -1,38 +1,17 @@
 """Leases and the gc lock: how takes in flight and gc keep out of each other's way.
 
-Two kinds of record share one JSON shape (:class:`LeaseRecord`):
+A take (or anything that turns an object into a root) holds
+``.casnap/leases/<id>``; the one gc that may sweep holds ``.casnap/gc.lock``.
+Each side writes its own record first and then checks for the other's, so no
+take decides dedup while a gc marks and sweeps (docs/gc.md, "The protocol").
+A heartbeat keeps a record live while its holder runs; a holder that could
+not renew in time stops (:meth:`Lease.check` raises :class:`LeaseLostError`).
+A record claiming more than
+:data:`~casnap.repo.lease_record.MAX_RECORD_LIFE` counts as stale.
 
-- ``.casnap/leases/<id>`` is held by a take, from before it decides anything
-  about dedup until after its ref is written, and by anything else that turns
-  an existing object into a root (tagging a snapshot, say).
-- ``.casnap/gc.lock`` is held by the one gc that may sweep.
-
-Each side *writes its own record first and then checks for the other's*
-(Dekker's protocol, over the store). On a store whose operations are
-linearizable (a local directory, GCS) at least one of the two sees the other:
-a take that finds a live gc.lock withdraws its lease and waits for the gc to
-finish; a gc that finds a live lease waits for it to go, or gives up. So no
-take decides dedup while a gc marks and sweeps. The argument is in docs/gc.md.
-
-A record is live until its ``expires_at``. A heartbeat thread pushes that out
-while the holder runs, so only a crashed holder's record expires. A holder
-whose heartbeat could not renew it in time must assume it was declared dead:
-:meth:`Lease.check` then raises :class:`LeaseLostError` and the holder stops
-instead of committing. ``CASNAP_LEASE_TTL`` (seconds, default 120, at most
-30 min) sets the time to live.
-
-A record's claim is bounded whatever it says: one whose expiry lies more
-than :data:`MAX_RECORD_LIFE` ahead, or whose times do not parse, is not one a
-casnap holder writes, and counts as stale (:meth:`LeaseRecord.stale_reason`).
-So a hostile ``gc.lock`` claiming the year 9999 stops no take; a waiting take
-or gc says every so often who it waits for; :func:`casnap.repo.gc_lock.break_gc_lock`
-(``casnap unlock``) removes a stale or damaged lock.
-
-The records are :mod:`casnap.repo.lease_record`; the gc's side, taking the
-lock, is :mod:`casnap.repo.gc_lock`; this module is the takes' side (and
-:func:`wait_for_leases`, gc's wait for them).
-
-Example::
+The records are :mod:`casnap.repo.lease_record`; gc's side is
+:mod:`casnap.repo.gc_lock`; this module is the takes' side (and
+:func:`wait_for_leases`, gc's wait for them). Example::
 
     with hold_lease(repo, kind="tag") as lease:
         manifest = repo.resolve("step_100")

@@ -35,7 +35,7 @@ from casnap.errors import (
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import Manifest
 from casnap.format.manifest_bytes import serialize
-from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key, name_key
+from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key
 from casnap.format.parse import (
     MAX_MANIFEST_BYTES,
     MAX_RECORD_BYTES,
@@ -76,12 +76,6 @@ def pack_key(p: str) -> str:
 
 def manifest_key(m: str) -> str:
     return f"manifests/{m[:2]}/{m}"
-
-
-def ref_key(name: str) -> str:
-    """The key of snapshot ``name``'s ref: one flat, percent-encoded component, or a
-    hashed one for a name too long for that (:func:`casnap.format.names.name_key`)."""
-    return f"refs/{name_key(check_ref_name(name))}"
 
 
 class RepoStorage:
@@ -420,20 +414,13 @@ def locate(
 ) -> tuple[RepoStorage, str]:
     """Find the repository holding snapshot ``path`` and the snapshot's name in it.
 
-    The rules (docs/repository.md, "Where snapshots live"):
-
-    1. An explicit ``storage_options["repository"]`` (a URL, a RepoStorage, or a
-       ``casnap.Repository``: its ``.storage``) wins.
-    2. Else the nearest ancestor of ``path`` holding a repository, if it is the
-       path's parent or was created to be shared (``config.shared``: ``casnap
-       init``, ``Repository.init``). A read (``create=False``) looks for the
-       name there first, then in each further ancestor holding a repository,
-       and uses the first that holds it: older versions put deeper snapshots
-       into an ancestor, and a take may since have created a nearer repository.
-    3. Else (``create=True``) the path's parent becomes a new, implicit
-       repository with default chunk size ``chunk_size``; never ``/`` or the
-       home directory, and a take path that is the working or home directory
-       is refused (:class:`casnap.ConfigError`).
+    By the rules of docs/repository.md, "Where snapshots live": an explicit
+    ``storage_options["repository"]`` (a URL, a RepoStorage or a
+    ``casnap.Repository``) wins; else the nearest ancestor holding a repository,
+    if it is the path's parent or shared (a read, ``create=False``, then tries
+    each further ancestor that holds the name); else, with ``create=True``, the
+    path's parent becomes a new repository with default chunk size
+    ``chunk_size`` (never ``/`` or the home directory: :class:`casnap.ConfigError`).
 
     The name is checked before anything is created (:class:`casnap.errors.InvalidNameError`).
     ``existing``: a read of a snapshot that must exist; when no repository holds

@@ -1,26 +1,10 @@
 """Tags: named pins on snapshots, and the tags a snapshot carries in its metadata.
 
-A repository tag lives at ``.casnap/tags/<tag>`` (the name encoded like a
-ref's, :func:`casnap.format.names.name_key`) and holds canonical JSON
-``{"created_at": ..., "manifest": <hash>, "snapshot": <name>}``, plus
-``"tag": <tag>`` when the key is a hashed one (a tag name too long for a flat key). It names the
-manifest the snapshot had when it was tagged, so it keeps that manifest (and
-its chunks) alive as a gc root even after the snapshot's ref is deleted.
-Tags are written create-only: moving a tag is ``remove_tag`` then ``add_tag``.
-
-A snapshot can also carry tags in its manifest, ``metadata["tags"]`` (a list
-of strings given at take time). Those describe the snapshot but pin nothing:
-they go when its ref goes. Retention (``KeepTagged``) honours both kinds.
-
-Example::
-
-    from casnap import RepoStorage
-    from casnap.repo.tags import add_tag, list_tags, remove_tag
-
-    repo = RepoStorage.open("/ckpt/run1")
-    add_tag(repo, "release-1", "step_000010000")
-    list_tags(repo)["release-1"].manifest  # the pinned manifest hash
-    remove_tag(repo, "release-1")
+A repository tag (``.casnap/tags/<tag>``, written create-only; its record is
+in docs/format.md, "Tags") pins the manifest the snapshot had when tagged, a
+gc root even after the snapshot's ref is deleted; moving a tag is
+``remove_tag`` then ``add_tag``. ``metadata["tags"]`` describe a snapshot but
+pin nothing. Retention (``KeepTagged``) honours both (docs/retention.md, "Tags").
 """
 
 from __future__ import annotations

@@ -1,43 +1,10 @@
 """Amazon S3 (and S3-compatible servers) as an object store, through s3fs.
 
-What casnap's contract needs from S3, and where it comes from (docs/s3.md):
-
-- **Atomic put**: a single-object PUT is atomic; a reader sees the old object
-  or the new one, never a mix, and since December 2020 S3 is strongly
-  read-after-write consistent for PUT, DELETE and LIST.
-- **Create-only put**: a PUT with ``If-None-Match: *`` (S3 conditional writes,
-  August 2024) fails with 412 when the key exists, decided by the server, so it
-  is atomic across processes. Servers without conditional writes (older MinIO
-  or Ceph RGW, some appliances) either refuse the header or ignore it; open
-  them with ``conditional_writes=False``: create-only is then a check followed
-  by a PUT, atomic only within this process, and the store does not claim
-  ``atomic_create`` (gc then takes its lock the way docs/gc.md describes for
-  such stores). By default (``"auto"``) AWS is trusted and any other endpoint
-  is proven once, before the first create-only put (a probe object written
-  twice, then deleted); a server that refuses or ignores the condition fails
-  that put with an error naming the option.
-- **Conditional replace** (``replace``, compare and swap): a GET gives the
-  object's bytes and ETag in one answer; they are compared with what is
-  expected, then the PUT carries ``If-Match: <etag>`` (S3 conditional writes,
-  November 2024), so a write in between fails it with 412 (a deleted object:
-  404). ``"auto"`` proves a server other than AWS honours ``If-Match`` once,
-  before the first replace. With ``conditional_writes=False`` a replace is a
-  compare then a PUT under an in-process lock (``conditional_replace`` false).
-- There is no rename, and casnap needs none: every object is written once, whole.
-
-Options (``storage_options``, also ``--storage-option KEY=VALUE`` on the
-command line, where ``true``/``false`` are read as booleans) go to
-:class:`s3fs.S3FileSystem`: ``endpoint_url``, ``key``, ``secret``, ``token``,
-``anon``, ``client_kwargs={"region_name": ...}``, ... Without them the usual
-AWS sources apply: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
-``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_DEFAULT_REGION``,
-``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, instance roles. casnap adds one
-option of its own, ``conditional_writes``: ``"auto"`` (the default), true or false.
-
-Example::
-
-    store = S3Store("s3://bucket/run1", {"endpoint_url": "http://localhost:9000"})
-    store.put("refs/main", b"...", create_only=True)
+docs/s3.md says what casnap's contract needs from S3 and where each guarantee
+comes from: atomic PUT, create-only by ``If-None-Match: *``, ``replace`` by
+``If-Match: <etag>``, and ``conditional_writes`` (``"auto"``, true or false)
+for servers without conditional writes. The other ``storage_options`` go to
+:class:`s3fs.S3FileSystem`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Quantized tensors as their integer representation plus quantization parameters.
 
-A ``qint8``/``quint8``/``qint32`` tensor is stored as ``int_repr()`` (chunked,
-hashed and deduplicated like any integer tensor) and a
-:class:`~casnap.format.entries.Quantization` record: the quantized dtype, the
-qscheme and its parameters, floats as exact ``float.hex``. Rebuilding from
-those gives back a tensor with the same integers and bit-identical
-parameters (docs/format.md, "Quantized tensors").
-
-Restore follows torchsnapshot 0.1.0 where that loses nothing: a quantized
-target of the same dtype, qscheme and shape is filled in place (values and
-parameters), a floating-point target receives the dequantized values, and
-any other quantized target (another qscheme or dtype, or a view whose
-parameters belong to a larger tensor) is replaced by the stored tensor
-rather than requantized.
+A ``qint8``/``quint8``/``qint32`` tensor is stored as ``int_repr()`` and a
+:class:`~casnap.format.entries.Quantization` record (floats as exact
+``float.hex``), so it rebuilds bit-identical. Restore fills a matching
+quantized target in place, gives a floating-point target the dequantized
+values, and replaces any other quantized target by the stored tensor
+(docs/format.md, "Quantized tensors").
 """
 
 from __future__ import annotations

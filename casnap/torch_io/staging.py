@@ -1,43 +1,13 @@
 """Host buffers for staging tensors, reused from one take to the next, and the device copy path.
 
-An async take must copy every tensor before it returns (that is what makes
-it point-in-time), so its staging memory equals the state's size. What need
-not be paid every time is the allocation: page-faulting fresh memory costs
-as much as the copy itself on a large state, and pinning it (what lets a GPU
-copy into it asynchronously, at full bus speed) costs more. Buffers come
-back to the pool when a take's background part finishes, and the next take
-of the same structure finds them there. The pool keeps at most
-``idle_limit`` bytes of idle buffers, and a fresh allocation that would push
-buffers in use plus idle ones over the caller's limit first drops the idle
-ones (a take whose structure changed does not pay for the old structure's
-buffers too); buffers in use never exceed the limit (:class:`StagingFull`).
-
-**The device path** (docs/gpu.md). A tensor on an accelerator is copied
-into pinned pool buffers as raw bytes. A take that writes it at once (a
-synchronous take, or a tensor an async take could not stage) copies it in
-pieces of the take's chunk size, each into its own pool buffer with a
-``non_blocking`` copy and one completion handle (:class:`PieceCopy`), one
-piece ahead of the writer: the writer waits only for the piece it is about
-to hash, so the copy of piece *i+1* overlaps the hashing and writing of
-piece *i*, and each piece's buffer and budget go back once its chunk is
-written (double buffering within the memory budget). An async take copies
-every tensor it stages with one non-blocking copy each and waits for all of
-them before it returns. Engines:
-
-- :class:`CudaCopies`: a CUDA stream per copy slot (two: one request's
-  pieces copy while the previous request's are still in flight), an event
-  recorded after each piece; the stream first waits for the tensor's
-  producing stream, and the source is ``record_stream``-ed so the caching
-  allocator cannot reuse its memory before the copy ran.
-- :class:`ThreadCopies`: the same contract on the CPU (a copy thread, a
-  future per piece). It exists so the logic (buffer reuse, the copy / wait /
-  hash / write order, the budget) runs and is tested without a GPU: a pool
-  made with ``device_path_for_cpu=True`` sends CPU tensors down the device
-  path too.
-
-A pool belongs to a :class:`casnap.Session` (successive async takes through
-one session reuse its buffers); it is guarded by a lock, since the caller
-stages while a previous take's background part gives buffers back.
+Design in docs/gpu.md. The pool keeps at most ``idle_limit`` bytes of idle
+buffers, and a fresh allocation that would push buffers in use plus idle ones
+over the caller's limit first drops the idle ones; buffers in use never exceed
+the limit (:class:`StagingFull`). A tensor on an accelerator is copied in
+chunk-sized pieces, one ahead of the writer (:class:`PieceCopy`), by
+:class:`CudaCopies` or, without a GPU (and for the tests, with
+``device_path_for_cpu=True``), :class:`ThreadCopies`. A pool belongs to a
+:class:`casnap.Session` and is guarded by a lock.
 """
 
 from __future__ import annotations
@@ -175,7 +145,7 @@ class PieceCopy:
 
 
 class StagingPool:
-    """Reused host buffers for staging (see the module docstring).
+    """Reused host buffers for staging (docs/gpu.md).
 
     ``pin``: allocate page-locked buffers (default: when CUDA is available;
     plain memory otherwise, or when pinning fails). ``engine``: the copy

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 
@@ -34,10 +33,6 @@ def torch_dtype(name: str) -> torch.dtype:
         return _BY_NAME[name]
     except KeyError as exc:
         raise UnsupportedValueError(f"dtype {name!r} is not available in this torch") from exc
-
-
-def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
 
 
 def check_storable(tensor: torch.Tensor, key: str = "") -> None:
