@@ -31,7 +31,7 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 from __future__ import annotations
 
 from casnap.chunks.rebuild import fetch_chain, rebuild
-from casnap.chunks.stored import contain, fetch_frame, object_key
+from casnap.chunks.stored import contain, fetch_frame
 from casnap.errors import (
     CasnapError,
     DeltaBaseError,
@@ -42,6 +42,7 @@ from casnap.errors import (
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.repo.damage import DamagedCopy, record_damage
+from casnap.repo.reach import object_key
 from casnap.repo.repository import RepoStorage
 
 Buffer = codec.Buffer

@@ -38,12 +38,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from casnap.chunks.stored import contain, fetch_frame, frame_limit, object_key
+from casnap.chunks.stored import contain, fetch_frame, frame_limit
 from casnap.errors import CasnapError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.delta import apply_delta
 from casnap.format.entries import ChunkRef
 from casnap.format.names import digest_of
+from casnap.repo.reach import object_key
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 
 Buffer = codec.Buffer

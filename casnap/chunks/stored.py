@@ -45,7 +45,3 @@ def fetch_frame(repo: RepoStorage, ref: ChunkRef) -> bytes:
     if ref.pack is None:
         return repo.store.get(chunk_key(ref.hash), limit=frame_limit(ref))
     return repo.store.get_range(pack_key(ref.pack), ref.offset, ref.offset + ref.length)
-
-
-def object_key(ref: ChunkRef) -> str:
-    return pack_key(ref.pack) if ref.pack else chunk_key(ref.hash)

@@ -30,7 +30,8 @@ def _dumped(entry: Entry | ChunkRef) -> str:
     return canonical_json(entry.model_dump(mode="json")).decode("utf-8")
 
 
-def _ref_text(r: ChunkRef) -> str:
+def ref_text(r: ChunkRef) -> str:
+    """A chunk reference's canonical JSON text (a whole frame's from a template)."""
     if r.base is not None:  # a delta: its chain nests, dumped the usual way
         return _dumped(r)
     pack = "null" if r.pack is None else f'"{r.pack}"'
@@ -49,7 +50,7 @@ def _ints(values: list[int]) -> str:
 
 
 def _refs_text(refs: list[ChunkRef]) -> str:
-    return ",".join([_ref_text(r) for r in refs])
+    return ",".join([ref_text(r) for r in refs])
 
 
 def _sharded_text(e: ShardedEntry) -> str:
@@ -68,7 +69,7 @@ def _sharded_text(e: ShardedEntry) -> str:
 
 
 def _tensor_text(e: TensorEntry) -> str:
-    chunks = ",".join([_ref_text(r) for r in e.chunks])
+    chunks = ",".join([ref_text(r) for r in e.chunks])
     replicated = "true" if e.replicated else "false"
     return (
         f'{{"chunk_size":{e.chunk_size},"chunks":[{chunks}],'

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from casnap.format.entries import ChunkRef, Entry, Quantization, TensorEntry
-from casnap.format.grouped_bytes import grouped_bytes
+from casnap.format.grouped_bytes import grouped_bytes, ref_text
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import MAX_KEY_LENGTH, Dumped, Manifest
 
@@ -104,16 +104,6 @@ def trusted_manifest(entries: dict[str, Entry], **fields: Any) -> Manifest:
 _quoted = json.encoder.encode_basestring
 
 
-def _ref_text(r: ChunkRef) -> str:
-    if r.base is not None:  # a delta: its chain nests, dumped the usual way
-        return canonical_json(r.model_dump(mode="json")).decode("utf-8")
-    pack = "null" if r.pack is None else f'"{r.pack}"'
-    return (
-        f'{{"hash":"{r.hash}","length":{r.length},"offset":{r.offset},'
-        f'"pack":{pack},"size":{r.size}}}'
-    )
-
-
 def entry_text(key: str, entry: Entry) -> str:
     """``"key":{...}`` exactly as ``canonical_json`` writes this member of ``entries``.
 
@@ -124,7 +114,7 @@ def entry_text(key: str, entry: Entry) -> str:
     name = _quoted(key)
     if isinstance(entry, TensorEntry) and entry.quantized is None:
         refs = entry.chunks
-        chunks = _ref_text(refs[0]) if len(refs) == 1 else ",".join(map(_ref_text, refs))
+        chunks = ref_text(refs[0]) if len(refs) == 1 else ",".join(map(ref_text, refs))
         shape = ",".join(map(str, entry.shape))
         replicated = "true" if entry.replicated else "false"
         return (

@@ -214,16 +214,6 @@ class RepoIndex:
             return 0
         return forgotten
 
-    def chunk_count(self) -> int:
-        if self._chunks_for is None or not self._env.usable:
-            return 0
-        try:
-            with self._env.env.begin() as txn:
-                return int(txn.stat(self._env.chunks)["entries"])
-        except lmdb.Error as exc:
-            self._failed("read", exc)
-            return 0
-
     def summary(self, manifest_hash: str) -> ManifestSummary | None:
         if not self._env.usable:
             return None

@@ -355,6 +355,7 @@ def diff(a: Manifest, b: Manifest, key: str | None = None) -> list[EntryDiff]:
         is_container = all(isinstance(e, ContainerEntry) for e in (ea, eb) if e is not None)
         if ea is None or eb is None:
             e = eb if ea is None else ea
+            assert e is not None  # the key comes from one of the two
             chunks = chunks_of(e)
             out.append(
                 EntryDiff(

@@ -140,10 +140,6 @@ class ShardedSink(ReadTarget):
             if si in shards
         ]
 
-    @property
-    def fetch_bytes(self) -> int:
-        return sum(ref.size for _, ref in self.needed())
-
     def shard_units(self) -> list[tuple[int, int]]:
         """(stored shard, staging bytes) of every stored shard this read needs.
 
