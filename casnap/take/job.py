@@ -188,15 +188,9 @@ class TakeJob:
     def _commit_entries(self, written: Written, lease: Lease) -> tuple[Manifest, str]:
         """Every entry and the manifest, from what the scheduler wrote; then the commit."""
         previous, dumped = previous_plan(plans_of(self.session).last_plan, self.repo, self.parents)
-        plan, tensors = _plan_of(
+        plan, tensors, by_hash = _plan_of(
             self.nodes, written, self.settings.chunk_size, self.replicated, previous
         )
-        by_hash = {
-            ref.hash: ref
-            for key, node in self.nodes.items()
-            if isinstance(node, ObjectLeaf)
-            for ref in written.get(key, [])
-        }
         others = build_entries([plan], by_hash, previous)
         entries = {k: tensors[k] if k in tensors else others[k] for k in self.nodes}
         manifest = trusted_manifest(  # the entries were built (or validated) already
@@ -219,8 +213,9 @@ def _plan_of(
     chunk_size: int,
     replicated: list[str],
     previous: Mapping[str, Entry] | None = None,
-) -> tuple[RankPlan, dict[str, TensorEntry]]:
-    """The plan of a world of one, its chunk ids known once the scheduler hashed them.
+) -> tuple[RankPlan, dict[str, TensorEntry], dict[str, ChunkRef]]:
+    """The plan of a world of one, its chunk ids known once the scheduler hashed them,
+    and the chunk refs of its pickled objects by hash.
 
     Tensors matching ``replicated`` are marked so (as torchsnapshot does with one
     process), so a job resumed on more ranks finds them on every rank. A
@@ -230,6 +225,7 @@ def _plan_of(
     """
     entries: dict[str, EntryPlan] = {}
     tensors: dict[str, TensorEntry] = {}
+    by_hash: dict[str, ChunkRef] = {}
     old = previous or {}
     for key, node in nodes.items():
         if isinstance(node, TensorLeaf):
@@ -244,11 +240,13 @@ def _plan_of(
                 old.get(key),
             )
         elif isinstance(node, ObjectLeaf):
-            ids = tuple((r.hash, r.size) for r in written.get(key, []))
+            refs = written.get(key, [])
+            by_hash.update((r.hash, r) for r in refs)
+            ids = tuple((r.hash, r.size) for r in refs)
             entries[key] = ObjectPlan(node.type_name, len(node.payload), ids)
         elif isinstance(node, (ContainerEntry, PrimitiveEntry)):
             entries[key] = node
-    return RankPlan(0, chunk_size, entries), tensors
+    return RankPlan(0, chunk_size, entries), tensors, by_hash
 
 
 class ShardedNeedsGroup(UnsupportedValueError):

@@ -86,7 +86,7 @@ class WriteRequest:
 
 def tensor_request(key: str, tensor: torch.Tensor) -> WriteRequest:
     """A request for one tensor's bytes (row-major), staged or copied when scheduled."""
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = tensor.nbytes
     in_place = (
         tensor.is_cpu  # not .device.type: that builds a device object, per tensor
         and tensor.is_contiguous()
