@@ -31,6 +31,7 @@ from casnap.store.base import (
     check_key,
     check_limit,
 )
+from casnap.store.local_sync import DeferredFiles, Unsynced, write_parts, write_unsynced
 
 # "~" is outside the key alphabet (see check_key), so no key can look like a
 # temp file and list can skip temp files without hiding a real object.
@@ -73,6 +74,9 @@ class LocalStore(ObjectStore):
     ``list_temporary`` reports. A non-durable put, and every delete, defers the
     directory fsync to the next durable put or ``flush()``.
 
+    Within :meth:`deferring`, a non-durable put defers the file's fsync and
+    rename too, to the next durable put or ``flush()`` (:mod:`.local_sync`).
+
     ``replace`` holds an exclusive ``flock`` on the key's folder while it
     compares the object with what is expected and renames the new one into
     place: replacers in any process on this machine take turns. (A network
@@ -88,12 +92,33 @@ class LocalStore(ObjectStore):
         # Folders holding renames not yet fsynced (non-durable puts).
         self._pending_dirs: set[str] = set()
         self._pending_lock = threading.Lock()
+        # Files of deferred puts, not yet synced nor renamed into place (deferring()).
+        self._unsynced = DeferredFiles(self._defer)
+        self._thread = threading.local()
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Within: this thread's non-durable puts defer their file sync and rename to the
+        next ``flush()`` or durable put; the object is not visible until then.
+
+        For content-addressed keys only: a create-only put whose key is taken
+        by then is dropped (the object there holds the same bytes)."""
+        before = getattr(self._thread, "deferring", False)
+        self._thread.deferring = True
+        try:
+            yield
+        finally:
+            self._thread.deferring = before
 
     def _defer(self, folder: str) -> None:
         with self._pending_lock:
             self._pending_dirs.add(folder)
 
     def flush(self) -> None:
+        try:
+            self._unsynced.settle_all()  # their renames add folders to _pending_dirs
+        except OSError as exc:
+            raise _translate(exc, "", writing=True) from exc
         with self._pending_lock:
             pending, self._pending_dirs = self._pending_dirs, set()
         try:
@@ -236,6 +261,9 @@ class LocalStore(ObjectStore):
         path = self._path(key)
         folder = os.path.dirname(path)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+        if not durable and getattr(self._thread, "deferring", False):
+            self._put_deferred(key, data, path, tmp, create_only)
+            return
         if durable:
             # Earlier non-durable objects (chunks) become durable before this one
             # (a manifest, a ref) can even appear: the commit order holds across crashes.
@@ -244,11 +272,7 @@ class LocalStore(ObjectStore):
             _make_folders(folder, _fsync_dir if durable else self._defer)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                for part in as_parts(data):
-                    view = memoryview(part).cast("B")
-                    while view:
-                        written = os.write(fd, view)
-                        view = view[written:]
+                write_parts(fd, as_parts(data))
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -267,6 +291,17 @@ class LocalStore(ObjectStore):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise _translate(exc, key, writing=True) from exc
+
+    def _put_deferred(self, key: str, data: Data, path: str, tmp: str, create_only: bool) -> None:
+        """Write the temp file and start its writeback; synced and renamed at ``flush()``."""
+        if create_only and os.path.lexists(path):
+            raise ObjectExistsError(f"object {key!r} already exists", key)
+        try:
+            _make_folders(os.path.dirname(path), self._defer)
+            fd = write_unsynced(tmp, as_parts(data))
+        except OSError as exc:
+            raise _translate(exc, key, writing=True) from exc
+        self._unsynced.add(Unsynced(fd, tmp, path, create_only))
 
     def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
         if expected is None:  # create-only is already atomic (os.link)

@@ -1,0 +1,186 @@
+"""A local store's deferred file syncs: written now, fsynced and renamed into place later.
+
+A take writes hundreds of chunk files. Synced one at a time, each ``fsync``
+waits for its file's writeback and a journal commit of its own, and the
+writer thread waits with it: on the 2-core machine a 1 GiB take spent most
+of its workers' time there (benchmarks/dense_floor.py). Deferred, a put
+writes its temp file and asks the kernel to start writing it back
+(``sync_file_range``, Linux), and returns; the fsyncs run later, many at once
+so that they share journal commits, and only then is each file renamed into
+place. An object that exists is still complete: a file is renamed only once
+its fsync succeeded (docs/format.md, "The commit order").
+
+:class:`DeferredFiles` holds the files written and not yet synced, at most
+:data:`WINDOW` of them (each keeps its descriptor open until its fsync, so
+that a writeback error is reported to it): past that, the put that adds one
+settles the oldest half itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from casnap.store.base import Buffer
+
+# Files written and not yet synced; past this, a put settles the oldest half.
+WINDOW = 64
+SYNC_THREADS = 16  # fsyncs at once: concurrent ones share the journal's commits
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait for it
+
+
+def _writeback_starter() -> Callable[[int], None]:
+    """``start(fd)``: ask the kernel to start writing the file's dirty pages back.
+
+    Only a hint (the fsync in :meth:`DeferredFiles.settle` is what counts):
+    where ``sync_file_range`` is missing (not Linux) it does nothing, and its
+    errors are ignored."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):
+        return lambda fd: None
+    call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    call.restype = ctypes.c_int
+
+    def start(fd: int) -> None:
+        call(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+    return start
+
+
+start_writeback = _writeback_starter()
+_fsync = os.fsync  # a module global: the tests make it fail
+
+
+def write_parts(fd: int, parts: list[Buffer]) -> None:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def write_unsynced(tmp: str, parts: list[Buffer]) -> int:
+    """Create ``tmp``, write ``parts`` and start its writeback; its open descriptor.
+    On an error the file is closed and removed."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_parts(fd, parts)
+        start_writeback(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd
+
+
+@dataclass(slots=True)
+class Unsynced:
+    """A temp file written whole, its descriptor still open, waiting for its fsync."""
+
+    fd: int
+    tmp: str
+    path: str  # where it goes once synced
+    create_only: bool  # os.link (an object there already stays), else os.replace
+
+
+class DeferredFiles:
+    """The files a local store's deferred puts wrote and did not sync yet.
+
+    ``add`` queues one (settling the oldest half past :data:`WINDOW`);
+    ``settle_all`` syncs and renames every queued file, and returns only once
+    every file taken off the queue earlier, by any thread, is settled too.
+    ``placed(folder)`` is called for each folder a rename went into (its
+    entry is durable only once the folder is fsynced: the store defers that).
+    """
+
+    def __init__(self, placed: Callable[[str], None]) -> None:
+        self._placed = placed
+        self._files: list[Unsynced] = []
+        self._lock = threading.Lock()  # guards _files
+        # Held while files taken off the queue are settled: settle_all waits for it,
+        # so that no file is still being synced when a flush (a manifest put) returns.
+        self._settling = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._files)
+
+    def add(self, file: Unsynced) -> None:
+        with self._lock:
+            self._files.append(file)
+            over = len(self._files) > WINDOW
+        if over:
+            with self._settling:
+                with self._lock:
+                    half = max(1, len(self._files) // 2)
+                    oldest, self._files = self._files[:half], self._files[half:]
+                self._settle(oldest)
+
+    def settle_all(self) -> None:
+        with self._settling:
+            with self._lock:
+                files, self._files = self._files, []
+            self._settle(files)
+
+    def _settle(self, files: list[Unsynced]) -> None:
+        """fsync every file (several at once), then rename each one whose fsync succeeded.
+
+        A file whose fsync failed is removed, never renamed (after a failed
+        fsync its pages may be marked clean without being on disk); the first
+        error is raised once every file was tried.
+        """
+        if not files:
+            return
+        errors: list[BaseException | None]
+        if len(files) == 1:
+            errors = [_sync(files[0])]
+        else:
+            with ThreadPoolExecutor(min(SYNC_THREADS, len(files)), "casnap-sync") as pool:
+                errors = list(pool.map(_sync, files))
+        first: BaseException | None = None
+        for file, error in zip(files, errors, strict=True):
+            if error is None:
+                error = _place(file)
+                if error is None:
+                    self._placed(os.path.dirname(file.path))
+                    continue
+            with contextlib.suppress(OSError):
+                os.unlink(file.tmp)
+            first = first or error
+        if first is not None:
+            raise first
+
+
+def _sync(file: Unsynced) -> BaseException | None:
+    """fsync and close the file; the error, if any (never raised: every file is tried)."""
+    try:
+        _fsync(file.fd)
+    except BaseException as exc:
+        return exc
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(file.fd)
+    return None
+
+
+def _place(file: Unsynced) -> OSError | None:
+    """Rename the synced file into place; with ``create_only``, an object already there
+    stays (deferred puts are of content-addressed keys: it holds the same bytes)."""
+    try:
+        if file.create_only:
+            with contextlib.suppress(FileExistsError):
+                os.link(file.tmp, file.path)
+        else:
+            os.replace(file.tmp, file.path)
+    except OSError as exc:
+        return exc
+    if file.create_only:
+        with contextlib.suppress(OSError):
+            os.unlink(file.tmp)
+    return None
