@@ -191,3 +191,26 @@ def test_a_take_whose_chunk_fsync_fails_fails_and_leaves_nothing_visible(tmp_pat
     out = StateDict({k: torch.empty_like(v) for k, v in first.items()})
     Snapshot(str(root / "s2")).restore({"s": out})
     assert all(torch.equal(out[k], second[k]) for k in second)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_settles_deferred_files_on_threads_of_its_own(tmp_path):
+    store = LocalStore(str(tmp_path))
+    with store.deferring():
+        store.put("chunks/a", b"a", durable=False)
+        store.put("chunks/b", b"b", durable=False)
+    store.flush()  # the parent's sync threads exist now; a fork does not inherit them
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its deferred puts are settled
+        try:
+            child = LocalStore(str(tmp_path))
+            with child.deferring():
+                child.put("chunks/c", b"c", durable=False)
+                child.put("chunks/d", b"d", durable=False)
+            child.flush()
+            os._exit(0 if child.get("chunks/c") + child.get("chunks/d") == b"cd" else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _objects(tmp_path) == {"chunks/a", "chunks/b", "chunks/c", "chunks/d"}

@@ -11,7 +11,6 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 from casnap.errors import (
     InvalidNameError,
@@ -31,12 +30,17 @@ from casnap.store.base import (
     check_key,
     check_limit,
 )
-from casnap.store.local_sync import DeferredFiles, Unsynced, write_parts, write_unsynced
+from casnap.store.local_sync import (
+    DeferredFiles,
+    Unsynced,
+    sync_all,
+    write_parts,
+    write_unsynced,
+)
 
 # "~" is outside the key alphabet (see check_key), so no key can look like a
 # temp file and list can skip temp files without hiding a real object.
 _TMP_MARK = "~tmp-"
-_SYNC_THREADS = 16  # folders fsynced at once by flush()
 # A key whose path runs into a file, or names a folder, is simply not an object.
 _NOT_AN_OBJECT = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
 # Errors a repeat of the same call may not meet (an interrupted call, a busy
@@ -122,7 +126,7 @@ class LocalStore(ObjectStore):
         with self._pending_lock:
             pending, self._pending_dirs = self._pending_dirs, set()
         try:
-            _fsync_dirs(sorted(pending))
+            sync_all(_fsync_dir, sorted(pending))
         except BaseException as exc:  # also a thread that could not start: retried next time
             with self._pending_lock:
                 self._pending_dirs |= pending
@@ -461,19 +465,6 @@ def _refuse_special(path: str, key: str, exc: OSError) -> None:
 def _walk_error(exc: OSError) -> None:
     if not isinstance(exc, FileNotFoundError):  # a folder removed while listing is fine
         raise exc
-
-
-def _fsync_dirs(folders: list[str]) -> None:
-    """fsync every folder, several at once: a take's chunks land in up to 256 fan-out
-    folders, and each fsync waits for a journal commit that concurrent ones share
-    (one at a time, they were a sixth of a 1 GiB first take, benchmarks/dense_floor.py)."""
-    if len(folders) <= 1:
-        for folder in folders:
-            _fsync_dir(folder)
-        return
-    with ThreadPoolExecutor(min(_SYNC_THREADS, len(folders)), "casnap-dirsync") as pool:
-        for done in [pool.submit(_fsync_dir, folder) for folder in folders]:
-            done.result()  # the first error, after every fsync was tried
 
 
 def _fsync_dir(folder: str) -> None:
