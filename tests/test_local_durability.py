@@ -121,12 +121,28 @@ def test_past_the_window_the_oldest_deferred_files_are_settled(tmp_path, monkeyp
     with store.deferring():
         for i in range(9):
             store.put(f"chunks/c{i}", bytes([i]) * 10, durable=False)
-    placed = _objects(tmp_path)
-    assert placed and placed < {f"chunks/c{i}" for i in range(9)}  # the oldest ones
-    assert len(_temporaries(tmp_path)) == 9 - len(placed) <= 5
+    # Two batches of two were handed to the settling thread, and the third put past the
+    # window waited for the second one: the four oldest are in place before any flush.
+    assert {f"chunks/c{i}" for i in range(4)} <= _objects(tmp_path)
     store.flush()
     assert _objects(tmp_path) == {f"chunks/c{i}" for i in range(9)}
+    assert _temporaries(tmp_path) == []
     assert all(store.get(f"chunks/c{i}") == bytes([i]) * 10 for i in range(9))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fds through /proc")
+def test_a_failure_in_a_batch_settled_in_the_background_fails_the_next_flush(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_sync, "WINDOW", 4)
+    failed = _failing_fsync(monkeypatch, lambda name: "/c1~tmp-" in name)
+    store = LocalStore(str(tmp_path))
+    with store.deferring():
+        for i in range(9):  # c1 is in the first batch, settled while c5... are written
+            store.put(f"chunks/c{i}", bytes([i]), durable=False)
+    with pytest.raises(StoreError, match="Input/output error"):
+        store.flush()
+    assert failed and _objects(tmp_path) == {f"chunks/c{i}" for i in range(9) if i != 1}
+    assert _temporaries(tmp_path) == []
+    store.flush()  # reported once
 
 
 def _failing_fsync(monkeypatch, fail_on: Callable[[str], bool]) -> list[str]:

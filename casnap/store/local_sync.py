@@ -10,10 +10,10 @@ so that they share journal commits, and only then is each file renamed into
 place. An object that exists is still complete: a file is renamed only once
 its fsync succeeded (docs/format.md, "The commit order").
 
-:class:`DeferredFiles` holds the files written and not yet synced, at most
+:class:`DeferredFiles` holds the files written and not yet synced, about
 :data:`WINDOW` of them (each keeps its descriptor open until its fsync, so
-that a writeback error is reported to it): past that, the put that adds one
-settles the oldest half itself.
+that a writeback error is reported to it): past that, the oldest half is
+settled by a thread of its own while the writers go on.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -74,6 +74,19 @@ def sync_pool() -> ThreadPoolExecutor:
         if _pool is None or _pool[0] != os.getpid():
             _pool = (os.getpid(), ThreadPoolExecutor(SYNC_THREADS, "casnap-sync"))
         return _pool[1]
+
+
+_settler: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def settler() -> ThreadPoolExecutor:
+    """The process's one thread that settles batches of deferred files (its fsyncs run
+    on :func:`sync_pool`'s threads; never on its own, which could wait for itself)."""
+    global _settler
+    with _pool_lock:
+        if _settler is None or _settler[0] != os.getpid():
+            _settler = (os.getpid(), ThreadPoolExecutor(1, "casnap-settle"))
+        return _settler[1]
 
 
 def run_all(
@@ -142,20 +155,21 @@ class Unsynced:
 class DeferredFiles:
     """The files a local store's deferred puts wrote and did not sync yet.
 
-    ``add`` queues one (settling the oldest half past :data:`WINDOW`);
-    ``settle_all`` syncs and renames every queued file, and returns only once
-    every file taken off the queue earlier, by any thread, is settled too.
-    ``placed(folder)`` is called for each folder a rename went into (its
-    entry is durable only once the folder is fsynced: the store defers that).
+    ``add`` queues one; past :data:`WINDOW` files, the oldest half is handed
+    to the settling thread (fsyncs on the sync threads, then renames) while
+    the writer goes on, and the writer waits only if an earlier batch is still
+    being settled. ``settle_all`` waits for every batch handed over, settles
+    the rest, and raises the first error of any of them: no file is still
+    being synced when a flush (a manifest put) returns. ``placed(folder)`` is
+    called for each folder a rename went into (its entry is durable only once
+    the folder is fsynced: the store defers that).
     """
 
     def __init__(self, placed: Callable[[str], None]) -> None:
         self._placed = placed
         self._files: list[Unsynced] = []
-        self._lock = threading.Lock()  # guards _files
-        # Held while files taken off the queue are settled: settle_all waits for it,
-        # so that no file is still being synced when a flush (a manifest put) returns.
-        self._settling = threading.Lock()
+        self._batches: list[Future[None]] = []  # handed to the settling thread
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         with self._lock:
@@ -164,19 +178,27 @@ class DeferredFiles:
     def add(self, file: Unsynced) -> None:
         with self._lock:
             self._files.append(file)
-            over = len(self._files) > WINDOW
-        if over:
-            with self._settling:
-                with self._lock:
-                    half = max(1, len(self._files) // 2)
-                    oldest, self._files = self._files[:half], self._files[half:]
-                self._settle(oldest)
+            if len(self._files) <= WINDOW:
+                return
+            half = len(self._files) // 2
+            oldest, self._files = self._files[:half], self._files[half:]
+            self._batches.append(settler().submit(self._settle, oldest))
+            earlier = self._batches[-2] if len(self._batches) > 1 else None
+        if earlier is not None:
+            wait([earlier])  # at most two batches out: the writer waits for the settler
 
     def settle_all(self) -> None:
-        with self._settling:
-            with self._lock:
-                files, self._files = self._files, []
+        with self._lock:
+            files, self._files = self._files, []
+            batches, self._batches = self._batches, []
+        errors = [b.exception() for b in batches]  # waits for each
+        try:
             self._settle(files)
+        except BaseException as exc:
+            errors.append(exc)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def _settle(self, files: list[Unsynced]) -> None:
         """fsync every file (several at once), then rename each one whose fsync succeeded.
