@@ -216,17 +216,21 @@ def test_a_forked_child_settles_deferred_files_on_threads_of_its_own(tmp_path):
         store.put("chunks/a", b"a", durable=False)
         store.put("chunks/b", b"b", durable=False)
     store.flush()  # the parent's sync threads exist now; a fork does not inherit them
+    with store.deferring():
+        store.put("chunks/p", b"p", durable=False)  # the parent's, unsettled at the fork
     pid = os.fork()
-    if pid == 0:  # the child: exit status 0 only if its deferred puts are settled
+    if pid == 0:  # the child: exit status 0 only if its own deferred puts are settled
         try:
-            child = LocalStore(str(tmp_path))
-            with child.deferring():
-                child.put("chunks/c", b"c", durable=False)
-                child.put("chunks/d", b"d", durable=False)
-            child.flush()
-            os._exit(0 if child.get("chunks/c") + child.get("chunks/d") == b"cd" else 1)
+            with store.deferring():
+                store.put("chunks/c", b"c", durable=False)
+                store.put("chunks/d", b"d", durable=False)
+            store.flush()
+            ok = store.get("chunks/c") + store.get("chunks/d") == b"cd"
+            os._exit(0 if ok and not store.exists("chunks/p") else 1)
         except BaseException:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert _objects(tmp_path) == {"chunks/a", "chunks/b", "chunks/c", "chunks/d"}
+    assert not store.exists("chunks/p")  # the child left the parent's file alone
+    store.flush()
+    assert _objects(tmp_path) == {f"chunks/{k}" for k in "abcdp"}

@@ -170,6 +170,13 @@ class DeferredFiles:
         self._files: list[Unsynced] = []
         self._batches: list[Future[None]] = []  # handed to the settling thread
         self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        """In a forked child (under ``_lock``): the files and batches are the parent's,
+        which settles them; the child's settling thread does not exist to finish them."""
+        if self._pid != os.getpid():
+            self._pid, self._files, self._batches = os.getpid(), [], []
 
     def __len__(self) -> int:
         with self._lock:
@@ -177,6 +184,7 @@ class DeferredFiles:
 
     def add(self, file: Unsynced) -> None:
         with self._lock:
+            self._forked()
             self._files.append(file)
             if len(self._files) <= WINDOW:
                 return
@@ -189,6 +197,7 @@ class DeferredFiles:
 
     def settle_all(self) -> None:
         with self._lock:
+            self._forked()
             files, self._files = self._files, []
             batches, self._batches = self._batches, []
         errors = [b.exception() for b in batches]  # waits for each
