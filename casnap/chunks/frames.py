@@ -11,7 +11,9 @@ futures waiting for its chunk are resolved.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -24,6 +26,7 @@ from casnap.format.names import hash_bytes
 from casnap.repo.damage import DamagedCopy, DamageSet, clear_damage
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 from casnap.settings import Settings
+from casnap.store import LocalStore
 
 Buffer = codec.Buffer
 
@@ -104,6 +107,12 @@ class FrameWriter:
         self._waiting: dict[str, list[Future[ChunkRef]]] = {}
         self._pack = _Pack()
         self._present: list[ChunkRef] = []  # stored by this writer: for the index
+        # A local store syncs the frames' files later, many at once, and renames each
+        # into place once synced: at the latest when finish() flushes the store.
+        local = repo.store.unwrap()
+        self._deferring: Callable[[], contextlib.AbstractContextManager[None]] = (
+            local.deferring if isinstance(local, LocalStore) else contextlib.nullcontext
+        )
 
     def _encode(
         self, data: Buffer, digest: bytes, elem_size: int, choice: int | None = None
@@ -160,10 +169,13 @@ class FrameWriter:
         key = chunk_key(h)
         damaged = DamagedCopy(h, None)
         head, payload = self._encode(data, digest, elem_size, choice)
-        self.repo.store.put(key, [head, payload], durable=False)  # replaces atomically
         if heal:
+            self.repo.store.put(key, [head, payload], durable=False)  # replaces atomically
             self.repo.store.flush()  # durable before its damage record goes
             clear_damage(self.repo, [damaged])
+        else:
+            with self._deferring():
+                self.repo.store.put(key, [head, payload], durable=False)
         length = len(head) + len(payload)
         ref = trusted_chunk_ref(h, len(data), None, 0, length)
         with self._lock:
@@ -214,7 +226,8 @@ class FrameWriter:
                 clear_damage(self.repo, heal)
             else:
                 try:
-                    self.repo.store.put(pack_key(pid), blob, create_only=True, durable=False)
+                    with self._deferring():
+                        self.repo.store.put(pack_key(pid), blob, create_only=True, durable=False)
                 except ObjectExistsError:
                     pass  # identical pack already durable
             with self._lock:

@@ -359,7 +359,8 @@ class ChunkWriter(FrameWriter):
         return True, None
 
     def finish(self, futures: Iterable[Future[ChunkRef]]) -> list[ChunkRef]:
-        """Flush the last pack and wait for ``futures``; raise the first failure."""
+        """Flush the last pack, wait for ``futures``, then flush the store: every frame
+        written is durable and in place when this returns. Raises the first failure."""
         # Every chunk is resolved, appended to the open pack, or waiting for an
         # identical chunk once its work item is done; then the last pack flushes.
         try:
@@ -371,9 +372,29 @@ class ChunkWriter(FrameWriter):
                 if exc is not None:
                     raise exc
             self._flush_open()
-            return [f.result() for f in futures]
-        finally:
-            self._record_present()
+        except BaseException:
+            self._settle(failed=True)
+            raise
+        self._settle(failed=False)
+        return [f.result() for f in futures]
+
+    def _settle(self, failed: bool) -> None:
+        """Flush the store (the frames' files are synced and renamed into place: a local
+        store defers both), then record in the index what this writer stored.
+
+        Nothing is recorded if the flush fails: a frame whose file could not be
+        synced is not in place. After a failed take the frames written are
+        still flushed, so that a retry finds them; an error then is left to the
+        take's own."""
+        try:
+            self.repo.store.flush()
+        except BaseException:
+            with self._lock:
+                self._present = []
+            if failed:
+                return
+            raise
+        self._record_present()
 
     def _record_present(self) -> None:
         with self._lock:

@@ -11,7 +11,6 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 from casnap.errors import (
     InvalidNameError,
@@ -31,11 +30,17 @@ from casnap.store.base import (
     check_key,
     check_limit,
 )
+from casnap.store.local_sync import (
+    DeferredFiles,
+    Unsynced,
+    sync_all,
+    write_parts,
+    write_unsynced,
+)
 
 # "~" is outside the key alphabet (see check_key), so no key can look like a
 # temp file and list can skip temp files without hiding a real object.
 _TMP_MARK = "~tmp-"
-_SYNC_THREADS = 16  # folders fsynced at once by flush()
 # A key whose path runs into a file, or names a folder, is simply not an object.
 _NOT_AN_OBJECT = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
 # Errors a repeat of the same call may not meet (an interrupted call, a busy
@@ -73,6 +78,9 @@ class LocalStore(ObjectStore):
     ``list_temporary`` reports. A non-durable put, and every delete, defers the
     directory fsync to the next durable put or ``flush()``.
 
+    Within :meth:`deferring`, a non-durable put defers the file's fsync and
+    rename too, to the next durable put or ``flush()`` (:mod:`.local_sync`).
+
     ``replace`` holds an exclusive ``flock`` on the key's folder while it
     compares the object with what is expected and renames the new one into
     place: replacers in any process on this machine take turns. (A network
@@ -88,16 +96,37 @@ class LocalStore(ObjectStore):
         # Folders holding renames not yet fsynced (non-durable puts).
         self._pending_dirs: set[str] = set()
         self._pending_lock = threading.Lock()
+        # Files of deferred puts, not yet synced nor renamed into place (deferring()).
+        self._unsynced = DeferredFiles(self._defer)
+        self._thread = threading.local()
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Within: this thread's non-durable puts defer their file sync and rename to the
+        next ``flush()`` or durable put; the object is not visible until then.
+
+        For content-addressed keys only: a create-only put whose key is taken
+        by then is dropped (the object there holds the same bytes)."""
+        before = getattr(self._thread, "deferring", False)
+        self._thread.deferring = True
+        try:
+            yield
+        finally:
+            self._thread.deferring = before
 
     def _defer(self, folder: str) -> None:
         with self._pending_lock:
             self._pending_dirs.add(folder)
 
     def flush(self) -> None:
+        try:
+            self._unsynced.settle_all()  # their renames add folders to _pending_dirs
+        except OSError as exc:
+            raise _translate(exc, "", writing=True) from exc
         with self._pending_lock:
             pending, self._pending_dirs = self._pending_dirs, set()
         try:
-            _fsync_dirs(sorted(pending))
+            sync_all(_fsync_dir, sorted(pending))
         except BaseException as exc:  # also a thread that could not start: retried next time
             with self._pending_lock:
                 self._pending_dirs |= pending
@@ -236,6 +265,9 @@ class LocalStore(ObjectStore):
         path = self._path(key)
         folder = os.path.dirname(path)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+        if not durable and getattr(self._thread, "deferring", False):
+            self._put_deferred(key, data, path, tmp, create_only)
+            return
         if durable:
             # Earlier non-durable objects (chunks) become durable before this one
             # (a manifest, a ref) can even appear: the commit order holds across crashes.
@@ -244,11 +276,7 @@ class LocalStore(ObjectStore):
             _make_folders(folder, _fsync_dir if durable else self._defer)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                for part in as_parts(data):
-                    view = memoryview(part).cast("B")
-                    while view:
-                        written = os.write(fd, view)
-                        view = view[written:]
+                write_parts(fd, as_parts(data))
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -267,6 +295,17 @@ class LocalStore(ObjectStore):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise _translate(exc, key, writing=True) from exc
+
+    def _put_deferred(self, key: str, data: Data, path: str, tmp: str, create_only: bool) -> None:
+        """Write the temp file and start its writeback; synced and renamed at ``flush()``."""
+        if create_only and os.path.lexists(path):
+            raise ObjectExistsError(f"object {key!r} already exists", key)
+        try:
+            _make_folders(os.path.dirname(path), self._defer)
+            fd = write_unsynced(tmp, as_parts(data))
+        except OSError as exc:
+            raise _translate(exc, key, writing=True) from exc
+        self._unsynced.add(Unsynced(fd, tmp, path, create_only))
 
     def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
         if expected is None:  # create-only is already atomic (os.link)
@@ -426,19 +465,6 @@ def _refuse_special(path: str, key: str, exc: OSError) -> None:
 def _walk_error(exc: OSError) -> None:
     if not isinstance(exc, FileNotFoundError):  # a folder removed while listing is fine
         raise exc
-
-
-def _fsync_dirs(folders: list[str]) -> None:
-    """fsync every folder, several at once: a take's chunks land in up to 256 fan-out
-    folders, and each fsync waits for a journal commit that concurrent ones share
-    (one at a time, they were a sixth of a 1 GiB first take, benchmarks/dense_floor.py)."""
-    if len(folders) <= 1:
-        for folder in folders:
-            _fsync_dir(folder)
-        return
-    with ThreadPoolExecutor(min(_SYNC_THREADS, len(folders)), "casnap-dirsync") as pool:
-        for done in [pool.submit(_fsync_dir, folder) for folder in folders]:
-            done.result()  # the first error, after every fsync was tried
 
 
 def _fsync_dir(folder: str) -> None:
