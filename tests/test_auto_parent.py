@@ -19,13 +19,13 @@ import pytest
 import repo_helpers
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import flip_byte, pack_path
 
 from casnap import KeepLast, Repository, Snapshot, StateDict, index, settings
 from casnap.integrations.dcp import CasnapReader, CasnapWriter
 from casnap.store import LocalStore
 from casnap.store.base import ObjectInfo, WrapperStore
 from casnap.take.session import DETACHED_PLANS
-from tests.helpers import flip_byte, pack_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 64 * 1024

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_harness import run_ranks, values
+from helpers import chunk_path
 from test_checkpointer import expected, fill, fresh, same_bits, wait_for_line
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
@@ -27,7 +28,6 @@ from casnap.api.checkpointer import Checkpointer
 from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions
 from casnap.errors import ConfigError, SnapshotNotFoundError
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy, plan_retention
-from tests.helpers import chunk_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

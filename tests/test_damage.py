@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chunk_path, flip_byte, pack_path
 
 from casnap import IntegrityError, Repository, Session, Snapshot, StateDict
 from casnap.errors import StoreError
 from casnap.repo.damage import list_damage
 from casnap.store import LocalStore
 from casnap.store.base import Data
-from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chunk_path
 from safetensors.torch import load_file
 
 import casnap
@@ -28,7 +29,6 @@ from casnap.format.entries import TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.format.parse import _parse, parse_manifest
-from tests.helpers import chunk_path
 
 CHUNK = 64 * 1024
 ROWS, COLS = 512, 256  # fp32: 512 KiB, 8 chunks of 64 rows

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chunk_path, flip_byte
 
 from casnap import IntegrityError, Repository, Session, StateDict
 from casnap.errors import CasnapError
@@ -21,7 +22,6 @@ from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.repo.damage import list_damage
 from casnap.settings import override
-from tests.helpers import chunk_path, flip_byte
 
 CHUNK = 1 << 20  # chunks of 1 MiB: loose objects (the pack limit is a quarter chunk)
 
@@ -264,8 +264,9 @@ def test_a_delta_whose_base_is_lost_reads_the_chunk_a_later_take_wrote_whole(tmp
 def test_repair_does_not_call_a_snapshot_whose_pack_is_gone_repaired(tmp_path: Path):
     """A good loose chunks/<h> stands in for a damaged pack frame, not for a frame of a
     pack that is gone (the read fails before it could fall back): unrecoverable."""
+    from helpers import pack_path
+
     from casnap.format.names import digest_of
-    from tests.helpers import pack_path
 
     repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
     state = {"m": StateDict(b=torch.arange(1000, dtype=torch.float32))}

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from helpers import flip_byte
 from torch.utils.serialization import config as torch_serialization_config
 
 from casnap import IntegrityError, Snapshot, StateDict
@@ -39,7 +40,6 @@ from casnap.export import (
 )
 from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ContainerEntry, TensorEntry
 from casnap.format.manifest import Manifest
-from tests.helpers import flip_byte
 
 CHUNK = 4096
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")

@@ -17,6 +17,7 @@ import pytest
 import repo_helpers
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
+from helpers import chunk_path
 
 from casnap import Repository, Session, Snapshot, StateDict, index
 from casnap.index import lmdb_envs
@@ -24,7 +25,6 @@ from casnap.index import lmdb_store as index_lmdb
 from casnap.ops.history import stored_bytes
 from casnap.store import CountingStore, FsspecStore, LocalStore
 from casnap.store.base import WrapperStore
-from tests.helpers import chunk_path
 
 CHUNK = 64 * 1024
 

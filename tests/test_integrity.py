@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chunk_path, flip_byte, pack_path
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
 from casnap.errors import ManifestValidationError, StoreError, UnsupportedFormatError
@@ -16,7 +17,6 @@ from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
 from casnap.store.faults import FailingStore
-from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 

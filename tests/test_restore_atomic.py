@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from helpers import chunk_path, flip_byte, pack_path
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
 from casnap.chunks.write import ChunkWriter
@@ -28,7 +29,6 @@ from casnap.settings import Settings
 from casnap.store import CountingStore, LocalStore
 from casnap.store.base import Buffer, ObjectStore, WrapperStore
 from casnap.torch_io.tensors import byte_view
-from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 ELEMS = CHUNK // 4

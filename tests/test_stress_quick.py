@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.helpers import pack_path
+from helpers import pack_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
