@@ -102,7 +102,7 @@ def test_without_the_index_the_same_take_probes_every_loose_chunk(tmp_path, monk
     packed = [c for c in s1.manifest.chunk_refs() if c.pack is not None]
     assert s2.last_take_stats.chunks_written == len(packed)  # packed again
     assert not (tmp_path / "index").exists(), "a disabled index is never created"
-    assert index.open_index(repo) is None
+    assert index.open_index(repo.storage) is None
     assert_restores(repo, "s2", state)
 
 

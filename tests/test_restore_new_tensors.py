@@ -19,6 +19,7 @@ from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.format import codec
 from casnap.store import LocalStore
+from casnap.store.base import Buffer
 
 CHUNK = 64 * 1024
 ELEMS = CHUNK // 4
@@ -92,7 +93,7 @@ class FlippingStore(LocalStore):
         super().__init__(root)
         self.key = key
 
-    def map(self, key: str, limit: int):
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
         return None  # read, never mapped: the reads under test
 
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
