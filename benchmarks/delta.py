@@ -35,6 +35,7 @@ import torch
 from harness import MiB, drop_page_cache, scratch_dir, settle, write_json
 
 import casnap
+from casnap.chunks.frames import WriteStats
 
 
 def _take(
@@ -43,6 +44,12 @@ def _take(
     return casnap.Snapshot.take(
         path, {"m": casnap.StateDict(state)}, session=session, storage_options={"delta": delta}
     )
+
+
+def _stats(snap: casnap.Snapshot) -> WriteStats:
+    """What the take that made ``snap`` wrote (every take records it)."""
+    assert snap.last_take_stats is not None
+    return snap.last_take_stats
 
 
 def _table(nbytes: int, seed: int = 0) -> torch.Tensor:
@@ -73,7 +80,7 @@ def sparse(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 snap = _take(f"{work}/s{r + 1}", {"emb": state}, session, delta)
                 secs.append(time.perf_counter() - t0)
-                written.append(snap.last_take_stats.stored_bytes_written)
+                written.append(_stats(snap).stored_bytes_written)
                 changed.append(ch)
         out["on" if delta else "off"] = {
             "bytes_written": statistics.median(written),
@@ -114,8 +121,8 @@ def bf16(args: argparse.Namespace) -> dict[str, Any]:
             snap = _take(f"{work}/tuned", {"w": tuned}, session, delta)
             secs = time.perf_counter() - t0
             out["on" if delta else "off"] = {
-                "fresh_over_raw": first.last_take_stats.stored_bytes_written / raw,
-                "over_raw": snap.last_take_stats.stored_bytes_written / raw,
+                "fresh_over_raw": _stats(first).stored_bytes_written / raw,
+                "over_raw": _stats(snap).stored_bytes_written / raw,
                 "take_s": secs,
             }
     out["target"] = {"over_raw_max": 0.55, "met": out["on"]["over_raw"] <= 0.55}
@@ -177,7 +184,7 @@ def all_change(args: argparse.Namespace) -> dict[str, Any]:
                 snap = _take(f"{work}/{d}/s{r + 1}", {"w": state}, sessions[d], d)
                 wall[d].append(time.perf_counter() - t0)
                 cpu[d].append(time.process_time() - c0)
-                deltas[d] += snap.last_take_stats.deltas_written
+                deltas[d] += _stats(snap).deltas_written
     for d in (True, False):
         out["on" if d else "off"] = {
             "take_s": statistics.median(wall[d]),
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold and drop_page_cache() is not None:
         print("cannot drop the page cache: restores are warm", file=sys.stderr)
         args.cold = False
-    payload = {
+    payload: dict[str, Any] = {
         "benchmark": "delta",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "args": vars(args),

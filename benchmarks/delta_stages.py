@@ -34,8 +34,8 @@ import casnap.chunks.read as read_mod
 import casnap.chunks.rebuild as rebuild_mod
 import casnap.restore.undo as undo_mod
 
-_CPU: collections.Counter[str] = collections.Counter()
-_WALL: collections.Counter[str] = collections.Counter()
+_CPU: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds
+_WALL: collections.defaultdict[str, float] = collections.defaultdict(float)
 _CALLS: collections.Counter[str] = collections.Counter()
 
 # (module or class, attribute, label): the stages of the two in-place paths.
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats + 1):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 target["emb"].zero_()
-                _CPU.clear(), _WALL.clear(), _CALLS.clear()
+                for tally in (_CPU, _WALL, _CALLS):
+                    tally.clear()
                 t0, c0 = time.perf_counter(), time.process_time()
                 snap = casnap.Snapshot(f"{work}/{mode}/s{args.series - 1}")
                 snap.restore({"m": casnap.StateDict(target)})

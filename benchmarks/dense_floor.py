@@ -218,7 +218,10 @@ def read_one(size: int, repeats: int, work: str, cold_ok: bool) -> dict[str, Any
     casnap.Snapshot(f"{work}/big/s").read_object(f"0/model/{key}")
     span = _safetensors_span(st_path, key)
     read_one_floor(st_path, span, want)  # warm-up
-    st, lazy, cs, floor = [], [], [], []
+    st: list[float] = []
+    lazy: list[float] = []
+    cs: list[float] = []
+    floor: list[float] = []
     for _ in range(repeats):
         for out in (lazy, st):
             _cold(cold_ok)

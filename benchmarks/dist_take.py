@@ -84,8 +84,10 @@ def _instrument() -> None:
     def wrap(owner: Any, attr: str, name: str) -> None:
         setattr(owner, attr, timed(name, getattr(owner, attr)))
 
-    snapshot_mod.prepare_distributed_take = timed(  # type: ignore[assignment]
-        "prepare", snapshot_mod.prepare_distributed_take, first=True
+    from casnap.distributed.take import prepare_distributed_take  # as snapshot_mod has it
+
+    snapshot_mod.prepare_distributed_take = timed(  # type: ignore[attr-defined]  # as used
+        "prepare", prepare_distributed_take, first=True
     )
     for attr, name in (
         ("collect", "prepare.flatten"),

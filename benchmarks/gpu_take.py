@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ def _dcp_round(root: str, state: dict[str, torch.Tensor], i: int) -> dict[str, f
     t0 = time.perf_counter()
     future = dcp.async_save({"model": state}, checkpoint_id=f"{root}/dcp/r{i}")
     blocked = time.perf_counter() - t0
+    assert isinstance(future, Future)  # no async_stager: the plain upload future
     future.result()
     return {"blocked_s": blocked, "total_s": time.perf_counter() - t0}
 

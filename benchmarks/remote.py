@@ -307,7 +307,8 @@ def main() -> None:
         f"state: {size / MiB:.1f} MiB fp32 (hidden {d}, {layers} layers, {len(state)} "
         f"tensors) on {url}; median of {args.repeat}\n"
     )
-    rows, result = [], {}
+    rows: list[list[str]] = []
+    result: dict[str, dict[str, Any]] = {}
     for leg in LEGS:
         for side in sides:
             if leg not in samples[side]:

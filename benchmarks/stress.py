@@ -75,7 +75,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def budget(args: argparse.Namespace) -> dict[str, Any]:
     """Counts (``kills`` ...) and time limits (``kills_limit`` ...) per phase: a preset,
     --minutes, then explicit options (which lift that phase's time limit)."""
-    chosen = dict(PRESETS["quick" if args.quick else "default"])
+    chosen: dict[str, Any] = dict(PRESETS["quick" if args.quick else "default"])
     limits: dict[str, Any] = {f"{k}_limit": None for k in SHARES}
     if args.minutes is not None:
         chosen = {

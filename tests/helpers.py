@@ -1,8 +1,20 @@
-"""Helpers shared by the tests: where a repository keeps an object, and damaging it."""
+"""Helpers shared by the tests: where a repository keeps an object, damaging it, and
+reading what a take or a retention pass recorded (narrowed to what the test established)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from casnap.format.entries import Entry, TensorEntry
+
+if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    from casnap import Snapshot
+    from casnap.api.checkpointer import Checkpointer
+    from casnap.chunks.frames import WriteStats
+    from casnap.gc.reclaim import ReclaimResult
+    from casnap.ops.retention import RetentionResult
 
 
 def meta_dir(repo_url: str | Path) -> Path:
@@ -28,3 +40,29 @@ def flip_byte(path: str | Path, offset: int, mask: int = 0x01) -> None:
         b = fh.read(1)
         fh.seek(offset)
         fh.write(bytes([b[0] ^ mask]))
+
+
+def tensor_entry(entries: Mapping[str, Entry], key: str) -> TensorEntry:
+    """``entries[key]``, the manifest entry of a tensor stored whole (its chunks)."""
+    entry = entries[key]
+    assert isinstance(entry, TensorEntry), f"{key} is a {type(entry).__name__}"
+    return entry
+
+
+def take_stats(snap: Snapshot) -> WriteStats:
+    """What the last take of ``snap`` wrote (every take sets it)."""
+    assert snap.last_take_stats is not None, "no take ran through this Snapshot"
+    return snap.last_take_stats
+
+
+def retention_of(ckpt: Checkpointer) -> RetentionResult:
+    """What the last retention pass of ``ckpt`` did (each commit that runs one sets it)."""
+    assert ckpt.last_retention is not None, "no retention pass ran"
+    return ckpt.last_retention
+
+
+def reclaimed_of(ckpt: Checkpointer) -> ReclaimResult:
+    """What the last retention pass of ``ckpt`` reclaimed (a pass that reclaimed)."""
+    reclaimed = retention_of(ckpt).reclaimed
+    assert reclaimed is not None, "the last retention pass reclaimed nothing"
+    return reclaimed

@@ -19,13 +19,13 @@ import pytest
 import repo_helpers
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import flip_byte, pack_path, take_stats, tensor_entry
 
 from casnap import KeepLast, Repository, Snapshot, StateDict, index, settings
 from casnap.integrations.dcp import CasnapReader, CasnapWriter
 from casnap.store import LocalStore
 from casnap.store.base import ObjectInfo, WrapperStore
 from casnap.take.session import DETACHED_PLANS
-from tests.helpers import flip_byte, pack_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 64 * 1024
@@ -98,8 +98,8 @@ def test_second_take_descends_from_the_first_and_log_shows_it(tmp_path):
     s2 = take(root / "step_2", app)
     assert s1.manifest.parents == []
     assert s2.manifest.parents == [s1.manifest_hash]
-    assert s2.last_take_stats.chunks_written == 0  # an unchanged re-take writes no chunk
-    assert s2.last_take_stats.stored_bytes_written == 0
+    assert take_stats(s2).chunks_written == 0  # an unchanged re-take writes no chunk
+    assert take_stats(s2).stored_bytes_written == 0
     assert restores(root / "step_2", app)
 
     text = casnap_cli("log", str(root))
@@ -134,7 +134,7 @@ def test_a_sparse_update_of_a_large_table_is_stored_as_a_delta(tmp_path):
     rows = torch.randperm(4096, generator=g)[:41]  # 1% of the rows
     table[rows] += 0.01 * torch.randn(41, 1024, generator=g)
     s2 = Snapshot.take(str(root / "step_2"), app)
-    stats = s2.last_take_stats
+    stats = take_stats(s2)
     assert stats.deltas_written > 0
     assert stats.stored_bytes_written < table.numel() * 4 // 20  # 16 MiB table, < 0.8 MiB
     out = {"emb": StateDict(weight=torch.zeros_like(table))}
@@ -152,7 +152,7 @@ def test_an_unchanged_retake_with_the_index_reads_no_manifest(tmp_path):
     s2 = Snapshot.take(f"{repo.url}/s2", app, storage_options=opts)
     assert s2.manifest.parents == [s1.manifest_hash]
     assert not [k for k in store.read_keys if "/manifests/" in k]  # the index covers s1
-    assert s2.last_take_stats.chunks_written == 0
+    assert take_stats(s2).chunks_written == 0
     # one large tensor changed: the parent is read for its chunks' delta bases
     app["m"]["t0"][:100] += 1.0
     DETACHED_PLANS.last_plan.clear()
@@ -161,7 +161,7 @@ def test_an_unchanged_retake_with_the_index_reads_no_manifest(tmp_path):
     assert [k for k in store.read_keys if "/manifests/" in k] == [
         f".casnap/manifests/{s2.manifest_hash[:2]}/{s2.manifest_hash}"
     ]
-    assert s3.last_take_stats.chunks_written == 1 and s3.last_take_stats.deltas_written == 1
+    assert take_stats(s3).chunks_written == 1 and take_stats(s3).deltas_written == 1
     assert restores(f"{repo.url}/s3", app)
     # In the same process, the next take finds s3's plan in memory: no manifest read.
     app["m"]["t0"][:100] += 1.0
@@ -169,7 +169,7 @@ def test_an_unchanged_retake_with_the_index_reads_no_manifest(tmp_path):
     s4 = Snapshot.take(f"{repo.url}/s4", app, storage_options=opts)
     assert s4.manifest.parents == [s3.manifest_hash]
     assert not [k for k in store.read_keys if "/manifests/" in k]
-    assert s4.last_take_stats.chunks_written == 1 and s4.last_take_stats.deltas_written == 1
+    assert take_stats(s4).chunks_written == 1 and take_stats(s4).deltas_written == 1
     assert restores(f"{repo.url}/s4", app)
 
 
@@ -215,7 +215,7 @@ def test_opting_out(tmp_path, monkeypatch):
     monkeypatch.setenv("CASNAP_AUTO_PARENT", "0")
     s5 = take(root / "s5", app)
     assert s5.manifest.parents == []
-    assert s5.last_take_stats.chunks_written == 0  # dedup through the index all the same
+    assert take_stats(s5).chunks_written == 0  # dedup through the index all the same
     monkeypatch.delenv("CASNAP_AUTO_PARENT")
     assert take(root / "s6", app, parents=["s1"]).manifest.parents == [s1.manifest_hash]
 
@@ -276,7 +276,7 @@ def test_after_a_gc_the_index_no_longer_vouches_for_the_parent(tmp_path):
     s3 = Snapshot.take(f"{repo.url}/s3", state(1), storage_options=opts)
     assert s3.manifest.parents == [s2.manifest_hash]
     assert [k for k in store.read_keys if "/manifests/" in k]  # read: the index knew nothing
-    assert s3.last_take_stats.chunks_written == 0
+    assert take_stats(s3).chunks_written == 0
     assert restores(f"{repo.url}/s3", state(1))
     assert repo.verify(read_data=True).ok
 
@@ -285,15 +285,15 @@ def test_a_damaged_parent_chunk_is_not_referenced(tmp_path):
     root = tmp_path / "run"
     app = state()
     s1 = take(root / "s1", app)
-    packed = s1.manifest.entries["0/m/t1"].chunks[0]
-    loose = s1.manifest.entries["0/m/t0"].chunks[1]
+    packed = tensor_entry(s1.manifest.entries, "0/m/t1").chunks[0]
+    loose = tensor_entry(s1.manifest.entries, "0/m/t0").chunks[1]
     assert packed.pack is not None and loose.pack is None
     flip_byte(pack_path(root, packed.pack), packed.offset + packed.length - 3)
     flip_byte(root / ".casnap" / "chunks" / loose.hash[:2] / loose.hash, CHUNK // 2)
     assert not Repository(str(root)).verify(read_data=True).ok  # records the damage
     s2 = take(root / "s2", app)
     assert s2.manifest.parents == [s1.manifest_hash]
-    assert s2.manifest.entries["0/m/t1"].chunks[0].pack != packed.pack
+    assert tensor_entry(s2.manifest.entries, "0/m/t1").chunks[0].pack != packed.pack
     assert restores(root / "s2", app)
 
 
@@ -306,7 +306,7 @@ def test_a_dcp_save_reusing_a_delta_chunk_loads_back(tmp_path):
     Snapshot.take(str(root / "step_1"), {"emb": StateDict(weight=table)})
     table[torch.randperm(1024, generator=g)[:10]] += 1.0
     s2 = Snapshot.take(str(root / "step_2"), {"emb": StateDict(weight=table)})
-    assert s2.last_take_stats.deltas_written == 1
+    assert take_stats(s2).deltas_written == 1
     writer = CasnapWriter(root / "step_3")
     dcp.save({"emb": {"weight": table}}, storage_writer=writer)
     assert writer.last_write_stats is not None
@@ -375,7 +375,7 @@ def test_an_import_descends_from_the_newest_snapshot_in_its_folder(tmp_path):
     assert imported.manifest.parents == [s1.manifest_hash]
     again = import_checkpoint(tmp_path / "m.safetensors", root / "step_3")
     assert again.manifest.parents == [imported.manifest_hash]
-    assert again.last_take_stats.chunks_written == 0
+    assert take_stats(again).chunks_written == 0
     off = import_checkpoint(
         tmp_path / "m.safetensors", root / "step_4", storage_options={"auto_parent": False}
     )
@@ -422,7 +422,7 @@ def test_every_changed_chunk_of_a_take_finds_its_delta_base(tmp_path):
     Snapshot.take(f"{repo.url}/step_1", app, storage_options=opts)
     table[::256] += 0.01  # one row in each chunk
     s2 = Snapshot.take(f"{repo.url}/step_2", app, storage_options=opts)
-    stats = s2.last_take_stats
+    stats = take_stats(s2)
     assert stats.chunks_written == 16
     assert stats.deltas_written == 16
     assert stats.stored_bytes_written < 1 << 20  # of 16 MiB

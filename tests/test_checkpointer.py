@@ -57,7 +57,7 @@ def expected(step: int) -> dict[str, StateDict]:
 
 
 def run_loop(ckpt: Checkpointer, state: dict[str, StateDict]) -> list[object]:
-    results = []
+    results: list[object] = []
     for step in range(1, 21):
         fill(state, step)
         results.append(ckpt.maybe_take(step, state, metrics={"loss": 100.0 / step}))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_harness import run_ranks, values
+from helpers import chunk_path, reclaimed_of, tensor_entry
 from test_checkpointer import expected, fill, fresh, same_bits, wait_for_line
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
@@ -27,7 +28,6 @@ from casnap.api.checkpointer import Checkpointer
 from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions
 from casnap.errors import ConfigError, SnapshotNotFoundError
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy, plan_retention
-from tests.helpers import chunk_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,7 +278,7 @@ def take_steps(root: str, steps: list[int]) -> Checkpointer:
 def flip_a_chunk_byte(root: Path, step: int, *, delete: bool = False) -> str:
     """Flip one byte in (or delete) a loose chunk of ``step``'s weights (a chunk no other
     step shares)."""
-    ref = Snapshot(f"{root}/{name(step)}").get_manifest()["0/model/w"].chunks[6]
+    ref = tensor_entry(Snapshot(f"{root}/{name(step)}").get_manifest(), "0/model/w").chunks[6]
     assert ref.pack is None
     path = chunk_path(root, ref.hash)
     if delete:
@@ -567,8 +567,7 @@ def test_a_fallback_names_the_tensors_the_older_snapshot_does_not_hold(tmp_path,
 def test_a_reclaim_that_fails_does_not_stop_training_and_is_retried(tmp_path, monkeypatch, caplog):
     import casnap.api.checkpointer_listing as module
     from casnap.errors import StoreError
-
-    real = module.reclaim_retired
+    from casnap.gc.reclaim import reclaim as real  # what module.reclaim_retired is
 
     def flaky(repo, retired, **kwargs):
         raise StoreError("the store went away mid-sweep")
@@ -580,9 +579,9 @@ def test_a_reclaim_that_fails_does_not_stop_training_and_is_retried(tmp_path, mo
     with caplog.at_level(logging.WARNING, logger="casnap"):
         assert isinstance(ckpt.maybe_take(2, expected(2)), Snapshot)  # committed all the same
     assert any("reclaim after retention failed" in r.getMessage() for r in caplog.records)
-    pending = ckpt.last_retention.reclaimed.pending
+    pending = reclaimed_of(ckpt).pending
     assert len(pending) == 1
     monkeypatch.setattr(module, "reclaim_retired", real)
     ckpt.maybe_take(3, expected(3))
-    assert ckpt.last_retention.reclaimed.deleted_manifests == 2  # step 1's, then step 2's
+    assert reclaimed_of(ckpt).deleted_manifests == 2  # step 1's, then step 2's
     assert steps_of(ckpt) == [3]

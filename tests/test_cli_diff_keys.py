@@ -75,6 +75,7 @@ def test_diff_counts_values_not_containers(tmp_path, pair):
 def test_diff_plot_prints_a_summary_its_title_repeats(tmp_path, pair):
     pytest.importorskip("matplotlib")
     from PIL import Image
+    from PIL.PngImagePlugin import PngImageFile
 
     code, out, err = casnap(tmp_path, "diff", *pair, "--plot", "drift.png")
     assert code == 0, err
@@ -84,6 +85,7 @@ def test_diff_plot_prints_a_summary_its_title_repeats(tmp_path, pair):
     assert "status" not in out  # no table: the picture is the table
     assert "wrote drift.png" in err
     with Image.open(tmp_path / "drift.png") as image:
+        assert isinstance(image, PngImageFile)
         drawn = json.loads(image.text["casnap"])
     assert drawn["summary"].startswith("13 values under 0/model/: 12 changed, 1 unchanged")
     code, out, _ = casnap(tmp_path, "diff", *pair, "--plot", "drift.png", "--json")

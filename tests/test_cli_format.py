@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import repo_helpers
 import torch
+from helpers import chunk_path
 
 from casnap import Repository, Snapshot, StateDict
 from casnap.display import format_size, format_time, natural_key, parse_size
 from casnap.format import codec
-from tests.helpers import chunk_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "casnap")

@@ -17,6 +17,7 @@ import matplotlib.image
 import pytest
 import torch
 from PIL import Image
+from PIL.PngImagePlugin import PngImageFile
 
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.cli.plot_data import diff_rows
@@ -45,6 +46,7 @@ def drawn(path: Path) -> dict:
     with Image.open(path) as image:
         image.verify()
     with Image.open(path) as image:
+        assert isinstance(image, PngImageFile)
         return json.loads(image.text["casnap"])
 
 

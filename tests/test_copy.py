@@ -8,6 +8,7 @@ import os
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from casnap.store.faults import FailingStore
 CHUNK = 64 * 1024
 
 
-def _state(seed: int, new_head: bool = True) -> dict[str, object]:
+def _state(seed: int, new_head: bool = True) -> dict[str, Any]:
     """A backbone that stays, a head that changes with ``seed``, small tensors (packed)."""
     torch.manual_seed(0)
     backbone = torch.nn.Linear(256, 300)
@@ -46,14 +47,14 @@ def _same_as_original(url: str, name: str, seed: int) -> None:
     """Restore ``name`` from ``url`` into fresh modules: equal to the state taken."""
     want = _state(seed)
     torch.manual_seed(1234)
-    got = {
+    got: dict[str, Any] = {
         "backbone": torch.nn.Linear(256, 300),
         "head": torch.nn.Linear(300, 64),
         "extra": StateDict(),
     }
     Snapshot(f"{url}/{name}").restore(got)
     for key in ("backbone", "head"):
-        for a, b in zip(want[key].state_dict().values(), got[key].state_dict().values()):  # type: ignore[attr-defined]
+        for a, b in zip(want[key].state_dict().values(), got[key].state_dict().values()):
             assert torch.equal(a, b)
     assert got["extra"]["step"] == seed and torch.equal(got["extra"]["t"], torch.arange(9))
 
@@ -182,7 +183,7 @@ def test_gc_at_the_destination_cannot_sweep_while_a_copy_runs(src, tmp_path):
     outcome: list[object] = []
 
     class GcMidway(LocalStore):
-        def put(self, key, data, *, create_only=False, durable=True):  # type: ignore[no-untyped-def]
+        def put(self, key, data, *, create_only=False, durable=True):
             super().put(key, data, create_only=create_only, durable=durable)
             if key.startswith(".casnap/manifests/") and not outcome:  # objects sent, no ref
                 try:

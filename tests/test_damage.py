@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chunk_path, flip_byte, pack_path, tensor_entry
 
 from casnap import IntegrityError, Repository, Session, Snapshot, StateDict
 from casnap.errors import StoreError
 from casnap.repo.damage import list_damage
 from casnap.store import LocalStore
 from casnap.store.base import Data
-from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def restores_bit_exact(repo: Path, name: str) -> bool:
 
 
 def damage_loose(repo: Path, snap: Snapshot) -> str:
-    ref = snap.get_manifest()["0/m/w"].chunks[1]
+    ref = tensor_entry(snap.get_manifest(), "0/m/w").chunks[1]
     assert ref.pack is None
     path = chunk_path(repo, ref.hash)
     flip_byte(path, path.stat().st_size - 10)  # in the payload: the header still probes fine
@@ -87,7 +87,7 @@ def damage_loose(repo: Path, snap: Snapshot) -> str:
 
 
 def damage_packed(repo: Path, snap: Snapshot) -> tuple[str, str]:
-    ref = snap.get_manifest()["0/m/b"].chunks[0]
+    ref = tensor_entry(snap.get_manifest(), "0/m/b").chunks[0]
     assert ref.pack is not None
     flip_byte(pack_path(repo, ref.pack), ref.offset + ref.length - 3)
     return ref.hash, ref.pack
@@ -125,11 +125,11 @@ def test_packed_chunk_found_by_verify_is_written_anew_by_the_next_take(tmp_path)
     take_in_new_process(repo, "s2")  # no lineage: the index knew the packed frame
 
     assert restores_bit_exact(repo, "s2")
-    new_ref = Snapshot(snap_path(repo, "s2")).get_manifest()["0/m/b"].chunks[0]
+    new_ref = tensor_entry(Snapshot(snap_path(repo, "s2")).get_manifest(), "0/m/b").chunks[0]
     assert new_ref.hash == h and new_ref.pack != pack
     # the neighbour frame in the damaged pack was left alone and is still shared
-    c_old = s1.get_manifest()["0/m/c"].chunks[0]
-    assert Snapshot(snap_path(repo, "s2")).get_manifest()["0/m/c"].chunks[0] == c_old
+    c_old = tensor_entry(s1.get_manifest(), "0/m/c").chunks[0]
+    assert tensor_entry(Snapshot(snap_path(repo, "s2")).get_manifest(), "0/m/c").chunks[0] == c_old
     # verify keeps reporting the old snapshot, and only it, while it references the frame
     again = corrupt_chunks(Repository(str(repo)).verify(read_data=True))
     assert [p.snapshots for p in again] == [("s1",)]
@@ -144,7 +144,9 @@ def test_packed_chunk_is_not_reused_through_a_parent_manifest(tmp_path):
     take_in_new_process(repo, "s2", parents=["s1"])  # dedup against s1's manifest
 
     assert restores_bit_exact(repo, "s2")
-    assert Snapshot(snap_path(repo, "s2")).get_manifest()["0/m/b"].chunks[0].pack != pack
+    assert (
+        tensor_entry(Snapshot(snap_path(repo, "s2")).get_manifest(), "0/m/b").chunks[0].pack != pack
+    )
 
 
 def test_a_session_that_remembers_the_damaged_plan_writes_the_chunk_again(tmp_path):
@@ -215,7 +217,7 @@ def test_damage_found_by_export_is_contained_too(tmp_path):
 def test_a_missing_object_is_not_recorded_as_damage(tmp_path):
     repo = tmp_path / "repo"
     s1 = take_here(repo, "s1")
-    ref = s1.get_manifest()["0/m/w"].chunks[1]
+    ref = tensor_entry(s1.get_manifest(), "0/m/w").chunks[1]
     (chunk_path(repo, ref.hash)).unlink()
     with pytest.raises(IntegrityError, match="missing"):
         restores_bit_exact(repo, "s1")
@@ -259,7 +261,7 @@ def test_gc_drops_the_record_of_a_damaged_object_it_deletes(tmp_path):
 def test_a_flipped_bit_in_a_frame_version_is_damage_not_a_newer_format(tmp_path):
     repo = tmp_path / "repo"
     s1 = take_here(repo, "s1")
-    ref = s1.get_manifest()["0/m/w"].chunks[1]
+    ref = tensor_entry(s1.get_manifest(), "0/m/w").chunks[1]
     path = chunk_path(repo, ref.hash)
     flip_byte(path, 4)  # the frame's version byte: 1 -> 0
     with pytest.raises(IntegrityError, match="damaged frame header"):
@@ -274,7 +276,7 @@ def test_a_flipped_bit_in_a_frame_version_is_damage_not_a_newer_format(tmp_path)
 def test_a_loose_chunk_casnap_will_not_read_is_damage_and_the_next_take_replaces_it(tmp_path, how):
     repo = tmp_path / "repo"
     s1 = take_here(repo, "s1")
-    ref = s1.get_manifest()["0/m/w"].chunks[1]
+    ref = tensor_entry(s1.get_manifest(), "0/m/w").chunks[1]
     path = chunk_path(repo, ref.hash)
     if how == "longer-than-its-frame":
         with open(path, "ab") as fh:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 SMALL = {"chunk_size": 4096}  # several chunks per tensor, so ranges and dedup show
 
 
-def _model(seed: int = 0) -> nn.Module:
+def _model(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
-def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _trained(seed: int = 0) -> tuple[nn.Sequential, torch.optim.Optimizer]:
     model = _model(seed)
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 64)).sum().backward()
@@ -98,7 +99,7 @@ def test_a_frozen_backbone_resave_writes_only_the_head(tmp_path):
     writer = CasnapWriter(tmp_path / "run" / "step_1", storage_options=SMALL)
     dcp.save(_state(model), storage_writer=writer)
     with torch.no_grad():
-        model[2].weight.add_(1.0)  # the head: 64*8 floats = 2 KiB
+        model.get_parameter("2.weight").add_(1.0)  # the head: 64*8 floats = 2 KiB
     dcp.save(_state(model), storage_writer=writer, checkpoint_id=tmp_path / "run" / "step_2")
     assert writer.last_write_stats is not None
     assert 0 < writer.last_write_stats.raw_bytes_written <= 64 * 8 * 4
@@ -111,7 +112,7 @@ def test_saving_again_to_an_id_replaces_it_and_keeps_the_old_one_in_history(tmp_
     repo = casnap.Repository(str(tmp_path / "run"))
     old = repo.resolve("latest")
     with torch.no_grad():
-        model[0].bias.fill_(7.0)
+        model.get_parameter("0.bias").fill_(7.0)
     dcp.save(_state(model, 2), storage_writer=CasnapWriter(path))
     out = _blank()
     dcp.load(out, storage_reader=CasnapReader(path))
@@ -182,6 +183,7 @@ def test_stateful_values_and_async_save(tmp_path):
     model, _ = _trained()
     state = {**_state(model), "counter": _Counter(5)}
     fut = dcp.async_save(state, storage_writer=CasnapWriter(tmp_path / "run" / "s"))
+    assert isinstance(fut, Future)  # not a staged AsyncSaveResponse: no async_stager given
     fut.result()
     counter = _Counter(5)
     counter.n, counter.t = 0, torch.zeros(5, dtype=torch.float64)  # DCP loads in place
@@ -215,7 +217,7 @@ def test_the_cli_works_on_a_dcp_written_repository(tmp_path):
     writer = CasnapWriter(run / "step_1", storage_options=SMALL, metadata={"step": 1})
     dcp.save(_state(model, 1), storage_writer=writer)
     with torch.no_grad():
-        model[2].bias.add_(1.0)
+        model.get_parameter("2.bias").add_(1.0)
     writer.metadata = {"step": 2}
     dcp.save(_state(model, 2), storage_writer=writer, checkpoint_id=run / "step_2")
     code, out, _ = run_cli(tmp_path, "log", str(run))

@@ -8,6 +8,7 @@ asks for out of the stored shards.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def _load_dtensor(rank: int, world: int, path: str, dim: int) -> bool:
     mesh = init_device_mesh("cpu", (world,))
     w = distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(dim)])
     bias = distribute_tensor(torch.zeros(COLS), mesh, [Shard(0)])
-    state = {"model": {"w": w, "b": bias}, "step": 0}
+    state: dict[str, Any] = {"model": {"w": w, "b": bias}, "step": 0}
     dcp.load(state, storage_reader=CasnapReader(path))
     return (
         torch.equal(state["model"]["w"].full_tensor(), _full())
@@ -65,7 +66,10 @@ def _load_plain(path: str) -> torch.Tensor:
 
     from casnap.integrations.dcp import CasnapReader
 
-    state = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "step": 0}
+    state: dict[str, Any] = {
+        "model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)},
+        "step": 0,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, storage_reader=CasnapReader(path), no_dist=True)
@@ -89,7 +93,7 @@ def _sharded_tensor_roundtrip(rank: int, world: int, path: str) -> bool:
         return init_from_local_shards([Shard(local, meta)], [ROWS, COLS])
 
     dcp.save({"st": sharded(_full())}, storage_writer=CasnapWriter(path))
-    target = {"st": sharded(torch.zeros(ROWS, COLS))}
+    target: dict[str, Any] = {"st": sharded(torch.zeros(ROWS, COLS))}
     dcp.load(target, storage_reader=CasnapReader(path))
     local = target["st"].local_shards()[0].tensor
     return torch.equal(local, _full()[rank * rows : (rank + 1) * rows])
@@ -120,7 +124,7 @@ def _fsdp2(rank: int, world: int, path: str, load: bool) -> bool:
         for p in model.parameters():
             p.zero_()
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
+    state: dict[str, Any] = {"model": msd, "optim": osd}
     dcp.load(state, storage_reader=CasnapReader(path))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = {k: v.full_tensor() for k, v in model.state_dict().items()}

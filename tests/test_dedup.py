@@ -7,6 +7,7 @@ import math
 import pytest
 import repo_helpers
 import torch
+from helpers import take_stats, tensor_entry
 
 from casnap import Repository, Snapshot, StateDict
 from casnap.repo.repository import RepoStorage
@@ -50,7 +51,7 @@ def test_second_take_of_unchanged_state_writes_no_chunk_data(tmp_path):
     assert sorted(written) == sorted(
         [f".casnap/manifests/{snap.manifest_hash[:2]}/{snap.manifest_hash}", ".casnap/refs/s2"]
     )
-    assert snap.last_take_stats.stored_bytes_written == 0
+    assert take_stats(snap).stored_bytes_written == 0
 
 
 def test_unchanged_state_dedups_across_processes_by_loose_chunk(tmp_path):
@@ -71,7 +72,7 @@ def test_changing_one_tensor_of_100_writes_only_its_chunks(tmp_path, which):
     state[which].add_(1.0)
     store.reset()
     snap = Snapshot.take(str(tmp_path / "repo" / "s2"), {"s": state}, storage_options=opts(repo))
-    entry = snap.get_manifest()[f"0/s/{which}"]
+    entry = tensor_entry(snap.get_manifest(), f"0/s/{which}")
     nbytes = state[which].numel() * 4
     written = data_keys(store.written_keys)
     if entry.chunks[0].pack is None:
@@ -81,7 +82,7 @@ def test_changing_one_tensor_of_100_writes_only_its_chunks(tmp_path, which):
         assert len(written) == math.ceil(nbytes / CHUNK)
     else:
         assert written == [f".casnap/packs/{entry.chunks[0].pack[:2]}/{entry.chunks[0].pack}"]
-    stats = snap.last_take_stats
+    stats = take_stats(snap)
     assert stats.raw_bytes_written == nbytes
     # every other tensor is referenced, not rewritten
     assert stats.chunks_written == len(entry.chunks)
@@ -101,7 +102,7 @@ def test_a_thousand_small_tensors_become_a_handful_of_objects(tmp_path):
     store.reset()
     got = fresh.read_object("0/s/bias517")
     assert torch.equal(got, state["bias517"])
-    ref = snap.get_manifest()["0/s/bias517"].chunks[0]
+    ref = tensor_entry(snap.get_manifest(), "0/s/bias517").chunks[0]
     assert store.requests["get_range"] == 1 and store.requests["get"] == 0
     assert store.bytes_read == ref.length
 
@@ -112,7 +113,7 @@ def test_read_object_reads_only_that_tensors_chunks(tmp_path):
     state = StateDict({f"w{i}": torch.randn(50_000, generator=g) for i in range(10)})
     Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, storage_options=opts(repo))
     snap = Snapshot(str(tmp_path / "repo" / "s1"), storage_options=opts(repo))
-    entry = snap.get_manifest()["0/s/w3"]
+    entry = tensor_entry(snap.get_manifest(), "0/s/w3")
     store.reset()
     out = torch.empty(50_000)
     got = snap.read_object("0/s/w3", obj_out=out)
@@ -129,8 +130,12 @@ def test_identical_tensors_within_one_take_are_stored_once(tmp_path):
     state = StateDict(a=t, b=t.clone(), c=t.clone())
     snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, storage_options=opts(repo))
     m = snap.get_manifest()
-    assert m["0/s/a"].chunks == m["0/s/b"].chunks == m["0/s/c"].chunks
-    assert snap.last_take_stats.raw_bytes_written == t.numel() * 4
+    assert (
+        tensor_entry(m, "0/s/a").chunks
+        == tensor_entry(m, "0/s/b").chunks
+        == tensor_entry(m, "0/s/c").chunks
+    )
+    assert take_stats(snap).raw_bytes_written == t.numel() * 4
 
 
 def test_compressible_chunks_are_stored_smaller_and_incompressible_raw(tmp_path):
@@ -138,11 +143,11 @@ def test_compressible_chunks_are_stored_smaller_and_incompressible_raw(tmp_path)
     state = StateDict(zeros=torch.zeros(200_000), noise=torch.randn(200_000))
     snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, storage_options=opts(repo))
     m = snap.get_manifest()
-    zeros_stored = sum(c.length for c in m["0/s/zeros"].chunks)
-    noise_stored = sum(c.length for c in m["0/s/noise"].chunks)
+    zeros_stored = sum(c.length for c in tensor_entry(m, "0/s/zeros").chunks)
+    noise_stored = sum(c.length for c in tensor_entry(m, "0/s/noise").chunks)
     assert zeros_stored < 0.05 * 800_000
     # random float32 mantissas barely compress: stored raw, header overhead only
-    assert 800_000 <= noise_stored <= 800_000 + 56 * len(m["0/s/noise"].chunks)
+    assert 800_000 <= noise_stored <= 800_000 + 56 * len(tensor_entry(m, "0/s/noise").chunks)
     fresh = StateDict(zeros=torch.ones(200_000), noise=torch.empty(200_000))
     Snapshot(str(tmp_path / "repo" / "s1"), storage_options=opts(repo)).restore({"s": fresh})
     assert torch.equal(fresh["zeros"], state["zeros"]) and torch.equal(
@@ -155,5 +160,5 @@ def test_chunk_size_of_a_new_repository_is_remembered(tmp_path):
     Snapshot.take(str(tmp_path / "repo" / "s1"), state, storage_options={"chunk_size": 8192})
     assert RepoStorage.open(str(tmp_path / "repo")).config.chunk_size == 8192
     snap = Snapshot.take(str(tmp_path / "repo" / "s2"), state)  # no option: the repo's size
-    assert snap.get_manifest()["0/s/w"].chunk_size == 8192
-    assert snap.last_take_stats.chunks_written == 0
+    assert tensor_entry(snap.get_manifest(), "0/s/w").chunk_size == 8192
+    assert take_stats(snap).chunks_written == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chunk_path, take_stats
 from safetensors.torch import load_file
 
 import casnap
@@ -28,7 +29,6 @@ from casnap.format.entries import TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.format.parse import _parse, parse_manifest
-from tests.helpers import chunk_path
 
 CHUNK = 64 * 1024
 ROWS, COLS = 512, 256  # fp32: 512 KiB, 8 chunks of 64 rows
@@ -88,7 +88,7 @@ def _manifest_json(root: Path, snap: Snapshot) -> dict[str, object]:
 
 def test_a_sparse_update_is_written_as_small_deltas_and_restores_bit_exact(tmp_path: Path) -> None:
     states, snaps = _series(tmp_path, 2)
-    stats = snaps[1].last_take_stats
+    stats = take_stats(snaps[1])
     changed = 3 * COLS * 4  # three rows
     assert stats.deltas_written >= 1
     assert stats.stored_bytes_written <= 3 * changed  # the target of #13, at this size
@@ -110,7 +110,7 @@ def test_a_delta_keeps_the_chunk_identity_of_its_raw_bytes(tmp_path: Path) -> No
     ]
     assert any(c.base is not None for c in on.chunks)
     assert all(c.base is None for c in off.chunks)
-    assert plain[1].last_take_stats.deltas_written == 0
+    assert take_stats(plain[1]).deltas_written == 0
 
 
 def test_chains_never_grow_past_the_setting(tmp_path: Path) -> None:
@@ -136,7 +136,7 @@ def test_a_dense_update_of_every_weight_is_written_whole(tmp_path: Path) -> None
     snap = Snapshot.take(
         f"{tmp_path}/b", {"m": StateDict(emb=t * 1.001)}, session=session, storage_options=_opts()
     )
-    assert snap.last_take_stats.deltas_written == 0  # a 0.53 delta does not pay on a local disk
+    assert take_stats(snap).deltas_written == 0  # a 0.53 delta does not pay on a local disk
     assert _manifest_json(tmp_path, snap)["format_version"] == "1.1"
 
 
@@ -250,7 +250,7 @@ def test_a_delta_frame_checks_its_base() -> None:
 def test_the_settings_turn_deltas_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CASNAP_DELTA", "0")
     _, snaps = _series(tmp_path, 2)
-    assert snaps[1].last_take_stats.deltas_written == 0
+    assert take_stats(snaps[1]).deltas_written == 0
     assert casnap.settings.get("delta_max_chain") == 4
 
 
@@ -258,7 +258,7 @@ def test_a_copy_of_a_delta_snapshot_sends_its_bases(tmp_path: Path) -> None:
     # The bases belong to s0, which is neither copied nor kept at the source: copy
     # follows the manifest's base records (casnap/repo/reach.py), as gc does.
     states, snaps = _series(tmp_path / "src", 2)
-    assert snaps[1].last_take_stats.deltas_written >= 1
+    assert take_stats(snaps[1]).deltas_written >= 1
     src = Repository(str(tmp_path / "src"))
     src.delete("s0")
     src.gc(grace_seconds=0)

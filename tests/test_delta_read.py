@@ -13,6 +13,7 @@ from pathlib import Path
 
 import repo_helpers
 import torch
+from helpers import take_stats
 
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.format import codec
@@ -100,7 +101,7 @@ def test_a_delta_ending_in_a_ragged_block_restores_bit_exact(tmp_path: Path) -> 
     )
     refs = _chunks(f"{tmp_path}/b", "0/m/w")
     assert refs[-1].size % DELTA_BLOCK and refs[-1].base is not None
-    assert snap.last_take_stats.deltas_written == 2
+    assert take_stats(snap).deltas_written == 2
     out = StateDict(w=torch.zeros(n))
     Snapshot(f"{tmp_path}/b").restore({"m": out})
     assert torch.equal(out["w"], u)
@@ -129,7 +130,7 @@ def test_a_densely_changed_tensor_does_not_keep_a_sparse_one_from_deltas(tmp_pat
         session=session,
         storage_options=opts,
     )
-    assert snap.last_take_stats.deltas_written == changed  # every changed emb chunk, no dense one
+    assert take_stats(snap).deltas_written == changed  # every changed emb chunk, no dense one
     assert all(r.base is None for r in _chunks(f"{tmp_path}/b", "0/m/dense"))
 
 

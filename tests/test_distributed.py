@@ -84,7 +84,7 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
 
         chunks_mod.ChunkWriter.add = add  # type: ignore[method-assign]
     with torch.no_grad():
-        model.module[0].weight.add_(1.0)  # new chunks to write
+        model.get_parameter("module.0.weight").add_(1.0)  # new chunks to write
     try:
         Snapshot.take(f"{root}/s2", app, storage_options=opts)
     except DistributedTakeError as exc:
@@ -100,7 +100,9 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # Re-running the same take reuses the chunks the failed one wrote.
     with torch.no_grad():
-        model.module[0].weight.add_(1.0)  # the state of the failed take (restore undid it)
+        model.get_parameter("module.0.weight").add_(
+            1.0
+        )  # the state of the failed take (restore undid it)
     again = Snapshot.take(f"{root}/s2", app, storage_options=opts)
     rerun = sum(s.raw_bytes_written for s in again.last_take_rank_stats or [])
     return {"written": written, "mismatch": mismatch, "failed": failed, "rerun": rerun}

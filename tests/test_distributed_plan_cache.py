@@ -50,7 +50,9 @@ def test_split_join_round_trip_and_fingerprint() -> None:
     rehashed = TensorPlan("float32", (2, 3), True, (("f" * 64, 4096), ("e" * 64, 8)))
     assert changed("1/m/w", rehashed) == fingerprint(structure)
     assert changed("1/lr", PrimitiveEntry(type="int", value=1)) == fingerprint(structure)
-    unflagged = TensorPlan("float32", (2, 3), False, plan.entries["1/m/w"].chunks)
+    w = plan.entries["1/m/w"]
+    assert isinstance(w, TensorPlan)
+    unflagged = TensorPlan("float32", (2, 3), False, w.chunks)
     assert changed("1/m/w", unflagged) != fingerprint(structure)
     assert changed("1/m", ContainerEntry(type="dict", keys=["w", "3"])) != fingerprint(structure)
     bigger = ObjectPlan("builtins.set", 11, (("2" * 64, 11),))

@@ -36,18 +36,18 @@ class _Target:
 
 def _needed(entry: ShardedEntry, offsets: tuple[int, int], sizes: tuple[int, int]) -> set[str]:
     import casnap.restore.reshard as reshard
-    from casnap.torch_io.sharded import LocalShard
+    from casnap.torch_io.sharded import LocalShard, target_regions
 
     box = LocalShard(offsets, sizes, torch.empty(sizes))
-    original = reshard.target_regions
-    reshard.target_regions = lambda value, key: [box]  # type: ignore[assignment]
+    original = target_regions
+    reshard.target_regions = lambda value, key: [box]  # type: ignore[attr-defined]  # as used
     original_check = reshard._check
-    reshard._check = lambda key, entry, target: None  # type: ignore[assignment]
+    reshard._check = lambda key, entry, target: None
     try:
         sink = ShardedSink("k", entry, _Target())
     finally:
-        reshard.target_regions = original  # type: ignore[assignment]
-        reshard._check = original_check  # type: ignore[assignment]
+        reshard.target_regions = original  # type: ignore[attr-defined]
+        reshard._check = original_check
     return {ref.hash for _, ref in sink.needed()}
 
 

@@ -76,6 +76,7 @@ def _state(world: int, layout: str, fill: bool) -> dict[str, Any]:
 
 def save(rank: int, world: int, root: str, name: str) -> int:
     from casnap import Snapshot, StateDict
+    from casnap.format.entries import ShardedEntry
 
     app = {
         "dt": StateDict(_state(world, "a", fill=True)),
@@ -84,7 +85,8 @@ def save(rank: int, world: int, root: str, name: str) -> int:
     snap = Snapshot.take(f"{root}/{name}", app, storage_options=OPTS)
     entry = snap.get_manifest()[f"{rank}/dt/w1"]
     assert entry.kind == "sharded" and len(entry.shards) == world
-    assert len(snap.get_manifest()[f"{rank}/dt/r"].shards) == 1  # replicated: stored once
+    replicated = snap.get_manifest()[f"{rank}/dt/r"]
+    assert isinstance(replicated, ShardedEntry) and len(replicated.shards) == 1  # stored once
     return sum(s.raw_bytes_written for s in snap.last_take_rank_stats or [])
 
 

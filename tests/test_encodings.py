@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chunk_path, flip_byte
 
 from casnap import IntegrityError, Repository, Session, StateDict
 from casnap.errors import CasnapError
@@ -21,7 +22,6 @@ from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.repo.damage import list_damage
 from casnap.settings import override
-from tests.helpers import chunk_path, flip_byte
 
 CHUNK = 1 << 20  # chunks of 1 MiB: loose objects (the pack limit is a quarter chunk)
 
@@ -156,9 +156,11 @@ def test_a_take_does_not_reuse_a_delta_whose_base_is_recorded_damaged(tmp_path: 
     state["m"]["emb"][::100] += 1.0  # 1% of the rows: stored as deltas on s0's chunks
     repo.take("s1", state, session=session)
     deltas = [r for r in repo.storage.read_manifest(repo.resolve("s1")).chunk_refs() if r.base]
-    assert deltas and all(r.base.hash in base for r in deltas)
+    assert deltas and all(r.base is not None and r.base.hash in base for r in deltas)
     s0_state = table_state()
-    flip_byte(chunk_path(repo.url, deltas[0].base.hash), codec.HEADER_SIZE + 40)
+    damaged = deltas[0].base
+    assert damaged is not None
+    flip_byte(chunk_path(repo.url, damaged.hash), codec.HEADER_SIZE + 40)
     assert not restores(repo, "s0", s0_state)  # records the base's damage
 
     repo.take("s2", state, session=session)  # unchanged since s1
@@ -207,6 +209,7 @@ def delta_on_a_damaged_base(tmp_path: Path) -> tuple[Repository, Session, dict, 
     live["m"]["emb"][::100] += 1.0
     repo.take("s1", live, session=session)
     delta = next(r for r in repo.storage.read_manifest(repo.resolve("s1")).chunk_refs() if r.base)
+    assert delta.base is not None
     flip_byte(chunk_path(repo.url, delta.base.hash), codec.HEADER_SIZE + 40)
     assert not restores(repo, "s1", live)  # records the base's damage
     return repo, session, s0, live, delta
@@ -251,7 +254,7 @@ def test_a_delta_whose_base_is_lost_reads_the_chunk_a_later_take_wrote_whole(tmp
     restore for s1 (restorable) and for s0 (its own chunk is gone)."""
     repo, session, s0, live, delta = delta_on_a_damaged_base(tmp_path)
     repo.take("s2", live, session=session)  # writes the delta's chunk whole: chunks/<h>
-    assert chunk_path(repo.url, delta.hash).exists()
+    assert chunk_path(repo.url, delta.hash).exists() and delta.base is not None
     chunk_path(repo.url, delta.base.hash).unlink()  # the base is gone for good
 
     for name, state, ok in (("s0", s0, False), ("s1", live, True), ("s2", live, True)):
@@ -264,8 +267,9 @@ def test_a_delta_whose_base_is_lost_reads_the_chunk_a_later_take_wrote_whole(tmp
 def test_repair_does_not_call_a_snapshot_whose_pack_is_gone_repaired(tmp_path: Path):
     """A good loose chunks/<h> stands in for a damaged pack frame, not for a frame of a
     pack that is gone (the read fails before it could fall back): unrecoverable."""
+    from helpers import pack_path
+
     from casnap.format.names import digest_of
-    from tests.helpers import pack_path
 
     repo = Repository.init(str(tmp_path / "r"), chunk_size=CHUNK)
     state = {"m": StateDict(b=torch.arange(1000, dtype=torch.float32))}
@@ -275,6 +279,7 @@ def test_repair_does_not_call_a_snapshot_whose_pack_is_gone_repaired(tmp_path: P
     head, payload = codec.encode(data, digest_of(data), compress=False)
     chunk_path(repo.url, packed.hash).parent.mkdir(parents=True, exist_ok=True)
     chunk_path(repo.url, packed.hash).write_bytes(head + bytes(payload))  # a stand-in
+    assert packed.pack is not None
     pack_path(repo.url, packed.pack).unlink()
 
     result = Repository(repo.url).repair()

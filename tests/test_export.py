@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from helpers import flip_byte
 from torch.utils.serialization import config as torch_serialization_config
 
 from casnap import IntegrityError, Snapshot, StateDict
@@ -39,7 +40,6 @@ from casnap.export import (
 )
 from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ContainerEntry, TensorEntry
 from casnap.format.manifest import Manifest
-from tests.helpers import flip_byte
 
 CHUNK = 4096
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -110,7 +110,8 @@ def load_torch_mmap_computed_offsets(path: Path) -> dict[str, torch.Tensor]:
     old = os.environ.get("TORCH_SERIALIZATION_DEBUG")
     os.environ["TORCH_SERIALIZATION_DEBUG"] = "1"
     try:
-        with torch_serialization_config.patch({"load.calculate_storage_offsets": True}):
+        patch = torch_serialization_config.patch  # type: ignore[attr-defined]  # made at import
+        with patch({"load.calculate_storage_offsets": True}):
             return torch.load(path, weights_only=True, mmap=True)
     finally:
         if old is None:
@@ -305,7 +306,11 @@ def test_every_dtype_the_format_can_hold_reads_back(tmp_path, fmt):
 
 @pytest.mark.parametrize(
     ("fmt", "dtype"),
-    [("safetensors", torch.complex128), ("safetensors", torch.bits8), ("torch", torch.int4)],
+    [
+        ("safetensors", torch.complex128),
+        ("safetensors", torch.bits8),
+        ("torch", torch.int4),  # type: ignore[attr-defined]  # in torch, missing from its stubs
+    ],
 )
 def test_unsupported_dtype_names_the_key_and_writes_nothing(tmp_path, fmt, dtype):
     odd = (

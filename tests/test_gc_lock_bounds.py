@@ -129,7 +129,8 @@ def test_a_live_gc_lock_still_holds_a_take_and_the_wait_names_its_holder(repo, c
         thread, outcome = take_in_thread(repo, "s1", st)
         time.sleep(max(6.0, WAIT_NOTICE_AFTER + 1))  # past the TTL: renewed, still live
         assert thread.is_alive() and not outcome and not repo.storage.has_ref("s1")
-        assert read_gc_lock(repo.storage.store).id == holder.id  # nobody broke it
+        now = read_gc_lock(repo.storage.store)
+        assert now is not None and now.id == holder.id  # nobody broke it
         waits = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
         assert waits, caplog.text
         assert holder.id[:12] in waits[0] and f"pid {holder.pid}" in waits[0]
@@ -160,7 +161,8 @@ def test_unlock_breaks_a_stale_lock_and_keeps_a_live_one(repo):
     try:
         with pytest.raises(GcBusyError, match="live gc"):
             repo.unlock()
-        assert read_gc_lock(repo.storage.store).id == lock.id
+        now = read_gc_lock(repo.storage.store)
+        assert now is not None and now.id == lock.id
         assert "removed by force" in repo.unlock(force=True)
         assert not repo.storage.store.exists(GC_LOCK_KEY)
     finally:

@@ -67,7 +67,7 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
     if not protected:
         import casnap.take.job
 
-        casnap.take.job.hold_lease = _no_lease  # type: ignore[assignment]
+        casnap.take.job.hold_lease = _no_lease  # type: ignore[attr-defined]  # patched where used
     repo = RepoStorage.open(url)
     if not protected:
         # Widen the window between dedup and ref, so the unprotected run reliably
@@ -108,8 +108,8 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
 
 
 def collector(url: str, stop: Any, out: str) -> None:
+    from casnap.errors import GcBlockedError
     from casnap.gc.collect import gc
-    from casnap.repo.leases import GcBlockedError
 
     repo = RepoStorage.open(url)
     stats = {"runs": 0, "sweeps": 0, "deleted": 0, "blocked": 0, "waited": 0}

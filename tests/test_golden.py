@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tensor_entry
 
 from casnap import Repository, Snapshot, StateDict
 from casnap.cli import main as cli_main
 from casnap.errors import PickleNotAllowedError
+from casnap.format.entries import ShardedEntry
 from casnap.format.manifest_bytes import serialize
 from casnap.format.names import hash_bytes
 from casnap.format.parse import parse_manifest
@@ -92,7 +94,8 @@ def test_golden_repository_metadata_and_lineage(golden):
     second = repo.storage.read_manifest(repo.resolve("second"))
     assert first.format_version == "1.0" and first.metadata == {"step": 1, "note": "golden v1"}
     assert second.parents == [repo.resolve("first")]
-    w1, w2 = first.entries["0/state/weights"], second.entries["0/state/weights"]
+    w1 = tensor_entry(first.entries, "0/state/weights")
+    w2 = tensor_entry(second.entries, "0/state/weights")
     shared = sum(a.hash == b.hash for a, b in zip(w1.chunks, w2.chunks))
     assert shared == len(w1.chunks) - 1
 
@@ -223,7 +226,9 @@ def test_golden_v11_manifest_layout_lineage_and_dedupe(golden11):
     assert any(r.pack for r in refs) and any(r.pack is None for r in refs)
     # second changed one row of rank 0's shard of w_row: one new chunk, the rest shared
     new = {r.hash for r in second.chunk_refs()} - {r.hash for r in refs}
-    w1, w2 = first.entries["0/model/w_row"].shards, second.entries["0/model/w_row"].shards
+    e1, e2 = first.entries["0/model/w_row"], second.entries["0/model/w_row"]
+    assert isinstance(e1, ShardedEntry) and isinstance(e2, ShardedEntry)
+    w1, w2 = e1.shards, e2.shards
     assert new == {w2[0].chunks[0].hash} and w1[0].chunks[0].hash != w2[0].chunks[0].hash
 
 

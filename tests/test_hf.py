@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def _model() -> GPT2LMHeadModel:
 
 
 def _args(out, **kw) -> TrainingArguments:
-    options = (
+    options: dict[str, Any] = (
         dict(
             output_dir=str(out),
             max_steps=MAX_STEPS,
@@ -114,6 +115,7 @@ def test_resume_continues_as_an_uninterrupted_run(tmp_path):
         model=_model(), args=_args(tmp_path / "straight", save_strategy="no"), train_dataset=_Data()
     )
     straight.train()
+    assert straight.model is not None
     expected = {k: v.clone() for k, v in straight.model.state_dict().items()}
 
     out = tmp_path / "run"
@@ -122,6 +124,7 @@ def test_resume_continues_as_an_uninterrupted_run(tmp_path):
     )
     first.train()
     assert _checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+    assert first.model is not None
     saved = {k: v.clone() for k, v in first.model.state_dict().items()}
 
     seen = {}
@@ -143,6 +146,7 @@ def test_resume_continues_as_an_uninterrupted_run(tmp_path):
         assert torch.equal(seen["model"][key], value), key
     assert seen["optim_steps"] == {4.0}
     assert resumed.state.global_step == MAX_STEPS
+    assert resumed.model is not None
     for key, value in resumed.model.state_dict().items():
         assert torch.equal(value, expected[key]), key
     assert _checkpoints(out) == ["checkpoint-6", "checkpoint-8"]

@@ -17,6 +17,7 @@ import pytest
 import repo_helpers
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
+from helpers import chunk_path, take_stats, tensor_entry
 
 from casnap import Repository, Session, Snapshot, StateDict, index
 from casnap.index import lmdb_envs
@@ -24,7 +25,6 @@ from casnap.index import lmdb_store as index_lmdb
 from casnap.ops.history import stored_bytes
 from casnap.store import CountingStore, FsspecStore, LocalStore
 from casnap.store.base import WrapperStore
-from tests.helpers import chunk_path
 
 CHUNK = 64 * 1024
 
@@ -85,7 +85,7 @@ def test_a_fresh_process_take_probes_no_chunk_and_writes_no_chunk_data(tmp_path)
         "manifests",
         "refs",
     ]
-    assert s2.last_take_stats.chunks_written == 0
+    assert take_stats(s2).chunks_written == 0
     # the small chunks point into the first take's pack, not a copy of it
     assert s2.manifest.chunk_refs() == s1.manifest.chunk_refs()
     assert_restores(repo, "s2", state)
@@ -100,9 +100,9 @@ def test_without_the_index_the_same_take_probes_every_loose_chunk(tmp_path, monk
     s2 = take(repo, "s2", state)
     assert store.requests["get_range"] == len(loose_chunks(s1))
     packed = [c for c in s1.manifest.chunk_refs() if c.pack is not None]
-    assert s2.last_take_stats.chunks_written == len(packed)  # packed again
+    assert take_stats(s2).chunks_written == len(packed)  # packed again
     assert not (tmp_path / "index").exists(), "a disabled index is never created"
-    assert index.open_index(repo) is None
+    assert index.open_index(repo.storage) is None
     assert_restores(repo, "s2", state)
 
 
@@ -114,10 +114,12 @@ def test_changed_tensors_are_written_and_the_rest_found_in_the_index(tmp_path):
     state["t7"].add_(1.0)  # packed
     store.reset()
     s2 = take(repo, "s2", state)
-    changed = {c.hash for k in ("0/s/t0", "0/s/t7") for c in s2.manifest.entries[k].chunks}
+    changed = {
+        c.hash for k in ("0/s/t0", "0/s/t7") for c in tensor_entry(s2.manifest.entries, k).chunks
+    }
     # each new loose chunk is probed once (it is absent), nothing else is
     assert store.requests["get_range"] == len(changed & loose_chunks(s2))
-    assert s2.last_take_stats.chunks_written == len(changed)
+    assert take_stats(s2).chunks_written == len(changed)
     store.reset()
     take(repo, "s3", state)  # what s2 wrote is now known as well
     assert store.requests["get_range"] == 0 and data_keys(store.written_keys) == []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import chunk_path, flip_byte, pack_path, take_stats, tensor_entry
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
 from casnap.errors import ManifestValidationError, StoreError, UnsupportedFormatError
@@ -16,7 +17,6 @@ from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.store import LocalStore
 from casnap.store.faults import FailingStore
-from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 
@@ -30,7 +30,7 @@ def take(tmp_path, name: str, state: dict) -> Snapshot:
 def test_flipped_byte_in_a_loose_chunk_raises_integrity_error_naming_it(tmp_path):
     state = StateDict(w=torch.randn(100_000))
     snap = take(tmp_path, "s1", {"s": state})
-    ref = snap.get_manifest()["0/s/w"].chunks[1]
+    ref = tensor_entry(snap.get_manifest(), "0/s/w").chunks[1]
     assert ref.pack is None
     path = str(chunk_path(tmp_path / "repo", ref.hash))
     flip_byte(path, os.path.getsize(path) - 10)
@@ -44,7 +44,7 @@ def test_flipped_byte_in_a_loose_chunk_raises_integrity_error_naming_it(tmp_path
 def test_flipped_byte_in_a_pack_is_caught_on_read_object(tmp_path):
     state = StateDict(a=torch.randn(100), b=torch.randn(100))
     snap = take(tmp_path, "s1", {"s": state})
-    ref = snap.get_manifest()["0/s/b"].chunks[0]
+    ref = tensor_entry(snap.get_manifest(), "0/s/b").chunks[0]
     assert ref.pack is not None
     path = str(pack_path(tmp_path / "repo", ref.pack))
     flip_byte(path, ref.offset + ref.length - 3)
@@ -57,7 +57,7 @@ def test_flipped_byte_in_a_pack_is_caught_on_read_object(tmp_path):
 def test_flipped_header_byte_and_truncation_are_integrity_errors(tmp_path):
     state = StateDict(w=torch.randn(40_000))
     snap = take(tmp_path, "s1", {"s": state})
-    ref = snap.get_manifest()["0/s/w"].chunks[0]
+    ref = tensor_entry(snap.get_manifest(), "0/s/w").chunks[0]
     path = str(chunk_path(tmp_path / "repo", ref.hash))
     flip_byte(path, 9)  # raw length field
     with pytest.raises(IntegrityError):
@@ -71,7 +71,7 @@ def test_flipped_header_byte_and_truncation_are_integrity_errors(tmp_path):
 
 def test_missing_chunk_is_an_integrity_error_naming_it(tmp_path):
     snap = take(tmp_path, "s1", {"s": StateDict(w=torch.randn(40_000))})
-    ref = snap.get_manifest()["0/s/w"].chunks[0]
+    ref = tensor_entry(snap.get_manifest(), "0/s/w").chunks[0]
     os.unlink(chunk_path(tmp_path / "repo", ref.hash))
     with pytest.raises(IntegrityError, match="missing"):
         Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/w")
@@ -181,7 +181,7 @@ def test_a_failed_take_leaves_no_ref_and_earlier_snapshots_restorable(tmp_path):
     assert all(torch.equal(restored[k], before[k]) for k in before)
     # a retry succeeds and reuses the chunks the failed take already wrote
     snap = take(tmp_path, "s2", {"s": state})
-    stats = snap.last_take_stats
+    stats = take_stats(snap)
     assert stats.chunks_written < stats.chunks
 
 

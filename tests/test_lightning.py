@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
 
-L = pytest.importorskip("lightning")
+pytest.importorskip("lightning")
 
+import lightning as L  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
@@ -53,7 +55,7 @@ def _model() -> TinyModel:
 
 
 def _trainer(root, plugin, max_epochs: int, **ckpt) -> tuple[L.Trainer, ModelCheckpoint]:
-    options = {"save_top_k": 2, "monitor": "step", "mode": "max"} | ckpt
+    options: dict[str, Any] = {"save_top_k": 2, "monitor": "step", "mode": "max"} | ckpt
     checkpoint = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), **options)
     trainer = L.Trainer(
         max_epochs=max_epochs,
@@ -124,7 +126,7 @@ def test_resume_from_best_continues_as_an_uninterrupted_run(tmp_path):
             seen["lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
 
     resumed, _ = _trainer(tmp_path / "run", CasnapCheckpointIO(), max_epochs=6)
-    resumed.callbacks.append(Probe())
+    resumed.callbacks.append(Probe())  # type: ignore[attr-defined]  # set by its CallbackConnector
     model = _model()
     resumed.fit(model, _data(), ckpt_path=best)
     assert seen["step"] == 16

@@ -79,12 +79,12 @@ def _torch_dist_save(sd: dict[str, Any], ckpt: str) -> None:
 
     os.makedirs(ckpt)
     cuda = (torch.cuda.synchronize, torch.cuda.current_device)
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]  # a device name
     try:
         dist_checkpointing.save(sd, ckpt)  # the default: torch_dist
     finally:
-        torch.cuda.synchronize, torch.cuda.current_device = cuda  # type: ignore[assignment]
+        torch.cuda.synchronize, torch.cuda.current_device = cuda
 
 
 def build_like(model: Any) -> Any:

@@ -95,15 +95,15 @@ def _async(rank: int, world: int, root: str) -> dict[str, Any]:
     # 3. Megatron's async queue: the write runs in a forked process
     queue = AsyncCallsQueue()
     cuda = (torch.cuda.synchronize, torch.cuda.current_device)
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]  # a device name
     try:
         request, fulls[3] = _async_save(model, root, 3, strategy)
         queue.schedule_async_request(request)
         _train(model)
         out["finalized"] = queue.maybe_finalize_async_calls(blocking=True)
     finally:
-        torch.cuda.synchronize, torch.cuda.current_device = cuda  # type: ignore[assignment]
+        torch.cuda.synchronize, torch.cuda.current_device = cuda
     out["stats3"] = base.last_write_stats
 
     # 4. a background write that fails on rank 1 fails the save on every rank, before a ref

@@ -55,7 +55,7 @@ def _world(ranks: int, extra: bool = False) -> tuple[list[bytes], list[RankPlan]
     return blobs, plans
 
 
-def _plan(blobs: list[bytes]):  # type: ignore[no-untyped-def]
+def _plan(blobs: list[bytes]):
     messages = [pickle.loads(b) for b in blobs]
     return coordinate(Gathered(messages, [m.structure for m in messages]), "warn")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,7 +99,7 @@ def test_the_top_level_is_narrow_and_each_name_is_documented_with_a_reason():
         assert getattr(casnap, name) is not None
 
 
-def _old(name: str) -> object:
+def _old(name: str) -> tuple[Any, str]:
     with pytest.warns(DeprecationWarning) as caught:
         value = getattr(casnap, name)
     message = str(caught[0].message)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import tensor_entry
 
 from casnap import Snapshot, StateDict
 from casnap.errors import ShapeMismatchError
@@ -87,7 +88,7 @@ def test_the_manifest_records_the_quantization_and_old_readers_still_parse_it(
 ) -> None:
     value = _per_channel(torch.qint8, axis=1)
     snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": StateDict(q=value, f=torch.ones(3))})
-    entry = snap.get_manifest()["0/m/q"]
+    entry = tensor_entry(snap.get_manifest(), "0/m/q")
     assert entry.dtype == "int8" and entry.quantized is not None
     assert entry.quantized.dtype == "qint8" and entry.quantized.qscheme == "per_channel_affine"
     assert entry.quantized.axis == 1 and len(entry.quantized.scales or ()) == 5
@@ -148,7 +149,7 @@ def test_prepare_func_half_precision_is_what_is_stored(tmp_path: Path) -> None:
     snap = Snapshot.take(str(tmp_path / "repo" / "s1"), state, _custom_tensor_prepare_func=to_half)
     # The path is torchsnapshot's logical path (no rank); tracing=False yields the bytes.
     assert seen == [("model/w", torch.Size([4, 3]), False)]
-    assert snap.get_manifest()["0/model/w"].dtype == "float16"
+    assert tensor_entry(snap.get_manifest(), "0/model/w").dtype == "float16"
     assert torch.equal(snap.read_object("0/model/w"), w.half())
     assert w.dtype == torch.float32  # the live tensor is untouched
     target = StateDict(w=torch.zeros(4, 3, dtype=torch.float16), n=0)

@@ -15,11 +15,12 @@ import time
 
 import pytest
 import torch
+from helpers import reclaimed_of, retention_of
 
 from casnap import Repository, Snapshot, StateDict
 from casnap.api.checkpointer import Checkpointer
 from casnap.cli.app import main
-from casnap.gc.reclaim import reclaim
+from casnap.gc.reclaim import ReclaimResult, reclaim
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import chunk_key, manifest_key, pack_key
@@ -116,7 +117,7 @@ def test_a_keep_last_2_loop_holds_the_kept_snapshots_plus_one_take_in_flight(tmp
     assert watch.peak <= 3 * STATE_BYTES + SLACK, watch.peak
     assert final <= 2 * STATE_BYTES + SLACK, final  # without reclaim: 20 states
     assert ckpt.snapshots() == ["step_000000019", "step_000000020"]
-    reclaimed = ckpt.last_retention.reclaimed
+    reclaimed = reclaimed_of(ckpt)
     assert reclaimed.deferred is None and reclaimed.pending == ()
     assert reclaimed.deleted_manifests == 1 and reclaimed.bytes_freed >= STATE_BYTES
     repo = Repository(root)
@@ -137,8 +138,8 @@ def test_keep_last_2_and_keep_best_1_over_6_saves_frees_the_retired_space(tmp_pa
     assert ckpt.snapshots() == ["step_000000002", "step_000000005", "step_000000006"]
     assert max(sizes) <= 3 * STATE_BYTES + SLACK, sizes
     assert sizes[-1] <= 3 * STATE_BYTES + SLACK  # was 6 states, and 0 B freed by gc
-    freed = ckpt.last_retention.reclaimed
-    assert ckpt.last_retention.deleted == ("step_000000004",)
+    freed = reclaimed_of(ckpt)
+    assert retention_of(ckpt).deleted == ("step_000000004",)
     assert freed.deleted_manifests == 1 and freed.deleted_chunks == BIG
     assert freed.deleted_packs == 1 and freed.bytes_freed >= STATE_BYTES
     assert "reclaimed" in freed.render()
@@ -155,12 +156,13 @@ def test_a_chunk_shared_by_a_dropped_and_a_kept_snapshot_stays(tmp_path):
     for step in (1, 2, 3):
         states[step] = StateDict(frozen=frozen.clone(), w=state_at(step)["big0"])
         snap = ckpt.maybe_take(step, {"m": states[step]})
+        assert isinstance(snap, Snapshot)
         objects[step] = needs(snap.manifest)
     repo = Repository(root)
     shared = objects[2] & objects[3]
     assert len(shared) == 1 and all(repo.storage.store.exists(k) for k in shared)
     assert not any(repo.storage.store.exists(k) for k in objects[2] - shared)
-    result = ckpt.last_retention.reclaimed
+    result = reclaimed_of(ckpt)
     assert result.shared_objects == 1 and result.shared_bytes >= MiB
     assert result.deleted_chunks == 1  # step 2's own "w"
     assert "kept 1 object(s)" in result.render()
@@ -173,7 +175,7 @@ def test_reclaim_false_leaves_the_space_to_gc(tmp_path, capsys):
     ckpt = Checkpointer(root, 1, retention=RetentionPolicy(KeepLast(1)), reclaim=False)
     for step in (1, 2, 3):
         ckpt.maybe_take(step, {"m": state_at(step)})
-    assert ckpt.last_retention.reclaimed is None
+    assert retention_of(ckpt).reclaimed is None
     assert disk_bytes(root) > 2 * STATE_BYTES  # the retired snapshots' bytes are still there
     code, out = run_cli(capsys, "du", root)
     assert code == 0 and "unreferenced" in out
@@ -195,7 +197,7 @@ def test_a_pack_some_kept_snapshot_still_reads_from_stays_and_its_dead_frames_ar
     ckpt = Checkpointer(root, 1, retention=RetentionPolicy(KeepLast(1)))
     ckpt.maybe_take(1, {"m": first})
     ckpt.maybe_take(2, {"m": second})
-    result = ckpt.last_retention.reclaimed
+    result = reclaimed_of(ckpt)
     assert result.deleted_packs == 0 and result.partial_packs == 1
     assert result.dead_pack_bytes >= 16 * 1024  # small0's old frame, until the pack goes
     assert "pack(s) hold" in result.render()
@@ -213,7 +215,7 @@ def test_objects_the_retirement_did_not_create_keep_the_grace_period(tmp_path, c
     ckpt = Checkpointer(root, 1, retention=RetentionPolicy(KeepLast(1)))
     for step in (1, 2, 3):
         ckpt.maybe_take(step, {"m": state_at(step)})
-    assert ckpt.last_retention.reclaimed.deleted_manifests == 1
+    assert reclaimed_of(ckpt).deleted_manifests == 1
     assert all(repo.storage.store.exists(k) for k in orphan_keys)
     code, out = run_cli(capsys, "gc", root)
     assert code == 0 and "freed 0 B" in out
@@ -292,14 +294,14 @@ def test_a_deferred_reclaim_is_done_by_the_next_commit(tmp_path):
         started = time.monotonic()
         ckpt.maybe_take(2, {"m": state_at(2)})
         assert time.monotonic() - started < 5  # a short, bounded wait; the take itself is fast
-        deferred = ckpt.last_retention.reclaimed
+        deferred = reclaimed_of(ckpt)
         assert deferred.deferred is not None and len(deferred.pending) == 1
         assert disk_bytes(root) >= 2 * STATE_BYTES  # step 1 still on disk
     finally:
         release.set()
         proc.join(30)
     ckpt.maybe_take(3, {"m": state_at(3)})
-    caught_up = ckpt.last_retention.reclaimed
+    caught_up = reclaimed_of(ckpt)
     assert caught_up.deferred is None and caught_up.pending == ()
     assert caught_up.deleted_manifests == 2  # step 1's, left over, and step 2's
     assert disk_bytes(root) <= STATE_BYTES + SLACK
@@ -342,14 +344,14 @@ def test_reclaim_beside_takes_in_another_process_keeps_every_snapshot_whole(tmp_
     ready, done = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_take_alongside, args=(root, ready, done))
     proc.start()
-    results = []
+    results: list[ReclaimResult | None] = []
     try:
         assert ready.wait(120)  # its takes are running from now on
         for step in range(2, 13):
             ckpt.maybe_take(step, {"m": state_at(step)})
             results.append(ckpt.last_retention.reclaimed if ckpt.last_retention else None)
         ckpt.close()
-        results.append(ckpt.last_retention.reclaimed)
+        results.append(retention_of(ckpt).reclaimed)
     finally:
         done.set()
         proc.join(120)
@@ -359,7 +361,7 @@ def test_reclaim_beside_takes_in_another_process_keeps_every_snapshot_whole(tmp_
     assert ckpt.snapshots() == ["step_000000011", "step_000000012"]
     assert len(names) == 3  # and the other run's newest
     # Reclaims that met the other run's gc lock were deferred; catch up now.
-    results.append(reclaim(repo.storage, ckpt.last_retention.reclaimed.pending))
+    results.append(reclaim(repo.storage, reclaimed_of(ckpt).pending))
     assert sum(r.bytes_freed for r in results if r is not None) > 0
     assert repo.verify(read_data=True).ok
     for name in names:

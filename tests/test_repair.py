@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import flip_byte
 
 from casnap import IntegrityError, Repository, StateDict
 from casnap.cli.app import main
@@ -21,7 +22,6 @@ from casnap.format import codec
 from casnap.repo.damage import list_damage
 from casnap.store import LocalStore
 from casnap.store.faults import FailingStore
-from tests.helpers import flip_byte
 
 CHUNK = 16 * 1024
 

@@ -79,9 +79,9 @@ def take_with_globs(rank: int, world: int, root: str) -> dict[str, Any]:
     # Declared on every rank but different on rank 1: the warning names it, and only it.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        globs = [["**"], ["my_stateful/foo", "my_stateful/bar"]][rank]
+        rank_globs = [["**"], ["my_stateful/foo", "my_stateful/bar"]][rank]
         snapshot = Snapshot.take(
-            f"{root}/w", {"my_stateful": _TestStateful(foo=float(rank))}, replicated=globs
+            f"{root}/w", {"my_stateful": _TestStateful(foo=float(rank))}, replicated=rank_globs
         )
     out["warned"] = [
         str(w.message) for w in caught if issubclass(w.category, ReplicaMismatchWarning)

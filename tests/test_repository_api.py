@@ -288,9 +288,9 @@ def test_latest_and_tags_resolve_in_python_as_on_the_command_line(tmp_path):
     assert repo.snapshot("best").name == "step_9"
 
     # The command line names the same snapshots.
-    for name, want in (("latest", "step_10"), ("best", "step_9")):
+    for name, snapshot in (("latest", "step_10"), ("best", "step_9")):
         code, out, _ = run_cli(tmp_path, "show", f"{url}/{name}", "--json")
-        assert code == 0 and json.loads(out)["name"] == want
+        assert code == 0 and json.loads(out)["name"] == snapshot
 
     with pytest.raises(casnap.SnapshotNotFoundError, match="did you mean 'best'"):
         repo.snapshot("bset")

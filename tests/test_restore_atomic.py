@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from helpers import chunk_path, flip_byte, pack_path, tensor_entry
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
 from casnap.chunks.write import ChunkWriter
@@ -28,7 +29,6 @@ from casnap.settings import Settings
 from casnap.store import CountingStore, LocalStore
 from casnap.store.base import Buffer, ObjectStore, WrapperStore
 from casnap.torch_io.tensors import byte_view
-from tests.helpers import chunk_path, flip_byte, pack_path
 
 CHUNK = 64 * 1024
 ELEMS = CHUNK // 4
@@ -88,7 +88,7 @@ def is_raw(ref: ChunkRef) -> bool:
 def test_a_damaged_raw_loose_chunk_leaves_its_tensor_unchanged(tmp_path, which):
     state = state_of()
     snap = take(tmp_path, state)
-    ref = snap.get_manifest()["0/s/b"].chunks[which]
+    ref = tensor_entry(snap.get_manifest(), "0/s/b").chunks[which]
     assert ref.pack is None and is_raw(ref)
     damage(tmp_path, ref)
     target = patterned(state)
@@ -100,7 +100,7 @@ def test_a_damaged_raw_loose_chunk_leaves_its_tensor_unchanged(tmp_path, which):
 def test_a_damaged_compressed_chunk_leaves_its_tensor_unchanged(tmp_path):
     state = state_of()
     snap = take(tmp_path, state)
-    chunks = snap.get_manifest()["0/s/z"].chunks
+    chunks = tensor_entry(snap.get_manifest(), "0/s/z").chunks
     assert all(ref.pack is None and not is_raw(ref) for ref in chunks)
     damage(tmp_path, chunks[3])
     target = patterned(state)
@@ -112,7 +112,7 @@ def test_a_damaged_compressed_chunk_leaves_its_tensor_unchanged(tmp_path):
 def test_a_damaged_packed_frame_leaves_its_tensor_unchanged(tmp_path):
     state = state_of()
     snap = take(tmp_path, state)
-    tail = snap.get_manifest()["0/s/t"].chunks[-1]
+    tail = tensor_entry(snap.get_manifest(), "0/s/t").chunks[-1]
     assert tail.pack is not None
     damage(tmp_path, tail)
     target = patterned(state)
@@ -124,7 +124,7 @@ def test_a_damaged_packed_frame_leaves_its_tensor_unchanged(tmp_path):
 def test_a_missing_chunk_leaves_its_tensor_unchanged(tmp_path):
     state = state_of()
     snap = take(tmp_path, state)
-    ref = snap.get_manifest()["0/s/a"].chunks[3]
+    ref = tensor_entry(snap.get_manifest(), "0/s/a").chunks[3]
     os.unlink(object_path(tmp_path, ref))
     target = patterned(state)
     with pytest.raises(IntegrityError, match="missing"):
@@ -167,7 +167,7 @@ class DroppingStore(WrapperStore):
 def test_a_store_error_mid_restore_leaves_its_tensor_unchanged(tmp_path, maps):
     state = state_of()
     snap = take(tmp_path, state)
-    ref = snap.get_manifest()["0/s/c"].chunks[1]
+    ref = tensor_entry(snap.get_manifest(), "0/s/c").chunks[1]
     key = f".casnap/chunks/{ref.hash[:2]}/{ref.hash}"
     root = str(tmp_path / "repo")
     store = DroppingStore(LocalStore(root), key, maps=maps)
@@ -185,7 +185,7 @@ def test_a_store_error_mid_restore_leaves_its_tensor_unchanged(tmp_path, maps):
 def test_read_object_into_obj_out_is_all_or_nothing(tmp_path, which):
     state = state_of()
     snap = take(tmp_path, state)
-    ref = snap.get_manifest()["0/s/a"].chunks[which]
+    ref = tensor_entry(snap.get_manifest(), "0/s/a").chunks[which]
     damage(tmp_path, ref)
     out = torch.full_like(state["a"], PATTERN)
     with pytest.raises(IntegrityError):
@@ -196,7 +196,7 @@ def test_read_object_into_obj_out_is_all_or_nothing(tmp_path, which):
 def test_read_object_of_a_container_into_obj_out(tmp_path):
     state = state_of()
     snap = take(tmp_path, state)
-    damage(tmp_path, snap.get_manifest()["0/s/b"].chunks[2])
+    damage(tmp_path, tensor_entry(snap.get_manifest(), "0/s/b").chunks[2])
     out = patterned(state)
     with pytest.raises(IntegrityError):
         Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s", obj_out=out)
@@ -213,7 +213,7 @@ def test_all_or_nothing_under_any_budget(tmp_path, budget):
         {"s": StateDict(intact)}, memory_budget_bytes=budget
     )
     assert all(torch.equal(intact[k], state[k]) for k in state)
-    damage(tmp_path, snap.get_manifest()["0/s/b"].chunks[3])
+    damage(tmp_path, tensor_entry(snap.get_manifest(), "0/s/b").chunks[3])
     target = patterned(state)
     with pytest.raises(IntegrityError):
         Snapshot(str(tmp_path / "repo" / "s1")).restore(
@@ -268,7 +268,7 @@ def test_errors_keep_their_type(tmp_path):
     """The rollback re-raises the original error, not a wrapper."""
     state = state_of()
     snap = take(tmp_path, state)
-    damage(tmp_path, snap.get_manifest()["0/s/a"].chunks[1])
+    damage(tmp_path, tensor_entry(snap.get_manifest(), "0/s/a").chunks[1])
     target = patterned(state)
     with pytest.raises(IntegrityError) as info:
         Snapshot(str(tmp_path / "repo" / "s1")).restore({"s": StateDict(target)})
@@ -323,7 +323,7 @@ def counted(tmp_path) -> tuple[CountingStore, dict]:
 
 
 def chunk_keys(snap: Snapshot, state) -> set[str]:
-    refs = [r for k in state for r in snap.get_manifest()[f"0/s/{k}"].chunks]
+    refs = [r for k in state for r in tensor_entry(snap.get_manifest(), f"0/s/{k}").chunks]
     assert all(r.pack is None and is_raw(r) for r in refs)
     return {f".casnap/chunks/{r.hash[:2]}/{r.hash}" for r in refs}
 
@@ -352,7 +352,7 @@ def test_a_damaged_mapped_chunk_never_reaches_its_target(tmp_path, monkeypatch, 
     state = raw_state()
     snap = take(tmp_path, state)
     chunk_keys(snap, state)
-    ref = snap.get_manifest()["0/s/b"].chunks[which]
+    ref = tensor_entry(snap.get_manifest(), "0/s/b").chunks[which]
     damage(tmp_path, ref)
     store, options = counted(tmp_path)
     target = patterned(state)
@@ -370,7 +370,7 @@ def test_a_damaged_mapped_chunk_never_reaches_its_target(tmp_path, monkeypatch, 
 def test_a_short_mapped_chunk_is_damage(tmp_path):
     state = raw_state()
     snap = take(tmp_path, state)
-    ref = snap.get_manifest()["0/s/c"].chunks[1]
+    ref = tensor_entry(snap.get_manifest(), "0/s/c").chunks[1]
     os.truncate(object_path(tmp_path, ref), ref.length - 100)
     store, options = counted(tmp_path)
     target = patterned(state)

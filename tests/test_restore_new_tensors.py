@@ -12,6 +12,7 @@ import mmap
 
 import pytest
 import torch
+from helpers import tensor_entry
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
 from casnap.chunks import read as chunks_read
@@ -19,6 +20,7 @@ from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.format import codec
 from casnap.store import LocalStore
+from casnap.store.base import Buffer
 
 CHUNK = 64 * 1024
 ELEMS = CHUNK // 4
@@ -38,7 +40,7 @@ def take(tmp_path, state) -> Snapshot:
         {"s": StateDict(state)},
         storage_options={"chunk_size": CHUNK, "compression": "none"},
     )
-    refs = [r for k in state for r in snap.get_manifest()[f"0/s/{k}"].chunks]
+    refs = [r for k in state for r in tensor_entry(snap.get_manifest(), f"0/s/{k}").chunks]
     assert all(r.pack is None and r.length == codec.HEADER_SIZE + r.size for r in refs)
     return snap
 
@@ -80,7 +82,7 @@ def test_read_object_of_one_tensor_reads_only_its_chunks(tmp_path, monkeypatch):
     got = Snapshot(str(tmp_path / "repo" / "s1")).read_object("0/s/b")
     assert torch.equal(got, state["b"])
     assert sum(p.allocated for p in pools) <= len(
-        Snapshot(str(tmp_path / "repo" / "s1")).get_manifest()["0/s/b"].chunks
+        tensor_entry(Snapshot(str(tmp_path / "repo" / "s1")).get_manifest(), "0/s/b").chunks
     )
 
 
@@ -92,7 +94,7 @@ class FlippingStore(LocalStore):
         super().__init__(root)
         self.key = key
 
-    def map(self, key: str, limit: int):
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
         return None  # read, never mapped: the reads under test
 
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
@@ -109,7 +111,7 @@ def test_a_chunk_that_fails_its_check_never_reaches_an_in_place_target(tmp_path)
     written, so every chunk of the target holds its previous bytes or the snapshot's."""
     state = {"big": torch.randn(8 * ELEMS, generator=torch.Generator().manual_seed(5))}
     snap = take(tmp_path, state)
-    ref = snap.get_manifest()["0/s/big"].chunks[5]
+    ref = tensor_entry(snap.get_manifest(), "0/s/big").chunks[5]
     root = str(tmp_path / "repo")
     store = FlippingStore(root, f".casnap/chunks/{ref.hash[:2]}/{ref.hash}")
     target = {"big": torch.full_like(state["big"], PATTERN)}

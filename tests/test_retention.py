@@ -13,22 +13,28 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from casnap import CasnapError, Snapshot, SnapshotNotFoundError, StateDict
-from casnap.errors import InvalidNameError, ManifestValidationError, ObjectExistsError
+from casnap.errors import (
+    InvalidNameError,
+    ManifestValidationError,
+    ObjectExistsError,
+    RetentionError,
+)
 from casnap.ops.retention import (
     KeepBest,
     KeepEveryStep,
     KeepLast,
     KeepTagged,
     KeepWithin,
-    RetentionError,
     RetentionPolicy,
+    RetentionRule,
     execute_retention,
     plan_retention,
     read_snapshots,
@@ -83,7 +89,7 @@ def repo(built: Path, tmp_path: Path) -> RepoStorage:
     return RepoStorage.open(str(root))
 
 
-def kept(repo: RepoStorage, *rules: object, **kwargs: object) -> set[str]:
+def kept(repo: RepoStorage, *rules: RetentionRule, **kwargs: Any) -> set[str]:
     plan = plan_retention(repo, RetentionPolicy(*rules), **kwargs)
     assert set(plan.keep) | set(plan.delete) == ALL
     assert not set(plan.keep) & set(plan.delete)
@@ -151,7 +157,10 @@ def test_keep_tagged_repository_and_metadata_tags(repo):
 
 def test_keep_within_uses_the_injected_now(repo):
     infos = {s.name: s for s in read_snapshots(repo)[0]}
-    created = {name: info.created for name, info in infos.items()}
+    created: dict[str, datetime] = {}
+    for name, info in infos.items():
+        assert info.created is not None, name  # every snapshot records when it was taken
+        created[name] = info.created
     now = created["s120"] + timedelta(hours=1)
     window = (now - created["s100"]).total_seconds()
     assert kept(repo, KeepWithin(window), now=now) == {"s100", "s110", "s120"}
@@ -257,8 +266,8 @@ def test_bad_rules_are_refused():
         lambda: KeepLast(-1),
         lambda: KeepEveryStep(0),
         lambda: KeepWithin(-1),
-        lambda: KeepBest(1, "loss", mode="median"),
-        lambda: RetentionPolicy("last 3"),
+        lambda: KeepBest(1, "loss", mode="median"),  # type: ignore[arg-type]  # refused: the test
+        lambda: RetentionPolicy("last 3"),  # type: ignore[arg-type]  # refused: the test
     ]
     for make in bad:
         with pytest.raises(RetentionError):

@@ -69,4 +69,5 @@ def test_each_checkpointer_owns_its_session(tmp_path):
     first = a.maybe_take(1, state)
     b.maybe_take(1, state)
     second = a.maybe_take(2, state)
+    assert isinstance(first, Snapshot) and isinstance(second, Snapshot)
     assert second.manifest.parents == [first.manifest_hash]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tensor_entry
 
 import casnap
 from casnap import ConfigError, Snapshot, StateDict, settings
@@ -19,8 +20,7 @@ BAD = {"size": "lots", "int": "four", "float": "soon", "bool": "maybe", "choice"
 
 def _chunk_size(root: Path, name: str) -> int:
     repo = RepoStorage.open(str(root))
-    entry = repo.read_manifest(repo.resolve(name)).entries["0/s/w"]
-    return entry.chunk_size
+    return tensor_entry(repo.read_manifest(repo.resolve(name)).entries, "0/s/w").chunk_size
 
 
 def test_every_variable_the_code_reads_is_in_the_table_and_the_docs() -> None:

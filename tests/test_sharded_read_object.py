@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import run_ranks, values
+from helpers import tensor_entry
 
 pytestmark = pytest.mark.dist
 
@@ -61,7 +62,7 @@ def read_into_plain(rank: int, world: int, root: str) -> dict[str, Any]:
     half = Snapshot.take(
         f"{root}/s2", {"state": StateDict(_sharded(world))}, _custom_tensor_prepare_func=to_half
     )
-    assert half.get_manifest()[f"{rank}/state/st"].dtype == "float16"
+    assert tensor_entry(half.get_manifest(), f"{rank}/state/st").dtype == "float16"
     out16 = torch.zeros(SHAPE, dtype=torch.float16)
     half.read_object("0/state/st", obj_out=out16)
     assert torch.equal(out16, _full().half())

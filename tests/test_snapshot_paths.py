@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -263,7 +264,7 @@ class _NoStateDict:
     pass
 
 
-BAD_INPUTS = {
+BAD_INPUTS: dict[str, tuple[Any, dict[Any, Any], str, type[CasnapError], str]] = {
     "value without state_dict": ({"m": _NoStateDict()}, {}, "s", UnsupportedValueError, "without"),
     "plain int in app_state": ({"m": 3}, {}, "step_1", UnsupportedValueError, "state_dict"),
     "control character in name": (state(), {}, "step\n1", InvalidNameError, "control"),

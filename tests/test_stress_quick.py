@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.helpers import pack_path
+from helpers import pack_path, tensor_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,7 +151,7 @@ def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path, ma
     exec(_STATE, ns)
     repo, index = tmp_path / "repo", tmp_path / "index"
     _take_in_new_process(str(repo / "s1"), index)
-    ref = Snapshot(str(repo / "s1")).get_manifest()["0/m/b"].chunks[0]
+    ref = tensor_entry(Snapshot(str(repo / "s1")).get_manifest(), "0/m/b").chunks[0]
     assert ref.pack is not None and ref.offset == 0  # the pack's only frame
     pack = pack_path(repo, ref.pack)
     data = bytearray(pack.read_bytes())
@@ -172,7 +171,9 @@ def test_a_damaged_pack_is_not_kept_when_its_chunk_is_written_again(tmp_path, ma
     except IntegrityError as exc:
         pytest.fail(f"s2 references the recorded damaged copy: {exc}")
     assert all(torch.equal(target["m"][k], expected[k]) for k in expected)
-    assert Snapshot(str(repo / "s2")).get_manifest()["0/m/b"].chunks[0].pack == ref.pack
+    assert (
+        tensor_entry(Snapshot(str(repo / "s2")).get_manifest(), "0/m/b").chunks[0].pack == ref.pack
+    )
     s1 = {"m": StateDict(w=torch.zeros(6 * 16384), b=torch.zeros(100))}
     Snapshot(str(repo / "s1")).restore(s1)  # the same pack name, good bytes again: s1 heals
     assert all(torch.equal(s1["m"][k], expected[k]) for k in expected)

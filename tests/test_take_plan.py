@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import repo_helpers
 import torch
+from helpers import take_stats
 
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.errors import StoreError
@@ -67,7 +68,7 @@ def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_pa
     assert s2.manifest.parents == [s1.manifest_hash]
     manifest_gets = [k for k in store.read_keys if "/manifests/" in k]
     assert manifest_gets == []  # the plan came from memory, checked by one exists()
-    assert s2.last_take_stats.chunks_written == 1
+    assert take_stats(s2).chunks_written == 1
     # Unchanged entries are the very objects of the previous manifest; the changed one is new.
     assert s2.manifest.entries["0/s/big"] is s1.manifest.entries["0/s/big"]
     assert s2.manifest.entries["0/s/small0"] is s1.manifest.entries["0/s/small0"]
@@ -89,7 +90,7 @@ def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path, session):
     repo.storage.delete_ref("s1")
     assert gc(repo.storage, grace_seconds=0).deleted > 0  # its manifest, chunks and pack are gone
     s2 = take(repo, "s2", old, session)  # parent: s1, from the session's lineage and last plan
-    assert s2.last_take_stats.chunks_written == len(s1.manifest.chunk_refs())  # all again
+    assert take_stats(s2).chunks_written == len(s1.manifest.chunk_refs())  # all again
     assert_same(restored(repo, "s2", old), old)
 
 
@@ -103,7 +104,7 @@ def test_a_detached_plan_whose_manifest_gc_swept_is_not_trusted(tmp_path):
     repo.storage.delete_ref("s1")
     assert gc(repo.storage, grace_seconds=0).deleted > 0  # its manifest, chunks and pack are gone
     s2 = take(repo, "s2", old, None, parents=[s1.manifest_hash])  # named, as a user may
-    assert s2.last_take_stats.chunks_written == len(s1.manifest.chunk_refs())  # all again
+    assert take_stats(s2).chunks_written == len(s1.manifest.chunk_refs())  # all again
     assert_same(restored(repo, "s2", old), old)
 
 
@@ -126,7 +127,7 @@ def test_detached_plans_serve_only_their_own_repositories(tmp_path):
     third = take(repo, "s3", state, None)
     assert third.manifest.parents == [agains[0].manifest_hash]
     assert third.manifest.entries["0/s/small1"] is not agains[0].manifest.entries["0/s/small1"]
-    assert third.last_take_stats.chunks_written == 0  # the index still knows every chunk
+    assert take_stats(third).chunks_written == 0  # the index still knows every chunk
     assert repo.storage.read_manifest(third.manifest_hash) == third.manifest
     assert_same(restored(repo, "s3", state), state)
 
@@ -140,7 +141,7 @@ def test_thousands_of_small_tensors_round_trip_through_batches(tmp_path, session
     assert_same(restored(repo, "s1", state), state)
     store.reset()
     s2 = take(repo, "s2", state, session)
-    assert s2.last_take_stats.chunks_written == 0
+    assert take_stats(s2).chunks_written == 0
     assert s2.manifest.chunk_refs() == s1.manifest.chunk_refs()
 
 

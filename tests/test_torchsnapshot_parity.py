@@ -314,7 +314,8 @@ def test_get_manifest_entries_carry_torchsnapshot_fields(tmp_path: Path) -> None
     assert w.dtype == "float32" and w.shape == [2, 3]
     f = manifest["0/s/f"]
     assert isinstance(f, PrimitiveEntry) and f.type == "float" and f.readable == str(3.14)
-    assert manifest["0/s/n"].type == "int" and manifest["0/s/n"].readable is None
+    n = manifest["0/s/n"]
+    assert isinstance(n, PrimitiveEntry) and n.type == "int" and n.readable is None
     assert isinstance(manifest["0/s/cfg"], ContainerEntry) and manifest["0/s/cfg"].type == "dict"
     obj = manifest["0/s/obj"]
     assert isinstance(obj, ObjectEntry) and obj.type == "object" and obj.serializer == "pickle"

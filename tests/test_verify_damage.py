@@ -158,9 +158,13 @@ def _zero(b: bytes) -> bytes:
     return b[:start] + bytes(n) + b[start + n :]
 
 
-BINARY: dict[str, tuple[Damage, Callable[[int], tuple[int, int] | None]]] = {
-    # name: (damage, the byte range of the original it touches; None: nothing it had)
-    **{f"flip@{o}": (_flip(o), lambda n, o=o: (o, o + 1)) for o in (0, 4, 5, 6, 8, 16, 24, 55, 56)},
+def _byte(o: int) -> Callable[[int], tuple[int, int]]:
+    return lambda n: (o, o + 1)
+
+
+BINARY: dict[str, tuple[Damage, Callable[[int], tuple[int, int]]]] = {
+    # name: (damage, the byte range of the original it touches, from its size)
+    **{f"flip@{o}": (_flip(o), _byte(o)) for o in (0, 4, 5, 6, 8, 16, 24, 55, 56)},
     "flip@mid": (_flip("mid"), lambda n: (n // 2, n // 2 + 1)),
     "flip@last": (_flip("last"), lambda n: (n - 1, n)),
     "truncate-half": (lambda b: b[: len(b) // 2], lambda n: (n // 2, INF)),

@@ -29,6 +29,7 @@ from casnap import (
     Repository,
     RetentionPolicy,
     RNGState,
+    Snapshot,
     StateDict,
     cli,
 )
@@ -116,7 +117,9 @@ def main() -> None:
         snap = ckpt.maybe_take(step, app_state, metrics={"loss": loss.item()})
         if snap is not None:
             ms = (time.perf_counter() - t0) * 1000
-            stats = snap.last_take_stats  # type: ignore[union-attr]
+            assert isinstance(snap, Snapshot)  # no async_take: the take has finished
+            stats = snap.last_take_stats
+            assert stats is not None
             line = (
                 f"  step {step:5d}  loss {loss.item():.4f}  snapshot in {ms:.0f} ms, wrote "
                 f"{human(stats.stored_bytes_written)} of {human(stats.raw_bytes)}"

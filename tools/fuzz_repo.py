@@ -346,9 +346,9 @@ def mutate(rng: random.Random, case: Path, rel: str, kind: str) -> str:
         return f"zstd bomb frame at {at}"
     if kind == "hostile_lock":  # ``rel`` is the stale lease; the record goes there or to gc.lock
         record = _hostile_record(rng)
-        where = path if rng.random() < 0.3 else case / ".casnap" / "gc.lock"
-        where.write_bytes(record)
-        return f"{where.relative_to(case)} = {record.decode()[:120]}"
+        lock = path if rng.random() < 0.3 else case / ".casnap" / "gc.lock"
+        lock.write_bytes(record)
+        return f"{lock.relative_to(case)} = {record.decode()[:120]}"
     if kind == "fifo":
         path.unlink()
         os.mkfifo(path)

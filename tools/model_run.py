@@ -98,8 +98,8 @@ def run(
         )
         ran.append(seed)
         executed += len(sim.ops)
-        for k, v in sim.counts.items():
-            counts[k] = counts.get(k, 0) + v
+        for k, n in sim.counts.items():
+            counts[k] = counts.get(k, 0) + n
         seen: set[str] = set()
         for v in sim.violations:
             entry = {**v.__dict__, "ops": sim.ops[: v.op + 1]}

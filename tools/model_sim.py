@@ -44,6 +44,7 @@ import casnap
 from casnap import CasnapError, Repository, Session, Snapshot, StateDict
 from casnap.format import codec
 from casnap.format.names import hash_bytes
+from casnap.ops.copy import CopyResult
 from casnap.repo.damage import list_damage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +145,7 @@ class RepoModel:
     root: Path
     snaps: dict[str, Expected] = field(default_factory=dict)
     session: Session | None = None
-    cache: dict[str, tuple[Any, Verdict]] = field(default_factory=dict)
+    cache: dict[str, tuple[Any, Verdict | None]] = field(default_factory=dict)
     # When each name's ref was last written: equal numbers for refs written by one
     # operation in an order the model does not fix (a copy, a concurrent take).
     commits: dict[str, int] = field(default_factory=dict)
@@ -507,13 +508,13 @@ class Sim:
         self._trim(op["repo"])
         auto = "session" not in kw and "parents" not in kw  # the newest in its folder
         newest = rm.newest(op["name"])
-        args: tuple[Any, ...] = (f"{rm.url}/{op['name']}", {"m": StateDict(**self.live)})
+        path, app_state = f"{rm.url}/{op['name']}", {"m": StateDict(**self.live)}
         options = {"repository": rm.url, "chunk_size": op["chunk_size"]}
         with self._settings(op):
             if mode == "async":
-                snap = Snapshot.async_take(*args, storage_options=options, **kw).wait()
+                snap = Snapshot.async_take(path, app_state, storage_options=options, **kw).wait()
             else:
-                snap = Snapshot.take(*args, storage_options=options, **kw)
+                snap = Snapshot.take(path, app_state, storage_options=options, **kw)
         rm.snaps[op["name"]] = Expected(clone(self.live), "take", op["i"])
         rm.committed(op["name"])
         if auto:
@@ -752,6 +753,7 @@ class Sim:
         try:
             result = self.handle(src_name).copy_to(dst.url, names, force=True)
         except casnap.errors.CopyIntegrityError as exc:
+            assert isinstance(exc.result, CopyResult)  # what the copy sent before it failed
             result, failed = exc.result, exc.failed
         for name in (*result.copied, *result.present):
             dst.snaps[name] = Expected(
@@ -880,7 +882,7 @@ class Sim:
     def fingerprint(self, repo: str, name: str, records: set[Any]) -> Any:
         manifest = self.handle(repo).storage.resolve(name)
         _, paths, copies = self.manifest_refs(repo, manifest)
-        stats = []
+        stats: list[tuple[Any, ...]] = []
         for p in paths:
             try:
                 s = p.stat()

@@ -46,6 +46,7 @@ from casnap.ops.retention import (
     RetentionPlan,
     RetentionPolicy,
     RetentionResult,
+    RetentionRule,
     execute_retention,
     plan_retention,
 )
@@ -276,7 +277,7 @@ class Repository:
 
     def retain(
         self,
-        policy: RetentionPolicy | RetentionPlan,
+        policy: RetentionPolicy | RetentionRule | RetentionPlan,
         *,
         dry_run: bool = False,
         now: datetime | None = None,

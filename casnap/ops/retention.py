@@ -393,7 +393,7 @@ def _now(now: datetime | None) -> datetime:
 
 def plan_retention(
     repo: RepoStorage,
-    policy: RetentionPolicy,
+    policy: RetentionPolicy | RetentionRule,
     now: datetime | None = None,
     *,
     names: Collection[str] | None = None,
