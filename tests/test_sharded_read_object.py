@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import run_ranks, values
-from helpers import tensor_entry
+
+from casnap.format.entries import ShardedEntry
 
 pytestmark = pytest.mark.dist
 
@@ -62,7 +63,8 @@ def read_into_plain(rank: int, world: int, root: str) -> dict[str, Any]:
     half = Snapshot.take(
         f"{root}/s2", {"state": StateDict(_sharded(world))}, _custom_tensor_prepare_func=to_half
     )
-    assert tensor_entry(half.get_manifest(), f"{rank}/state/st").dtype == "float16"
+    entry = half.get_manifest()[f"{rank}/state/st"]
+    assert isinstance(entry, ShardedEntry) and entry.dtype == "float16"
     out16 = torch.zeros(SHAPE, dtype=torch.float16)
     half.read_object("0/state/st", obj_out=out16)
     assert torch.equal(out16, _full().half())
