@@ -44,7 +44,7 @@ from casnap.take.job import TakeResult
 from casnap.take.parent import newest_parent
 from casnap.take.plan import RankPlan, known_chunks, previous_plan
 from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage
-from casnap.take.session import LastPlan, Session
+from casnap.take.session import Session
 from casnap.take.target import (
     TensorPrepareFunc,
     collect,
@@ -317,7 +317,7 @@ class DistributedJob:
                 assert isinstance(w, _Written)
                 refs.update(w.refs)
                 per_rank.append(w.stats)
-            remembered = self.session.last_plan if self.session is not None else LastPlan()
+            remembered = self.session.last_plan if self.session is not None else None
             previous, dumped = previous_plan(remembered, self.repo, self.info.parents)
             entries = assemble_entries(self.planned, refs, previous)
             manifest = manifest_of(entries, self.group.size, self.info.parents, self.info.metadata)

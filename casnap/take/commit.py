@@ -46,10 +46,10 @@ def commit_snapshot(
     if lease is not None:
         lease.check()
     repo.write_ref(name, manifest_hash)  # the commit point
-    remember(repo, manifest_hash, manifest, session, texts)
+    if session is not None:
+        session.lineage.record(repo.config.repo_id, manifest_hash)
     plans = plans_of(session)  # without a session, the detached plans (casnap.take.session)
-    if session is None:
-        plans.last_plan.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
+    plans.last_plan.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
     index.record_manifest(repo, manifest_hash, manifest, plans.summaries)
     return manifest_hash
 

@@ -40,13 +40,15 @@ from casnap.take.session import LastPlan
 
 
 def previous_plan(
-    last_plan: LastPlan, repo: RepoStorage, parents: list[str]
+    last_plan: LastPlan | None, repo: RepoStorage, parents: list[str]
 ) -> tuple[Mapping[str, Entry], Dumped | None]:
     """The entries of the first parent ``last_plan`` remembers, and its JSON form if it has it.
 
     A take reuses unchanged entries of that manifest (:func:`build_entries`)
     and their JSON (:meth:`Manifest.to_jsonable`); when none is remembered, nothing.
     """
+    if last_plan is None:
+        return {}, None
     for parent in parents:
         manifest = last_plan.get(repo.config.repo_id, parent)
         if manifest is not None:
