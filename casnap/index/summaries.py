@@ -107,7 +107,6 @@ def summarize(
     (a rank-grouped manifest repeats one object under every rank's key); ``memo``
     reuses the work of the entry objects it summarized last."""
     logical = count = 0
-    spans: set[tuple[str, int, int]] = set()
     old, last = memo.take() if memo is not None else ({}, None)
     parts: dict[int, _Part] = {}
     missed = 0
@@ -119,10 +118,12 @@ def summarize(
         parts[id(e)] = hit
         logical += holders * hit[1]
         count += holders * hit[2]
-        spans.update(hit[3])
-    # The very entry objects of the manifest encoded last: the same spans.
+    # The very entry objects of the manifest encoded last: the same spans, not gathered again.
     same = last is not None and not missed and len(parts) == len(old)
-    frozen = last[0] if same and last is not None else frozenset(spans)
+    if same and last is not None:
+        frozen = last[0]
+    else:
+        frozen = frozenset(span for hit in parts.values() for span in hit[3])
     table = None
     if memo is not None:  # the summary is about to be recorded: its table is needed
         reuse = last is not None and (same or last[0] == frozen)
