@@ -27,11 +27,11 @@ take dedups against, summaries for ``log``/``du``, rebuild);
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from casnap.errors import CasnapError, SnapshotNotFoundError
-from casnap.format.entries import ChunkRef, TensorEntry
+from casnap.format.entries import ChunkRef, TensorEntry, chunks_of
 from casnap.format.manifest import Manifest
 from casnap.index.cover import covers, record_cover
 from casnap.index.lmdb_envs import INDEX_FORMAT, close_all, drop, index_path
@@ -90,7 +90,7 @@ class KnownChunks(dict[str, ChunkRef]):
         self.damaged = damaged if damaged is not None else DamageSet()
         # Per tensor key of the first parent: (chunk size, chunk refs), the bases a
         # changed chunk may be stored as a delta against (casnap.chunks.delta).
-        self.bases: dict[str, tuple[int, tuple[ChunkRef, ...]]] = {}
+        self.bases: dict[str, tuple[int, Sequence[ChunkRef]]] = {}
         self.fresh = fresh
         # Parents whose chunks the index knows (casnap.index.cover): read only when a
         # chunk the index does not know might be theirs (the writer's read_later).
@@ -109,7 +109,7 @@ class KnownChunks(dict[str, ChunkRef]):
 
 def parent_chunks(
     manifest: Manifest, damaged: DamageSet
-) -> tuple[dict[str, ChunkRef], dict[str, tuple[int, tuple[ChunkRef, ...]]]]:
+) -> tuple[dict[str, ChunkRef], dict[str, tuple[int, Sequence[ChunkRef]]]]:
     """A parent's chunks a take may reference, and its delta bases.
 
     Copies a read found damaged are left out (written again, never
@@ -117,15 +117,19 @@ def parent_chunks(
     changed chunk's natural delta base is the chunk at the same offset of the
     same key in the parent snapshot.
     """
-    refs = manifest.distinct_refs()
+    refs: dict[str, ChunkRef] = {}
+    bases: dict[str, tuple[int, Sequence[ChunkRef]]] = {}
+    seen: set[int] = set()  # a rank-grouped manifest's entry objects stand under many keys
+    for key, e in manifest.entries.items():
+        if isinstance(e, TensorEntry) and e.chunks:
+            bases[key] = (e.chunk_size, e.chunks)  # entries are never changed in place
+        if id(e) not in seen:
+            seen.add(id(e))
+            for c in chunks_of(e):
+                refs[c.hash] = c
     if damaged:
-        refs = [c for c in refs if c not in damaged]
-    bases = {
-        key: (e.chunk_size, tuple(e.chunks))
-        for key, e in manifest.entries.items()
-        if isinstance(e, TensorEntry) and e.chunks
-    }
-    return {c.hash: c for c in refs}, bases
+        refs = {h: c for h, c in refs.items() if c not in damaged}
+    return refs, bases
 
 
 # -- history -----------------------------------------------------------------
