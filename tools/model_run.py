@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -183,7 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="casnap-model-"))
+    if args.workdir is not None:
+        return _run(args, p, args.workdir)
+    # A folder of its own, removed after a clean run; kept (and named) after a
+    # violation, whose repositories are what one looks at next.
+    workdir = Path(tempfile.mkdtemp(prefix="casnap-model-"))
+    code = 1
+    try:
+        code = _run(args, p, workdir)
+    finally:
+        if code == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"the repositories are kept in {workdir}")
+    return code
+
+
+def _run(args: argparse.Namespace, p: argparse.ArgumentParser, workdir: Path) -> int:
     os.environ.setdefault("CASNAP_INDEX_DIR", str(workdir / "index"))
     if args.replay:
         v = json.loads(args.replay.read_text())["violations"][args.violation]
