@@ -16,6 +16,7 @@ python -m pip install -q --break-system-packages --root-user-action=ignore --no-
 nproc; free -g | head -2; df -h "$W" | tail -1
 # The CUDA paths of the staging code, and the GPU round trips of the rest of the suite.
 python -m pytest -q -p no:cacheprovider -o addopts="" tests/test_staging_gpu_path.py \
+    tests/test_distributed_cuda.py \
     2>&1 | tail -15 | tee "$OUT/pytest.txt"
 n=0
 for gib in ${GIBS:-2 8}; do
