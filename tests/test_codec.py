@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zstandard
 from helpers import tensor_entry
 
 from casnap import Snapshot, StateDict
@@ -48,6 +49,20 @@ def test_zeros_use_plain_zstd_and_noise_stays_raw():
 def test_group_and_ungroup_are_inverse(elem):
     data = bytes(range(256)) * 3 * elem
     assert bytes(codec.ungroup_bytes(codec.group_bytes(data, elem), elem)) == data
+
+
+@pytest.mark.parametrize("elem", [2, 4, 8])
+def test_a_grouped_frame_holds_zstd_of_the_grouped_bytes_and_decodes(elem):
+    """encode feeds zstd one byte position at a time: one frame of group_bytes' layout."""
+    data = (bytes(range(200)) + bytes(56)) * 64 * elem  # compressible, grouped or not
+    head, body = codec.encode(
+        data, digest_of(data), elem_size=elem, choice=codec.CODEC_ZSTD_GROUPED
+    )
+    hdr = codec.parse_header(head, "f")
+    assert (hdr.codec, hdr.elem_size) == (codec.CODEC_ZSTD_GROUPED, elem)
+    payload = zstandard.ZstdDecompressor().decompress(bytes(body))  # the size is in the frame
+    assert payload == codec.group_bytes(data, elem)
+    assert bytes(codec.decode(head + bytes(body), "f", digest_of(data), len(data))) == data
 
 
 def test_a_grouped_frame_with_a_bad_element_size_is_refused():
