@@ -59,15 +59,6 @@ class Problem:
     snapshots: tuple[str, ...] = ()  # the snapshots it makes unrestorable (in whole or part)
     tags: tuple[str, ...] = ()  # the tags whose pinned manifest it affects
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "kind": self.kind,
-            "subject": self.subject,
-            "detail": self.detail,
-            "snapshots": list(self.snapshots),
-            "tags": list(self.tags),
-        }
-
 
 @dataclass
 class VerifyReport:
@@ -87,19 +78,7 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "ok": self.ok,
-            "snapshots": self.snapshots,
-            "tags": self.tags,
-            "manifests": self.manifests,
-            "chunks": self.chunks,
-            "chunks_read": self.chunks_read,
-            "bytes_read": self.bytes_read,
-            "problems": [p.to_json() for p in self.problems],
-            "unreferenced": (
-                None if self.unreferenced is None else dataclasses.asdict(self.unreferenced)
-            ),
-        }
+        return {"ok": self.ok, **dataclasses.asdict(self)}
 
 
 def in_part(chunk_hash: str, part: tuple[int, int] | None) -> bool:
