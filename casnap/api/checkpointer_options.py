@@ -55,13 +55,9 @@ class CheckpointerOptions:
       after each commit, and how long it waits for other processes' takes in
       flight before deferring to the next commit (default 1 s).
     - ``mirror``: a second repository (``"gs://bucket/run1"``, or a
-      :class:`~casnap.Repository`) each committed
-      snapshot is copied to in a background thread, with
-      ``mirror_storage_options``; ``mirror_retention`` (default: ``retention``)
-      is applied there after each copy; training waits only when
-      ``mirror_queue`` snapshots already wait for the copier. Failures are
-      logged and retried at the next commit; :meth:`wait` and :meth:`close`
-      wait for the mirror (casnap/api/checkpointer_mirror.py, docs/copy.md).
+      :class:`~casnap.Repository`) each committed snapshot is copied to in the
+      background, with ``mirror_storage_options``, ``mirror_retention`` (default:
+      ``retention``) and ``mirror_queue`` (docs/copy.md, "The Checkpointer's mirror").
     - ``session``: the :class:`casnap.Session` the takes share (default: a new one).
 
     Checked when made: a wrong type or value raises :class:`ConfigError`
