@@ -222,7 +222,7 @@ class Checkpointer(Listing):
         }
         if self.async_take:
             self._wait_take()  # the previous take's manifest is this one's parent
-        repo = self._open(create=False)
+        repo = self._open()
         if repo is not None and repo.has_ref(name):  # e.g. resuming at the restored step
             self._steps.add(step)
             return None
@@ -377,7 +377,7 @@ class Checkpointer(Listing):
         """
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         self._wait_take()
-        repo = self._open(create=False)
+        repo = self._open()
         if repo is None:
             return None
         infos, unreadable = read_snapshots(repo, cache=self._summaries)
@@ -412,7 +412,7 @@ class Checkpointer(Listing):
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         expect_type(step, int, "step", "an int")
         self._wait_take()
-        repo = self._open(create=False)
+        repo = self._open()
         mine = self._mine(repo) if repo is not None else []
         info = next((s for s in mine if s.step == step), None)
         if repo is None or info is None:
