@@ -34,12 +34,12 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from casnap.api.snapshot import Snapshot
 from casnap.errors import (
     ArgumentTypeError,
-    SnapshotNotFoundError,
     expect_type,
 )
 from casnap.integrations.pointer import (
     Pointer,
     Retirer,
+    is_url,
     read_pointer,
     take_versioned,
     write_pointer,
@@ -59,12 +59,8 @@ def _fs_path(path: Any) -> str:
     return os.fspath(path) if isinstance(path, os.PathLike) else str(path)
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def _exists(path: str) -> bool:
-    if _is_url(path):
+    if is_url(path):
         import fsspec
 
         fs, stripped = fsspec.core.url_to_fs(path)
@@ -85,14 +81,7 @@ def checkpoint_snapshot(path: str) -> Snapshot:
     pointer = read_pointer(path, POINTER_KIND) if _exists(path) else None
     if pointer is None:
         return Snapshot(path)  # SnapshotNotFoundError (a FileNotFoundError) if none
-    repo = pointer.open_repository()
-    if repo.storage.resolve(pointer.snapshot) != pointer.manifest:
-        raise SnapshotNotFoundError(
-            f"{path} names snapshot {pointer.snapshot!r} of manifest {pointer.manifest}, but "
-            f"{repo.url} holds another snapshot under that name now",
-            pointer.snapshot,
-        )
-    return repo.snapshot(pointer.snapshot)
+    return pointer.open_current(path).snapshot(pointer.snapshot)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -187,7 +176,7 @@ class CasnapCheckpointIO(CheckpointIO):
         old = (
             read_pointer(path, POINTER_KIND) if _exists(path) and not os.path.islink(path) else None
         )
-        if not _is_url(path):
+        if not is_url(path):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         metadata = {
             "step": int(checkpoint.get("global_step", 0)),
@@ -255,7 +244,7 @@ class CasnapCheckpointIO(CheckpointIO):
                 if self._save_threads and threading.get_ident() not in self._save_threads:
                     self._removed_before_save.add(path)
             return
-        if not _is_url(path) and os.path.islink(path):
+        if not is_url(path) and os.path.islink(path):
             os.remove(path)
             return
         pointer = read_pointer(path, POINTER_KIND)
@@ -276,7 +265,7 @@ class CasnapCheckpointIO(CheckpointIO):
     @staticmethod
     def _named_elsewhere(path: str, pointer: Pointer) -> bool:
         """Whether another pointer file beside ``path`` names the same snapshot."""
-        if _is_url(path):
+        if is_url(path):
             return False
         folder = os.path.dirname(os.path.abspath(path))
         for entry in os.scandir(folder):
@@ -302,7 +291,7 @@ class CasnapCheckpointIO(CheckpointIO):
 
 
 def _remove_file(path: str) -> None:
-    if _is_url(path):
+    if is_url(path):
         import fsspec
 
         fs, stripped = fsspec.core.url_to_fs(path)
