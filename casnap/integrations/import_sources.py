@@ -5,16 +5,9 @@ take (headers, offsets, the index, DCP's metadata, the pickle of a
 ``torch.save`` file), so bad input fails before a repository is touched.
 Tensors become :class:`SourceTensor` values: dtype, shape and a ``load()``
 that produces the bytes only when the take's scheduler has budget for them
-(:func:`casnap.take.scheduler.lazy_request`), and gives the memory back after
-the last chunk is hashed:
-
-- safetensors (and a Hugging Face directory of them): the file is
-  memory-mapped and ``load()`` is a zero-copy view of the tensor's range;
-  once hashed its pages are dropped from this process (``MADV_DONTNEED``);
-- ``torch.save`` (zip format): ``torch.load(mmap=True, weights_only=True)``,
-  each tensor a view of torch's mapping, its pages dropped the same way; the
-  legacy (non-zip) format cannot be mapped and is read whole;
-- DCP: :mod:`casnap.integrations.import_dcp`.
+(:func:`casnap.take.scheduler.lazy_request`); docs/import.md, "Memory", says
+how each format is read and its memory given back (DCP:
+:mod:`casnap.integrations.import_dcp`).
 """
 
 from __future__ import annotations

@@ -99,21 +99,13 @@ class CasnapCheckpointIO(CheckpointIO):
 
     ``Trainer(plugins=[CasnapCheckpointIO()])`` and, for saving in a
     background thread, ``Trainer(plugins=[AsyncCheckpointIO(CasnapCheckpointIO())])``.
-
-    - ``allow_pickle``: store values that are neither tensors, primitives nor
-      containers (a ``Namespace`` in ``hyper_parameters``) by pickling them, and
-      load them back (never when Lightning asks for ``weights_only=True``).
-      Without it such a value fails the save with :class:`casnap.errors.PickleNotAllowedError`
-      naming its key.
-    - ``memory_budget_bytes``: bounds the in-flight copies of a save and a load.
-    - ``reclaim_wait_seconds``: how long deleting a checkpoint waits for a save in
-      flight before leaving the space to the next save (which frees it).
-
-    ``save_checkpoint``'s ``storage_options`` go to the take (fsspec options,
-    or ``{"repository": url}`` to name the repository explicitly). A checkpoint
-    file that is not a casnap pointer (written by ``TorchCheckpointIO``) is
-    loaded and removed as Lightning would, so a run can switch to casnap and
-    resume from its old checkpoints.
+    ``allow_pickle`` stores (and loads, unless Lightning asks for
+    ``weights_only=True``) values that are neither tensors, primitives nor
+    containers; ``memory_budget_bytes`` bounds the in-flight copies;
+    ``reclaim_wait_seconds`` is how long deleting a checkpoint waits for a save
+    in flight. ``save_checkpoint``'s ``storage_options`` go to the take. A
+    ``torch.save`` checkpoint from before the switch is loaded and removed as
+    Lightning would (docs/lightning-hf.md, "Lightning: CasnapCheckpointIO").
     """
 
     def __init__(
