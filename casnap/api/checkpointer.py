@@ -140,7 +140,8 @@ class Checkpointer(Listing):
         One process only: under a process group the time trigger is agreed in
         ``maybe_take``."""
         self._need_interval("should_take")
-        return step not in self._steps and self.schedule.due(step) is not None
+        schedule = self.schedule
+        return step not in self._steps and (schedule.step_due(step) or schedule.time_due())
 
     def _need_interval(self, method: str) -> None:
         if self.every_n_steps is None and self.every_seconds is None:
