@@ -158,14 +158,7 @@ class GcSession:
     :class:`casnap.errors.GcBusyError`) and then waits up to
     ``wait_seconds`` for the takes in flight to finish (else
     :class:`casnap.errors.GcBlockedError`, having deleted nothing). Takes that
-    start meanwhile wait for the session to end.
-
-    Example::
-
-        with GcSession(repo, wait_seconds=30) as session:
-            plan = session.plan(grace_seconds=3600)
-            print(plan.render())
-            session.execute(plan)
+    start meanwhile wait for the session to end (the module docstring has an example).
     """
 
     def __init__(

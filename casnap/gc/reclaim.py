@@ -121,13 +121,10 @@ def reclaim(
     """Delete the ``retired`` manifests and what only they reference, at once.
 
     ``retired`` are manifest hashes whose refs the caller has just deleted
-    (:attr:`casnap.ops.retention.RetentionResult.deleted`, mapped through the
-    plan). A manifest a ref or tag names again is kept, and so is every object
-    a remaining manifest uses. It takes the gc lock only if no other gc holds
-    it and waits at most ``wait_seconds`` for takes in flight; otherwise it
-    deletes nothing and returns ``deferred`` with ``pending`` set. Errors of
-    the store during the sweep propagate (what was deleted stays consistent:
-    manifests go before their chunks, as in gc).
+    (:attr:`casnap.ops.retention.RetentionResult.retired_manifests`). Another gc
+    holding the lock, or takes in flight past ``wait_seconds``, make it delete
+    nothing and return ``deferred`` with ``pending`` set; store errors during the
+    sweep propagate (the module docstring and docs/gc.md have the rules).
 
     Example::
 
