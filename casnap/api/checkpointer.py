@@ -53,42 +53,23 @@ log = logging.getLogger("casnap.checkpointer")
 class Checkpointer(Listing):
     """Takes snapshots of a training loop into the repository at ``repo_url``.
 
-    When :meth:`maybe_take` takes (any one suffices):
+    :meth:`maybe_take` takes when ``every_n_steps`` or ``every_seconds`` (on a
+    monotonic ``clock``, from the end of the last take) says so, with
+    ``force=True``, after a SIGTERM (``take_on_preemption``) and at :meth:`close`
+    (``take_on_close``); never twice for one step. Without an interval it only
+    resumes (:meth:`restore_latest`, :meth:`restore`) and lists. The other
+    options are the fields of
+    :class:`~casnap.api.checkpointer_options.CheckpointerOptions`, given as
+    keyword arguments or as ``options=`` (keyword arguments override its fields).
+    Takes share a :class:`casnap.Session` (``session``): each descends from the
+    previous take or the restored snapshot. Under a process group every rank
+    makes the same calls. docs/retention.md, "The Checkpointer", has the
+    triggers, preemption, resuming and retention in full::
 
-    - ``every_n_steps``: the step is a multiple of it;
-    - ``every_seconds`` (seconds or a ``timedelta``, like Lightning's
-      ``train_time_interval``): at least that long since the last take ended
-      (or since the checkpointer was created), on a monotonic ``clock``;
-    - ``force=True`` (Orbax's ``save(step, force=True)``);
-    - ``take_on_preemption=True`` (or a signal, or several): a SIGTERM was
-      received; this take is waited for, then the signal goes to the handler
-      that was installed before (the default ends the process);
-    - ``take_on_close=True``: :meth:`close`, or leaving the ``with`` block
-      without an exception, takes the step of the last ``maybe_take`` if it
-      was not taken.
-
-    A step is never taken twice. Only ``repo_url`` is required: a
-    Checkpointer without ``every_n_steps`` or ``every_seconds`` resumes
-    (:meth:`restore_latest`, :meth:`restore`, :meth:`latest_step`) and lists,
-    and its :meth:`maybe_take` raises :class:`ConfigError` naming the missing
-    interval unless given ``force=True``. The other options (``retention``,
-    ``async_take``, ``name_format``, ``storage_options``, ``tags``,
-    ``reclaim``, ``mirror``, ...) are described on
-    :class:`~casnap.api.checkpointer_options.CheckpointerOptions`; give them as
-    keyword arguments, or as one ``options=CheckpointerOptions(...)`` value
-    (keyword arguments then override its fields).
-
-    Each take's parent is the previous take of this checkpointer, or the
-    snapshot :meth:`restore_latest` restored: the checkpointer owns a
-    :class:`casnap.Session` (or uses ``session``), which also lets each take
-    reuse the previous one's plan and staging buffers. Use it as a context manager (or
-    call :meth:`close`) so the last async take is committed.
-
-    Under an initialized process group every rank runs the same calls; the
-    time and signal triggers are agreed with one small exchange per
-    ``maybe_take`` so that every rank takes the same steps, and
-    :meth:`restore_latest` moves to an older snapshot on every rank when one
-    rank's restore fails.
+        with Checkpointer("/ckpt/run1", every_n_steps=500, async_take=True) as ckpt:
+            start = ckpt.restore_latest(app_state)  # None on a fresh run
+            for step in range(0 if start is None else start + 1, total_steps):
+                ckpt.maybe_take(step, app_state, metrics={"loss": train_step()})
     """
 
     def __init__(
@@ -159,7 +140,8 @@ class Checkpointer(Listing):
         One process only: under a process group the time trigger is agreed in
         ``maybe_take``."""
         self._need_interval("should_take")
-        return step not in self._steps and self.schedule.due(step) is not None
+        schedule = self.schedule
+        return step not in self._steps and (schedule.step_due(step) or schedule.time_due())
 
     def _need_interval(self, method: str) -> None:
         if self.every_n_steps is None and self.every_seconds is None:
@@ -241,7 +223,7 @@ class Checkpointer(Listing):
         }
         if self.async_take:
             self._wait_take()  # the previous take's manifest is this one's parent
-        repo = self._open(create=False)
+        repo = self._open()
         if repo is not None and repo.has_ref(name):  # e.g. resuming at the restored step
             self._steps.add(step)
             return None
@@ -251,31 +233,20 @@ class Checkpointer(Listing):
         path = f"{url.rstrip('/')}/{name}"
         options = {**self._take_options, "repository": repo if repo is not None else url}
         self._steps.add(step)
+        start = Snapshot.async_take if self.async_take else Snapshot.take
         try:
-            if self.async_take:
-                pending = Snapshot.async_take(
-                    path,
-                    app_state,
-                    storage_options=options,
-                    metadata=metadata,
-                    session=self.session,
-                )
-                self._pending, self._pending_step = pending, step
-                self.schedule.restart()
-                return pending
-            snap = Snapshot.take(
-                path,
-                app_state,
-                storage_options=options,
-                metadata=metadata,
-                session=self.session,
+            snap = start(
+                path, app_state, storage_options=options, metadata=metadata, session=self.session
             )
         except BaseException:
             self._steps.discard(step)
             raise
+        self.schedule.restart()
+        if isinstance(snap, PendingSnapshot):
+            self._pending, self._pending_step = snap, step
+            return snap
         if self._repo is None:
             self._repo = snap.repository
-        self.schedule.restart()
         self._committed(snap, name)
         return snap
 
@@ -397,29 +368,17 @@ class Checkpointer(Listing):
         """Restore the newest snapshot of this checkpointer that restores whole, and
         return its step; ``None`` when there is none (or no repository at all).
 
-        Newest is the highest ``metadata["step"]``, ties broken by creation
-        time. Refs are written only at commit, so a take killed halfway is
-        never chosen. Each candidate, newest first, is checked cheaply
-        (:func:`casnap.ops.verify.check_snapshot`: its manifest reads and
-        validates, none of its chunks is recorded as damaged), then restored,
-        which verifies every chunk it reads. A candidate that fails either
-        (an :class:`IntegrityError` or a missing manifest) is skipped with a
-        warning saying why, and the next older one is restored, which
-        overwrites the tensors the failed attempt may have filled (each
-        tensor is whole: its previous value or that snapshot's); a warning
-        names those it does not hold. Other errors
-        (a store timeout, a ``strict`` key mismatch) are raised as they are.
-        When snapshots exist but none restores, :class:`IntegrityError` lists
-        what was tried; ``app_state`` may then hold tensors of any of them.
-
-        The next take's parent is the restored snapshot.
-        ``restore_kwargs`` go to :meth:`Snapshot.restore` (``strict``, ...).
+        A candidate found damaged (an :class:`IntegrityError`, a missing manifest)
+        is skipped with a warning and the next older one restored; other errors
+        are raised as they are; when none restores, :class:`IntegrityError` lists
+        what was tried (docs/retention.md, "Resuming"). The next take's parent is
+        the restored snapshot. ``restore_kwargs`` go to :meth:`Snapshot.restore`.
 
         Example: ``start = ckpt.restore_latest(app_state) or 0``.
         """
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         self._wait_take()
-        repo = self._open(create=False)
+        repo = self._open()
         if repo is None:
             return None
         infos, unreadable = read_snapshots(repo, cache=self._summaries)
@@ -454,7 +413,7 @@ class Checkpointer(Listing):
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         expect_type(step, int, "step", "an int")
         self._wait_take()
-        repo = self._open(create=False)
+        repo = self._open()
         mine = self._mine(repo) if repo is not None else []
         info = next((s for s in mine if s.step == step), None)
         if repo is None or info is None:

@@ -31,7 +31,6 @@ from casnap.ops.retention import (
     read_snapshots,
 )
 from casnap.repo.repository import RepoStorage
-from casnap.settings import Settings
 from casnap.take.session import Session
 
 log = logging.getLogger("casnap.checkpointer")
@@ -120,15 +119,10 @@ class Listing:
             session=self.session,
         )
 
-    def _open(self, *, create: bool) -> RepoStorage | None:
-        if self._repo is None:
-            if create:
-                chunk = self._take_options.get("chunk_size", Settings.from_env().chunk_size)
-                self._repo = RepoStorage.open_or_create(
-                    self._url, self._store_options, chunk_size=int(chunk)
-                )
-            elif RepoStorage.exists_at(self._url, self._store_options):
-                self._repo = RepoStorage.open(self._url, self._store_options)
+    def _open(self) -> RepoStorage | None:
+        """The repository, or None while there is none (the first take creates it)."""
+        if self._repo is None and RepoStorage.exists_at(self._url, self._store_options):
+            self._repo = RepoStorage.open(self._url, self._store_options)
         return self._repo
 
     def latest(self) -> str | None:
@@ -171,7 +165,7 @@ class Listing:
 
     def snapshot_infos(self) -> list[SnapshotInfo]:
         """Like :meth:`snapshots`, with step, metadata and tags."""
-        repo = self._open(create=False)
+        repo = self._open()
         return self._mine(repo) if repo is not None else []
 
     def _name(self, step: int) -> str:

@@ -40,10 +40,8 @@ class CheckpointerOptions:
     :class:`~casnap.api.checkpointer.Checkpointer`. The others:
 
     - ``retention``: a :class:`~casnap.ops.retention.RetentionPolicy` applied to this
-      checkpointer's snapshots after each commit, which also deletes what only
-      the retired snapshots reached (:func:`casnap.gc.reclaim.reclaim`;
-      ``reclaim=False`` leaves that to ``gc``). The newest snapshot is always
-      kept. Its first ``KeepBest`` rule is what :meth:`best` ranks by.
+      checkpointer's snapshots after each commit (the newest is always kept; its
+      first ``KeepBest`` rule is what :meth:`best` ranks by).
     - ``async_take``: write in the background; a new take first waits for the
       previous one. The state is copied before ``maybe_take`` returns.
     - ``name_format``: the snapshot name, formatted with ``step=``.
@@ -51,25 +49,18 @@ class CheckpointerOptions:
       ``chunk_size``, ``compression``, or ``repository``: a
       :class:`~casnap.Repository` to use instead of opening ``repo_url``).
     - ``tags``: stored in every snapshot's ``metadata["tags"]``.
-    - ``reclaim`` / ``reclaim_wait_seconds``: whether retention's reclaim runs
-      after each commit, and how long it waits for other processes' takes in
-      flight before deferring to the next commit (default 1 s).
+    - ``reclaim`` / ``reclaim_wait_seconds``: whether retention then frees what only
+      the retired snapshots reached, and how long that waits for other processes'
+      takes (default 1 s; docs/retention.md, "Retention").
     - ``mirror``: a second repository (``"gs://bucket/run1"``, or a
-      :class:`~casnap.Repository`) each committed
-      snapshot is copied to in a background thread, with
-      ``mirror_storage_options``; ``mirror_retention`` (default: ``retention``)
-      is applied there after each copy; training waits only when
-      ``mirror_queue`` snapshots already wait for the copier. Failures are
-      logged and retried at the next commit; :meth:`wait` and :meth:`close`
-      wait for the mirror (casnap/api/checkpointer_mirror.py, docs/copy.md).
+      :class:`~casnap.Repository`) each committed snapshot is copied to in the
+      background, with ``mirror_storage_options``, ``mirror_retention`` (default:
+      ``retention``) and ``mirror_queue`` (docs/copy.md, "The Checkpointer's mirror").
     - ``session``: the :class:`casnap.Session` the takes share (default: a new one).
 
     Checked when made: a wrong type or value raises :class:`ConfigError`
     naming the option. ``retention`` given as one rule becomes a
     :class:`RetentionPolicy` of it; ``tags`` become a tuple of checked names.
-    No option is required: without ``every_n_steps`` or ``every_seconds`` a
-    Checkpointer resumes but :meth:`~casnap.api.checkpointer.Checkpointer.maybe_take`
-    refuses to run.
     """
 
     # When to take.

@@ -48,7 +48,7 @@ def resume(
     unreadable: Mapping[str, str],
     attempt: Callable[[str], str | None],
     where: str,
-    tensors_of: Callable[[str], set[str]] | None = None,
+    tensors_of: Callable[[str], set[str]],
 ) -> SnapshotInfo | None:
     """The newest of ``candidates`` (oldest first) for which ``attempt(name)`` succeeds.
 
@@ -89,18 +89,16 @@ def resume(
 
 
 def _warn_leftovers(
-    chosen: str, attempted: Sequence[str], tensors_of: Callable[[str], set[str]] | None
+    chosen: str, attempted: Sequence[str], tensors_of: Callable[[str], set[str]]
 ) -> None:
     """A failed attempt may have filled tensors (each whole) before it met damage; the
     chosen snapshot's restore overwrites those it holds. Name the others."""
-    if not attempted or tensors_of is None:
+    if not attempted:
         return
     try:
         filled = set().union(*(tensors_of(name) for name in attempted))
         left = sorted(filled - tensors_of(chosen))
-    except (
-        Exception
-    ) as exc:  # the manifests were read a moment ago; a log line is not worth failing for
+    except Exception as exc:  # manifests read a moment ago; a log line is not worth failing
         log.warning("casnap: could not compare the skipped snapshots' entries: %r", exc)
         return
     if left:

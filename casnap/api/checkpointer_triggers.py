@@ -64,14 +64,6 @@ class Schedule:
         """Whether ``every_seconds`` have passed since the last take (differs between ranks)."""
         return self.every_seconds is not None and self.clock() - self._since >= self.every_seconds
 
-    def due(self, step: int) -> str | None:
-        """Why ``step`` is due (a phrase for logs), or ``None`` when it is not."""
-        if self.step_due(step):
-            return f"every {self.every_n_steps} steps"
-        if self.time_due():
-            return f"every {self.every_seconds:g} s"
-        return None
-
     def restart(self) -> None:
         """A take ended: the time interval counts from now. Counting from the end rather
         than the start means a take slower than the interval cannot make every step a take."""

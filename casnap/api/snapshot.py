@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from casnap.chunks.frames import WriteStats
-from casnap.distributed.group import Group, resolve_group
+from casnap.distributed.group import resolve_group
 from casnap.distributed.take import DistributedJob, prepare_distributed_take
 from casnap.errors import as_names, as_path, expect_type
 from casnap.format.entries import Entry
@@ -43,11 +43,6 @@ def _checked(progress: Progress | None) -> Progress | None:
     if progress is not None and not callable(progress):
         expect_type(progress, type(None), "progress", "a callable progress(done, total) or None")
     return progress
-
-
-def _group(pg: Any) -> Group:
-    """The ranks a call involves: ``pg``, else the default group once one is initialized."""
-    return resolve_group(pg)
 
 
 def _prepare(
@@ -82,7 +77,7 @@ def _prepare(
         expect_type(custom_prepare, type(None), "_custom_tensor_prepare_func", "a callable")
     if session is not None:
         expect_type(session, Session, "session", "a casnap.Session")
-    group = _group(pg)
+    group = resolve_group(pg)
 
     def single_process() -> TakeJob:
         return prepare_take(
@@ -368,7 +363,7 @@ class Snapshot:
         """
         expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
         check_app_state(app_state)  # a TypeError before any storage is touched
-        rank = _group(self.pg).rank  # not collective: each rank restores its own state
+        rank = resolve_group(self.pg).rank  # not collective: each rank restores its own state
         progress = _checked(progress)
         with python_gc_paused():  # several objects per entry, no cycles (casnap.python_gc)
             repo, manifest = self._load()

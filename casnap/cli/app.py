@@ -11,6 +11,7 @@ before or after the command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -80,20 +81,11 @@ def cmd_log(args: argparse.Namespace) -> int:
         note(f"wrote {args.plot}: {len(lines)} snapshots by {drawn['x']}")
     lanes = graph_lanes(lines)
     names = {line.manifest: line.name for line in lines}
-    data = [
-        {
-            "name": ln.name,
-            "manifest": ln.manifest,
-            "created_at": ln.created_at,
-            "step": ln.step,
-            "parents": [names.get(p, p) for p in ln.parents],
-            "logical_bytes": ln.logical_bytes,
-            "stored_bytes": ln.stored_bytes,
-            "new_bytes": ln.new_bytes,
-            "parents_absent": list(ln.parents_absent),
-        }
-        for ln in lines
-    ]
+    data = []
+    for ln in lines:
+        row = dataclasses.asdict(ln)
+        del row["metadata"]  # `casnap show` gives it
+        data.append({**row, "parents": [names.get(p, p) for p in ln.parents]})
 
     def text() -> str:
         rows = [

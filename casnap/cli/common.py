@@ -17,11 +17,12 @@ from typing import Any
 from casnap.api.repository import Repository
 from casnap.cli.remote import first_contact
 from casnap.display import format_float, format_size, format_time, parse_size
-from casnap.errors import ConfigError
 from casnap.format.entries import PrimitiveEntry
 from casnap.ops.naming import resolve_name
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_INTEGRITY, EXIT_ERROR = 1, 2, 3, 4, 5
+# Bytes (``1.5 MiB``) and recorded times (local, with the offset) as shown everywhere.
+human, age = format_size, format_time
 
 
 def usage(message: str) -> int:
@@ -40,11 +41,6 @@ def cannot_write(path: str, exc: OSError) -> int:
 def note(message: str) -> None:
     """A line for the person at the terminal, kept off stdout so ``--json`` stays parseable."""
     print(f"casnap: {message}", file=sys.stderr)
-
-
-def human(n: float) -> str:
-    """Bytes for people (``1.5 MiB``): :func:`casnap.display.format_size`, as everywhere."""
-    return format_size(n)
 
 
 def size(text: str) -> int:
@@ -74,14 +70,21 @@ def table(rows: list[list[str]], header: list[str], right: set[int] | None = Non
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
+def key_value(text: str) -> str:
+    """An argparse type: an fsspec option as ``KEY=VALUE``, returned as given."""
+    key, sep, _ = text.partition("=")
+    if not key or not sep:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
+    return text
+
+
+def options_of(items: list[str] | None) -> dict[str, Any]:
+    """Options parsed by :func:`key_value` as a dict (a later KEY wins)."""
+    return dict(item.split("=", 1) for item in items or [])
+
+
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    for item in args.storage_option or []:
-        key, _, value = item.partition("=")
-        if not key or not _:
-            raise ConfigError(f"--storage-option wants KEY=VALUE, got {item!r}", "storage_option")
-        opts[key] = value
-    return opts
+    return options_of(args.storage_option)
 
 
 def open_repo(args: argparse.Namespace) -> Repository:
@@ -132,11 +135,6 @@ def primitive_value(e: PrimitiveEntry) -> tuple[Any, str]:
     except (ValueError, TypeError):  # malformed: show what is stored
         pass
     return v, str(v)
-
-
-def age(iso: str) -> str:
-    """A recorded time for people: local time zone, with its offset (:func:`format_time`)."""
-    return format_time(iso)
 
 
 def parent_label(parent: str, names: dict[str, str], absent: Sequence[str]) -> str:

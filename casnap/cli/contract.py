@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from casnap.cli.common import EXIT_ERROR, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_USAGE
+from casnap.cli.common import EXIT_ERROR, EXIT_INTEGRITY, EXIT_NOT_FOUND, EXIT_USAGE, key_value
 from casnap.errors import (
     CasnapError,
     ConfigError,
@@ -115,13 +115,6 @@ def check_output_path(out: str) -> None:
 # -- global options ---------------------------------------------------------------
 
 
-def _storage_option(text: str) -> str:
-    key, sep, _value = text.partition("=")
-    if not key or not sep:
-        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
-    return text
-
-
 def version() -> str:
     """casnap's version as installed (``casnap --version``)."""
     try:
@@ -149,7 +142,7 @@ def add_global_options(parser: argparse.ArgumentParser, after: bool) -> None:
     g.add_argument(
         "--storage-option",
         action="append",
-        type=_storage_option,
+        type=key_value,
         metavar="KEY=VALUE",
         dest=dest("storage_option"),
         help="an fsspec storage option (repeatable), e.g. token=anon",

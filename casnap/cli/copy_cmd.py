@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from casnap.api.repository import Repository
-from casnap.cli.common import emit, open_repo, storage_options
+from casnap.cli.common import emit, key_value, open_repo, options_of, storage_options
 from casnap.cli.progress import progress_bar
 from casnap.cli.remote import first_contact
 from casnap.errors import CopyIntegrityError
@@ -27,10 +27,7 @@ from casnap.ops.naming import resolve_name
 def cmd_copy(args: argparse.Namespace) -> int:
     src = open_repo(args)
     names = [resolve_name(src.storage, n) for n in args.snapshots] or None
-    dst_options = dict(storage_options(args))
-    for item in args.dst_storage_option or []:
-        key, _, value = item.partition("=")
-        dst_options[key] = value
+    dst_options = {**storage_options(args), **options_of(args.dst_storage_option)}
     # The first request to the destination is bounded like every remote opening.
     dst = first_contact(
         args.dst,
@@ -47,13 +44,6 @@ def cmd_copy(args: argparse.Namespace) -> int:
             raise
     emit(args, result.to_json(), result.render)
     return 0
-
-
-def _option(text: str) -> str:
-    key, sep, _ = text.partition("=")
-    if not key or not sep:
-        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
-    return text
 
 
 def register(add: Callable[..., Any]) -> None:
@@ -77,7 +67,7 @@ def register(add: Callable[..., Any]) -> None:
     p.add_argument(
         "--dst-storage-option",
         action="append",
-        type=_option,
+        type=key_value,
         metavar="KEY=VALUE",
         help="an fsspec option for DST only (repeatable); --storage-option applies to both",
     )

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 from types import TracebackType
 from typing import Any
 
+from casnap.display import format_size
 from casnap.errors import (
     CasnapError,
     GcRefusedError,
@@ -38,7 +39,6 @@ from casnap.gc.plan import (
     Garbage,
     GcPlan,
     Progress,
-    human_bytes,
     intersect,
     make_plan,
 )
@@ -64,7 +64,6 @@ __all__ = [
     "execute_gc",
     "gc",
     "gc_in_progress",
-    "human_bytes",
     "plan_gc",
     "read_gc_epoch",
 ]
@@ -101,7 +100,7 @@ class GcResult:
             f"gc of {self.plan.url}: deleted {self.deleted_manifests} manifest(s), "
             f"{self.deleted_chunks} chunk(s), {self.deleted_packs} pack(s), "
             f"{self.deleted_temp_files} temp file(s), {self.deleted_leases} expired lease(s); "
-            f"freed {human_bytes(self.bytes_freed)} in {self.seconds:.2f} s"
+            f"freed {format_size(self.bytes_freed)} in {self.seconds:.2f} s"
         )
         if self.skipped:
             text += f"; {self.skipped} planned deletion(s) skipped (reachable again or gone)"
@@ -159,14 +158,7 @@ class GcSession:
     :class:`casnap.errors.GcBusyError`) and then waits up to
     ``wait_seconds`` for the takes in flight to finish (else
     :class:`casnap.errors.GcBlockedError`, having deleted nothing). Takes that
-    start meanwhile wait for the session to end.
-
-    Example::
-
-        with GcSession(repo, wait_seconds=30) as session:
-            plan = session.plan(grace_seconds=3600)
-            print(plan.render())
-            session.execute(plan)
+    start meanwhile wait for the session to end (the module docstring has an example).
     """
 
     def __init__(

@@ -110,23 +110,20 @@ class GcPlan:
     def empty(self) -> bool:
         return not (self.data or self.dead_leases or self.temp_files)
 
-    def render(self, verbose: bool = False) -> str:
+    def render(self) -> str:
         lines = [
             f"gc plan for {self.url} (grace period {self.grace_seconds:g} s)",
             f"  roots: {self.refs} ref(s), {self.tags} tag(s) -> {self.reachable_manifests} "
             f"manifest(s), {self.reachable_objects} chunk object(s)/pack(s) kept",
             f"  delete: {len(self.manifests)} manifest(s), {len(self.chunks)} chunk(s), "
             f"{len(self.packs)} pack(s), {len(self.temp_files)} temp file(s): "
-            f"{human_bytes(self.bytes_to_free)}",
+            f"{format_size(self.bytes_to_free)}",
         ]
         if self.young_kept:
             lines.append("  " + self.grace_note())
         if self.dead_leases:
             lines.append(f"  remove: {len(self.dead_leases)} expired lease(s) of crashed takes")
         lines += [f"  warning: {w}" for w in self.warnings]
-        if verbose:
-            lines += [f"  - {g.key}" for g in self.data + self.temp_files]
-            lines += [f"  - {k}" for k in self.dead_leases]
         return "\n".join(lines)
 
     def grace_note(self) -> str:
@@ -134,7 +131,7 @@ class GcPlan:
         if not self.young_kept:
             return ""
         return (
-            f"kept: {self.young_kept} unreachable object(s) ({human_bytes(self.young_kept_bytes)}) "
+            f"kept: {self.young_kept} unreachable object(s) ({format_size(self.young_kept_bytes)}) "
             f"younger than the grace period ({self.grace_seconds:g} s) or needed by such a "
             "manifest; a later gc deletes them, or now `casnap gc --grace 0` when every process "
             "writing this repository is a current casnap (takes hold leases; docs/gc.md)"
@@ -146,10 +143,6 @@ class GcPlan:
             out[name] = [g.key for g in out[name]]
         out.update(dead_leases=list(self.dead_leases), warnings=list(self.warnings))
         return {**out, "bytes_to_free": self.bytes_to_free}
-
-
-def human_bytes(n: int) -> str:
-    return format_size(n)  # one way of showing sizes everywhere (casnap.display)
 
 
 # -- marking ---------------------------------------------------------------

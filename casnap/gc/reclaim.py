@@ -16,9 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from casnap.display import format_size
 from casnap.errors import CasnapError, GcBlockedError, GcBusyError, GcRefusedError
 from casnap.gc.collect import GcResult, GcSession
-from casnap.gc.plan import Garbage, GcPlan, _Marks, _read_roots, human_bytes
+from casnap.gc.plan import Garbage, GcPlan, _Marks, _read_roots
 from casnap.index import manifest_summaries
 from casnap.repo.damage import list_damage
 from casnap.repo.reach import object_refs
@@ -79,24 +80,24 @@ class ReclaimResult:
                 f"{self.deferred}"
             )
         lines = [
-            f"reclaimed {human_bytes(self.bytes_freed)} of {len(self.retired)} retired "
+            f"reclaimed {format_size(self.bytes_freed)} of {len(self.retired)} retired "
             f"snapshot(s): {self.deleted_manifests} manifest(s), {self.deleted_chunks} "
             f"chunk(s), {self.deleted_packs} pack(s) in {self.seconds:.2f} s"
         ]
         if self.shared_objects:
-            size = human_bytes(self.shared_bytes)
+            size = format_size(self.shared_bytes)
             lines.append(
                 f"  kept {self.shared_objects} object(s) ({size}) that kept snapshots still use"
             )
         if self.partial_packs:
             lines.append(
                 f"  of those, {self.partial_packs} pack(s) hold "
-                f"{human_bytes(self.dead_pack_bytes)} of frames only retired snapshots "
+                f"{format_size(self.dead_pack_bytes)} of frames only retired snapshots "
                 "used, freed with the pack's last user"
             )
         if self.held_objects:
             lines.append(
-                f"  kept {self.held_objects} object(s) ({human_bytes(self.held_bytes)}) "
+                f"  kept {self.held_objects} object(s) ({format_size(self.held_bytes)}) "
                 "that other unreferenced manifests use (left to gc)"
             )
         if self.still_rooted:
@@ -120,13 +121,10 @@ def reclaim(
     """Delete the ``retired`` manifests and what only they reference, at once.
 
     ``retired`` are manifest hashes whose refs the caller has just deleted
-    (:attr:`casnap.ops.retention.RetentionResult.deleted`, mapped through the
-    plan). A manifest a ref or tag names again is kept, and so is every object
-    a remaining manifest uses. It takes the gc lock only if no other gc holds
-    it and waits at most ``wait_seconds`` for takes in flight; otherwise it
-    deletes nothing and returns ``deferred`` with ``pending`` set. Errors of
-    the store during the sweep propagate (what was deleted stays consistent:
-    manifests go before their chunks, as in gc).
+    (:attr:`casnap.ops.retention.RetentionResult.retired_manifests`). Another gc
+    holding the lock, or takes in flight past ``wait_seconds``, make it delete
+    nothing and return ``deferred`` with ``pending`` set; store errors during the
+    sweep propagate (the module docstring and docs/gc.md have the rules).
 
     Example::
 

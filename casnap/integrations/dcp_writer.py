@@ -106,22 +106,13 @@ class CasnapWriter(StorageWriter):
     """Save DCP checkpoints as casnap snapshots: deduplicated, verified, gc-able.
 
     ``path`` (or DCP's ``checkpoint_id=``) is a snapshot path, as for
-    ``casnap.Snapshot.take``: ``/ckpt/run1/step_100`` is snapshot ``step_100``
-    of the repository ``/ckpt/run1`` (docs/repository.md, "Where snapshots
-    live"). ``storage_options`` are those of a take (``repository``,
-    ``chunk_size``, ``compression``, fsspec options). ``metadata`` (JSON) goes
-    into each snapshot's manifest (``step`` orders retention). With
-    ``overwrite=False`` saving to a name that exists fails on every rank as with
-    ``FileSystemWriter``: :class:`casnap.errors.CheckpointExistsError` (a
-    ``RuntimeError``) in DCP's words, ``"Checkpoint already exists and
-    self.overwrite=False."``, inside DCP's ``CheckpointException``. The other
-    arguments of FileSystemWriter (``single_file_per_rank``, ``sync_files``, …) are
-    accepted and ignored: casnap's writes are always durable before the commit.
-    A save descends from the snapshot it replaces, else from the previous save
-    through this writer or ``session``, else (no ``session`` given) from the
-    newest snapshot in its folder, as ``Snapshot.take`` without a session
-    (docs/repository.md, "Parents"; ``storage_options={"auto_parent": False}``
-    opts out).
+    ``casnap.Snapshot.take``; ``storage_options`` are those of a take and
+    ``metadata`` (JSON) goes into each manifest. ``overwrite=False`` refuses an
+    existing id as ``FileSystemWriter`` does
+    (:class:`casnap.errors.CheckpointExistsError`); FileSystemWriter's other
+    arguments are accepted and ignored. A save descends from the snapshot it
+    replaces, else from the previous save through this writer or ``session``
+    (docs/dcp.md has the mapping, the parents and what each rank does).
 
     Example::
 

@@ -32,9 +32,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from casnap.api.repository import Repository
 from casnap.api.snapshot import Snapshot
-from casnap.errors import SnapshotNotFoundError
 from casnap.integrations.pointer import (
     Pointer,
     Retirer,
@@ -135,13 +133,7 @@ class CasnapTrainerMixin:
         pointer = read_pointer(pointer_path, POINTER_KIND)
         if pointer is None:
             return None
-        repo = pointer.open_repository()
-        if repo.storage.resolve(pointer.snapshot) != pointer.manifest:
-            raise SnapshotNotFoundError(
-                f"{checkpoint} names snapshot {pointer.snapshot!r} of manifest {pointer.manifest}, "
-                f"but {repo.url} holds another snapshot under that name now",
-                pointer.snapshot,
-            )
+        repo = pointer.open_current(checkpoint)
         path = f"{repo.url.rstrip('/')}/{pointer.snapshot}"
         snap = Snapshot(path, storage_options={"repository": repo}, session=self._casnap().session)
         cache[checkpoint] = snap
@@ -199,14 +191,14 @@ class CasnapTrainerMixin:
         write_pointer(pointer_path, Pointer(repo.url, snap.name, snap.manifest_hash), POINTER_KIND)
         self._casnap().snapshots.pop(folder, None)
         if old is not None and (old.repository, old.snapshot) != (repo.url, snap.name):
-            self._casnap().retirer.retire(repo_of(old), old.snapshot, old.manifest)
+            self._casnap().retirer.retire(old.open_repository(), old.snapshot, old.manifest)
 
     def _casnap_sync(self, run_dir: str, folder: str) -> None:
         """Retire the snapshots whose checkpoint directories rotation deleted (or re-pointed)."""
         pointer = read_pointer(os.path.join(folder, POINTER_FILE), POINTER_KIND)
         if pointer is None:
             return
-        repo = repo_of(pointer)
+        repo = pointer.open_repository()
         prefix = pointer.snapshot.rsplit("/", 1)[0] + "/" if "/" in pointer.snapshot else ""
         for name in repo.snapshots():
             base = name[len(prefix) :]
@@ -264,10 +256,6 @@ class CasnapTrainerMixin:
         t: Any = self
         if not self._casnap_restore(t.state.best_model_checkpoint, ["model"]):
             super()._load_best_model()  # type: ignore[misc]
-
-
-def repo_of(pointer: Pointer) -> Repository:
-    return pointer.open_repository()
 
 
 class CasnapTrainer(CasnapTrainerMixin, Trainer):

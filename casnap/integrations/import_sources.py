@@ -5,21 +5,15 @@ take (headers, offsets, the index, DCP's metadata, the pickle of a
 ``torch.save`` file), so bad input fails before a repository is touched.
 Tensors become :class:`SourceTensor` values: dtype, shape and a ``load()``
 that produces the bytes only when the take's scheduler has budget for them
-(:func:`casnap.take.scheduler.lazy_request`), and gives the memory back after
-the last chunk is hashed:
-
-- safetensors (and a Hugging Face directory of them): the file is
-  memory-mapped and ``load()`` is a zero-copy view of the tensor's range;
-  once hashed its pages are dropped from this process (``MADV_DONTNEED``);
-- ``torch.save`` (zip format): ``torch.load(mmap=True, weights_only=True)``,
-  each tensor a view of torch's mapping, its pages dropped the same way; the
-  legacy (non-zip) format cannot be mapped and is read whole;
-- DCP: :mod:`casnap.integrations.import_dcp`.
+(:func:`casnap.take.scheduler.lazy_request`); docs/import.md, "Memory", says
+how each format is read and its memory given back (DCP:
+:mod:`casnap.integrations.import_dcp`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import math
@@ -107,32 +101,27 @@ class _FilePages:
                 pass  # closed already, or a platform without it: only memory is at stake
 
 
-_libc: Any = None
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def _madvise_dontneed(address: int, length: int) -> None:
     """Drop the pages of a read-only file mapping made by torch (no Python mmap to ask)."""
-    global _libc
     if not length or not hasattr(mmap, "MADV_DONTNEED"):
         return
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lo, n = _span(address, length)
-        _libc.madvise(lo, n, mmap.MADV_DONTNEED)
+        _libc().madvise(*_span(address, length), mmap.MADV_DONTNEED)
     except (OSError, AttributeError):
         pass
 
 
 def release_free_memory() -> None:
     """Ask glibc to return freed heap memory to the system (``malloc_trim``; elsewhere a no-op)."""
-    global _libc
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 

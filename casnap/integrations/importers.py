@@ -97,20 +97,12 @@ def import_checkpoint(
 ) -> Snapshot:
     """Import the checkpoint at ``source`` as the snapshot at ``snapshot_path``.
 
-    Keys: a safetensors file's or Hugging Face directory's tensor names become
-    the keys of one stateful, ``stateful`` (``"model"``), so
-    ``Snapshot(path).restore({"model": module})`` loads them and
-    ``read_object("0/model/<name>")`` reads one. A DCP checkpoint keeps the
-    nesting its save flattened (FQN ``model.fc.weight`` saved from
-    ``{"model": ...}`` is ``0/model/fc.weight``). A ``torch.save`` file of a
-    dict of dicts keeps its top-level keys as statefuls; anything else goes
-    under ``stateful``.
-
-    The snapshot's metadata is ``metadata`` plus ``"import"``: the format, the
-    source's absolute path and, for Hugging Face, the ``config.json``.
-    ``storage_options`` and ``memory_budget_bytes`` as for
-    :meth:`casnap.Snapshot.take`; ``progress(done_bytes, total_bytes)`` as
-    each chunk is hashed and written or found already stored.
+    Tensor names become keys of one stateful, ``stateful`` (``"model"``), or keep
+    the nesting of a DCP save or a ``torch.save`` dict of dicts; the metadata is
+    ``metadata`` plus ``"import"`` (docs/import.md, "Sources and their keys").
+    ``format`` forces one of :data:`FORMATS` instead of detecting it.
+    ``storage_options``, ``memory_budget_bytes`` and ``progress`` as for
+    :meth:`casnap.Snapshot.take`.
 
     Raises :class:`SourceNotFoundError` (a ``FileNotFoundError``) for a missing
     path, :class:`SourceFormatError` (a ``ValueError``) for a path of no known

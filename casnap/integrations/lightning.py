@@ -34,12 +34,12 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from casnap.api.snapshot import Snapshot
 from casnap.errors import (
     ArgumentTypeError,
-    SnapshotNotFoundError,
     expect_type,
 )
 from casnap.integrations.pointer import (
     Pointer,
     Retirer,
+    is_url,
     read_pointer,
     take_versioned,
     write_pointer,
@@ -59,12 +59,8 @@ def _fs_path(path: Any) -> str:
     return os.fspath(path) if isinstance(path, os.PathLike) else str(path)
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def _exists(path: str) -> bool:
-    if _is_url(path):
+    if is_url(path):
         import fsspec
 
         fs, stripped = fsspec.core.url_to_fs(path)
@@ -85,14 +81,7 @@ def checkpoint_snapshot(path: str) -> Snapshot:
     pointer = read_pointer(path, POINTER_KIND) if _exists(path) else None
     if pointer is None:
         return Snapshot(path)  # SnapshotNotFoundError (a FileNotFoundError) if none
-    repo = pointer.open_repository()
-    if repo.storage.resolve(pointer.snapshot) != pointer.manifest:
-        raise SnapshotNotFoundError(
-            f"{path} names snapshot {pointer.snapshot!r} of manifest {pointer.manifest}, but "
-            f"{repo.url} holds another snapshot under that name now",
-            pointer.snapshot,
-        )
-    return repo.snapshot(pointer.snapshot)
+    return pointer.open_current(path).snapshot(pointer.snapshot)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -110,21 +99,13 @@ class CasnapCheckpointIO(CheckpointIO):
 
     ``Trainer(plugins=[CasnapCheckpointIO()])`` and, for saving in a
     background thread, ``Trainer(plugins=[AsyncCheckpointIO(CasnapCheckpointIO())])``.
-
-    - ``allow_pickle``: store values that are neither tensors, primitives nor
-      containers (a ``Namespace`` in ``hyper_parameters``) by pickling them, and
-      load them back (never when Lightning asks for ``weights_only=True``).
-      Without it such a value fails the save with :class:`casnap.errors.PickleNotAllowedError`
-      naming its key.
-    - ``memory_budget_bytes``: bounds the in-flight copies of a save and a load.
-    - ``reclaim_wait_seconds``: how long deleting a checkpoint waits for a save in
-      flight before leaving the space to the next save (which frees it).
-
-    ``save_checkpoint``'s ``storage_options`` go to the take (fsspec options,
-    or ``{"repository": url}`` to name the repository explicitly). A checkpoint
-    file that is not a casnap pointer (written by ``TorchCheckpointIO``) is
-    loaded and removed as Lightning would, so a run can switch to casnap and
-    resume from its old checkpoints.
+    ``allow_pickle`` stores (and loads, unless Lightning asks for
+    ``weights_only=True``) values that are neither tensors, primitives nor
+    containers; ``memory_budget_bytes`` bounds the in-flight copies;
+    ``reclaim_wait_seconds`` is how long deleting a checkpoint waits for a save
+    in flight. ``save_checkpoint``'s ``storage_options`` go to the take. A
+    ``torch.save`` checkpoint from before the switch is loaded and removed as
+    Lightning would (docs/lightning-hf.md, "Lightning: CasnapCheckpointIO").
     """
 
     def __init__(
@@ -187,7 +168,7 @@ class CasnapCheckpointIO(CheckpointIO):
         old = (
             read_pointer(path, POINTER_KIND) if _exists(path) and not os.path.islink(path) else None
         )
-        if not _is_url(path):
+        if not is_url(path):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         metadata = {
             "step": int(checkpoint.get("global_step", 0)),
@@ -255,7 +236,7 @@ class CasnapCheckpointIO(CheckpointIO):
                 if self._save_threads and threading.get_ident() not in self._save_threads:
                     self._removed_before_save.add(path)
             return
-        if not _is_url(path) and os.path.islink(path):
+        if not is_url(path) and os.path.islink(path):
             os.remove(path)
             return
         pointer = read_pointer(path, POINTER_KIND)
@@ -276,7 +257,7 @@ class CasnapCheckpointIO(CheckpointIO):
     @staticmethod
     def _named_elsewhere(path: str, pointer: Pointer) -> bool:
         """Whether another pointer file beside ``path`` names the same snapshot."""
-        if _is_url(path):
+        if is_url(path):
             return False
         folder = os.path.dirname(os.path.abspath(path))
         for entry in os.scandir(folder):
@@ -302,7 +283,7 @@ class CasnapCheckpointIO(CheckpointIO):
 
 
 def _remove_file(path: str) -> None:
-    if _is_url(path):
+    if is_url(path):
         import fsspec
 
         fs, stripped = fsspec.core.url_to_fs(path)

@@ -167,16 +167,9 @@ class CasnapSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path
     ) -> AsyncRequest:
-        """(all ranks) Plan and stage now; the returned request writes and commits.
-
-        The planning collectives run here, and so does the point-in-time copy of
-        what this rank writes (casnap's staging pool, within the staging share of
-        the memory budget; what does not fit is written before this returns), so
-        training may change the tensors once it returns. The request's
-        ``async_fn`` writes the chunks (in Megatron's background process, or in
-        this one with ``execute_sync``); its finalize function (every rank)
-        gathers the results, and rank 0 writes the manifest and the ref.
-        """
+        """(all ranks) Plan and copy this rank's items point-in-time now; the returned
+        request writes, and its finalize commits (docs/megatron.md, "Async save").
+        Training may change the tensors once this returns."""
         from casnap.integrations.megatron_async import plan_async_save
 
         writer, state, planner = self.prepare(sharded_state_dict, checkpoint_dir)

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_POINTER_BYTES",
     "Pointer",
     "Retirer",
+    "is_url",
     "read_pointer",
     "take_versioned",
     "write_pointer",
@@ -53,8 +54,20 @@ class Pointer:
     def open_repository(self, storage_options: dict[str, Any] | None = None) -> Repository:
         return Repository(self.repository, storage_options)
 
+    def open_current(self, where: str) -> Repository:
+        """:meth:`open_repository`, refusing a snapshot replaced since the pointer at
+        ``where`` was written (:class:`casnap.SnapshotNotFoundError`)."""
+        repo = self.open_repository()
+        if repo.storage.resolve(self.snapshot) != self.manifest:
+            raise SnapshotNotFoundError(
+                f"{where} names snapshot {self.snapshot!r} of manifest {self.manifest}, but "
+                f"{repo.url} holds another snapshot under that name now",
+                self.snapshot,
+            )
+        return repo
 
-def _is_url(path: str) -> bool:
+
+def is_url(path: str) -> bool:
     return "://" in path
 
 
@@ -72,7 +85,7 @@ def read_pointer(path: str, kind: str) -> Pointer | None:
     checkpoint written before switching to casnap); FileNotFoundError if there
     is no file at ``path``.
     """
-    if _is_url(path):
+    if is_url(path):
         fs, stripped = _fs(path)
         with fs.open(stripped, "rb") as f:
             head = f.read(MAX_POINTER_BYTES + 1)
@@ -93,7 +106,7 @@ def read_pointer(path: str, kind: str) -> Pointer | None:
     if not all(isinstance(v, str) and v for v in (repo, name, manifest)):
         return None
     assert isinstance(repo, str) and isinstance(name, str) and isinstance(manifest, str)
-    if not _is_url(repo):
+    if not is_url(repo):
         repo = repo if os.path.isabs(repo) else os.path.normpath(os.path.join(base, repo))
     return Pointer(repo, name, manifest)
 
@@ -101,7 +114,7 @@ def read_pointer(path: str, kind: str) -> Pointer | None:
 def write_pointer(path: str, pointer: Pointer, kind: str) -> None:
     """Write the pointer at ``path`` atomically (replacing what is there)."""
     repo = pointer.repository
-    if not _is_url(path) and not _is_url(repo):
+    if not is_url(path) and not is_url(repo):
         repo = os.path.relpath(repo, os.path.dirname(os.path.abspath(path)))
     body = (
         json.dumps(
@@ -116,7 +129,7 @@ def write_pointer(path: str, pointer: Pointer, kind: str) -> None:
         ).encode()
         + b"\n"
     )
-    if _is_url(path):
+    if is_url(path):
         fs, stripped = _fs(path)
         fs.pipe_file(stripped, body)  # one object put: atomic on object stores
         return

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from casnap.chunks.decode import decode_frame
@@ -80,19 +80,9 @@ class CopyResult:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "src": self.src,
-            "dst": self.dst,
-            "copied": list(self.copied),
-            "present": list(self.present),
-            "failed": dict(self.failed),
-            "objects_sent": self.objects_sent,
-            "bytes_sent": self.bytes_sent,
-            "objects_present": self.objects_present,
-            "manifests_sent": self.manifests_sent,
-            "dry_run": self.dry_run,
-            "plan": self.plan.to_json() if self.plan else None,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
+        out["failed"] = dict(self.failed)
+        return {**out, "plan": self.plan.to_json() if self.plan else None}
 
 
 # -- executing ---------------------------------------------------------------

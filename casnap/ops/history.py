@@ -41,10 +41,6 @@ def stored_bytes(manifest: Manifest) -> int:
     return sum(length for _, _, length in {_object_of(r) for r in manifest.stored_refs()})
 
 
-def logical_bytes(manifest: Manifest) -> int:
-    return sum(n * sum(r.size for r in refs) for refs, n in manifest.distinct_chunk_refs())
-
-
 @dataclass(frozen=True)
 class LogLine:
     name: str

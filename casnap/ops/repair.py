@@ -13,7 +13,7 @@ reported per snapshot and tag as unrecoverable.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from casnap.chunks.decode import loose_copy
 from casnap.chunks.frames import encode_chunk
@@ -79,14 +79,6 @@ class RootStatus:
     status: str
     missing: tuple[str, ...] = ()  # chunks (or the manifest/ref problem) still unreadable
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "status": self.status,
-            "missing": list(self.missing),
-        }
-
 
 @dataclass
 class RepairResult:
@@ -111,7 +103,7 @@ class RepairResult:
             "bad_chunks": len(self.plan.bad),
             "written": self.written,
             "already_replaced": self.plan.already,
-            "roots": [r.to_json() for r in self.roots],
+            "roots": [asdict(r) for r in self.roots],
         }
 
     def render(self) -> str:

@@ -46,7 +46,7 @@ class Unreferenced:
         """One line for humans: how much, and how to delete it."""
         return (
             f"unreferenced: {self.manifests} manifest(s), {self.objects} chunk object(s)/pack(s), "
-            f"{_human(self.bytes)} that no ref or tag reaches; `casnap gc` deletes them once "
+            f"{format_size(self.bytes)} that no ref or tag reaches; `casnap gc` deletes them once "
             "older than its grace period (1h), `casnap gc --grace 0` at once when every process "
             "writing this repository is a current casnap"
         )
@@ -87,7 +87,3 @@ def find_unreferenced(
             count["objects"] += 1
         size += info.size or 0
     return Unreferenced(count["manifests"], count["objects"], size)
-
-
-def _human(n: int) -> str:
-    return format_size(n)  # one way of showing sizes everywhere (casnap.display)

@@ -1,20 +1,13 @@
-"""verify: prove the repository is whole, without changing it.
+"""verify: prove the repository is whole, without changing it (docs/repository.md,
+"Checking"; docs/damage.md, "What verify can and cannot see").
 
-Every ref and every tag (a tag pins a manifest as a gc root, even after its
-snapshot's ref is gone, so what it pins must be whole too) must parse and
-resolve to a manifest that parses and validates, and every chunk a manifest
-references must exist (one listing of the store, not a probe
-per chunk). With ``read_data`` every referenced chunk is fetched, decoded and
-re-hashed; ``part=(k, n)`` restricts that to the chunks whose hash falls in
-part ``k`` of ``n``, so a long scrub can run a slice at a time. Problems are
-collected and reported, never repaired. The one thing verify writes is a
-damage record for each chunk copy whose bytes fail their hash, through the
-verified reader's containment (:mod:`casnap.chunks.decode`), so that no later
-take references that copy; on a read-only store it warns instead. The local
-index is never consulted (only told to forget damaged chunks). Objects no ref
-or tag reaches are counted in :attr:`VerifyReport.unreferenced`: they cost
-space, not integrity, so they are never a problem and never change the exit
-code.
+Every ref and tag must resolve to a manifest that parses and validates, and
+every chunk it references must exist (one listing of the store, not a probe
+per chunk); ``read_data`` also re-hashes them, ``part=(k, n)`` one slice. The
+one thing verify writes is a damage record per chunk copy that fails its hash
+(:mod:`casnap.chunks.decode`; a warning on a read-only store). The local index
+is never consulted; objects no root reaches are counted
+(:attr:`VerifyReport.unreferenced`), never a problem.
 """
 
 from __future__ import annotations
@@ -59,15 +52,6 @@ class Problem:
     snapshots: tuple[str, ...] = ()  # the snapshots it makes unrestorable (in whole or part)
     tags: tuple[str, ...] = ()  # the tags whose pinned manifest it affects
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "kind": self.kind,
-            "subject": self.subject,
-            "detail": self.detail,
-            "snapshots": list(self.snapshots),
-            "tags": list(self.tags),
-        }
-
 
 @dataclass
 class VerifyReport:
@@ -87,19 +71,7 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "ok": self.ok,
-            "snapshots": self.snapshots,
-            "tags": self.tags,
-            "manifests": self.manifests,
-            "chunks": self.chunks,
-            "chunks_read": self.chunks_read,
-            "bytes_read": self.bytes_read,
-            "problems": [p.to_json() for p in self.problems],
-            "unreferenced": (
-                None if self.unreferenced is None else dataclasses.asdict(self.unreferenced)
-            ),
-        }
+        return {"ok": self.ok, **dataclasses.asdict(self)}
 
 
 def in_part(chunk_hash: str, part: tuple[int, int] | None) -> bool:

@@ -29,15 +29,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 
-from casnap.errors import (  # noqa: F401  (defined in errors.py)
+from casnap.errors import (
     CasnapError,
-    ConfigError,
     GcBlockedError,
-    GcBusyError,
     LeaseLostError,
     ManifestValidationError,
-    ObjectExistsError,
-    ObjectNotFoundError,
     ObjectRefusedError,
     StoreError,
 )
