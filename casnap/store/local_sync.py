@@ -62,31 +62,28 @@ def _writeback_starter() -> Callable[[int], None]:
 start_writeback = _writeback_starter()
 
 _pool_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pools: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+
+
+def _process_pool(name: str, threads: int) -> ThreadPoolExecutor:
+    """The process's pool ``name``, started as needed and kept; a forked child makes its own."""
+    with _pool_lock:
+        pool = _pools.get(name)
+        if pool is None or pool[0] != os.getpid():
+            pool = _pools[name] = (os.getpid(), ThreadPoolExecutor(threads, name))
+        return pool[1]
 
 
 def sync_pool() -> ThreadPoolExecutor:
-    """The process's threads for fsyncs (files and folders), started as needed and kept:
-    a take settles its files in several batches, and starting 16 threads for each
-    cost milliseconds on a loaded 2-core machine. A forked child makes its own."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(SYNC_THREADS, "casnap-sync"))
-        return _pool[1]
-
-
-_settler: tuple[int, ThreadPoolExecutor] | None = None
+    """The threads for fsyncs (files and folders): a take settles its files in several
+    batches, and starting 16 threads for each cost milliseconds on a loaded 2-core machine."""
+    return _process_pool("casnap-sync", SYNC_THREADS)
 
 
 def settler() -> ThreadPoolExecutor:
-    """The process's one thread that settles batches of deferred files (its fsyncs run
-    on :func:`sync_pool`'s threads; never on its own, which could wait for itself)."""
-    global _settler
-    with _pool_lock:
-        if _settler is None or _settler[0] != os.getpid():
-            _settler = (os.getpid(), ThreadPoolExecutor(1, "casnap-settle"))
-        return _settler[1]
+    """The one thread that settles batches of deferred files (its fsyncs run on
+    :func:`sync_pool`'s threads; never on its own, which could wait for itself)."""
+    return _process_pool("casnap-settle", 1)
 
 
 def run_all(
@@ -177,10 +174,6 @@ class DeferredFiles:
         which settles them; the child's settling thread does not exist to finish them."""
         if self._pid != os.getpid():
             self._pid, self._files, self._batches = os.getpid(), [], []
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._files)
 
     def add(self, file: Unsynced) -> None:
         with self._lock:
