@@ -181,7 +181,7 @@ def restore_state(
         leaves_of(stateful.state_dict(), prefix, target)
         stored = _plan_subtree(manifest, prefix, target, allow_pickle, load)
         if strict:
-            check_keys(manifest, key, prefix, stored, target)
+            check_keys(manifest, key, stored, target)
         plans.append((key, stateful, prefix))
     values = load_values(repo, load, memory_budget_bytes, progress)
     # RNG state goes last so that no other load_state_dict can consume randomness after it.
@@ -199,12 +199,9 @@ def restore_state(
 class _Reads:
     """One batch of chunk reads: the read's target, under which budget.
 
-    Plain tensors and pickled objects form batches whose in-place tensors'
-    saved bytes (:mod:`casnap.restore.undo`) fit half the budget (``undo``:
-    the pool and that limit); sharded entries form batches of stored shards
-    that fit half the budget (``staged``: each overlapping shard is staged
-    whole, then copied into the target's boxes). Every batch runs through the
-    same verified reader (:func:`casnap.chunks.read_chunks`).
+    How plain and sharded entries split the budget into batches:
+    docs/pipeline.md, "A failed restore" (its "Memory" paragraph). Every batch
+    runs through the same verified reader (:func:`casnap.chunks.read_chunks`).
     """
 
     refs: list[ChunkRef]
@@ -326,14 +323,9 @@ def _plain_reads(
     limit: int,
     undo: Undo,
 ) -> list[_Reads]:
-    """The reads of every plain tensor, in batches (pickled objects: :func:`load_values`).
-
-    A tensor read in place keeps what its chunks overwrite until all of them
-    landed verified (:class:`casnap.restore.undo.TensorUndo`), so a batch's
-    in-place tensors fit half the budget and its reads get the rest. A
-    tensor larger than half the budget is verified by a first read that
-    keeps nothing, then read in place without saving.
-    """
+    """The reads of every plain tensor, in batches (pickled objects: :func:`load_values`):
+    a batch's in-place tensors fit half the budget, a larger one is verified first
+    (docs/pipeline.md, "A failed restore")."""
     share = max(1, limit // 2)
     guarded: dict[str, int] = {}  # in-place tensor -> its bytes, the most it may save
     oversized: list[ChunkRef] = []
@@ -392,12 +384,9 @@ def _plain_batch(
 def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Reads]:
     """Batches of stored shards whose staging fits half the budget (reads get the rest).
 
-    Each stored shard that overlaps the target is staged whole; a batch's
-    staging plus the reads in flight stay under ``limit``. A single shard
-    larger than half the budget is staged alone, as the budget's rule for one
-    oversized request has it. An in-place target whose shards span several
-    batches would get its first batches' boxes before a later batch could
-    fail: its chunks are verified by a first read that keeps nothing.
+    Each stored shard that overlaps the target is staged whole (one larger than
+    half the budget alone). An in-place target whose shards span several
+    batches is verified first (docs/pipeline.md, "A failed restore").
     """
     units = [(key, si, n) for key, s in sharded.items() for si, n in s.shard_units()]
     share = max(1, limit // 2)
