@@ -177,7 +177,7 @@ def assign_sized(
     holders: dict[str, list[int]] = {}  # chunk -> indices of the plans holding it
     sizes: dict[str, int] = {}
     for i, p in enumerate(plans):
-        for ids in _id_lists(p):
+        for ids in id_lists(p):
             for h, size in ids:
                 seen = holders.get(h)
                 if seen is None:
@@ -214,7 +214,7 @@ def assign_sized(
     return writer, load, sizes
 
 
-def _id_lists(plan: RankPlan) -> list[ChunkIds]:
+def id_lists(plan: RankPlan) -> list[ChunkIds]:
     """The chunk ids of each tensor, object and shard of ``plan`` (none copied)."""
     out: list[ChunkIds] = []
     for e in plan.entries.values():
