@@ -50,6 +50,21 @@ class ExportResult:
     peak_buffer_bytes: int  # most bytes the read budget held at once
     skipped: tuple[str, ...] = ()  # non-tensor keys in the selection, not exported
 
+    @classmethod
+    def of(
+        cls,
+        out_path: PathLike,
+        fmt: Literal["safetensors", "torch"],
+        items: list[ExportItem],
+        read: tuple[int, int],
+        file_bytes: int,
+        skipped: list[str],
+    ) -> ExportResult:
+        """The result of writing ``items`` (``read``: the bytes fetched and the budget's peak)."""
+        names = tuple(it.name for it in items)
+        data = sum(it.entry.nbytes for it in items)
+        return cls(os.fspath(out_path), fmt, names, data, file_bytes, *read, tuple(skipped))
+
 
 # The file system cannot hold the file: too large for it, full, or over quota.
 _NO_SPACE = (errno.EFBIG, errno.ENOSPC, errno.EDQUOT)
