@@ -96,19 +96,15 @@ def check_app_state(app_state: Mapping[str, Any]) -> None:
     """Raise if an ``app_state`` key is not a string or a value lacks ``state_dict()`` or
     ``load_state_dict()`` (a ``TypeError``): needs no snapshot, so it runs before any read."""
     for key, stateful in app_state.items():
-        _check_stateful(key, stateful)
-
-
-def _check_stateful(key: Any, stateful: Any) -> None:
-    if not isinstance(key, str) or not key:
-        raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
-    for method in ("state_dict", "load_state_dict"):
-        if not callable(getattr(stateful, method, None)):
-            raise UnsupportedValueError(
-                f"app_state[{key!r}] is a {type(stateful).__name__} without {method}(); "
-                "wrap plain values in casnap.StateDict",
-                key,
-            )
+        if not isinstance(key, str) or not key:
+            raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(stateful, method, None)):
+                raise UnsupportedValueError(
+                    f"app_state[{key!r}] is a {type(stateful).__name__} without {method}(); "
+                    "wrap plain values in casnap.StateDict",
+                    key,
+                )
 
 
 def _rank_independent(manifest: Manifest, prefix: str) -> bool:
