@@ -164,15 +164,10 @@ def assign_sized(
 ) -> tuple[dict[str, int], list[int], dict[str, int]]:
     """Writer rank of every unique chunk, the bytes assigned to each rank, each chunk's size.
 
-    Deterministic from the plans alone, so every rank computes the same answer.
-    ``members`` maps a plan's rank to all the ranks whose plan it stands for
-    (the replicas that sent the same body: :mod:`casnap.distributed.coordinate`);
-    by default each plan is its own rank's. Chunks are grouped by the set of
-    ranks holding them: chunks only one rank holds go to it; each other
-    group's chunks, largest first, go to the least-loaded rank of the group
-    (ties to the lowest rank), groups taken in order. A chunk is looked at
-    once per plan holding it, and each group costs a heap over its ranks: no
-    work grows with ranks x chunks.
+    Deterministic from the plans alone, so every rank computes the same answer;
+    the rule is docs/distributed.md's ("The take, step by step", "Planning at
+    scale"). ``members`` maps a plan's rank to all the ranks whose plan it
+    stands for (:mod:`casnap.distributed.coordinate`); by default its own.
     """
     holders: dict[str, list[int]] = {}  # chunk -> indices of the plans holding it
     sizes: dict[str, int] = {}
@@ -296,16 +291,11 @@ def settle_replicas(
     """The plans to commit once replicated values are compared across ranks.
 
     Called by every rank after the planning exchange, with rank 0's ``mode``.
-    A tensor some rank did not declare replicated (its ``replicated=`` or the
-    inferred DDP globs did not match it there) is per-rank state on every rank
-    (:func:`undeclared_replicas`). Equal everywhere: ``plans`` as they are.
-    Different, with ``mode="warn"`` (the default): a :class:`ReplicaMismatchWarning`
-    naming each key and the groups of ranks that agree, and plans in which those
-    tensors are per-rank state (``replicated`` false: each rank's entry names its own chunks, so
-    each rank restores its own value and nothing is dropped); differing shard
-    boxes are kept per rank by the entries' builder. With ``mode="error"``, or
-    when shard boxes differ in dtype or shape, :class:`ReplicaMismatchError`
-    on every rank before anything is written.
+    A tensor some rank did not declare replicated is per-rank state on every
+    rank (:func:`undeclared_replicas`). Values that differ: with ``mode="warn"``
+    a :class:`ReplicaMismatchWarning` and plans in which they are per-rank
+    state; with ``mode="error"``, or shard boxes that differ in dtype or shape,
+    :class:`ReplicaMismatchError` (docs/distributed.md, "Replicated state").
     """
     plans = _per_rank(plans, undeclared_replicas(plans, members))
     bad, keepable = replica_divergence(plans, members)
