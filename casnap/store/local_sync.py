@@ -1,19 +1,8 @@
 """A local store's deferred file syncs: written now, fsynced and renamed into place later.
 
-A take writes hundreds of chunk files. Synced one at a time, each ``fsync``
-waits for its file's writeback and a journal commit of its own, and the
-writer thread waits with it: on the 2-core machine a 1 GiB take spent most
-of its workers' time there (benchmarks/dense_floor.py). Deferred, a put
-writes its temp file and asks the kernel to start writing it back
-(``sync_file_range``, Linux), and returns; the fsyncs run later, many at once
-so that they share journal commits, and only then is each file renamed into
-place. An object that exists is still complete: a file is renamed only once
-its fsync succeeded (docs/format.md, "The commit order").
-
-:class:`DeferredFiles` holds the files written and not yet synced, about
-:data:`WINDOW` of them (each keeps its descriptor open until its fsync, so
-that a writeback error is reported to it): past that, the oldest half is
-settled by a thread of its own while the writers go on.
+A deferred put writes its temp file and starts its writeback; :class:`DeferredFiles`
+fsyncs many at once (they share journal commits) and renames each file only once its
+fsync succeeded. Why and how: docs/pipeline.md, "Writing chunk files on a local disk".
 """
 
 from __future__ import annotations
