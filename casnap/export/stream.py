@@ -1,12 +1,9 @@
 """Streaming chunks into an export file under the memory budget, atomically.
 
-The file layout (offsets) is planned before anything is read; then every
-chunk is fetched through the verified reader (:func:`casnap.chunks.read.read_chunks`)
-under a :class:`~casnap.chunks.budget.ByteBudget` and written at its offset with
-``pwrite``, in whatever order the chunks arrive. No tensor is ever held whole
-in memory. The output is written to a temporary file next to ``out_path``,
-fsynced and renamed into place only once complete: a failure (a corrupt chunk
-raises :class:`casnap.IntegrityError`) leaves no partial file at ``out_path``.
+The file layout (offsets) is planned before anything is read; then every chunk
+is fetched through the verified reader and written at its offset (``pwrite``) as
+it arrives, into a temporary file renamed into place only once complete
+(docs/export.md, "Memory and failures").
 """
 
 from __future__ import annotations
