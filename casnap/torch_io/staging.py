@@ -1,13 +1,9 @@
 """Host buffers for staging tensors, reused from one take to the next, and the device copy path.
 
-Design in docs/gpu.md. The pool keeps at most ``idle_limit`` bytes of idle
-buffers, and a fresh allocation that would push buffers in use plus idle ones
-over the caller's limit first drops the idle ones; buffers in use never exceed
-the limit (:class:`StagingFull`). A tensor on an accelerator is copied in
-chunk-sized pieces, one ahead of the writer (:class:`PieceCopy`), by
-:class:`CudaCopies` or, without a GPU (and for the tests, with
-``device_path_for_cpu=True``), :class:`ThreadCopies`. A pool belongs to a
-:class:`casnap.Session` and is guarded by a lock.
+A :class:`StagingPool` (one per :class:`casnap.Session`, guarded by a lock) hands out
+buffers; a tensor on an accelerator is copied in chunk-sized pieces (:class:`PieceCopy`)
+by a copy engine (:class:`CudaCopies`, or :class:`ThreadCopies` without a GPU). Design,
+limits and the order of copy and write: docs/gpu.md.
 """
 
 from __future__ import annotations
