@@ -1,13 +1,10 @@
 """The save plan of a distributed take: what each rank holds, and who writes which chunk.
 
-Each rank hashes its chunks locally and sends a :class:`RankPlan` (keys, entry
-kinds, chunk hashes; never data). Large chunks of replicated tensors carry a
-check id instead of a hash (:mod:`casnap.distributed.replica_check`): only
-their writer hashes them. Every rank then computes the same
-:func:`assign` from the gathered plans: each unique chunk goes to exactly one
-of the ranks holding it, balanced by bytes. Rank 0 turns the plans and the
-written chunks' locations into manifest entries with the same
-:func:`casnap.take.plan.build_entries` a single-process take uses.
+Each rank hashes its chunks locally into a :class:`RankPlan` (keys, entry kinds,
+chunk ids; never data), large replicated chunks carrying check ids
+(:mod:`casnap.distributed.replica_check`); every rank computes the same
+:func:`assign` from the gathered plans: each unique chunk goes to one of the ranks
+holding it, balanced by bytes (docs/distributed.md, "The take, step by step").
 """
 
 from __future__ import annotations
