@@ -48,10 +48,6 @@ class Planned:
     load: list[int]  # bytes assigned to each rank
     sizes: dict[str, int]  # unique chunk -> raw size
 
-    @property
-    def world_size(self) -> int:
-        return len(self.rep_of)
-
 
 def coordinate(gathered: Gathered, mode: str) -> Planned:
     """Plans, replica check and writer assignment from the gathered messages (every rank).

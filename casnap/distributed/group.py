@@ -19,11 +19,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from casnap.errors import (  # noqa: F401  (defined in errors.py, imported from here too)
-    CasnapError,
-    DistributedTakeError,
-    ReplicaMismatchError,
-)
+from casnap.errors import DistributedTakeError
 
 
 @dataclass(frozen=True)
@@ -149,13 +145,10 @@ class Rendezvous:
         return pickle.loads(data)  # written by this job's own ranks
 
     def collect(
-        self, name: str, ranks: list[int], timeout: float, stop_on_failure: bool = True
+        self, name: str, ranks: list[int], timeout: float
     ) -> tuple[dict[int, Any], list[int]]:
-        """Posted values by rank, and the ranks still missing at the deadline.
-
-        With ``stop_on_failure`` it returns as soon as any posted value is a
-        :class:`Failure` (the take is lost; waiting for the rest is pointless).
-        """
+        """Posted values by rank, and the ranks still missing at the deadline; or as soon
+        as a posted value is a :class:`Failure` (the take is lost: waiting is pointless)."""
         deadline = time.monotonic() + timeout
         got: dict[int, Any] = {}
         delay, cap = 0.001, _poll_cap(self.group.size)
@@ -163,7 +156,7 @@ class Rendezvous:
             for r in ranks:
                 if r not in got and self._has(self._key(name, r)):
                     got[r] = self._get(self._key(name, r))
-                    if stop_on_failure and isinstance(got[r], Failure):
+                    if isinstance(got[r], Failure):
                         return got, [x for x in ranks if x not in got]
             missing = [r for r in ranks if r not in got]
             if not missing or time.monotonic() >= deadline:

@@ -1,13 +1,10 @@
 """The save plan of a distributed take: what each rank holds, and who writes which chunk.
 
-Each rank hashes its chunks locally and sends a :class:`RankPlan` (keys, entry
-kinds, chunk hashes; never data). Large chunks of replicated tensors carry a
-check id instead of a hash (:mod:`casnap.distributed.replica_check`): only
-their writer hashes them. Every rank then computes the same
-:func:`assign` from the gathered plans: each unique chunk goes to exactly one
-of the ranks holding it, balanced by bytes. Rank 0 turns the plans and the
-written chunks' locations into manifest entries with the same
-:func:`casnap.take.plan.build_entries` a single-process take uses.
+Each rank hashes its chunks locally into a :class:`RankPlan` (keys, entry kinds,
+chunk ids; never data), large replicated chunks carrying check ids
+(:mod:`casnap.distributed.replica_check`); every rank computes the same
+:func:`assign` from the gathered plans: each unique chunk goes to one of the ranks
+holding it, balanced by bytes (docs/distributed.md, "The take, step by step").
 """
 
 from __future__ import annotations
@@ -164,20 +161,15 @@ def assign_sized(
 ) -> tuple[dict[str, int], list[int], dict[str, int]]:
     """Writer rank of every unique chunk, the bytes assigned to each rank, each chunk's size.
 
-    Deterministic from the plans alone, so every rank computes the same answer.
-    ``members`` maps a plan's rank to all the ranks whose plan it stands for
-    (the replicas that sent the same body: :mod:`casnap.distributed.coordinate`);
-    by default each plan is its own rank's. Chunks are grouped by the set of
-    ranks holding them: chunks only one rank holds go to it; each other
-    group's chunks, largest first, go to the least-loaded rank of the group
-    (ties to the lowest rank), groups taken in order. A chunk is looked at
-    once per plan holding it, and each group costs a heap over its ranks: no
-    work grows with ranks x chunks.
+    Deterministic from the plans alone, so every rank computes the same answer;
+    the rule is docs/distributed.md's ("The take, step by step", "Planning at
+    scale"). ``members`` maps a plan's rank to all the ranks whose plan it
+    stands for (:mod:`casnap.distributed.coordinate`); by default its own.
     """
     holders: dict[str, list[int]] = {}  # chunk -> indices of the plans holding it
     sizes: dict[str, int] = {}
     for i, p in enumerate(plans):
-        for ids in _id_lists(p):
+        for ids in id_lists(p):
             for h, size in ids:
                 seen = holders.get(h)
                 if seen is None:
@@ -214,7 +206,7 @@ def assign_sized(
     return writer, load, sizes
 
 
-def _id_lists(plan: RankPlan) -> list[ChunkIds]:
+def id_lists(plan: RankPlan) -> list[ChunkIds]:
     """The chunk ids of each tensor, object and shard of ``plan`` (none copied)."""
     out: list[ChunkIds] = []
     for e in plan.entries.values():
@@ -296,16 +288,11 @@ def settle_replicas(
     """The plans to commit once replicated values are compared across ranks.
 
     Called by every rank after the planning exchange, with rank 0's ``mode``.
-    A tensor some rank did not declare replicated (its ``replicated=`` or the
-    inferred DDP globs did not match it there) is per-rank state on every rank
-    (:func:`undeclared_replicas`). Equal everywhere: ``plans`` as they are.
-    Different, with ``mode="warn"`` (the default): a :class:`ReplicaMismatchWarning`
-    naming each key and the groups of ranks that agree, and plans in which those
-    tensors are per-rank state (``replicated`` false: each rank's entry names its own chunks, so
-    each rank restores its own value and nothing is dropped); differing shard
-    boxes are kept per rank by the entries' builder. With ``mode="error"``, or
-    when shard boxes differ in dtype or shape, :class:`ReplicaMismatchError`
-    on every rank before anything is written.
+    A tensor some rank did not declare replicated is per-rank state on every
+    rank (:func:`undeclared_replicas`). Values that differ: with ``mode="warn"``
+    a :class:`ReplicaMismatchWarning` and plans in which they are per-rank
+    state; with ``mode="error"``, or shard boxes that differ in dtype or shape,
+    :class:`ReplicaMismatchError` (docs/distributed.md, "Replicated state").
     """
     plans = _per_rank(plans, undeclared_replicas(plans, members))
     bad, keepable = replica_divergence(plans, members)

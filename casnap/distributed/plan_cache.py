@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import blake3
 
 from casnap.distributed.group import Failure, Group, all_gather
+from casnap.distributed.plan import id_lists
 from casnap.format.entries import ContainerEntry, PrimitiveEntry
 from casnap.take.plan import (
     ChunkIds,
@@ -114,38 +116,29 @@ def _hollow(ids: ChunkIds) -> ChunkIds:
     return tuple(("", n) for _, n in ids)
 
 
-def _hexes(ids: ChunkIds) -> list[str]:
-    return [h for h, _ in ids]
+def _with_ids(
+    e: TensorPlan | ObjectPlan | ShardedPlan, ids: Callable[[ChunkIds], ChunkIds]
+) -> TensorPlan | ObjectPlan | ShardedPlan:
+    """``e`` with the chunk ids of each tensor, object or shard replaced by ``ids(them)``."""
+    if isinstance(e, TensorPlan):
+        return TensorPlan(e.dtype, e.shape, e.replicated, ids(e.chunks), e.quantized)
+    if isinstance(e, ObjectPlan):
+        return ObjectPlan(e.type_name, e.size, ids(e.chunks))
+    shards = tuple(ShardPlan(s.offsets, s.sizes, ids(s.chunks), s.quantized) for s in e.shards)
+    return ShardedPlan(e.layout, e.dtype, e.shape, shards)
 
 
 def content_of(plan: RankPlan) -> Content:
     """The chunk digests and primitive values of ``plan``, in entry order."""
-    hexes: list[str] = []
-    prims: list[tuple[str, Any]] = []
-    for e in plan.entries.values():
-        if isinstance(e, (TensorPlan, ObjectPlan)):
-            hexes += _hexes(e.chunks)
-        elif isinstance(e, ShardedPlan):
-            for s in e.shards:
-                hexes += _hexes(s.chunks)
-        elif isinstance(e, PrimitiveEntry):
-            prims.append((e.type, e.value))
+    hexes = [h for ids in id_lists(plan) for h, _ in ids]
+    prims = [(e.type, e.value) for e in plan.entries.values() if isinstance(e, PrimitiveEntry)]
     return Content(bytes.fromhex("".join(hexes)), tuple(prims))
 
 
 def _slot(e: EntryPlan) -> SlotPlan:
-    if isinstance(e, TensorPlan):
-        return TensorPlan(e.dtype, e.shape, e.replicated, _hollow(e.chunks), e.quantized)
-    if isinstance(e, ObjectPlan):
-        return ObjectPlan(e.type_name, e.size, _hollow(e.chunks))
-    if isinstance(e, ShardedPlan):
-        shards = tuple(
-            ShardPlan(s.offsets, s.sizes, _hollow(s.chunks), s.quantized) for s in e.shards
-        )
-        return ShardedPlan(e.layout, e.dtype, e.shape, shards)
-    if isinstance(e, PrimitiveEntry):
-        return PrimitiveSlot()
-    return e
+    if isinstance(e, (TensorPlan, ObjectPlan, ShardedPlan)):
+        return _with_ids(e, _hollow)
+    return PrimitiveSlot() if isinstance(e, PrimitiveEntry) else e
 
 
 def split(plan: RankPlan) -> tuple[Structure, Content]:
@@ -184,20 +177,9 @@ class _Filler:
             raise ValueError("plan content does not match its structure")
 
     def entry(self, slot: SlotPlan) -> EntryPlan:
-        if isinstance(slot, TensorPlan):
-            return TensorPlan(
-                slot.dtype, slot.shape, slot.replicated, self.ids(slot.chunks), slot.quantized
-            )
-        if isinstance(slot, ObjectPlan):
-            return ObjectPlan(slot.type_name, slot.size, self.ids(slot.chunks))
-        if isinstance(slot, ShardedPlan):
-            shards = tuple(
-                ShardPlan(s.offsets, s.sizes, self.ids(s.chunks), s.quantized) for s in slot.shards
-            )
-            return ShardedPlan(slot.layout, slot.dtype, slot.shape, shards)
-        if isinstance(slot, PrimitiveSlot):
-            return self.primitive()
-        return slot
+        if isinstance(slot, (TensorPlan, ObjectPlan, ShardedPlan)):
+            return _with_ids(slot, self.ids)
+        return self.primitive() if isinstance(slot, PrimitiveSlot) else slot
 
 
 def join(structure: Structure, content: Content) -> RankPlan:

@@ -18,17 +18,10 @@ from casnap.export.stream import ExportResult, PathLike, Progress
 from casnap.export.torch_file import (
     TORCH_LEGACY_STORAGES,
     TORCH_UNTYPED_STORAGE_DTYPES,
-    contiguous_strides,
     export_torch,
     torch_pickle,
 )
-from casnap.export.torch_zip import (
-    ZipPlan,
-    ZipRecord,
-    crc32_combine,
-    plan_torch_archive,
-    write_torch_archive,
-)
+from casnap.export.torch_zip import crc32_combine, plan_torch_archive, write_torch_archive
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -38,9 +31,6 @@ __all__ = [
     "ExportResult",
     "PathLike",
     "Progress",
-    "ZipPlan",
-    "ZipRecord",
-    "contiguous_strides",
     "crc32_combine",
     "export_safetensors",
     "export_torch",

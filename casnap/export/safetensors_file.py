@@ -8,7 +8,6 @@ safetensors writes it. See docs/export.md.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from typing import TYPE_CHECKING, Any
 
@@ -110,13 +109,4 @@ def export_safetensors(
     with atomic_output(out_path, pos) as fd:
         pwrite_all(fd, header, 0)
         fetched, peak, _ = stream(snapshot, items, offsets, fd, memory_budget_bytes, progress)
-    return ExportResult(
-        os.fspath(out_path),
-        "safetensors",
-        tuple(it.name for it in items),
-        pos - len(header),
-        pos,
-        fetched,
-        peak,
-        tuple(skipped),
-    )
+    return ExportResult.of(out_path, "safetensors", items, (fetched, peak), pos, skipped)

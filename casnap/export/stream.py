@@ -1,12 +1,9 @@
 """Streaming chunks into an export file under the memory budget, atomically.
 
-The file layout (offsets) is planned before anything is read; then every
-chunk is fetched through the verified reader (:func:`casnap.chunks.read.read_chunks`)
-under a :class:`~casnap.chunks.budget.ByteBudget` and written at its offset with
-``pwrite``, in whatever order the chunks arrive. No tensor is ever held whole
-in memory. The output is written to a temporary file next to ``out_path``,
-fsynced and renamed into place only once complete: a failure (a corrupt chunk
-raises :class:`casnap.IntegrityError`) leaves no partial file at ``out_path``.
+The file layout (offsets) is planned before anything is read; then every chunk
+is fetched through the verified reader and written at its offset (``pwrite``) as
+it arrives, into a temporary file renamed into place only once complete
+(docs/export.md, "Memory and failures").
 """
 
 from __future__ import annotations
@@ -49,6 +46,21 @@ class ExportResult:
     fetched_bytes: int  # bytes read from the store (frames, as stored)
     peak_buffer_bytes: int  # most bytes the read budget held at once
     skipped: tuple[str, ...] = ()  # non-tensor keys in the selection, not exported
+
+    @classmethod
+    def of(
+        cls,
+        out_path: PathLike,
+        fmt: Literal["safetensors", "torch"],
+        items: list[ExportItem],
+        read: tuple[int, int],
+        file_bytes: int,
+        skipped: list[str],
+    ) -> ExportResult:
+        """The result of writing ``items`` (``read``: the bytes fetched and the budget's peak)."""
+        names = tuple(it.name for it in items)
+        data = sum(it.entry.nbytes for it in items)
+        return cls(os.fspath(out_path), fmt, names, data, file_bytes, *read, tuple(skipped))
 
 
 # The file system cannot hold the file: too large for it, full, or over quota.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -163,13 +162,4 @@ def export_torch(
             crcs[first + j] = fold_crcs(chunk_crcs[pos : pos + n], item.entry)
             pos += n
         write_torch_archive(fd, plan, small, crcs)
-    return ExportResult(
-        os.fspath(out_path),
-        "torch",
-        tuple(it.name for it in items),
-        sum(it.entry.nbytes for it in items),
-        total,
-        fetched,
-        peak,
-        tuple(skipped),
-    )
+    return ExportResult.of(out_path, "torch", items, (fetched, peak), total, skipped)

@@ -1,15 +1,9 @@
 """The zip archive of a ``torch.save`` file, laid out before any tensor is read.
 
 It is the archive PyTorch's own writer produces (``torch/serialization.py``
-``_save`` with ``caffe2/serialize/inline_container.cc`` and miniz):
-``data.pkl`` (pickled with protocol 2 and storage persistent ids),
-``.format_version``, ``.storage_alignment``, ``byteorder``, one stored record
-per tensor ``data/<i>`` whose bytes start on a 64-byte boundary (so
-``torch.load(mmap=True)`` maps them in place), ``version`` and
-``.data/serialization_id``; local headers carry miniz's ``FB`` padding field
-and data descriptors, zip64 where sizes or offsets need it. A streamed
-record's CRC-32 is combined from its chunks' CRCs (:func:`crc32_combine`).
-See docs/export.md.
+``_save`` with ``caffe2/serialize/inline_container.cc`` and miniz); its records
+are listed in docs/export.md. A streamed record's CRC-32 is combined from its
+chunks' CRCs (:func:`crc32_combine`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def listed(keys: list[str]) -> str:
 
 
 def _strictness(
-    manifest: Manifest, prefix: str, stored: list[str], target: dict[str, Any]
+    manifest: Manifest, stored: list[str], target: dict[str, Any]
 ) -> tuple[list[str], list[str]]:
     """Keys the target has that the snapshot lacks, and stored keys the target does not expect.
 
@@ -46,11 +46,9 @@ def _strictness(
     return missing, unexpected
 
 
-def check_keys(
-    manifest: Manifest, key: str, prefix: str, stored: list[str], target: dict[str, Any]
-) -> None:
+def check_keys(manifest: Manifest, key: str, stored: list[str], target: dict[str, Any]) -> None:
     """``strict=True``: raise unless the target's keys and the snapshot's match."""
-    missing, unexpected = _strictness(manifest, prefix, stored, target)
+    missing, unexpected = _strictness(manifest, stored, target)
     if missing:
         raise MissingKeyError(
             f"{key!r}: the target expects keys the snapshot does not hold: {listed(missing)}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ class ShardedSink(ReadTarget):
     Construction validates (dtype, global shape, coverage) without modifying
     anything; :meth:`needed` lists the chunks to fetch, :meth:`consume` receives
     them (the read's target: :class:`~casnap.chunks.target.ReadTarget`) and
-    :meth:`finish` copies the overlaps into the target.
+    :meth:`copy_out` copies the overlaps into the target.
     """
 
     def __init__(self, key: str, entry: ShardedEntry, target: Any) -> None:
@@ -96,7 +97,7 @@ class ShardedSink(ReadTarget):
                 regions = [LocalShard((0,) * len(entry.shape), tuple(entry.shape), target)]
             self._result = target
         else:
-            # Allocated by allocate() or prepare(), once the reader has checked what
+            # Allocated by materialize(), once the reader has checked what
             # the whole read allocates against the memory ceiling (fresh_bytes).
             whole = torch.empty(entry.shape, dtype=self.dtype, device="meta")
             regions = [LocalShard((0,) * len(entry.shape), tuple(entry.shape), whole)]
@@ -187,10 +188,6 @@ class ShardedSink(ReadTarget):
         for si in sorted(shards):
             self._buffer(si)
 
-    def prepare(self) -> None:
-        """Allocate every staging buffer (an unbounded read: :meth:`finish` follows)."""
-        self.allocate({si for si, _ in self._needed})
-
     def consume(self, route: int, data: Buffer) -> None:
         si, ci = self._needed[route]
         cs = self.entry.shards[si].chunk_size
@@ -206,16 +203,8 @@ class ShardedSink(ReadTarget):
             shard = self.entry.shards[si]
             if self._dequantize and shard.quantized is not None:
                 src_t = quantized.rebuild(src_t, shard.quantized).dequantize()
-            src = src_t[
-                tuple(
-                    slice(low - o, h - o) for low, h, o in zip(lo, hi, shard.offsets, strict=True)
-                )
-            ]
-            dst = region.tensor[
-                tuple(
-                    slice(low - o, h - o) for low, h, o in zip(lo, hi, region.offsets, strict=True)
-                )
-            ]
+            src = src_t[_box(lo, hi, shard.offsets)]
+            dst = region.tensor[_box(lo, hi, region.offsets)]
             if self._dequantize:
                 with torch.no_grad():
                     dst.copy_(src)
@@ -224,12 +213,10 @@ class ShardedSink(ReadTarget):
         for si in shards:
             self._buffers.pop(si, None)
 
-    def finish(self) -> Any:
-        """Copy every overlap (after an unbounded read) and return the result."""
-        self.materialize()
-        self.copy_out({si for si, _ in self._needed})
-        self._buffers = {}
-        return self.result
+
+def _box(lo: list[int], hi: list[int], offsets: Sequence[int]) -> tuple[slice, ...]:
+    """The global box ``lo``..``hi`` as slices of a tensor that starts at ``offsets``."""
+    return tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets, strict=True))
 
 
 def _check(key: str, entry: ShardedEntry, target: Any) -> None:

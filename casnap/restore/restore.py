@@ -96,19 +96,15 @@ def check_app_state(app_state: Mapping[str, Any]) -> None:
     """Raise if an ``app_state`` key is not a string or a value lacks ``state_dict()`` or
     ``load_state_dict()`` (a ``TypeError``): needs no snapshot, so it runs before any read."""
     for key, stateful in app_state.items():
-        _check_stateful(key, stateful)
-
-
-def _check_stateful(key: Any, stateful: Any) -> None:
-    if not isinstance(key, str) or not key:
-        raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
-    for method in ("state_dict", "load_state_dict"):
-        if not callable(getattr(stateful, method, None)):
-            raise UnsupportedValueError(
-                f"app_state[{key!r}] is a {type(stateful).__name__} without {method}(); "
-                "wrap plain values in casnap.StateDict",
-                key,
-            )
+        if not isinstance(key, str) or not key:
+            raise UnsupportedValueError(f"app_state keys must be non-empty strings, got {key!r}")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(stateful, method, None)):
+                raise UnsupportedValueError(
+                    f"app_state[{key!r}] is a {type(stateful).__name__} without {method}(); "
+                    "wrap plain values in casnap.StateDict",
+                    key,
+                )
 
 
 def _rank_independent(manifest: Manifest, prefix: str) -> bool:
@@ -181,7 +177,7 @@ def restore_state(
         leaves_of(stateful.state_dict(), prefix, target)
         stored = _plan_subtree(manifest, prefix, target, allow_pickle, load)
         if strict:
-            check_keys(manifest, key, prefix, stored, target)
+            check_keys(manifest, key, stored, target)
         plans.append((key, stateful, prefix))
     values = load_values(repo, load, memory_budget_bytes, progress)
     # RNG state goes last so that no other load_state_dict can consume randomness after it.
@@ -199,12 +195,9 @@ def restore_state(
 class _Reads:
     """One batch of chunk reads: the read's target, under which budget.
 
-    Plain tensors and pickled objects form batches whose in-place tensors'
-    saved bytes (:mod:`casnap.restore.undo`) fit half the budget (``undo``:
-    the pool and that limit); sharded entries form batches of stored shards
-    that fit half the budget (``staged``: each overlapping shard is staged
-    whole, then copied into the target's boxes). Every batch runs through the
-    same verified reader (:func:`casnap.chunks.read_chunks`).
+    How plain and sharded entries split the budget into batches:
+    docs/pipeline.md, "A failed restore" (its "Memory" paragraph). Every batch
+    runs through the same verified reader (:func:`casnap.chunks.read_chunks`).
     """
 
     refs: list[ChunkRef]
@@ -326,14 +319,9 @@ def _plain_reads(
     limit: int,
     undo: Undo,
 ) -> list[_Reads]:
-    """The reads of every plain tensor, in batches (pickled objects: :func:`load_values`).
-
-    A tensor read in place keeps what its chunks overwrite until all of them
-    landed verified (:class:`casnap.restore.undo.TensorUndo`), so a batch's
-    in-place tensors fit half the budget and its reads get the rest. A
-    tensor larger than half the budget is verified by a first read that
-    keeps nothing, then read in place without saving.
-    """
+    """The reads of every plain tensor, in batches (pickled objects: :func:`load_values`):
+    a batch's in-place tensors fit half the budget, a larger one is verified first
+    (docs/pipeline.md, "A failed restore")."""
     share = max(1, limit // 2)
     guarded: dict[str, int] = {}  # in-place tensor -> its bytes, the most it may save
     oversized: list[ChunkRef] = []
@@ -392,12 +380,9 @@ def _plain_batch(
 def _sharded_reads(sharded: Mapping[str, ShardedSink], limit: int) -> list[_Reads]:
     """Batches of stored shards whose staging fits half the budget (reads get the rest).
 
-    Each stored shard that overlaps the target is staged whole; a batch's
-    staging plus the reads in flight stay under ``limit``. A single shard
-    larger than half the budget is staged alone, as the budget's rule for one
-    oversized request has it. An in-place target whose shards span several
-    batches would get its first batches' boxes before a later batch could
-    fail: its chunks are verified by a first read that keeps nothing.
+    Each stored shard that overlaps the target is staged whole (one larger than
+    half the budget alone). An in-place target whose shards span several
+    batches is verified first (docs/pipeline.md, "A failed restore").
     """
     units = [(key, si, n) for key, s in sharded.items() for si, n in s.shard_units()]
     share = max(1, limit // 2)

@@ -1,26 +1,8 @@
-"""What a restore overwrites in place, kept until each tensor is complete (docs/pipeline.md).
+"""What a restore overwrites in place, kept until each tensor is complete.
 
-A restore reads chunks straight into the target tensors. A chunk that fails
-verification after it landed, a store error after part of a chunk arrived,
-or a tensor of several chunks of which some landed before another failed,
-would each leave a tensor holding neither its previous value nor the
-snapshot's. So before a chunk lands in a target, the bytes it overwrites are
-copied aside; once every chunk of that tensor has landed verified, the copies
-go back to a pool that the next tensors reuse (fresh memory costs a page fault
-per page, as much as the copy itself). A failed read puts back the saved bytes
-of every tensor that is not complete.
-
-The one write that needs no copy: a verified chunk that completes its tensor
-(every other chunk has landed verified), as nothing of that tensor can fail
-after it. A tensor of one chunk decoded from a pack or from zstd costs nothing.
-
-Chunks that need no copy at all: a loose raw chunk of a local repository is
-verified on a read-only mapping of its object file before any byte of it
-moves (:meth:`~casnap.store.base.ObjectStore.map`). Such a verified chunk is
-*held* (:meth:`TensorUndo.deliver`), not written: once every chunk of the
-tensor is verified, the held chunks are copied in. Until then the target is
-untouched by them, so they have nothing to roll back; the pool serves only
-chunks that cannot be mapped (compressed, packed, remote).
+Why and how (saved bytes in a reused pool, verified mappings *held* instead of
+written, no copy for the chunk that completes a tensor): docs/pipeline.md,
+"A failed restore: all or nothing per tensor".
 """
 
 from __future__ import annotations

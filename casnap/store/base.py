@@ -6,27 +6,12 @@ Six operations over flat, '/'-separated keys relative to the store's root:
 objects, ``replace`` (a conditional put: compare and swap). Backends are thin;
 backend exceptions are translated to casnap errors in one place per backend.
 
-Around them, with defaults a minimal backend inherits:
-
-- ``list_info(prefix)``: the same listing with each object's size and
-  modification time (:class:`ObjectInfo`; ``None`` where the backend cannot
-  say). gc uses it for its grace period and to report what it frees.
-- ``list_temporary(prefix)`` / ``delete_temporary(key)``: leftovers of puts
-  that never finished (a crashed local put's temp file), which ``list`` never
-  shows. Backends whose puts leave nothing behind inherit "none".
-- ``flush()``: makes earlier non-durable puts *and deletes* durable.
-- ``map(key, limit)``: the object's first ``limit`` bytes as a read-only
-  buffer mapped from where they lie (a local file), no copy; ``None`` where
-  the backend cannot map (every remote store), and the caller reads instead.
-- ``unwrap()``: the backend below views and wrappers (:class:`PrefixStore`,
-  a counting or retrying wrapper), for code that must know what it talks to.
-  Wrappers build on :class:`WrapperStore`, which forwards every call of the
-  contract, so a wrapper overrides only what it changes and skips nothing.
-- ``capabilities``: what the backend promises beyond the contract
-  (:class:`Capabilities`); gc reads ``atomic_create`` to choose how it locks.
-- ``replace(key, data, expected=...)``: the default raises
-  :class:`ConditionalReplaceUnsupportedError`; a backend that can compare and
-  swap overrides it (every casnap backend does).
+Around them, with defaults a minimal backend inherits: ``list_info``,
+``list_temporary``/``delete_temporary``, ``flush``, ``map``, ``unwrap``,
+``capabilities`` and ``replace`` (whose default raises
+:class:`ConditionalReplaceUnsupportedError`); each method's docstring and
+docs/architecture.md, "The store contract", say what it is for. Wrappers
+build on :class:`WrapperStore`.
 
 Semantics every backend guarantees (tested by :mod:`casnap.store.testing`,
 which a third-party backend can run too):
@@ -77,7 +62,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -378,31 +363,32 @@ class PrefixStore(WrapperStore):
         with self._as_seen(key):
             return self.inner.exists(self._k(key))
 
+    def _full(self, prefix: str) -> str:
+        return self._k(prefix) if prefix else self.prefix
+
     def list(self, prefix: str = "") -> Iterator[str]:
         cut = len(self.prefix) + 1
-        full = self._k(prefix) if prefix else self.prefix
         with self._as_seen(prefix):
-            for key in self.inner.list(full):
+            for key in self.inner.list(self._full(prefix)):
                 yield key[cut:]
 
     def delete(self, key: str) -> None:
         with self._as_seen(key):
             self.inner.delete(self._k(key))
 
-    def _seen(self, infos: Iterator[ObjectInfo]) -> Iterator[ObjectInfo]:
+    def _seen(
+        self, prefix: str, listing: Callable[[str], Iterator[ObjectInfo]]
+    ) -> Iterator[ObjectInfo]:
         cut = len(self.prefix) + 1
-        for info in infos:
-            yield ObjectInfo(info.key[cut:], info.size, info.mtime)
+        with self._as_seen(prefix):
+            for info in listing(self._full(prefix)):
+                yield ObjectInfo(info.key[cut:], info.size, info.mtime)
 
     def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        full = self._k(prefix) if prefix else self.prefix
-        with self._as_seen(prefix):
-            yield from self._seen(self.inner.list_info(full))
+        return self._seen(prefix, self.inner.list_info)
 
     def list_temporary(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        full = self._k(prefix) if prefix else self.prefix
-        with self._as_seen(prefix):
-            yield from self._seen(self.inner.list_temporary(full))
+        return self._seen(prefix, self.inner.list_temporary)
 
     def delete_temporary(self, key: str) -> bool:
         # Temporary names are outside the key alphabet: no check_key here.

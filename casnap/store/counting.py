@@ -62,9 +62,7 @@ class CountingStore(WrapperStore):
             self.inner.put(key, parts, create_only=create_only, durable=durable)
         finally:
             self._count("put")
-        with self._lock:
-            self.bytes_written += sum(len(memoryview(p).cast("B")) for p in parts)
-            self.written_keys.append(key)
+        self._wrote(key, parts)
 
     def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
         parts = as_parts(data)
@@ -72,6 +70,9 @@ class CountingStore(WrapperStore):
             self.inner.replace(key, parts, expected=expected)
         finally:
             self._count("replace")
+        self._wrote(key, parts)
+
+    def _wrote(self, key: str, parts: list[Buffer]) -> None:
         with self._lock:
             self.bytes_written += sum(len(memoryview(p).cast("B")) for p in parts)
             self.written_keys.append(key)

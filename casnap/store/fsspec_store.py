@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import quote
 
 import fsspec
@@ -90,6 +90,8 @@ def _open_fs(protocol: str, url: str, options: dict[str, Any]) -> tuple[Any, str
 class FsspecStore(ObjectStore):
     """Objects below ``url`` on an fsspec filesystem; each put is a single write."""
 
+    _read_whole: ClassVar[dict[str, Any]] = {}  # cat_file's options for a whole object
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         options = {**_default_options(protocol), **(storage_options or {})}
@@ -142,7 +144,7 @@ class FsspecStore(ObjectStore):
             return data
         self._check_local(path, key)
         try:
-            return bytes(self.fs.cat_file(path))
+            return bytes(self.fs.cat_file(path, **self._read_whole))
         except Exception as exc:
             raise self._translate(exc, key) from exc
 

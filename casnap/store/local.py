@@ -206,13 +206,8 @@ class LocalStore(ObjectStore):
         (``private``: writable, copy on write; see :meth:`ObjectStore.map`).
 
         The file is opened as by ``get`` (a regular file, never through a link).
-
-        Reading a mapping whose file was truncated meanwhile raises SIGBUS,
-        which no Python code can catch. casnap never truncates an object: a put
-        renames a new file into place and the mapped inode stays whole, a
-        delete unlinks it (the mapping keeps it). Only another program cutting
-        the file in place could; the size is checked again once the mapping is
-        made (and populated), and a file that shrank is not mapped (``None``).
+        A file that shrank once mapped is not mapped (``None``): reading it would
+        raise SIGBUS (docs/pipeline.md, "A failed restore").
         """
         if not _CAN_MAP:
             return None

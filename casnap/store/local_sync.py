@@ -1,19 +1,8 @@
 """A local store's deferred file syncs: written now, fsynced and renamed into place later.
 
-A take writes hundreds of chunk files. Synced one at a time, each ``fsync``
-waits for its file's writeback and a journal commit of its own, and the
-writer thread waits with it: on the 2-core machine a 1 GiB take spent most
-of its workers' time there (benchmarks/dense_floor.py). Deferred, a put
-writes its temp file and asks the kernel to start writing it back
-(``sync_file_range``, Linux), and returns; the fsyncs run later, many at once
-so that they share journal commits, and only then is each file renamed into
-place. An object that exists is still complete: a file is renamed only once
-its fsync succeeded (docs/format.md, "The commit order").
-
-:class:`DeferredFiles` holds the files written and not yet synced, about
-:data:`WINDOW` of them (each keeps its descriptor open until its fsync, so
-that a writeback error is reported to it): past that, the oldest half is
-settled by a thread of its own while the writers go on.
+A deferred put writes its temp file and starts its writeback; :class:`DeferredFiles`
+fsyncs many at once (they share journal commits) and renames each file only once its
+fsync succeeded. Why and how: docs/pipeline.md, "Writing chunk files on a local disk".
 """
 
 from __future__ import annotations
@@ -62,31 +51,28 @@ def _writeback_starter() -> Callable[[int], None]:
 start_writeback = _writeback_starter()
 
 _pool_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pools: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+
+
+def _process_pool(name: str, threads: int) -> ThreadPoolExecutor:
+    """The process's pool ``name``, started as needed and kept; a forked child makes its own."""
+    with _pool_lock:
+        pool = _pools.get(name)
+        if pool is None or pool[0] != os.getpid():
+            pool = _pools[name] = (os.getpid(), ThreadPoolExecutor(threads, name))
+        return pool[1]
 
 
 def sync_pool() -> ThreadPoolExecutor:
-    """The process's threads for fsyncs (files and folders), started as needed and kept:
-    a take settles its files in several batches, and starting 16 threads for each
-    cost milliseconds on a loaded 2-core machine. A forked child makes its own."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(SYNC_THREADS, "casnap-sync"))
-        return _pool[1]
-
-
-_settler: tuple[int, ThreadPoolExecutor] | None = None
+    """The threads for fsyncs (files and folders): a take settles its files in several
+    batches, and starting 16 threads for each cost milliseconds on a loaded 2-core machine."""
+    return _process_pool("casnap-sync", SYNC_THREADS)
 
 
 def settler() -> ThreadPoolExecutor:
-    """The process's one thread that settles batches of deferred files (its fsyncs run
-    on :func:`sync_pool`'s threads; never on its own, which could wait for itself)."""
-    global _settler
-    with _pool_lock:
-        if _settler is None or _settler[0] != os.getpid():
-            _settler = (os.getpid(), ThreadPoolExecutor(1, "casnap-settle"))
-        return _settler[1]
+    """The one thread that settles batches of deferred files (its fsyncs run on
+    :func:`sync_pool`'s threads; never on its own, which could wait for itself)."""
+    return _process_pool("casnap-settle", 1)
 
 
 def run_all(
@@ -177,10 +163,6 @@ class DeferredFiles:
         which settles them; the child's settling thread does not exist to finish them."""
         if self._pid != os.getpid():
             self._pid, self._files, self._batches = os.getpid(), [], []
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._files)
 
     def add(self, file: Unsynced) -> None:
         with self._lock:

@@ -9,9 +9,11 @@ for servers without conditional writes. The other ``storage_options`` go to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from fsspec.asyn import sync
@@ -76,6 +78,11 @@ class S3Store(FsspecStore):
         store.put("a", b"1", create_only=True)
         store.put("a", b"2", create_only=True)  # raises ObjectExistsError
     """
+
+    # A whole object in one GET. Without max_concurrency=1, s3fs first sends a HEAD for
+    # the size (to split downloads above its 50 MiB block size): a second request per
+    # chunk of every restore, for objects casnap's reader already fetches concurrently.
+    _read_whole: ClassVar[dict[str, Any]] = {"max_concurrency": 1}
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         options = _s3_options(storage_options)
@@ -156,12 +163,10 @@ class S3Store(FsspecStore):
 
     def _probe_if_match(self) -> None:
         """Prove that the server refuses a PUT whose ``If-Match`` names another ETag."""
-        probe = f"conditional-write-probe-{uuid.uuid4().hex}"
-        path = self._path(probe)
-        try:
+        with self._probe_object() as probe:
             super().put(probe, b"1")
             try:
-                self.fs.pipe_file(path, b"2", IfMatch=_WRONG_ETAG)
+                self.fs.pipe_file(self._path(probe), b"2", IfMatch=_WRONG_ETAG)
             except Exception as exc:
                 if isinstance(self._translate(exc, probe), ObjectExistsError):
                     vars(self.fs)[_IF_MATCH_PROBED_ATTR] = True
@@ -173,30 +178,21 @@ class S3Store(FsspecStore):
                 "storage option conditional_writes=false (docs/s3.md)",
                 probe,
             )
-        finally:
-            try:
-                self.delete(probe)
-            except StoreError:
-                pass
 
-    def get(self, key: str, *, limit: int | None = None) -> bytes:
-        if limit is not None:
-            return super().get(key, limit=limit)  # one ranged GET
-        # One GET. Without max_concurrency=1, s3fs first sends a HEAD for the size
-        # (to split downloads above its 50 MiB block size): a second request per
-        # chunk of every restore, for objects casnap's reader already fetches
-        # concurrently, one per chunk.
-        path = self._path(key)
+    @contextlib.contextmanager
+    def _probe_object(self) -> Iterator[str]:
+        """A fresh key for a probe object, deleted afterwards (a leftover is harmless)."""
+        probe = f"conditional-write-probe-{uuid.uuid4().hex}"
         try:
-            return bytes(self.fs.cat_file(path, max_concurrency=1))
-        except Exception as exc:
-            raise self._translate(exc, key) from exc
+            yield probe
+        finally:
+            with contextlib.suppress(StoreError):
+                self.delete(probe)
 
     def _probe_conditional_writes(self) -> None:
         """Prove that the server refuses a second conditional PUT of one key (then
         remembered on the s3fs client); raise if it overwrote instead."""
-        probe = f"conditional-write-probe-{uuid.uuid4().hex}"
-        try:
+        with self._probe_object() as probe:
             super().put(probe, b"1", create_only=True)
             try:
                 super().put(probe, b"2", create_only=True)
@@ -209,11 +205,6 @@ class S3Store(FsspecStore):
                 "repository with the storage option conditional_writes=false (docs/s3.md)",
                 probe,
             )
-        finally:
-            try:
-                self.delete(probe)
-            except StoreError:
-                pass  # a leftover probe object is harmless; the failure above matters
 
     def _translate(self, exc: Exception, key: str) -> StoreError:
         if isinstance(exc, StoreError):

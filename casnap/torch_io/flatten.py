@@ -157,13 +157,10 @@ def flatten(value: Any, key: str, allow_pickle: bool, out: dict[str, Node], dept
             check_storable(shard.tensor, key)
         out[key] = leaf
         return
-    if isinstance(value, torch.Tensor):
-        if type(value) not in (torch.Tensor, torch.nn.Parameter):
-            raise UnsupportedValueError(
-                f"{key}: tensor subclass {type(value).__name__} is not supported here", key
-            )
-        out[key] = tensor_leaf(value, key)
-        return
+    if isinstance(value, torch.Tensor):  # plain tensors were handled above
+        raise UnsupportedValueError(
+            f"{key}: tensor subclass {type(value).__name__} is not supported here", key
+        )
     prim = encode_primitive(value)
     if prim is not None:
         out[key] = prim

@@ -40,18 +40,16 @@ class ShardLeaf:
 # A DTensor or ShardedTensor can only exist once its module is imported, and
 # importing torch.distributed.tensor costs about 0.9 s: a take of a state
 # without them must not pay that, so the types are looked up, never imported.
-_DTENSOR_MODULE = "torch.distributed.tensor"
-_SHARDED_TENSOR_MODULE = "torch.distributed._shard.sharded_tensor.api"
+def _loaded(module: str, name: str) -> type[Any] | None:
+    return getattr(sys.modules.get(module), name, None)
 
 
 def _dtensor_type() -> type[Any] | None:
-    module = sys.modules.get(_DTENSOR_MODULE)
-    return getattr(module, "DTensor", None) if module is not None else None
+    return _loaded("torch.distributed.tensor", "DTensor")
 
 
 def _sharded_tensor_type() -> type[Any] | None:
-    module = sys.modules.get(_SHARDED_TENSOR_MODULE)
-    return getattr(module, "ShardedTensor", None) if module is not None else None
+    return _loaded("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
 
 
 def is_sharded(value: Any) -> bool:

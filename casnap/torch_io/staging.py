@@ -1,13 +1,9 @@
 """Host buffers for staging tensors, reused from one take to the next, and the device copy path.
 
-Design in docs/gpu.md. The pool keeps at most ``idle_limit`` bytes of idle
-buffers, and a fresh allocation that would push buffers in use plus idle ones
-over the caller's limit first drops the idle ones; buffers in use never exceed
-the limit (:class:`StagingFull`). A tensor on an accelerator is copied in
-chunk-sized pieces, one ahead of the writer (:class:`PieceCopy`), by
-:class:`CudaCopies` or, without a GPU (and for the tests, with
-``device_path_for_cpu=True``), :class:`ThreadCopies`. A pool belongs to a
-:class:`casnap.Session` and is guarded by a lock.
+A :class:`StagingPool` (one per :class:`casnap.Session`, guarded by a lock) hands out
+buffers; a tensor on an accelerator is copied in chunk-sized pieces (:class:`PieceCopy`)
+by a copy engine (:class:`CudaCopies`, or :class:`ThreadCopies` without a GPU). Design,
+limits and the order of copy and write: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -15,8 +11,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -29,24 +25,13 @@ class StagingFull(CasnapError, MemoryError):
     """Staging ``nbytes`` more would put the pool's buffers in use over its limit."""
 
 
-class Ready(Protocol):
-    """Completion of one asynchronous copy."""
-
-    def wait(self) -> None: ...
+Ready = Callable[[], object]  # waits for one asynchronous copy to complete
 
 
 class CopyEngine(Protocol):
     """Starts byte copies into host memory and hands back one completion per copy."""
 
     def start(self, dst: torch.Tensor, src: torch.Tensor, slot: int) -> Ready: ...
-
-
-class _CudaReady:
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self._event = event
-
-    def wait(self) -> None:
-        self._event.synchronize()  # this piece only; later pieces keep copying
 
 
 class CudaCopies:
@@ -73,15 +58,7 @@ class CudaCopies:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         src.record_stream(stream)  # its memory is not reused before the copy has run
-        return _CudaReady(event)
-
-
-class _FutureReady:
-    def __init__(self, future: Future[None]) -> None:
-        self._future = future
-
-    def wait(self) -> None:
-        self._future.result()
+        return event.synchronize  # this piece only; later pieces keep copying
 
 
 class ThreadCopies:
@@ -101,7 +78,7 @@ class ThreadCopies:
         dst.copy_(src)
 
     def start(self, dst: torch.Tensor, src: torch.Tensor, slot: int) -> Ready:
-        return _FutureReady(self._executor.submit(self._copy, dst, src))
+        return self._executor.submit(self._copy, dst, src).result
 
 
 def default_engine() -> CopyEngine:
@@ -136,7 +113,7 @@ class PieceCopy:
     def wait(self) -> None:
         """Until the bytes are in host memory."""
         if self._ready is not None:
-            self._ready.wait()
+            self._ready()
             self._ready = None
 
     def give_back(self) -> None:
