@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from typing import Any
 
 
@@ -261,6 +262,21 @@ class ReplicaMismatchError(DistributedTakeError, ValueError):
 
 class CasnapWarning(UserWarning):
     """Root of the warnings casnap emits (filter them with ``warnings.filterwarnings``)."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes ``warnings.warn``, called by the caller of this
+    function, name the nearest line outside casnap: the user's call, however deep
+    inside casnap the warning is raised (``skip_file_prefixes`` before Python 3.12)."""
+    frame = sys._getframe(1)  # the function about to call warnings.warn
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class ReplicaMismatchWarning(CasnapWarning):

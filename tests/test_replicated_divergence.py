@@ -48,6 +48,7 @@ def warn_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     read = [snap.read_object(f"{r}/s/w")[0].item() for r in range(world)]
     return {
         "messages": [str(w.message) for w in found],
+        "where": [w.filename for w in found],
         "mismatches": [w.message.mismatches for w in found],  # type: ignore[union-attr]
         "flags": flags,
         "read": read,
@@ -63,6 +64,7 @@ def test_default_warns_naming_keys_and_ranks_and_keeps_each_value(tmp_path: Path
         # The diverged key became per-rank state; the equal one stays replicated.
         assert o["flags"] == {"0/w": False, "1/w": False, "0/same": True, "1/same": True}
         assert o["read"] == [1.0, 2.0]
+        assert o["where"] == [__file__]  # the warning points at the line calling take
     assert (tmp_path / "repo" / ".casnap" / "refs" / "s1").exists()
 
 

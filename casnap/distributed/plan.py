@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from casnap.distributed.replica_check import check_id
-from casnap.errors import ReplicaMismatchError, ReplicaMismatchWarning
+from casnap.errors import ReplicaMismatchError, ReplicaMismatchWarning, user_stacklevel
 from casnap.format.names import digest_of
 from casnap.take.plan import (
     ChunkIds,
@@ -313,6 +313,6 @@ def settle_replicas(
             "Set replica_mismatch='error' (CASNAP_REPLICA_MISMATCH) to fail such a take",
             bad,
         ),
-        stacklevel=6,  # the user code calling take: through coordinate()
+        stacklevel=user_stacklevel(),  # the user's line calling take
     )
     return _per_rank(plans, set(bad))
