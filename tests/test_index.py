@@ -457,3 +457,30 @@ def test_rebuild_never_records_a_delta_frame_as_a_whole_chunk(tmp_path):
     # A take elsewhere of the same state, with no parent: what the index vouches for it uses.
     take(repo, "other/s", StateDict(table=table))
     assert_restores(repo, "other/s", StateDict(table=table))
+
+
+def test_parent_chunks_keeps_the_whole_copy_of_a_chunk_whose_other_copy_is_damaged():
+    """A chunk stored twice (loose, and in a pack) with its packed copy recorded damaged:
+    the parent's refs offer the loose copy, whichever key names it first or last, and
+    each tensor's delta bases are its own chunk list."""
+    from casnap.format.entries import ChunkRef, TensorEntry
+    from casnap.format.manifest import Manifest
+    from casnap.repo.damage import DamagedCopy, DamageSet
+
+    h, pack = "a" * 64, "b" * 64
+    loose = ChunkRef(hash=h, size=4096, length=4096 + 56)
+    packed = ChunkRef(hash=h, size=4096, pack=pack, offset=0, length=4096 + 56)
+
+    def entry(ref: ChunkRef) -> TensorEntry:
+        return TensorEntry(dtype="float32", shape=[1024], chunk_size=4096, chunks=[ref])
+
+    damaged = DamageSet([DamagedCopy(h, pack)])
+    for order in ([loose, packed], [packed, loose]):
+        entries = {f"0/t{i}": entry(r) for i, r in enumerate(order)}
+        manifest = Manifest(created_at="t", entries=entries)
+        refs, bases = index.parent_chunks(manifest, damaged)
+        assert refs == {h: loose}
+        assert {k: list(v[1]) for k, v in bases.items()} == {
+            f"0/t{i}": [r] for i, r in enumerate(order)
+        }
+        assert index.parent_chunks(manifest, DamageSet())[0] == {h: order[-1]}

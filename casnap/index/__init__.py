@@ -126,9 +126,8 @@ def parent_chunks(
         if id(e) not in seen:
             seen.add(id(e))
             for c in chunks_of(e):
-                refs[c.hash] = c
-    if damaged:
-        refs = {h: c for h, c in refs.items() if c not in damaged}
+                if not damaged or c not in damaged:  # another copy of the chunk may be whole
+                    refs[c.hash] = c
     return refs, bases
 
 
