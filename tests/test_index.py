@@ -463,7 +463,7 @@ def test_parent_chunks_keeps_the_whole_copy_of_a_chunk_whose_other_copy_is_damag
     """A chunk stored twice (loose, and in a pack) with its packed copy recorded damaged:
     the parent's refs offer the loose copy, whichever key names it first or last, and
     each tensor's delta bases are its own chunk list."""
-    from casnap.format.entries import ChunkRef, TensorEntry
+    from casnap.format.entries import ChunkRef, Entry, TensorEntry
     from casnap.format.manifest import Manifest
     from casnap.repo.damage import DamagedCopy, DamageSet
 
@@ -476,7 +476,7 @@ def test_parent_chunks_keeps_the_whole_copy_of_a_chunk_whose_other_copy_is_damag
 
     damaged = DamageSet([DamagedCopy(h, pack)])
     for order in ([loose, packed], [packed, loose]):
-        entries = {f"0/t{i}": entry(r) for i, r in enumerate(order)}
+        entries: dict[str, Entry] = {f"0/t{i}": entry(r) for i, r in enumerate(order)}
         manifest = Manifest(created_at="t", entries=entries)
         refs, bases = index.parent_chunks(manifest, damaged)
         assert refs == {h: loose}
