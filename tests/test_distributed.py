@@ -197,3 +197,46 @@ def test_dead_rank_fails_every_rank_in_bounded_time(tmp_path: Path) -> None:
         assert o.value["ranks"] == (2,) and "rank(s) [2]" in o.value["message"], o.value
         assert o.value["s"] < 30
     assert not (tmp_path / "repo" / ".casnap" / "refs" / "d").exists()
+
+
+def gather_scenario(rank: int, world: int) -> dict[str, Any]:
+    from casnap.distributed import DistributedTakeError
+    from casnap.distributed.group import Failure, all_gather, resolve_group
+
+    group = resolve_group(None)
+    real, calls = dist.all_gather, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather = counted  # the real collective, counted
+    small = all_gather(group, {"rank": rank, "parents": ["a" * 40]}, "small")
+    n_small = len(calls)
+    # Rank 1's value is over the first gather's slot; the others' are not.
+    big = all_gather(group, b"x" * (200_000 if rank == 1 else rank), "big")
+    n_big = len(calls) - n_small
+    empty = all_gather(group, b"", "empty")
+    try:
+        all_gather(group, Failure(rank, "disk full", "OSError") if rank == 2 else None, "failing")
+        failed = ""
+    except DistributedTakeError as exc:
+        failed = str(exc)
+    return {
+        "small": small,
+        "n_small": n_small,
+        "big": big,
+        "n_big": n_big,
+        "empty": empty,
+        "failed": failed,
+    }
+
+
+def test_all_gather_one_collective_when_small_two_when_not() -> None:
+    got = values(run_ranks(3, gather_scenario))
+    for o in got:
+        assert o["small"] == [{"rank": r, "parents": ["a" * 40]} for r in range(3)]
+        assert o["n_small"] == 1  # all_gather_object would issue two
+        assert o["big"] == [b"", b"x" * 200_000, b"xx"] and o["n_big"] == 2
+        assert o["empty"] == [b""] * 3
+        assert "failing on rank(s) [2]: rank 2: disk full" in o["failed"]
