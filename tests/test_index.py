@@ -406,24 +406,38 @@ def test_an_index_folder_on_a_network_filesystem_is_not_used(tmp_path, monkeypat
     assert store.requests["get_range"] == len(loose_chunks(s1))
 
 
-def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(tmp_path):
+def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(
+    tmp_path, monkeypatch
+):
     """The summary a session's commit records reuses the work of the entry objects the
     previous take kept (SummaryMemo); what it records must equal a summary built from
-    the manifest read back, for an unchanged re-take, a few changed tensors and a delta."""
+    the manifest read back, for an unchanged re-take, a few changed tensors and a delta.
+    An unchanged re-take (None below) walks no entry: it reuses the last summary whole."""
+    from casnap.index import summaries
+
     repo, _ = counted_repo(str(tmp_path / "repo"))
     session = Session()
     state = mixed_state(0)
     steps = [
-        lambda: None,
+        lambda: state,
+        None,
         lambda: state["t3"].add_(1.0),
         lambda: state["t0"][:50].mul_(2.0),
+        None,
         lambda: state.update(extra=torch.ones(7)),
+        None,
     ]
     for i, change in enumerate(steps):
-        change()
-        Snapshot.take(f"{repo.url}/s{i}", {"s": state}, storage_options=opts(repo), session=session)
+        with monkeypatch.context() as m:
+            if change is None:
+                m.setattr(summaries, "_part", lambda e: pytest.fail("an entry was walked"))
+            else:
+                change()
+            Snapshot.take(
+                f"{repo.url}/s{i}", {"s": state}, storage_options=opts(repo), session=session
+            )
     assert any(
-        c.base is not None for c in repo.storage.read_manifest(repo.resolve("s2")).chunk_refs()
+        c.base is not None for c in repo.storage.read_manifest(repo.resolve("s3")).chunk_refs()
     )
     for i in range(len(steps)):
         h = repo.resolve(f"s{i}")

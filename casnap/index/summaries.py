@@ -8,12 +8,13 @@ the binary form below; :func:`casnap.index.manifest_summaries` serves them.
 from __future__ import annotations
 
 import json
+import operator
 import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from casnap.format.entries import Entry, chunks_of
+from casnap.format.entries import ContainerEntry, Entry, PrimitiveEntry, chunks_of
 from casnap.format.manifest import Manifest
 
 _SPAN = struct.Struct("<32sQQ")  # object digest, offset, frame length
@@ -59,6 +60,7 @@ class ManifestSummary:
 
 
 _Part = tuple[Entry, int, int, tuple[tuple[str, int, int], ...]]
+_PLAIN = (ContainerEntry, PrimitiveEntry)  # entries that hold no chunks
 
 
 class SummaryMemo:
@@ -75,17 +77,39 @@ class SummaryMemo:
         self._lock = threading.Lock()
         self._parts: dict[int, _Part] = {}
         self._encoded: tuple[frozenset[tuple[str, int, int]], bytes] | None = None
+        # The last manifest's entry objects with chunks in key order, its (logical, count).
+        self._whole: tuple[list[Entry], tuple[int, int]] | None = None
 
     def take(self) -> tuple[dict[int, _Part], tuple[frozenset[Any], bytes] | None]:
         """The parts and the (spans, table) of the manifest summarized last, together."""
         with self._lock:
             return self._parts, self._encoded
 
-    def keep(self, parts: dict[int, _Part], spans: frozenset[Any], table: bytes) -> None:
-        """Remember a summarized manifest's parts and span table (one step: a take in
-        another thread reads both of one manifest)."""
+    def unchanged(
+        self, values: list[Entry]
+    ) -> tuple[tuple[int, int], frozenset[Any], bytes] | None:
+        """The totals, spans and table of the last manifest when ``values`` are its very
+        entry objects with chunks, in order (an unchanged re-take: its containers and
+        primitives are new objects, but hold no chunks): nothing is walked again."""
         with self._lock:
-            self._parts, self._encoded = parts, (spans, table)
+            whole, encoded = self._whole, self._encoded
+        if whole is None or encoded is None or len(whole[0]) != len(values):
+            return None
+        if not all(map(operator.is_, values, whole[0])):
+            return None
+        return whole[1], encoded[0], encoded[1]
+
+    def keep(
+        self,
+        parts: dict[int, _Part],
+        spans: frozenset[Any],
+        table: bytes,
+        whole: tuple[list[Entry], tuple[int, int]] | None = None,
+    ) -> None:
+        """Remember a summarized manifest's parts, span table and entry objects (one
+        step: a take in another thread reads all of one manifest)."""
+        with self._lock:
+            self._parts, self._encoded, self._whole = parts, (spans, table), whole
 
 
 def _part(e: Entry) -> tuple[int, int, tuple[tuple[str, int, int], ...]]:
@@ -106,6 +130,11 @@ def summarize(
     """What ``log``/``du`` need of ``manifest``, each distinct entry object read once
     (a rank-grouped manifest repeats one object under every rank's key); ``memo``
     reuses the work of the entry objects it summarized last."""
+    values = [e for e in manifest.entries.values() if type(e) not in _PLAIN] if memo else []
+    reused = memo.unchanged(values) if memo is not None else None
+    if reused is not None:
+        (total, refs), spans, encoded = reused
+        return _summary(manifest_hash, manifest, total, refs, spans, encoded)
     logical = count = 0
     old, last = memo.take() if memo is not None else ({}, None)
     parts: dict[int, _Part] = {}
@@ -128,7 +157,18 @@ def summarize(
     if memo is not None:  # the summary is about to be recorded: its table is needed
         reuse = last is not None and (same or last[0] == frozen)
         table = last[1] if reuse and last is not None else span_table(frozen)
-        memo.keep(parts, frozen, table)
+        memo.keep(parts, frozen, table, (values, (logical, count)))
+    return _summary(manifest_hash, manifest, logical, count, frozen, table)
+
+
+def _summary(
+    manifest_hash: str,
+    manifest: Manifest,
+    logical: int,
+    count: int,
+    spans: frozenset[tuple[str, int, int]],
+    table: bytes | None,
+) -> ManifestSummary:
     return ManifestSummary(
         manifest=manifest_hash,
         created_at=manifest.created_at,
@@ -137,7 +177,7 @@ def summarize(
         metadata=dict(manifest.metadata),
         logical_bytes=logical,
         chunk_refs=count,
-        spans=frozen,
+        spans=spans,
         encoded_spans=table,
     )
 
