@@ -166,6 +166,25 @@ def test_a_session_that_remembers_the_damaged_plan_writes_the_chunk_again(tmp_pa
     assert [p.snapshots for p in problems] == [("s1",)]  # the loose one healed
 
 
+def test_a_session_re_take_after_damage_gathers_its_parents_chunks_again(tmp_path):
+    """A session's re-take reuses the parent chunks it gathered last when the parent's
+    entries are the same objects (casnap.index.ParentMemo), never once damage is
+    recorded: s2's parent s1 has s0's entries, and the copies s1 names are damaged."""
+    repo = tmp_path / "repo"
+    session = Session()
+    take_here(repo, "s0", session=session)
+    s1 = take_here(repo, "s1", session=session)  # gathers s0's chunks: s1's are the same
+    damage_loose(repo, s1)
+    damage_packed(repo, s1)
+    assert len(corrupt_chunks(Repository(str(repo)).verify(read_data=True))) == 2
+
+    take_here(repo, "s2", session=session)
+
+    assert restores_bit_exact(repo, "s2")
+    problems = corrupt_chunks(Repository(str(repo)).verify(read_data=True))
+    assert [p.snapshots for p in problems] == [("s0", "s1")]  # the loose one healed
+
+
 # -- found by a read -------------------------------------------------------
 
 

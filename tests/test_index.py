@@ -11,6 +11,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -449,6 +450,37 @@ def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(
             fresh.chunk_refs,
         )
         assert recorded.stored_bytes == stored_bytes(repo.storage.read_manifest(h))
+
+
+def test_a_sessions_unchanged_re_takes_gather_their_parents_chunks_once(tmp_path, monkeypatch):
+    """casnap.index.ParentMemo: a parent whose entries with chunks are the objects the
+    session gathered last (an unchanged re-take's) is not walked again; a changed
+    tensor (a new entry object) makes the next take gather again, and dedup holds."""
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    session = Session()
+    state = mixed_state(0)
+    walked = []
+    real = index.parent_chunks
+
+    def counted(manifest: Any, damaged: Any) -> Any:
+        walked.append(manifest)
+        return real(manifest, damaged)
+
+    monkeypatch.setattr(index, "parent_chunks", counted)
+
+    def take_stats_of(name: str) -> int:
+        snap = Snapshot.take(
+            f"{repo.url}/{name}", {"s": state}, storage_options=opts(repo), session=session
+        )
+        return take_stats(snap).chunks_written
+
+    take_stats_of("s0")
+    assert [take_stats_of(f"r{i}") for i in range(3)] == [0, 0, 0]
+    assert len(walked) == 1  # r0's parent s0; r1 and r2 reuse it
+    state["t3"].add_(1.0)
+    assert take_stats_of("c") == 1
+    assert take_stats_of("c2") == 0
+    assert len(walked) == 2  # c's parent r2 has s0's entries (reused); c2's parent c: walked
 
 
 def test_rebuild_never_records_a_delta_frame_as_a_whole_chunk(tmp_path):

@@ -407,6 +407,11 @@ Entry = Annotated[
 ]
 
 
+# The entries that never hold a chunk (chunks_of is empty): a type test, per entry of a
+# manifest, cheaper than the call.
+CHUNKLESS = (ContainerEntry, PrimitiveEntry)
+
+
 def chunks_of(e: Entry) -> list[ChunkRef]:
     """The chunks an entry holds (none for a primitive or a container); not their delta bases."""
     if isinstance(e, (TensorEntry, ObjectEntry)):

@@ -27,11 +27,13 @@ take dedups against, summaries for ``log``/``du``, rebuild);
 
 from __future__ import annotations
 
+import operator
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from casnap.errors import CasnapError, SnapshotNotFoundError
-from casnap.format.entries import ChunkRef, TensorEntry, chunks_of
+from casnap.format.entries import CHUNKLESS, ChunkRef, Entry, TensorEntry, chunks_of
 from casnap.format.manifest import Manifest
 from casnap.index.cover import covers, record_cover
 from casnap.index.lmdb_envs import INDEX_FORMAT, close_all, drop, index_path
@@ -54,6 +56,7 @@ __all__ = [
     "INDEX_FORMAT",
     "KnownChunks",
     "ManifestSummary",
+    "ParentMemo",
     "RebuildStats",
     "RepoIndex",
     "SummaryMemo",
@@ -99,9 +102,13 @@ class KnownChunks(dict[str, ChunkRef]):
         # recording only what it wrote (else every chunk it names).
         self.covered = True
 
-    def add_parent(self, manifest: Manifest) -> None:
-        """Add a parent manifest's chunks (the first one's delta bases too)."""
-        refs, bases = parent_chunks(manifest, self.damaged)
+    def add_parent(self, manifest: Manifest, memo: ParentMemo | None = None) -> None:
+        """Add a parent manifest's chunks (the first one's delta bases too); ``memo``:
+        a session's, for a parent it committed itself."""
+        if memo is not None and not self.damaged:
+            refs, bases = memo.chunks(manifest)
+        else:
+            refs, bases = parent_chunks(manifest, self.damaged)
         self.update(refs)
         if not self.bases:  # the first parent's: the take's lineage
             self.bases = bases
@@ -129,6 +136,41 @@ def parent_chunks(
                 if not damaged or c not in damaged:  # another copy of the chunk may be whole
                     refs[c.hash] = c
     return refs, bases
+
+
+_Chunks = tuple[dict[str, ChunkRef], dict[str, tuple[int, Sequence[ChunkRef]]]]
+
+
+class ParentMemo:
+    """The :func:`parent_chunks` of the parent read last (no damaged copies), with the
+    keys and entry objects it came from: a session's next take has that manifest's
+    unchanged entries as its own, so its parent's chunks are the same and are not
+    gathered again (2,000 unchanged small tensors: 1.4 ms a take). Entries without
+    chunks (containers, primitives: new objects each take) are not compared."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: tuple[list[str], list[Entry], _Chunks] | None = None
+
+    def chunks(self, manifest: Manifest) -> _Chunks:
+        keys, values = [], []
+        for key, e in manifest.entries.items():
+            if type(e) not in CHUNKLESS:
+                keys.append(key)
+                values.append(e)
+        with self._lock:
+            last = self._last
+        if (
+            last is not None
+            and last[0] == keys
+            and len(last[1]) == len(values)
+            and all(map(operator.is_, values, last[1]))
+        ):
+            return last[2]  # read-only for the caller, as KnownChunks treats them
+        found = parent_chunks(manifest, DamageSet())
+        with self._lock:
+            self._last = (keys, values, found)
+        return found
 
 
 # -- history -----------------------------------------------------------------

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from casnap.format.entries import ContainerEntry, Entry, PrimitiveEntry, chunks_of
+from casnap.format.entries import CHUNKLESS, Entry, chunks_of
 from casnap.format.manifest import Manifest
 
 _SPAN = struct.Struct("<32sQQ")  # object digest, offset, frame length
@@ -60,7 +60,6 @@ class ManifestSummary:
 
 
 _Part = tuple[Entry, int, int, tuple[tuple[str, int, int], ...]]
-_PLAIN = (ContainerEntry, PrimitiveEntry)  # entries that hold no chunks
 
 
 class SummaryMemo:
@@ -130,7 +129,7 @@ def summarize(
     """What ``log``/``du`` need of ``manifest``, each distinct entry object read once
     (a rank-grouped manifest repeats one object under every rank's key); ``memo``
     reuses the work of the entry objects it summarized last."""
-    values = [e for e in manifest.entries.values() if type(e) not in _PLAIN] if memo else []
+    values = [e for e in manifest.entries.values() if type(e) not in CHUNKLESS] if memo else []
     reused = memo.unchanged(values) if memo is not None else None
     if reused is not None:
         (total, refs), spans, encoded = reused

@@ -86,7 +86,7 @@ def known_chunks(
             # Written by this session, and still stored: gc deletes a manifest before
             # its chunks and cannot run while this take's lease is held, so its
             # chunks are all there, exactly as if it had been read back (docs/gc.md).
-            known.add_parent(manifest)
+            known.add_parent(manifest, last_plan.parent_chunks if last_plan else None)
             continue
         if covered:
             known.later.append(parent)

@@ -48,6 +48,7 @@ from typing import Generic, TypeVar
 
 from casnap.errors import ConfigError, expect_type
 from casnap.format.manifest import Dumped, Manifest
+from casnap.index import ParentMemo
 from casnap.index.summaries import SummaryMemo
 from casnap.settings import default_memory_budget, staging_cache_bytes
 from casnap.torch_io.staging import StagingPool
@@ -84,6 +85,7 @@ class LastPlan:
         self._lock = threading.Lock()
         self._by_repo: dict[str, tuple[str, Manifest, Dumped | None]] = {}
         self._repos = repos
+        self.parent_chunks = ParentMemo()  # the next take's parent is one of these manifests
 
     def put(
         self, repo_id: str, manifest_hash: str, manifest: Manifest, dumped: Dumped | None = None
