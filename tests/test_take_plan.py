@@ -81,6 +81,39 @@ def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_pa
     assert stored == canonical_json(s2.manifest.model_dump(mode="json"))
 
 
+def test_an_unchanged_re_take_holds_its_parents_very_entries(tmp_path, session):
+    """Containers, primitives and pickled objects are built anew each take; equal ones
+    are the parent's objects, so an unchanged re-take's manifest holds the parent's
+    entries dict itself (casnap.format.manifest.same_entries) and reuses its format
+    version, entry texts and their join. Its bytes stay the canonical JSON; a changed
+    primitive gives a new entries dict with only that entry new."""
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    state = state_of(20)
+    extra = StateDict(step=7, lr=0.5, opts={"betas": (0.9, 0.99)}, tags={"a", "b"})
+    kw = {"allow_pickle": True}
+
+    def snap(name: str) -> Snapshot:
+        opts = {"repository": repo, "chunk_size": CHUNK}
+        app = {"s": state, "x": extra}
+        return Snapshot.take(f"{repo.url}/{name}", app, storage_options=opts, session=session, **kw)
+
+    s1, s2 = snap("s1"), snap("s2")
+    assert s2.manifest.parents == [s1.manifest_hash]
+    assert s2.manifest.entries is s1.manifest.entries  # every entry unchanged
+    extra["step"] = 8
+    s3 = snap("s3")
+    assert s3.manifest.entries is not s2.manifest.entries
+    changed = [k for k, e in s3.manifest.entries.items() if e is not s2.manifest.entries[k]]
+    assert changed == ["0/x/step"]
+    for s in (s2, s3):
+        stored = repo.storage.store.get(manifest_key(s.manifest_hash))
+        assert stored == canonical_json(s.manifest.model_dump(mode="json"))
+        assert repo.storage.read_manifest(s.manifest_hash) == s.manifest
+    out = StateDict(step=0, lr=0.0, opts={}, tags=set())
+    Snapshot(f"{repo.url}/s3", storage_options={"repository": repo}).restore({"x": out}, **kw)
+    assert dict(out) == dict(extra)
+
+
 def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path, session):
     from casnap.gc.collect import gc
 

@@ -9,6 +9,7 @@ that can hold a manifest's entries. The entries themselves are in
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -252,6 +253,15 @@ def _group_by_ranks(entries: dict[str, Entry]) -> tuple[dict[str, Entry], Groups
             by_ranks.setdefault(tuple(sorted(ranks)), {})[path] = objects[oid]
     groups = [(rank_ranges(list(r)), held) for r, held in sorted(by_ranks.items())]
     return plain, groups
+
+
+def same_entries(a: Mapping[str, Entry], b: Mapping[str, Entry]) -> bool:
+    """Whether ``a`` holds the very entry objects of ``b``, under the same keys in order."""
+    return (
+        len(a) == len(b)
+        and all(map(operator.is_, a.values(), b.values()))
+        and all(map(operator.eq, a, b))
+    )
 
 
 def format_version_for(entries: dict[str, Entry]) -> str:

@@ -125,20 +125,39 @@ def entry_text(key: str, entry: Entry) -> str:
     return f"{name}:{canonical_json(entry.model_dump(mode='json')).decode('utf-8')}"
 
 
-def entry_texts(manifest: Manifest, reuse: Dumped | None = None) -> dict[str, str]:
+def entry_texts(manifest: Manifest, reuse: Dumped | None = None) -> Mapping[str, str]:
     """Every entry's :func:`entry_text`, reusing ``reuse``'s for the entries the two share.
 
     A take of an unchanged structure shares most entry objects with its
     parent's manifest (casnap.take.plan.build_entries); entries are frozen,
-    so a text cannot go stale.
+    so a text cannot go stale. An unchanged re-take holds the parent's very
+    entries (casnap.take.job): its texts are the parent's.
     """
+    if reuse is not None and reuse.manifest.entries is manifest.entries:
+        return reuse.texts
     old_entries = reuse.manifest.entries if reuse is not None else {}
     old_texts = reuse.texts if reuse is not None else {}
-    out: dict[str, str] = {}
+    out = EntryTexts(manifest.entries)
     for key, entry in manifest.entries.items():
         text = old_texts.get(key) if old_entries.get(key) is entry else None
         out[key] = text if text is not None else entry_text(key, entry)
     return out
+
+
+class EntryTexts(dict[str, str]):
+    """:func:`entry_texts`' result: each key's text, and the ``entries`` member they make
+    up, joined once (an unchanged re-take reuses the parent's texts, so the join too)."""
+
+    def __init__(self, of: Mapping[str, Entry]) -> None:
+        super().__init__()
+        self.of = of  # the entries they are the texts of
+        self._body: bytes | None = None
+
+    def body(self) -> bytes:
+        """The texts in key order, comma-separated: a manifest's ``entries`` members."""
+        if self._body is None:
+            self._body = ",".join([self[k] for k in sorted(self)]).encode("utf-8")
+        return self._body
 
 
 def serialize(manifest: Manifest, texts: Mapping[str, str] | None = None) -> bytes:
@@ -161,13 +180,16 @@ def manifest_bytes(manifest: Manifest, texts: Mapping[str, str] | None = None) -
         texts = entry_texts(manifest)
     head = manifest.model_dump(mode="json", exclude={"entries", "created_at"})
     rest = canonical_json(head)  # b'{"format_version":...}': keys after "entries"
-    body = ",".join([texts[k] for k in sorted(manifest.entries)])
+    if isinstance(texts, EntryTexts) and texts.of is manifest.entries:
+        body = texts.body()
+    else:
+        body = ",".join([texts[k] for k in sorted(manifest.entries)]).encode("utf-8")
     return b"".join(
         [
             b'{"created_at":',
             canonical_json(manifest.created_at),
             b',"entries":{',
-            body.encode("utf-8"),
+            body,
             b"},",
             rest[1:],
         ]

@@ -292,15 +292,22 @@ def build_entries(
             if isinstance(e, TensorPlan):
                 entries[key] = _tensor_entry(e, cs, _refs(e.chunks, refs), old.get(key))
             elif isinstance(e, ObjectPlan):
-                entries[key] = ObjectEntry(
+                built = ObjectEntry(
                     serializer="pickle",
                     type_name=e.type_name,
                     size=e.size,
                     chunk_size=cs,
                     chunks=_refs(e.chunks, refs),
                 )
+                entries[key] = _same_or(built, old.get(key))
             elif isinstance(e, ShardedPlan):
                 entries[key] = _own_sharded(key, e, sharded, cs, refs)
-            else:
-                entries[key] = e
+            else:  # a container or primitive: a new object each take, equal when unchanged
+                entries[key] = _same_or(e, old.get(key))
     return entries
+
+
+def _same_or(entry: Entry, previous: Entry | None) -> Entry:
+    """``previous`` when it equals ``entry`` (so an unchanged take's entries are all the
+    parent's objects, casnap.format.manifest.same_entries), else ``entry``."""
+    return previous if type(previous) is type(entry) and previous == entry else entry
