@@ -126,15 +126,24 @@ def parent_chunks(
     """
     refs: dict[str, ChunkRef] = {}
     bases: dict[str, tuple[int, Sequence[ChunkRef]]] = {}
-    seen: set[int] = set()  # a rank-grouped manifest's entry objects stand under many keys
+    # A rank-grouped manifest's entry objects stand under many keys: each is walked once.
+    seen: set[int] | None = set() if manifest.world_size > 1 else None
     for key, e in manifest.entries.items():
-        if isinstance(e, TensorEntry) and e.chunks:
-            bases[key] = (e.chunk_size, e.chunks)  # entries are never changed in place
-        if id(e) not in seen:
+        if type(e) in CHUNKLESS:
+            continue
+        if isinstance(e, TensorEntry):
+            chunks = e.chunks
+            if chunks:
+                bases[key] = (e.chunk_size, chunks)  # entries are never changed in place
+        else:
+            chunks = chunks_of(e)
+        if seen is not None:
+            if id(e) in seen:
+                continue
             seen.add(id(e))
-            for c in chunks_of(e):
-                if not damaged or c not in damaged:  # another copy of the chunk may be whole
-                    refs[c.hash] = c
+        for c in chunks:
+            if not damaged or c not in damaged:  # another copy of the chunk may be whole
+                refs[c.hash] = c
     return refs, bases
 
 
