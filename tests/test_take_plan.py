@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import repo_helpers
 import torch
@@ -10,6 +12,7 @@ from helpers import take_stats
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.errors import StoreError
 from casnap.format.json_text import canonical_json
+from casnap.format.names import hash_bytes
 from casnap.repo.repository import manifest_key
 from casnap.store import CountingStore
 from casnap.take.session import DETACHED_PLANS
@@ -112,6 +115,31 @@ def test_an_unchanged_re_take_holds_its_parents_very_entries(tmp_path, session):
     out = StateDict(step=0, lr=0.0, opts={}, tags=set())
     Snapshot(f"{repo.url}/s3", storage_options={"repository": repo}).restore({"x": out}, **kw)
     assert dict(out) == dict(extra)
+
+
+def test_a_parents_malformed_primitive_is_not_reused_for_an_equal_value(tmp_path):
+    """``True == 1``: a parent a session restored, whose stored primitive is
+    ``{"type": "int", "value": true}`` (parsed; refused only when restored), must not
+    lend its entry to the next take's ``1``, or that take stores the bad value too."""
+    repo, _ = counted_repo(str(tmp_path / "repo"))
+    opts = {"repository": repo, "chunk_size": CHUNK}
+    app = {"a": StateDict(w=torch.ones(4)), "b": StateDict(flag=1)}
+    s0 = Snapshot.take(f"{repo.url}/s0", app, storage_options=opts)
+    store = repo.storage.store
+    doc = json.loads(store.get(manifest_key(s0.manifest_hash)))
+    doc["entries"]["0/b/flag"]["value"] = True
+    bad = canonical_json(doc)
+    store.put(manifest_key(hash_bytes(bad)), bad, create_only=True)
+    repo.storage.write_ref("bad", hash_bytes(bad))
+    session = Session()
+    Snapshot(f"{repo.url}/bad", storage_options=opts, session=session).restore(
+        {"a": StateDict(w=torch.zeros(4))}
+    )
+    s1 = Snapshot.take(f"{repo.url}/s1", app, storage_options=opts, session=session)
+    assert s1.manifest.parents == [hash_bytes(bad)]  # the session's plan is the bad one
+    out = {"b": StateDict(flag=0)}
+    Snapshot(f"{repo.url}/s1", storage_options=opts).restore(out)
+    assert out["b"]["flag"] == 1 and type(out["b"]["flag"]) is int
 
 
 def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path, session):

@@ -309,5 +309,18 @@ def build_entries(
 
 def _same_or(entry: Entry, previous: Entry | None) -> Entry:
     """``previous`` when it equals ``entry`` (so an unchanged take's entries are all the
-    parent's objects, casnap.format.manifest.same_entries), else ``entry``."""
-    return previous if type(previous) is type(entry) and previous == entry else entry
+    parent's objects, casnap.format.manifest.same_entries), else ``entry``.
+
+    A primitive's value must have the same type too: ``True == 1``, and a parent
+    read from a store may hold ``{"type": "int", "value": true}`` (parsed, refused
+    only when restored); its object must not stand in for a correct one.
+    """
+    if previous is None or type(previous) is not type(entry) or previous != entry:
+        return entry
+    if (
+        isinstance(entry, PrimitiveEntry)
+        and isinstance(previous, PrimitiveEntry)
+        and type(previous.value) is not type(entry.value)
+    ):
+        return entry
+    return previous
