@@ -222,6 +222,11 @@ def gather_scenario(rank: int, world: int) -> dict[str, Any]:
         failed = ""
     except DistributedTakeError as exc:
         failed = str(exc)
+    try:  # a value rank 1 cannot pickle: every rank learns it at once, not at a timeout
+        all_gather(group, (lambda: None) if rank == 1 else rank, "unpicklable")
+        unpicklable = ""
+    except DistributedTakeError as exc:
+        unpicklable = str(exc)
     return {
         "small": small,
         "n_small": n_small,
@@ -229,6 +234,7 @@ def gather_scenario(rank: int, world: int) -> dict[str, Any]:
         "n_big": n_big,
         "empty": empty,
         "failed": failed,
+        "unpicklable": unpicklable,
     }
 
 
@@ -240,3 +246,4 @@ def test_all_gather_one_collective_when_small_two_when_not() -> None:
         assert o["big"] == [b"", b"x" * 200_000, b"xx"] and o["n_big"] == 2
         assert o["empty"] == [b""] * 3
         assert "failing on rank(s) [2]: rank 2: disk full" in o["failed"]
+        assert "unpicklable on rank(s) [1]" in o["unpicklable"], o["unpicklable"]

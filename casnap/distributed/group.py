@@ -82,20 +82,27 @@ def all_gather(group: Group, value: Any, phase: str) -> list[Any]:
         values = [value]
     else:
         try:
-            values = [pickle.loads(d) for d in _gather_bytes(group, pickle.dumps(value))]
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # sent as this rank's failure: every rank learns it now
+            data = pickle.dumps(failure_of(group.rank, exc), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            gathered = _gather_bytes(group, data)
         except Exception as exc:  # a dead or stuck rank: gloo reports a timeout or reset
             raise DistributedTakeError(
                 f"distributed take failed during {phase}: the process group did not "
                 f"complete a collective ({exc}); another rank has stopped or timed out"
             ) from exc
+        values = [pickle.loads(d) for d in gathered]  # this job's own ranks sent them
     raise_failures([v for v in values if isinstance(v, Failure)], phase)
     return values
 
 
 def _slot_bytes(world: int) -> int:
-    """Bytes per rank in the first gather: a 4-rank take's start and planning messages fit,
-    and the whole gather stays under 1 MiB up to 1,024 ranks."""
-    return max(1024, min(64 * 1024, (1 << 20) // world))
+    """Bytes per rank in the first gather: 16 KiB up to 16 ranks, then less, so a gather
+    stays at 256 KiB in all (512 KiB at 1,024 ranks). A take's start message (~260 B
+    with one parent) and a session's planning message (~800 B for 16 MiB a rank of DDP
+    weights) fit; a first take's plan of many tensors may not (two gathers, as before)."""
+    return max(512, min(16 * 1024, (256 * 1024) // world))
 
 
 def _gather_bytes(group: Group, data: bytes) -> list[bytes]:
@@ -113,7 +120,11 @@ def _gather_bytes(group: Group, data: bytes) -> list[bytes]:
     import torch.distributed as dist
 
     # As all_gather_object chooses: CUDA tensors for an NCCL group (the current device).
-    device = dist.distributed_c10d._get_object_coll_device(group.pg)
+    choose = getattr(dist.distributed_c10d, "_get_object_coll_device", None)  # private
+    if choose is not None:
+        device = choose(group.pg)
+    else:
+        device = "cuda" if dist.get_backend(group.pg) == "nccl" else "cpu"
 
     def gather(slot: int, payload: bytes, length: int) -> list[torch.Tensor]:
         mine = torch.zeros(8 + slot, dtype=torch.uint8)
@@ -123,7 +134,7 @@ def _gather_bytes(group: Group, data: bytes) -> list[bytes]:
         sent = mine.to(device)
         got = [torch.empty_like(sent) for _ in range(group.size)]
         dist.all_gather(got, sent, group=group.pg)
-        return [t.cpu() for t in got]
+        return got if sent.device.type == "cpu" else list(torch.stack(got).cpu())  # one copy
 
     slot = _slot_bytes(group.size)
     first = gather(slot, data if len(data) <= slot else b"", len(data))
