@@ -93,12 +93,13 @@ def test_an_unchanged_re_take_holds_its_parents_very_entries(tmp_path, session):
     repo, _ = counted_repo(str(tmp_path / "repo"))
     state = state_of(20)
     extra = StateDict(step=7, lr=0.5, opts={"betas": (0.9, 0.99)}, tags={"a", "b"})
-    kw = {"allow_pickle": True}
 
     def snap(name: str) -> Snapshot:
         opts = {"repository": repo, "chunk_size": CHUNK}
         app = {"s": state, "x": extra}
-        return Snapshot.take(f"{repo.url}/{name}", app, storage_options=opts, session=session, **kw)
+        return Snapshot.take(
+            f"{repo.url}/{name}", app, storage_options=opts, session=session, allow_pickle=True
+        )
 
     s1, s2 = snap("s1"), snap("s2")
     assert s2.manifest.parents == [s1.manifest_hash]
@@ -113,7 +114,9 @@ def test_an_unchanged_re_take_holds_its_parents_very_entries(tmp_path, session):
         assert stored == canonical_json(s.manifest.model_dump(mode="json"))
         assert repo.storage.read_manifest(s.manifest_hash) == s.manifest
     out = StateDict(step=0, lr=0.0, opts={}, tags=set())
-    Snapshot(f"{repo.url}/s3", storage_options={"repository": repo}).restore({"x": out}, **kw)
+    Snapshot(f"{repo.url}/s3", storage_options={"repository": repo}).restore(
+        {"x": out}, allow_pickle=True
+    )
     assert dict(out) == dict(extra)
 
 
