@@ -393,10 +393,10 @@ def read_workers_for(local: bool) -> int:
     return int(get("io_workers", DEFAULT_READ_WORKERS if local else DEFAULT_REMOTE_IO_WORKERS))
 
 
-def staging_cache_bytes() -> int | None:
-    """Idle async-staging buffers kept for the next take (None: unset)."""
+def staging_cache_bytes() -> int:
+    """Idle async-staging buffers kept for the next take: the setting, else the memory budget."""
     value = get("staging_cache")
-    return None if value is None else int(value)
+    return default_memory_budget() if value is None else int(value)
 
 
 def default_memory_budget() -> int:

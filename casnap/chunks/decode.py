@@ -61,7 +61,7 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     """
     if ref.base is None:
         return _decode_one(repo, key, ref, frame, None)
-    fast = rebuild(repo, key, ref, frame)
+    fast = rebuild(repo, ref, frame)
     if fast is not None:
         return fast
     # Something in the chain is wrong: rebuild link by link, each verified, so the
@@ -106,7 +106,7 @@ def base_bytes(repo: RepoStorage, base: ChunkRef, user: str) -> Buffer:
     """
     if base.base is not None:  # one digest check for the chain, unless it fails
         try:
-            fast = rebuild(repo, object_key(base), base, fetch_frame(repo, base))
+            fast = rebuild(repo, base, fetch_frame(repo, base))
         except CasnapError:
             fast = None
         if fast is not None:

@@ -3,26 +3,8 @@
 A take hands the :class:`~casnap.chunks.write.ChunkWriter` each new chunk
 together with a *base*: the chunk at the same index of the same tensor in
 the parent snapshot. :meth:`DeltaEncoder.encode` then decides, per chunk,
-with a test that costs a small fraction of writing the chunk:
-
-1. the base must be another chunk of the same size whose chain is shorter
-   than ``delta_max_chain`` (so a read follows at most that many deltas);
-2. the plain codec is chosen on a 64 KiB sample as every write does
-   (:func:`casnap.format.codec.choose_codec`); the chunk, if written whole,
-   is written with that choice, so the test adds no compression to it;
-3. on the same sample, the share of bytes that differ from the base's, one
-   pass, no compression: the delta compresses to about that share, so when
-   it exceeds the margin below by half (a dense update: every fp32 weight
-   scaled changes 0.55 of the bytes) the chunk is written whole at once;
-4. else the XOR with the base, byte-grouped by the element size and
-   zstd-compressed, must beat the plain codec's size for the sample by the
-   margin below, and then the whole delta frame must too. The sample of a
-   base stored raw and whole is one ranged read; any other base is read
-   whole (it is needed for the delta anyway).
-
-After :data:`BACK_OFF` chunks of one tensor in a row did not pay, only one
-chunk of it in :data:`BACK_OFF` is tested until one pays: a tensor changed
-densely costs a few tests, not one per chunk.
+by the test and back-off docs/chunking.md ("Delta chunks") lists, each step
+costing a small fraction of writing the chunk; the frame is docs/format.md's.
 
 The margins keep deltas from costing a take time on a local disk, where a
 byte written costs about as little as a byte compressed: when the plain codec

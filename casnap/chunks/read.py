@@ -190,7 +190,7 @@ class _Reader:
     def _fast(self, span: Span, i: int, ref: ChunkRef) -> bool:
         """A span of one chunk by its fast path, if the target and the store allow one."""
         if ref.base is not None:  # a delta, loose or packed
-            return self._delta_mapped(span, i, ref) or self._delta_placed(span, i, ref)
+            return self._delta_mapped(i, ref) or self._delta_placed(span, i, ref)
         if span.end < 0:  # a loose object (any valid frame of the chunk: read whole)
             return self._loose_mapped(span, i, ref) or self._loose_placed(span, i, ref)
         return False  # one packed frame
@@ -233,7 +233,7 @@ class _Reader:
         self.target.placed(i)
         return True
 
-    def _delta_mapped(self, span: Span, i: int, ref: ChunkRef) -> bool:
+    def _delta_mapped(self, i: int, ref: ChunkRef) -> bool:
         """A delta whose chain ends in a loose raw frame the store can map, rebuilt on a
         private mapping of it (only the pages the deltas change are copied) and
         verified there: held as a chunk stored whole is (no undo copy, no

@@ -239,7 +239,7 @@ def apply_link(raw: Buffer, link: ChunkRef, out: Any) -> bool:
     return True
 
 
-def rebuild(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> Buffer | None:
+def rebuild(repo: RepoStorage, ref: ChunkRef, frame: Buffer) -> Buffer | None:
     """The delta ``ref`` rebuilt with one digest check, of the result; None if anything fails.
 
     The whole frame at the chain's end is decoded without its own check and

@@ -154,6 +154,20 @@ def _check_chunks(chunks: list[ChunkRef], nbytes: int, chunk_size: int) -> None:
             raise ValueError(f"chunk {i} holds {ref.size} bytes, expected {want}")
 
 
+def _dense_nbytes(dtype: str, shape: list[int]) -> int:
+    """The bytes of a ``dtype`` tensor of ``shape``; a product that overflows is refused."""
+    if dtype not in DTYPE_ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    if len(shape) > 64:
+        raise ValueError("more than 64 dimensions")
+    nbytes = DTYPE_ITEMSIZE[dtype]
+    for dim in shape:
+        nbytes *= dim
+        if nbytes > MAX_BYTES:
+            raise ValueError("tensor size overflows")
+    return nbytes
+
+
 # A quantized dtype's integer representation (``int_repr()``), which is what is stored.
 QUANTIZED_STORAGE: dict[str, str] = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}
 MAX_CHANNELS = 1 << 24  # per-channel parameters are inline JSON: bound them
@@ -224,16 +238,7 @@ class TensorEntry(FormatModel):
 
     @model_validator(mode="after")
     def _arithmetic(self) -> TensorEntry:
-        if self.dtype not in DTYPE_ITEMSIZE:
-            raise ValueError(f"unknown dtype {self.dtype!r}")
-        if len(self.shape) > 64:
-            raise ValueError("more than 64 dimensions")
-        nbytes = DTYPE_ITEMSIZE[self.dtype]
-        for dim in self.shape:  # overflow-checked product
-            nbytes *= dim
-            if nbytes > MAX_BYTES:
-                raise ValueError("tensor size overflows")
-        _check_chunks(self.chunks, nbytes, self.chunk_size)
+        _check_chunks(self.chunks, _dense_nbytes(self.dtype, self.shape), self.chunk_size)
         q = self.quantized
         if q is not None:
             if QUANTIZED_STORAGE[q.dtype] != self.dtype:
@@ -355,17 +360,9 @@ class ShardedEntry(_PerRank, FormatModel):
 
     @model_validator(mode="after")
     def _arithmetic(self) -> ShardedEntry:
-        if self.dtype not in DTYPE_ITEMSIZE:
-            raise ValueError(f"unknown dtype {self.dtype!r}")
-        if len(self.shape) > 64:
-            raise ValueError("more than 64 dimensions")
+        _dense_nbytes(self.dtype, self.shape)
         if len(self.shards) > MAX_SHARDS:
             raise ValueError(f"more than {MAX_SHARDS} shards")
-        total = DTYPE_ITEMSIZE[self.dtype]
-        for dim in self.shape:
-            total *= dim
-            if total > MAX_BYTES:
-                raise ValueError("tensor size overflows")
         for i, shard in enumerate(self.shards):
             if len(shard.offsets) != len(self.shape) or len(shard.sizes) != len(self.shape):
                 raise ValueError(f"shard {i} has a different rank than the tensor")

@@ -1,28 +1,10 @@
-"""The local LMDB index: a per-machine cache of what a repository holds.
+"""The local LMDB index: a per-machine cache of what a repository holds (docs/index.md).
 
-Two facts are cached, so that dedup, ``log`` and ``du`` on a remote repository
-need not ask the store once per chunk or read every manifest again:
-
-- **chunk locations**: chunk hash -> where its frame lives (a loose object, or
-  pack + offset + length). An entry means "this object existed when it was
-  recorded"; it is only ever used by a take, never by gc or verify.
-- **manifest summaries**: manifest hash -> what ``log``/``du`` need (created
-  at, parents, metadata, logical bytes, the stored spans). Manifests are
-  immutable and named by their hash, so a summary never goes stale.
-
-The index is rebuildable from the store (:func:`rebuild`) and is dropped, as
-a whole, for chunk locations whenever the store's gc epoch (``.casnap/gc-epoch``,
-replaced by every gc that deleted anything) or the store's URL differs from
-what the entries were recorded under. A corrupt or unopenable index is
-deleted and recreated; the user never sees an index error (takes just probe).
-``CASNAP_INDEX=0`` turns it off; ``CASNAP_INDEX_DIR`` moves it. See
-docs/index.md for the protocol and the measured effect.
-
-Code: this module is the API the rest of casnap uses (the known-chunks view a
-take dedups against, summaries for ``log``/``du``, rebuild);
-:mod:`casnap.index.lmdb_store` is the LMDB storage layer,
-:mod:`casnap.index.lmdb_envs` the environments this process holds open, and
-:mod:`casnap.index.summaries` the summary record.
+It caches chunk locations (a take's dedup) and manifest summaries (``log``,
+``du``), is rebuildable from the store (:func:`rebuild`) and is never
+trusted by gc, verify or restore. This module is the API the rest of casnap
+uses; docs/index.md names the modules behind it and gives the invalidation
+protocol, the failure handling and the measured effect.
 """
 
 from __future__ import annotations

@@ -46,11 +46,11 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
+from casnap import settings
 from casnap.errors import ConfigError, expect_type
 from casnap.format.manifest import Dumped, Manifest
 from casnap.index import ParentMemo
 from casnap.index.summaries import SummaryMemo
-from casnap.settings import default_memory_budget, staging_cache_bytes
 from casnap.torch_io.staging import StagingPool
 
 K = TypeVar("K")
@@ -166,7 +166,7 @@ class Session:
                     f"staging_cache_bytes must not be negative, got {idle}", "staging_cache_bytes"
                 )
         if idle is None:
-            idle = staging_cache_bytes_setting()
+            idle = settings.staging_cache_bytes()
         self.lineage = Lineage()
         self.plans = Plans()
         self.staging = StagingPool(idle)
@@ -182,9 +182,3 @@ class Session:
 
     def __repr__(self) -> str:
         return f"<casnap.Session staging={self.staging!r}>"
-
-
-def staging_cache_bytes_setting() -> int:
-    """``CASNAP_STAGING_CACHE``, else the memory budget."""
-    configured = staging_cache_bytes()
-    return configured if configured is not None else default_memory_budget()
