@@ -1,23 +1,13 @@
 """Pausing Python's cyclic garbage collector while a take does per-tensor work,
 or a manifest is parsed.
 
-A take of many small tensors makes a handful of container objects per tensor
-(a flattened leaf, a write request, chunk references, the manifest entry and
-its lists) and keeps about five per tensor alive as the session's plan for
-the next take. Python starts a full collection whenever the objects that
-survived into the oldest generation grow by a quarter of it, and a full
-collection walks every object of the process: with torch imported that is
-about 170,000 objects and 0.1 s on the 2-core benchmark machine. A first
-take of 20,000 small tensors triggered two or three of them (0.2 to 0.4 s of
-a 1.5 s take), a re-take one in two (docs/pipeline.md). Parsing a manifest
-of 20,000 entries builds some 100,000 models and lists: with collection on it
-took 1.3 to 2.2 s, paused 0.4 to 0.8 s.
-
-A take's objects hardly ever form reference cycles (a failure's traceback
-may), so a take pauses automatic collection while it does that work and
-restores it afterwards: what a take frees dies by reference counting as
-before, and what it keeps is examined by the next collection the process
-makes anyway.
+A take of many small tensors makes and keeps several objects per tensor, and
+each full collection Python starts as they survive walks every object of the
+process (with torch imported, some 170,000); a take's objects hardly ever
+form cycles, so a take pauses automatic collection and restores it after:
+what it frees dies by reference counting as before. What that saved is in
+docs/pipeline.md ("Plan reuse") and benchmarks/README.md ("docs/pipeline.md:
+small tensors").
 
 The collector is process-wide, so the pause is too (an exception to "no
 process-global state", with the LMDB environments and the detached plans of

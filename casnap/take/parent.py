@@ -1,31 +1,12 @@
 """The parent of a take that was given none: the newest snapshot committed in its folder.
 
-A take names its parent (``parents=``), or descends from its session's
-previous take or restore. When neither says anything, as for every
-``Snapshot.take(f"{root}/step_{n}", app_state)`` without a session, a DCP
-save, or a job that starts a new process per save, the parent is found in
-the store, as restic finds the latest snapshot of the same host and paths:
-
-- the **folder** of a snapshot is its name in the repository up to its last
-  ``/`` (``runA/step_5`` is in ``runA/``; ``step_5`` is in the top level,
-  ``""``). Only snapshots in exactly that folder are candidates:
-  ``runA/eval/step_5`` is not in ``runA/``, and ``runB/step_5`` never
-  parents ``runA/step_6``;
-- the **newest** is the one whose ref the store wrote last (its modification
-  time in the listing). Among refs listed with the same time (S3 lists whole
-  seconds, and a DCP re-save writes ``<id>@<12 hex>`` and ``<id>`` within
-  one), the one whose manifest was created last; by natural name order among
-  unknown times, so ``step_10`` after ``step_9``. A ref is the commit point,
-  so every candidate is a committed snapshot.
-
-The choice is made inside the take's lease (docs/gc.md): from then until the
-ref is written no gc sweeps, so the parent's manifest, present when chosen,
-keeps every chunk it names for the whole take, exactly as a session's parent
-does. A parent that retention deleted before the take is simply not a
-candidate any more.
-
-Opting out: ``parents=[]`` for one take, ``storage_options={"auto_parent":
-False}``, or ``CASNAP_AUTO_PARENT=0`` (docs/settings.md).
+When neither ``parents=`` nor a session names one (``Snapshot.take(f"{root}/
+step_{n}", app_state)`` without a session, a DCP save, a new process per
+save), the parent is found in the store as restic finds the latest snapshot
+of the same host and paths. What a folder is, what "newest" means (the ref
+written last; ties by manifest creation time, then natural name order), why
+the choice is made inside the take's lease, and how to opt out:
+docs/repository.md, "Parents".
 """
 
 from __future__ import annotations
