@@ -10,6 +10,7 @@ checked) so a reader can trust the sizes before it allocates.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -407,6 +408,13 @@ Entry = Annotated[
 # The entries that never hold a chunk (chunks_of is empty): a type test, per entry of a
 # manifest, cheaper than the call.
 CHUNKLESS = (ContainerEntry, PrimitiveEntry)
+
+
+def with_chunks(entries: Mapping[str, Entry]) -> dict[str, Entry]:
+    """The entries that may hold chunks, by key, in order (the ``CHUNKLESS`` left out):
+    an unchanged re-take's are its parent's objects, its containers and primitives
+    new ones (casnap.index's memos compare them with ``same_entries``)."""
+    return {k: e for k, e in entries.items() if type(e) not in CHUNKLESS}
 
 
 def chunks_of(e: Entry) -> list[ChunkRef]:

@@ -9,14 +9,20 @@ protocol, the failure handling and the measured effect.
 
 from __future__ import annotations
 
-import operator
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from casnap.errors import CasnapError, SnapshotNotFoundError
-from casnap.format.entries import CHUNKLESS, ChunkRef, Entry, TensorEntry, chunks_of
-from casnap.format.manifest import Manifest
+from casnap.format.entries import (
+    CHUNKLESS,
+    ChunkRef,
+    Entry,
+    TensorEntry,
+    chunks_of,
+    with_chunks,
+)
+from casnap.format.manifest import Manifest, same_entries
 from casnap.index.cover import covers, record_cover
 from casnap.index.lmdb_envs import INDEX_FORMAT, close_all, drop, index_path
 from casnap.index.lmdb_store import (
@@ -141,26 +147,17 @@ class ParentMemo:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last: tuple[list[str], list[Entry], _Chunks] | None = None
+        self._last: tuple[dict[str, Entry], _Chunks] | None = None
 
     def chunks(self, manifest: Manifest) -> _Chunks:
-        keys, values = [], []
-        for key, e in manifest.entries.items():
-            if type(e) not in CHUNKLESS:
-                keys.append(key)
-                values.append(e)
+        held = with_chunks(manifest.entries)
         with self._lock:
             last = self._last
-        if (
-            last is not None
-            and last[0] == keys
-            and len(last[1]) == len(values)
-            and all(map(operator.is_, values, last[1]))
-        ):
-            return last[2]  # read-only for the caller, as KnownChunks treats them
+        if last is not None and same_entries(held, last[0]):
+            return last[1]  # read-only for the caller, as KnownChunks treats them
         found = parent_chunks(manifest, DamageSet())
         with self._lock:
-            self._last = (keys, values, found)
+            self._last = (held, found)
         return found
 
 

@@ -8,14 +8,13 @@ the binary form below; :func:`casnap.index.manifest_summaries` serves them.
 from __future__ import annotations
 
 import json
-import operator
 import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from casnap.format.entries import CHUNKLESS, Entry, chunks_of
-from casnap.format.manifest import Manifest
+from casnap.format.entries import Entry, chunks_of, with_chunks
+from casnap.format.manifest import Manifest, same_entries
 
 _SPAN = struct.Struct("<32sQQ")  # object digest, offset, frame length
 _HEAD = struct.Struct("<I")  # length of a summary's JSON head
@@ -76,8 +75,8 @@ class SummaryMemo:
         self._lock = threading.Lock()
         self._parts: dict[int, _Part] = {}
         self._encoded: tuple[frozenset[tuple[str, int, int]], bytes] | None = None
-        # The last manifest's entry objects with chunks in key order, its (logical, count).
-        self._whole: tuple[list[Entry], tuple[int, int]] | None = None
+        # The last manifest's entries with chunks (with_chunks) and its (logical, count).
+        self._whole: tuple[dict[str, Entry], tuple[int, int]] | None = None
 
     def take(self) -> tuple[dict[int, _Part], tuple[frozenset[Any], bytes] | None]:
         """The parts and the (spans, table) of the manifest summarized last, together."""
@@ -85,16 +84,15 @@ class SummaryMemo:
             return self._parts, self._encoded
 
     def unchanged(
-        self, values: list[Entry]
+        self, held: dict[str, Entry]
     ) -> tuple[tuple[int, int], frozenset[Any], bytes] | None:
-        """The totals, spans and table of the last manifest when ``values`` are its very
-        entry objects with chunks, in order (an unchanged re-take: its containers and
-        primitives are new objects, but hold no chunks): nothing is walked again."""
+        """The totals, spans and table of the last manifest when ``held`` (its entries
+        with chunks, :func:`~casnap.format.entries.with_chunks`) are the last one's very
+        objects (an unchanged re-take: its containers and primitives are new objects,
+        but hold no chunks): nothing is walked again."""
         with self._lock:
             whole, encoded = self._whole, self._encoded
-        if whole is None or encoded is None or len(whole[0]) != len(values):
-            return None
-        if not all(map(operator.is_, values, whole[0])):
+        if whole is None or encoded is None or not same_entries(held, whole[0]):
             return None
         return whole[1], encoded[0], encoded[1]
 
@@ -103,7 +101,7 @@ class SummaryMemo:
         parts: dict[int, _Part],
         spans: frozenset[Any],
         table: bytes,
-        whole: tuple[list[Entry], tuple[int, int]] | None = None,
+        whole: tuple[dict[str, Entry], tuple[int, int]] | None = None,
     ) -> None:
         """Remember a summarized manifest's parts, span table and entry objects (one
         step: a take in another thread reads all of one manifest)."""
@@ -129,8 +127,8 @@ def summarize(
     """What ``log``/``du`` need of ``manifest``, each distinct entry object read once
     (a rank-grouped manifest repeats one object under every rank's key); ``memo``
     reuses the work of the entry objects it summarized last."""
-    values = [e for e in manifest.entries.values() if type(e) not in CHUNKLESS] if memo else []
-    reused = memo.unchanged(values) if memo is not None else None
+    held = with_chunks(manifest.entries) if memo is not None else {}
+    reused = memo.unchanged(held) if memo is not None else None
     if reused is not None:
         (total, refs), spans, encoded = reused
         return _summary(manifest_hash, manifest, total, refs, spans, encoded)
@@ -156,7 +154,7 @@ def summarize(
     if memo is not None:  # the summary is about to be recorded: its table is needed
         reuse = last is not None and (same or last[0] == frozen)
         table = last[1] if reuse and last is not None else span_table(frozen)
-        memo.keep(parts, frozen, table, (values, (logical, count)))
+        memo.keep(parts, frozen, table, (held, (logical, count)))
     return _summary(manifest_hash, manifest, logical, count, frozen, table)
 
 
