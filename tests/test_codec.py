@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import zstandard
@@ -83,3 +86,17 @@ def test_bf16_snapshot_round_trips_and_is_stored_small(tmp_path):
     out = StateDict(w=torch.empty_like(state["w"]))
     Snapshot(str(tmp_path / "repo" / "s1")).restore({"m": out})
     assert torch.equal(out["w"].view(torch.int16), state["w"].view(torch.int16))
+
+
+def test_a_byte_view_keeps_its_tensor_alive():
+    """byte_view of a temporary tensor stays valid: the view holds the tensor."""
+    t = torch.arange(1 << 20, dtype=torch.int32)
+    alive = weakref.ref(t)
+    view = byte_view(t)
+    del t
+    gc.collect()
+    assert alive() is not None
+    assert torch.frombuffer(view, dtype=torch.int32)[-1].item() == (1 << 20) - 1
+    del view
+    gc.collect()
+    assert alive() is None

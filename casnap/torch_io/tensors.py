@@ -97,11 +97,13 @@ def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable memoryview over a contiguous CPU tensor's bytes (zero-copy)."""
+    """A writable memoryview over a contiguous CPU tensor's bytes (zero-copy); the view
+    keeps ``t`` alive, so it stays valid when ``t`` was a temporary."""
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray(0))
     buf = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    buf._owner = t  # type: ignore[attr-defined]  # from_address holds no reference
     return memoryview(buf).cast("B")
 
 
