@@ -35,6 +35,24 @@ def test_bf16_weights_are_byte_grouped_and_stored_under_three_quarters():
     assert bytes(codec.decode(frame, "f", digest_of(data), len(data))) == data
 
 
+@pytest.mark.parametrize(
+    "dtype, shift",
+    [(torch.bfloat16, 0.0), (torch.float32, 0.0), (torch.float32, 3.0), (torch.float16, 0.0)],
+)
+def test_grouped_float_planes_are_no_larger_than_with_zstds_own_table(dtype, shift):
+    """The grouped codec's small hash table (frame.compressor(grouped=True)) keeps the
+    frames of float weights as small as zstd's level-1 table does, or smaller."""
+    data = bytes(byte_view((torch.randn(1 << 20) * 0.02 + shift).to(dtype)))
+    elem = torch.finfo(dtype).bits // 8
+    head, body = codec.encode(
+        data, digest_of(data), elem_size=elem, choice=codec.CODEC_ZSTD_GROUPED
+    )
+    stream = zstandard.ZstdCompressor(level=1).compressobj(size=len(data))  # as encode does
+    own = b"".join([stream.compress(codec.group_bytes(data, elem)), stream.flush()])
+    assert len(body) <= len(own)
+    assert bytes(codec.decode(head + bytes(body), "f", digest_of(data), len(data))) == data
+
+
 def test_fp32_weights_stay_raw_because_compression_does_not_pay_enough():
     data = weights(torch.float32)
     frame, used = frame_of(data, elem=4)

@@ -167,7 +167,11 @@ class _CountingCompressor:
 
 def _count_compressions(monkeypatch) -> None:
     real = frame.compressor
-    monkeypatch.setattr(frame, "compressor", lambda level: _CountingCompressor(real(level)))
+
+    def counting(level, grouped=False):
+        return _CountingCompressor(real(level, grouped))
+
+    monkeypatch.setattr(frame, "compressor", counting)
     _CountingCompressor.calls = 0
 
 

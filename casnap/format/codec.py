@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import zstandard
-
 from casnap.errors import IntegrityError
 from casnap.format import frame as _frame
 from casnap.format.delta import undelta
@@ -86,11 +84,12 @@ def group_bytes(data: Buffer, elem: int) -> bytes:
     return b"".join(_planes(bytes(data), elem))
 
 
-def _compress_grouped(cctx: zstandard.ZstdCompressor, data: Buffer, elem: int) -> bytes:
+def _compress_grouped(level: int, data: Buffer, elem: int) -> bytes:
     """One zstd frame of :func:`group_bytes` of ``data``, fed to zstd one plane at a
     time: the grouped bytes are never joined into one copy (a seventh less time
     for a 4 MiB chunk)."""
     raw = bytes(data)
+    cctx = _frame.compressor(level, grouped=True)
     stream = cctx.compressobj(size=len(raw))  # the frame declares its size, as compress() does
     parts = [stream.compress(plane) for plane in _planes(raw, elem)]
     parts.append(stream.flush())
@@ -106,7 +105,7 @@ def ungroup_bytes(data: Buffer, elem: int) -> bytearray:
     return out
 
 
-def _trial(cctx: zstandard.ZstdCompressor, sample: Buffer, elem_size: int) -> tuple[int, int]:
+def _trial(level: int, sample: Buffer, elem_size: int) -> tuple[int, int]:
     """The codec that shrinks ``sample`` most, if to ``_WORTH_IT`` or less, else raw,
     and the bytes that codec stores for the sample (its length when raw).
 
@@ -114,13 +113,14 @@ def _trial(cctx: zstandard.ZstdCompressor, sample: Buffer, elem_size: int) -> tu
     elements) zstd over byte-grouped elements is tried too.
     """
     best, best_len = CODEC_RAW, len(sample) * _WORTH_IT
-    plain = len(cctx.compress(sample))
+    plain = len(_frame.compressor(level).compress(sample))
     if plain < best_len:
         best, best_len = CODEC_ZSTD, plain
     if elem_size in GROUPABLE:
         # Estimate each byte position on its own: in a whole chunk the groups
         # fill separate zstd blocks, each with its own entropy tables.
         raw_sample = bytes(sample[: len(sample) - len(sample) % elem_size])
+        cctx = _frame.compressor(level, grouped=True)
         grouped = sum(len(cctx.compress(raw_sample[i::elem_size])) for i in range(elem_size))
         if grouped < best_len:
             best, best_len = CODEC_ZSTD_GROUPED, grouped
@@ -147,11 +147,10 @@ def encode(
     codec, payload, elem = CODEC_RAW, data, 0
     if compress and raw_len >= 64:
         best = choice if choice is not None else choose_codec(data, level, elem_size)[0]
-        cctx = _frame.compressor(level)
         if best == CODEC_ZSTD:
-            packed = cctx.compress(data)
+            packed = _frame.compressor(level).compress(data)
         elif best == CODEC_ZSTD_GROUPED:
-            packed = _compress_grouped(cctx, data, elem_size)
+            packed = _compress_grouped(level, data, elem_size)
             elem = elem_size
         if best != CODEC_RAW and len(packed) < raw_len:
             codec, payload = best, packed
@@ -181,7 +180,7 @@ def may_pay(chunks: Sequence[Buffer], elem_size: int = 0, level: int = 1) -> boo
     picked = chunks[::step]
     sample = memoryview(b"".join(picked))[:_SAMPLE]
     whole = elem_size in GROUPABLE and all(len(c) % elem_size == 0 for c in picked)
-    return _trial(_frame.compressor(level), sample, elem_size if whole else 0)[0] != CODEC_RAW
+    return _trial(level, sample, elem_size if whole else 0)[0] != CODEC_RAW
 
 
 def choose_codec(data: Buffer, level: int = 1, elem_size: int = 0) -> tuple[int, int]:
@@ -191,7 +190,7 @@ def choose_codec(data: Buffer, level: int = 1, elem_size: int = 0) -> tuple[int,
     if len(data) < 64:
         return CODEC_RAW, len(sample)
     group = elem_size in GROUPABLE and len(data) % elem_size == 0
-    return _trial(_frame.compressor(level), sample, elem_size if group else 0)
+    return _trial(level, sample, elem_size if group else 0)
 
 
 def decode(

@@ -115,15 +115,31 @@ def parse_header(buf: Buffer, name: str) -> FrameHeader:
 _local = threading.local()
 
 
-def compressor(level: int) -> zstandard.ZstdCompressor:
+# Byte-grouped float planes are noise (mantissas) or short runs (exponents): with the
+# hash table zstd sizes for text, most of a grouped chunk's time went to looking up
+# matches that do not pay. zstd's smallest table (64 entries) compresses them 1.3-1.8x
+# faster, to the same size or smaller; it misses matches far back, such as rows repeated
+# within a chunk (benchmarks/README.md, "zstd's hash table for grouped planes").
+_GROUPED_HASH_LOG = 6
+
+
+def compressor(level: int, grouped: bool = False) -> zstandard.ZstdCompressor:
     """This thread's compressor for ``level``: making one costs more than compressing
-    a small chunk, and a one-shot ``compress`` gives the same bytes from a reused one."""
-    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "cctx", None)
+    a small chunk, and a one-shot ``compress`` gives the same bytes from a reused one.
+    ``grouped``: for byte-grouped elements (at levels 1-3, a small hash table)."""
+    cache: dict[tuple[int, bool], zstandard.ZstdCompressor] | None = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
-    cctx = cache.get(level)
+    cctx = cache.get((level, grouped))
     if cctx is None:
-        cctx = cache[level] = zstandard.ZstdCompressor(level=level)
+        if grouped and 1 <= level <= 3:
+            params = zstandard.ZstdCompressionParameters.from_level(
+                level, hash_log=_GROUPED_HASH_LOG
+            )
+            cctx = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cctx = zstandard.ZstdCompressor(level=level)
+        cache[(level, grouped)] = cctx
     return cctx
 
 
