@@ -141,6 +141,10 @@ def main() -> int:
         out["total_ratio"] = out["casnap_total_s"] / out["dcp_total_s"]
         print(json.dumps(out))
     finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # an NCCL group left to the interpreter's exit can hang it
+            dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
     return 0
 
