@@ -137,6 +137,21 @@ class StoreConformance(ReplaceConformance):
         mid = LARGE // 2
         assert store.get_range("big", mid - 5, mid + (1 << 20)) == data[mid - 5 : mid + (1 << 20)]
 
+    @pytest.mark.parametrize("size", [10, 5000, (1 << 20) + 56])
+    def test_read_into_fills_the_buffers_in_order(self, store: ObjectStore, size: int) -> None:
+        """Split reads (a large local file's first page comes alone) fill every buffer."""
+        data = os.urandom(size)
+        store.put("frame", data)
+        bufs = [bytearray(56), bytearray(5000), bytearray(size)]
+        n = store.read_into("frame", [memoryview(b) for b in bufs])
+        assert n == size  # buffers longer than the object: what it holds
+        assert b"".join(bufs)[:size] == data
+        whole = bytearray(size)
+        assert store.read_into("frame", [memoryview(whole)]) == size and whole == data
+        short = bytearray(size // 2)
+        assert store.read_into("frame", [memoryview(short)]) == size // 2
+        assert short == data[: size // 2]
+
     # -- get with a limit ----------------------------------------------------
 
     def test_get_within_limit(self, store: ObjectStore) -> None:
