@@ -54,9 +54,9 @@ _REFUSED_OPEN = (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP)
 _READ_STEP = 1 << 20  # bytes per read() of a limited get
 # Linux puts a cold file's first readahead window into the page cache as 4 KiB folios
 # and grows the folio size only with the windows after it; one read of a whole 4 MiB
-# chunk file is all first window, 1,024 folios, each added, charged and aged on its
-# own. Reading a large file's first page alone lets the rest arrive in folios of up
-# to 2 MiB (docs/pipeline.md, "Reading into new tensors").
+# chunk file (or a populated mapping of one) is all first window, 1,024 folios, each
+# added, charged and aged on its own. Reading a large file's first page alone lets the
+# rest arrive in folios of up to 2 MiB (docs/pipeline.md, "Reading into new tensors").
 _FIRST_READ = 4096
 _RAMP_FROM = 256 << 10
 
@@ -229,6 +229,8 @@ class LocalStore(ObjectStore):
             length = min(size, limit)  # a longer file: its first bytes, as read_into reads them
             if length <= 0:
                 return b""  # mmap refuses an empty range; nothing to map
+            if length > _RAMP_FROM:
+                os.pread(fd, _FIRST_READ, 0)  # the pages mapped then come in large folios
             try:
                 if private:
                     mapped = mmap.mmap(fd, length, flags=_PRIVATE_FLAGS, prot=_WRITABLE)
