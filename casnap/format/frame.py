@@ -117,7 +117,7 @@ _local = threading.local()
 
 # Byte-grouped float planes are noise (mantissas) or short runs (exponents): with the
 # hash table zstd sizes for text, most of a grouped chunk's time went to looking up
-# matches that do not pay. zstd's smallest table (64 entries) compresses them 1.3-1.8x
+# matches that do not pay. zstd's smallest table (64 entries) compresses them 1.2-2.1x
 # faster, to the same size or smaller; it misses matches far back, such as rows repeated
 # within a chunk (benchmarks/README.md, "zstd's hash table for grouped planes").
 _GROUPED_HASH_LOG = 6
