@@ -52,14 +52,11 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 # What opening a symbolic link (O_NOFOLLOW), a socket or a dead device answers.
 _REFUSED_OPEN = (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP)
 _READ_STEP = 1 << 20  # bytes per read() of a limited get
-# Linux puts a cold file's first readahead window into the page cache as 4 KiB folios
-# and grows the folio size only with the windows after it; one read of a whole 4 MiB
-# chunk file (or a populated mapping of one) is all first window, 1,024 folios, each
-# added, charged and aged on its own. Reading a large file's first page alone lets the
-# rest arrive in folios of up to 2 MiB (docs/pipeline.md, "Reading into new tensors").
+# A large file's first page (at most) is read alone: the rest of a cold file then enters
+# the page cache in large folios, not 4 KiB ones (docs/pipeline.md, "Reading into new
+# tensors"). A whole 4 MiB chunk file read or mapped at once was 1,024 folios.
 _FIRST_READ = 4096
 _RAMP_FROM = 256 << 10
-
 # A mapping is read-only and populated when it is made (Linux: MAP_POPULATE), so
 # reading it faults no page; without MAP_SHARED/PROT_READ (Windows) no mapping.
 _MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
@@ -199,8 +196,8 @@ class LocalStore(ObjectStore):
         try:
             total, want = 0, sum(len(b) for b in buffers)
             views = list(buffers)
-            if want > _RAMP_FROM:  # its first page alone: see _FIRST_READ
-                total = os.preadv(fd, _head(views, _FIRST_READ), 0)
+            if want > _RAMP_FROM:  # its first page (or first buffer) alone: see _FIRST_READ
+                total = os.preadv(fd, [views[0][:_FIRST_READ]], 0)
                 views = _advance(views, total)
             while total < want:
                 n = os.preadv(fd, views, total)
@@ -432,17 +429,6 @@ def _make_folders(folder: str, sync: Callable[[str], None]) -> None:
     except FileExistsError:
         return  # a concurrent put made it (and synced its parent)
     sync(os.path.dirname(folder))
-
-
-def _head(views: list[memoryview], n: int) -> list[memoryview]:
-    """The first ``n`` bytes of ``views`` (fewer if they hold fewer)."""
-    out = []
-    for v in views:
-        if n <= 0:
-            break
-        out.append(v[:n])
-        n -= len(v)
-    return out
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
