@@ -52,9 +52,7 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 # What opening a symbolic link (O_NOFOLLOW), a socket or a dead device answers.
 _REFUSED_OPEN = (errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP)
 _READ_STEP = 1 << 20  # bytes per read() of a limited get
-# A large file's first page (at most) is read alone: the rest of a cold file then enters
-# the page cache in large folios, not 4 KiB ones (docs/pipeline.md, "Reading into new
-# tensors"). A whole 4 MiB chunk file read or mapped at once was 1,024 folios.
+# See _prime.
 _FIRST_READ = 4096
 _RAMP_FROM = 256 << 10
 # A mapping is read-only and populated when it is made (Linux: MAP_POPULATE), so
@@ -168,16 +166,15 @@ class LocalStore(ObjectStore):
         fd, size = self._open(key)
         try:
             check_limit(key, size, limit)  # before reading a byte
+            _prime(fd, size)
             if limit is None:
                 with open(fd, "rb", closefd=False) as fh:
                     return fh.read()
             # The size was checked; reading at most limit + 1 bytes also stops
             # a file that grows meanwhile from filling memory.
             parts, total = [], 0
-            step = _FIRST_READ if size > _RAMP_FROM else _READ_STEP  # see _FIRST_READ
             while total <= limit:
-                part = os.read(fd, min(step, limit + 1 - total))
-                step = _READ_STEP
+                part = os.read(fd, min(_READ_STEP, limit + 1 - total))
                 if not part:
                     break
                 parts.append(part)
@@ -192,13 +189,11 @@ class LocalStore(ObjectStore):
             os.close(fd)
 
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
-        fd, _size = self._open(key)
+        fd, size = self._open(key)
         try:
+            _prime(fd, size)
             total, want = 0, sum(len(b) for b in buffers)
             views = list(buffers)
-            if want > _RAMP_FROM:  # its first page (or first buffer) alone: see _FIRST_READ
-                total = os.preadv(fd, [views[0][:_FIRST_READ]], 0)
-                views = _advance(views, total)
             while total < want:
                 n = os.preadv(fd, views, total)
                 if n == 0:
@@ -226,8 +221,7 @@ class LocalStore(ObjectStore):
             length = min(size, limit)  # a longer file: its first bytes, as read_into reads them
             if length <= 0:
                 return b""  # mmap refuses an empty range; nothing to map
-            if length > _RAMP_FROM:
-                os.pread(fd, _FIRST_READ, 0)  # the pages mapped then come in large folios
+            _prime(fd, length)  # populating the mapping is readahead too
             try:
                 if private:
                     mapped = mmap.mmap(fd, length, flags=_PRIVATE_FLAGS, prot=_WRITABLE)
@@ -429,6 +423,14 @@ def _make_folders(folder: str, sync: Callable[[str], None]) -> None:
     except FileExistsError:
         return  # a concurrent put made it (and synced its parent)
     sync(os.path.dirname(folder))
+
+
+def _prime(fd: int, size: int) -> None:
+    """Read a large file's first page alone before reading or mapping the file: the rest
+    of a cold file then enters the page cache in large folios, not 4 KiB ones, which a
+    whole 4 MiB chunk file read or mapped at once got (docs/pipeline.md)."""
+    if size > _RAMP_FROM:
+        os.pread(fd, _FIRST_READ, 0)
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
