@@ -32,6 +32,7 @@ from harness import MiB, scratch_dir
 import casnap
 import casnap.chunks.read as read_mod
 import casnap.chunks.rebuild as rebuild_mod
+import casnap.format.delta as delta_mod
 import casnap.restore.undo as undo_mod
 
 _CPU: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds
@@ -41,7 +42,9 @@ _CALLS: collections.Counter[str] = collections.Counter()
 # (module or class, attribute, label): the stages of the two in-place paths.
 STAGES: list[tuple[Any, str, str]] = [
     (rebuild_mod, "fetch_chain", "delta frames fetched"),
-    (rebuild_mod, "apply_link", "delta decoded and XORed"),
+    (rebuild_mod, "link_runs", "delta frames decoded"),
+    (rebuild_mod, "fault_for_writing", "changed pages copied"),
+    (delta_mod.DeltaRuns, "xor_into", "deltas XORed"),
     (rebuild_mod, "digest_of", "rebuilt chunk hashed"),
     (read_mod, "patch_in_place", "rebuild (all of the above)"),
     (read_mod, "decode_frame", "whole chunk verified (off)"),

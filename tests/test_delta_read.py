@@ -8,16 +8,23 @@ delta can pay. Small tensors with 64 KiB chunks keep every test fast.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import mmap
+import os
+import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import repo_helpers
 import torch
 from helpers import take_stats
 
 from casnap import Repository, Session, Snapshot, StateDict
+from casnap.chunks.rebuild import fault_for_writing
 from casnap.format import codec
-from casnap.format.delta import DELTA_BLOCK
+from casnap.format.delta import DELTA_BLOCK, DeltaRuns
 from casnap.format.entries import TensorEntry
 
 CHUNK = 64 * 1024
@@ -148,3 +155,46 @@ def test_a_codec_chosen_ahead_gives_the_same_frame() -> None:
         assert codec.encode(data, digest, elem_size=elem, choice=choice) == codec.encode(
             data, digest, elem_size=elem
         )
+
+
+def _anonymous_kib(address: int) -> int:
+    """The ``Anonymous`` KiB of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Anonymous:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps and MADV_POPULATE_WRITE")
+def test_only_the_pages_the_deltas_change_are_copied_before_the_xor(tmp_path: Path) -> None:
+    page = mmap.PAGESIZE
+    data = os.urandom(16 * page)
+    (tmp_path / "f").write_bytes(data)
+    with (tmp_path / "f").open("r+b") as f:
+        mapped = mmap.mmap(f.fileno(), len(data), flags=mmap.MAP_PRIVATE)
+    view = memoryview(mapped)[64:]  # a frame's payload starts past its header
+    # Two links (offsets in the payload, 64 bytes into the file): a run across the
+    # boundary of file pages 2 and 3; runs of both links in file page 9, one of them
+    # reaching into page 10; one in page 14.
+    first = DeltaRuns(
+        len(view), np.array([3 * page - 320, 9 * page]), np.array([512, 256]), np.ones(768, "u1")
+    )
+    second = DeltaRuns(
+        len(view), np.array([10 * page - 192, 14 * page]), np.array([256, 256]), np.ones(512, "u1")
+    )
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    assert _anonymous_kib(address) == 0
+    fault_for_writing(view, [first, second])
+    assert _anonymous_kib(address) * 1024 // page == 5  # pages 2, 3, 9, 10 and 14
+    assert bytes(mapped) == data  # copied, not changed
+    for runs in (first, second):
+        runs.xor_into(view)
+    assert _anonymous_kib(address) * 1024 // page == 5
+    assert bytes(view[3 * page - 320 : 3 * page + 192]) != data[3 * page - 256 : 3 * page + 256]
+    assert (tmp_path / "f").read_bytes() == data  # the file never changes
+    fault_for_writing(memoryview(bytearray(100)), [first])  # not a mapping: nothing to do

@@ -258,7 +258,7 @@ class _Reader:
         if hdr.digest.hex() != whole.hash:
             return False
         payload = view[codec.HEADER_SIZE :]
-        if not patch_in_place(self.repo, ref, payload, self.shared):
+        if not patch_in_place(self.repo, ref, payload, self.shared, mapped=True):
             return False  # damage somewhere: rebuilt link by link below, which names it
         self._count(len(view) + sum(link.length for link in ref.chain()[:-1]))
         self.target.hold(i, payload)

@@ -166,6 +166,9 @@ def _ungroup(grouped: Any, group: int) -> Any:
     return out.reshape(-1)
 
 
+_FEW_RUNS = 32  # runs XORed one by one (see DeltaRuns.xor_into)
+
+
 @dataclass(frozen=True)
 class DeltaRuns:
     """The checked runs of one delta frame: ``starts[i]``, ``lengths[i]`` (numpy int64
@@ -194,6 +197,29 @@ class DeltaRuns:
         first = starts // DELTA_BLOCK
         return np.arange(int(count.sum()), dtype=np.int64) + np.repeat(first - before, count)
 
+    def xor_into(self, out: bytearray | memoryview) -> None:
+        """XOR the runs into ``out`` (the base's bytes, in place)."""
+        np = _np()
+        dst = np.frombuffer(out, np.uint8)
+        # A few long runs (changed rows of a table): one XOR each costs less than the
+        # block arrays below; many short ones (a fine-tuned layer): one gathered XOR.
+        blocks = self.blocks() if len(self.starts) > _FEW_RUNS else None
+        if blocks is None:
+            pos = 0
+            for a, length in zip(self.starts.tolist(), self.lengths.tolist(), strict=True):
+                dst[a : a + length] ^= self.kept[pos : pos + length]
+                pos += length
+            return
+        full = len(dst) // DELTA_BLOCK
+        rows = self.kept_blocks()
+        inside = len(blocks) if not len(blocks) or blocks[-1] < full else len(blocks) - 1
+        if inside:
+            grid = dst[: full * DELTA_BLOCK].reshape(-1, DELTA_BLOCK)
+            grid[blocks[:inside]] ^= rows[:inside]
+        if inside < len(blocks):  # the chunk's ragged last block
+            tail = dst[full * DELTA_BLOCK :]
+            tail ^= rows[-1][: len(tail)]
+
     def kept_blocks(self) -> Any:
         """``kept`` as rows of DELTA_BLOCK bytes, zero-padded after a ragged last run."""
         np = _np()
@@ -204,35 +230,12 @@ class DeltaRuns:
         return kept.reshape(-1, DELTA_BLOCK)
 
 
-_FEW_RUNS = 32  # runs XORed one by one (see apply_delta)
-
-
 def apply_delta(
     hdr: FrameHeader, payload: Buffer, name: str, base_digest: bytes, out: bytearray | memoryview
 ) -> None:
     """XOR the runs of delta frame ``payload`` into ``out`` (the base's bytes, in place);
     checked as :func:`delta_runs` says."""
-    runs = delta_runs(hdr, payload, name, base_digest)
-    np = _np()
-    dst = np.frombuffer(out, np.uint8)
-    # A few long runs (changed rows of a table): one XOR each costs less than the
-    # block arrays below; many short ones (a fine-tuned layer): one gathered XOR.
-    blocks = runs.blocks() if len(runs.starts) > _FEW_RUNS else None
-    if blocks is None:
-        pos = 0
-        for a, length in zip(runs.starts.tolist(), runs.lengths.tolist(), strict=True):
-            dst[a : a + length] ^= runs.kept[pos : pos + length]
-            pos += length
-        return
-    full = len(dst) // DELTA_BLOCK
-    rows = runs.kept_blocks()
-    inside = len(blocks) if not len(blocks) or blocks[-1] < full else len(blocks) - 1
-    if inside:
-        grid = dst[: full * DELTA_BLOCK].reshape(-1, DELTA_BLOCK)
-        grid[blocks[:inside]] ^= rows[:inside]
-    if inside < len(blocks):  # the chunk's ragged last block
-        tail = dst[full * DELTA_BLOCK :]
-        tail ^= rows[-1][: len(tail)]
+    delta_runs(hdr, payload, name, base_digest).xor_into(out)
 
 
 def delta_sample_size(data: Buffer, base: Buffer, group: int, level: int = 1) -> int:
