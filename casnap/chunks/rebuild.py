@@ -213,15 +213,14 @@ def patch_in_place(
     try:
         frames = fetch_chain(repo, chain[:-1], shared)
         with shared.rebuilds if shared is not None else nullcontext():
-            got = [link_runs(raw, link) for link, raw in zip(chain[:-1], frames, strict=True)]
-            runs = [r for r in got if r is not None]
-            if len(runs) != len(got):
-                return False
             dst = out.cast("B") if out.format != "B" else out
-            if mapped:
-                fault_for_writing(dst, runs)
-            for r in runs:  # XOR: any order
-                r.xor_into(dst)
+            for link, raw in zip(chain[:-1], frames, strict=True):  # XOR: any order
+                runs = link_runs(raw, link)
+                if runs is None:
+                    return False
+                if mapped:
+                    fault_for_writing(dst, runs)
+                runs.xor_into(dst)
         return digest_of(out).hex() == ref.hash
     except (CasnapError, ValueError):
         return False
@@ -266,42 +265,32 @@ def apply_link(raw: Buffer, link: ChunkRef, out: Any) -> bool:
     return True
 
 
-def fault_for_writing(view: memoryview, runs: list[DeltaRuns]) -> None:
+def fault_for_writing(view: memoryview, runs: DeltaRuns) -> None:
     """Copy the pages of ``view``, a private mapping, that ``runs`` will change, before
-    they are written (Linux: ``MADV_POPULATE_WRITE``; elsewhere nothing).
+    they are written (Linux 5.14 on: ``MADV_POPULATE_WRITE``; elsewhere nothing).
 
     The XOR reads a page before it writes it: the read maps the page cache's
     page, and the write then copies it and must flush that mapping from every
     core the process runs on. Restoring the newest of 10 delta snapshots of
     128 MiB (4 links, about 80 changed pages per 4 MiB chunk) took 96 ms of
-    CPU that way and 71-73 ms with the pages copied first, by one call per
-    span of pages (benchmarks/delta_stages.py). Only an optimisation: a
-    kernel without the call (before 5.14) leaves the writes to fault.
+    CPU that way and 71-73 ms with the pages copied first, one call per span
+    of neighbouring pages (benchmarks/delta_stages.py). The calls keep the
+    GIL: made through libc, which releases it, the handovers between the
+    readers raised the copies' CPU from 7.7 ms to 11.3 ms per restore. Only
+    an optimisation: whatever fails leaves the writes to fault as they come.
     """
     mapping = view.obj
-    if _POPULATE_WRITE is None or not isinstance(mapping, mmap.mmap) or not len(view):
+    if _POPULATE_WRITE is None or not isinstance(mapping, mmap.mmap):
         return
-    page = mmap.PAGESIZE
-    at = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    at -= ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    spans: list[tuple[int, int]] = []
-    for r in runs:
-        ends = (r.starts + r.lengths).tolist()
-        spans.extend(zip(r.starts.tolist(), ends, strict=True))
-    spans.sort()
-    lo = hi = -1
+    if view.readonly or not len(view) or not len(runs.starts):
+        return
     try:
-        for start, end in spans:
-            first, last = (at + start) // page * page, at + end
-            if first > hi:
-                if hi > lo:
-                    mapping.madvise(_POPULATE_WRITE, lo, hi - lo)
-                lo = first
-            hi = max(hi, last)
-        if hi > lo:
+        at = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        at -= ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        for lo, hi in runs.spans(at, mmap.PAGESIZE, len(mapping)):
             mapping.madvise(_POPULATE_WRITE, lo, hi - lo)
-    except (OSError, ValueError):
-        return  # an older kernel: the writes fault as they come
+    except (OSError, ValueError, TypeError, BufferError):
+        return  # an older kernel, a file that shrank: the writes fault as they come
 
 
 def rebuild(repo: RepoStorage, ref: ChunkRef, frame: Buffer) -> Buffer | None:
