@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
+import blake3
+import numpy as np
 import pytest
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 
@@ -316,6 +318,33 @@ def _mapped(store: ObjectStore, key: str, limit: int) -> bytes:
     view = store.map(key, limit)
     assert view is not None, "the store did not map the object"
     return bytes(view)
+
+
+def _resident_kib(address: int) -> int:
+    """The ``Rss`` KiB of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's smaps")
+def test_a_mapping_is_faulted_in_by_its_reader_not_when_made(local: LocalStore) -> None:
+    # A cached 4 MiB object: populating its mapping up front cost an in-place restore
+    # more than the reader's own faults (docs/pipeline.md, "A failed restore").
+    data = os.urandom(4 << 20)
+    local.put("a/c", data)
+    view = local.map("a/c", len(data))
+    assert view is not None
+    address = np.frombuffer(view, np.uint8).ctypes.data
+    assert _resident_kib(address) < 1024  # the first page's fault-around at most
+    assert blake3.blake3(view).digest() == blake3.blake3(data).digest()
+    assert _resident_kib(address) == 4 << 10
 
 
 def test_map_reads_a_local_object_in_place_and_wrappers_pass_it_on(local: LocalStore) -> None:

@@ -55,9 +55,12 @@ _READ_STEP = 1 << 20  # bytes per read() of a limited get
 # See _prime.
 _FIRST_READ = 4096
 _RAMP_FROM = 256 << 10
-# A mapping is read-only and populated when it is made (Linux: MAP_POPULATE), so
-# reading it faults no page; without MAP_SHARED/PROT_READ (Windows) no mapping.
-_MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
+# A mapping is read-only and is not populated when it is made: the reader's first
+# pass (the digest) faults it in, which cost a warm in-place restore of 1 GiB
+# 167 ms against 197 ms with MAP_POPULATE and a cold one 0.37-0.40 s against
+# 0.58-0.62 s (benchmarks/read_workers.py). Without MAP_SHARED/PROT_READ (Windows)
+# no mapping.
+_MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0)
 # A private (copy-on-write) mapping is not populated: populating a writable private
 # mapping copies every page, where only the pages written should be.
 _PRIVATE_FLAGS = getattr(mmap, "MAP_PRIVATE", 0)
@@ -221,7 +224,7 @@ class LocalStore(ObjectStore):
             length = min(size, limit)  # a longer file: its first bytes, as read_into reads them
             if length <= 0:
                 return b""  # mmap refuses an empty range; nothing to map
-            _prime(fd, length)  # populating the mapping is readahead too
+            _prime(fd, length)  # faulting the mapping in is readahead too
             try:
                 if private:
                     mapped = mmap.mmap(fd, length, flags=_PRIVATE_FLAGS, prot=_WRITABLE)
