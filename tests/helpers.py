@@ -66,3 +66,17 @@ def reclaimed_of(ckpt: Checkpointer) -> ReclaimResult:
     reclaimed = retention_of(ckpt).reclaimed
     assert reclaimed is not None, "the last retention pass reclaimed nothing"
     return reclaimed
+
+
+def smaps_kib(address: int, field: str) -> int:
+    """``field`` (``Rss``, ``Anonymous``, ...) in KiB of the mapping of this process
+    holding ``address``, from Linux's /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == f"{field}:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")

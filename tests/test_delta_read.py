@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import repo_helpers
 import torch
-from helpers import take_stats
+from helpers import smaps_kib, take_stats
 
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.chunks.rebuild import fault_for_writing
@@ -157,19 +157,6 @@ def test_a_codec_chosen_ahead_gives_the_same_frame() -> None:
         )
 
 
-def _anonymous_kib(address: int) -> int:
-    """The ``Anonymous`` KiB of the mapping holding ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "Anonymous:":
-            return int(line.split()[1])
-    raise AssertionError("no mapping holds the address")
-
-
 def _can_populate_write(tmp_path: Path) -> bool:
     """Whether this kernel copies a private mapping's pages on MADV_POPULATE_WRITE (5.14 on)."""
     (tmp_path / "probe").write_bytes(bytes(mmap.PAGESIZE))
@@ -267,14 +254,14 @@ def test_only_the_pages_the_deltas_change_are_copied_before_the_xor(tmp_path: Pa
         np.ones(544, "u1"),
     )
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
-    assert _anonymous_kib(address) == 0
+    assert smaps_kib(address, "Anonymous") == 0
     for runs in (first, second):
         fault_for_writing(view, runs)
-    assert _anonymous_kib(address) * 1024 // page == 6  # pages 2, 3, 9, 10, 12 and 14
+    assert smaps_kib(address, "Anonymous") * 1024 // page == 6  # pages 2, 3, 9, 10, 12 and 14
     assert bytes(mapped) == data  # copied, not changed
     for runs in (first, second):
         runs.xor_into(view)
-    assert _anonymous_kib(address) * 1024 // page == 6
+    assert smaps_kib(address, "Anonymous") * 1024 // page == 6
     assert bytes(view[3 * page - 320 : 3 * page + 192]) != data[3 * page - 256 : 3 * page + 256]
     assert (tmp_path / "f").read_bytes() == data  # the file never changes
     fault_for_writing(memoryview(bytearray(100)), first)  # not a mapping: nothing to do

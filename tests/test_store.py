@@ -14,6 +14,7 @@ import blake3
 import numpy as np
 import pytest
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
+from helpers import smaps_kib
 
 import casnap.store.local as local_module
 from casnap.errors import (
@@ -320,19 +321,6 @@ def _mapped(store: ObjectStore, key: str, limit: int) -> bytes:
     return bytes(view)
 
 
-def _resident_kib(address: int) -> int:
-    """The ``Rss`` KiB of the mapping holding ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "Rss:":
-            return int(line.split()[1])
-    raise AssertionError("no mapping holds the address")
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's smaps")
 def test_a_mapping_is_faulted_in_by_its_reader_not_when_made(local: LocalStore) -> None:
     # A cached 4 MiB object: populating its mapping up front cost an in-place restore
@@ -342,9 +330,9 @@ def test_a_mapping_is_faulted_in_by_its_reader_not_when_made(local: LocalStore) 
     view = local.map("a/c", len(data))
     assert view is not None
     address = np.frombuffer(view, np.uint8).ctypes.data
-    assert _resident_kib(address) < 1024  # the first page's fault-around at most
+    assert smaps_kib(address, "Rss") < 1024  # the first page's fault-around at most
     assert blake3.blake3(view).digest() == blake3.blake3(data).digest()
-    assert _resident_kib(address) == 4 << 10
+    assert smaps_kib(address, "Rss") == 4 << 10
 
 
 def test_map_reads_a_local_object_in_place_and_wrappers_pass_it_on(local: LocalStore) -> None:
