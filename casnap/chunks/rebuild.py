@@ -215,12 +215,8 @@ def patch_in_place(
         with shared.rebuilds if shared is not None else nullcontext():
             dst = out.cast("B") if out.format != "B" else out
             for link, raw in zip(chain[:-1], frames, strict=True):  # XOR: any order
-                runs = link_runs(raw, link)
-                if runs is None:
+                if not apply_link(raw, link, dst, mapped=mapped):
                     return False
-                if mapped:
-                    fault_for_writing(dst, runs)
-                runs.xor_into(dst)
         return digest_of(out).hex() == ref.hash
     except (CasnapError, ValueError):
         return False
@@ -256,11 +252,14 @@ def link_runs(raw: Buffer, link: ChunkRef) -> DeltaRuns | None:
     return delta_runs(hdr, payload, key, base_digest)
 
 
-def apply_link(raw: Buffer, link: ChunkRef, out: Any) -> bool:
-    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta."""
+def apply_link(raw: Buffer, link: ChunkRef, out: Any, *, mapped: bool = False) -> bool:
+    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta.
+    ``mapped``: ``out`` is a private mapping (:func:`fault_for_writing`)."""
     runs = link_runs(raw, link)
     if runs is None:
         return False
+    if mapped:
+        fault_for_writing(out, runs)
     runs.xor_into(out)
     return True
 
