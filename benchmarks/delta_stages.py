@@ -1,7 +1,7 @@
 """Where the restore of the newest of a delta series spends its CPU, per stage (#26).
 
     .venv/bin/python benchmarks/delta_stages.py [--size-mib 128] [--series 10]
-        [--repeats 10] [--workdir bench-out/scratch]
+        [--repeats 10] [--workdir bench-out/scratch] [--floor]
 
 Builds the ``series`` scenario of benchmarks/delta.py (an fp32 table, 1% of
 its rows scaled per snapshot) with deltas on and off, then restores the
@@ -12,12 +12,20 @@ runs on the machine) and wall time. Prints, per restore, the process CPU
 and wall time and each stage's CPU and wall, and the on/off ratios. On a
 shared machine the CPU figures are the steady ones; the wall of a stage
 that waits (the ``rebuilds`` semaphore, the GIL) says how much it waited.
+
+``--floor`` times, instead, each step of the two paths alone on one thread,
+over the newest snapshot's own chunks and frames (median of ``--repeats``):
+what the deltas-off path must do (map, hash, copy into the tensor) and what
+a rebuild adds to it (fetch, decode, copy the changed pages, XOR). Their
+sum over the off path's work is the ratio a restore would reach with no
+overhead at all: no thread, GIL or Python cost beyond these calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import json
 import statistics
 import sys
@@ -25,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from delta import _sparse_step, _table, _take
 from harness import MiB, scratch_dir
@@ -34,6 +43,10 @@ import casnap.chunks.read as read_mod
 import casnap.chunks.rebuild as rebuild_mod
 import casnap.format.delta as delta_mod
 import casnap.restore.undo as undo_mod
+from casnap.chunks.stored import frame_limit
+from casnap.format import codec
+from casnap.format.names import digest_of
+from casnap.repo.repository import chunk_key
 
 _CPU: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds
 _WALL: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -78,6 +91,88 @@ def _series(work: str, size_mib: int, series: int, delta: bool) -> torch.Tensor:
     return state
 
 
+class _Steps:
+    """Thread CPU seconds per named step, added up over calls (``--floor``)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+
+    def run(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time()
+        out = fn(*args, **kwargs)
+        self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0
+        return out
+
+
+def _floor_once(path: str, target: torch.Tensor) -> dict[str, float]:
+    """Each step of the restore of ``path`` alone, on this thread, chunk after chunk:
+    the deltas-off path's map, hash and copy, and what a chain's rebuild adds (on a
+    private mapping, as the restore does). Seconds per step."""
+    repo, manifest = casnap.Snapshot(path)._load()
+    entry = manifest.entries["0/m/emb"]
+    dst = target.data_ptr()
+    steps = _Steps()
+    at = 0
+    for ref in entry.chunks:  # type: ignore[union-attr]
+        chain = ref.chain()
+        whole, links = chain[-1], chain[:-1]
+        rebuilt = bool(links)
+        frame = steps.run(
+            "map", repo.store.map, chunk_key(whole.hash), frame_limit(whole), private=rebuilt
+        )
+        view = memoryview(frame)[codec.HEADER_SIZE :]
+        if rebuilt:
+            raws = steps.run("+ fetch the deltas", rebuild_mod.fetch_chain, repo, links)
+            for raw, link in zip(raws, links, strict=True):
+                runs = steps.run("+ decode", rebuild_mod.link_runs, raw, link)
+                steps.run("+ copy the changed pages", rebuild_mod.fault_for_writing, view, runs)
+                steps.run("+ XOR", runs.xor_into, view)
+        if steps.run("hash", digest_of, view).hex() != ref.hash:
+            raise SystemExit(f"{path}: chunk {ref.hash} did not rebuild")
+        src = ctypes.addressof(ctypes.c_char.from_buffer(frame)) if rebuilt else None
+        if src is None:  # a read-only mapping: its address through numpy
+            src = np.frombuffer(frame, np.uint8).ctypes.data
+        steps.run(
+            "copy into the tensor", ctypes.memmove, dst + at, src + codec.HEADER_SIZE, len(view)
+        )
+        at += len(view)
+        view.release()
+    return steps.cpu
+
+
+def floor(args: argparse.Namespace) -> int:
+    with scratch_dir(args.workdir) as work:
+        newest = {}
+        for mode in ("on", "off"):
+            newest[mode] = _series(f"{work}/{mode}", args.size_mib, args.series, mode == "on")
+        target = torch.zeros_like(newest["on"])
+        runs: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
+        for r in range(args.repeats + 1):
+            for mode in ("on", "off"):
+                steps = _floor_once(f"{work}/{mode}/s{args.series - 1}", target)
+                if not torch.equal(target, newest[mode]):
+                    raise SystemExit(f"{mode}: the steps did not reproduce the newest state")
+                if r:
+                    for k, v in steps.items():
+                        runs[mode].setdefault(k, []).append(v)
+    med = {m: {k: statistics.median(v) * 1e3 for k, v in runs[m].items()} for m in runs}
+    if args.json:
+        print(json.dumps(med))
+        return 0
+    print(
+        f"each step alone on one thread, newest of {args.series} snapshots, {args.size_mib} MiB, "
+        f"medians of {args.repeats} (ms of CPU per restore):"
+    )
+    for mode in ("on", "off"):
+        print(f"  deltas {mode}:")
+        for key, value in med[mode].items():
+            print(f"    {key:40s} {value:8.1f}")
+    off = sum(med["off"].values())
+    on = sum(med["on"].values())
+    print(f"  on/off, the sums of the steps: {on / off:.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--size-mib", type=int, default=128)
@@ -85,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--workdir", default="bench-out/scratch")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--floor", action="store_true", help="each step alone, on one thread")
     args = p.parse_args(argv)
+    if args.floor:
+        return floor(args)
     for owner, name, label in STAGES:
         _wrap(owner, name, label)
     runs: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
