@@ -28,8 +28,9 @@ dotted names are parts of those. Per mode, the median of each phase on each
 rank, in milliseconds. Local stores only (``write.put``, ``write.flush``).
 
 Prints one JSON line: per mode, casnap's bytes written per rank and their
-max/mean, the median take and save times, and the median of the per-repeat
-ratios casnap/DCP (paired: robust to a machine whose load changes).
+max/mean, the median take and save times, the median of the per-repeat
+ratios casnap/DCP (paired: robust to a machine whose load changes), and the
+median CPU time of a take and of a save, all ranks' processes together.
 """
 
 from __future__ import annotations
@@ -120,12 +121,15 @@ def _stage_medians(skip_first: bool) -> dict[str, float]:
     return {n: round(statistics.median(t.get(n, 0.0) for t in takes) * 1e3, 1) for n in names}
 
 
-def _timed(fn: Any) -> float:
+def _timed(fn: Any) -> tuple[float, float]:
+    """Wall seconds from a barrier before ``fn`` to one after it (the slowest rank's
+    time), and the CPU seconds this rank's process spent in ``fn`` (all threads)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    cpu = time.process_time() - c0
     dist.barrier()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, cpu
 
 
 def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
@@ -136,6 +140,7 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
 
     session = Session() if mode == "series" else None
     casnap_times, dcp_times, per_rank = [], [], None
+    cpu: list[tuple[float, float]] = []  # this rank's (casnap, DCP) CPU seconds per repeat
     rounds = repeat + 1 if mode == "series" else repeat
     for i in range(rounds):
         if mode == "series":
@@ -155,12 +160,17 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
             writer = FileSystemWriter(folder, sync_files=True)
             dcp.save({"model": model.state_dict()}, storage_writer=writer)
 
-        c, d = _timed(take), _timed(save)
+        (c, c_cpu), (d, d_cpu) = _timed(take), _timed(save)
         if mode == "series" and i == 0:
             continue  # warm-up: creates the repository and its index
         casnap_times.append(c)
         dcp_times.append(d)
+        cpu.append((c_cpu, d_cpu))
     assert per_rank
+    ranks_cpu: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks_cpu, cpu)
+    casnap_cpu = [sum(r[k][0] for r in ranks_cpu) for k in range(len(cpu))]
+    dcp_cpu = [sum(r[k][1] for r in ranks_cpu) for k in range(len(cpu))]
     stages = None
     if STAGES:
         mine = _stage_medians(skip_first=mode == "series")
@@ -179,6 +189,10 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
         ),
         "casnap_samples_s": casnap_times,
         "dcp_samples_s": dcp_times,
+        # CPU seconds of all ranks' processes together: the ranks share the cores, so
+        # this is what a take costs the machine, steadier than the wall time.
+        "casnap_cpu_s": statistics.median(casnap_cpu),
+        "dcp_cpu_s": statistics.median(dcp_cpu),
     }
 
 
