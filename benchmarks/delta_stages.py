@@ -155,22 +155,31 @@ def floor(args: argparse.Namespace) -> int:
                 if r:
                     for k, v in steps.items():
                         runs[mode].setdefault(k, []).append(v)
-    med = {m: {k: statistics.median(v) * 1e3 for k, v in runs[m].items()} for m in runs}
+    med = _report(runs, args, "each step alone on one thread", "ms of CPU per restore")
+    if med is not None:
+        on, off = sum(med["on"].values()), sum(med["off"].values())
+        print(f"  on/off, the sums of the steps: {on / off:.2f}")
+    return 0
+
+
+def _report(
+    runs: dict[str, dict[str, list[float]]], args: argparse.Namespace, what: str, unit: str
+) -> dict[str, dict[str, float]] | None:
+    """Print the medians of ``runs`` (seconds): as JSON with ``--json`` (then None), else
+    as a table in milliseconds, returning the medians for the ratios below it."""
+    med = {m: {k: statistics.median(v) for k, v in runs[m].items()} for m in runs}
     if args.json:
         print(json.dumps(med))
-        return 0
+        return None
     print(
-        f"each step alone on one thread, newest of {args.series} snapshots, {args.size_mib} MiB, "
-        f"medians of {args.repeats} (ms of CPU per restore):"
+        f"{what}, newest of {args.series} snapshots, {args.size_mib} MiB, "
+        f"medians of {args.repeats} ({unit}):"
     )
     for mode in ("on", "off"):
         print(f"  deltas {mode}:")
         for key, value in med[mode].items():
-            print(f"    {key:40s} {value:8.1f}")
-    off = sum(med["off"].values())
-    on = sum(med["on"].values())
-    print(f"  on/off, the sums of the steps: {on / off:.2f}")
-    return 0
+            print(f"    {key:40s} {value * 1e3:8.1f}")
+    return med
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,20 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                 for label in _CPU:
                     got.setdefault(f"{label} cpu", []).append(_CPU[label])
                     got.setdefault(f"{label} wall", []).append(_WALL[label])
-    med = {m: {k: statistics.median(v) for k, v in runs[m].items()} for m in runs}
-    if args.json:
-        print(json.dumps(med))
-        return 0
-    print(
-        f"restore of the newest of {args.series} snapshots, {args.size_mib} MiB, medians of "
-        f"{args.repeats} (ms per restore; stage wall adds up over threads):"
-    )
-    for mode in ("on", "off"):
-        print(f"  deltas {mode}:")
-        for key, value in med[mode].items():
-            print(f"    {key:40s} {value * 1e3:8.1f}")
-    for key in ("restore wall", "restore cpu"):
-        print(f"  on/off {key}: {med['on'][key] / med['off'][key]:.2f}")
+    med = _report(runs, args, "restore", "ms per restore; stage wall adds up over threads")
+    if med is not None:
+        for key in ("restore wall", "restore cpu"):
+            print(f"  on/off {key}: {med['on'][key] / med['off'][key]:.2f}")
     return 0
 
 
