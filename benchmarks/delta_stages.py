@@ -129,9 +129,7 @@ def _floor_once(path: str, target: torch.Tensor) -> dict[str, float]:
                 steps.run("+ XOR", runs.xor_into, view)
         if steps.run("hash", digest_of, view).hex() != ref.hash:
             raise SystemExit(f"{path}: chunk {ref.hash} did not rebuild")
-        src = ctypes.addressof(ctypes.c_char.from_buffer(frame)) if rebuilt else None
-        if src is None:  # a read-only mapping: its address through numpy
-            src = np.frombuffer(frame, np.uint8).ctypes.data
+        src = np.frombuffer(frame, np.uint8).ctypes.data  # read-only or private alike
         steps.run(
             "copy into the tensor", ctypes.memmove, dst + at, src + codec.HEADER_SIZE, len(view)
         )
@@ -140,11 +138,14 @@ def _floor_once(path: str, target: torch.Tensor) -> dict[str, float]:
     return steps.cpu
 
 
+def _both_series(work: str, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The series with deltas ``on`` and ``off`` under ``work``: each one's newest state."""
+    return {m: _series(f"{work}/{m}", args.size_mib, args.series, m == "on") for m in ("on", "off")}
+
+
 def floor(args: argparse.Namespace) -> int:
     with scratch_dir(args.workdir) as work:
-        newest = {}
-        for mode in ("on", "off"):
-            newest[mode] = _series(f"{work}/{mode}", args.size_mib, args.series, mode == "on")
+        newest = _both_series(work, args)
         target = torch.zeros_like(newest["on"])
         runs: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
         for r in range(args.repeats + 1):
@@ -197,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         _wrap(owner, name, label)
     runs: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
     with scratch_dir(args.workdir) as work:
-        newest = {}
-        for mode in ("on", "off"):
-            newest[mode] = _series(f"{work}/{mode}", args.size_mib, args.series, mode == "on")
+        newest = _both_series(work, args)
         target = {"emb": torch.zeros_like(newest["on"])}
         for r in range(args.repeats + 1):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
