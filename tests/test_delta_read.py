@@ -22,7 +22,7 @@ import torch
 from helpers import smaps_kib, take_stats
 
 from casnap import Repository, Session, Snapshot, StateDict
-from casnap.chunks.rebuild import fault_for_writing
+from casnap.chunks.rebuild import _POPULATE_WRITE, fault_for_writing
 from casnap.format import codec
 from casnap.format.delta import DELTA_BLOCK, DeltaRuns
 from casnap.format.entries import TensorEntry
@@ -159,11 +159,13 @@ def test_a_codec_chosen_ahead_gives_the_same_frame() -> None:
 
 def _can_populate_write(tmp_path: Path) -> bool:
     """Whether this kernel copies a private mapping's pages on MADV_POPULATE_WRITE (5.14 on)."""
+    if _POPULATE_WRITE is None:
+        return False
     (tmp_path / "probe").write_bytes(bytes(mmap.PAGESIZE))
     with (tmp_path / "probe").open("r+b") as f:
         probe = mmap.mmap(f.fileno(), mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
     try:
-        probe.madvise(23, 0, mmap.PAGESIZE)
+        probe.madvise(_POPULATE_WRITE, 0, mmap.PAGESIZE)
     except OSError:
         return False
     finally:
