@@ -12,6 +12,7 @@ futures waiting for its chunk are resolved.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -27,6 +28,7 @@ from casnap.repo.damage import DamagedCopy, DamageSet, clear_damage
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 from casnap.settings import Settings
 from casnap.store import LocalStore
+from casnap.store.local_sync import Deferral
 
 Buffer = codec.Buffer
 
@@ -109,10 +111,16 @@ class FrameWriter:
         self._present: list[ChunkRef] = []  # stored by this writer: for the index
         # A local store syncs the frames' files later, many at once, and renames each
         # into place once synced: at the latest when finish() flushes the store.
+        # Its files that fail in any flush (another take's, through the same store)
+        # are this writer's errors: finish() raises them (docs/pipeline.md).
         local = repo.store.unwrap()
+        self.deferral: Deferral | None = None
         self._deferring: Callable[[], contextlib.AbstractContextManager[None]] = (
-            local.deferring if isinstance(local, LocalStore) else contextlib.nullcontext
+            contextlib.nullcontext
         )
+        if isinstance(local, LocalStore):
+            self.deferral = Deferral()
+            self._deferring = functools.partial(local.deferring, self.deferral)
 
     def _encode(
         self, data: Buffer, digest: bytes, elem_size: int, choice: int | None = None

@@ -388,6 +388,8 @@ class ChunkWriter(FrameWriter):
         take's own."""
         try:
             self.repo.store.flush()
+            if self.deferral is not None:
+                self.deferral.check()  # its files another take's flush settled
         except BaseException:
             with self._lock:
                 self._present = []

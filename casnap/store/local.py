@@ -31,6 +31,7 @@ from casnap.store.base import (
     check_limit,
 )
 from casnap.store.local_sync import (
+    Deferral,
     DeferredFiles,
     Unsynced,
     sync_all,
@@ -102,43 +103,59 @@ class LocalStore(ObjectStore):
         # Folders holding renames not yet fsynced (non-durable puts).
         self._pending_dirs: set[str] = set()
         self._pending_lock = threading.Lock()
+        # Flushes take turns: one that finds the queues empty may be behind another
+        # still syncing its files (which it took from the queues with its own).
+        self._flush_lock = threading.Lock()
+        self._pid = os.getpid()
         # Files of deferred puts, not yet synced nor renamed into place (deferring()).
         self._unsynced = DeferredFiles(self._defer)
         self._thread = threading.local()
 
+    def _forked(self) -> None:
+        """In a forked child: fresh locks (a parent thread may have held one at the fork)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._pending_lock, self._flush_lock = threading.Lock(), threading.Lock()
+
     @contextlib.contextmanager
-    def deferring(self) -> Iterator[None]:
+    def deferring(self, owner: Deferral | None = None) -> Iterator[None]:
         """Within: this thread's non-durable puts defer their file sync and rename to the
         next ``flush()`` or durable put; the object is not visible until then.
 
         For content-addressed keys only: a create-only put whose key is taken
-        by then is dropped (the object there holds the same bytes)."""
-        before = getattr(self._thread, "deferring", False)
-        self._thread.deferring = True
+        by then is dropped (the object there holds the same bytes). ``owner``
+        hears of each of these files that fails, whichever flush settles it."""
+        before = getattr(self._thread, "deferring", None)
+        self._thread.deferring = (owner,)
         try:
             yield
         finally:
             self._thread.deferring = before
 
     def _defer(self, folder: str) -> None:
+        self._forked()
         with self._pending_lock:
             self._pending_dirs.add(folder)
 
     def flush(self) -> None:
-        try:
-            self._unsynced.settle_all()  # their renames add folders to _pending_dirs
-        except OSError as exc:
-            raise _translate(exc, "", writing=True) from exc
-        with self._pending_lock:
-            pending, self._pending_dirs = self._pending_dirs, set()
-        try:
-            sync_all(_fsync_dir, sorted(pending))
-        except BaseException as exc:  # also a thread that could not start: retried next time
-            with self._pending_lock:
-                self._pending_dirs |= pending
-            if isinstance(exc, OSError):
+        """Every put and delete made before the call is durable when it returns, whoever
+        queued it and whichever flush syncs it: flushes take turns."""
+        self._forked()
+        with self._flush_lock:
+            try:
+                self._unsynced.settle_all()  # their renames add folders to _pending_dirs
+            except OSError as exc:
                 raise _translate(exc, "", writing=True) from exc
-            raise
+            with self._pending_lock:
+                pending, self._pending_dirs = self._pending_dirs, set()
+            try:
+                sync_all(_fsync_dir, sorted(pending))
+            except BaseException as exc:  # also a thread that could not start: retried next
+                with self._pending_lock:
+                    self._pending_dirs |= pending
+                if isinstance(exc, OSError):
+                    raise _translate(exc, "", writing=True) from exc
+                raise
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
@@ -269,8 +286,9 @@ class LocalStore(ObjectStore):
         path = self._path(key)
         folder = os.path.dirname(path)
         tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
-        if not durable and getattr(self._thread, "deferring", False):
-            self._put_deferred(key, data, path, tmp, create_only)
+        deferring = getattr(self._thread, "deferring", None)
+        if not durable and deferring is not None:
+            self._put_deferred(key, data, path, tmp, create_only, deferring[0])
             return
         if durable:
             # Earlier non-durable objects (chunks) become durable before this one
@@ -300,7 +318,9 @@ class LocalStore(ObjectStore):
                 os.unlink(tmp)
             raise _translate(exc, key, writing=True) from exc
 
-    def _put_deferred(self, key: str, data: Data, path: str, tmp: str, create_only: bool) -> None:
+    def _put_deferred(
+        self, key: str, data: Data, path: str, tmp: str, create_only: bool, owner: Deferral | None
+    ) -> None:
         """Write the temp file and start its writeback; synced and renamed at ``flush()``."""
         if create_only and os.path.lexists(path):
             raise ObjectExistsError(f"object {key!r} already exists", key)
@@ -309,7 +329,7 @@ class LocalStore(ObjectStore):
             fd = write_unsynced(tmp, as_parts(data))
         except OSError as exc:
             raise _translate(exc, key, writing=True) from exc
-        self._unsynced.add(Unsynced(fd, tmp, path, create_only))
+        self._unsynced.add(Unsynced(fd, tmp, path, create_only, owner))
 
     def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
         if expected is None:  # create-only is already atomic (os.link)

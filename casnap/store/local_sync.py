@@ -128,6 +128,29 @@ def sync_all(sync: Callable[[str], None], folders: list[str]) -> None:
         raise errors[0]
 
 
+class Deferral:
+    """One writer's deferred puts (a take's, made on any of its threads): the errors of
+    those whose fsync or rename failed, whichever ``flush`` settled them.
+
+    Several takes share one store (threads taking through one ``Repository``),
+    and a flush settles every file queued, its caller's and the others': a
+    file of this writer's that failed in another's flush is gone for good, so
+    the writer must hear of it (:meth:`check`) even though its own flush
+    found nothing left to settle.
+    """
+
+    def __init__(self) -> None:
+        self._errors: list[BaseException] = []
+
+    def failed(self, exc: BaseException) -> None:
+        self._errors.append(exc)
+
+    def check(self) -> None:
+        """Raise the first error of any of this writer's files (once they are settled)."""
+        if self._errors:
+            raise self._errors[0]
+
+
 @dataclass(slots=True)
 class Unsynced:
     """A temp file written whole, its descriptor still open, waiting for its fsync."""
@@ -136,6 +159,7 @@ class Unsynced:
     tmp: str
     path: str  # where it goes once synced
     create_only: bool  # os.link (an object there already stays), else os.replace
+    owner: Deferral | None = None  # told if the file fails
 
 
 class DeferredFiles:
@@ -146,9 +170,12 @@ class DeferredFiles:
     the writer goes on, and the writer waits only if an earlier batch is still
     being settled. ``settle_all`` waits for every batch handed over, settles
     the rest, and raises the first error of any of them: no file is still
-    being synced when a flush (a manifest put) returns. ``placed(folder)`` is
-    called for each folder a rename went into (its entry is durable only once
-    the folder is fsynced: the store defers that).
+    being synced when a flush (a manifest put) returns. Its callers take
+    turns (the store's flush lock): a second caller, whose files the first
+    may have taken, returns only once the first's settling is over. Each
+    failed file's error also goes to its owner. ``placed(folder)`` is called
+    for each folder a rename went into (its entry is durable only once the
+    folder is fsynced: the store defers that).
     """
 
     def __init__(self, placed: Callable[[str], None]) -> None:
@@ -159,14 +186,16 @@ class DeferredFiles:
         self._pid = os.getpid()
 
     def _forked(self) -> None:
-        """In a forked child (under ``_lock``): the files and batches are the parent's,
-        which settles them; the child's settling thread does not exist to finish them."""
+        """In a forked child (checked before taking ``_lock``, which a parent thread may
+        have held at the fork): the files and batches are the parent's, which settles
+        them; the child's settling thread does not exist to finish them."""
         if self._pid != os.getpid():
+            self._lock = threading.Lock()
             self._pid, self._files, self._batches = os.getpid(), [], []
 
     def add(self, file: Unsynced) -> None:
+        self._forked()
         with self._lock:
-            self._forked()
             self._files.append(file)
             if len(self._files) <= WINDOW:
                 return
@@ -178,8 +207,8 @@ class DeferredFiles:
             wait([earlier])  # at most two batches out: the writer waits for the settler
 
     def settle_all(self) -> None:
+        self._forked()
         with self._lock:
-            self._forked()
             files, self._files = self._files, []
             batches, self._batches = self._batches, []
         errors = [b.exception() for b in batches]  # waits for each
@@ -210,6 +239,8 @@ class DeferredFiles:
                     continue
             with contextlib.suppress(OSError):
                 os.unlink(file.tmp)
+            if file.owner is not None:
+                file.owner.failed(error)
             first = first or error
         if first is not None:
             raise first

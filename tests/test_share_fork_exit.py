@@ -1,0 +1,142 @@
+"""Nothing lost when processes share, fork and exit (issue #40).
+
+Two takes through one ``Repository`` (one store): a take returns only once its
+chunks are in place and durable, whichever take's flush synced them, and a
+chunk that failed in another take's flush fails its own take. A forked child
+never releases its parent's lease, never hangs in ``os.fork()`` on an index
+environment a parent thread was using, and can take into the same repository.
+A script that ends with an async take pending gets its snapshot.
+
+The fork and exit cases run in a child Python with a timeout, so that a hang
+is a failure, not a stuck suite.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from casnap import Repository, Snapshot, StateDict
+from casnap.errors import StoreError
+from casnap.store import LocalStore, local_sync
+from casnap.store.local_sync import Deferral
+
+ROOT = Path(__file__).resolve().parents[1]
+fork_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+def _run(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh Python; a hang past ``timeout`` fails the test."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung for {timeout} s; output so far:\n{exc.stdout!r}\n{exc.stderr!r}")
+
+
+# -- one store, several takes -------------------------------------------------------------
+
+
+def test_a_flush_returns_only_once_the_files_another_flush_took_are_in_place(tmp_path, monkeypatch):
+    """Take B's flush, finding its files taken by take A's flush, waits for A's to end."""
+    store = LocalStore(str(tmp_path))
+    with store.deferring():
+        store.put("chunks/b", b"b's chunk", durable=False)  # B's, queued on the shared store
+    inside, release = threading.Event(), threading.Event()
+    real = local_sync._fsync
+
+    def slow_fsync(fd: int) -> None:
+        inside.set()
+        release.wait(30)
+        real(fd)
+
+    monkeypatch.setattr(local_sync, "_fsync", slow_fsync)
+    first = threading.Thread(target=store.flush)  # A's flush takes B's file along
+    first.start()
+    assert inside.wait(30)
+    seen: list[bool] = []
+
+    def flush_then_look() -> None:
+        store.flush()
+        seen.append(store.exists("chunks/b"))
+
+    second = threading.Thread(target=flush_then_look)
+    second.start()
+    second.join(0.5)
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert seen == [True]  # when B's flush returned, B's chunk was in place
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names a file by its fd")
+def test_a_file_that_failed_in_another_flush_fails_its_owner(tmp_path, monkeypatch):
+    store = LocalStore(str(tmp_path))
+    mine, theirs = Deferral(), Deferral()
+    with store.deferring(mine):
+        store.put("chunks/m", b"mine", durable=False)
+    with store.deferring(theirs):
+        store.put("chunks/t", b"theirs", durable=False)
+    real = local_sync._fsync
+
+    def fail_mine(fd: int) -> None:  # the disk fails the owner's file only
+        if "/chunks/m" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(local_sync, "_fsync", fail_mine)
+    with pytest.raises(StoreError):
+        store.flush()  # the other take's flush settles both files, and fails
+    monkeypatch.setattr(local_sync, "_fsync", real)
+    store.flush()  # the owner's own flush finds nothing left to settle...
+    with pytest.raises(OSError):
+        mine.check()  # ...but hears of its file's failure
+    theirs.check()
+    assert not store.exists("chunks/m") and store.get("chunks/t") == b"theirs"
+
+
+def test_takes_through_one_repository_from_several_threads_are_whole_when_they_return(
+    tmp_path, monkeypatch
+):
+    """The user-visible case: every take, the moment it returns, restores bit-exact."""
+    real = local_sync._fsync
+    monkeypatch.setattr(local_sync, "_fsync", lambda fd: (threading.Event().wait(0.005), real(fd)))
+    repo = Repository.init(str(tmp_path / "repo"), chunk_size=64 << 10)
+    failures: list[str] = []
+
+    def taker(tag: str, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for i in range(6):
+            w = torch.randn(96 << 10, generator=g)  # 6 chunks of new bytes each time
+            path = f"{repo.url}/{tag}/s{i}"
+            Snapshot.take(path, {"m": StateDict(w=w)}, storage_options={"repository": repo})
+            out = StateDict(w=torch.empty_like(w))
+            try:
+                Snapshot(path, storage_options={"repository": repo}).restore({"m": out})
+            except Exception as exc:  # noqa: BLE001 - the finding
+                failures.append(f"{path}: {type(exc).__name__}: {exc}")
+                continue
+            if not torch.equal(out["w"], w):
+                failures.append(f"{path}: other bytes")
+
+    threads = [threading.Thread(target=taker, args=(t, n)) for n, t in enumerate("ABC")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert len(repo.snapshots()) == 18 and repo.verify().ok
