@@ -140,3 +140,51 @@ def test_takes_through_one_repository_from_several_threads_are_whole_when_they_r
         t.join()
     assert failures == []
     assert len(repo.snapshots()) == 18 and repo.verify().ok
+
+
+# -- fork ----------------------------------------------------------------------------------
+
+_FORK_DURING_DCP_SAVE = """
+    import glob, os, sys, threading, time
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import casnap
+    from casnap.integrations.dcp import CasnapWriter, CasnapReader
+    from casnap.store import local_sync
+
+    root, how = sys.argv[1], sys.argv[2]
+    real, gate = local_sync._fsync, threading.Event()
+    local_sync._fsync = lambda fd: (gate.wait(60), real(fd))[1]  # the save lasts past the fork
+    state = {f"w{i}": torch.randn(64 << 10) for i in range(24)}
+    save = threading.Thread(
+        target=lambda: dcp.save(state, storage_writer=CasnapWriter(f"{root}/ck1"), no_dist=True)
+    )
+    save.start()
+    leases = lambda: glob.glob(f"{root}/.casnap/leases/*")
+    while not leases() and save.is_alive():
+        time.sleep(0.001)
+    held = leases()
+    pid = os.fork()
+    if pid == 0:
+        if how == "exit":
+            sys.exit(0)  # finalizers and atexit handlers run
+        os._exit(0)
+    os.waitpid(pid, 0)
+    after, alive = leases(), save.is_alive()
+    gate.set()
+    casnap.Repository(root).gc(grace_seconds=0)  # beside the save: must spare what it writes
+    save.join()
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=CasnapReader(f"{root}/ck1"), no_dist=True)
+    same = all(torch.equal(target[k], state[k]) for k in state)
+    print("held", len(held), "after", len(after), "alive", alive, "same", same,
+          "verify", casnap.Repository(root).verify().ok)
+"""
+
+
+@fork_only
+@pytest.mark.parametrize("how", ["exit", "_exit"])
+def test_a_forked_child_exiting_leaves_the_parents_lease_and_save_alone(tmp_path, how):
+    out = _run(_FORK_DURING_DCP_SAVE, str(tmp_path / "repo"), how)
+    assert out.returncode == 0, out.stderr
+    assert "held 1 after 1 alive True same True verify True" in out.stdout, out.stdout + out.stderr

@@ -22,6 +22,7 @@ The records are :mod:`casnap.repo.lease_record`; gc's side is
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -68,6 +69,11 @@ class Lease:
     expired in the eyes of others. A renewal counts only if its put returned
     ``margin`` seconds before the previous expiry (so no other process can have
     judged the record dead in between); otherwise the lease is lost for good.
+
+    Only the process that took the lease releases it: in a child made by
+    ``os.fork()`` (whose finalizers and ``with`` blocks may run ``release``),
+    the record is the parent's, still guarding the parent's work, and the
+    child's copy of the lease does nothing.
     """
 
     def __init__(self, store: ObjectStore, key: str, record: LeaseRecord, ttl: float) -> None:
@@ -80,6 +86,7 @@ class Lease:
         self._valid_until = record.expires()
         self._lost = False
         self._released = False
+        self._pid = os.getpid()  # the process that holds the record
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -135,7 +142,12 @@ class Lease:
                 self._lost = True
 
     def release(self) -> None:
-        """Stop renewing and delete the record (the gc lock only if it is still ours)."""
+        """Stop renewing and delete the record (the gc lock only if it is still ours).
+
+        In a forked child nothing happens: checked before any lock, which a parent
+        thread may have held at the fork."""
+        if self._pid != os.getpid():
+            return
         with self._guard:
             if self._released:
                 return
