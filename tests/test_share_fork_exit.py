@@ -188,3 +188,63 @@ def test_a_forked_child_exiting_leaves_the_parents_lease_and_save_alone(tmp_path
     out = _run(_FORK_DURING_DCP_SAVE, str(tmp_path / "repo"), how)
     assert out.returncode == 0, out.stderr
     assert "held 1 after 1 alive True same True verify True" in out.stdout, out.stdout + out.stderr
+
+
+_FORK_INSIDE_AN_INDEX_WRITE = """
+    import os, sys, threading, time
+    import torch
+    import casnap
+    from casnap import Snapshot, StateDict
+    from casnap.index import lmdb_store
+
+    root, child_takes = sys.argv[1], sys.argv[2] == "take"
+    repo = casnap.Repository.init(root)
+    Snapshot.take(f"{root}/s1", {"m": StateDict(w=torch.randn(1 << 16))})  # the index is open
+    inside, forked = threading.Event(), threading.Event()
+    real = lmdb_store._seal
+
+    def sealing(key, body):  # called inside the index's write transaction
+        if not inside.is_set():
+            inside.set()
+            forked.wait(30)
+        return real(key, body)
+
+    lmdb_store._seal = sealing
+    take = threading.Thread(
+        target=lambda: Snapshot.take(f"{root}/s2", {"m": StateDict(w=torch.randn(1 << 16))})
+    )
+    take.start()
+    assert inside.wait(30)
+    pid = os.fork()  # a parent thread is inside a write transaction of the index
+    if pid == 0:
+        if child_takes:
+            w = torch.full((1 << 16,), 7.0)
+            Snapshot.take(f"{root}/child", {"m": StateDict(w=w)})
+            out = StateDict(w=torch.empty_like(w))
+            Snapshot(f"{root}/child").restore({"m": out})
+            sys.exit(0 if torch.equal(out["w"], w) else 3)
+        os._exit(0)
+    forked.set()
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            print("child hung in fork")
+            sys.exit(1)
+        time.sleep(0.05)
+    take.join()
+    print("child exit", os.waitstatus_to_exitcode(status), "refs", sorted(repo.snapshots()),
+          "verify", repo.verify().ok)
+"""
+
+
+@fork_only
+@pytest.mark.parametrize("child", ["nothing", "take"])
+def test_a_fork_while_a_thread_writes_the_index_neither_hangs_nor_loses(tmp_path, child):
+    out = _run(_FORK_INSIDE_AN_INDEX_WRITE, str(tmp_path / "repo"), child)
+    assert out.returncode == 0, out.stdout + out.stderr
+    refs = "['child', 's1', 's2']" if child == "take" else "['s1', 's2']"
+    assert f"child exit 0 refs {refs} verify True" in out.stdout, out.stdout + out.stderr

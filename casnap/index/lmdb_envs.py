@@ -18,7 +18,8 @@ import re
 import shutil
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -59,6 +60,10 @@ class Env:
         self.stale = False  # unusable as opened (another process grew the map): reopen
         self.off = False  # this process gave up on it (no space, read-only): never reopened
         self.users: weakref.WeakSet[Any] = weakref.WeakSet()  # open handles
+        # Transactions begun and not yet ended, by any thread: read in a forked child,
+        # where closing an environment a parent thread was using waits forever.
+        self.busy = 0
+        self._busy_lock = threading.Lock()
         reserve_lock_file(path / "lock.mdb")
         # metasync=False: a commit is one fsync, not two. LMDB keeps the database
         # intact; a system crash may undo the last commit, which a cache of "this
@@ -97,6 +102,21 @@ class Env:
     def usable(self) -> bool:
         return not (self.broken or self.stale or self.off)
 
+    @contextmanager
+    def begin(self, **kwargs: Any) -> Iterator[Any]:
+        """``self.env.begin(**kwargs)``, counted in :attr:`busy` from before it begins
+        until after it ended (every transaction of casnap's goes through here). Typed
+        ``Any``: the transaction's types follow ``buffers=``, which py-lmdb's overloads
+        of ``begin`` resolve and a forwarding ``**kwargs`` cannot."""
+        with self._busy_lock:
+            self.busy += 1
+        try:
+            with self.env.begin(**kwargs) as txn:
+                yield txn
+        finally:
+            with self._busy_lock:
+                self.busy -= 1
+
 
 # The one piece of module-level mutable state in casnap (docs/architecture.md):
 # LMDB forbids opening one path twice in a process and using an environment
@@ -130,23 +150,54 @@ _registry: dict[str, Env] = {}  # least recently used first
 _given_up: dict[str, str] = {}  # index paths this process runs without, and why
 
 
-def _forget_after_fork() -> None:
-    """In a forked child: drop the parent's environments, so this process opens its own.
+# Environments a forked child inherited: never closed by the after-fork hook, which
+# must not wait (closing one a parent thread was writing in waits for that thread,
+# which the child does not have), and kept referenced so that nothing closes them
+# later either (py-lmdb's own finaliser skips an environment of another pid).
+_inherited: list[Env] = []
+_abandoned: list[Env] = []
 
-    py-lmdb refuses to open a path that is open "in this process", which the
-    child's copies are, so they are closed. That is safe on Linux: closing
-    touches only reader slots of the closing pid (none in the child) and
-    releases no lock the parent holds (fcntl locks are not inherited).
+
+def _forget_after_fork() -> None:
+    """In a forked child: set the parent's environments aside, so this process opens its own.
+
+    Only rebinds module state: no lock is taken, nothing waits, nothing is
+    closed (a DataLoader worker that never uses casnap pays nothing). The
+    handles made before the fork see their environment off. The first
+    :func:`acquire` in the child settles them (:func:`_settle_inherited`).
     """
-    global _registry_lock
+    global _registry_lock, _registry, _inherited
     _registry_lock = threading.Lock()  # another thread may have held it at the fork
-    envs = list(_registry.values())
-    _registry.clear()
+    _inherited = _inherited + list(_registry.values())
+    _registry = {}
+    for env in _inherited:
+        env.off = True
+
+
+def _settle_inherited() -> None:
+    """Close the inherited environments no parent thread was using at the fork (locked).
+
+    py-lmdb refuses to open files that are open "in this process", which the
+    inherited copies are, so the child must close them to open its own. That
+    is safe for an idle one (closing touches only reader slots of the closing
+    pid, none in the child, and releases no lock the parent holds: fcntl
+    locks are not inherited). One a parent thread was inside a transaction of
+    at the fork is left open for good: this process runs without that index.
+    """
+    global _inherited
+    envs, _inherited = _inherited, []
     for env in envs:
-        try:
-            env.env.close()
-        except lmdb.Error:
-            pass
+        if env.busy == 0:
+            try:
+                env.env.close()
+            except lmdb.Error:
+                pass
+            continue
+        _abandoned.append(env)
+        key = str(env.path)
+        if key not in _given_up:
+            _given_up[key] = "was in use by another thread when this process was forked"
+            _log.info("casnap index at %s: %s; this process runs without it", key, _given_up[key])
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -201,6 +252,8 @@ def acquire(repo_id: str, hold: Callable[[Env], T]) -> T | None:
         return None
     key = str(path)
     with _registry_lock:
+        if _inherited:
+            _settle_inherited()
         if key in _given_up:
             return None  # said once already
         if key not in _registry:

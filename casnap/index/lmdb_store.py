@@ -133,7 +133,7 @@ class RepoIndex:
             return None
         key = bytes.fromhex(h)
         try:
-            with self._env.env.begin(db=self._env.chunks, buffers=False) as txn:
+            with self._env.begin(db=self._env.chunks, buffers=False) as txn:
                 value = txn.get(key) if self._still_ours(txn) else None
             if value is None:
                 return None
@@ -152,7 +152,7 @@ class RepoIndex:
         if self._chunks_for is None or not self._env.usable or not wanted:
             return out
         try:
-            with self._env.env.begin(db=self._env.chunks, buffers=False) as txn:
+            with self._env.begin(db=self._env.chunks, buffers=False) as txn:
                 if not self._still_ours(txn):
                     return out
                 for i, (h, size) in enumerate(wanted):
@@ -181,7 +181,7 @@ class RepoIndex:
             return 0
         e = self._env
         try:
-            with e.env.begin(write=True) as txn:
+            with e.begin(write=True) as txn:
                 if txn.get(_META_CHUNKS_FOR, db=e.meta) != self._chunks_for:
                     return 0  # a gc ran since this take looked: these facts may be old
                 for r in items:
@@ -206,7 +206,7 @@ class RepoIndex:
         keys = [bytes.fromhex(h) for h in hashes]
         forgotten = 0
         try:
-            with self._env.env.begin(write=True, db=self._env.chunks) as txn:
+            with self._env.begin(write=True, db=self._env.chunks) as txn:
                 for key in keys:
                     forgotten += bool(txn.delete(key))
         except lmdb.Error as exc:
@@ -219,7 +219,7 @@ class RepoIndex:
             return None
         key = bytes.fromhex(check_hash(manifest_hash, "manifest name"))
         try:
-            with self._env.env.begin(db=self._env.manifests) as txn:
+            with self._env.begin(db=self._env.manifests) as txn:
                 value = txn.get(key)
             body = _unseal(key, value) if value is not None else None
             return decode_summary(manifest_hash, body) if body is not None else None
@@ -234,7 +234,7 @@ class RepoIndex:
             return
         items = [(bytes.fromhex(s.manifest), encode_summary(s)) for s in summaries]
         try:
-            with self._env.env.begin(write=True, db=self._env.manifests) as txn:
+            with self._env.begin(write=True, db=self._env.manifests) as txn:
                 for key, body in items:
                     txn.put(key, _seal(key, body))
         except lmdb.MapFullError:
@@ -247,7 +247,7 @@ class RepoIndex:
         _log.warning("casnap index at %s is full; clearing it", self._env.path)
         e = self._env
         try:
-            with e.env.begin(write=True) as txn:
+            with e.begin(write=True) as txn:
                 txn.drop(e.chunks, delete=False)
                 txn.drop(e.manifests, delete=False)
         except lmdb.Error as exc:
@@ -275,10 +275,10 @@ def open_index(repo: RepoStorage, *, chunks: bool = True) -> RepoIndex | None:
     marker = b"-" if epoch is None else blake3.blake3(epoch).hexdigest().encode()
     chunks_for = _store_identity(repo).encode() + b"\n" + marker
     try:
-        with env.env.begin(db=env.meta) as txn:
+        with env.begin(db=env.meta) as txn:
             current = txn.get(_META_CHUNKS_FOR)
         if current != chunks_for:
-            with env.env.begin(write=True) as txn:
+            with env.begin(write=True) as txn:
                 if txn.get(_META_CHUNKS_FOR, db=env.meta) != chunks_for:
                     txn.drop(env.chunks, delete=False)
                     txn.put(_META_CHUNKS_FOR, chunks_for, db=env.meta)
