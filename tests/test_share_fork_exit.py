@@ -248,3 +248,63 @@ def test_a_fork_while_a_thread_writes_the_index_neither_hangs_nor_loses(tmp_path
     assert out.returncode == 0, out.stdout + out.stderr
     refs = "['child', 's1', 's2']" if child == "take" else "['s1', 's2']"
     assert f"child exit 0 refs {refs} verify True" in out.stdout, out.stdout + out.stderr
+
+
+# -- exit ----------------------------------------------------------------------------------
+
+_EXIT_WITHOUT_WAIT = """
+    import sys
+    import torch
+    import casnap
+    from casnap import Checkpointer, Snapshot, StateDict
+
+    root, how = sys.argv[1], sys.argv[2]
+    w = torch.arange(3 << 18, dtype=torch.float32)
+    if how == "snapshot":
+        Snapshot.async_take(f"{root}/step_1", {"m": StateDict(w=w)})
+    else:
+        ckpt = Checkpointer(root, every_n_steps=10, async_take=True)
+        for step in range(1, 31):
+            w[step] += 1
+            ckpt.maybe_take(step, {"m": StateDict(w=w)})
+    print("returned", flush=True)
+    # the script ends: no wait(), no close()
+"""
+
+
+@pytest.mark.parametrize("how", ["snapshot", "checkpointer"])
+def test_a_script_ending_with_an_async_take_pending_keeps_its_snapshot(tmp_path, how):
+    root = str(tmp_path / "repo")
+    out = _run(_EXIT_WITHOUT_WAIT, root, how)
+    assert out.returncode == 0, out.stderr
+    assert "waiting for the async take of" in out.stderr  # said, naming the snapshot
+    name = "step_1" if how == "snapshot" else "step_000000030"
+    assert name in out.stderr
+    repo = Repository(root)
+    assert name in repo.snapshots()
+    want = torch.arange(3 << 18, dtype=torch.float32)
+    if how == "checkpointer":
+        want[1:31] += 1
+    got = StateDict(w=torch.empty_like(want))
+    Snapshot(f"{root}/{name}").restore({"m": got})
+    assert torch.equal(got["w"], want)
+
+
+_EXIT_AFTER_A_FAILED_COMMIT = """
+    import sys
+    import torch
+    from casnap import Snapshot, StateDict
+    from casnap.store import local_sync
+
+    def broken(fd):
+        raise OSError(28, "No space left on device")
+
+    local_sync._fsync = broken
+    Snapshot.async_take(f"{sys.argv[1]}/step_1", {"m": StateDict(w=torch.randn(1 << 18))})
+"""
+
+
+def test_an_async_take_that_fails_unseen_is_named_at_exit(tmp_path):
+    out = _run(_EXIT_AFTER_A_FAILED_COMMIT, str(tmp_path / "repo"))
+    assert "the async take of" in out.stderr and "step_1 failed" in out.stderr, out.stderr
+    assert "no space left on device" in out.stderr.lower()

@@ -31,6 +31,7 @@ from casnap.format.manifest import Manifest
 from casnap.python_gc import python_gc_paused
 from casnap.repo.repository import RepoStorage, locate
 from casnap.restore.restore import check_app_state, read_entry, restore_state
+from casnap.take import at_exit
 from casnap.take.commit import remember
 from casnap.take.job import ShardedNeedsGroup, TakeJob, TakeResult, prepare_take
 from casnap.take.session import Session
@@ -452,6 +453,7 @@ class PendingSnapshot:
         context = contextvars.copy_context()
         self._future: Future[TakeResult] = self._executor.submit(context.run, commit)
         self._executor.shutdown(wait=False)
+        at_exit.watch(self._future, path)  # a script that ends without wait() keeps it
 
     def done(self) -> bool:
         """Whether the background part has finished (successfully or not)."""
@@ -459,7 +461,13 @@ class PendingSnapshot:
 
     def wait(self, timeout: float | None = None) -> Snapshot:
         """Block until the snapshot is committed; re-raises a background failure as is."""
-        result = self._future.result(timeout)
+        try:
+            result = self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            at_exit.observed(self._future)
+            raise
         return Snapshot._from_result(
             self.path, self._pg, self._storage_options, result, self._session
         )
