@@ -196,6 +196,41 @@ def test_a_failed_copy_is_logged_and_retried_at_the_next_commit(tmp_path, caplog
     _restores_step(mirror, "step_000000000", 0)
 
 
+def test_a_snapshot_retention_deletes_between_the_check_and_the_copy_is_skipped(
+    tmp_path, caplog, monkeypatch
+):
+    """With the same retention on both, a snapshot local retention deleted after the copier
+    saw it (its ref gone just before the copy) is skipped, not logged as a failed copy."""
+    from casnap.api import checkpointer_mirror
+
+    local, mirror = str(tmp_path / "local"), str(tmp_path / "mirror")
+    real_copy = checkpointer_mirror.copy  # type: ignore[attr-defined]
+    raced: list[str] = []
+
+    def copy_after_retention(src, dst, names, *args, **kwargs):
+        if not raced and "step_000000001" in names:  # retention wins the race, once
+            raced.append("step_000000001")
+            Repository(local).delete("step_000000001")
+        return real_copy(src, dst, names, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_mirror, "copy", copy_after_retention)
+    ckpt = Checkpointer(
+        local,
+        every_n_steps=1,
+        retention=RetentionPolicy(KeepLast(2)),
+        mirror=mirror,
+        mirror_retention="same",
+    )
+    with caplog.at_level(logging.WARNING, logger="casnap.checkpointer"), ckpt:
+        for step in range(1, 4):
+            ckpt.maybe_take(step, _state(step))
+    assert raced == ["step_000000001"]
+    assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert ckpt.mirror is not None and ckpt.mirror.owed == () and ckpt.mirror.unmirrored == ()
+    assert Repository(mirror).snapshots() == ["step_000000002", "step_000000003"]
+    _restores_step(mirror, "step_000000003", 3)
+
+
 @pytest.mark.gcs
 def test_mirror_to_gcs(tmp_path, gcs_bucket):  # noqa: F811
     url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/run1"

@@ -24,6 +24,7 @@ from casnap.errors import (
     ConfigError,
     CopyIntegrityError,
     SnapshotExistsError,
+    SnapshotNotFoundError,
     as_path,
     expect_type,
 )
@@ -229,6 +230,14 @@ class Mirror:
                 conflict = exc.name if exc.name in names else names[0]
                 self._settle([conflict])
                 names = [n for n in names if n != conflict]
+            except SnapshotNotFoundError:
+                # Local retention deleted one after the check above (same policy on both):
+                # skipped, as the mirror's retention would drop it too.
+                gone = [n for n in names if not job.src.has_ref(n)]
+                if not gone:
+                    raise
+                self._settle(gone)
+                names = [n for n in names if n not in gone]
             except CopyIntegrityError as exc:  # damaged locally: retrying cannot help
                 log.error("casnap: mirror to %s: %s", self.url, exc)
                 self.last_error = exc
