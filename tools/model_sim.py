@@ -32,6 +32,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ KINDS = (
     "gc",
     "copy",
     "concurrent",
+    "shared",
+    "fork",
+    "exit",
 )
 WEIGHTS = {
     "take": 24,
@@ -75,6 +79,9 @@ WEIGHTS = {
     "gc": 5,
     "copy": 5,
     "concurrent": 1,
+    "shared": 2,
+    "fork": 1,
+    "exit": 1,
 }
 CHUNK_SIZES = (16 << 10, 64 << 10, 256 << 10)
 MAX_SNAPSHOTS = 14  # per repository; beyond it the oldest is removed (keeps checks cheap)
@@ -394,6 +401,21 @@ class Sim:
             op["sub_name"] = f"p{i}"
             op["sub_seed"] = self.seed * 100_003 + i
             op["main"] = rng.choice(["take", "gc"])
+        elif kind == "shared":
+            op["repo"] = "A"
+            op["threads"] = rng.randint(2, 3)
+            op["takes"] = rng.randint(1, 3)
+            op["seed"] = self.seed * 100_019 + i
+            op["chunk_size"] = rng.choice(CHUNK_SIZES)
+        elif kind == "fork":
+            op["repo"] = "A"
+            op["seed"] = self.seed * 100_043 + i
+            op["during"] = rng.choice(["take", "async"])
+            op["child"] = rng.choice(["nothing", "take"])
+            op["exit"] = rng.choice(["normal", "_exit"])
+        elif kind == "exit":
+            op["repo"] = "A"
+            op["seed"] = self.seed * 100_057 + i
         return op
 
     def _mutation(self) -> dict[str, Any]:
@@ -573,10 +595,11 @@ class Sim:
         self._check_fresh(op["repo"], op["id"], before)
         return "resave" if old is not None else "ok"
 
-    def _trim(self, repo: str) -> None:
-        """Keep at most MAX_SNAPSHOTS per repository (the oldest goes, ref only)."""
+    def _trim(self, repo: str, room: int = 1) -> None:
+        """Keep at most MAX_SNAPSHOTS per repository once ``room`` more are taken (the
+        oldest goes, ref only)."""
         rm = self.repos[repo]
-        while len(rm.snaps) >= MAX_SNAPSHOTS:
+        while rm.snaps and len(rm.snaps) + room > MAX_SNAPSHOTS:
             oldest = min(rm.snaps, key=lambda n: rm.snaps[n].op)
             self.handle(repo).delete(oldest)
             del rm.snaps[oldest]
@@ -826,6 +849,146 @@ class Sim:
             out.decode(errors="replace")[-800:],
         )
         return "sub-failed"
+
+    def op_shared(self, op: dict[str, Any]) -> str:
+        """Several threads take through one ``Repository`` object (one store): each take,
+        the moment it returns, restores bit-exact (issue #40)."""
+        rm = self.repos[op["repo"]]
+        self._trim(op["repo"], op["threads"] * op["takes"])
+        shared = self.handle(op["repo"])
+        options = {"repository": shared, "chunk_size": op["chunk_size"]}
+        taken: dict[str, dict[str, torch.Tensor]] = {}
+        late: list[str] = []
+
+        def taker(t: int) -> None:
+            for k in range(op["takes"]):
+                name = f"t{op['i']}_{t}_{k}"
+                state = seeded_state(op["seed"] + 31 * t + k, SHAPES)
+                Snapshot.take(
+                    f"{rm.url}/{name}", {"m": StateDict(**state)}, storage_options=options
+                )
+                taken[name] = state
+                got = {"m": StateDict(**zeros_like(state))}
+                try:
+                    Snapshot(f"{rm.url}/{name}", storage_options=options).restore(got)
+                except BaseException as exc:  # noqa: BLE001 - the finding
+                    late.append(f"{name}: {describe(exc)}")
+                    continue
+                if not same(dict(got["m"]), state):
+                    late.append(f"{name}: other bytes")
+
+        errors: list[BaseException] = []
+
+        def run(t: int) -> None:
+            try:
+                taker(t)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(op["threads"])]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for name, state in taken.items():
+            rm.snaps[name] = Expected(state, "take", op["i"])
+        rm.committed(*taken)
+        for detail in late:
+            self.violate("returned-before-whole", f"{op['repo']}/{detail.split(':')[0]}", detail)
+        if errors:
+            raise errors[0]
+        return "ok"
+
+    def _script(self, op: dict[str, Any], body: str) -> tuple[int | None, str]:
+        """Run ``body`` in a child Python with the model's seeded states; (exit code, output),
+        exit code None if it hung past a minute."""
+        code = (
+            STATE_SRC
+            + (
+                "\nimport os, sys, threading, torch\nfrom casnap import Snapshot, StateDict\n"
+                f"shapes = {{k: (s, getattr(torch, d)) for k, (s, d) in {shapes_src()}.items()}}\n"
+                f"url = {self.repos[op['repo']].url!r}\n"
+            )
+            + body
+        )
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, timeout=60
+            )
+        except subprocess.TimeoutExpired as exc:
+            return None, (exc.stdout or b"").decode(errors="replace")[-800:]
+        return out.returncode, (out.stdout + out.stderr).decode(errors="replace")[-800:]
+
+    def op_fork(self, op: dict[str, Any]) -> str:
+        """The process forks while a take (or an async take's commit) runs; the child takes
+        into the same repository or does nothing, and exits normally or by ``os._exit``."""
+        rm = self.repos[op["repo"]]
+        self._trim(op["repo"], 2)
+        mine, child = f"f{op['i']}", f"c{op['i']}"
+        start = (
+            "job = Snapshot.async_take(path, app)\nend = job.wait\n"
+            if op["during"] == "async"
+            else "job = threading.Thread(target=Snapshot.take, args=(path, app))\n"
+            "job.start()\nend = job.join\n"
+        )
+        child_take = (
+            f"    Snapshot.take(url + '/{child}', "
+            f"{{'m': StateDict(**seeded_state({op['seed'] + 1}, shapes))}})\n"
+            if op["child"] == "take"
+            else ""
+        )
+        leave = "    sys.exit(0)\n" if op["exit"] == "normal" else "    os._exit(0)\n"
+        # A training script forks after its first snapshots, with every module imported:
+        # a child that needs a module a parent thread was importing at the fork waits for
+        # it for ever (CPython's import locks), whatever casnap does. Then the child as a
+        # DataLoader worker sets torch to one thread (torch's pool is not fork-safe).
+        warm = f"{rm.root.parent}/warm-{op['i']}"
+        body = (
+            f"warm = {{'m': StateDict(**seeded_state({op['seed'] + 2}, shapes))}}\n"
+            f"Snapshot.take({warm!r} + '/w1', warm)\n"
+            f"Snapshot.async_take({warm!r} + '/w2', warm).wait()\n"
+            f"path = url + '/{mine}'\n"
+            f"app = {{'m': StateDict(**seeded_state({op['seed']}, shapes))}}\n"
+            + start
+            + "pid = os.fork()\nif pid == 0:\n    torch.set_num_threads(1)\n"
+            + child_take
+            + leave
+            + "_, status = os.waitpid(pid, 0)\nend()\n"
+            f"import shutil\nshutil.rmtree({warm!r})\n"
+            "sys.exit(os.waitstatus_to_exitcode(status))\n"
+        )
+        code, out = self._script(op, body)
+        if code is None:
+            self.violate("hang", f"{op['repo']}/{mine}", f"fork during a take hung: {out}")
+            return "hung"
+        if code != 0:
+            self.violate("fork-failed", f"{op['repo']}/{mine}", out)
+            return "failed"
+        rm.snaps[mine] = Expected(seeded_state(op["seed"], SHAPES), "take", op["i"])
+        names = [mine]
+        if op["child"] == "take":
+            rm.snaps[child] = Expected(seeded_state(op["seed"] + 1, SHAPES), "take", op["i"])
+            names.append(child)
+        rm.committed(*names)
+        return f"{op['during']}-{op['child']}"
+
+    def op_exit(self, op: dict[str, Any]) -> str:
+        """A process ends with an async take pending (no ``wait()``): its snapshot lands."""
+        rm = self.repos[op["repo"]]
+        self._trim(op["repo"])
+        name = f"x{op['i']}"
+        body = (
+            f"Snapshot.async_take(url + '/{name}', "
+            f"{{'m': StateDict(**seeded_state({op['seed']}, shapes))}})\n"
+        )
+        code, out = self._script(op, body)
+        if code != 0:
+            self.violate("exit-failed", f"{op['repo']}/{name}", f"exit code {code}: {out}")
+            return "failed"
+        rm.snaps[name] = Expected(seeded_state(op["seed"], SHAPES), "take", op["i"])
+        rm.committed(name)
+        return "ok"
 
     # -- the invariants -------------------------------------------------------
     def restore_verdict(self, repo: str, name: str) -> Verdict:
