@@ -27,7 +27,6 @@ import torch
 from casnap import Repository, Snapshot, StateDict
 from casnap.errors import StoreError
 from casnap.store import LocalStore, local_sync
-from casnap.store.local_sync import Deferral
 
 ROOT = Path(__file__).resolve().parents[1]
 fork_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -86,7 +85,7 @@ def test_a_flush_returns_only_once_the_files_another_flush_took_are_in_place(tmp
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names a file by its fd")
 def test_a_file_that_failed_in_another_flush_fails_its_owner(tmp_path, monkeypatch):
     store = LocalStore(str(tmp_path))
-    mine, theirs = Deferral(), Deferral()
+    mine, theirs = store.deferral(), store.deferral()
     with store.deferring(mine):
         store.put("chunks/m", b"mine", durable=False)
     with store.deferring(theirs):
@@ -103,8 +102,8 @@ def test_a_file_that_failed_in_another_flush_fails_its_owner(tmp_path, monkeypat
         store.flush()  # the other take's flush settles both files, and fails
     monkeypatch.setattr(local_sync, "_fsync", real)
     store.flush()  # the owner's own flush finds nothing left to settle...
-    with pytest.raises(OSError):
-        mine.check()  # ...but hears of its file's failure
+    with pytest.raises(StoreError, match="Input/output error"):
+        mine.check()  # ...but hears of its file's failure, as the store's error
     theirs.check()
     assert not store.exists("chunks/m") and store.get("chunks/t") == b"theirs"
 

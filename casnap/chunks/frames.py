@@ -119,7 +119,7 @@ class FrameWriter:
             contextlib.nullcontext
         )
         if isinstance(local, LocalStore):
-            self.deferral = Deferral()
+            self.deferral = local.deferral()
             self._deferring = functools.partial(local.deferring, self.deferral)
 
     def _encode(

@@ -114,8 +114,17 @@ class LocalStore(ObjectStore):
     def _forked(self) -> None:
         """In a forked child: fresh locks (a parent thread may have held one at the fork)."""
         if self._pid != os.getpid():
-            self._pid = os.getpid()
             self._pending_lock, self._flush_lock = threading.Lock(), threading.Lock()
+            self._pid = os.getpid()  # last: another thread of the child checks it first
+
+    def deferral(self) -> Deferral:
+        """A writer's :class:`Deferral` for :meth:`deferring`: its errors come as ``flush``
+        raises them (a :class:`StoreError`)."""
+
+        def translate(exc: BaseException) -> BaseException:
+            return _translate(exc, "", writing=True) if isinstance(exc, OSError) else exc
+
+        return Deferral(translate)
 
     @contextlib.contextmanager
     def deferring(self, owner: Deferral | None = None) -> Iterator[None]:

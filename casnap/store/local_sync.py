@@ -54,6 +54,15 @@ _pool_lock = threading.Lock()
 _pools: dict[str, tuple[int, ThreadPoolExecutor]] = {}
 
 
+def _new_pool_lock() -> None:
+    """In a forked child: a lock of its own (a parent thread may have held it at the fork)."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_pool_lock)
+
+
 def _process_pool(name: str, threads: int) -> ThreadPoolExecutor:
     """The process's pool ``name``, started as needed and kept; a forked child makes its own."""
     with _pool_lock:
@@ -139,16 +148,21 @@ class Deferral:
     found nothing left to settle.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, translate: Callable[[BaseException], BaseException] = lambda exc: exc
+    ) -> None:
         self._errors: list[BaseException] = []
+        self._translate = translate  # the store's: an OSError becomes its StoreError
 
     def failed(self, exc: BaseException) -> None:
         self._errors.append(exc)
 
     def check(self) -> None:
-        """Raise the first error of any of this writer's files (once they are settled)."""
+        """Raise the first error of any of this writer's files (once they are settled),
+        as the store's flush would have raised it."""
         if self._errors:
-            raise self._errors[0]
+            first = self._errors[0]
+            raise self._translate(first) from first
 
 
 @dataclass(slots=True)
@@ -191,7 +205,8 @@ class DeferredFiles:
         them; the child's settling thread does not exist to finish them."""
         if self._pid != os.getpid():
             self._lock = threading.Lock()
-            self._pid, self._files, self._batches = os.getpid(), [], []
+            self._files, self._batches = [], []
+            self._pid = os.getpid()  # last: another thread of the child checks it first
 
     def add(self, file: Unsynced) -> None:
         self._forked()
