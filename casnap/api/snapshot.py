@@ -463,10 +463,9 @@ class PendingSnapshot:
         """Block until the snapshot is committed; re-raises a background failure as is."""
         try:
             result = self._future.result(timeout)
-        except TimeoutError:
-            raise
         except BaseException:
-            at_exit.observed(self._future)
+            if self._future.done():  # the failure reached the caller (not a wait timing out)
+                at_exit.observed(self._future)
             raise
         return Snapshot._from_result(
             self.path, self._pg, self._storage_options, result, self._session

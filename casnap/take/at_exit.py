@@ -25,7 +25,7 @@ import concurrent.futures.thread  # noqa: F401  its exit hook registered before 
 import logging
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 _log = logging.getLogger("casnap")
@@ -63,7 +63,7 @@ def finish_pending() -> None:
             _log.warning("casnap: waiting for the async take of %s to commit before exiting", path)
         try:
             exc = future.exception()
-        except BaseException as cancelled:  # CancelledError
+        except CancelledError as cancelled:
             exc = cancelled
         if exc is not None:
             _log.warning(
