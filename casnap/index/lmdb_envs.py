@@ -150,12 +150,11 @@ _registry: dict[str, Env] = {}  # least recently used first
 _given_up: dict[str, str] = {}  # index paths this process runs without, and why
 
 
-# Environments a forked child inherited: never closed by the after-fork hook, which
-# must not wait (closing one a parent thread was writing in waits for that thread,
-# which the child does not have), and kept referenced so that nothing closes them
-# later either (py-lmdb's own finaliser skips an environment of another pid).
+# Environments a forked child inherited and has not settled yet: never closed by the
+# after-fork hook, which must not wait (closing one a parent thread was writing in
+# waits for that thread, which the child does not have). Dropping one is safe:
+# py-lmdb's finaliser leaves an environment of another pid alone.
 _inherited: list[Env] = []
-_abandoned: list[Env] = []
 
 
 def _forget_after_fork() -> None:
@@ -182,7 +181,7 @@ def _settle_inherited() -> None:
     is safe for an idle one (closing touches only reader slots of the closing
     pid, none in the child, and releases no lock the parent holds: fcntl
     locks are not inherited). One a parent thread was inside a transaction of
-    at the fork is left open for good: this process runs without that index.
+    at the fork is dropped unclosed: this process runs without that index.
     """
     global _inherited
     envs, _inherited = _inherited, []
@@ -193,7 +192,6 @@ def _settle_inherited() -> None:
             except lmdb.Error:
                 pass
             continue
-        _abandoned.append(env)
         key = str(env.path)
         if key not in _given_up:
             _given_up[key] = "was in use by another thread when this process was forked"

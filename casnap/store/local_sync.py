@@ -148,9 +148,7 @@ class Deferral:
     found nothing left to settle.
     """
 
-    def __init__(
-        self, translate: Callable[[BaseException], BaseException] = lambda exc: exc
-    ) -> None:
+    def __init__(self, translate: Callable[[BaseException], BaseException]) -> None:
         self._errors: list[BaseException] = []
         self._translate = translate  # the store's: an OSError becomes its StoreError
 
