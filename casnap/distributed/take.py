@@ -41,7 +41,6 @@ from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import Settings, dist_timeout
 from casnap.take.commit import commit_snapshot, remember
 from casnap.take.job import TakeResult
-from casnap.take.parent import newest_parent
 from casnap.take.plan import RankPlan, known_chunks, previous_plan
 from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage
 from casnap.take.session import Session
@@ -96,15 +95,13 @@ def _start(
     """Rank 0's part of phase 1."""
     target = resolve_target(path, storage_options, metadata, parents, session)
     repo, name, chunk = target.repo, target.name, target.settings.chunk_size
-    parents, meta = target.parents, target.metadata
+    meta = target.metadata
     lease = acquire_lease(repo.store, kind="take")
-    if target.auto_parent:  # under the lease, as a single-process take (casnap.take.parent)
-        try:
-            found = newest_parent(repo, name)
-        except BaseException:
-            lease.release()
-            raise
-        parents = [found] if found else []
+    try:  # under the lease, as a single-process take (casnap.take.parent)
+        parents = target.parents.choose(repo, name)
+    except BaseException:
+        lease.release()
+        raise
     mismatch = target.settings.replica_mismatch
     start = _Start(uuid.uuid4().hex, name, chunk, mismatch, list(parents), meta, target.fresh)
     return repo, start, lease

@@ -63,7 +63,7 @@ from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget
 from casnap.take.commit import commit_snapshot, remember
-from casnap.take.parent import newest_parent
+from casnap.take.parent import parent_rule
 from casnap.take.plan import known_chunks
 from casnap.take.scheduler import Scheduler, data_request, tensor_request
 from casnap.take.session import Session
@@ -143,7 +143,7 @@ class CasnapWriter(StorageWriter):
         self.session = session if session is not None else Session()
         # A save with no parent from its session descends from the newest in its folder,
         # unless the caller's own session says otherwise (casnap.take.parent).
-        self._auto_parent = session is None
+        self._own = session is None
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank = 0
@@ -220,10 +220,9 @@ class CasnapWriter(StorageWriter):
         self._lease = acquire_lease(repo.store, kind="take")
         self._finalizer = weakref.finalize(self, self._lease.release)
         self._repo, self._name, self._replaces = repo, name, replaces
-        last = replaces or self.session.lineage.parent(repo.config.repo_id)
-        if last is None and self._auto_parent and settings.auto_parent and not fresh:
-            last = newest_parent(repo, name)  # under the lease (casnap.take.parent)
-        self._parents = [last] if last else []
+        given = [replaces] if replaces is not None else None  # a re-save descends from it
+        rule = parent_rule(repo, given, self.session, settings, fresh, own_session=self._own)
+        self._parents = rule.choose(repo, name)  # under the lease (casnap.take.parent)
         parents = tuple(self._parents)
         store_options = {k: v for k, v in options.items() if k != "repository"}
         target = SaveTarget(repo.url, name, store_options, overrides, settings.chunk_size, parents)

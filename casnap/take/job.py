@@ -44,7 +44,7 @@ from casnap.repo.leases import Lease, hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings
 from casnap.take.commit import commit_snapshot
-from casnap.take.parent import newest_parent
+from casnap.take.parent import ParentRule
 from casnap.take.plan import (
     EntryPlan,
     ObjectPlan,
@@ -95,14 +95,14 @@ class TakeJob:
     nodes: dict[str, Node]
     requests: list[WriteRequest]
     settings: Settings
-    parents: list[str]
+    rule: ParentRule  # what the parents will be, chosen under the lease (casnap.take.parent)
     metadata: dict[str, Any]
     budget: ByteBudget
     session: Session | None
     pool: StagingPool  # the session's, or a private one without a session
     replicated: list[str] = field(default_factory=list)  # fnmatch patterns of logical keys
     fresh: bool = False  # the take created the repository: nothing to probe for
-    auto_parent: bool = False  # parents: the newest in the folder, chosen under the lease
+    parents: list[str] = field(default_factory=list)  # chosen by ``rule`` under the lease
     buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
     # Set once every live request's chunks are consumed (at once when there are none).
     live_consumed: threading.Event = field(default_factory=threading.Event)
@@ -136,7 +136,6 @@ class TakeJob:
             session,
             pool,
             fresh=target.fresh,
-            auto_parent=target.auto_parent,
             **rest,
         )
 
@@ -160,9 +159,7 @@ class TakeJob:
         # From before the first dedup decision until the ref makes every chunk it
         # names reachable, the lease keeps gc from sweeping (docs/gc.md).
         with hold_lease(self.repo, kind="take") as lease:
-            if self.auto_parent:  # under the lease: its chunks stay until our ref is written
-                found = newest_parent(self.repo, self.name)
-                self.parents = [found] if found else []
+            self.parents = self.rule.choose(self.repo, self.name)
             last_plan = plans_of(self.session).last_plan  # without a session: detached
             known = known_chunks(self.repo, self.parents, last_plan, self.fresh)
             workers = self.settings.io_workers

@@ -1,16 +1,26 @@
-"""The parent of a take that was given none: the newest snapshot committed in its folder.
+"""The one rule for a take's parents: every kind of take asks :class:`ParentRule`.
 
-When neither ``parents=`` nor a session names one (``Snapshot.take(f"{root}/
-step_{n}", app_state)`` without a session, a DCP save, a new process per
-save), the parent is found in the store as restic finds the latest snapshot
-of the same host and paths. What a folder is, what "newest" means (the ref
-written last; ties by manifest creation time, then natural name order), why
-the choice is made inside the take's lease, and how to opt out:
-docs/repository.md, "Parents".
+1. The parents given (``parents=``, a DCP re-save's replaced manifest): a
+   manifest hash is kept as given, a snapshot name is resolved at once, so
+   a wrong one fails before anything is written.
+2. Else, through a session, the session's last take or restore (a
+   session's first take has none: two sessions never parent each other).
+3. Else, for a take without a session of its caller's (``Snapshot.take(f"
+   {root}/step_{n}", app_state)``, a DCP save, a new process per save), the
+   newest snapshot committed in its folder, found in the store as restic
+   finds the latest snapshot of the same host and paths (setting
+   ``auto_parent``; never in a repository the take created).
+
+:meth:`ParentRule.choose` runs inside the take's lease, so the parent's
+chunks stay until the take's ref names them. What a folder is, what
+"newest" means (the ref written last; ties by manifest creation time, then
+natural name order) and how to opt out: docs/repository.md, "Parents".
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import groupby
 
@@ -20,9 +30,63 @@ from casnap.format.names import decode_name, is_hashed_key
 from casnap.index import manifest_summary
 from casnap.repo.named import recorded_name
 from casnap.repo.repository import RepoStorage, manifest_key
+from casnap.settings import Settings
+from casnap.take.session import Session
 
 _REFS = "refs"
 _NEVER = datetime.min.replace(tzinfo=UTC)
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class ParentRule:
+    """What a take's parents will be (see the module docstring), decided by
+    :meth:`choose` inside the take's lease."""
+
+    given: tuple[str, ...] | None = None  # manifest hashes
+    last: str | None = None  # the session's last take or restore
+    newest: bool = False  # else the newest snapshot in the folder
+
+    def choose(self, repo: RepoStorage, name: str) -> list[str]:
+        """The parents of snapshot ``name``: call inside the take's lease."""
+        if self.given is not None:
+            return list(self.given)
+        if self.last is not None:
+            return [self.last]
+        found = newest_parent(repo, name) if self.newest else None
+        return [found] if found else []
+
+
+def parent_rule(
+    repo: RepoStorage,
+    given: list[str] | None,
+    session: Session | None,
+    settings: Settings,
+    fresh: bool,
+    *,
+    own_session: bool = False,
+) -> ParentRule:
+    """The rule for a take into ``repo``: ``given`` parents (names resolved now), else
+    ``session``'s lineage, else the newest in the folder when the caller gave no
+    session (``own_session``: the session is the taker's private one, as a
+    :class:`~casnap.integrations.dcp_writer.CasnapWriter` given none makes)."""
+    if given is not None:
+        return ParentRule(tuple(_resolved(repo, p) for p in given))
+    last = session.lineage.parent(repo.config.repo_id) if session is not None else None
+    newest = (session is None or own_session) and settings.auto_parent and not fresh
+    return ParentRule(None, last, newest)
+
+
+def _resolved(repo: RepoStorage, parent: str) -> str:
+    """A parent given as a manifest hash or a snapshot name, as the manifest hash.
+
+    A hash is kept as given even if gc has collected that manifest (lineage may
+    outlive what it points to; ``log`` shows such a parent as gone); a name
+    must name a snapshot now.
+    """
+    if _HASH.match(parent):
+        return parent
+    return repo.resolve(parent)  # SnapshotNotFoundError when no snapshot has that name
 
 
 def folder_of(name: str) -> str:

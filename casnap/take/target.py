@@ -10,7 +10,6 @@ how an ``app_state`` becomes flat nodes (:func:`collect`).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from casnap.format.json_text import canonical_json
 from casnap.format.names import escape_key
 from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import Settings, io_workers_for, is_set
+from casnap.take.parent import ParentRule, parent_rule
 from casnap.take.plan import logical
 from casnap.take.session import Session
 from casnap.torch_io import quantized
@@ -29,8 +29,6 @@ from casnap.torch_io.flatten import Node, TensorLeaf, flatten, tensor_leaf
 from casnap.torch_io.sharded import LocalShard, ShardLeaf
 from casnap.torch_io.stateful import RNGState, rng_keeper
 from casnap.torch_io.tensors import check_storable
-
-_HASH = re.compile(r"^[0-9a-f]{64}$")
 
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
@@ -182,12 +180,9 @@ class Target:
     name: str
     settings: Settings
     metadata: dict[str, Any]
-    parents: list[str]
+    parents: ParentRule  # chosen inside the take's lease
     # The repository was created for this take: no chunk, ref or damage record to look for.
     fresh: bool = False
-    # No parent was given or remembered: the newest snapshot in the name's folder is
-    # chosen inside the take's lease (casnap.take.parent.newest_parent).
-    auto_parent: bool = False
 
 
 def resolve_target(
@@ -213,13 +208,8 @@ def resolve_target(
         raise SnapshotExistsError(
             f"snapshot {name!r} already exists in {repo.url}; snapshots are immutable", name
         )
-    if parents is None:  # the session's previous take or restore, if any (gc may have swept it)
-        last = session.lineage.parent(repo.config.repo_id) if session is not None else None
-        # Without a session: the newest snapshot in the folder, chosen under the lease
-        # (casnap.take.parent). A session's first take has none: sessions are separate runs.
-        auto = session is None and settings.auto_parent and not fresh
-        return Target(repo, name, settings, meta, [last] if last else [], fresh, auto_parent=auto)
-    return Target(repo, name, settings, meta, [_parent(repo, p) for p in parents], fresh)
+    rule = parent_rule(repo, parents, session, settings, fresh)
+    return Target(repo, name, settings, meta, rule, fresh)
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -246,18 +236,6 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
             "store large values in the app_state instead"
         )
     return meta
-
-
-def _parent(repo: RepoStorage, parent: str) -> str:
-    """A parent given as a manifest hash or a snapshot name, as the manifest hash.
-
-    A hash is kept as given even if gc has collected that manifest (lineage may
-    outlive what it points to; ``log`` shows such a parent as gone); a name
-    must name a snapshot now.
-    """
-    if _HASH.match(parent):
-        return parent
-    return repo.resolve(parent)  # SnapshotNotFoundError when no snapshot has that name
 
 
 def staging_limit(budget: int, settings: Settings) -> int:
