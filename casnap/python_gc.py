@@ -10,8 +10,8 @@ docs/pipeline.md ("Plan reuse") and benchmarks/README.md ("docs/pipeline.md:
 small tensors").
 
 The collector is process-wide, so the pause is too (an exception to "no
-process-global state", with the LMDB environments and the detached plans of
-casnap.take.session): takes running at once in several threads share
+process-global state", with the LMDB environments and the reuse cache of
+casnap.take.reuse): takes running at once in several threads share
 one pause, counted, and the last to finish restores collection, only if a
 take disabled it. A process that disabled collection itself keeps it
 disabled.

@@ -25,7 +25,7 @@ from casnap import KeepLast, Repository, Snapshot, StateDict, index, settings
 from casnap.integrations.dcp import CasnapReader, CasnapWriter
 from casnap.store import LocalStore
 from casnap.store.base import ObjectInfo, WrapperStore
-from casnap.take.session import DETACHED_PLANS
+from casnap.take.reuse import REUSE
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 64 * 1024
@@ -147,7 +147,7 @@ def test_an_unchanged_retake_with_the_index_reads_no_manifest(tmp_path):
     opts = {"repository": repo, "chunk_size": CHUNK}
     app = state()
     s1 = Snapshot.take(f"{repo.url}/s1", app, storage_options=opts)
-    DETACHED_PLANS.last_plan.clear()  # as in a new process: s1's plan is not in memory
+    REUSE.clear()  # as in a new process: s1's plan is not in memory
     store.reset()
     s2 = Snapshot.take(f"{repo.url}/s2", app, storage_options=opts)
     assert s2.manifest.parents == [s1.manifest_hash]
@@ -155,7 +155,7 @@ def test_an_unchanged_retake_with_the_index_reads_no_manifest(tmp_path):
     assert take_stats(s2).chunks_written == 0
     # one large tensor changed: the parent is read for its chunks' delta bases
     app["m"]["t0"][:100] += 1.0
-    DETACHED_PLANS.last_plan.clear()
+    REUSE.clear()
     store.reset()
     s3 = Snapshot.take(f"{repo.url}/s3", app, storage_options=opts)
     assert [k for k in store.read_keys if "/manifests/" in k] == [
@@ -271,7 +271,7 @@ def test_after_a_gc_the_index_no_longer_vouches_for_the_parent(tmp_path):
     s2 = Snapshot.take(f"{repo.url}/s2", state(1), storage_options=opts)
     repo.delete("s1")
     repo.gc(grace_seconds=0)  # a new gc epoch: every chunk entry, every cover, dropped
-    DETACHED_PLANS.last_plan.clear()  # as in a new process: s2's plan is not in memory
+    REUSE.clear()  # as in a new process: s2's plan is not in memory
     store.reset()
     s3 = Snapshot.take(f"{repo.url}/s3", state(1), storage_options=opts)
     assert s3.manifest.parents == [s2.manifest_hash]

@@ -168,7 +168,7 @@ def test_a_session_that_remembers_the_damaged_plan_writes_the_chunk_again(tmp_pa
 
 def test_a_session_re_take_after_damage_gathers_its_parents_chunks_again(tmp_path):
     """A session's re-take reuses the parent chunks it gathered last when the parent's
-    entries are the same objects (casnap.index.ParentMemo), never once damage is
+    entries are the same objects (casnap.take.reuse), never once damage is
     recorded: s2's parent s1 has s0's entries, and the copies s1 names are damaged."""
     repo = tmp_path / "repo"
     session = Session()

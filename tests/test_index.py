@@ -453,7 +453,7 @@ def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(
 
 
 def test_a_sessions_unchanged_re_takes_gather_their_parents_chunks_once(tmp_path, monkeypatch):
-    """casnap.index.ParentMemo: a parent whose entries with chunks are the objects the
+    """casnap.take.reuse: a parent whose entries with chunks are the objects the
     session gathered last (an unchanged re-take's) is not walked again; a changed
     tensor (a new entry object) makes the next take gather again, and dedup holds."""
     repo, _ = counted_repo(str(tmp_path / "repo"))

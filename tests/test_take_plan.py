@@ -15,7 +15,7 @@ from casnap.format.json_text import canonical_json
 from casnap.format.names import hash_bytes
 from casnap.repo.repository import manifest_key
 from casnap.store import CountingStore
-from casnap.take.session import DETACHED_PLANS
+from casnap.take.reuse import REUSE
 
 CHUNK = 64 * 1024
 
@@ -24,7 +24,7 @@ CHUNK = 64 * 1024
 def session(request) -> Session | None:
     """What one process keeps between takes: lineage and the last plan; or no session,
     whose takes leave their plans in the detached ones (casnap.take.session)."""
-    DETACHED_PLANS.last_plan.clear()
+    REUSE.clear()
     return Session() if request.param == "session" else None
 
 
@@ -161,7 +161,7 @@ def test_a_remembered_parent_that_gc_swept_is_not_trusted(tmp_path, session):
 def test_a_detached_plan_whose_manifest_gc_swept_is_not_trusted(tmp_path):
     from casnap.gc.collect import gc
 
-    DETACHED_PLANS.last_plan.clear()
+    REUSE.clear()
     repo, _ = counted_repo(str(tmp_path / "repo"))
     old = state_of(20, seed=0)
     s1 = take(repo, "s1", old, None)  # remembered in the detached plans
@@ -173,11 +173,14 @@ def test_a_detached_plan_whose_manifest_gc_swept_is_not_trusted(tmp_path):
 
 
 def test_detached_plans_serve_only_their_own_repositories(tmp_path):
-    """Two session-less loops into two repositories each keep their plan; a third
-    repository's take forgets the least recent, which then re-takes from the store."""
-    DETACHED_PLANS.last_plan.clear()
+    """Two session-less loops into two repositories each keep their plan; takes into
+    as many more repositories as the reuse cache holds forget the least recent, which
+    then re-takes from the store."""
+    from casnap.take.reuse import CAPACITY
+
+    REUSE.clear()
     state = state_of(30)
-    repos = [counted_repo(str(tmp_path / f"repo{i}")) for i in range(3)]
+    repos = [counted_repo(str(tmp_path / f"repo{i}")) for i in range(CAPACITY + 1)]
     firsts = [take(r, "s1", state, None) for r, _ in repos[:2]]
     agains = []
     for (repo, store), first in zip(repos[:2], firsts, strict=True):
@@ -185,7 +188,8 @@ def test_detached_plans_serve_only_their_own_repositories(tmp_path):
         agains.append(take(repo, "s2", state, None))
         assert [k for k in store.read_keys if "/manifests/" in k] == []
         assert agains[-1].manifest.entries["0/s/small1"] is first.manifest.entries["0/s/small1"]
-    take(repos[2][0], "s1", state, None)  # repo0 is now the least recent of three
+    for other, _ in repos[2:]:
+        take(other, "s1", state, None)  # repo0 is now the least recent: forgotten
     repo, store = repos[0]
     store.reset()
     third = take(repo, "s3", state, None)

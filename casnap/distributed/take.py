@@ -281,8 +281,7 @@ class DistributedJob:
         try:
             if self.failed is not None:
                 return self.failed
-            last_plan = self.session.last_plan if self.session is not None else None
-            known = known_chunks(self.repo, self.info.parents, last_plan, self.info.fresh)
+            known = known_chunks(self.repo, self.info.parents, self.info.fresh)
             workers = self.settings.io_workers
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
@@ -314,8 +313,7 @@ class DistributedJob:
                 assert isinstance(w, _Written)
                 refs.update(w.refs)
                 per_rank.append(w.stats)
-            remembered = self.session.last_plan if self.session is not None else None
-            previous, dumped = previous_plan(remembered, self.repo, self.info.parents)
+            previous, dumped = previous_plan(self.repo, self.info.parents)
             entries = assemble_entries(self.planned, refs, previous)
             manifest = manifest_of(entries, self.group.size, self.info.parents, self.info.metadata)
             manifest_hash = commit_snapshot(

@@ -9,20 +9,17 @@ protocol, the failure handling and the measured effect.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from casnap.errors import CasnapError, SnapshotNotFoundError
 from casnap.format.entries import (
     CHUNKLESS,
     ChunkRef,
-    Entry,
     TensorEntry,
     chunks_of,
-    with_chunks,
 )
-from casnap.format.manifest import Manifest, same_entries
+from casnap.format.manifest import Manifest
 from casnap.index.cover import covers, record_cover
 from casnap.index.lmdb_envs import INDEX_FORMAT, close_all, drop, index_path
 from casnap.index.lmdb_store import (
@@ -44,7 +41,6 @@ __all__ = [
     "INDEX_FORMAT",
     "KnownChunks",
     "ManifestSummary",
-    "ParentMemo",
     "RebuildStats",
     "RepoIndex",
     "SummaryMemo",
@@ -62,6 +58,9 @@ __all__ = [
     "record_manifest",
     "summarize",
 ]
+
+
+_Chunks = tuple[dict[str, ChunkRef], dict[str, tuple[int, Sequence[ChunkRef]]]]
 
 
 class KnownChunks(dict[str, ChunkRef]):
@@ -90,11 +89,11 @@ class KnownChunks(dict[str, ChunkRef]):
         # recording only what it wrote (else every chunk it names).
         self.covered = True
 
-    def add_parent(self, manifest: Manifest, memo: ParentMemo | None = None) -> None:
-        """Add a parent manifest's chunks (the first one's delta bases too); ``memo``:
-        a session's, for a parent it committed itself."""
-        if memo is not None and not self.damaged:
-            refs, bases = memo.chunks(manifest)
+    def add_parent(self, manifest: Manifest, gathered: Callable[[], _Chunks] | None = None) -> None:
+        """Add a parent manifest's chunks (the first one's delta bases too); ``gathered``:
+        its :func:`parent_chunks` without damage, gathered once (casnap.take.reuse)."""
+        if gathered is not None and not self.damaged:
+            refs, bases = gathered()
         else:
             refs, bases = parent_chunks(manifest, self.damaged)
         self.update(refs)
@@ -133,32 +132,6 @@ def parent_chunks(
             if not damaged or c not in damaged:  # another copy of the chunk may be whole
                 refs[c.hash] = c
     return refs, bases
-
-
-_Chunks = tuple[dict[str, ChunkRef], dict[str, tuple[int, Sequence[ChunkRef]]]]
-
-
-class ParentMemo:
-    """The :func:`parent_chunks` of the parent read last (no damaged copies), with the
-    keys and entry objects it came from: a session's next take has that manifest's
-    unchanged entries as its own, so its parent's chunks are the same and are not
-    gathered again (2,000 unchanged small tensors: 1.4 ms a take). Entries without
-    chunks (containers, primitives: new objects each take) are not compared."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: tuple[dict[str, Entry], _Chunks] | None = None
-
-    def chunks(self, manifest: Manifest) -> _Chunks:
-        held = with_chunks(manifest.entries)
-        with self._lock:
-            last = self._last
-        if last is not None and same_entries(held, last[0]):
-            return last[1]  # read-only for the caller, as KnownChunks treats them
-        found = parent_chunks(manifest, DamageSet())
-        with self._lock:
-            self._last = (held, found)
-        return found
 
 
 # -- history -----------------------------------------------------------------

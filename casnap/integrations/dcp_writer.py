@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from casnap import index
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.frames import WriteStats
 from casnap.chunks.write import ChunkWriter
@@ -62,7 +61,7 @@ from casnap.integrations.dcp_layout import (
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget
-from casnap.take.commit import commit_snapshot, remember
+from casnap.take.commit import commit_snapshot, remembered
 from casnap.take.parent import parent_rule
 from casnap.take.plan import known_chunks
 from casnap.take.scheduler import Scheduler, data_request, tensor_request
@@ -280,8 +279,7 @@ class CasnapWriter(StorageWriter):
                 assert isinstance(data, torch.Tensor)
                 kinds.append(data)
                 requests.append(tensor_request(key, data))
-        last_plan = self.session.last_plan
-        known = known_chunks(repo, list(target.parents), last_plan)
+        known = known_chunks(repo, list(target.parents))
         with ThreadPoolExecutor(settings.io_workers, thread_name_prefix="casnap-dcp") as pool:
             writer = ChunkWriter(repo, settings, pool, known)
             writer.entry_keys = entry_keys
@@ -409,6 +407,5 @@ def _commit_replacing(
             CasnapWarning,
             stacklevel=2,
         )
-    remember(repo, manifest_hash, manifest, session, texts)
-    index.record_manifest(repo, manifest_hash, manifest, session.summaries)
+    remembered(repo, manifest_hash, manifest, session, texts)
     return manifest_hash

@@ -8,9 +8,9 @@ every chunk the manifest names is durable, inside the take's lease:
 2. check the lease is still ours: a take stalled past its lease may have been
    declared dead and its unreferenced chunks swept, so it must not commit;
 3. write the ref, create-only: the commit point. Before it nothing is visible;
-4. remember it: the session's lineage and last plan (without a session, the
-   detached plans: casnap.take.session), and the local index's summary (so
-   ``log`` need not read the manifest back).
+4. remember it: the session's lineage, the reuse cache for the next take
+   (casnap.take.reuse), and the local index's summary (so ``log`` need not
+   read the manifest back).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from casnap.format.manifest import Dumped, Manifest
 from casnap.format.manifest_bytes import entry_texts
 from casnap.repo.leases import Lease
 from casnap.repo.repository import RepoStorage
-from casnap.take.session import Session, plans_of
+from casnap.take.reuse import REUSE
+from casnap.take.session import Session
 
 
 def commit_snapshot(
@@ -36,8 +37,8 @@ def commit_snapshot(
 ) -> str:
     """Steps 1 to 4 above; returns the manifest's hash.
 
-    ``previous`` (the parent's manifest and its JSON form, from the session's
-    last plan) lets the serializer reuse the JSON of the entries the two share.
+    ``previous`` (the parent's manifest and its JSON form, from the reuse
+    cache) lets the serializer reuse the JSON of the entries the two share.
     """
     # A distributed take's manifest is written per entry object, not per key (its
     # 1,024 ranks' keys would each be dumped again): no key's text is needed.
@@ -46,12 +47,23 @@ def commit_snapshot(
     if lease is not None:
         lease.check()
     repo.write_ref(name, manifest_hash)  # the commit point
+    remembered(repo, manifest_hash, manifest, session, texts)
+    return manifest_hash
+
+
+def remembered(
+    repo: RepoStorage,
+    manifest_hash: str,
+    manifest: Manifest,
+    session: Session | None,
+    texts: Mapping[str, str] | None = None,
+) -> None:
+    """Step 4 for a manifest just committed (``texts``: its JSON per key, when serialized
+    here): the session's lineage, the reuse cache, the index's summary."""
     if session is not None:
         session.lineage.record(repo.config.repo_id, manifest_hash)
-    plans = plans_of(session)  # without a session, the detached plans (casnap.take.session)
-    plans.last_plan.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
-    index.record_manifest(repo, manifest_hash, manifest, plans.summaries)
-    return manifest_hash
+    record = REUSE.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
+    index.record_manifest(repo, manifest_hash, manifest, record.summary)
 
 
 def remember(
@@ -61,12 +73,11 @@ def remember(
     session: Session | None,
     texts: Mapping[str, str] | None = None,
 ) -> None:
-    """Make a committed (or restored) snapshot the session's parent and plan for the next take."""
+    """Make a snapshot restored (or committed by another rank) the session's parent for
+    the next take, and what that take reuses (:mod:`casnap.take.reuse`)."""
     if session is not None:
         session.lineage.record(repo.config.repo_id, manifest_hash)
-        session.last_plan.put(
-            repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts)
-        )
+        REUSE.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
 
 
 def _dumped(manifest: Manifest, texts: Mapping[str, str] | None) -> Dumped | None:

@@ -63,7 +63,7 @@ from casnap.take.scheduler import (
     stage,
     tensor_request,
 )
-from casnap.take.session import Session, plans_of
+from casnap.take.session import Session
 from casnap.take.target import (
     Target,
     TensorPrepareFunc,
@@ -160,8 +160,7 @@ class TakeJob:
         # names reachable, the lease keeps gc from sweeping (docs/gc.md).
         with hold_lease(self.repo, kind="take") as lease:
             self.parents = self.rule.choose(self.repo, self.name)
-            last_plan = plans_of(self.session).last_plan  # without a session: detached
-            known = known_chunks(self.repo, self.parents, last_plan, self.fresh)
+            known = known_chunks(self.repo, self.parents, self.fresh)
             workers = self.settings.io_workers
             with ThreadPoolExecutor(workers, thread_name_prefix="casnap-w") as pool:
                 writer = ChunkWriter(self.repo, self.settings, pool, known)
@@ -184,7 +183,7 @@ class TakeJob:
 
     def _commit_entries(self, written: Written, lease: Lease) -> tuple[Manifest, str]:
         """Every entry and the manifest, from what the scheduler wrote; then the commit."""
-        previous, dumped = previous_plan(plans_of(self.session).last_plan, self.repo, self.parents)
+        previous, dumped = previous_plan(self.repo, self.parents)
         plan, tensors, by_hash = _plan_of(
             self.nodes, written, self.settings.chunk_size, self.replicated, previous
         )

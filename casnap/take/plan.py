@@ -6,10 +6,10 @@ dtypes, shapes and chunk ids, never data. :func:`build_entries` is the one
 place where plans and the written chunks' locations become manifest entries.
 
 What a take may reference without writing is its parents' chunks and the
-local index's (:func:`known_chunks`); a session's
-:class:`~casnap.take.session.LastPlan` keeps the manifest it committed last,
-so the next take of the same structure needs neither to read it back nor to
-rebuild unchanged entries (docs/pipeline.md).
+local index's (:func:`known_chunks`); the reuse cache
+(:mod:`casnap.take.reuse`) keeps the manifests this process committed, so
+the next take of the same structure needs neither to read its parent back
+nor to rebuild unchanged entries (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -36,29 +36,25 @@ from casnap.format.manifest_bytes import trusted_tensor_entry
 from casnap.index import KnownChunks
 from casnap.repo.damage import DamageSet, damage_set
 from casnap.repo.repository import RepoStorage, manifest_key
-from casnap.take.session import LastPlan
+from casnap.take.reuse import REUSE
 
 
 def previous_plan(
-    last_plan: LastPlan | None, repo: RepoStorage, parents: list[str]
+    repo: RepoStorage, parents: list[str]
 ) -> tuple[Mapping[str, Entry], Dumped | None]:
-    """The entries of the first parent ``last_plan`` remembers, and its JSON form if it has it.
+    """The entries of the first parent the reuse cache holds, and its JSON form if it has it.
 
     A take reuses unchanged entries of that manifest (:func:`build_entries`)
-    and their JSON (:meth:`Manifest.to_jsonable`); when none is remembered, nothing.
+    and their JSON (:meth:`Manifest.to_jsonable`); when none is cached, nothing.
     """
-    if last_plan is None:
-        return {}, None
     for parent in parents:
-        manifest = last_plan.get(repo.config.repo_id, parent)
-        if manifest is not None:
-            return manifest.entries, last_plan.dumped(repo.config.repo_id, parent)
+        record = REUSE.get(repo.config.repo_id, parent)
+        if record is not None:
+            return record.manifest.entries, record.dumped
     return {}, None
 
 
-def known_chunks(
-    repo: RepoStorage, parents: list[str], last_plan: LastPlan | None = None, fresh: bool = False
-) -> KnownChunks:
+def known_chunks(repo: RepoStorage, parents: list[str], fresh: bool = False) -> KnownChunks:
     """Chunks a take may reference without writing: its parents', and the local index's.
 
     Called inside the take's gc-exclusion window: opening the index reads the
@@ -81,12 +77,12 @@ def known_chunks(
     for parent in parents:
         covered = index.covers(known.index, parent)
         known.covered &= covered
-        manifest = last_plan.get(repo.config.repo_id, parent) if last_plan else None
-        if manifest is not None and repo.store.exists(manifest_key(parent)):
-            # Written by this session, and still stored: gc deletes a manifest before
-            # its chunks and cannot run while this take's lease is held, so its
-            # chunks are all there, exactly as if it had been read back (docs/gc.md).
-            known.add_parent(manifest, last_plan.parent_chunks if last_plan else None)
+        record = REUSE.get(repo.config.repo_id, parent)
+        if record is not None and repo.store.exists(manifest_key(parent)):
+            # Cached, and still stored: gc deletes a manifest before its chunks and
+            # cannot run while this take's lease is held, so its chunks are all
+            # there, exactly as if it had been read back (docs/gc.md).
+            known.add_parent(record.manifest, record.chunks)
             continue
         if covered:
             known.later.append(parent)
