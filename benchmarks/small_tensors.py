@@ -42,6 +42,7 @@ import torch
 from harness import scratch_dir
 
 from casnap import Session, Snapshot, StateDict
+from casnap.take.reuse import REUSE
 
 
 def _state(tensors: int, numel: int) -> dict[str, torch.Tensor]:
@@ -77,6 +78,7 @@ def measure(tensors: int, numel: int, repeats: int, work: str) -> dict[str, Any]
         retake.append(_clock(partial(Snapshot.take, f"{repo}/s1", app, session=session)))
         # Without a session: the parent (s1) is not one this process took without a
         # session, as for a new process per save; then the loop's next take (parent s2).
+        REUSE.clear()  # as in a new process: no parent in memory (casnap.take.reuse)
         cold.append(_clock(partial(Snapshot.take, f"{repo}/s2", app)))
         alone.append(_clock(partial(Snapshot.take, f"{repo}/s3", app)))
         save.append(_clock(partial(_save, state, pt)))

@@ -10,18 +10,16 @@ new chunk's frame goes, a loose object or a pack, is
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from casnap.chunks.delta import DeltaEncoder
 from casnap.chunks.frames import FrameWriter, PackFrame
-from casnap.errors import CasnapError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.format.names import digest_of
-from casnap.index import KnownChunks, RepoIndex, parent_chunks
+from casnap.index import KnownChunks, RepoIndex
 from casnap.repo.damage import DamageSet
 from casnap.repo.repository import RepoStorage
 from casnap.settings import Settings
@@ -85,10 +83,6 @@ class ChunkWriter(FrameWriter):
         self.bases: Mapping[str, tuple[int, Sequence[ChunkRef]]] = (
             known.bases if isinstance(known, KnownChunks) else {}
         )
-        # Parents the index vouches for (casnap.index.cover), read on the first large
-        # chunk neither this take nor the index knows (read_later).
-        self._later = list(known.later) if isinstance(known, KnownChunks) else []
-        self._later_lock = threading.Lock()
         self._tensor_of: dict[str, str] = {}
         # A request key -> the key of its entry in the parent, where they differ (a DCP
         # save's requests are named by write item; base_of looks bases up by entry).
@@ -115,33 +109,6 @@ class ChunkWriter(FrameWriter):
         with self._lock:
             self._tensor_of[base.hash] = key  # for the delta test's back-off, by tensor
         return base
-
-    def read_later(self) -> None:
-        """Read the parents left for later, once (the first caller reads, others wait).
-
-        A parent the index covers is read only when a large chunk is unknown
-        to both this take and the index: it may be one of the parent's delta
-        frames (never in the index), or a changed chunk whose delta base is
-        the parent's chunk at its place. Inside the take's lease, like every
-        read of a parent: a manifest still there has all its chunks.
-        """
-        with self._later_lock:
-            # ``_later`` empties only once every parent is in: until then a caller that
-            # saw it non-empty waits here, and finds the bases its chunk needs after.
-            try:
-                for parent in self._later:
-                    try:
-                        manifest = self.repo.read_manifest(parent)
-                    except CasnapError:
-                        continue  # gone or unreadable: only dedup is lost
-                    refs, bases = parent_chunks(manifest, self.damaged)
-                    with self._lock:
-                        for h, ref in refs.items():
-                            self.known.setdefault(h, ref)
-                        if not self.bases:
-                            self.bases = bases
-            finally:
-                self._later = []
 
     def add(
         self,
@@ -284,13 +251,6 @@ class ChunkWriter(FrameWriter):
             for i, ref in zip(misses, found, strict=True):
                 if ref is not None and not (self.damaged and ref in self.damaged):
                     refs[i] = ref  # else: the index predates the damage record
-        limit = self.settings.pack_limit
-        if self._later and any(refs[i] is None and sizes[i] >= limit for i in misses):
-            self.read_later()  # a large chunk nobody knows: perhaps the parent's delta
-            with self._lock:
-                for i in misses:
-                    if refs[i] is None:
-                        refs[i] = known.get(hashes[i])
         new: list[int] = []
         twin: Future[ChunkRef] | None = None
         with self._lock:

@@ -20,7 +20,6 @@ from casnap.format.entries import (
     chunks_of,
 )
 from casnap.format.manifest import Manifest
-from casnap.index.cover import covers, record_cover
 from casnap.index.lmdb_envs import INDEX_FORMAT, close_all, drop, index_path
 from casnap.index.lmdb_store import (
     GC_EPOCH_KEY,
@@ -45,7 +44,6 @@ __all__ = [
     "RepoIndex",
     "SummaryMemo",
     "close_all",
-    "covers",
     "drop",
     "enabled",
     "index_path",
@@ -54,7 +52,6 @@ __all__ = [
     "open_index",
     "read_epoch_bytes",
     "rebuild",
-    "record_cover",
     "record_manifest",
     "summarize",
 ]
@@ -82,12 +79,6 @@ class KnownChunks(dict[str, ChunkRef]):
         # changed chunk may be stored as a delta against (casnap.chunks.delta).
         self.bases: dict[str, tuple[int, Sequence[ChunkRef]]] = {}
         self.fresh = fresh
-        # Parents whose chunks the index knows (casnap.index.cover): read only when a
-        # chunk the index does not know might be theirs (the writer's read_later).
-        self.later: list[str] = []
-        # Every parent is covered: a take that commits covers its own manifest by
-        # recording only what it wrote (else every chunk it names).
-        self.covered = True
 
     def add_parent(self, manifest: Manifest, gathered: Callable[[], _Chunks] | None = None) -> None:
         """Add a parent manifest's chunks (the first one's delta bases too); ``gathered``:

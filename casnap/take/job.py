@@ -38,7 +38,6 @@ from casnap.errors import UnsupportedValueError
 from casnap.format.entries import ChunkRef, ContainerEntry, Entry, PrimitiveEntry, TensorEntry
 from casnap.format.manifest import Manifest, format_version_for, same_entries
 from casnap.format.manifest_bytes import trusted_manifest
-from casnap.index import record_cover
 from casnap.python_gc import python_gc_paused
 from casnap.repo.leases import Lease, hold_lease
 from casnap.repo.repository import RepoStorage, now_iso
@@ -176,9 +175,6 @@ class TakeJob:
                 written = scheduler.run(self.requests)
             with python_gc_paused():
                 manifest, manifest_hash = self._commit_entries(written, lease)
-                # Every chunk it names is in the index now (docs/index.md, "Cover entries").
-                refs = [] if known.covered else manifest.distinct_refs()
-                record_cover(known.index, manifest_hash, refs)
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
 
     def _commit_entries(self, written: Written, lease: Lease) -> tuple[Manifest, str]:

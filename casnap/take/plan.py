@@ -62,9 +62,7 @@ def known_chunks(repo: RepoStorage, parents: list[str], fresh: bool = False) -> 
     swept since (docs/index.md). The parents' chunk locations come from their
     manifests (one get each); every other chunk is looked up in the index by
     the ChunkWriter, so a take in a fresh process probes no chunk the index
-    knows. A parent whose every chunk the index knows (``index.covers``) is
-    not read here but left in ``known.later``, for the writer to read only if
-    a chunk might be its and not the index's (:meth:`ChunkWriter.read_later`).
+    knows. A parent in the reuse cache (casnap.take.reuse) is not read back.
     Without the index (``CASNAP_INDEX=0``) this is the parents' chunks only.
     Copies a read found damaged (``.casnap/damaged/``, docs/damage.md) are left
     out, whoever vouches for them, so the writer stores those chunks again.
@@ -75,17 +73,12 @@ def known_chunks(repo: RepoStorage, parents: list[str], fresh: bool = False) -> 
     known = KnownChunks(index.open_index(repo), damaged, fresh)
     summaries = []
     for parent in parents:
-        covered = index.covers(known.index, parent)
-        known.covered &= covered
         record = REUSE.get(repo.config.repo_id, parent)
         if record is not None and repo.store.exists(manifest_key(parent)):
             # Cached, and still stored: gc deletes a manifest before its chunks and
             # cannot run while this take's lease is held, so its chunks are all
             # there, exactly as if it had been read back (docs/gc.md).
             known.add_parent(record.manifest, record.chunks)
-            continue
-        if covered:
-            known.later.append(parent)
             continue
         try:
             manifest = repo.read_manifest(parent)
