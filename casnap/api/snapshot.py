@@ -240,20 +240,21 @@ class Snapshot:
         blocks longer instead of using more memory. ``progress`` as for :meth:`take`
         (called from the background writers too)."""
         progress = _checked(progress)  # before anything is created
-        job = _prepare(
-            path,
-            app_state,
-            pg,
-            replicated,
-            storage_options,
-            _custom_tensor_prepare_func,
-            metadata,
-            allow_pickle,
-            parents,
-            memory_budget_bytes,
-            session,
-            stage=True,
-        )
+        with python_gc_paused():  # per-entry work in the caller's thread (casnap.python_gc)
+            job = _prepare(
+                path,
+                app_state,
+                pg,
+                replicated,
+                storage_options,
+                _custom_tensor_prepare_func,
+                metadata,
+                allow_pickle,
+                parents,
+                memory_budget_bytes,
+                session,
+                stage=True,
+            )
         job.progress = progress
         pending = PendingSnapshot(path, pg, storage_options, job.run, session)
         job.live_consumed.wait()  # what staging could not copy is consumed: point-in-time

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,9 +107,9 @@ class TakeJob:
     # Set once every live request's chunks are consumed (at once when there are none).
     live_consumed: threading.Event = field(default_factory=threading.Event)
     progress: Callable[[int, int], None] | None = None  # (done_bytes, total_bytes) written
-    # The caller waits for the whole commit (a blocking take): the collector stays paused
-    # throughout. An async take's commit pauses it only for its per-entry steps after
-    # the writes, not while training runs beside a long write (casnap.python_gc).
+    # The caller waits for the whole commit (a blocking take) and holds the collector's
+    # pause throughout. An async take's commit pauses it only for its per-entry steps
+    # after the writes, not while training runs beside a long write (casnap.python_gc).
     blocking: bool = False
 
     @classmethod
@@ -149,12 +150,6 @@ class TakeJob:
             self.pool.give_back(buffers)
 
     def _commit(self) -> TakeResult:
-        if not self.blocking:
-            return self._commit_in_lease()
-        with python_gc_paused():
-            return self._commit_in_lease()
-
-    def _commit_in_lease(self) -> TakeResult:
         # From before the first dedup decision until the ref makes every chunk it
         # names reachable, the lease keeps gc from sweeping (docs/gc.md).
         with hold_lease(self.repo, kind="take") as lease:
@@ -173,7 +168,9 @@ class TakeJob:
                     sum(b.numel() * b.element_size() for b in self.buffers),
                 )
                 written = scheduler.run(self.requests)
-            with python_gc_paused():
+            # A blocking take's caller holds the pause throughout (Snapshot.take); an
+            # async one pauses only its per-entry steps, not the writes beside training.
+            with nullcontext() if self.blocking else python_gc_paused():
                 manifest, manifest_hash = self._commit_entries(written, lease)
         return TakeResult(self.repo, self.name, manifest_hash, manifest, writer.stats)
 
@@ -265,7 +262,6 @@ def requests_of(nodes: Mapping[str, Node]) -> list[WriteRequest]:
     return requests
 
 
-@python_gc_paused()  # per-entry work in the caller's thread (casnap.python_gc)
 def prepare_take(
     path: str,
     app_state: Mapping[str, Any],
@@ -280,7 +276,8 @@ def prepare_take(
     session: Session | None = None,
     replicated: list[str] | None = None,
 ) -> TakeJob:
-    """Phase 1 of a take (see the module docstring)."""
+    """Phase 1 of a take (see the module docstring); the caller pauses Python's cyclic
+    collector around it (casnap.python_gc), as :class:`casnap.Snapshot` does."""
     budget = ByteBudget(check_budget(memory_budget_bytes))
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
     requests = requests_of(nodes)  # sharded values: refused before anything is created
