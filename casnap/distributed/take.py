@@ -41,7 +41,7 @@ from casnap.repo.repository import RepoStorage, locate
 from casnap.settings import Settings, dist_timeout
 from casnap.take.commit import commit_snapshot, remember
 from casnap.take.job import TakeResult
-from casnap.take.plan import RankPlan, known_chunks, previous_plan
+from casnap.take.plan import RankPlan, cached_parent, known_chunks
 from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage
 from casnap.take.session import Session
 from casnap.take.target import (
@@ -313,7 +313,7 @@ class DistributedJob:
                 assert isinstance(w, _Written)
                 refs.update(w.refs)
                 per_rank.append(w.stats)
-            previous, dumped = previous_plan(self.repo, self.info.parents)
+            previous, dumped = cached_parent(self.repo, self.info.parents)
             entries = assemble_entries(self.planned, refs, previous)
             manifest = manifest_of(entries, self.group.size, self.info.parents, self.info.metadata)
             manifest_hash = commit_snapshot(

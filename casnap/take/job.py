@@ -50,9 +50,9 @@ from casnap.take.plan import (
     ObjectPlan,
     RankPlan,
     build_entries,
+    cached_parent,
     is_replicated,
     known_chunks,
-    previous_plan,
     tensor_entry,
 )
 from casnap.take.scheduler import (
@@ -176,7 +176,7 @@ class TakeJob:
 
     def _commit_entries(self, written: Written, lease: Lease) -> tuple[Manifest, str]:
         """Every entry and the manifest, from what the scheduler wrote; then the commit."""
-        previous, dumped = previous_plan(self.repo, self.parents)
+        previous, dumped = cached_parent(self.repo, self.parents)
         plan, tensors, by_hash = _plan_of(
             self.nodes, written, self.settings.chunk_size, self.replicated, previous
         )

@@ -39,7 +39,7 @@ from casnap.repo.repository import RepoStorage, manifest_key
 from casnap.take.reuse import REUSE
 
 
-def previous_plan(
+def cached_parent(
     repo: RepoStorage, parents: list[str]
 ) -> tuple[Mapping[str, Entry], Dumped | None]:
     """The entries of the first parent the reuse cache holds, and its JSON form if it has it.
