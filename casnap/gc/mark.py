@@ -5,7 +5,7 @@ need to a :class:`Reach`, read whole from the store (a full gc) or from their
 summaries (a reclaim: the local index caches them). A :class:`Scope` is what a
 plan may delete: every unreachable object (:func:`unreachable`) or what the
 manifests retention retired reference (:func:`retired_scope`).
-:meth:`Kept.sort` splits a scope's objects into kept (and why) and garbage.
+:func:`sort_scope` splits a scope's objects into kept (and why) and garbage.
 :mod:`casnap.gc.plan` puts these together into a :class:`~casnap.gc.plan.GcPlan`.
 """
 
@@ -39,7 +39,7 @@ class Garbage:
     size: int | None
 
 
-def hash_of(key: str, kind: str) -> str | None:
+def _hash_of(key: str, kind: str) -> str | None:
     """The hash an object key of ``kind`` names, or None for a key casnap did not write."""
     parts = key.split("/")
     if len(parts) == 3 and parts[0] == kind and _HASH.match(parts[2]) and parts[2][:2] == parts[1]:
@@ -199,7 +199,7 @@ def listing(repo: RepoStorage, kind: str, marks: Marks) -> dict[str, ObjectInfo]
     """The objects of ``kind`` by hash; keys of a shape casnap never writes are reported."""
     out: dict[str, ObjectInfo] = {}
     for obj in repo.store.list_info(kind):
-        h = hash_of(obj.key, kind)
+        h = _hash_of(obj.key, kind)
         if h is None:
             marks.warnings.append(f"unexpected object {obj.key} left alone")
         else:
