@@ -18,7 +18,7 @@ from helpers import take_stats
 
 import casnap.take.job
 from casnap import IntegrityError, Repository, Snapshot, SnapshotNotFoundError, StateDict
-from casnap.errors import GcBlockedError, GcBusyError, LeaseLostError, ObjectExistsError
+from casnap.errors import GcBlockedError, LeaseLostError
 from casnap.gc.collect import (
     LEASE_TEMP_MIN_AGE,
     GcRefusedError,
@@ -28,17 +28,15 @@ from casnap.gc.collect import (
     plan_gc,
     read_gc_epoch,
 )
-from casnap.repo.gc_lock import acquire_gc_lock
 from casnap.repo.lease_record import GC_LOCK_KEY, LeaseRecord
 from casnap.repo.leases import (
-    Lease,
     acquire_lease,
     hold_lease,
     scan_leases,
 )
 from casnap.repo.repository import RepoStorage, chunk_key, manifest_key, pack_key
 from casnap.repo.tags import add_tag, remove_tag
-from casnap.store import Capabilities, LocalStore
+from casnap.store import LocalStore
 from casnap.store.faults import FailingStore
 
 CHUNK = 64 * 1024
@@ -326,7 +324,7 @@ def test_the_gc_epoch_changes_only_when_gc_deleted_something(repo):
     assert read_gc_epoch(repo) not in (None, first)
 
 
-# -- leases and the lock ------------------------------------------------------------
+# -- leases: takes and gc exclude each other (the lock itself: test_gc_lock.py) ---
 
 
 def test_a_live_lease_makes_gc_give_up_without_deleting(repo):
@@ -383,78 +381,6 @@ def test_a_take_waits_while_gc_holds_the_lock(repo):
     assert done.wait(10)
     thread.join()
     assert_restores(repo, "s1", state)
-
-
-def test_a_stale_lock_of_a_crashed_gc_stops_counting_once_expired(repo):
-    stale = LeaseRecord.new("gc", ttl=-1.0)
-    repo.store.put(GC_LOCK_KEY, stale.to_bytes())
-    take(repo, "s1", make_state(1))  # does not wait for a dead gc
-    gc(repo, grace_seconds=0, wait_seconds=0)  # breaks the stale lock
-    assert not repo.store.exists(GC_LOCK_KEY)
-
-
-def test_only_one_gc_at_a_time(repo):
-    with GcSession(repo), pytest.raises(GcBusyError, match="another gc"):
-        gc(repo, wait_seconds=0.2)
-    gc(repo)
-
-
-class _CheckThenWrite(LocalStore):
-    """A store without atomic create (like S3 before conditional writes): create-only is
-    a check, a pause and a write, so two processes can both find the key free."""
-
-    capabilities = Capabilities(atomic_create=False, local=True)
-
-    def put(self, key, data, *, create_only=False, durable=True):
-        if create_only:
-            if self.exists(key):
-                raise ObjectExistsError(f"object {key!r} already exists", key)
-            time.sleep(0.05)
-        super().put(key, data, durable=durable)
-
-
-def _two_gcs_at_once(root: str) -> list[object]:
-    stores = [_CheckThenWrite(root) for _ in range(2)]
-    barrier = threading.Barrier(2)
-    out: list[object] = [None, None]
-
-    def run(i: int) -> None:
-        barrier.wait()
-        try:
-            out[i] = acquire_gc_lock(stores[i], ttl=5, wait_seconds=0.5)
-        except GcBusyError as exc:
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for lock in out:
-        if not isinstance(lock, Exception):
-            assert isinstance(lock, Lease), lock
-            lock.release()
-    return out
-
-
-@pytest.mark.parametrize("claims", [True, False], ids=["claims", "without-claims"])
-def test_two_gcs_on_a_store_without_atomic_create(tmp_path, monkeypatch, claims):
-    if not claims:  # the negative control: what the claim step prevents
-        monkeypatch.setattr("casnap.repo.gc_lock._alone", _nobody_else)
-    won = []
-    for round_ in range(3):
-        results = _two_gcs_at_once(str(tmp_path / f"r{round_}"))
-        won.append(sum(not isinstance(r, GcBusyError) for r in results))
-        assert list(LocalStore(str(tmp_path / f"r{round_}")).list("gc-claims")) == []
-    if claims:
-        assert won == [1, 1, 1]  # one gc runs, the other refuses with GcBusyError
-    else:
-        assert 2 in won  # both would sweep at once
-
-
-@contextmanager
-def _nobody_else(store, record):
-    yield None
 
 
 def test_a_take_whose_lease_lapsed_does_not_commit(repo, monkeypatch):

@@ -20,6 +20,8 @@ from helpers import reclaimed_of, retention_of
 from casnap import Repository, Snapshot, StateDict
 from casnap.api.checkpointer import Checkpointer
 from casnap.cli.app import main
+from casnap.errors import ConfigError
+from casnap.gc.collect import GcSession, execute_gc
 from casnap.gc.reclaim import ReclaimResult, reclaim
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy
 from casnap.repo.leases import hold_lease
@@ -251,6 +253,30 @@ def test_a_retired_manifest_a_tag_still_pins_is_kept(tmp_path):
     result = reclaim(repo.storage, [m])
     assert result.deleted == 0 and result.still_rooted == 1
     assert repo.storage.store.exists(manifest_key(m))
+
+
+def test_a_reclaim_is_a_gc_plan_narrowed_to_the_retired_manifests(tmp_path):
+    repo = Repository.init(str(tmp_path / "run"))
+    orphan = repo.take("crashed", {"m": state_at(100)}).manifest_hash
+    repo.storage.delete_ref("crashed")  # unreachable, but retired by nobody: out of scope
+    orphan_keys = {manifest_key(orphan)} | needs(repo.storage.read_manifest(orphan))
+    m = repo.take("a", {"m": state_at(1)}).manifest_hash
+    repo.take("b", {"m": state_at(2)})
+    repo.storage.delete_ref("a")
+    with GcSession(repo.storage) as session:
+        with pytest.raises(ConfigError, match="grace"):
+            session.plan(retired=[m])  # the default grace period: a reclaim has none
+        plan = session.plan(grace_seconds=0, retired=[m, m])
+    assert plan.retired == (m,) and [g.key for g in plan.manifests] == [manifest_key(m)]
+    assert len(plan.chunks) == BIG and len(plan.packs) == 1
+    assert not plan.temp_files and not plan.dead_leases
+    assert json.loads(json.dumps(plan.to_json()))["retired"] == [m]
+    assert "reclaim plan" in plan.render()
+    # Executed under another lock it is re-checked; nothing out of its scope goes.
+    result = execute_gc(repo.storage, plan)
+    assert result.deleted == 1 + BIG + 1 and result.skipped == 0
+    assert all(repo.storage.store.exists(k) for k in orphan_keys)
+    assert restores_bit_exact(repo, "b", state_at(2))
 
 
 # -- beside takes in flight --------------------------------------------------

@@ -1,9 +1,10 @@
 """Garbage collection: plan what no root reaches, then sweep it (docs/gc.md).
 
-:mod:`casnap.gc.collect` holds the session and the one-call API,
-:mod:`casnap.gc.plan` the mark phase and the plan, :mod:`casnap.gc.reclaim` the
-grace-free sweep of what retention just retired. All use only the store
-contract (:mod:`casnap.store.base`).
+:mod:`casnap.gc.collect` holds the session (lock, epoch, sweep) and the
+one-call API, :mod:`casnap.gc.plan` the plan, made from the mark phase of
+:mod:`casnap.gc.mark`; :mod:`casnap.gc.reclaim` runs a gc narrowed to what
+retention just retired, with no grace period. All use only the store contract
+(:mod:`casnap.store.base`).
 """
 
 from casnap.errors import GcRefusedError

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields, replace
 from types import TracebackType
@@ -205,14 +205,21 @@ class GcSession:
         return self._lock
 
     def plan(
-        self, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, progress: Progress | None = None
+        self,
+        *,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        progress: Progress | None = None,
+        retired: Sequence[str] | None = None,
     ) -> GcPlan:
         """Mark from refs and tags; list unreachable objects older than ``grace_seconds``.
 
-        ``progress(count, total)`` is called as the reachable manifests are read.
+        ``retired`` narrows the plan to what those manifests (whose refs the caller
+        has just deleted) alone reach, with no grace period (``grace_seconds=0``):
+        a reclaim (:mod:`casnap.gc.reclaim`). ``progress(count, total)`` is called
+        as the reachable manifests are read.
         """
         lock = self.lock
-        plan = make_plan(self.repo, lock.id, grace_seconds, progress)
+        plan = make_plan(self.repo, lock.id, grace_seconds, progress, retired)
         lock.check()
         return plan
 
@@ -227,7 +234,8 @@ class GcSession:
         lock = self.lock
         skipped = 0
         if plan.session != lock.id:
-            plan, skipped = intersect(plan, self.plan(grace_seconds=plan.grace_seconds))
+            fresh = self.plan(grace_seconds=plan.grace_seconds, retired=plan.retired)
+            plan, skipped = intersect(plan, fresh)
         store = self.repo.store
         total = len(plan.data) + len(plan.dead_leases) + len(plan.temp_files)
         done = [0]

@@ -1,10 +1,11 @@
 """The local LMDB index: a per-machine cache of what a repository holds (docs/index.md).
 
 It caches chunk locations (a take's dedup) and manifest summaries (``log``,
-``du``), is rebuildable from the store (:func:`rebuild`) and is never
-trusted by gc, verify or restore. This module is the API the rest of casnap
-uses; docs/index.md names the modules behind it and gives the invalidation
-protocol, the failure handling and the measured effect.
+``du``, a reclaim's mark), is rebuildable from the store (:func:`rebuild`),
+and its chunk locations are never trusted by gc, verify or restore. This
+module is the API the rest of casnap uses; docs/index.md names the modules
+behind it and gives the invalidation protocol, the failure handling and the
+measured effect.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""A gc lock's life is bounded whatever it claims; waiting for one is never silent.
+"""The gc lock: one gc at a time, a bounded life whatever it claims, loud waits.
 
 Issue #23 point 5: a ``gc.lock`` written by hand, claiming to be held until
 the year 9999 with an unparsable ``created_at``, made every take and every gc
 wait without a word. These tests run real takes and real gcs against that
 exact record, against a live lock a real gc session holds (which must still
-be respected), and break locks through the API and the CLI.
+be respected), and break locks through the API and the CLI. Two gcs at once
+must not both sweep, also on a store without atomic create (claims).
 """
 
 from __future__ import annotations
@@ -13,18 +14,20 @@ import json
 import logging
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from casnap import Repository, Snapshot, StateDict
 from casnap.cli.app import main
-from casnap.errors import ConfigError, GcBusyError
-from casnap.gc.collect import GcSession
+from casnap.errors import ConfigError, GcBusyError, ObjectExistsError
+from casnap.gc.collect import GcSession, gc
 from casnap.repo.gc_lock import acquire_gc_lock
 from casnap.repo.lease_record import GC_LOCK_KEY, MAX_RECORD_LIFE, LeaseRecord, read_gc_lock
-from casnap.repo.leases import WAIT_NOTICE_AFTER
+from casnap.repo.leases import WAIT_NOTICE_AFTER, Lease
 from casnap.repo.repository import RepoStorage
+from casnap.store import Capabilities, LocalStore
 
 # The record from the issue, byte for byte.
 HOSTILE = b'{"id":"a","kind":"gc","created_at":"x","expires_at":"9999-01-01","host":"h","pid":1}'
@@ -67,6 +70,79 @@ def restores(repo: Repository, name: str, st: StateDict) -> bool:
     out = StateDict({k: torch.zeros_like(v) for k, v in st.items()})
     Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"s": out})
     return all(torch.equal(out[k], st[k]) for k in st)
+
+
+def test_a_stale_lock_of_a_crashed_gc_stops_counting_once_expired(repo):
+    stale = LeaseRecord.new("gc", ttl=-1.0)
+    repo.storage.store.put(GC_LOCK_KEY, stale.to_bytes())
+    # does not wait for a dead gc
+    Snapshot.take(f"{repo.url}/s1", {"s": state(1)}, storage_options={"repository": repo})
+    gc(repo.storage, grace_seconds=0, wait_seconds=0)  # breaks the stale lock
+    assert not repo.storage.store.exists(GC_LOCK_KEY)
+
+
+def test_only_one_gc_at_a_time(repo):
+    with GcSession(repo.storage), pytest.raises(GcBusyError, match="another gc"):
+        gc(repo.storage, wait_seconds=0.2)
+    gc(repo.storage)
+
+
+class _CheckThenWrite(LocalStore):
+    """A store without atomic create (like S3 before conditional writes): create-only is
+    a check, a pause and a write, so two processes can both find the key free."""
+
+    capabilities = Capabilities(atomic_create=False, local=True)
+
+    def put(self, key, data, *, create_only=False, durable=True):
+        if create_only:
+            if self.exists(key):
+                raise ObjectExistsError(f"object {key!r} already exists", key)
+            time.sleep(0.05)
+        super().put(key, data, durable=durable)
+
+
+def _two_gcs_at_once(root: str) -> list[object]:
+    stores = [_CheckThenWrite(root) for _ in range(2)]
+    barrier = threading.Barrier(2)
+    out: list[object] = [None, None]
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            out[i] = acquire_gc_lock(stores[i], ttl=5, wait_seconds=0.5)
+        except GcBusyError as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for lock in out:
+        if not isinstance(lock, Exception):
+            assert isinstance(lock, Lease), lock
+            lock.release()
+    return out
+
+
+@pytest.mark.parametrize("claims", [True, False], ids=["claims", "without-claims"])
+def test_two_gcs_on_a_store_without_atomic_create(tmp_path, monkeypatch, claims):
+    if not claims:  # the negative control: what the claim step prevents
+        monkeypatch.setattr("casnap.repo.gc_lock._alone", _nobody_else)
+    won = []
+    for round_ in range(3):
+        results = _two_gcs_at_once(str(tmp_path / f"r{round_}"))
+        won.append(sum(not isinstance(r, GcBusyError) for r in results))
+        assert list(LocalStore(str(tmp_path / f"r{round_}")).list("gc-claims")) == []
+    if claims:
+        assert won == [1, 1, 1]  # one gc runs, the other refuses with GcBusyError
+    else:
+        assert 2 in won  # both would sweep at once
+
+
+@contextmanager
+def _nobody_else(store, record):
+    yield None
 
 
 def test_the_hostile_lock_from_the_issue_stops_no_take(repo, caplog):
