@@ -3,7 +3,7 @@
 One run SIGKILLs processes that take snapshots, damages chunk and pack
 files, runs takes beside `casnap gc --grace 0` and `casnap retain`, and
 takes through a store that fails 10% of calls (the phases and their figures:
-benchmarks/README.md, "Stress"). The test asserts what a user relies on:
+docs/stress.md). The test asserts what a user relies on:
 nothing committed is lost, nothing listed is half-written, damage is never
 returned as data, gc leaves no leftovers, retries make every take succeed.
 """
