@@ -1,7 +1,7 @@
 """4-rank take of a DDP model: casnap vs torch.distributed.checkpoint, same state, same run.
 
     .venv/bin/python benchmarks/dist_take.py [--ranks 4] [--mib 64] [--repeat 7]
-        [--mode both|fresh|series] [--stages]
+        [--mode both|fresh|series]
 
 Each repeat times one casnap take and one DCP save of the same DDP state, back
 to back (a barrier before and after each, so a figure is the slowest rank's).
@@ -18,15 +18,6 @@ Both sides pay the same durability: DCP's ``FileSystemWriter`` is given
 ``sync_files=True`` (its default) and fsyncs each file it writes; casnap's
 local store fsyncs each chunk, manifest and ref and their folders.
 
-``--stages`` also times the phases of each take on every rank (wrapping the
-functions that run them): ``prepare`` (phases 1 and 2) with ``hash`` (hashing
-the state into the plan), ``exchange`` (the planning gather: mostly waiting for
-the slowest rank) and ``coordinate``; ``run`` (phase 3) with ``write`` (this
-rank's chunks, flushed) and ``commit`` (rank 0: waiting for every rank's
-chunks, then the manifest and ref; other ranks: waiting for rank 0's outcome);
-dotted names are parts of those. Per mode, the median of each phase on each
-rank, in milliseconds. Local stores only (``write.put``, ``write.flush``).
-
 Prints one JSON line: per mode, casnap's bytes written per rank and their
 max/mean, the median take and save times, the median of the per-repeat
 ratios casnap/DCP (paired: robust to a machine whose load changes), and the
@@ -39,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,78 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from harness import finish_rank, join_group, spawn_ranks
-
-STAGES: list[dict[str, float]] = []  # per take on this rank: phase -> seconds (--stages)
-_LOCK = threading.Lock()
-
-
-def _instrument() -> None:
-    """Time the phases of every distributed take of this process into STAGES.
-
-    A phase's time is summed over its calls in one take (the ``write.*`` parts
-    over the writer's threads, so they can add up to more than ``write``).
-    """
-    import functools
-
-    import casnap.api.snapshot as snapshot_mod
-    import casnap.chunks.frames as frames_mod
-    import casnap.chunks.write as write_mod
-    import casnap.distributed.take as take_mod
-    from casnap.store.local import LocalStore
-
-    def timed(name: str, fn: Any, first: bool = False) -> Any:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if first:
-                STAGES.append({})
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                with _LOCK:
-                    if STAGES:
-                        STAGES[-1][name] = STAGES[-1].get(name, 0.0) + dt
-
-        return wrapper
-
-    def wrap(owner: Any, attr: str, name: str) -> None:
-        setattr(owner, attr, timed(name, getattr(owner, attr)))
-
-    from casnap.distributed.take import prepare_distributed_take  # as snapshot_mod has it
-
-    snapshot_mod.prepare_distributed_take = timed(  # type: ignore[attr-defined]  # as used
-        "prepare", prepare_distributed_take, first=True
-    )
-    for attr, name in (
-        ("collect", "prepare.flatten"),
-        ("_start", "prepare.start_rank0"),
-        ("locate", "prepare.open"),
-        ("build_local", "hash"),
-        ("exchange_plans", "exchange"),
-        ("coordinate", "coordinate"),
-        ("all_gather", "prepare.gather_start"),
-        ("take_settings", "prepare.settings"),
-        ("known_chunks", "write.known"),
-        ("commit_snapshot", "commit.rank0_manifest_ref"),
-    ):
-        wrap(take_mod, attr, name)
-    job = take_mod.DistributedJob
-    wrap(job, "_write", "write")
-    wrap(job, "_commit_rank0", "commit")
-    wrap(job, "_await_commit", "commit")
-    wrap(job, "run", "run")
-    wrap(write_mod, "digest_of", "write.hash")
-    wrap(frames_mod, "encode_chunk", "write.encode")
-    wrap(LocalStore, "put", "write.put")
-    wrap(LocalStore, "flush", "write.flush")
-
-
-def _stage_medians(skip_first: bool) -> dict[str, float]:
-    takes = STAGES[1:] if skip_first else STAGES[:]
-    STAGES.clear()
-    names = sorted({n for t in takes for n in t})
-    return {n: round(statistics.median(t.get(n, 0.0) for t in takes) * 1e3, 1) for n in names}
 
 
 def _timed(fn: Any) -> tuple[float, float]:
@@ -171,15 +89,7 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
     dist.all_gather_object(ranks_cpu, cpu)
     casnap_cpu = [sum(r[k][0] for r in ranks_cpu) for k in range(len(cpu))]
     dcp_cpu = [sum(r[k][1] for r in ranks_cpu) for k in range(len(cpu))]
-    stages = None
-    if STAGES:
-        mine = _stage_medians(skip_first=mode == "series")
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        names = sorted(set().union(*every))
-        stages = {name: [r.get(name) for r in every] for name in names}
     return {
-        "stages_ms_per_rank": stages,
         "casnap_bytes_per_rank": per_rank,
         "max_over_mean_bytes": max(per_rank) / statistics.mean(per_rank),
         "casnap_take_s": statistics.median(casnap_times),
@@ -196,12 +106,8 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
     }
 
 
-def worker(
-    rank: int, world: int, out: str, mib: int, repeat: int, modes: list[str], stages: bool
-) -> None:
+def worker(rank: int, world: int, out: str, mib: int, repeat: int, modes: list[str]) -> None:
     join_group(rank, world, out)
-    if stages:
-        _instrument()
     torch.manual_seed(0)
     layers = max(1, mib // 4)  # 1024x1024 float32 = 4 MiB each
     model = torch.nn.parallel.DistributedDataParallel(
@@ -219,10 +125,9 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--mode", choices=("both", "fresh", "series"), default="both")
-    ap.add_argument("--stages", action="store_true", help="time each phase on every rank")
     args = ap.parse_args()
     modes = ["fresh", "series"] if args.mode == "both" else [args.mode]
-    result = spawn_ranks(worker, args.ranks, args.mib, args.repeat, modes, args.stages)
+    result = spawn_ranks(worker, args.ranks, args.mib, args.repeat, modes)
     sys.stdout.write(json.dumps(result) + "\n")
 
 

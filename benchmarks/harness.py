@@ -13,8 +13,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -319,7 +317,7 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-# -- multi-rank benchmarks (dist_take.py, dist_plan.py) ---------------------------
+# -- multi-rank benchmarks (dist_take.py) -----------------------------------------
 
 
 def spawn_ranks(worker: Callable[..., None], world: int, *args: Any) -> dict[str, Any]:
@@ -367,28 +365,3 @@ def finish_rank(rank: int, out: str, result: dict[str, Any]) -> None:
     dist.barrier()
     # Exit without tearing gloo down: a teardown race has been seen to hang one rank.
     os._exit(0)
-
-
-# -- this checkout against earlier revisions --------------------------------
-
-
-def revision_package(rev: str, into: str) -> str:
-    """A folder holding ``rev``'s ``casnap/`` (``git archive``: the repository is only read),
-    to put first on a child's ``sys.path``."""
-    os.makedirs(into, exist_ok=True)
-    archive = os.path.join(into, "src.tar")
-    with open(archive, "wb") as fh:
-        subprocess.run(["git", "-C", ROOT, "archive", rev, "casnap"], stdout=fh, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(os.path.join(into, "src"), filter="data")
-    return os.path.join(into, "src")
-
-
-def run_child(code: str, *argv: str) -> dict[str, Any]:
-    """Run ``code`` in a fresh interpreter (``sys.argv[1:]`` = ``argv``, in the checkout) and
-    return the JSON object its last line of output prints."""
-    out = subprocess.run(
-        [sys.executable, "-c", code, *argv], check=True, capture_output=True, text=True, cwd=ROOT
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result

@@ -2,7 +2,6 @@
 
     .venv/bin/python benchmarks/small_tensors.py [--tensors 20000 2000] [--numel 64]
         [--repeats 5] [--workdir bench-out/scratch] [--profile first|retake|alone] [--json]
-        [--stages TAKES]
 
 Per-tensor overheads (a future per chunk, a work item per chunk, building
 and validating one manifest entry per tensor) decide this case, not
@@ -20,9 +19,7 @@ its parent the first (the target row). Prints medians and the ratios
 (issue #14 point 1: first take <= 1.5x, re-take <= 0.5x; issue #25: re-take
 without a session <= 0.6x), of wall time and, next to it, of CPU time (all
 threads). ``--profile`` runs cProfile over one first take, re-take, or
-session-less re-take (``alone``) of the first count and prints the top of it;
-``--stages N`` times the stages of N session re-takes of the first count instead
-(wall time per stage, medians: where an unchanged re-take's time goes).
+session-less re-take (``alone``) of the first count and prints the top of it.
 """
 
 from __future__ import annotations
@@ -131,61 +128,6 @@ def profile(tensors: int, numel: int, which: str, work: str) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
-# What a re-take spends its wall time in: (module, attribute, stage). A stage's time is
-# summed over its calls in one take; "commit.*" are parts of "commit".
-STAGES = (
-    ("casnap.take.job", "collect", "flatten"),
-    ("casnap.take.job", "requests_of", "requests"),
-    ("casnap.take.job", "resolve_target", "target"),
-    ("casnap.take.job", "known_chunks", "parent chunks"),
-    ("casnap.take.scheduler", "Scheduler.run", "hash and dedup"),
-    ("casnap.take.job", "_plan_of", "entries"),
-    ("casnap.take.job", "commit_snapshot", "commit"),
-    ("casnap.repo.repository", "RepoStorage.write_manifest", "commit.manifest"),
-    ("casnap.repo.repository", "RepoStorage.write_ref", "commit.ref"),
-    ("casnap.index", "record_manifest", "commit.summary"),
-)
-
-
-def stages(tensors: int, numel: int, takes: int, work: str) -> dict[str, float]:
-    """Median milliseconds per stage (:data:`STAGES`) of ``takes`` unchanged re-takes
-    through one session, each the parent of the next (the every-N-steps loop's steady
-    state), and of the whole take ("total")."""
-    import importlib
-
-    spent: dict[str, float] = {}
-
-    def timed(name: str, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-
-        return wrapper
-
-    for module, attr, name in STAGES:
-        owner: Any = importlib.import_module(module)
-        *path, last = attr.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        setattr(owner, last, timed(name, getattr(owner, last)))
-    app = {"model": StateDict(_state(tensors, numel))}
-    session = Session()
-    repo = os.path.join(work, "stages")
-    Snapshot.take(f"{repo}/s0", app, session=session)
-    per_take: dict[str, list[float]] = {}
-    for i in range(1, takes + 1):
-        spent.clear()
-        t0 = time.perf_counter()
-        Snapshot.take(f"{repo}/s{i}", app, session=session)
-        spent["total"] = time.perf_counter() - t0
-        for name, s in spent.items():
-            per_take.setdefault(name, []).append(s)
-    return {name: statistics.median(s) * 1e3 for name, s in per_take.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--tensors", type=int, nargs="+", default=[20000, 2000])
@@ -194,22 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="bench-out/scratch")
     p.add_argument("--profile", choices=["first", "retake", "alone"])
     p.add_argument("--json", action="store_true", help="print one JSON line per count")
-    p.add_argument(
-        "--stages",
-        type=int,
-        metavar="TAKES",
-        help="time the stages of this many session re-takes of the first count instead",
-    )
     args = p.parse_args(argv)
     with scratch_dir(args.workdir) as work:
         if args.profile:
             profile(args.tensors[0], args.numel, args.profile, work)
-            return 0
-        if args.stages:
-            ms = stages(args.tensors[0], args.numel, args.stages, work)
-            print(f"{args.tensors[0]} tensors, median ms of {args.stages} session re-takes:")
-            for name, v in sorted(ms.items(), key=lambda kv: -kv[1]):
-                print(f"  {name:16s} {v:6.2f}")
             return 0
         for n in args.tensors:
             m = measure(n, args.numel, args.repeats, work)

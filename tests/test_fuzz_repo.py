@@ -1,8 +1,8 @@
-"""The repository fuzzer (tools/fuzz_repo.py) in CI: a fixed seed, a time budget, zero failures.
+"""The repository fuzzer (tests/machinery/fuzz_repo.py) in CI: a fixed seed, a budget, no failures.
 
 The larger run is documented in docs/fuzz.md::
 
-    python tools/fuzz_repo.py --seed 1 --cases 5000 --seconds 600
+    python tests/machinery/fuzz_repo.py --seed 1 --cases 5000 --seconds 600
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests" / "machinery"))
 import fuzz_repo  # noqa: E402
 
 # Every kind, the store-level ones too (FIFOs, symlinks to /dev/zero, sparse

@@ -1,6 +1,6 @@
 """The model-based test (issue #23): one seeded random program over two repositories.
 
-tools/model_sim.py runs takes (with and without a Session, random codec,
+tests/machinery/model_sim.py runs takes (with and without a Session, random codec,
 chunk and delta settings), DCP saves, damage (flips, truncations, deletions,
 valid re-encodings), verify, repair, restore, read_object, rm, retention, gc,
 copy and a concurrent taker, and checks after every operation that every
@@ -10,7 +10,7 @@ take after recorded damage is whole, that nothing taken is lost, and that a
 take or DCP save without a session descends from the snapshot committed last
 in its folder (docs/model.md). Fixed seed; ``CASNAP_MODEL_SECONDS`` (default 30) bounds
 the time, ``CASNAP_MODEL_SEED`` and ``CASNAP_MODEL_OPS`` pick another program.
-The long run is ``tools/model_run.py``.
+The long run is ``tests/machinery/model_run.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "machinery"))
 import model_run  # noqa: E402
 import model_sim  # noqa: E402
 

@@ -1,9 +1,9 @@
-"""The crash and fault suite of #10, as a user meets it: `benchmarks/stress.py --quick`.
+"""The crash and fault suite of #10, as a user meets it: `tests/machinery/stress.py --quick`.
 
 One run SIGKILLs processes that take snapshots, damages chunk and pack
 files, runs takes beside `casnap gc --grace 0` and `casnap retain`, and
 takes through a store that fails 10% of calls (the phases and their figures:
-benchmarks/README.md, "Stress"). The test asserts what a user relies on:
+docs/stress.md). The test asserts what a user relies on:
 nothing committed is lost, nothing listed is half-written, damage is never
 returned as data, gc leaves no leftovers, retries make every take succeed.
 """
@@ -31,7 +31,7 @@ def quick(tmp_path_factory) -> dict:
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "stress.py"),
+            str(ROOT / "tests" / "machinery" / "stress.py"),
             "--quick",
             # fewer than the preset's 6 kills, 40 flips and 10 s of gc, still above what
             # the tests below require of each phase (3 kills, 30 flips, 20 takes beside gc)

@@ -5,7 +5,7 @@ Benchmarks and single-GPU jobs often initialise a default group of one rank
 used to go through the distributed pipeline all the same, which hashes every
 byte in the caller's thread before ``async_take`` returns: on an H100 a 2 GiB
 ``async_take`` blocked 2.0 s instead of the 0.04 s its staging copy takes
-(benchmarks/README.md, "GPU").
+(benchmarks/README.md, "Latest figures").
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from casnap.format.names import hash_bytes
 from casnap.ops.copy import CopyResult
 from casnap.repo.damage import list_damage
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = (
     "take",
     "dcp",

@@ -21,7 +21,7 @@ from typing import Any
 import blake3
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64 * 1024
 LAYERS = 4
 

@@ -23,8 +23,8 @@ CasnapError other than waiting for the forged record, within the timeout.
 
 Usage::
 
-    python tools/fuzz_repo.py --seed 1 --cases 5000 --seconds 600
-    python -c 'from tools.fuzz_repo import run; print(run(1, 200, 30, "/tmp/fz"))'
+    python tests/machinery/fuzz_repo.py --seed 1 --cases 5000 --seconds 600
+    cd tests/machinery && python -c 'from fuzz_repo import run; print(run(1, 200, 30, "/tmp/fz"))'
 
 Every mutation kind runs by default; ``kinds=`` (``--kinds``) picks some.
 ``STORE_KINDS`` are those the store's read checks answer (FIFOs, symlinks,
@@ -53,7 +53,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = (
     "bitflip",
     "truncate",

@@ -1,10 +1,10 @@
-"""Run the model-based test of casnap (tools/model_sim.py) over many seeds; docs/model.md.
+"""Run the model-based test of casnap (tests/machinery/model_sim.py) over many seeds; docs/model.md.
 
 Usage::
 
-    python tools/model_run.py --seeds 20 --ops 600              # the long run
-    python tools/model_run.py --seed 7 --ops 300 --shrink        # one seed, minimal repros
-    python tools/model_run.py --replay bench-out/model.json --violation 0   # replay a repro
+    python tests/machinery/model_run.py --seeds 20 --ops 600       # the long run
+    python tests/machinery/model_run.py --seed 7 --ops 300 --shrink # one seed, minimal repros
+    python tests/machinery/model_run.py --replay bench-out/model.json --violation 0  # a repro
 
 Prints the operations executed, the seeds, how often each operation kind ran
 and with which outcome (``take:ok``, ``restore:refused``, ``check:must:ok`` ...),
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import model_sim  # noqa: E402
 
 

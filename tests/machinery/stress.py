@@ -8,19 +8,18 @@ Five phases, each against real repositories in its own scratch folder:
 2. flips: seeded damage (bit flips, truncations, zeroed blocks) in chunk and
    pack files, read by restore / read_object / verify; nothing silently
    wrong, and a fresh take in a new process is not poisoned by it.
-3. fuzz: tools/fuzz_repo.py's hostile repository files (skipped if absent).
+3. fuzz: fuzz_repo.py's hostile repository files (skipped if absent).
 4. gc: two deduplicating takers beside `casnap gc --grace 0` and `casnap retain`.
 5. faults: takes through a store failing 10% of calls, with and without retries.
 
 Usage::
 
-    python benchmarks/stress.py --quick   # ~35 s: what tests/test_stress_quick.py runs
-    python benchmarks/stress.py --kills 100 --flips 500 --gc-seconds 60 --fault-takes 50
-    python benchmarks/stress.py --minutes 30 --json bench-out/stress.json
+    python tests/machinery/stress.py --quick   # ~35 s: what tests/test_stress_quick.py runs
+    python tests/machinery/stress.py --kills 100 --flips 500 --gc-seconds 60 --fault-takes 50
+    python tests/machinery/stress.py --minutes 30 --json bench-out/stress.json
 
 Prints a Markdown table of figures and invariants, writes every figure as
-JSON (``--json``), and exits 1 if any invariant fails (see benchmarks/README.md,
-"Stress").
+JSON (``--json``), and exits 1 if any invariant fails (see docs/stress.md).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ PRESETS = {
 }
 # Shares of --minutes per phase.
 SHARES = {"kills": 0.35, "flips": 0.15, "fuzz": 0.15, "gc": 0.20, "faults": 0.15}
-FUZZ_TOOL = ROOT / "tools" / "fuzz_repo.py"
+FUZZ_TOOL = ROOT / "tests" / "machinery" / "fuzz_repo.py"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -61,7 +60,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, help="run each phase for its share of this time")
     p.add_argument("--kills", type=int, help="SIGKILLed taking processes")
     p.add_argument("--flips", type=int, help="damaged objects (bit flip, truncation, zeroed block)")
-    p.add_argument("--fuzz-cases", type=int, help="hostile repository cases of tools/fuzz_repo.py")
+    p.add_argument("--fuzz-cases", type=int, help="hostile repository cases of fuzz_repo.py")
     p.add_argument("--gc-seconds", type=float, help="seconds of takes beside gc and retain")
     p.add_argument("--fault-takes", type=int, help="takes through a store failing 10%% of calls")
     p.add_argument("--phases", default="kills,flips,fuzz,gc,faults", help="comma-separated subset")
@@ -106,7 +105,7 @@ def load_fuzz_tool() -> Any:
 def run_fuzz(workdir: Path, cases: int | None, seconds: float | None, seed: int) -> dict[str, Any]:
     tool = load_fuzz_tool()
     if tool is None:
-        return {"skipped": "tools/fuzz_repo.py not present"}
+        return {"skipped": "fuzz_repo.py not present"}
     result = tool.run(seed=seed, cases=cases, seconds=seconds, workdir=str(workdir))
     return dict(result)
 
@@ -312,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
             shutil.rmtree(root, ignore_errors=True)
     report["seconds"] = round(time.monotonic() - start, 1)
-    report["command"] = " ".join(["python", "benchmarks/stress.py", *(argv or sys.argv[1:])])
+    report["command"] = " ".join(["python", "tests/machinery/stress.py", *(argv or sys.argv[1:])])
     report["machine"] = {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

@@ -1,0 +1,388 @@
+"""casnap's integrations against the checkpointing each framework ships, same state, one run.
+
+    .venv/bin/python benchmarks/integrations.py dcp [--size-gib 0.5] [--repeats 3] [--small]
+    .venv/bin/python benchmarks/integrations.py lightning [--small] [--width 2048] [--layers 15]
+        [--steps 24] [--every 4] [--repeats 3]
+    .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6] [--repeats 3]
+
+Each prints a Markdown table of medians, casnap / the framework's own writer (below 1:
+casnap faster or smaller), and writes every sample to ``--out`` as JSON; scratch data
+goes under ``--workdir`` (removed afterwards).
+
+``dcp``: ``torch.distributed.checkpoint.save`` (one process, no process group, DCP's
+default planner) through ``FileSystemWriter`` and through casnap's ``CasnapWriter``,
+each into its own fresh directory: ``first`` (empty directory / repository),
+``unchanged`` (the same state again), ``frozen backbone`` (only the last layer and the
+final layernorm changed). Time is ``dcp.save``'s (both writers fsync); bytes are what
+the save added to its directory. The last checkpoints are loaded back and compared.
+
+``lightning``: one short ``Trainer.fit`` per plugin (``TorchCheckpointIO``,
+``CasnapCheckpointIO``) with ``ModelCheckpoint(every_n_train_steps=K, save_top_k=2)``,
+for a ``frozen`` model (90% of the parameters frozen: checkpoints share them) and a
+``full`` one (Adam over everything: nothing shared, casnap's overhead). Time is inside
+the plugin's ``save_checkpoint`` and ``remove_checkpoint``; written is ``wchar`` of
+/proc/self/io over those calls; on disk is the checkpoint folder at the end.
+
+``megatron``: a Megatron GPT (local layer spec, CPU, one gloo rank) through
+``dist_checkpointing.save`` with the ``torch_dist`` strategy and with casnap's:
+``first``, ``unchanged``, ``sparse change`` (the last layer's MLP fc1 and the final
+norm), then ``load`` of the last save into a fresh model, compared bit for bit.
+Megatron-core's torch_dist writer assumes CUDA in two calls (``torch.cuda.synchronize``,
+a flag on ``torch.cuda.current_device()``); for its saves only they are patched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import (  # noqa: E402
+    GiB,
+    MiB,
+    Samples,
+    disk_usage,
+    human_bytes,
+    machine,
+    make_state,
+    markdown_table,
+    same_state,
+    scratch_dir,
+    settle,
+    state_bytes,
+    transformer_shapes,
+    write_json,
+)
+
+State = dict[str, torch.Tensor]
+
+
+def table(samples: Samples, peer: str, steps: tuple[str, ...], counters: tuple[str, ...]) -> str:
+    """Per step: the peer's and casnap's median time and each counter, and casnap / peer."""
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.3f}" if a is not None and b else "-"
+
+    headers = ["step", f"{peer} s", "casnap s", "time ratio"]
+    for name in counters:
+        headers += [f"{peer} {name}", f"casnap {name}", f"{name} ratio"]
+    rows = []
+    for step in steps:
+        p, c = f"{peer}/{step}", f"casnap/{step}"
+        row = [step, f"{samples.median(p):.3f}", f"{samples.median(c):.3f}"]
+        row.append(ratio(samples.median(c), samples.median(p)))
+        for name in counters:
+            a, b = samples.counter(p, name), samples.counter(c, name)
+            row += [human_bytes(a) or "-", human_bytes(b) or "-", ratio(b, a)]
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+# -- dcp: FileSystemWriter against CasnapWriter ------------------------------------------
+
+
+def _head_keys(state: State) -> list[str]:
+    last = max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+    return [k for k in state if k.startswith(f"layers.{last}.") or k.startswith("ln_f.")]
+
+
+def run_dcp(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    import torch.distributed.checkpoint as dcp
+
+    from casnap.integrations.dcp import CasnapReader, CasnapWriter
+
+    if args.small:
+        args.size_gib, args.repeats = 0.05, 1
+    warnings.simplefilter("ignore")  # DCP warns that no process group is initialized
+    hidden, layers, shapes = transformer_shapes(int(args.size_gib * GiB))
+    base = make_state(shapes)
+    head = _head_keys(base)
+    tuned = {k: (v + 0.001 if k in head else v) for k, v in base.items()}
+    states = {"first": base, "unchanged": base, "frozen backbone": tuned}
+    exact = True
+    for _ in range(args.repeats):
+        with scratch_dir(args.workdir) as root:
+            for tool in ("FileSystemWriter", "casnap"):
+                folder = os.path.join(root, tool)
+                os.makedirs(folder)
+                # casnap's writer is reused (its session links each save to the last);
+                # DCP's is made per checkpoint, as its users do.
+                writer = CasnapWriter(os.path.join(folder, "step_0")) if tool == "casnap" else None
+                for i, step in enumerate(states):
+                    ckpt = os.path.join(folder, f"step_{i}")
+                    before = disk_usage(folder)[1]
+                    settle(cold=False)
+                    target = writer or dcp.FileSystemWriter(ckpt)
+                    save = functools.partial(
+                        dcp.save, {"model": states[step]}, storage_writer=target, checkpoint_id=ckpt
+                    )
+                    samples.time(f"{tool}/{step}", save)
+                    samples.count(f"{tool}/{step}", "bytes", disk_usage(folder)[1] - before)
+                out = {"model": {k: torch.empty_like(v) for k, v in tuned.items()}}
+                reader = CasnapReader(ckpt) if tool == "casnap" else dcp.FileSystemReader(ckpt)
+                dcp.load(out, storage_reader=reader)
+                exact = exact and same_state(out["model"], tuned)
+    head_bytes = sum(base[k].nbytes for k in head)
+    print(
+        f"state: {human_bytes(state_bytes(base))} fp32 (hidden {hidden}, {layers} layers; "
+        f"head {human_bytes(head_bytes)}), {args.repeats} repeat(s), medians"
+    )
+    return table(samples, "FileSystemWriter", tuple(states), ("bytes",)), exact
+
+
+# -- lightning: TorchCheckpointIO against CasnapCheckpointIO ------------------------------
+
+
+def _wchar() -> int:
+    with open("/proc/self/io", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def run_lightning(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    import lightning as L
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from casnap.integrations.lightning import CasnapCheckpointIO
+
+    class Timed(CheckpointIO):
+        """Delegates to ``inner``, adding up the time and bytes of saves and removals."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.seconds, self.written, self.saves = inner, 0.0, 0, 0
+
+        def _measure(self, fn: Callable[..., Any], *a: Any) -> None:
+            w0, t0 = _wchar(), time.perf_counter()
+            fn(*a)
+            self.seconds += time.perf_counter() - t0
+            self.written += _wchar() - w0
+
+        def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+            self.saves += 1
+            self._measure(self.inner.save_checkpoint, checkpoint, path, storage_options)
+
+        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None):
+            return self.inner.load_checkpoint(path, map_location, weights_only)
+
+        def remove_checkpoint(self, path: Any) -> None:
+            self._measure(self.inner.remove_checkpoint, path)
+
+    class Net(L.LightningModule):
+        def __init__(self, frozen: bool) -> None:
+            super().__init__()
+            w = args.width
+            block = [
+                torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Tanh())
+                for _ in range(args.layers)
+            ]
+            self.backbone = torch.nn.Sequential(*block)
+            self.head = torch.nn.Linear(w, w)
+            if frozen:
+                self.backbone.requires_grad_(False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+    if args.small:
+        args.width, args.layers, args.repeats = 1024, 3, 1
+    with scratch_dir(args.workdir) as scratch:
+        os.environ["CASNAP_INDEX_DIR"] = os.path.join(scratch, "index")  # not the home dir
+        for repeat in range(args.repeats):
+            for model in ("frozen", "full"):
+                for name, make in (("torch", TorchCheckpointIO), ("casnap", CasnapCheckpointIO)):
+                    root = os.path.join(scratch, f"{model}-{name}-{repeat}")
+                    settle(cold=False)
+                    torch.manual_seed(0)
+                    timed = Timed(make())
+                    callback = ModelCheckpoint(
+                        dirpath=f"{root}/ckpt",
+                        every_n_train_steps=args.every,
+                        save_top_k=2,
+                        monitor="step",
+                        mode="max",
+                    )
+                    trainer = L.Trainer(
+                        max_steps=args.steps,
+                        plugins=[timed],
+                        callbacks=[callback],
+                        enable_progress_bar=False,
+                        logger=False,
+                        accelerator="cpu",
+                        default_root_dir=root,
+                        enable_model_summary=False,
+                    )
+                    w = args.width
+                    data = TensorDataset(torch.randn(64, w), torch.randn(64, w))
+                    trainer.fit(Net(model == "frozen"), DataLoader(data, batch_size=8))
+                    op = f"{name}/{model}"
+                    samples.add(op, timed.seconds)
+                    samples.count(op, "written", timed.written)
+                    samples.count(op, "on disk", disk_usage(f"{root}/ckpt")[0])
+                    samples.count(op, "saves", timed.saves)
+    params = args.layers * (args.width * args.width + args.width) + args.width * (args.width + 1)
+    print(
+        f"{params * 4 / MiB:.0f} MiB of fp32 weights (+ Adam state for the trained part), "
+        f"{args.steps} steps, a save every {args.every} "
+        f"({samples.counter('casnap/full', 'saves')} saves), save_top_k=2, "
+        f"median of {args.repeats}"
+    )
+    return table(samples, "torch", ("frozen", "full"), ("written", "on disk")), None  # no load
+
+
+# -- megatron: torch_dist against casnap's strategy ----------------------------------------
+
+
+@contextlib.contextmanager
+def _cuda_calls_patched(tool: str) -> Iterator[None]:
+    """torch_dist only: its writer's two CUDA calls, made harmless on a CPU machine."""
+    if tool != "torch_dist":
+        yield
+        return
+    saved = (torch.cuda.synchronize, torch.cuda.current_device)
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]  # a name
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
+def _gpt(hidden: int, layers: int, seed: int) -> Any:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=8,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+    )
+    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=8192, max_sequence_length=512)
+
+
+def _megatron_once(tool: str, root: str, args: argparse.Namespace, samples: Samples) -> bool:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import torch as td
+
+    from casnap.integrations.megatron import CasnapLoadStrategy, CasnapSaveStrategy
+
+    if tool == "casnap":
+        save_strategy, load_strategy = CasnapSaveStrategy(), CasnapLoadStrategy()
+    else:
+        save_strategy = td.TorchDistSaveShardedStrategy("torch_dist", 1)
+        load_strategy = td.TorchDistLoadShardedStrategy()
+    model = _gpt(args.hidden, args.layers, seed=1)
+    for it, step in enumerate(("first", "unchanged", "sparse change"), start=1):
+        if step == "sparse change":
+            with torch.no_grad():
+                model.decoder.layers[-1].mlp.linear_fc1.weight.add_(0.01)
+                model.decoder.final_layernorm.weight.mul_(1.01)
+        ckpt = os.path.join(root, f"iter_{it:07d}")
+        os.makedirs(ckpt)
+        before = disk_usage(root)[1]
+        settle(cold=False)
+        with _cuda_calls_patched(tool):
+            state = {"model": model.sharded_state_dict(), "iteration": it}
+            save = functools.partial(
+                dist_checkpointing.save, state, ckpt, sharded_strategy=save_strategy
+            )
+            samples.time(f"{tool}/{step}", save)
+        samples.count(f"{tool}/{step}", "bytes", disk_usage(root)[1] - before)
+    fresh = _gpt(args.hidden, args.layers, seed=2)
+    settle(cold=False)
+    want = {"model": fresh.sharded_state_dict()}
+    load = functools.partial(dist_checkpointing.load, want, ckpt, sharded_strategy=load_strategy)
+    loaded = samples.time(f"{tool}/load", load)
+    fresh.load_state_dict(loaded["model"], strict=False)
+    a, b = model.state_dict(), fresh.state_dict()
+    return bool(a) and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+
+
+def run_megatron(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    warnings.filterwarnings("ignore")
+    exact = True
+    with scratch_dir(args.workdir) as work:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{os.path.abspath(work)}/pg",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=600),
+        )
+        ps.initialize_model_parallel(1, 1)
+        params = _gpt(args.hidden, args.layers, 1).parameters()
+        model_bytes = sum(t.numel() * t.element_size() for t in params)
+        for r in range(args.repeats):
+            tools = ("torch_dist", "casnap")
+            for tool in tools if r % 2 == 0 else tools[::-1]:  # alternate who goes first
+                root = os.path.join(work, f"{tool}-{r}")
+                os.makedirs(root)
+                exact = _megatron_once(tool, root, args, samples) and exact
+        dist.destroy_process_group()
+    print(f"model {human_bytes(model_bytes)} fp32, medians of {args.repeats}")
+    steps = ("first", "unchanged", "sparse change", "load")
+    return table(samples, "torch_dist", steps, ("bytes",)), exact
+
+
+RUNS = {"dcp": run_dcp, "lightning": run_lightning, "megatron": run_megatron}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    sub = parser.add_subparsers(dest="framework", required=True)
+    dcp_p = sub.add_parser("dcp", help="DCP's FileSystemWriter against casnap's DCP writer")
+    dcp_p.add_argument("--size-gib", type=float, default=0.5)
+    dcp_p.add_argument("--small", action="store_true", help="a quick run: 0.05 GiB, 1 repeat")
+    pl = sub.add_parser("lightning", help="TorchCheckpointIO against CasnapCheckpointIO")
+    pl.add_argument("--small", action="store_true", help="a quick run: 16 MiB, 1 repeat")
+    pl.add_argument("--width", type=int, default=2048)
+    pl.add_argument("--layers", type=int, default=15)
+    pl.add_argument("--steps", type=int, default=24)
+    pl.add_argument("--every", type=int, default=4)
+    mg = sub.add_parser("megatron", help="Megatron-core's torch_dist against casnap's strategy")
+    mg.add_argument("--hidden", type=int, default=768)
+    mg.add_argument("--layers", type=int, default=6)
+    for p in (dcp_p, pl, mg):
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--workdir", default="bench-out/scratch")
+        p.add_argument("--out", help="JSON path (default bench-out/<framework>.json)")
+    args = parser.parse_args(argv)
+    samples = Samples()
+    text, exact = RUNS[args.framework](args, samples)
+    print(text if exact is None else f"{text}\nloads bit-exact: {exact}")
+    write_json(
+        args.out or f"bench-out/{args.framework}.json",
+        {"benchmark": args.framework, "machine": machine(), "args": vars(args), "exact": exact}
+        | {"samples": samples.as_json()},
+    )
+    if exact is False:
+        raise SystemExit("a checkpoint did not load back bit-exact")
+
+
+if __name__ == "__main__":
+    main()
