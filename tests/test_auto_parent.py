@@ -412,9 +412,9 @@ class _SlowManifests(WrapperStore):
 
 
 def test_every_changed_chunk_of_a_take_finds_its_delta_base(tmp_path):
-    """The parent the index covers is read when the first changed large chunk needs
-    its base; every other worker's changed chunk waits for that read, not only the
-    first one's (on a remote store, or with a manifest of many entries, it is slow)."""
+    """A parent not in memory (a new process) is read before any chunk is written, so
+    every worker's changed chunk finds its delta base, even when reading the manifest
+    is slow (a remote store, or a manifest of many entries)."""
     Repository.init(str(tmp_path / "run"))
     repo = Repository.on_store(_SlowManifests(LocalStore(str(tmp_path / "run"))))
     opts = {"repository": repo, "chunk_size": 1 << 20}
@@ -423,6 +423,7 @@ def test_every_changed_chunk_of_a_take_finds_its_delta_base(tmp_path):
     app = {"emb": StateDict(weight=table, bias=torch.randn(1024, generator=g))}
     Snapshot.take(f"{repo.url}/step_1", app, storage_options=opts)
     table[::256] += 0.01  # one row in each chunk
+    REUSE.clear()  # as in a new process: step_1 is read from the store
     s2 = Snapshot.take(f"{repo.url}/step_2", app, storage_options=opts)
     stats = take_stats(s2)
     assert stats.chunks_written == 16
