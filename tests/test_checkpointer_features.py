@@ -24,8 +24,7 @@ from helpers import chunk_path, reclaimed_of, tensor_entry
 from test_checkpointer import expected, fill, fresh, same_bits, wait_for_line
 
 from casnap import IntegrityError, Repository, Snapshot, StateDict
-from casnap.api.checkpointer import Checkpointer
-from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions
+from casnap.api.checkpointer import Checkpointer, CheckpointerOptions
 from casnap.errors import ConfigError, SnapshotNotFoundError
 from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy, plan_retention
 
@@ -134,9 +133,10 @@ def test_options_as_one_value_and_as_keywords_are_the_same(tmp_path):
     state = fresh()
     fill(state, 2)
     assert ckpt.maybe_take(2, state) is not None and ckpt.snapshots() == ["s2"]
-    # Every option is a keyword of the constructor, typed.
-    fields = {f.name for f in dataclasses.fields(CheckpointerOptions)}
-    assert set(CheckpointerKeywords.__annotations__) | {"every_n_steps"} == fields
+    # Every option is a keyword of the constructor (typed by the dataclass's own fields).
+    defaults = CheckpointerOptions()
+    every = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(CheckpointerOptions)}
+    assert Checkpointer(str(tmp_path / "other"), **every).options == defaults
     with pytest.raises(ConfigError, match="reclaim_wait_seconds"):
         CheckpointerOptions(reclaim_wait_seconds=-1)
 
@@ -147,7 +147,7 @@ def test_an_interval_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="every_seconds"):
         Checkpointer(str(tmp_path), every_seconds=float("nan"))
     with pytest.raises(ConfigError, match="take_on_preemption"):
-        Checkpointer(str(tmp_path), 1, take_on_preemption="SIGTERM")  # type: ignore[arg-type]
+        Checkpointer(str(tmp_path), 1, take_on_preemption="SIGTERM")
 
 
 @pytest.mark.parametrize("async_take", [False, True])
@@ -403,7 +403,6 @@ def test_a_signal_takes_the_next_step_then_reaches_the_previous_handler(tmp_path
 PREEMPTED_CHILD = """
 import sys, time
 from casnap.api.checkpointer import Checkpointer
-from casnap.api.checkpointer_options import CheckpointerKeywords, CheckpointerOptions
 
 {helpers}
 
@@ -565,9 +564,9 @@ def test_a_fallback_names_the_tensors_the_older_snapshot_does_not_hold(tmp_path,
 
 
 def test_a_reclaim_that_fails_does_not_stop_training_and_is_retried(tmp_path, monkeypatch, caplog):
-    import casnap.api.checkpointer_listing as module
+    import casnap.api.checkpointer_parts as module
     from casnap.errors import StoreError
-    from casnap.gc.reclaim import reclaim as real  # what module.reclaim_retired is
+    from casnap.gc.reclaim import reclaim as real  # what module.reclaim is
 
     def flaky(repo, retired, **kwargs):
         raise StoreError("the store went away mid-sweep")
@@ -575,13 +574,13 @@ def test_a_reclaim_that_fails_does_not_stop_training_and_is_retried(tmp_path, mo
     root = str(tmp_path / "run")
     ckpt = Checkpointer(root, 1, retention=RetentionPolicy(KeepLast(1)))
     ckpt.maybe_take(1, expected(1))
-    monkeypatch.setattr(module, "reclaim_retired", flaky)  # a store fault during the sweep
+    monkeypatch.setattr(module, "reclaim", flaky)  # a store fault during the sweep
     with caplog.at_level(logging.WARNING, logger="casnap"):
         assert isinstance(ckpt.maybe_take(2, expected(2)), Snapshot)  # committed all the same
     assert any("reclaim after retention failed" in r.getMessage() for r in caplog.records)
     pending = reclaimed_of(ckpt).pending
     assert len(pending) == 1
-    monkeypatch.setattr(module, "reclaim_retired", real)
+    monkeypatch.setattr(module, "reclaim", real)
     ckpt.maybe_take(3, expected(3))
     assert reclaimed_of(ckpt).deleted_manifests == 2  # step 1's, then step 2's
     assert steps_of(ckpt) == [3]
