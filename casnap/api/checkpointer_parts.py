@@ -272,7 +272,7 @@ def is_rank_zero() -> bool:
 
 
 class Mirror:
-    """Copies each committed snapshot to ``dst`` with :meth:`casnap.Repository.copy_to`,
+    """Copies each commit to ``opts.mirror`` with :meth:`casnap.Repository.copy_to`,
     on one background thread: :meth:`submit` blocks only while ``queue_size`` wait.
     Failures are logged and retried with the next commit or at :meth:`flush`, never
     raised to the training loop. After each copy, ``retention`` applies in the mirror
@@ -294,9 +294,8 @@ class Mirror:
         own = None if self.same_retention else as_policy(opts.mirror_retention, "mirror_retention")
         self.retention = retention if self.same_retention else own
         self.reclaim = opts.reclaim
-        queue_size = opts.mirror_queue
         # Jobs: a name to copy, "" to retry only what failed (flush), None to stop.
-        self._queue: queue.Queue[str | None] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[str | None] = queue.Queue(maxsize=opts.mirror_queue)
         self._lock = threading.Lock()
         self._retry: dict[str, None] = {}  # names to copy again, in commit order
         self._owed: dict[str, None] = {}  # submitted, neither copied nor given up
