@@ -68,7 +68,7 @@ TYPE_ERRORS: dict[str, tuple[Call, str]] = {
     "gc grace": (lambda r: Repository(str(r)).gc(grace_seconds="soon"), "grace_seconds"),  # type: ignore[arg-type]
     "Checkpointer url": (lambda r: Checkpointer(5, every_n_steps=1), "repo_url"),  # type: ignore[arg-type]
     "Checkpointer retention": (
-        lambda r: Checkpointer(f"{r}/c", every_n_steps=1, retention=3),  # type: ignore[arg-type]
+        lambda r: Checkpointer(f"{r}/c", every_n_steps=1, retention=3),
         "retention",
     ),
     "Checkpointer tags": (lambda r: Checkpointer(f"{r}/c", 1, tags="best"), "tags"),

@@ -201,10 +201,8 @@ def test_a_snapshot_retention_deletes_between_the_check_and_the_copy_is_skipped(
 ):
     """With the same retention on both, a snapshot local retention deleted after the copier
     saw it (its ref gone just before the copy) is skipped, not logged as a failed copy."""
-    from casnap.api import checkpointer_mirror
-
     local, mirror = str(tmp_path / "local"), str(tmp_path / "mirror")
-    real_copy = checkpointer_mirror.copy  # type: ignore[attr-defined]
+    real_copy = Repository.copy_to
     raced: list[str] = []
 
     def copy_after_retention(src, dst, names, *args, **kwargs):
@@ -213,7 +211,7 @@ def test_a_snapshot_retention_deletes_between_the_check_and_the_copy_is_skipped(
             Repository(local).delete("step_000000001")
         return real_copy(src, dst, names, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointer_mirror, "copy", copy_after_retention)
+    monkeypatch.setattr(Repository, "copy_to", copy_after_retention)
     ckpt = Checkpointer(
         local,
         every_n_steps=1,

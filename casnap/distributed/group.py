@@ -97,6 +97,12 @@ def all_gather(group: Group, value: Any, phase: str) -> list[Any]:
     return values
 
 
+def any_rank(flag: bool, phase: str) -> bool:
+    """Whether ``flag`` is true on any rank of the default group (on one process: ``flag``).
+    Collective: every rank calls it at the same point."""
+    return any(all_gather(resolve_group(None), flag, phase))
+
+
 def _slot_bytes(world: int) -> int:
     """Bytes per rank in the first gather: 16 KiB up to 16 ranks, then less, so a gather
     stays at 256 KiB in all (512 KiB at 1,024 ranks). A take's start message (~260 B

@@ -23,7 +23,13 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from casnap.display import format_time
-from casnap.errors import CasnapError, RetentionError, SnapshotNotFoundError, expect_type
+from casnap.errors import (
+    CasnapError,
+    ConfigError,
+    RetentionError,
+    SnapshotNotFoundError,
+    expect_type,
+)
 from casnap.repo.repository import RepoStorage
 from casnap.repo.tags import TagInfo, list_tags, metadata_tags
 
@@ -63,12 +69,22 @@ class SnapshotInfo:
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def encode_metric(value: Any) -> Any:
-    """A metric value as manifest JSON: a NaN or infinite float becomes ``"NaN"``,
-    ``"Infinity"`` or ``"-Infinity"``; anything else is returned unchanged.
+def encode_metric(value: Any, key: Any = None) -> Any:
+    """A metric value (of ``metrics[key]``) as manifest JSON: a 0-d tensor or numpy
+    scalar becomes its Python number, a NaN or infinite float ``"NaN"``,
+    ``"Infinity"`` or ``"-Infinity"`` (a diverged loss must not stop training);
+    anything else is returned unchanged.
 
     Example: ``encode_metric(float("nan")) == "NaN"``.
     """
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            value = item()
+        except (RuntimeError, ValueError) as exc:  # a tensor of several elements
+            raise ConfigError(
+                f"metrics[{key!r}] must be a number or a one-element tensor: {exc}", "metrics"
+            ) from exc
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     return value
@@ -220,6 +236,17 @@ class KeepWithin(RetentionRule):
             if created is not None and created >= since:
                 out[s.name] = f"within {self.seconds:g}s"
         return out
+
+
+class KeepNames(RetentionRule):
+    """Keep the snapshots ``names`` (a Checkpointer keeps its newest one)."""
+
+    def __init__(self, names: Iterable[str], reason: str) -> None:
+        self.names = frozenset(names)
+        self.reason = reason
+
+    def select(self, snapshots: Sequence[SnapshotInfo], now: datetime) -> dict[str, str]:
+        return {s.name: self.reason for s in snapshots if s.name in self.names}
 
 
 @dataclass(frozen=True, init=False)
