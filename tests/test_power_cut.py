@@ -241,6 +241,8 @@ def _mount(image: Path, mnt: Path) -> None:
     subprocess.run(
         ["mount", "-o", "loop,commit=600", str(image), str(mnt)], check=True, capture_output=True
     )
+    mounts = [ln.split() for ln in Path("/proc/mounts").read_text().splitlines()]
+    assert any(m[1] == str(mnt) and "commit=600" in m[3].split(",") for m in mounts), mounts
 
 
 @pytest.fixture
