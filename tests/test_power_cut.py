@@ -296,7 +296,7 @@ class PowerCuts:
         argv = [self.repo_url, str(self.log), str(self.mnt), f"c{self.children}", mode, *kinds]
         self.children += 1
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])  # as dist_harness: one server
         proc = ctx.Process(target=child, args=(argv, self.env, str(self.out)))
         proc.start()
         return proc
