@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -38,7 +39,7 @@ from casnap.repo.leases import (
 )
 from casnap.repo.repository import RepoStorage, chunk_key, manifest_key, pack_key
 from casnap.repo.tags import add_tag, remove_tag
-from casnap.store import Capabilities, LocalStore
+from casnap.store import LocalStore
 from casnap.store.faults import FailingStore
 
 CHUNK = 64 * 1024
@@ -403,7 +404,7 @@ class _CheckThenWrite(LocalStore):
     """A store without atomic create (like S3 before conditional writes): create-only is
     a check, a pause and a write, so two processes can both find the key free."""
 
-    capabilities = Capabilities(atomic_create=False, local=True)
+    capabilities = dataclasses.replace(LocalStore.capabilities, atomic_create=False)
 
     def put(self, key, data, *, create_only=False, durable=True):
         if create_only:
