@@ -246,7 +246,7 @@ class Checkpointer(Listing):
             self._pending, self._pending_step = snap, step
             return snap
         if self._repo is None:
-            self._repo = snap.repository
+            self._repo = snap.repository.storage
         self._committed(snap, name)
         return snap
 
@@ -344,16 +344,16 @@ class Checkpointer(Listing):
             policy = self.mirror.retention
             if policy is not None:
                 policy = RetentionPolicy(*policy.rules, KeepNames([name], "newest checkpoint"))
-            self.mirror.submit(snap.repository, name, policy)
+            self.mirror.submit(snap.repository.storage, name, policy)
 
     def _retain(self, snap: Snapshot, name: str) -> None:
         if self.retention is None:
             return
         done = retain_after_commit(
-            snap.repository,
+            snap.repository.storage,
             name,
             self.retention,
-            {s.name for s in self._mine(snap.repository)},
+            {s.name for s in self._mine(snap.repository.storage)},
             self.mirror,
             self._summaries,
             self.last_retention,

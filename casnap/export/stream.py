@@ -188,7 +188,7 @@ def stream(
     if refs:
         workers = Settings.from_env().io_workers
         with ThreadPoolExecutor(workers, thread_name_prefix="casnap-export") as pool:
-            fetched = read_chunks(snapshot.repository, refs, Consumer(sink), pool, budget)
+            fetched = read_chunks(snapshot.repository.storage, refs, Consumer(sink), pool, budget)
     if failures:
         raise failures[0]
     return fetched, budget.peak, crcs
