@@ -17,18 +17,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.read import Buffer, read_chunks
 from casnap.chunks.target import Consumer
 from casnap.errors import OutputSpaceError
-from casnap.export.select import ExportItem
+from casnap.export.select import ExportItem, ExportSource
 from casnap.format.entries import ChunkRef
 from casnap.settings import Settings
-
-if TYPE_CHECKING:
-    from casnap.api.snapshot import Snapshot
 
 Progress = Callable[[int, int], None]
 PathLike = str | os.PathLike[str]
@@ -143,7 +140,7 @@ def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
 
 
 def stream(
-    snapshot: Snapshot,
+    snapshot: ExportSource,
     items: list[ExportItem],
     offsets: list[int],
     fd: int,
