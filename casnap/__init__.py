@@ -8,7 +8,6 @@ here: docs/architecture.md, "Public API". Every error and warning is in
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from casnap import errors, settings
@@ -48,36 +47,13 @@ _LAZY = {
 __version__ = "0.1.0"
 
 
-def _moved(name: str) -> tuple[str, str] | None:
-    """(module holding it, its new spelling) for a name that left the top level."""
-    from casnap.api import deprecated
-
-    if name in errors.__all__:
-        return "casnap.errors", f"casnap.errors.{name}"
-    if name in deprecated.MOVED_CLASSES:
-        module = deprecated.MOVED_CLASSES[name]
-        return module, f"{module}.{name}"
-    if name in deprecated.MOVED_FUNCTIONS:
-        return "casnap.api.deprecated", deprecated.MOVED_FUNCTIONS[name]
-    return None
-
-
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    moved = _moved(name)
-    if moved is None:
+    if module is None:
         raise AttributeError(f"module 'casnap' has no attribute {name!r}")
-    # Deprecated aliases, for one release: not cached, so that every use warns.
-    warnings.warn(
-        f"casnap.{name} is deprecated and leaves the top level in the next release; use {moved[1]}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(moved[0]), name)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 if TYPE_CHECKING:

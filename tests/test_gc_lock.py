@@ -10,6 +10,7 @@ must not both sweep, also on a store without atomic create (claims).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -27,7 +28,7 @@ from casnap.repo.gc_lock import acquire_gc_lock
 from casnap.repo.lease_record import GC_LOCK_KEY, MAX_RECORD_LIFE, LeaseRecord, read_gc_lock
 from casnap.repo.leases import WAIT_NOTICE_AFTER, Lease
 from casnap.repo.repository import RepoStorage
-from casnap.store import Capabilities, LocalStore
+from casnap.store import LocalStore
 
 # The record from the issue, byte for byte.
 HOSTILE = b'{"id":"a","kind":"gc","created_at":"x","expires_at":"9999-01-01","host":"h","pid":1}'
@@ -91,7 +92,7 @@ class _CheckThenWrite(LocalStore):
     """A store without atomic create (like S3 before conditional writes): create-only is
     a check, a pause and a write, so two processes can both find the key free."""
 
-    capabilities = Capabilities(atomic_create=False, local=True)
+    capabilities = dataclasses.replace(LocalStore.capabilities, atomic_create=False)
 
     def put(self, key, data, *, create_only=False, durable=True):
         if create_only:

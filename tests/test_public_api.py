@@ -1,22 +1,20 @@
 """The public face: a narrow top level, each name documented, and the names that left it
-still working one release as deprecated aliases."""
+gone, each listed in CHANGELOG.md with its new spelling."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 import casnap
-from casnap import Repository, Snapshot, StateDict, errors
-from casnap.repo.tags import TagInfo
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 
-# casnap.__all__ of release 0.1.0: names a user's code may hold.
+# casnap.__all__ before the top level was narrowed (never released): names code
+# written against earlier main may hold.
 OLD_TOP_LEVEL = [
     "ArgumentTypeError",
     "CasnapError",
@@ -99,51 +97,25 @@ def test_the_top_level_is_narrow_and_each_name_is_documented_with_a_reason():
         assert getattr(casnap, name) is not None
 
 
-def _old(name: str) -> tuple[Any, str]:
-    with pytest.warns(DeprecationWarning) as caught:
-        value = getattr(casnap, name)
-    message = str(caught[0].message)
-    assert message.startswith(f"casnap.{name} is deprecated") and "; use casnap." in message
-    return value, message
-
-
-def test_every_name_that_left_the_top_level_still_works_with_a_warning():
+def test_the_names_that_left_the_top_level_are_gone_and_in_the_changelog():
     gone = [n for n in OLD_TOP_LEVEL if n not in casnap.__all__]
     assert len(gone) == 67 - len(casnap.__all__) + 1  # "errors" is new at the top
+    changelog = (ROOT / "CHANGELOG.md").read_text()
     for name in gone:
-        value, message = _old(name)
-        if name in errors.__all__:
-            assert value is getattr(errors, name)
-            assert message.endswith(f"use casnap.errors.{name}")
-    assert _old("TagInfo")[0] is TagInfo
-    assert _old("CopyResult")[0] is casnap.ops.copy.CopyResult
-    assert _old("RetentionPlan")[0] is casnap.ops.retention.RetentionPlan
-    assert _old("add_tag")[1].endswith("use casnap.Repository(url).tag(tag, snapshot)")
-    with pytest.raises(AttributeError):
-        casnap.no_such_name  # noqa: B018
-    # The warning points at the user's line, and `from casnap import` warns too.
-    with pytest.warns(DeprecationWarning) as caught:
+        with pytest.raises(AttributeError, match=name):
+            getattr(casnap, name)
+        assert re.search(rf"`(casnap\.)?{name}[`(]", changelog), name
+    with pytest.raises(ImportError):
         from casnap import GcBusyError  # noqa: F401
-    assert caught[-1].filename == __file__
 
 
-def _take(url: str, name: str, step: int, value: float) -> None:
-    state = {"model": StateDict(w=torch.full((64,), value)), "progress": StateDict(step=step)}
-    Snapshot.take(f"{url}/{name}", state, metadata={"step": step})
-
-
-def test_the_deprecated_functions_take_a_repository_as_they_did(tmp_path):
-    url = str(tmp_path / "run1")
-    for step in (1, 2, 3):
-        _take(url, f"step_{step}", step, float(step))
-    repo = Repository(url)
-    assert _old("add_tag")[0](repo, "best", "step_2").snapshot == "step_2"
-    assert list(_old("list_tags")[0](repo)) == ["best"]
-    plan = _old("plan_retention")[0](repo, casnap.RetentionPolicy(casnap.KeepLast(1)))
-    assert set(plan.keep) == {"step_3"}
-    _old("execute_retention")[0](repo, plan)
-    assert _old("remove_tag")[0](repo, "best").snapshot == "step_2"
-    copied = _old("copy")[0](repo, str(tmp_path / "mirror"))
-    assert repo.snapshots() == ["step_3"]  # the tag pins step_2's data, not its name
-    assert copied.copied == ("step_3",)
-    assert Repository(str(tmp_path / "mirror")).snapshots() == ["step_3"]
+def test_the_methods_repository_no_longer_inherits_are_in_the_changelog():
+    # Repository subclassed RepoStorage on earlier main; these were its public methods.
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    inherited = (
+        "open open_or_create exists_at share list_snapshots has_ref delete_ref read_ref"
+        " read_manifest write_manifest write_ref replace_ref iter_manifest_names"
+    )
+    for name in inherited.split():
+        assert not hasattr(casnap.Repository, name)
+        assert f".{name}(" in changelog or f".{name}`" in changelog, name

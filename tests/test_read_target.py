@@ -96,7 +96,7 @@ def test_every_chunk_arrives_once_verified_by_a_path_the_target_offers(
     assert len({ref.pack is None for ref in refs}) == 2  # and loose
     target = _Recorder(refs, place, hold)
     with ThreadPoolExecutor(4) as pool:
-        read_chunks(snap.repository, refs, target, pool, ByteBudget(1 << 20))
+        read_chunks(snap.repository.storage, refs, target, pool, ByteBudget(1 << 20))
     assert sorted(target.arrived) == list(range(len(refs)))
     assert set(target.arrived.values()) == paths  # packed chunks are always consumed
     for i, ref in enumerate(refs):

@@ -264,6 +264,17 @@ def test_a_repository_holds_its_storage_and_commits_only_through_its_methods(tmp
     assert torch.equal(got["model"]["w"], torch.ones(64))
 
 
+def test_a_snapshot_is_in_a_public_repository(repo):
+    for snap in (Snapshot(f"{repo.url}/step_2"), repo.snapshot("latest")):
+        found = snap.repository
+        assert isinstance(found, Repository) and found.url == repo.url
+        assert found is snap.repository  # one object per snapshot
+        assert found.resolve(snap.name) == snap.manifest_hash
+        assert "step_2" in found.snapshots()
+    taken = Snapshot.take(f"{repo.url}/step_4", {"m": StateDict(step=4)})
+    assert isinstance(taken.repository, Repository) and taken.repository.url == repo.url
+
+
 def test_latest_and_tags_resolve_in_python_as_on_the_command_line(tmp_path):
     url = str(tmp_path / "run1")
     _take(url, "step_9", 9, 9.0)

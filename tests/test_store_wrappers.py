@@ -42,6 +42,8 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "read_into": (("a/obj", [memoryview(bytearray(3))]), {}),
     "map": (("a/obj", 4), {"private": True}),
     "flush": ((), {}),
+    "deferral": ((), {}),
+    "deferring": ((None,), {}),
     "exists": (("a/obj",), {}),
     "list": (("a",), {}),
     "delete": (("a/obj",), {}),
@@ -127,6 +129,23 @@ def test_a_wrapped_store_keeps_its_capabilities_and_maps_as_it_does(
         else:  # a remote store cannot map: the caller reads instead
             assert mapped is None
         assert store.get("k/obj") == b"mapped or read"
+
+
+@pytest.mark.parametrize("wrap", WRAPPERS.values(), ids=list(WRAPPERS))
+def test_a_wrapped_store_defers_puts_as_the_store_below_it(
+    tmp_path: Path, memory: FsspecStore, wrap: Callable[[ObjectStore], ObjectStore]
+) -> None:
+    for inner in (LocalStore(str(tmp_path / "store")), memory):
+        store = wrap(inner)
+        owner = store.deferral()
+        with store.deferring(owner):
+            store.put("c/obj", b"deferred", create_only=True, durable=False)
+        # A deferred put's object appears once a flush has synced and renamed it.
+        assert inner.capabilities.deferred_sync is (inner is not memory)
+        assert store.exists("c/obj") is not inner.capabilities.deferred_sync
+        store.flush()
+        owner.check()
+        assert store.get("c/obj") == b"deferred"
 
 
 def test_a_counting_wrapper_counts_mapped_reads(tmp_path: Path) -> None:

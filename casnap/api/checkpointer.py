@@ -273,8 +273,8 @@ class Checkpointer:
             self._pending = (snap, step)
             return snap
         if self._repo is None:
-            self._repo = snap.repository
-        self._committed(snap.repository, name)
+            self._repo = snap.repository.storage
+        self._committed(snap.repository.storage, name)
         return snap
 
     def wait(self) -> Snapshot | None:
@@ -295,7 +295,7 @@ class Checkpointer:
         except BaseException:
             self._steps.discard(step)
             raise
-        self._committed(snap.repository, self._name(step))
+        self._committed(snap.repository.storage, self._name(step))
         return snap
 
     def close(self) -> None:

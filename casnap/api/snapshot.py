@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from casnap.api.repository import Repository
 from casnap.chunks.frames import WriteStats
 from casnap.distributed.group import resolve_group
 from casnap.distributed.take import DistributedJob, prepare_distributed_take
@@ -149,6 +150,7 @@ class Snapshot:
         self.storage_options = dict(storage_options or {})
         self.session = session
         self._repo: RepoStorage | None = None
+        self._repository: Repository | None = None
         self._name: str | None = None
         self._manifest_hash: str | None = None
         self._manifest: Manifest | None = None
@@ -295,8 +297,14 @@ class Snapshot:
         return self._name
 
     @property
-    def repository(self) -> RepoStorage:
-        return self._load()[0]
+    def repository(self) -> Repository:
+        """The :class:`casnap.Repository` the snapshot is in::
+
+        Snapshot("/ckpt/run1/step_100").repository.url  # "/ckpt/run1"
+        """
+        if self._repository is None:
+            self._repository = Repository.of(self._load()[0])
+        return self._repository
 
     @property
     def manifest(self) -> Manifest:

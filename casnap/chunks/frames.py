@@ -27,8 +27,7 @@ from casnap.format.names import hash_bytes
 from casnap.repo.damage import DamagedCopy, DamageSet, clear_damage
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 from casnap.settings import Settings
-from casnap.store import LocalStore
-from casnap.store.local_sync import Deferral
+from casnap.store.base import Deferral
 
 Buffer = codec.Buffer
 
@@ -109,18 +108,18 @@ class FrameWriter:
         self._waiting: dict[str, list[Future[ChunkRef]]] = {}
         self._pack = _Pack()
         self._present: list[ChunkRef] = []  # stored by this writer: for the index
-        # A local store syncs the frames' files later, many at once, and renames each
-        # into place once synced: at the latest when finish() flushes the store.
-        # Its files that fail in any flush (another take's, through the same store)
-        # are this writer's errors: finish() raises them (docs/pipeline.md).
-        local = repo.store.unwrap()
+        # A store with deferred sync (a local one) syncs the frames' files later, many
+        # at once, and renames each into place once synced: at the latest when
+        # finish() flushes the store. Its files that fail in any flush (another
+        # take's, through the same store) are this writer's errors: finish() raises
+        # them (docs/pipeline.md).
         self.deferral: Deferral | None = None
         self._deferring: Callable[[], contextlib.AbstractContextManager[None]] = (
             contextlib.nullcontext
         )
-        if isinstance(local, LocalStore):
-            self.deferral = local.deferral()
-            self._deferring = functools.partial(local.deferring, self.deferral)
+        if repo.store.capabilities.deferred_sync:
+            self.deferral = repo.store.deferral()
+            self._deferring = functools.partial(repo.store.deferring, self.deferral)
 
     def _encode(
         self, data: Buffer, digest: bytes, elem_size: int, choice: int | None = None

@@ -8,7 +8,6 @@ import dataclasses
 
 from casnap.cli.common import emit, human, open_repo, table
 from casnap.ops.history import Usage
-from casnap.store import LocalStore
 
 
 def cmd_du(args: argparse.Namespace) -> int:
@@ -36,9 +35,7 @@ def cmd_du(args: argparse.Namespace) -> int:
             "hint": usage.unreferenced.describe() if usage.unreferenced else None,
         },
     }
-    emit(
-        args, data, lambda: render(usage, local=isinstance(repo.storage.store.unwrap(), LocalStore))
-    )
+    emit(args, data, lambda: render(usage, local=repo.storage.store.capabilities.local))
     return 0
 
 

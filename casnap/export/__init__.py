@@ -13,7 +13,7 @@ lives in :mod:`~casnap.export.select`, :mod:`~casnap.export.stream`,
 from __future__ import annotations
 
 from casnap.export.safetensors_file import SAFETENSORS_DTYPES, export_safetensors
-from casnap.export.select import ExportItem, resolve_key, select
+from casnap.export.select import ExportItem, ExportSource, resolve_key, select
 from casnap.export.stream import ExportResult, PathLike, Progress
 from casnap.export.torch_file import (
     TORCH_LEGACY_STORAGES,
@@ -29,6 +29,7 @@ __all__ = [
     "TORCH_UNTYPED_STORAGE_DTYPES",
     "ExportItem",
     "ExportResult",
+    "ExportSource",
     "PathLike",
     "Progress",
     "crc32_combine",

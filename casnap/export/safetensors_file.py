@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from casnap.errors import UnsupportedValueError
-from casnap.export.select import ExportItem, plan_export
+from casnap.export.select import ExportItem, ExportSource, plan_export
 from casnap.export.stream import ExportResult, PathLike, Progress, atomic_output, pwrite_all, stream
 from casnap.format.entries import DTYPE_ITEMSIZE
-
-if TYPE_CHECKING:
-    from casnap.api.snapshot import Snapshot
 
 # casnap dtype name -> safetensors dtype code (what safetensors 0.8 reads back).
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -76,7 +73,7 @@ def _safetensors_header(items: list[ExportItem], metadata: dict[str, str]) -> by
 
 
 def export_safetensors(
-    snapshot: Snapshot,
+    snapshot: ExportSource,
     out_path: PathLike,
     *,
     key: str | None = None,

@@ -8,15 +8,37 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from casnap.errors import UnsupportedValueError, expect_type
 from casnap.format.entries import ContainerEntry, ObjectEntry, PrimitiveEntry, TensorEntry
 from casnap.format.manifest import Manifest
 from casnap.format.tree import missing_key, subtree
+from casnap.repo.repository import RepoStorage
 
-if TYPE_CHECKING:
-    from casnap.api.snapshot import Snapshot
+
+class StorageHolder(Protocol):
+    """A repository as the export reads it: :class:`casnap.Repository` is one."""
+
+    @property
+    def storage(self) -> RepoStorage: ...
+
+
+class ExportSource(Protocol):
+    """What an export reads: a :class:`casnap.Snapshot` is one (export sits below
+    the api layer and never imports it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def manifest_hash(self) -> str: ...
+
+    @property
+    def repository(self) -> StorageHolder: ...
 
 
 @dataclass(frozen=True)
@@ -99,7 +121,7 @@ def select(manifest: Manifest, key: str | None) -> tuple[list[ExportItem], list[
 
 
 def plan_export(
-    snapshot: Snapshot, key: str | None
+    snapshot: ExportSource, key: str | None
 ) -> tuple[list[ExportItem], list[str], dict[str, str]]:
     """The items and skipped keys of the selection, and what identifies it."""
     if not hasattr(snapshot, "manifest") or not hasattr(snapshot, "manifest_hash"):

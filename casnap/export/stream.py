@@ -17,18 +17,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from casnap.chunks.budget import ByteBudget, check_budget
 from casnap.chunks.read import Buffer, read_chunks
 from casnap.chunks.target import Consumer
 from casnap.errors import OutputSpaceError
-from casnap.export.select import ExportItem
+from casnap.export.select import ExportItem, ExportSource
 from casnap.format.entries import ChunkRef
 from casnap.settings import Settings
-
-if TYPE_CHECKING:
-    from casnap.api.snapshot import Snapshot
 
 Progress = Callable[[int, int], None]
 PathLike = str | os.PathLike[str]
@@ -143,7 +140,7 @@ def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
 
 
 def stream(
-    snapshot: Snapshot,
+    snapshot: ExportSource,
     items: list[ExportItem],
     offsets: list[int],
     fd: int,
@@ -188,7 +185,7 @@ def stream(
     if refs:
         workers = Settings.from_env().io_workers
         with ThreadPoolExecutor(workers, thread_name_prefix="casnap-export") as pool:
-            fetched = read_chunks(snapshot.repository, refs, Consumer(sink), pool, budget)
+            fetched = read_chunks(snapshot.repository.storage, refs, Consumer(sink), pool, budget)
     if failures:
         raise failures[0]
     return fetched, budget.peak, crcs

@@ -12,19 +12,16 @@ import collections
 import io
 import pickle
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from casnap.errors import UnsupportedValueError
-from casnap.export.select import ExportItem, plan_export
+from casnap.export.select import ExportItem, ExportSource, plan_export
 from casnap.export.stream import ExportResult, PathLike, Progress, atomic_output, stream
 from casnap.export.torch_zip import fold_crcs, plan_torch_archive, write_torch_archive
 from casnap.format.entries import DTYPE_ITEMSIZE
 from casnap.torch_io.tensors import torch_dtype
-
-if TYPE_CHECKING:
-    from casnap.api.snapshot import Snapshot
 
 # torch.save pickles these as legacy typed storages (torch.storage._dtype_to_storage_type_map)
 # rebuilt by _rebuild_tensor_v2 ...
@@ -129,7 +126,7 @@ def torch_pickle(items: list[ExportItem]) -> bytes:
 
 
 def export_torch(
-    snapshot: Snapshot,
+    snapshot: ExportSource,
     out_path: PathLike,
     *,
     key: str | None = None,

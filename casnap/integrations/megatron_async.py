@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -37,8 +37,17 @@ from casnap.settings import Settings, default_memory_budget
 from casnap.take.target import staging_limit
 from casnap.torch_io.staging import StagingFull
 
-if TYPE_CHECKING:
-    from casnap.integrations.megatron import CasnapSaveStrategy
+
+class SaveReport(Protocol):
+    """What an async save reports to once it commits: the strategy that planned it
+    (:class:`casnap.integrations.megatron.CasnapSaveStrategy`, which imports this
+    module, never the other way)."""
+
+    last_write_stats: WriteStats | None
+    last_manifest: str | None
+
+    def committed(self, writer: CasnapWriter, checkpoint_dir: str | Path) -> None:
+        """(all ranks, after the commit) Point the checkpoint directory at the snapshot."""
 
 
 class StagedPlanner:
@@ -164,7 +173,7 @@ def _read_outcome(results_file: str) -> _Outcome:
 
 
 def plan_async_save(
-    strategy: CasnapSaveStrategy,
+    strategy: SaveReport,
     base: CasnapWriter,
     state: dict[str, Any],
     planner: SavePlanner,

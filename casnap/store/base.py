@@ -63,7 +63,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 from casnap.errors import (
@@ -130,6 +130,34 @@ class Capabilities:
     local: bool  # backed by a local filesystem (cheap probes)
     # replace() (compare and swap) is atomic across processes, not only within this one
     conditional_replace: bool = False
+    # within deferring(), non-durable puts defer their file sync and rename to a flush
+    deferred_sync: bool = False
+
+
+class Deferral:
+    """One writer's deferred puts (a take's, made on any of its threads): the errors of
+    those whose fsync or rename failed, whichever ``flush`` settled them.
+
+    Several takes share one store (threads taking through one ``Repository``),
+    and a flush settles every file queued, its caller's and the others': a
+    file of this writer's that failed in another's flush is gone for good, so
+    the writer must hear of it (:meth:`check`) even though its own flush
+    found nothing left to settle.
+    """
+
+    def __init__(self, translate: Callable[[BaseException], BaseException]) -> None:
+        self._errors: list[BaseException] = []
+        self._translate = translate  # the store's: an OSError becomes its StoreError
+
+    def failed(self, exc: BaseException) -> None:
+        self._errors.append(exc)
+
+    def check(self) -> None:
+        """Raise the first error of any of this writer's files (once they are settled),
+        as the store's flush would have raised it."""
+        if self._errors:
+            first = self._errors[0]
+            raise self._translate(first) from first
 
 
 @dataclass(frozen=True)
@@ -217,6 +245,17 @@ class ObjectStore(ABC):
     def flush(self) -> None:  # noqa: B027  (a no-op default, not an abstract method)
         """Make every earlier non-durable put durable (a no-op where puts always are)."""
 
+    def deferral(self) -> Deferral:
+        """A writer's :class:`Deferral`, to hand to :meth:`deferring`."""
+        return Deferral(lambda exc: exc)
+
+    def deferring(self, owner: Deferral | None = None) -> AbstractContextManager[None]:
+        """Within: where ``capabilities.deferred_sync``, this thread's non-durable puts
+        defer their file sync and rename to the next :meth:`flush` or durable put, and
+        ``owner`` hears of each such file that fails, whichever flush settles it
+        (content-addressed keys only: docs/pipeline.md). The default defers nothing."""
+        return nullcontext()
+
     @abstractmethod
     def exists(self, key: str) -> bool:
         """Whether the object exists."""
@@ -290,6 +329,12 @@ class WrapperStore(ObjectStore):
 
     def flush(self) -> None:
         self.inner.flush()
+
+    def deferral(self) -> Deferral:
+        return self.inner.deferral()
+
+    def deferring(self, owner: Deferral | None = None) -> AbstractContextManager[None]:
+        return self.inner.deferring(owner)
 
     def exists(self, key: str) -> bool:
         return self.inner.exists(key)

@@ -23,6 +23,7 @@ from casnap.store.base import (
     Buffer,
     Capabilities,
     Data,
+    Deferral,
     ObjectInfo,
     ObjectStore,
     as_parts,
@@ -31,7 +32,6 @@ from casnap.store.base import (
     check_limit,
 )
 from casnap.store.local_sync import (
-    Deferral,
     DeferredFiles,
     Unsynced,
     sync_all,
@@ -95,7 +95,9 @@ class LocalStore(ObjectStore):
     lock the replace fails rather than race.)
     """
 
-    capabilities = Capabilities(atomic_create=True, local=True, conditional_replace=True)
+    capabilities = Capabilities(
+        atomic_create=True, local=True, conditional_replace=True, deferred_sync=True
+    )
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))

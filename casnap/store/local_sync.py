@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
-from casnap.store.base import Buffer
+from casnap.store.base import Buffer, Deferral
 
 T = TypeVar("T")
 # Bytes per write(): on the 2-core VM's kernel (6.18, ext4) writes of 1 to 4 MiB into
@@ -135,32 +135,6 @@ def sync_all(sync: Callable[[str], None], folders: list[str]) -> None:
     errors = [e for e in run_all(attempt, folders) if e is not None] if folders else []
     if errors:
         raise errors[0]
-
-
-class Deferral:
-    """One writer's deferred puts (a take's, made on any of its threads): the errors of
-    those whose fsync or rename failed, whichever ``flush`` settled them.
-
-    Several takes share one store (threads taking through one ``Repository``),
-    and a flush settles every file queued, its caller's and the others': a
-    file of this writer's that failed in another's flush is gone for good, so
-    the writer must hear of it (:meth:`check`) even though its own flush
-    found nothing left to settle.
-    """
-
-    def __init__(self, translate: Callable[[BaseException], BaseException]) -> None:
-        self._errors: list[BaseException] = []
-        self._translate = translate  # the store's: an OSError becomes its StoreError
-
-    def failed(self, exc: BaseException) -> None:
-        self._errors.append(exc)
-
-    def check(self) -> None:
-        """Raise the first error of any of this writer's files (once they are settled),
-        as the store's flush would have raised it."""
-        if self._errors:
-            first = self._errors[0]
-            raise self._translate(first) from first
 
 
 @dataclass(slots=True)

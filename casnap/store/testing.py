@@ -474,6 +474,14 @@ class StoreConformance(ReplaceConformance):
         assert _keys(store, "f") == ["f/b"]
         assert store.get("f/b") == b"2"
 
+    def test_deferred_puts_land_by_the_next_flush(self, store: ObjectStore) -> None:
+        owner = store.deferral()
+        with store.deferring(owner):  # deferred where capabilities.deferred_sync
+            store.put("d/obj", b"later", create_only=True, durable=False)
+        store.flush()
+        owner.check()
+        assert store.get("d/obj") == b"later"
+
     def test_unwrap_and_capabilities(self, store: ObjectStore) -> None:
         base = store.unwrap()
         assert isinstance(base, ObjectStore)
@@ -481,3 +489,4 @@ class StoreConformance(ReplaceConformance):
         assert isinstance(store.capabilities, Capabilities)
         assert store.capabilities == base.capabilities
         assert isinstance(store.capabilities.conditional_replace, bool)
+        assert isinstance(store.capabilities.deferred_sync, bool)
