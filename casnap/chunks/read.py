@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.decode import decode_frame
-from casnap.chunks.rebuild import ChainFrames, patch_in_place, rebuild_into, whole_loose
+from casnap.chunks.rebuild import ChainFrames, rebuild_into
 from casnap.chunks.stored import contain, frame_limit
 from casnap.chunks.target import ReadTarget
-from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
+from casnap.errors import IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
@@ -145,8 +145,6 @@ def read_chunks(
       reused page-aligned buffer under ``budget`` (:mod:`casnap.chunks.bounce`),
       decoded and verified there, only then copied into place; a chunk that
       fails verification raises :class:`IntegrityError` and writes nothing;
-    - a delta the target holds, whose chain ends in a mappable raw whole frame:
-      rebuilt on a private (copy-on-write) mapping of that frame, verified there;
     - a delta the target places: rebuilt in its final memory, verified there
       (written before its check: the target keeps what it overwrote);
     - everything else (packed frames, several chunks of one span, a target that
@@ -190,7 +188,7 @@ class _Reader:
     def _fast(self, span: Span, i: int, ref: ChunkRef) -> bool:
         """A span of one chunk by its fast path, if the target and the store allow one."""
         if ref.base is not None:  # a delta, loose or packed
-            return self._delta_mapped(i, ref) or self._delta_placed(span, i, ref)
+            return self._delta_placed(span, i, ref)
         if span.end < 0:  # a loose object (any valid frame of the chunk: read whole)
             return self._loose_mapped(span, i, ref) or self._loose_placed(span, i, ref)
         return False  # one packed frame
@@ -231,37 +229,6 @@ class _Reader:
             elif ref.size:
                 view[:] = memoryview(data).cast("B")
         self.target.placed(i)
-        return True
-
-    def _delta_mapped(self, i: int, ref: ChunkRef) -> bool:
-        """A delta whose chain ends in a loose raw frame the store can map, rebuilt on a
-        private mapping of it (only the pages the deltas change are copied) and
-        verified there: held as a chunk stored whole is (no undo copy, no
-        rebuild buffer, one digest pass)."""
-        whole = whole_loose(ref)
-        if whole is None or not self.target.holds(i, ref.size):
-            return False
-        key = chunk_key(whole.hash)
-        try:
-            frame = self.repo.store.map(key, frame_limit(whole), private=True)
-        except CasnapError:
-            return False  # the paths below read it and say what is wrong
-        if frame is None:
-            return False
-        view = memoryview(frame)
-        try:
-            hdr = codec.parse_header(view[: codec.HEADER_SIZE], key)
-        except IntegrityError:
-            return False
-        if len(view) != frame_limit(whole) or hdr.codec != codec.CODEC_RAW:
-            return False  # stored compressed, or damaged: the paths below
-        if hdr.digest.hex() != whole.hash:
-            return False
-        payload = view[codec.HEADER_SIZE :]
-        if not patch_in_place(self.repo, ref, payload, self.shared, mapped=True):
-            return False  # damage somewhere: rebuilt link by link below, which names it
-        self._count(len(view) + sum(link.length for link in ref.chain()[:-1]))
-        self.target.hold(i, payload)
         return True
 
     def _delta_placed(self, span: Span, i: int, ref: ChunkRef) -> bool:

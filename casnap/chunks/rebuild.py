@@ -6,9 +6,8 @@ bytes below it (:mod:`casnap.format.delta`). The fast paths here decode the
 whole frame without its own check, apply every delta in place and check
 only the result's digest: a sparse chain then costs about what reading the
 whole chunk does. :func:`rebuild` returns a new buffer, :func:`patch_in_place`
-patches the caller's bytes (a restore's private mapping of the whole frame),
-and :func:`rebuild_into` reads a raw whole frame straight into its final
-memory first. Any failure is an answer (None, False), never an error: the
+patches the caller's bytes, and :func:`rebuild_into` reads a raw whole frame
+straight into its final memory first. Any failure is an answer (None, False), never an error: the
 careful path, :func:`casnap.chunks.decode.decode_frame`, then decodes link
 by link and names the copy at fault.
 
@@ -30,10 +29,7 @@ which reports and contains what is wrong.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
-import sys
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -58,8 +54,6 @@ _GAP = 256 * 1024
 _MAX_RANGE = 8 << 20
 _MAX_FRAME = 2 << 20
 _LIMIT = 128 << 20
-# madvise(MADV_POPULATE_WRITE): Linux 5.14; Python's mmap names it from 3.13 on.
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
 
 
 @dataclass
@@ -191,8 +185,6 @@ def patch_in_place(
     ref: ChunkRef,
     out: memoryview,
     shared: ChainFrames | None = None,
-    *,
-    mapped: bool = False,
 ) -> bool:
     """Apply the deltas of ``ref``'s chain to ``out`` (the bytes of the whole frame at its
     end, unverified) and check the result against ``ref``'s digest: True if it is
@@ -200,12 +192,7 @@ def patch_in_place(
 
     One digest check covers every link, the whole frame included (a damaged
     one yields other bytes); the caller takes the careful path, which names
-    the link at fault, on False. A restore applies the deltas to a private
-    (copy-on-write) mapping of the whole frame: only the pages a delta
-    changes are copied, and the digest is taken in one pass, as for a chunk
-    stored whole. ``mapped`` says ``out`` is such a mapping: the pages the
-    deltas change are then copied before the XOR writes them
-    (:func:`fault_for_writing`).
+    the link at fault, on False.
     """
     chain = ref.chain()
     if len(out) != ref.size:
@@ -215,7 +202,7 @@ def patch_in_place(
         with shared.rebuilds if shared is not None else nullcontext():
             dst = out.cast("B") if out.format != "B" else out
             for link, raw in zip(chain[:-1], frames, strict=True):  # XOR: any order
-                if not apply_link(raw, link, dst, mapped=mapped):
+                if not apply_link(raw, link, dst):
                     return False
         return digest_of(out).hex() == ref.hash
     except (CasnapError, ValueError):
@@ -252,44 +239,13 @@ def link_runs(raw: Buffer, link: ChunkRef) -> DeltaRuns | None:
     return delta_runs(hdr, payload, key, base_digest)
 
 
-def apply_link(raw: Buffer, link: ChunkRef, out: Any, *, mapped: bool = False) -> bool:
-    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta.
-    ``mapped``: ``out`` is a private mapping (:func:`fault_for_writing`)."""
+def apply_link(raw: Buffer, link: ChunkRef, out: Any) -> bool:
+    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta."""
     runs = link_runs(raw, link)
     if runs is None:
         return False
-    if mapped:
-        fault_for_writing(out, runs)
     runs.xor_into(out)
     return True
-
-
-def fault_for_writing(view: memoryview, runs: DeltaRuns) -> None:
-    """Copy the pages of ``view``, a private mapping, that ``runs`` will change, before
-    they are written (Linux 5.14 on: ``MADV_POPULATE_WRITE``; elsewhere nothing).
-
-    The XOR reads a page before it writes it: the read maps the page cache's
-    page, and the write then copies it and must flush that mapping from every
-    core the process runs on. Restoring the newest of 10 delta snapshots of
-    128 MiB (4 links, about 80 changed pages per 4 MiB chunk) took 96 ms of
-    CPU that way and 71-73 ms with the pages copied first, one call per span
-    of neighbouring pages (benchmarks/delta_stages.py). The calls keep the
-    GIL: made through libc, which releases it, the handovers between the
-    readers raised the copies' CPU from 7.7 ms to 11.3 ms per restore. Only
-    an optimisation: whatever fails leaves the writes to fault as they come.
-    """
-    mapping = view.obj
-    if _POPULATE_WRITE is None or not isinstance(mapping, mmap.mmap):
-        return
-    if view.readonly or not len(view) or not len(runs.starts):
-        return
-    try:
-        at = ctypes.addressof(ctypes.c_char.from_buffer(view))
-        at -= ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-        for lo, hi in runs.spans(at, mmap.PAGESIZE, len(mapping)):
-            mapping.madvise(_POPULATE_WRITE, lo, hi - lo)
-    except (OSError, ValueError, TypeError, BufferError):
-        return  # an older kernel, a file that shrank: the writes fault as they come
 
 
 def rebuild(repo: RepoStorage, ref: ChunkRef, frame: Buffer) -> Buffer | None:
