@@ -83,7 +83,7 @@ class _Recorder(ReadTarget):
     [
         (False, False, {"consume"}),
         (True, False, {"consume", "placed"}),
-        (True, True, {"consume", "hold", "placed"}),  # a delta is rebuilt in place
+        (True, True, {"consume", "hold"}),
     ],
 )
 def test_every_chunk_arrives_once_verified_by_a_path_the_target_offers(

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.decode import decode_frame
-from casnap.chunks.rebuild import ChainFrames, rebuild_into
 from casnap.chunks.stored import contain, frame_limit
 from casnap.chunks.target import ReadTarget
 from casnap.errors import IntegrityError, ObjectNotFoundError, ObjectRefusedError
@@ -145,12 +144,11 @@ def read_chunks(
       reused page-aligned buffer under ``budget`` (:mod:`casnap.chunks.bounce`),
       decoded and verified there, only then copied into place; a chunk that
       fails verification raises :class:`IntegrityError` and writes nothing;
-    - a delta the target places: rebuilt in its final memory, verified there
-      (written before its check: the target keeps what it overwrote);
-    - everything else (packed frames, several chunks of one span, a target that
-      only consumes): fetched by one get, decoded through a buffer, consumed.
+    - everything else (packed frames, deltas, several chunks of one span, a
+      target that only consumes): fetched by one get, decoded through a buffer
+      (a delta rebuilt from its chain: :mod:`casnap.chunks.rebuild`), consumed.
     """
-    reader = _Reader(repo, refs, target, budget)
+    reader = _Reader(repo, target, budget)
     futures = [pool.submit(reader.run, span) for span in plan_reads(refs)]
     errors = [f.exception() for f in futures]
     reader.bounce.close()
@@ -163,16 +161,12 @@ def read_chunks(
 class _Reader:
     """One :func:`read_chunks` call: each span runs on a worker, by one path."""
 
-    def __init__(
-        self, repo: RepoStorage, refs: list[ChunkRef], target: ReadTarget, budget: ByteBudget
-    ) -> None:
+    def __init__(self, repo: RepoStorage, target: ReadTarget, budget: ByteBudget) -> None:
         self.repo = repo
         self.target = target
         self.budget = budget
         self.fetched = 0
         self._lock = threading.Lock()
-        # The delta frames of every chain, fetched by shared pack ranges (casnap.chunks.chain).
-        self.shared = ChainFrames(repo, refs) if any(ref.base is not None for ref in refs) else None
         self.bounce = BouncePool(budget)
 
     def _count(self, n: int) -> None:
@@ -187,11 +181,10 @@ class _Reader:
 
     def _fast(self, span: Span, i: int, ref: ChunkRef) -> bool:
         """A span of one chunk by its fast path, if the target and the store allow one."""
-        if ref.base is not None:  # a delta, loose or packed
-            return self._delta_placed(span, i, ref)
-        if span.end < 0:  # a loose object (any valid frame of the chunk: read whole)
-            return self._loose_mapped(span, i, ref) or self._loose_placed(span, i, ref)
-        return False  # one packed frame
+        if ref.base is not None or span.end >= 0:  # a delta or a packed frame: buffered
+            return False
+        # A loose object (any valid frame of the chunk: read whole).
+        return self._loose_mapped(span, i, ref) or self._loose_placed(span, i, ref)
 
     def _loose_mapped(self, span: Span, i: int, ref: ChunkRef) -> bool:
         """A loose object mapped and verified on the mapping: a raw frame's bytes are
@@ -228,21 +221,6 @@ class _Reader:
                 ctypes.memmove(_address(view), address + codec.HEADER_SIZE, ref.size)
             elif ref.size:
                 view[:] = memoryview(data).cast("B")
-        self.target.placed(i)
-        return True
-
-    def _delta_placed(self, span: Span, i: int, ref: ChunkRef) -> bool:
-        """A delta rebuilt in its final memory, verified there."""
-        view = self.target.place(i, ref.size)
-        if view is None:
-            return False
-        if not rebuild_into(self.repo, ref, view, self.shared):
-            # The careful path decodes link by link and names what failed (raising);
-            # the view was handed out, so its bytes land there, then ``placed``.
-            with _missing_is_integrity_error(span):
-                blob = fetch_span(self.repo, span)
-            data = decode_frame(self.repo, span.key, ref, memoryview(blob))
-            view[:] = memoryview(data).cast("B")
         self.target.placed(i)
         return True
 
