@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.decode import decode_frame
-from casnap.chunks.rebuild import ChainFrames, patch_in_place, rebuild_into, whole_loose
 from casnap.chunks.stored import contain, frame_limit
 from casnap.chunks.target import ReadTarget
-from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
+from casnap.errors import IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
@@ -145,14 +144,11 @@ def read_chunks(
       reused page-aligned buffer under ``budget`` (:mod:`casnap.chunks.bounce`),
       decoded and verified there, only then copied into place; a chunk that
       fails verification raises :class:`IntegrityError` and writes nothing;
-    - a delta the target holds, whose chain ends in a mappable raw whole frame:
-      rebuilt on a private (copy-on-write) mapping of that frame, verified there;
-    - a delta the target places: rebuilt in its final memory, verified there
-      (written before its check: the target keeps what it overwrote);
-    - everything else (packed frames, several chunks of one span, a target that
-      only consumes): fetched by one get, decoded through a buffer, consumed.
+    - everything else (packed frames, deltas, several chunks of one span, a
+      target that only consumes): fetched by one get, decoded through a buffer
+      (a delta rebuilt from its chain: :mod:`casnap.chunks.rebuild`), consumed.
     """
-    reader = _Reader(repo, refs, target, budget)
+    reader = _Reader(repo, target, budget)
     futures = [pool.submit(reader.run, span) for span in plan_reads(refs)]
     errors = [f.exception() for f in futures]
     reader.bounce.close()
@@ -165,16 +161,12 @@ def read_chunks(
 class _Reader:
     """One :func:`read_chunks` call: each span runs on a worker, by one path."""
 
-    def __init__(
-        self, repo: RepoStorage, refs: list[ChunkRef], target: ReadTarget, budget: ByteBudget
-    ) -> None:
+    def __init__(self, repo: RepoStorage, target: ReadTarget, budget: ByteBudget) -> None:
         self.repo = repo
         self.target = target
         self.budget = budget
         self.fetched = 0
         self._lock = threading.Lock()
-        # The delta frames of every chain, fetched by shared pack ranges (casnap.chunks.chain).
-        self.shared = ChainFrames(repo, refs) if any(ref.base is not None for ref in refs) else None
         self.bounce = BouncePool(budget)
 
     def _count(self, n: int) -> None:
@@ -189,11 +181,10 @@ class _Reader:
 
     def _fast(self, span: Span, i: int, ref: ChunkRef) -> bool:
         """A span of one chunk by its fast path, if the target and the store allow one."""
-        if ref.base is not None:  # a delta, loose or packed
-            return self._delta_mapped(i, ref) or self._delta_placed(span, i, ref)
-        if span.end < 0:  # a loose object (any valid frame of the chunk: read whole)
-            return self._loose_mapped(span, i, ref) or self._loose_placed(span, i, ref)
-        return False  # one packed frame
+        if ref.base is not None or span.end >= 0:  # a delta or a packed frame: buffered
+            return False
+        # A loose object (any valid frame of the chunk: read whole).
+        return self._loose_mapped(span, i, ref) or self._loose_placed(span, i, ref)
 
     def _loose_mapped(self, span: Span, i: int, ref: ChunkRef) -> bool:
         """A loose object mapped and verified on the mapping: a raw frame's bytes are
@@ -230,52 +221,6 @@ class _Reader:
                 ctypes.memmove(_address(view), address + codec.HEADER_SIZE, ref.size)
             elif ref.size:
                 view[:] = memoryview(data).cast("B")
-        self.target.placed(i)
-        return True
-
-    def _delta_mapped(self, i: int, ref: ChunkRef) -> bool:
-        """A delta whose chain ends in a loose raw frame the store can map, rebuilt on a
-        private mapping of it (only the pages the deltas change are copied) and
-        verified there: held as a chunk stored whole is (no undo copy, no
-        rebuild buffer, one digest pass)."""
-        whole = whole_loose(ref)
-        if whole is None or not self.target.holds(i, ref.size):
-            return False
-        key = chunk_key(whole.hash)
-        try:
-            frame = self.repo.store.map(key, frame_limit(whole), private=True)
-        except CasnapError:
-            return False  # the paths below read it and say what is wrong
-        if frame is None:
-            return False
-        view = memoryview(frame)
-        try:
-            hdr = codec.parse_header(view[: codec.HEADER_SIZE], key)
-        except IntegrityError:
-            return False
-        if len(view) != frame_limit(whole) or hdr.codec != codec.CODEC_RAW:
-            return False  # stored compressed, or damaged: the paths below
-        if hdr.digest.hex() != whole.hash:
-            return False
-        payload = view[codec.HEADER_SIZE :]
-        if not patch_in_place(self.repo, ref, payload, self.shared, mapped=True):
-            return False  # damage somewhere: rebuilt link by link below, which names it
-        self._count(len(view) + sum(link.length for link in ref.chain()[:-1]))
-        self.target.hold(i, payload)
-        return True
-
-    def _delta_placed(self, span: Span, i: int, ref: ChunkRef) -> bool:
-        """A delta rebuilt in its final memory, verified there."""
-        view = self.target.place(i, ref.size)
-        if view is None:
-            return False
-        if not rebuild_into(self.repo, ref, view, self.shared):
-            # The careful path decodes link by link and names what failed (raising);
-            # the view was handed out, so its bytes land there, then ``placed``.
-            with _missing_is_integrity_error(span):
-                blob = fetch_span(self.repo, span)
-            data = decode_frame(self.repo, span.key, ref, memoryview(blob))
-            view[:] = memoryview(data).cast("B")
         self.target.placed(i)
         return True
 

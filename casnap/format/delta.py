@@ -197,25 +197,6 @@ class DeltaRuns:
         first = starts // DELTA_BLOCK
         return np.arange(int(count.sum()), dtype=np.int64) + np.repeat(first - before, count)
 
-    def spans(self, shift: int, unit: int, limit: int) -> list[tuple[int, int]]:
-        """The runs moved ``shift`` bytes on, widened to whole ``unit``s (ending at most
-        at ``limit``) and merged where they touch: ``(start, end)`` pairs, in order."""
-        if len(self.starts) <= _FEW_RUNS:  # a few rows of a table: quicker without numpy
-            out: list[tuple[int, int]] = []
-            for a, n in zip(self.starts.tolist(), self.lengths.tolist(), strict=True):
-                lo, hi = (shift + a) // unit * unit, min(-(-(shift + a + n) // unit) * unit, limit)
-                if out and lo <= out[-1][1]:
-                    out[-1] = (out[-1][0], hi)
-                else:
-                    out.append((lo, hi))
-            return out
-        np = _np()
-        first = (shift + self.starts) // unit * unit
-        last = np.minimum(-(-(shift + self.starts + self.lengths) // unit) * unit, limit)
-        opens = np.flatnonzero(np.concatenate(([True], first[1:] > last[:-1])))
-        ends = np.append(opens[1:], len(first)) - 1
-        return list(zip(first[opens].tolist(), last[ends].tolist(), strict=True))
-
     def xor_into(self, out: bytearray | memoryview) -> None:
         """XOR the runs into ``out`` (the base's bytes, in place)."""
         np = _np()
