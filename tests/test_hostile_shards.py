@@ -9,12 +9,22 @@ of the manifest's bytes. Each is a ``ManifestValidationError`` naming the entry.
 from __future__ import annotations
 
 import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from casnap.errors import ManifestValidationError
 from casnap.format.names import hash_bytes
 from casnap.format.parse import parse_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import fuzz_repo  # noqa: E402
 
 H = "a" * 64
 
@@ -75,3 +85,80 @@ def test_rank_groups_expand_to_at_most_a_multiple_of_the_manifest():
     assert len(_parse(grouped(4096)).entries) == 4096
     with pytest.raises(ManifestValidationError, match="more than the 1.* a manifest of"):
         _parse(grouped(1 << 24))  # 16 M keys from 200 bytes, refused before any is made
+
+
+# -- the two inputs of issue #41, in a real repository, each operation in a child --------
+
+_CHILD = r"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import fuzz_repo
+from casnap import Repository, Snapshot
+from casnap.errors import CasnapError
+
+case = Path(sys.argv[1])
+ops = {
+    "restore": lambda: fuzz_repo.operate("restore", case, "s2", fuzz_repo._states()),
+    "read_object": lambda: Snapshot(str(case / "s2")).read_object("0/s/w"),
+    "du": lambda: Repository(str(case)).du(),
+    "log": lambda: Repository(str(case)).log(),
+    "verify": lambda: Repository(str(case)).verify(),
+    "export": lambda: Repository(str(case)).export("s2", str(case / "out.safetensors")),
+}
+out = {}
+for name, call in ops.items():
+    start = fuzz_repo._reset_peak()
+    try:
+        call_result = call()
+        got = f"returned {str(call_result)[:4000]}"
+    except CasnapError as exc:
+        got = f"{type(exc).__name__}: {exc}"
+    out[name] = {"got": got, "growth": fuzz_repo._growth(start, case).get("growth")}
+print(json.dumps(out))
+"""
+
+
+class _Pick(random.Random):
+    """A seeded generator whose ``random()`` answers ``value`` (picks one branch)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz-base")
+    fuzz_repo.build(root)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("how", "pick", "count"),
+    # 65,535 empty shards; 16,384 that leave a gap in a 16 GiB tensor, beside a 16 GiB one
+    [("empty", 0.9, 65535), ("huge", 0.6, 16384)],
+    ids=["many_shards", "many_shards_beside_a_huge_tensor"],
+)
+def test_a_small_hostile_manifest_is_refused_within_256_mib(base, tmp_path, how, pick, count):
+    case = tmp_path / "case"
+    shutil.copytree(base, case)
+    old = {v[0]: k for k, v in fuzz_repo._owners(case).items()}["s2"]
+    doc = json.loads((case / ".casnap" / "manifests" / old[:2] / old).read_bytes())
+    what = fuzz_repo.many_shards(_Pick(pick), doc, how, count)
+    name = fuzz_repo._write_manifest(case, old, doc)
+    size = (case / ".casnap" / "manifests" / name[:2] / name).stat().st_size
+    assert size < 8 << 20, (what, size)
+    env = {**os.environ, "CASNAP_INDEX_DIR": str(tmp_path / "index")}
+    child = [sys.executable, "-c", _CHILD, str(case), str(ROOT / "tools")]
+    done = subprocess.run(child, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    for op, r in results.items():
+        # verify reports an unreadable manifest among its problems instead of raising.
+        refused = "returned" if op == "verify" else "ManifestValidationError"
+        assert r["got"].startswith(refused) and "0/s/w" in r["got"], (op, r)
+        assert r["growth"] is None or r["growth"] < 256 << 20, (op, r)
