@@ -359,20 +359,41 @@ class ShardedEntry(_PerRank, FormatModel):
         """torchsnapshot's entry type name."""
         return "ShardedTensor"
 
+    @property
+    def empty_shards(self) -> int:
+        """How many shards hold no element (a rank's empty local shard of an uneven split)."""
+        return sum(1 for s in self.shards if 0 in s.sizes)
+
     @model_validator(mode="after")
     def _arithmetic(self) -> ShardedEntry:
-        _dense_nbytes(self.dtype, self.shape)
+        elements = _dense_nbytes(self.dtype, self.shape) // DTYPE_ITEMSIZE[self.dtype]
+        itemsize = DTYPE_ITEMSIZE[self.dtype]
         if len(self.shards) > MAX_SHARDS:
             raise ValueError(f"more than {MAX_SHARDS} shards")
+        held = 0
         for i, shard in enumerate(self.shards):
             if len(shard.offsets) != len(self.shape) or len(shard.sizes) != len(self.shape):
                 raise ValueError(f"shard {i} has a different rank than the tensor")
-            nbytes = DTYPE_ITEMSIZE[self.dtype]
+            volume = 1
             for off, size, dim in zip(shard.offsets, shard.sizes, self.shape, strict=True):
                 if off + size > dim:
                     raise ValueError(f"shard {i} lies outside the tensor")
-                nbytes *= size
-            _check_chunks(shard.chunks, nbytes, shard.chunk_size)
+                volume *= size
+            held += volume
+            if held > elements:
+                # Every shard a take writes is a distinct box of the tensor, so together
+                # they hold each element once: more is overlap (and more work and
+                # staging than the tensor itself), refused before any is read.
+                raise ValueError(
+                    f"shards 0..{i} hold {held} elements, more than the tensor's {elements}: "
+                    "they overlap"
+                )
+            _check_chunks(shard.chunks, volume * itemsize, shard.chunk_size)
+        if held != elements:
+            raise ValueError(
+                f"the shards hold {held} of the tensor's {elements} elements; "
+                "a sharded entry holds every shard of the tensor"
+            )
         _check_quantized_shards(self)
         return self
 

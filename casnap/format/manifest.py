@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from casnap.format.entries import (
     ChunkRef,
@@ -23,6 +23,7 @@ from casnap.format.entries import (
     HashStr,
     ObjectEntry,
     ShardedEntry,
+    ShardRecord,
     TensorEntry,
     chunks_of,
 )
@@ -37,6 +38,11 @@ from casnap.format.versions import (
 
 # What a manifest may expand to (rank_groups multiply): far above 1,024 ranks x 10,000 keys.
 MAX_ENTRIES = 1 << 26
+# The keys and shard records rank_groups may expand to, against the manifest's bytes: a
+# reader walks each key's entry, so a few hundred bytes must not ask for 2^26 keys of
+# 65,536 shards. A 1,024-rank job's grouped entries expand to under 5 per byte.
+EXPANSION_FIXED = 1 << 20
+EXPANSION_PER_BYTE = 64
 MAX_KEY_LENGTH = 4096
 JsonValue = Any
 
@@ -149,25 +155,34 @@ class Manifest(FormatModel):
             return refs
         return [link for r in refs for link in r.chain()]
 
-    def expanded(self) -> Manifest:
+    @model_validator(mode="after")
+    def _empty_shards(self) -> Manifest:
+        # A rank's local shard of an uneven split may be empty: a take stores at most
+        # one such box per rank. More is work without data, refused before any read.
+        groups = (g.entries for g in self.rank_groups)
+        for held in (self.entries, *groups):
+            for key, e in held.items():
+                if isinstance(e, ShardedEntry) and e.empty_shards > self.world_size:
+                    raise ValueError(
+                        f"entry {key[:200]!r} has {e.empty_shards} empty shards, more "
+                        f"than world_size {self.world_size}"
+                    )
+        return self
+
+    def expanded(self, size: int | None = None) -> Manifest:
         """This manifest with its ``rank_groups`` merged into ``entries`` (what readers see).
 
         Raises ``ValueError`` for a group naming a rank outside ``world_size``, a
-        key held twice, or more than ``MAX_ENTRIES`` keys in all.
+        key held twice, more than ``MAX_ENTRIES`` keys in all or, for a manifest
+        of ``size`` bytes, more keys and shard records than ``EXPANSION_FIXED +
+        EXPANSION_PER_BYTE * size``: all checked before any key is added.
         """
         if not self.rank_groups:
             return self
+        self._check_expansion(size)
         entries = dict(self.entries)
-        total = len(entries)
         for group in self.rank_groups:
             for lo, hi in group.ranks:
-                if not lo <= hi < self.world_size:
-                    raise ValueError(
-                        f"rank range [{lo}, {hi}] outside world_size {self.world_size}"
-                    )
-                total += (hi - lo + 1) * len(group.entries)
-                if total > MAX_ENTRIES:
-                    raise ValueError(f"rank_groups expand to more than {MAX_ENTRIES} entries")
                 for rank in range(lo, hi + 1):
                     for path, entry in group.entries.items():
                         key = f"{rank}/{path}"
@@ -175,6 +190,27 @@ class Manifest(FormatModel):
                             raise ValueError(f"entry {key[:80]!r} is given twice or too long")
                         entries[key] = entry
         return self.model_copy(update={"entries": entries, "rank_groups": []})
+
+    def _check_expansion(self, size: int | None) -> None:
+        keys = len(self.entries)
+        records = keys
+        for group in self.rank_groups:
+            weight = sum(1 + len(_shards(e)) for e in group.entries.values())
+            for lo, hi in group.ranks:
+                if not lo <= hi < self.world_size:
+                    raise ValueError(
+                        f"rank range [{lo}, {hi}] outside world_size {self.world_size}"
+                    )
+                keys += (hi - lo + 1) * len(group.entries)
+                records += (hi - lo + 1) * weight
+        if keys > MAX_ENTRIES:
+            raise ValueError(f"rank_groups expand to more than {MAX_ENTRIES} entries")
+        limit = None if size is None else EXPANSION_FIXED + EXPANSION_PER_BYTE * size
+        if limit is not None and records > limit:
+            raise ValueError(
+                f"rank_groups expand to {records} keys and shard records, more than the "
+                f"{limit} a manifest of {size} bytes may hold"
+            )
 
     def chunk_refs(self) -> list[ChunkRef]:
         """The chunks of every entry (a delta's base is in :meth:`stored_refs`)."""
@@ -207,6 +243,10 @@ class Manifest(FormatModel):
         """:meth:`chunk_refs` of each distinct entry object once: what a set of the
         chunks needs (dedup, gc, verify), without a grouped manifest's repeats."""
         return [c for refs, _ in self.distinct_chunk_refs() for c in refs]
+
+
+def _shards(e: Entry) -> list[ShardRecord]:
+    return e.shards if isinstance(e, ShardedEntry) else []
 
 
 def rank_ranges(ranks: list[int]) -> list[tuple[int, int]]:

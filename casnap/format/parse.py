@@ -63,9 +63,9 @@ def _parse(
         return model.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = " at " + ".".join(str(p) for p in first["loc"]) if first["loc"] else ""
         raise ManifestValidationError(
-            f"{what} is malformed at {where}: {first['msg']} ({exc.error_count()} problem(s))",
+            f"{what} is malformed{where}: {first['msg']} ({exc.error_count()} problem(s))",
             what,
         ) from exc
 
@@ -81,7 +81,7 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
         raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
     manifest: Manifest = _parse(Manifest, data, what, versioned=True, majors=MANIFEST_MAJORS)
     try:
-        manifest = manifest.expanded()
+        manifest = manifest.expanded(len(data))
     except ValueError as exc:
         raise ManifestValidationError(f"{what} is malformed at rank_groups: {exc}", name) from exc
     _check_delta_version(manifest, what)

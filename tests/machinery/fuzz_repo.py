@@ -14,7 +14,9 @@ operation. The outcome must be a correct result or a ``casnap.CasnapError``:
   ``blocked`` (a forged lock or lease record held a real take or gc up until
   it gave up) and ``memory`` (MemoryError, or the worker killed). The worker
   runs under RLIMIT_AS (its size after setup plus 2.5 GiB), so a blow-up
-  fails fast.
+  fails fast; an operation whose peak resident memory grows by more than
+  ``MEMORY_FIXED`` plus ``MEMORY_PER_BYTE`` times the largest manifest is a
+  ``memory`` failure too (issue #41).
 
 The ``hostile_lock`` kind writes a forged ``gc.lock`` or lease (a claim to
 the year 9999, times that do not parse) and runs a real take or gc
@@ -65,6 +67,7 @@ KINDS = (
     "bomb",
     "float_overflow",
     "hostile_lock",
+    "many_shards",
 )
 STORE_KINDS = ("fifo", "symlink_dev_zero", "sparse", "bigint")
 ALL_KINDS = KINDS + STORE_KINDS
@@ -84,11 +87,21 @@ OPS = (
 # real gc (not a dry run), which must finish or fail within the case timeout.
 LOCK_OPS = ("take", "gc")
 FAILURES = ("other_exception", "wrong_result", "hang", "blocked", "memory", "fuzzer_error")
-_REWRITES = ("rehash", "huge_shape", "float_overflow")  # the manifest declares other data
+_REWRITES = (
+    "rehash",
+    "huge_shape",
+    "float_overflow",
+    "many_shards",
+)  # the manifest declares other data
 _JSON_DIRS = ("manifests", "refs", "tags", "leases", "damaged")
 _SNAPSHOTS = ("s1", "s2", "s3")
 _CHUNK = 64 * 1024
 _KEEP_DETAILS = 5
+# No operation on a repository whose largest manifest is N bytes may grow the
+# worker's peak resident memory by more than this plus N times this multiple.
+MEMORY_FIXED = 256 << 20
+MEMORY_PER_BYTE = 32
+HUGE_ELEMENTS = 4294967298  # float32: 17,179,869,192 bytes, as in issue #41
 
 
 # -- the repository every case starts from ----------------------------------------
@@ -246,6 +259,91 @@ def _huge_shape(rng: random.Random, doc: Any) -> None:
         e["chunks"] = [dict(first, size=min(chunk, size - i * chunk), length=56) for i in range(n)]
 
 
+def _no_base(ref: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**{k: v for k, v in ref.items() if k != "base"}, **changes}
+
+
+def many_shards(
+    rng: random.Random, doc: Any, how: str | None = None, count: int | None = None
+) -> str:
+    """Turn the tensor ``0/s/w`` into a sharded entry of very many shards (issue #41).
+
+    ``how``: ``empty`` (its real shard and thousands of empty ones), ``overlap``
+    (copies of its real shard), ``split`` (1,000 small shards with consistent
+    chunk lists: valid, so the readers must refuse their chunks) or ``huge``
+    (a tensor of 17,179,869,192 bytes whose many shards leave a gap, or tile it
+    with a consistent 16 GiB shard; mostly beside the dense ``0/s/z`` declaring
+    as much).
+    """
+    how = how or rng.choice(["empty", "overlap", "split", "huge"])
+    e = doc["entries"]["0/s/w"]
+    real = {
+        "offsets": [0],
+        "sizes": e["shape"],
+        "chunk_size": e["chunk_size"],
+        "chunks": e["chunks"],
+    }
+    n, shape = e["shape"][0], list(e["shape"])
+    first = e["chunks"][0]
+    if how == "empty":
+        count = count or rng.choice([2, 1000, 65535])
+        shards = [real] + [
+            {"offsets": [rng.randrange(n + 1)], "sizes": [0], "chunk_size": 4096, "chunks": []}
+            for _ in range(count)
+        ]
+    elif how == "overlap":
+        shards = [real] * rng.choice([2, 100, 4096])
+    elif how == "split":
+        count = count or 1000  # 40,000 (one element each) hangs a read: see docs/fuzz.md
+        step = -(-n // count)
+        shards = [
+            {
+                "offsets": [i],
+                "sizes": [min(step, n - i)],
+                "chunk_size": 4 * step,
+                "chunks": [_no_base(first, size=4 * min(step, n - i), length=56)],
+            }
+            for i in range(0, n, step)
+        ]
+    else:
+        shape = [HUGE_ELEMENTS]
+        count = count or rng.choice([1000, 65535])
+        tiny = [
+            {
+                "offsets": [i],
+                "sizes": [1],
+                "chunk_size": 4,
+                "chunks": [_no_base(first, size=4, length=56)],
+            }
+            for i in range(count)
+        ]
+        rest, cs = 4 * (HUGE_ELEMENTS - count), 1 << 30
+        big = {
+            "offsets": [count],
+            "sizes": [HUGE_ELEMENTS - count],
+            "chunk_size": cs,
+            "chunks": [
+                _no_base(first, size=min(cs, rest - i), length=56) for i in range(0, rest, cs)
+            ],
+        }
+        shards = [*tiny, big] if rng.random() < 0.5 else tiny
+        if rng.random() < 0.7:
+            z = doc["entries"]["0/s/z"]
+            z["dtype"], z["shape"], z["chunk_size"] = "float32", [HUGE_ELEMENTS], cs
+            z["chunks"] = [
+                _no_base(z["chunks"][0], size=min(cs, 4 * HUGE_ELEMENTS - i), length=56)
+                for i in range(0, 4 * HUGE_ELEMENTS, cs)
+            ]
+    doc["entries"]["0/s/w"] = {
+        "kind": "sharded",
+        "layout": "dtensor",
+        "dtype": "float32",
+        "shape": shape,
+        "shards": shards,
+    }
+    return f"{how}: {len(shards)} shards of a float32{shape}"
+
+
 def _float_overflow(rng: random.Random, doc: Any) -> str:
     """Turn the int primitive ``step`` into a float (or complex) whose hex text overflows."""
     text = rng.choice(["0x1p+99999", "-0x1.fp+1024", "0x1p+1024", "0x1.0p+" + "9" * 30])
@@ -376,6 +474,10 @@ def mutate(rng: random.Random, case: Path, rel: str, kind: str) -> str:
         _huge_shape(rng, doc)
         name = _write_manifest(case, Path(rel).name, doc)
         return f"huge shape, rehashed as {name[:12]}"
+    if kind == "many_shards":
+        text = many_shards(rng, doc)
+        name = _write_manifest(case, Path(rel).name, doc)
+        return f"0/s/w {text}, rehashed as {name[:12]}"
     if kind == "float_overflow":
         text = _float_overflow(rng, doc)
         name = _write_manifest(case, Path(rel).name, doc)
@@ -395,7 +497,7 @@ def _applicable(rel: str, kind: str) -> bool:
     is_json = folder in _JSON_DIRS or rel.endswith(("config.json", "gc-epoch"))
     if kind in ("json_value", "bigint"):
         return is_json
-    if kind in ("rehash", "huge_shape", "float_overflow"):
+    if kind in ("rehash", "huge_shape", "float_overflow", "many_shards"):
         return folder == "manifests"
     if kind == "hostile_lock":
         return folder == "leases"
@@ -535,12 +637,14 @@ def run_case(
         _remove(case)
         info.update(outcome="fuzzer_error", detail=traceback.format_exc(limit=-6))
         return info
+    start = _reset_peak()
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             wrong = operate(op, case, snap, states)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            info.update(_growth(start, case))
         if wrong and kind not in _REWRITES:
             info.update(outcome="wrong_result", detail=wrong)
         else:
@@ -568,7 +672,51 @@ def run_case(
         )
     finally:
         _remove(case)
+    bound = info.get("bound")
+    if info.get("outcome") not in FAILURES and bound and info["growth"] > bound:
+        info.update(
+            outcome="memory",
+            detail=f"peak resident memory grew by {info['growth']} bytes, more than {bound} "
+            f"({MEMORY_FIXED} + {MEMORY_PER_BYTE} x its {info['manifest_bytes']}-byte manifest)",
+        )
     return info
+
+
+def _status(field: str) -> int | None:
+    """A ``/proc/self/status`` field in bytes (VmRSS, VmHWM); None where there is none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _reset_peak() -> int | None:
+    """Reset this process's peak resident memory (VmHWM) and return its resident memory now.
+
+    None where the kernel does not allow it (then no memory bound is checked).
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _status("VmRSS")
+
+
+def _growth(start: int | None, case: Path) -> dict[str, Any]:
+    """The case's peak memory growth and its bound (from the largest manifest of ``case``)."""
+    peak = _status("VmHWM")
+    if start is None or peak is None:
+        return {}
+    sizes = [p.stat().st_size for p in (case / ".casnap" / "manifests").rglob("*") if p.is_file()]
+    n = max(sizes, default=0)
+    return {
+        "growth": max(0, peak - start),
+        "manifest_bytes": n,
+        "bound": MEMORY_FIXED + MEMORY_PER_BYTE * n,
+    }
 
 
 def _damaged_record(case: Path, rel: str) -> bool:
@@ -737,6 +885,7 @@ def run(
     by_kind: dict[str, Counter[str]] = {}
     failures: list[dict[str, Any]] = []
     worker: _Worker | None = None
+    largest: dict[str, Any] = {}  # the case whose peak memory grew most
     index = 0
     try:
         while cases is None or index < cases:
@@ -767,6 +916,11 @@ def run(
                     worker.stop()  # threads may still be stuck: start afresh
                     worker = None
             outcome = info["outcome"]
+            if info.get("growth") is not None and info["growth"] >= largest.get("growth", -1):
+                largest = {
+                    k: info.get(k)
+                    for k in ("growth", "bound", "manifest_bytes", "case", "kind", "op")
+                }
             outcomes[outcome] += 1
             by_kind.setdefault(info.get("kind", "?"), Counter())[outcome] += 1
             if outcome == "casnap_error":
@@ -788,6 +942,7 @@ def run(
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
         "failed": sum(outcomes[f] for f in FAILURES),
         "failures": failures,
+        "largest_growth": largest,
     }
 
 
@@ -841,6 +996,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"FAILURE case {f['case']}: {f.get('kind')} on {f.get('file')} "
                 f"({f.get('mutation')}), {f.get('op')} {f.get('snapshot')}: {f['outcome']} "
                 f"{f.get('error', '')}\n{f.get('detail', '')}"
+            )
+        g = summary["largest_growth"]
+        if g:
+            print(
+                f"largest memory growth: {g['growth'] >> 20} MiB (bound {g['bound'] >> 20} MiB, "
+                f"manifest {g['manifest_bytes']} bytes), case {g['case']}: {g['kind']}, {g['op']}"
             )
         print(f"failures: {summary['failed']}")
     return 1 if summary["failed"] else 0
