@@ -36,7 +36,7 @@ def _shard(off: int, size: int, cs: int = 4096) -> dict:
 
 def _manifest(shards: list[dict], shape: list[int], **extra: object) -> bytes:
     entry = {"kind": "sharded", "layout": "dtensor", "dtype": "float32", "shape": shape}
-    doc = {
+    doc: dict[str, object] = {
         "format_version": "1.1",
         "created_at": "t",
         "entries": {"0/m/w": {**entry, "shards": shards}},
