@@ -23,7 +23,7 @@ from casnap.format.names import hash_bytes
 from casnap.format.parse import parse_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests" / "machinery"))
 import fuzz_repo  # noqa: E402
 
 H = "a" * 64
@@ -153,7 +153,7 @@ def test_a_small_hostile_manifest_is_refused_within_256_mib(base, tmp_path, how,
     size = (case / ".casnap" / "manifests" / name[:2] / name).stat().st_size
     assert size < 8 << 20, (what, size)
     env = {**os.environ, "CASNAP_INDEX_DIR": str(tmp_path / "index")}
-    child = [sys.executable, "-c", _CHILD, str(case), str(ROOT / "tools")]
+    child = [sys.executable, "-c", _CHILD, str(case), str(ROOT / "tests" / "machinery")]
     done = subprocess.run(child, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
