@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import run_ranks, values
+from helpers import random_tensors
 
 from casnap import Snapshot, StateDict
 from casnap.distributed.replica_check import CHECKED_MIN, ROW_BYTES, check_id
@@ -128,8 +129,7 @@ def test_small_or_read_only_chunks_are_hashed_instead() -> None:
 
 
 def _one_process_state() -> dict[str, Any]:
-    torch.manual_seed(0)
-    return {"model": StateDict(w=torch.randn(64, 8), b=torch.randn(8)), "step": StateDict(n=7)}
+    return {"model": StateDict(random_tensors({"w": (64, 8), "b": 8})), "step": StateDict(n=7)}
 
 
 def test_entries_matching_replicated_are_marked_in_a_one_process_take(tmp_path: Path) -> None:
