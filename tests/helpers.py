@@ -1,15 +1,18 @@
-"""Helpers shared by the tests: where a repository keeps an object, damaging it, and
-reading what a take or a retention pass recorded (narrowed to what the test established)."""
+"""Helpers shared by the tests: where a repository keeps an object, damaging it,
+reading what a take or a retention pass recorded (narrowed to what the test established),
+and the state the tests take (seeded random tensors, a step's state)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from casnap.format.entries import Entry, TensorEntry
 
 if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    import torch
+
     from casnap import Snapshot
     from casnap.api.checkpointer import Checkpointer
     from casnap.chunks.frames import WriteStats
@@ -66,6 +69,34 @@ def reclaimed_of(ckpt: Checkpointer) -> ReclaimResult:
     reclaimed = retention_of(ckpt).reclaimed
     assert reclaimed is not None, "the last retention pass reclaimed nothing"
     return reclaimed
+
+
+Shape = int | tuple[int, ...]
+
+
+def random_tensors(shapes: Mapping[str, Shape], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Float32 tensors of normal values, one per name of ``shapes`` in its order, drawn
+    from one generator seeded with ``seed``: the same call gives the same values in every
+    process, and leaves torch's global generator alone."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+def numbered_tensors(
+    n: int, shape: Shape = 64, *, prefix: str = "p", seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """``n`` :func:`random_tensors` of one ``shape``, named ``p0``, ``p1``, ... (``prefix``)."""
+    return random_tensors({f"{prefix}{i}": shape for i in range(n)}, seed)
+
+
+def step_state(step: int, numel: int, value: float | None = None) -> dict[str, Any]:
+    """A training step's state: ``w``, ``numel`` elements all ``value`` (the step's by
+    default), and the ``step``."""
+    import torch
+
+    return {"w": torch.full((numel,), float(step) if value is None else value), "step": step}
 
 
 def smaps_kib(address: int, field: str) -> int:

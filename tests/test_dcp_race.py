@@ -14,8 +14,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
+from helpers import step_state
 
 import casnap
 from casnap.errors import CasnapWarning
@@ -25,10 +25,6 @@ from casnap.store import CountingStore, LocalStore
 from casnap.store.base import Data
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def _state(value: float, step: int) -> dict:
-    return {"w": torch.full((256,), value), "step": step}
 
 
 def _named(root: Path) -> dict[str, str]:
@@ -63,18 +59,18 @@ def test_a_save_that_loses_the_commit_race_is_kept_in_history(tmp_path):
     # commits X -> B. A must not overwrite B (last writer wins): B stays current,
     # and A, which returns normally, is kept as latest@<its hash>.
     root, path = tmp_path / "run", tmp_path / "run" / "latest"
-    dcp.save(_state(1.0, 1), storage_writer=CasnapWriter(path))
+    dcp.save(step_state(1, 256, 1.0), storage_writer=CasnapWriter(path))
     old = _named(root)["latest"]
     other = CasnapWriter(path)
     gated = _CommitsInBetween(
         LocalStore(str(root)),
         ".casnap/refs/latest",
-        lambda: dcp.save(_state(3.0, 3), storage_writer=other),
+        lambda: dcp.save(step_state(3, 256, 3.0), storage_writer=other),
     )
     writer = CasnapWriter(path, storage_options={"repository": RepoStorage.on_store(gated)})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dcp.save(_state(2.0, 2), storage_writer=writer)
+        dcp.save(step_state(2, 256, 2.0), storage_writer=writer)
     assert gated.fired
     mine, theirs = writer.last_manifest, other.last_manifest
     assert mine is not None and theirs is not None and len({old, mine, theirs}) == 3
@@ -87,7 +83,7 @@ def test_a_save_that_loses_the_commit_race_is_kept_in_history(tmp_path):
     assert any(
         issubclass(w.category, CasnapWarning) and mine[:12] in str(w.message) for w in caught
     )
-    back = _state(0.0, 0)
+    back = step_state(0, 256, 0.0)
     dcp.load(back, storage_reader=CasnapReader(root / f"latest{HISTORY_SEP}{mine[:12]}"))
     assert back["step"] == 2 and bool((back["w"] == 2.0).all())
 
@@ -100,10 +96,10 @@ def test_a_first_save_that_loses_the_race_is_kept_in_history(tmp_path):
     gated = _CommitsInBetween(
         LocalStore(str(root)),
         ".casnap/refs/latest",
-        lambda: dcp.save(_state(3.0, 3), storage_writer=other),
+        lambda: dcp.save(step_state(3, 256, 3.0), storage_writer=other),
     )
     writer = CasnapWriter(path, storage_options={"repository": RepoStorage.on_store(gated)})
-    dcp.save(_state(2.0, 2), storage_writer=writer)
+    dcp.save(step_state(2, 256, 2.0), storage_writer=writer)
     mine, theirs = writer.last_manifest, other.last_manifest
     assert mine is not None and theirs is not None
     assert _named(root) == {"latest": theirs, f"latest{HISTORY_SEP}{mine[:12]}": mine}
@@ -116,7 +112,7 @@ def _saver(path: str, out: str, who: int, saves: int, start: object) -> None:
     for i in range(saves):
         writer = CasnapWriter(path)
         try:
-            dcp.save(_state(float(who * 1000 + i), i), storage_writer=writer)
+            dcp.save(step_state(i, 256, float(who * 1000 + i)), storage_writer=writer)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             results.append({"error": f"{type(exc).__name__}: {exc}"})
             continue
@@ -128,7 +124,7 @@ def _saver(path: str, out: str, who: int, saves: int, start: object) -> None:
 @pytest.mark.slow
 def test_two_processes_saving_to_one_id_lose_no_returned_save(tmp_path):
     root, path = tmp_path / "run", tmp_path / "run" / "latest"
-    dcp.save(_state(0.0, 0), storage_writer=CasnapWriter(path))
+    dcp.save(step_state(0, 256, 0.0), storage_writer=CasnapWriter(path))
     ctx = mp.get_context("spawn")
     start = ctx.Barrier(2)
     saves = 20

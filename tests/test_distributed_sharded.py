@@ -1,4 +1,8 @@
-"""DTensor and ShardedTensor: stored with global offsets, resharded on restore (``-m dist``)."""
+"""DTensor and ShardedTensor: stored with global offsets, resharded on restore.
+
+The multi-rank takes and restores carry ``dist`` (select with ``-m dist``); the reads a
+reshard plans, only the chunks that overlap the target, need no processes.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_ranks, values
 
-pytestmark = pytest.mark.dist
+from casnap.format.codec import HEADER_SIZE
+from casnap.format.entries import ChunkRef, ShardedEntry, ShardRecord
+from casnap.restore.reshard import ShardedSink
 
 OPTS = {"chunk_size": 4096}
 SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
@@ -136,6 +142,7 @@ def restore(rank: int, world: int, root: str, name: str, saved_world: int) -> di
     return {"ok": True}
 
 
+@pytest.mark.dist
 def test_dtensor_sharded_tensor_reshard(tmp_path: Path) -> None:
     root = str(tmp_path / "repo")
     values(run_ranks(4, save, root, "four"))
@@ -144,6 +151,7 @@ def test_dtensor_sharded_tensor_reshard(tmp_path: Path) -> None:
     values(run_ranks(3, restore, root, "two", 2))  # 2 -> 3 (rank 2 is new)
 
 
+@pytest.mark.dist
 def test_sharded_single_process_read_object(tmp_path: Path) -> None:
     """World size 1: a DTensor on a one-rank mesh, and read_object of every entry kind."""
     values(run_ranks(1, one_rank, str(tmp_path / "repo")))
@@ -161,3 +169,59 @@ def one_rank(rank: int, world: int, root: str) -> None:
             assert torch.equal(value, global_value(key.split("/")[-1]))
     assert snap.read_object("0/misc/o") == [1, 2] and snap.read_object("0/misc/n") == 3
     assert dist.get_world_size() == 1
+
+
+# --- which chunks a reshard reads ------------------------------------------------------------
+
+
+def _entry(rows: int, cols: int, parts: int, chunk: int) -> ShardedEntry:
+    per = rows // parts
+    nbytes = per * cols * 4
+    shards = []
+    for p in range(parts):
+        refs = [
+            ChunkRef(
+                hash=f"{p:032x}{i:032x}",
+                size=min(chunk, nbytes - i * chunk),
+                length=HEADER_SIZE + min(chunk, nbytes - i * chunk),
+            )
+            for i in range(-(-nbytes // chunk))
+        ]
+        shards.append(
+            ShardRecord(offsets=[p * per, 0], sizes=[per, cols], chunk_size=chunk, chunks=refs)
+        )
+    return ShardedEntry(layout="dtensor", dtype="float32", shape=[rows, cols], shards=shards)
+
+
+class _Target:
+    """A stand-in for a sharded target with one box (what target_regions returns)."""
+
+
+def _needed(entry: ShardedEntry, offsets: tuple[int, int], sizes: tuple[int, int]) -> set[str]:
+    import casnap.restore.reshard as reshard
+    from casnap.torch_io.sharded import LocalShard, target_regions
+
+    box = LocalShard(offsets, sizes, torch.empty(sizes))
+    original = target_regions
+    reshard.target_regions = lambda value, key: [box]  # type: ignore[attr-defined]  # as used
+    original_check = reshard._check
+    reshard._check = lambda key, entry, target: None
+    try:
+        sink = ShardedSink("k", entry, _Target())
+    finally:
+        reshard.target_regions = original  # type: ignore[attr-defined]
+        reshard._check = original_check
+    return {ref.hash for _, ref in sink.needed()}
+
+
+def test_row_overlap_reads_only_overlapping_chunks() -> None:
+    entry = _entry(64, 64, 4, 1024)  # 16 rows per shard, 4 rows (1 KiB) per chunk
+    got = _needed(entry, (8, 0), (16, 64))  # rows 8..23: half of shard 0, half of shard 1
+    want = {f"{0:032x}{i:032x}" for i in (2, 3)} | {f"{1:032x}{i:032x}" for i in (0, 1)}
+    assert got == want
+
+
+def test_column_box_reads_only_its_rows() -> None:
+    entry = _entry(64, 64, 4, 256)  # one row per chunk
+    got = _needed(entry, (3, 10), (3, 20))  # rows 3..5, columns 10..29
+    assert got == {f"{0:032x}{i:032x}" for i in (3, 4, 5)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_tensors
 
 from casnap import Snapshot, SnapshotExistsError, StateDict
 from casnap.errors import StoreError
@@ -26,9 +27,7 @@ class _ClientRetriesInternally(LocalStore):
             super().put(key, data, create_only=True, durable=durable)  # raises: it exists
 
 
-def _state(seed: int) -> StateDict:
-    g = torch.Generator().manual_seed(seed)
-    return StateDict(w=torch.randn(50_000, generator=g), b=torch.randn(10, generator=g))
+SHAPES = {"w": 50_000, "b": 10}
 
 
 def _take(repo: RepoStorage, name: str, state: StateDict) -> None:
@@ -47,12 +46,12 @@ def _restores(repo: RepoStorage, name: str, state: StateDict) -> bool:
 
 def test_a_commit_whose_answer_was_lost_is_not_reported_as_a_conflict(tmp_path):
     repo = RepoStorage.on_store(_ClientRetriesInternally(str(tmp_path / "repo")))
-    state = _state(0)
+    state = StateDict(random_tensors(SHAPES, 0))
     _take(repo, "step_1", state)  # was SnapshotExistsError for its own commit
     assert _restores(repo, "step_1", state)
     # A real conflict is still one: another take under the same name.
     with pytest.raises(SnapshotExistsError):
-        _take(repo, "step_1", _state(1))
+        _take(repo, "step_1", StateDict(random_tensors(SHAPES, 1)))
     assert _restores(repo, "step_1", state)
 
 
@@ -60,7 +59,7 @@ def _takes_that_succeed(store, n: int) -> tuple[int, int]:
     repo = RepoStorage.on_store(store)
     ok = 0
     for i in range(n):
-        state = _state(i)
+        state = StateDict(random_tensors(SHAPES, i))
         try:
             _take(repo, f"step_{i}", state)
             ok += _restores(repo, f"step_{i}", state)

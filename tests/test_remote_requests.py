@@ -7,6 +7,7 @@ import uuid
 import pytest
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
+from helpers import random_tensors
 
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.store import CountingStore, FsspecStore
@@ -16,10 +17,8 @@ pytestmark = pytest.mark.gcs
 CHUNK = 64 * 1024
 
 
-def _state() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    # 8 loose chunks of 64 KiB in "w", and small tensors that are packed
-    return {"w": torch.randn(8 * CHUNK // 4, generator=gen), "b": torch.randn(10, generator=gen)}
+# 8 loose chunks of 64 KiB in "w", and small tensors that are packed
+SHAPES = {"w": 8 * CHUNK // 4, "b": 10}
 
 
 def _chunk_reads(store: CountingStore) -> list[str]:
@@ -30,7 +29,7 @@ def test_first_take_into_a_new_repository_probes_for_nothing(gcs_bucket):  # noq
     url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
     store = CountingStore(FsspecStore(url))
     repo = Repository.on_store(store, chunk_size=CHUNK)  # created here: nothing stored yet
-    state = _state()
+    state = random_tensors(SHAPES)
     store.reset()
     Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, storage_options={"repository": repo})
 
@@ -54,7 +53,7 @@ def test_later_takes_still_look_before_writing(gcs_bucket):  # noqa: F811
     url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
     store = CountingStore(FsspecStore(url))
     repo = Repository.on_store(store, chunk_size=CHUNK)
-    state = _state()
+    state = random_tensors(SHAPES)
     opts = {"repository": repo}
     Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, storage_options=opts)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import step_state
 
 from casnap import CasnapError, Snapshot, SnapshotNotFoundError, StateDict
 from casnap.errors import (
@@ -62,7 +63,7 @@ ALL = {"base"} | {f"s{s:03d}" for s in STEPS}
 
 
 def _state(step: int) -> dict[str, StateDict]:
-    return {"model": StateDict(w=torch.full((2000,), float(step)), step=step)}
+    return {"model": StateDict(step_state(step, 2000))}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import take_stats
+from helpers import numbered_tensors, take_stats
 
 from casnap import Session, Snapshot, StateDict
 from casnap.chunks import ChunkWriter
@@ -26,11 +26,6 @@ from casnap.settings import Settings
 from casnap.take import job
 
 
-def _state(n: int, numel: int = 64) -> StateDict:
-    g = torch.Generator().manual_seed(0)
-    return StateDict({f"p{i}": torch.randn(numel, generator=g) for i in range(n)})
-
-
 def _restored(path: str, like: StateDict) -> StateDict:
     out = StateDict({k: torch.empty_like(v) for k, v in like.items()})
     Snapshot(path).restore({"m": out})
@@ -38,7 +33,7 @@ def _restored(path: str, like: StateDict) -> StateDict:
 
 
 def test_identical_small_tensors_are_stored_once_and_restore_bit_exact(tmp_path):
-    state = _state(1500)
+    state = StateDict(numbered_tensors(1500))
     for i in range(0, 1500, 3):  # a third are zeros (biases, fresh optimizer state)
         state[f"p{i}"] = torch.zeros(64)
     state["odd"] = torch.arange(10, dtype=torch.int16)[::2]  # not contiguous: copied
@@ -54,7 +49,7 @@ def test_identical_small_tensors_are_stored_once_and_restore_bit_exact(tmp_path)
 
 def test_the_manifest_a_take_builds_is_the_one_read_back(tmp_path):
     session = Session()
-    state = _state(300)
+    state = StateDict(numbered_tensors(300))
     path = str(tmp_path / "repo" / "s1")
     snap = Snapshot.take(path, {"m": state}, session=session)
     repo = RepoStorage.open(str(tmp_path / "repo"))
@@ -81,7 +76,7 @@ class _RecordingBudget(ByteBudget):
 def test_grouped_small_tensors_stay_under_the_memory_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(job, "ByteBudget", _RecordingBudget)
     _RecordingBudget.instances = []
-    state = _state(1000, numel=1024)  # 4 MB of 4 KiB tensors, each one copied
+    state = StateDict(numbered_tensors(1000, 1024))  # 4 MB of 4 KiB tensors, each one copied
     budget = 64 * 1024
     Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": state}, memory_budget_bytes=budget)
     (b,) = _RecordingBudget.instances
@@ -91,7 +86,7 @@ def test_grouped_small_tensors_stay_under_the_memory_budget(tmp_path, monkeypatc
 
 
 def test_async_take_of_small_tensors_is_point_in_time(tmp_path):
-    state = _state(2000)
+    state = StateDict(numbered_tensors(2000))
     expected = {k: v.clone() for k, v in state.items()}
     pending = Snapshot.async_take(
         str(tmp_path / "repo" / "s1"),
@@ -188,14 +183,14 @@ def _frames(path: str) -> dict[str, int]:
 def test_random_small_tensors_are_judged_together_not_each_tried(tmp_path, monkeypatch):
     _count_compressions(monkeypatch)
     path = str(tmp_path / "repo" / "s1")
-    Snapshot.take(path, {"m": _state(2000)})
+    Snapshot.take(path, {"m": StateDict(numbered_tensors(2000))})
     # Two groups of up to 1,024 tensors, five trials each: not five per tensor.
     assert _CountingCompressor.calls <= 20
     assert set(_frames(path).values()) == {codec.HEADER_SIZE + 256}  # stored raw, as before
 
 
 def test_compressible_small_tensors_are_still_compressed(tmp_path):
-    state = _state(600)
+    state = StateDict(numbered_tensors(600))
     for i in range(0, 600, 2):  # half of them constant (norm weights, fresh optimizer state)
         state[f"p{i}"] = torch.full((64,), float(i))
     path = str(tmp_path / "repo" / "s1")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import numbered_tensors
 
 import casnap
 from casnap import Session, Snapshot, StateDict
@@ -24,11 +25,6 @@ from casnap.torch_io.staging import StagingFull, StagingPool, ThreadCopies
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 64 * 1024
-
-
-def _state(n: int = 4, numel: int = 100_000) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return {f"w{i}": torch.randn(numel, generator=g) for i in range(n)}
 
 
 def _session(delay_s: float = 0.0, idle: int = 1 << 30) -> Session:
@@ -44,7 +40,7 @@ def _restored(path: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def test_take_hashes_each_chunk_only_after_its_copy_landed(tmp_path: Path) -> None:
-    ref = _state()
+    ref = numbered_tensors(4, 100_000)
     session = _session(delay_s=0.002)  # every 64 KiB piece lands 2 ms after it was issued
     with casnap.settings.override(chunk_size=CHUNK, compression="none"):
         Snapshot.take(
@@ -60,7 +56,7 @@ def test_take_hashes_each_chunk_only_after_its_copy_landed(tmp_path: Path) -> No
 
 
 def test_async_take_returns_only_once_every_copy_is_staged(tmp_path: Path) -> None:
-    ref = _state()
+    ref = numbered_tensors(4, 100_000)
     live = {k: v.clone() for k, v in ref.items()}
     session = _session(delay_s=0.02)
     with casnap.settings.override(chunk_size=CHUNK):
@@ -73,7 +69,7 @@ def test_async_take_returns_only_once_every_copy_is_staged(tmp_path: Path) -> No
 
 
 def test_pool_reuses_its_buffers_across_async_takes(tmp_path: Path) -> None:
-    state = {"m": StateDict(_state())}
+    state = {"m": StateDict(numbered_tensors(4, 100_000))}
     nbytes = sum(v.numel() * v.element_size() for v in state["m"].values())
     session = _session()
     pool = session.staging
@@ -93,7 +89,7 @@ def test_pool_reuses_its_buffers_across_async_takes(tmp_path: Path) -> None:
 def test_pool_never_holds_more_than_the_staging_budget(tmp_path: Path) -> None:
     # 16 MiB of state, a budget whose staging share (7 MiB) is below it: most tensors
     # stay live and are copied chunk by chunk while the staged buffers are held.
-    state = {"m": StateDict(_state(n=8, numel=512 * 1024))}
+    state = {"m": StateDict(numbered_tensors(8, 512 * 1024))}
     budget = 12 << 20
     session = _session()
     with casnap.settings.override(chunk_size=CHUNK, io_workers=4):
@@ -128,7 +124,7 @@ def test_buffers_in_use_never_exceed_the_limit() -> None:
 
 
 def test_second_async_take_while_the_first_writes_keeps_the_rest_live(tmp_path: Path) -> None:
-    state = {"m": StateDict(_state(n=4, numel=256 * 1024))}  # 4 MiB
+    state = {"m": StateDict(numbered_tensors(4, 256 * 1024))}  # 4 MiB
     session = _session()
     budget = 16 << 20
     with casnap.settings.override(chunk_size=CHUNK, io_workers=1):
@@ -156,7 +152,7 @@ def test_pinned_allocation_falls_back_to_plain_memory_without_cuda() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_state_round_trips_through_pinned_buffers(tmp_path: Path) -> None:
-    ref = {k: v.cuda() for k, v in _state().items()}
+    ref = {k: v.cuda() for k, v in numbered_tensors(4, 100_000).items()}
     session = Session()
     with casnap.settings.override(chunk_size=CHUNK):
         Snapshot.async_take(f"{tmp_path}/r/a", {"m": StateDict(ref)}, session=session).wait()

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from helpers import numbered_tensors
 
 from casnap import Session, Snapshot, StateDict
 from casnap.errors import CasnapError
@@ -51,13 +52,8 @@ def _full_collections_during(fn) -> int:
     return len(seen)
 
 
-def _state(n: int) -> StateDict:
-    g = torch.Generator().manual_seed(0)
-    return StateDict({f"p{i}": torch.randn(64, generator=g) for i in range(n)})
-
-
 def test_a_take_and_a_retake_make_no_full_collection(tmp_path, eager_collector):
-    app, session = {"m": _state(500)}, Session()
+    app, session = {"m": StateDict(numbered_tensors(500))}, Session()
     first = _full_collections_during(
         lambda: Snapshot.take(str(tmp_path / "repo" / "s1"), app, session=session)
     )
@@ -69,7 +65,7 @@ def test_a_take_and_a_retake_make_no_full_collection(tmp_path, eager_collector):
 
 
 def test_a_failed_take_restores_the_collector(tmp_path, eager_collector):
-    app = {"m": _state(10)}
+    app = {"m": StateDict(numbered_tensors(10))}
     Snapshot.take(str(tmp_path / "repo" / "s1"), app)
     with pytest.raises(CasnapError):  # the name is taken
         Snapshot.take(str(tmp_path / "repo" / "s1"), app)
@@ -78,7 +74,7 @@ def test_a_failed_take_restores_the_collector(tmp_path, eager_collector):
 
 def test_a_process_that_disabled_the_collector_keeps_it_disabled(tmp_path, eager_collector):
     gc.disable()
-    Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": _state(10)})
+    Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": StateDict(numbered_tensors(10))})
     assert not gc.isenabled()
 
 
@@ -105,7 +101,7 @@ def test_overlapping_pauses_restore_collection_once_the_last_ends(eager_collecto
 def test_a_restore_and_a_manifest_parse_make_no_full_collection(tmp_path, eager_collector):
     from casnap import Repository
 
-    app = {"m": _state(500)}
+    app = {"m": StateDict(numbered_tensors(500))}
     Snapshot.take(str(tmp_path / "repo" / "s1"), app)
     storage = Repository(str(tmp_path / "repo")).storage
     manifest_hash = storage.read_ref("s1").manifest

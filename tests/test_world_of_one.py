@@ -16,15 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import numbered_tensors
 
 import casnap.distributed.plan as plan
 from casnap import Session, Snapshot, StateDict
 from casnap.format.names import digest_of  # what plan.digest_of is until the patch
-
-
-def _state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return {f"w{i}": torch.randn(256, 256) for i in range(4)}
 
 
 def _entries(snap: Snapshot) -> dict[str, object]:
@@ -34,7 +30,9 @@ def _entries(snap: Snapshot) -> dict[str, object]:
 def test_one_rank_group_takes_like_a_single_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    alone = Snapshot.take(str(tmp_path / "alone" / "s"), {"m": StateDict(_state())})
+    alone = Snapshot.take(
+        str(tmp_path / "alone" / "s"), {"m": StateDict(numbered_tensors(4, (256, 256)))}
+    )
     hashed_in: list[int] = []
 
     def recording(piece):
@@ -44,7 +42,7 @@ def test_one_rank_group_takes_like_a_single_process(
     monkeypatch.setattr(plan, "digest_of", recording)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        live = _state()
+        live = numbered_tensors(4, (256, 256))
         session = Session()
         pending = Snapshot.async_take(
             str(tmp_path / "grouped" / "s"), {"m": StateDict(live)}, session=session
@@ -57,7 +55,7 @@ def test_one_rank_group_takes_like_a_single_process(
         dist.destroy_process_group()
     assert not caller_hashed, "async_take hashed the state before returning"
     assert _entries(grouped) == _entries(alone)
-    out = {k: torch.zeros(256, 256) for k in _state()}
+    out = {k: torch.zeros(256, 256) for k in numbered_tensors(4, (256, 256))}
     grouped.restore({"m": StateDict(out)})
-    for k, t in _state().items():
+    for k, t in numbered_tensors(4, (256, 256)).items():
         assert torch.equal(out[k], t)
