@@ -111,3 +111,13 @@ def smaps_kib(address: int, field: str) -> int:
         elif inside and head == f"{field}:":
             return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def counted_repo(root: str, chunk_size: int) -> tuple[Any, Any]:
+    """A repository at ``root`` (created if needed) on a store that counts every request:
+    (the :class:`casnap.Repository`, its :class:`casnap.store.CountingStore`)."""
+    from casnap import Repository
+    from casnap.store import CountingStore, LocalStore
+
+    store = CountingStore(LocalStore(root))
+    return Repository.on_store(store, chunk_size=chunk_size), store

@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import pytest
-import repo_helpers
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import flip_byte, pack_path, take_stats, tensor_entry
@@ -143,7 +143,7 @@ def test_a_sparse_update_of_a_large_table_is_stored_as_a_delta(tmp_path):
 
 
 def test_a_new_process_reads_its_parent_once_and_the_next_take_none(tmp_path):
-    repo, store = repo_helpers.counted_repo(str(tmp_path / "run"), CHUNK)
+    repo, store = helpers.counted_repo(str(tmp_path / "run"), CHUNK)
     opts = {"repository": repo, "chunk_size": CHUNK}
     app = state()
     s1 = Snapshot.take(f"{repo.url}/s1", app, storage_options=opts)
@@ -266,7 +266,7 @@ def test_a_parent_deleted_by_retention_and_gc_between_takes_loses_nothing(tmp_pa
 
 
 def test_after_a_gc_the_index_no_longer_vouches_for_the_parent(tmp_path):
-    repo, store = repo_helpers.counted_repo(str(tmp_path / "run"), CHUNK)
+    repo, store = helpers.counted_repo(str(tmp_path / "run"), CHUNK)
     opts = {"repository": repo, "chunk_size": CHUNK}
     app = state()
     Snapshot.take(f"{repo.url}/s1", app, storage_options=opts)

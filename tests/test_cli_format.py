@@ -18,8 +18,8 @@ import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import helpers
 import pytest
-import repo_helpers
 import torch
 from helpers import chunk_path
 
@@ -201,7 +201,7 @@ def test_gc_dry_run_writes_nothing(tmp_path, repo_dir):
     assert listing(root) == before  # no lock, no epoch, no lease, nothing touched
 
     # Through a store that counts requests: reads and listings only.
-    repo, store = repo_helpers.counted_repo(repo_dir, CHUNK)
+    repo, store = helpers.counted_repo(repo_dir, CHUNK)
     store.reset()
     assert repo.gc(grace_seconds=0, dry_run=True).plan.bytes_to_free > 0
     assert store.requests["put"] == 0 and store.requests["delete"] == 0

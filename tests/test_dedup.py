@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
+import helpers
 import pytest
-import repo_helpers
 import torch
 from helpers import take_stats, tensor_entry
 
@@ -17,7 +17,7 @@ CHUNK = 64 * 1024
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
-    return repo_helpers.counted_repo(root, CHUNK)
+    return helpers.counted_repo(root, CHUNK)
 
 
 def opts(repo: Repository) -> dict:

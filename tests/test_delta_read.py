@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import repo_helpers
+import helpers
 import torch
 from helpers import take_stats
 
@@ -57,7 +57,7 @@ def _chunks(path: str, key: str = "0/m/emb") -> list:
 
 def test_the_newest_of_a_chain_reads_each_delta_frame_once(tmp_path: Path) -> None:
     root = tmp_path / "repo"
-    repo, store = repo_helpers.counted_repo(str(root), CHUNK)
+    repo, store = helpers.counted_repo(str(root), CHUNK)
     states = _series(root, 5, repo)
     refs = _chunks(f"{root}/s4")
     links = [link for ref in refs for link in ref.chain()[:-1]]

@@ -13,9 +13,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import helpers
 import lmdb
 import pytest
-import repo_helpers
 import torch
 from gcs_server import gcs_bucket, gcs_server  # noqa: F401  (fixtures)
 from helpers import chunk_path, take_stats, tensor_entry
@@ -40,7 +40,7 @@ def _private_index(tmp_path, monkeypatch):
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
-    return repo_helpers.counted_repo(root, CHUNK)
+    return helpers.counted_repo(root, CHUNK)
 
 
 def opts(repo: Repository) -> dict:

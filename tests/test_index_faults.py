@@ -39,11 +39,11 @@ ROOT = TESTS.parent
 CHILD = textwrap.dedent(
     """
     import os, sys
-    import repo_helpers, torch
+    import helpers, torch
     from casnap import Snapshot, StateDict
 
     root, name, takes, fill = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    repo, store = repo_helpers.counted_repo(root, {chunk})
+    repo, store = helpers.counted_repo(root, {chunk})
 
     def state(i):
         g = torch.Generator().manual_seed(0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+import helpers
 import pytest
-import repo_helpers
 import torch
 from helpers import take_stats
 
@@ -29,7 +29,7 @@ def session(request) -> Session | None:
 
 
 def counted_repo(root: str) -> tuple[Repository, CountingStore]:
-    return repo_helpers.counted_repo(root, CHUNK)
+    return helpers.counted_repo(root, CHUNK)
 
 
 def take(

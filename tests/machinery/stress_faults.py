@@ -21,7 +21,15 @@ from typing import Any
 from stress_common import ROOT, Deadline
 
 sys.path.insert(0, str(ROOT / "tests"))
-from test_lost_responses import _restores, _state, _take  # noqa: E402
+from helpers import random_tensors  # noqa: E402
+from test_lost_responses import SHAPES, _restores, _take  # noqa: E402
+
+from casnap import StateDict  # noqa: E402
+
+
+def _state(seed: int) -> StateDict:
+    return StateDict(random_tensors(SHAPES, seed))
+
 
 RATE = 0.10
 
