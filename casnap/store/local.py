@@ -31,6 +31,13 @@ from casnap.store.base import (
     check_key,
     check_limit,
 )
+from casnap.store.local_errors import (
+    NOT_AN_OBJECT,
+    refuse_special,
+    refused,
+    translate,
+    walk_error,
+)
 from casnap.store.local_sync import (
     DeferredFiles,
     Unsynced,
@@ -42,11 +49,6 @@ from casnap.store.local_sync import (
 # "~" is outside the key alphabet (see check_key), so no key can look like a
 # temp file and list can skip temp files without hiding a real object.
 _TMP_MARK = "~tmp-"
-# A key whose path runs into a file, or names a folder, is simply not an object.
-_NOT_AN_OBJECT = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
-# Errors a repeat of the same call may not meet (an interrupted call, a busy
-# or timed-out network file system); a full disk or a permission is permanent.
-_TRANSIENT = (errno.EINTR, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE)
 # Opening an object never follows a symbolic link (the last path segment) and
 # never blocks: a FIFO opens at once and is then refused by its type.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -119,10 +121,10 @@ class LocalStore(ObjectStore):
         """A writer's :class:`Deferral` for :meth:`deferring`: its errors come as ``flush``
         raises them (a :class:`StoreError`)."""
 
-        def translate(exc: BaseException) -> BaseException:
-            return _translate(exc, "", writing=True) if isinstance(exc, OSError) else exc
+        def as_store_error(exc: BaseException) -> BaseException:
+            return translate(exc, "", writing=True) if isinstance(exc, OSError) else exc
 
-        return Deferral(translate)
+        return Deferral(as_store_error)
 
     @contextlib.contextmanager
     def deferring(self, owner: Deferral | None = None) -> Iterator[None]:
@@ -152,7 +154,7 @@ class LocalStore(ObjectStore):
             try:
                 self._unsynced.settle_all()  # their renames add folders to _pending_dirs
             except OSError as exc:
-                raise _translate(exc, "", writing=True) from exc
+                raise translate(exc, "", writing=True) from exc
             with self._pending_lock:
                 pending, self._pending_dirs = self._pending_dirs, set()
             try:
@@ -161,7 +163,7 @@ class LocalStore(ObjectStore):
                 with self._pending_lock:
                     self._pending_dirs |= pending
                 if isinstance(exc, OSError):
-                    raise _translate(exc, "", writing=True) from exc
+                    raise translate(exc, "", writing=True) from exc
                 raise
 
     def _path(self, key: str) -> str:
@@ -174,19 +176,19 @@ class LocalStore(ObjectStore):
             fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
             if exc.errno in _REFUSED_OPEN:
-                _refuse_special(path, key, exc)
-            raise _translate(exc, key) from exc
+                refuse_special(path, key, exc)
+            raise translate(exc, key) from exc
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
                 raise ObjectNotFoundError(f"object {key!r} not found", key)  # a folder of keys
             if not stat.S_ISREG(st.st_mode):
-                raise _refused(key, st.st_mode)
+                raise refused(key, st.st_mode)
         except OSError as exc:
             os.close(fd)
             if isinstance(exc, StoreError):
                 raise
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         return fd, st.st_size
 
     def get(self, key: str, *, limit: int | None = None) -> bytes:
@@ -211,7 +213,7 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             if isinstance(exc, StoreError):
                 raise
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         finally:
             os.close(fd)
 
@@ -229,7 +231,7 @@ class LocalStore(ObjectStore):
                 views = _advance(views, n)
             return total
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         finally:
             os.close(fd)
 
@@ -259,7 +261,7 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             if isinstance(exc, StoreError):
                 raise
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         finally:
             os.close(fd)
 
@@ -281,7 +283,7 @@ class LocalStore(ObjectStore):
                 want -= len(part)
             return parts[0] if len(parts) == 1 else b"".join(parts)
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         finally:
             os.close(fd)
 
@@ -319,7 +321,7 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise _translate(exc, key, writing=True) from exc
+            raise translate(exc, key, writing=True) from exc
 
     def _put_deferred(
         self, key: str, data: Data, path: str, tmp: str, create_only: bool, owner: Deferral | None
@@ -331,7 +333,7 @@ class LocalStore(ObjectStore):
             _make_folders(os.path.dirname(path), self._defer)
             fd = write_unsynced(tmp, as_parts(data))
         except OSError as exc:
-            raise _translate(exc, key, writing=True) from exc
+            raise translate(exc, key, writing=True) from exc
         self._unsynced.add(Unsynced(fd, tmp, path, create_only, owner))
 
     def replace(self, key: str, data: Data, *, expected: bytes | None) -> None:
@@ -345,14 +347,14 @@ class LocalStore(ObjectStore):
         try:
             fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError as exc:
-            if exc.errno in _NOT_AN_OBJECT:
+            if exc.errno in NOT_AN_OBJECT:
                 raise changed(key) from exc  # no folder, no object
-            raise _translate(exc, key, writing=True) from exc
+            raise translate(exc, key, writing=True) from exc
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
             except OSError as exc:
-                raise _translate(exc, key, writing=True) from exc
+                raise translate(exc, key, writing=True) from exc
             try:
                 current: bytes | None = self.get(key, limit=len(expected))
             except (ObjectNotFoundError, ObjectRefusedError):
@@ -370,9 +372,9 @@ class LocalStore(ObjectStore):
         try:
             return not stat.S_ISDIR(os.lstat(self._path(key)).st_mode)
         except OSError as exc:
-            if exc.errno in _NOT_AN_OBJECT:
+            if exc.errno in NOT_AN_OBJECT:
                 return False
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
 
     def list(self, prefix: str = "") -> Iterator[str]:
         for key, _path in self._walk(prefix, temporary=False):
@@ -391,7 +393,7 @@ class LocalStore(ObjectStore):
             except FileNotFoundError:
                 continue  # deleted (or renamed into place) while listing
             except OSError as exc:
-                raise _translate(exc, key) from exc
+                raise translate(exc, key) from exc
             yield ObjectInfo(key, st.st_size, st.st_mtime)
 
     def _walk(self, prefix: str, *, temporary: bool) -> Iterator[tuple[str, str]]:
@@ -402,7 +404,7 @@ class LocalStore(ObjectStore):
         # os.walk skips unreadable folders silently; a listing that quietly
         # misses refs would let gc delete what they reference.
         try:
-            for folder, _dirs, files in os.walk(base, onerror=_walk_error):
+            for folder, _dirs, files in os.walk(base, onerror=walk_error):
                 rel = os.path.relpath(folder, self.root)
                 for name in files:
                     if (_TMP_MARK in name) != temporary:
@@ -410,16 +412,16 @@ class LocalStore(ObjectStore):
                     key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
                     yield key, os.path.join(folder, name)
         except OSError as exc:
-            raise _translate(exc, prefix) from exc
+            raise translate(exc, prefix) from exc
 
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
             os.unlink(path)
         except OSError as exc:
-            if exc.errno in _NOT_AN_OBJECT:
+            if exc.errno in NOT_AN_OBJECT:
                 return
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         self._defer(os.path.dirname(path))
 
     def delete_temporary(self, key: str) -> bool:
@@ -432,9 +434,9 @@ class LocalStore(ObjectStore):
         try:
             os.unlink(path)
         except OSError as exc:
-            if exc.errno in _NOT_AN_OBJECT:
+            if exc.errno in NOT_AN_OBJECT:
                 return False
-            raise _translate(exc, key) from exc
+            raise translate(exc, key) from exc
         self._defer(os.path.dirname(path))
         return True
 
@@ -471,50 +473,9 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def _refused(key: str, mode: int) -> ObjectRefusedError:
-    if stat.S_ISLNK(mode):
-        what = "a symbolic link"
-    elif stat.S_ISFIFO(mode):
-        what = "a FIFO"
-    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        what = "a device"
-    elif stat.S_ISSOCK(mode):
-        what = "a socket"
-    else:
-        what = "a special file"
-    return ObjectRefusedError(
-        f"object {key!r} is {what}, not a regular file; casnap reads only regular files", key
-    )
-
-
-def _refuse_special(path: str, key: str, exc: OSError) -> None:
-    """Raise ObjectRefusedError if ``open`` failed because ``path`` is not a regular file."""
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return
-    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-        raise _refused(key, mode) from exc
-
-
-def _walk_error(exc: OSError) -> None:
-    if not isinstance(exc, FileNotFoundError):  # a folder removed while listing is fine
-        raise exc
-
-
 def _fsync_dir(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _translate(exc: OSError, key: str, *, writing: bool = False) -> StoreError:
-    if exc.errno in _NOT_AN_OBJECT and not writing:
-        return ObjectNotFoundError(f"object {key!r} not found", key)
-    if isinstance(exc, FileExistsError):
-        return ObjectExistsError(f"object {key!r} already exists", key)
-    if exc.errno == errno.ENOSPC:
-        return StoreError(f"no space left on device while writing {key!r}", key)
-    return StoreError(f"{exc.strerror or exc} ({key!r})", key, transient=exc.errno in _TRANSIENT)
