@@ -365,3 +365,30 @@ def finish_rank(rank: int, out: str, result: dict[str, Any]) -> None:
     dist.barrier()
     # Exit without tearing gloo down: a teardown race has been seen to hang one rank.
     os._exit(0)
+
+
+def io_write_bytes() -> int:
+    """Bytes this process has caused to be written to storage (Linux /proc/self/io)."""
+    with open("/proc/self/io", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def manifest_file(root: str, snap: Any) -> str | None:
+    """The file of ``snap``'s manifest in the local repository at ``root``, if there."""
+    h = snap.manifest_hash  # layout of docs/format.md: .casnap/manifests/<h[:2]>/<h>
+    path = os.path.join(root, ".casnap", "manifests", h[:2], h)
+    return path if os.path.exists(path) else None
+
+
+def comma_list(value: str, allowed: tuple[str, ...] | list[str]) -> list[str]:
+    """A comma-separated argument as a list, each item one of ``allowed``."""
+    import argparse
+
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(allowed)}")
+    return items

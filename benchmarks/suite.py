@@ -44,10 +44,13 @@ from harness import (
     GiB,
     MiB,
     Samples,
+    comma_list,
     disk_usage,
     drop_page_cache,
     filesystem_of,
+    io_write_bytes,
     machine,
+    manifest_file,
     same_state,
     scratch_dir,
     settle,
@@ -98,14 +101,6 @@ class Run:
         return f"{scenario}|{system if isinstance(system, str) else system.name}"
 
 
-def _io_write_bytes() -> int:
-    with open("/proc/self/io", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("write_bytes:"):
-                return int(line.split()[1])
-    return 0
-
-
 def timed_save(
     run: Run,
     scenario: str,
@@ -118,11 +113,11 @@ def timed_save(
     """Save durably after settling the disk; record seconds and what the folder grew by."""
     settle(run.cold and cold)
     before_used, before_apparent, _ = disk_usage(root)
-    io0 = _io_write_bytes()
+    io0 = io_write_bytes()
     t0 = time.perf_counter()
     result = system.save(state, path)
     seconds = time.perf_counter() - t0
-    io1 = _io_write_bytes()
+    io1 = io_write_bytes()
     used, apparent, _ = disk_usage(root)
     op = run.op(scenario, system)
     run.rec.add(op, seconds)
@@ -134,16 +129,10 @@ def timed_save(
         run.rec.count(op, "stored_bytes_written", stats.stored_bytes_written)
         run.rec.count(op, "chunks_written", stats.chunks_written)
         run.rec.count(op, "objects_written", stats.objects_written)
-        manifest = _manifest_file(root, result)
+        manifest = manifest_file(root, result)
         if manifest is not None:
             run.rec.count(op, "manifest_bytes", os.path.getsize(manifest))
     return result
-
-
-def _manifest_file(root: str, snap: Any) -> str | None:
-    h = snap.manifest_hash  # layout of docs/format.md: .casnap/manifests/<h[:2]>/<h>
-    path = os.path.join(root, ".casnap", "manifests", h[:2], h)
-    return path if os.path.exists(path) else None
 
 
 def _check(run: Run, want: st.State, got: st.State, what: str) -> None:
@@ -391,14 +380,6 @@ def _progress(msg: str) -> None:
     print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _csv(value: str, allowed: tuple[str, ...] | list[str]) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if v not in allowed]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(allowed)}")
-    return items
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0, help="state size (default 1.0)")
@@ -433,8 +414,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact checks")
     args = p.parse_args(argv)
     try:
-        args.scenarios = _csv(args.scenarios, SCENARIOS)
-        args.systems = _csv(args.systems, list(SYSTEMS))
+        args.scenarios = comma_list(args.scenarios, SCENARIOS)
+        args.systems = comma_list(args.systems, list(SYSTEMS))
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
     return args
