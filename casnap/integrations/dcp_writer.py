@@ -158,6 +158,27 @@ class CasnapWriter(StorageWriter):
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
+    # -- pickling: process-based async save sends the writer to a daemon --
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned process needs: the options, not the repository or the lease.
+
+        ``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``
+        pickles the writer to its daemon, which saves with it: the repository
+        is opened there, at the save's ``prepare_global_plan``. The session
+        (lineage of this process) does not travel; a re-save still descends
+        from the snapshot it replaces.
+        """
+        state = dict(self.__dict__)
+        for key in ("_repo", "_lease", "_finalizer", "_lock", "session"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._repo, self._lease, self._finalizer = None, None, None
+        self._lock = threading.Lock()
+        self.session = Session()
+
     # -- DCP's StorageWriter ---------------------------------------------
     @property
     def checkpoint_id(self) -> str | None:
