@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from concurrent.futures import Future
 from pathlib import Path
 
 import fsspec
@@ -27,6 +28,7 @@ import casnap
 from casnap.integrations import dcp_fs
 from casnap.integrations.dcp import CasnapReader, CasnapWriter
 from casnap.integrations.dcp_fs import CasnapFileSystem
+from casnap.take.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cli_contract import casnap as run_cli  # noqa: E402
@@ -153,6 +155,36 @@ def test_a_save_that_fails_leaves_no_checkpoint_and_the_earlier_one_loads(tmp_pa
     dcp.save(_state(2), checkpoint_id=_id(run / "step_2"))
     assert not list((run / ".casnap" / "leases").iterdir())
     assert casnap.Repository(str(run)).verify(read_data=True).ok
+
+
+def test_a_file_that_fails_to_store_fails_the_save_and_frees_its_lease(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    dcp.save(_state(1), checkpoint_id=_id(run / "step_1"))
+
+    def broken(*args, **kwargs):
+        raise OSError("the store refused a chunk")
+
+    monkeypatch.setattr(Scheduler, "run", broken)
+    with pytest.raises(CheckpointException):
+        dcp.save(_state(2), checkpoint_id=_id(run / "step_2"))
+    assert not list((run / ".casnap" / "leases").iterdir())  # released at the failure
+    monkeypatch.undo()
+    fsspec.register_implementation("casnap", CasnapFileSystem, clobber=True)
+    assert casnap.Repository(str(run)).snapshots() == ["step_1"]
+    dcp.save(_state(2), checkpoint_id=_id(run / "step_2"))  # the id saves afresh
+    out = _blank()
+    dcp.load(out, checkpoint_id=_id(run / "step_2"))
+    assert _equal(out, _state(2))
+
+
+def test_thread_based_async_save_by_checkpoint_id(tmp_path):
+    ckpt = _id(tmp_path / "run" / "step_1")
+    fut = dcp.async_save(_state(1), checkpoint_id=ckpt)
+    assert isinstance(fut, Future)
+    fut.result(timeout=60)
+    out = _blank()
+    dcp.load(out, checkpoint_id=ckpt)
+    assert _equal(out, _state(1))
 
 
 def test_a_save_killed_before_its_commit_leaves_no_checkpoint(tmp_path):

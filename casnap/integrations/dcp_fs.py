@@ -95,6 +95,7 @@ class _Save:
     parents: list[str]
     replaces: str | None
     files: dict[str, Entry] = field(default_factory=dict)
+    failed: bool = False  # a file failed to be stored: the save can no longer commit
 
 
 @dataclass
@@ -172,12 +173,28 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def _save_of(self, ckpt: str) -> _Save:
         with self._guard:
             save = self._saves.get(ckpt)
-        return save if save is not None else self._begin(ckpt)
+        if save is None:
+            return self._begin(ckpt)
+        if save.failed:
+            raise ConfigError(f"the save to {ckpt!r} failed: an earlier file was not stored")
+        return save
 
     def _stored(self, path: str, segments: list[bytearray]) -> None:
-        """A written file, closed: its segments' chunks written, its entry staged."""
+        """A written file, closed: its segments' chunks written, its entry staged.
+
+        If it fails, so does the save: its lease is released at once (the
+        next save to the id starts afresh) and nothing of it can commit.
+        """
         ckpt, file = os.path.split(path)
         save = self._save_of(ckpt)
+        try:
+            self._store(save, file, segments)
+        except BaseException:
+            save.failed = True
+            save.lease.release()
+            raise
+
+    def _store(self, save: _Save, file: str, segments: list[bytearray]) -> None:
         settings, repo = save.settings, save.repo
         segments = [s for s in segments if s]
         if file.startswith(METADATA) and sum(map(len, segments)) <= INLINE_METADATA:
@@ -224,7 +241,7 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         with self._guard:
             save = self._saves.get(ckpt)
             staged = save.files.pop(os.path.basename(src), None) if save else None
-        if save is None or staged is None:
+        if save is None or staged is None or save.failed:
             raise FileNotFoundError(src)
         save.files[METADATA] = staged
         try:
