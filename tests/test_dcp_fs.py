@@ -25,9 +25,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import casnap
-from casnap.integrations import dcp_fs
+from casnap.format.entries import ShardedEntry
 from casnap.integrations.dcp import CasnapReader, CasnapWriter
 from casnap.integrations.dcp_fs import CasnapFileSystem
+from casnap.integrations.dcp_layout import FILES_METADATA
 from casnap.take.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -94,7 +95,7 @@ def test_save_and_load_by_checkpoint_id_alone_round_trip_bit_exact(tmp_path):
     assert _equal(out, state)
     # one casnap snapshot holding DCP's files, each a uint8 entry; nothing else on disk
     snap = casnap.Snapshot(str(tmp_path / "run" / "step_3"))
-    assert dcp_fs.FILES_METADATA in snap.metadata
+    assert FILES_METADATA in snap.metadata
     assert sorted(os.listdir(tmp_path / "run")) == [".casnap"]
     # FsspecWriter's files: its data file a uint8 tensor, its small .metadata inline bytes
     assert snap.read_object("0/__0_0.distcp").dtype == torch.uint8
@@ -214,6 +215,32 @@ def test_the_reader_refuses_a_snapshot_that_casnap_writer_saved(tmp_path):
     dcp.save(_state(1), storage_writer=CasnapWriter(tmp_path / "run" / "s"))
     with pytest.raises(CheckpointException, match="CasnapReader"):
         dcp.load(_blank(), checkpoint_id=_id(tmp_path / "run" / "s"))
+
+
+def test_casnap_reader_refuses_a_snapshot_saved_by_id(tmp_path):
+    dcp.save(_state(1), checkpoint_id=_id(tmp_path / "run" / "s"))
+    with pytest.raises(CheckpointException, match="casnap://"):
+        dcp.load(_blank(), storage_reader=CasnapReader(tmp_path / "run" / "s"))
+
+
+def test_a_url_after_the_protocol_names_a_repository_there(tmp_path):
+    ckpt = f"casnap://memory://{tmp_path.name}/run/step_1"
+    try:
+        dcp.save(_state(1), checkpoint_id=ckpt)
+        out = _blank()
+        dcp.load(out, checkpoint_id=ckpt)
+        assert _equal(out, _state(1))
+    finally:
+        fsspec.filesystem("memory").rm(f"/{tmp_path.name}", recursive=True)
+
+
+def test_a_writer_given_passes_take_options_as_fsspec_options(tmp_path):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    ckpt = tmp_path / "run" / "s"
+    dcp.save(_state(1), storage_writer=FsspecWriter(_id(ckpt), chunk_size=4096))
+    entry = casnap.Snapshot(str(ckpt)).manifest.entries["0/__0_0.distcp"]
+    assert isinstance(entry, ShardedEntry) and {s.chunk_size for s in entry.shards} == {4096}
 
 
 def test_pyproject_registers_the_protocol_as_an_fsspec_entry_point():

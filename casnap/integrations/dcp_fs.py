@@ -54,7 +54,7 @@ from casnap.format.entries import (
     TensorEntry,
 )
 from casnap.format.manifest import Manifest, format_version_for
-from casnap.integrations.dcp_layout import containers, path_key
+from casnap.integrations.dcp_layout import FILES_METADATA, containers, path_key
 from casnap.integrations.dcp_writer import _commit_replacing
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
@@ -67,7 +67,6 @@ from casnap.take.target import split_options, take_settings
 from casnap.torch_io.flatten import decode_primitive, encode_primitive
 
 PROTOCOL = "casnap"
-FILES_METADATA = "dcp_files"  # manifest metadata: the snapshot holds DCP's files
 METADATA = ".metadata"  # DCP's metadata file: its rename is the commit
 _CACHED_CHUNKS = 8  # decoded chunks a read stream keeps (torch.load reads in small pieces)
 # DCP's metadata up to this size is kept in the manifest (a bytes primitive), not as chunks:
