@@ -29,6 +29,7 @@ through ``casnap://`` is refused (use ``CasnapWriter``).
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 import threading
@@ -393,9 +394,10 @@ class _ReadStream(io.RawIOBase):
             self.shards = [(0, entry.shape[0], entry.chunk_size, entry.chunks)]
         else:
             self.shards = [(s.offsets[0], s.sizes[0], s.chunk_size, s.chunks) for s in entry.shards]
+        self._starts = [start for start, *_ in self.shards]
         self.size = entry.shape[0]
         self.pos = 0
-        self._cache: dict[tuple[int, int], bytes] = {}
+        self._cache: dict[tuple[int, int], bytearray] = {}
         workers = read_workers_for(repo.root.capabilities.local)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="casnap-dcpfs-r")
         self._budget = ByteBudget(default_memory_budget())
@@ -418,37 +420,41 @@ class _ReadStream(io.RawIOBase):
         out = memoryview(b).cast("B")
         done = 0
         while done < len(out) and self.pos < self.size:
-            chunk = self._chunk_at(self.pos)
-            data, at = chunk
-            n = min(len(out) - done, len(data) - at)
-            out[done : done + n] = data[at : at + n]
-            done += n
-            self.pos += n
+            i = bisect.bisect_right(self._starts, self.pos) - 1
+            start, size, cs, _refs = self.shards[i]
+            at = self.pos - start
+            want = min(len(out) - done, size - at)
+            first, last = at // cs, (at + want - 1) // cs
+            self._prefetch(i, first, last)  # a read over several chunks: fetched in parallel
+            for c in range(first, last + 1):
+                data = self._cache[(i, c)]
+                off = self.pos - start - c * cs
+                n = min(len(out) - done, len(data) - off)
+                out[done : done + n] = memoryview(data)[off : off + n]
+                done += n
+                self.pos += n
         return done
 
-    def _chunk_at(self, pos: int) -> tuple[bytes, int]:
-        for i, (start, size, cs, refs) in enumerate(self.shards):
-            if start <= pos < start + size:
-                c = (pos - start) // cs
-                key = (i, c)
-                data = self._cache.get(key)
-                if data is None:
-                    data = self._fetch(refs[c], min(cs, size - c * cs))
-                    if len(self._cache) >= _CACHED_CHUNKS:
-                        self._cache.pop(next(iter(self._cache)))
-                    self._cache[key] = data
-                return data, pos - start - c * cs
-        raise EOFError(pos)
+    def _prefetch(self, shard: int, first: int, last: int) -> None:
+        """Chunks ``first..last`` of ``shard`` into the cache; those missing read and verified."""
+        _start, size, cs, refs = self.shards[shard]
+        missing = [c for c in range(first, last + 1) if (shard, c) not in self._cache]
+        if not missing:
+            return
+        bufs = [bytearray(min(cs, size - c * cs)) for c in missing]
 
-    def _fetch(self, ref: Any, nbytes: int) -> bytes:
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
+        def sink(j: int, data: Buffer) -> None:
+            bufs[j][: len(data)] = data
 
-        def sink(_i: int, data: Buffer) -> None:
-            view[: len(data)] = data
-
-        read_chunks(self.repo, [ref], Consumer(sink), self._pool, self._budget)
-        return bytes(buf)
+        read_chunks(self.repo, [refs[c] for c in missing], Consumer(sink), self._pool, self._budget)
+        keep = max(_CACHED_CHUNKS, last - first + 1)
+        for c, buf in zip(missing, bufs, strict=True):
+            while len(self._cache) >= keep:
+                oldest = next(iter(self._cache))
+                if oldest[0] == shard and first <= oldest[1] <= last:
+                    break  # never evict what this read is about to copy
+                del self._cache[oldest]
+            self._cache[(shard, c)] = buf
 
     def close(self) -> None:
         if not self.closed:
