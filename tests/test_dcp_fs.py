@@ -243,6 +243,20 @@ def test_a_writer_given_passes_take_options_as_fsspec_options(tmp_path):
     assert isinstance(entry, ShardedEntry) and {s.chunk_size for s in entry.shards} == {4096}
 
 
+def test_a_casnap_id_given_to_casnap_writer_names_the_same_snapshot(tmp_path):
+    ckpt = tmp_path / "run" / "s"
+    assert CasnapWriter.validate_checkpoint_id(_id(ckpt)) and CasnapWriter.validate_checkpoint_id(
+        ckpt
+    )
+    assert not CasnapWriter.validate_checkpoint_id("casnap://")
+    writer = CasnapWriter()
+    dcp.save(_state(1), storage_writer=writer, checkpoint_id=_id(ckpt))  # reset(id)
+    assert writer.checkpoint_id == str(ckpt)
+    out = _blank()
+    dcp.load(out, storage_reader=CasnapReader(), checkpoint_id=_id(ckpt))
+    assert _equal(out, _state(1))
+
+
 def test_pyproject_registers_the_protocol_as_an_fsspec_entry_point():
     project = tomllib.loads((HERE.parent / "pyproject.toml").read_text())["project"]
     target = project["entry-points"]["fsspec.specs"]["casnap"]

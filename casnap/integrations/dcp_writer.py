@@ -70,6 +70,8 @@ from casnap.take.target import check_metadata, split_options, take_settings
 from casnap.torch_io.tensors import dtype_name
 
 HISTORY_SEP = "@"  # <name>@<12 hex>: an earlier save to the same checkpoint id
+# ``casnap://P`` names snapshot P here too (dcp_fs: the same id, saved by FsspecWriter)
+CASNAP_SCHEME = "casnap://"
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,10 @@ def _as_path(checkpoint_id: str | os.PathLike[str]) -> str:
         checkpoint_id = os.fspath(checkpoint_id)
     if not isinstance(checkpoint_id, str) or not checkpoint_id:
         raise ConfigError(f"a checkpoint id must be a non-empty path or URL, got {checkpoint_id!r}")
+    if checkpoint_id.startswith(CASNAP_SCHEME):  # the id DCP's FsspecWriter would take
+        checkpoint_id = checkpoint_id[len(CASNAP_SCHEME) :]
+        if not checkpoint_id:
+            raise ConfigError("a casnap:// checkpoint id names no snapshot")
     return checkpoint_id
 
 
