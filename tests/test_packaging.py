@@ -41,7 +41,10 @@ def test_the_wheel_ships_py_typed_and_the_casnap_command(tmp_path):
     assert "casnap/py.typed" in names
     assert "casnap/cli/app.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "casnap = casnap.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    entry_text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "casnap = casnap.cli:main" in entry_text
+    # fsspec finds casnap:// through it in every process (docs/dcp.md)
+    assert "[fsspec.specs]\ncasnap = casnap.integrations.dcp_fs:CasnapFileSystem" in entry_text
 
 
 def test_the_source_tree_marks_the_package_typed():

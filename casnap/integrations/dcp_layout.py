@@ -18,6 +18,8 @@ from casnap.format.entries import ContainerEntry, Entry
 from casnap.format.names import escape_key, unescape_key
 
 DCP_METADATA = "dcp"  # the key of DCP's own fields in a manifest's metadata
+# A snapshot of DCP's files, saved by checkpoint id through casnap:// (dcp_fs), says so here
+FILES_METADATA = "dcp_files"
 RANK = "0"  # DCP's state is one global namespace: every key is below rank 0
 
 PathT = tuple[str | int, ...]
@@ -133,6 +135,12 @@ def dcp_record(version: str | None, paths: Mapping[str, PathT]) -> dict[str, Any
 def read_record(metadata: Mapping[str, Any], what: str) -> tuple[str | None, dict[str, PathT]]:
     """(version, fqn -> path) from a manifest's metadata; a snapshot without it is refused."""
     record = metadata.get(DCP_METADATA)
+    if FILES_METADATA in metadata:
+        raise ManifestValidationError(
+            f"{what} holds DCP's files, saved by checkpoint id through casnap://; load it "
+            "with dcp.load(state, checkpoint_id='casnap://<its path>')",
+            what,
+        )
     if not isinstance(record, Mapping):
         raise ManifestValidationError(
             f"{what} was not written by casnap's DCP writer (no metadata[{DCP_METADATA!r}]); "

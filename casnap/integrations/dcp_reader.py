@@ -102,6 +102,12 @@ class CasnapReader(StorageReader):
         #: Bytes fetched from the store by the last ``read_data`` of this rank.
         self.last_fetched_bytes = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The options only: the repository and manifest are read in the process that loads."""
+        state = dict(self.__dict__)
+        state.update(_repo=None, _manifest=None, manifest_hash=None, _where={})
+        return state
+
     @property
     def checkpoint_id(self) -> str | None:
         return self.path

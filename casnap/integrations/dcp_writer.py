@@ -70,6 +70,8 @@ from casnap.take.target import check_metadata, split_options, take_settings
 from casnap.torch_io.tensors import dtype_name
 
 HISTORY_SEP = "@"  # <name>@<12 hex>: an earlier save to the same checkpoint id
+# ``casnap://P`` names snapshot P here too (dcp_fs: the same id, saved by FsspecWriter)
+CASNAP_SCHEME = "casnap://"
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,10 @@ def _as_path(checkpoint_id: str | os.PathLike[str]) -> str:
         checkpoint_id = os.fspath(checkpoint_id)
     if not isinstance(checkpoint_id, str) or not checkpoint_id:
         raise ConfigError(f"a checkpoint id must be a non-empty path or URL, got {checkpoint_id!r}")
+    if checkpoint_id.startswith(CASNAP_SCHEME):  # the id DCP's FsspecWriter would take
+        checkpoint_id = checkpoint_id[len(CASNAP_SCHEME) :]
+        if not checkpoint_id:
+            raise ConfigError("a casnap:// checkpoint id names no snapshot")
     return checkpoint_id
 
 
@@ -157,6 +163,27 @@ class CasnapWriter(StorageWriter):
         self._parents: list[str] = []  # the save's parents, chosen by the coordinator
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    # -- pickling: process-based async save sends the writer to a daemon --
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned process needs: the options, not the repository or the lease.
+
+        ``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``
+        pickles the writer to its daemon, which saves with it: the repository
+        is opened there, at the save's ``prepare_global_plan``. The session
+        (lineage of this process) does not travel; a re-save still descends
+        from the snapshot it replaces.
+        """
+        state = dict(self.__dict__)
+        for key in ("_repo", "_lease", "_finalizer", "_lock", "session"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._repo, self._lease, self._finalizer = None, None, None
+        self._lock = threading.Lock()
+        self.session = Session()
 
     # -- DCP's StorageWriter ---------------------------------------------
     @property
