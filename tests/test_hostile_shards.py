@@ -162,3 +162,41 @@ def test_a_small_hostile_manifest_is_refused_within_256_mib(base, tmp_path, how,
         refused = "returned" if op == "verify" else "ManifestValidationError"
         assert r["got"].startswith(refused) and "0/s/w" in r["got"], (op, r)
         assert r["growth"] is None or r["growth"] < 256 << 20, (op, r)
+
+
+def test_one_refused_copy_named_by_many_refs_is_recorded_once(tmp_path, monkeypatch):
+    """A read of thousands of refs to one loose chunk (every shard of a hostile entry
+    naming it) whose object is refused records that copy damaged once, not per ref:
+    40,000 records, each an fsynced put, made such a read hang."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from casnap import Repository, Snapshot, StateDict
+    from casnap.chunks import read
+    from casnap.chunks.budget import ByteBudget
+    from casnap.chunks.target import Consumer
+    from casnap.errors import ObjectRefusedError
+
+    root = tmp_path / "repo"
+    snap = Snapshot.take(str(root / "s"), {"m": StateDict(w=torch.randn(1 << 18))})
+    ref = snap.manifest.chunk_refs()[0]
+    assert ref.pack is None  # a 1 MiB tensor is stored loose
+    path = root / ".casnap" / "chunks" / ref.hash[:2] / ref.hash
+    path.unlink()
+    os.mkfifo(path)  # what casnap refuses to read
+    calls: list[object] = []
+    real = getattr(read, "contain")  # noqa: B009 (the name read.py calls, patched below)
+
+    def counted(*args: object) -> None:
+        calls.append(args)
+        real(*args)
+
+    monkeypatch.setattr(read, "contain", counted)
+    repo = Repository(str(root)).storage
+    with ThreadPoolExecutor(2) as pool, pytest.raises(ObjectRefusedError):
+        read.read_chunks(
+            repo, [ref] * 5000, Consumer(lambda i, data: None), pool, ByteBudget(1 << 30)
+        )
+    assert len(calls) == 1
+    assert len(list((root / ".casnap" / "damaged").rglob("*"))) == 2  # its folder and record

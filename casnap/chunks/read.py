@@ -87,7 +87,9 @@ def _refused_is_damage(repo: RepoStorage, span: Span) -> Iterator[None]:
     try:
         yield
     except ObjectRefusedError as exc:  # a FIFO, a link, a loose object longer than its frame
-        for _, ref in span.items:
+        # Each stored copy once: a span may name one chunk many times (a loose
+        # object shared by every shard of a hostile entry: one record, not 40,000).
+        for ref in {(ref.hash, ref.pack): ref for _, ref in span.items}.values():
             contain(repo, ref, exc)
         raise
 
