@@ -61,7 +61,7 @@ from casnap.integrations.dcp_layout import (
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
 from casnap.settings import Settings, default_memory_budget
-from casnap.take.commit import commit_snapshot, remembered
+from casnap.take.commit import commit_snapshot, remember
 from casnap.take.parent import parent_rule
 from casnap.take.plan import known_chunks
 from casnap.take.scheduler import Scheduler, data_request, tensor_request
@@ -434,5 +434,5 @@ def _commit_replacing(
             CasnapWarning,
             stacklevel=2,
         )
-    remembered(repo, manifest_hash, manifest, session, texts)
+    remember(repo, manifest_hash, manifest, session, texts, committed=True)
     return manifest_hash

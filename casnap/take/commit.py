@@ -47,23 +47,8 @@ def commit_snapshot(
     if lease is not None:
         lease.check()
     repo.write_ref(name, manifest_hash)  # the commit point
-    remembered(repo, manifest_hash, manifest, session, texts)
+    remember(repo, manifest_hash, manifest, session, texts, committed=True)
     return manifest_hash
-
-
-def remembered(
-    repo: RepoStorage,
-    manifest_hash: str,
-    manifest: Manifest,
-    session: Session | None,
-    texts: Mapping[str, str] | None = None,
-) -> None:
-    """Step 4 for a manifest just committed (``texts``: its JSON per key, when serialized
-    here): the session's lineage, the reuse cache, the index's summary."""
-    if session is not None:
-        session.lineage.record(repo.config.repo_id, manifest_hash)
-    record = REUSE.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
-    index.record_manifest(repo, manifest_hash, manifest, record.summary)
 
 
 def remember(
@@ -72,12 +57,20 @@ def remember(
     manifest: Manifest,
     session: Session | None,
     texts: Mapping[str, str] | None = None,
+    *,
+    committed: bool = False,
 ) -> None:
-    """Make a snapshot restored (or committed by another rank) the session's parent for
-    the next take, and what that take reuses (:mod:`casnap.take.reuse`)."""
+    """Step 4 (``committed``: this process just committed the manifest; ``texts``: its
+    JSON per key, when serialized here): the session's lineage, the reuse cache and the
+    index's summary. A snapshot restored, or committed by another rank, is only the
+    session's parent for its next take, and what that take reuses."""
     if session is not None:
         session.lineage.record(repo.config.repo_id, manifest_hash)
-        REUSE.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
+    elif not committed:
+        return
+    record = REUSE.put(repo.config.repo_id, manifest_hash, manifest, _dumped(manifest, texts))
+    if committed:
+        index.record_manifest(repo, manifest_hash, manifest, record.summary)
 
 
 def _dumped(manifest: Manifest, texts: Mapping[str, str] | None) -> Dumped | None:
