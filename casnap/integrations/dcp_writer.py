@@ -71,7 +71,7 @@ from casnap.torch_io.tensors import dtype_name
 
 HISTORY_SEP = "@"  # <name>@<12 hex>: an earlier save to the same checkpoint id
 # ``casnap://P`` names snapshot P here too (dcp_fs: the same id, saved by FsspecWriter)
-CASNAP_SCHEME = "casnap://"
+URL_SCHEME = "casnap://"
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ def _as_path(checkpoint_id: str | os.PathLike[str]) -> str:
         checkpoint_id = os.fspath(checkpoint_id)
     if not isinstance(checkpoint_id, str) or not checkpoint_id:
         raise ConfigError(f"a checkpoint id must be a non-empty path or URL, got {checkpoint_id!r}")
-    if checkpoint_id.startswith(CASNAP_SCHEME):  # the id DCP's FsspecWriter would take
-        checkpoint_id = checkpoint_id[len(CASNAP_SCHEME) :]
+    if checkpoint_id.startswith(URL_SCHEME):  # the id DCP's FsspecWriter would take
+        checkpoint_id = checkpoint_id[len(URL_SCHEME) :]
         if not checkpoint_id:
             raise ConfigError("a casnap:// checkpoint id names no snapshot")
     return checkpoint_id
