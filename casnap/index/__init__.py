@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_MAP_SIZE",
     "GC_EPOCH_KEY",
     "INDEX_FORMAT",
+    "ParentChunks",
     "KnownChunks",
     "ManifestSummary",
     "RebuildStats",
@@ -58,7 +59,8 @@ __all__ = [
 ]
 
 
-_Chunks = tuple[dict[str, ChunkRef], dict[str, tuple[int, Sequence[ChunkRef]]]]
+# A parent's chunks a take may reference, and its delta bases (parent_chunks).
+ParentChunks = tuple[dict[str, ChunkRef], dict[str, tuple[int, Sequence[ChunkRef]]]]
 
 
 class KnownChunks(dict[str, ChunkRef]):
@@ -81,7 +83,9 @@ class KnownChunks(dict[str, ChunkRef]):
         self.bases: dict[str, tuple[int, Sequence[ChunkRef]]] = {}
         self.fresh = fresh
 
-    def add_parent(self, manifest: Manifest, gathered: Callable[[], _Chunks] | None = None) -> None:
+    def add_parent(
+        self, manifest: Manifest, gathered: Callable[[], ParentChunks] | None = None
+    ) -> None:
         """Add a parent manifest's chunks (the first one's delta bases too); ``gathered``:
         its :func:`parent_chunks` without damage, gathered once (casnap.take.reuse)."""
         if gathered is not None and not self.damaged:
@@ -173,7 +177,8 @@ def record_manifest(
     repo: RepoStorage, manifest_hash: str, manifest: Manifest, memo: SummaryMemo | None = None
 ) -> None:
     """Cache the summary of a manifest just written or read (a no-op when disabled);
-    ``memo``: a session's, which reuses what the entries it summarized last cost."""
+    ``memo``: the reuse cache's (casnap.take.reuse), which reuses what the parent's
+    entries cost to summarize."""
     index = open_index(repo, chunks=False)
     if index is not None:
         index.record_summaries([summarize(manifest_hash, manifest, memo)])

@@ -30,19 +30,17 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 
 from casnap import index
-from casnap.format.entries import ChunkRef, Entry, with_chunks
+from casnap.format.entries import Entry, with_chunks
 from casnap.format.manifest import Dumped, Manifest, same_entries
+from casnap.index import ParentChunks
 from casnap.index.summaries import SummaryMemo
 from casnap.repo.damage import DamageSet
 
 # Lineages kept at once: a few sessions, Checkpointers or session-less loops per
 # process, each into its own repository or folder.
 CAPACITY = 4
-
-Chunks = tuple[dict[str, ChunkRef], dict[str, tuple[int, Sequence[ChunkRef]]]]
 
 
 class Reusable:
@@ -53,7 +51,7 @@ class Reusable:
         self.dumped = dumped  # with its JSON form, when it was serialized in this process
         self.summary = summary
         self._held: dict[str, Entry] | None = None
-        self._chunks: Chunks | None = None
+        self._chunks: ParentChunks | None = None
 
     def held(self) -> dict[str, Entry]:
         """The entries with chunks (:func:`~casnap.format.entries.with_chunks`)."""
@@ -61,7 +59,7 @@ class Reusable:
             self._held = with_chunks(self.manifest.entries)
         return self._held
 
-    def chunks(self) -> Chunks:
+    def chunks(self) -> ParentChunks:
         """:func:`~casnap.index.parent_chunks` of the manifest, no copy damaged: read-only
         for the caller, as :class:`~casnap.index.KnownChunks` treats them."""
         if self._chunks is None:  # two takes at once may both gather: the same result
