@@ -295,6 +295,41 @@ def test_process_based_async_save_round_trips_and_raises_from_the_future(tmp_pat
     assert casnap.Repository(str(tmp_path / "run")).verify(read_data=True).ok
 
 
+def _child(tmp_path: Path, *args: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    done = subprocess.run(
+        [sys.executable, str(CHILD), args[0], str(tmp_path), *args[1:]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and "OK" in lines, done.stdout[-3000:] + done.stderr[-3000:]
+    return lines
+
+
+@pytest.mark.parametrize("kind", ["fs", "writer"])
+def test_process_based_async_save_with_dcps_pinned_stager_is_the_staged_state(tmp_path, kind):
+    _child(tmp_path, "async-pinned", kind)  # the child asserts the load is the staged state
+    assert casnap.Repository(str(tmp_path / "run")).snapshots() == ["step_7"]
+    assert casnap.Repository(str(tmp_path / "run")).verify(read_data=True).ok
+
+
+@pytest.mark.parametrize("kind", ["fs", "writer"])
+def test_a_killed_checkpoint_daemon_raises_from_the_future_and_leaves_nothing(tmp_path, kind):
+    dcp.save(_state(1), checkpoint_id=_id(tmp_path / "run" / "step_1"))
+    lines = _child(tmp_path, "killdaemon", kind)
+    assert "RAISED RuntimeError" in lines  # DCP: the checkpoint background process is dead
+    assert "SNAPSHOTS step_1" in lines  # seen from the training process, after the future
+    assert casnap.Repository(str(tmp_path / "run")).snapshots() == ["step_1"]
+    out = _blank()
+    dcp.load(out, checkpoint_id=_id(tmp_path / "run" / "step_1"))
+    assert _equal(out, _state(1))
+    code, text, err = run_cli(tmp_path, "verify", "--read-data", str(tmp_path / "run"))
+    assert code == 0, text + err
+
+
 def test_a_stored_file_reads_back_at_any_offset_and_length(tmp_path):
     import random
 
