@@ -201,6 +201,14 @@ class Rendezvous:
         data = self._local[key] if self.store is None else self.store.get(key)
         return pickle.loads(data)  # written by this job's own ranks
 
+    def discard(self, name: str, rank: int) -> None:
+        """Forget what ``rank`` posted as ``name`` (a long job posts under many names)."""
+        key = self._key(name, rank)
+        if self.store is None:
+            self._local.pop(key, None)
+        else:
+            self.store.delete_key(key)
+
     def collect(
         self, name: str, ranks: list[int], timeout: float
     ) -> tuple[dict[int, Any], list[int]]:

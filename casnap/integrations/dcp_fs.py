@@ -23,27 +23,30 @@ alone", says why not a routed ``CasnapWriter``). What each call does:
   every later file of that load from the same manifest, each chunk verified.
 
 The state of a save lives in the process that makes it (the fsspec instance
-pickles as its options only), so a save is one process: a multi-rank save
-through ``casnap://`` is refused (use ``CasnapWriter``).
+pickles as its options only). On several ranks each rank's process stores
+its own files; global rank 0 (DCP's coordinator in the default group) holds
+the lease from its ``mkdir``, before any rank writes, and at the rename
+collects the entries of the files DCP's metadata names from the other ranks
+through the c10d store (:class:`casnap.distributed.group.Rendezvous`), each
+posted there when its file closed, before DCP gathered the ranks' results.
 """
 
 from __future__ import annotations
 
-import bisect
+import hashlib
 import io
 import os
+import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from fsspec import AbstractFileSystem
 
 from casnap.chunks.budget import ByteBudget
-from casnap.chunks.read import Buffer, read_chunks
-from casnap.chunks.target import Consumer
 from casnap.chunks.write import ChunkWriter
+from casnap.distributed.group import Group, Rendezvous, resolve_group
 from casnap.errors import ConfigError, SnapshotNotFoundError
 from casnap.format.entries import (
     MAX_SHARDS,
@@ -55,11 +58,12 @@ from casnap.format.entries import (
     TensorEntry,
 )
 from casnap.format.manifest import Manifest, format_version_for
+from casnap.integrations.dcp_fs_read import ReadStream
 from casnap.integrations.dcp_layout import FILES_METADATA, containers, path_key
 from casnap.integrations.dcp_writer import _commit_replacing
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
-from casnap.settings import Settings, default_memory_budget, read_workers_for
+from casnap.settings import Settings, default_memory_budget, dist_timeout
 from casnap.take.parent import parent_rule
 from casnap.take.plan import known_chunks
 from casnap.take.scheduler import Scheduler, data_request
@@ -69,7 +73,6 @@ from casnap.torch_io.flatten import decode_primitive, encode_primitive
 
 PROTOCOL = "casnap"
 METADATA = ".metadata"  # DCP's metadata file: its rename is the commit
-_CACHED_CHUNKS = 8  # decoded chunks a read stream keeps (torch.load reads in small pieces)
 # DCP's metadata up to this size is kept in the manifest (a bytes primitive), not as chunks:
 # it names the save's uuid, so it differs every time, and an unchanged re-save then writes
 # no chunk or pack at all, only its manifest and ref.
@@ -91,11 +94,18 @@ class _Save:
     repo: RepoStorage
     name: str
     settings: Settings
-    lease: Lease
+    lease: Lease | None  # global rank 0's (it covers every rank's writes); None on the others
     parents: list[str]
     replaces: str | None
+    group: Group
     files: dict[str, Entry] = field(default_factory=dict)
+    metadata: bytes = b""  # DCP's .metadata.tmp as written (the coordinator's)
     failed: bool = False  # a file failed to be stored: the save can no longer commit
+
+    def exchange(self) -> Rendezvous:
+        """Where the other ranks' file entries reach the coordinator: keyed by the id."""
+        where = hashlib.sha256(f"{self.repo.url}\0{self.name}".encode()).hexdigest()[:24]
+        return Rendezvous(self.group, f"dcpfs-{where}")
 
 
 @dataclass
@@ -138,12 +148,8 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         self._begin(strip(path))
 
     def _begin(self, ckpt: str) -> _Save:
-        """Start a save to ``ckpt``: the repository, the lease, the parents."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ConfigError(
-                "a casnap:// checkpoint id is saved by one process; for a multi-rank save "
-                "pass storage_writer=casnap.integrations.dcp.CasnapWriter(path)"
-            )
+        """Start a save to ``ckpt``: the repository, the lease, the parents (every rank)."""
+        group = resolve_group(None)
         self._abandon(ckpt)  # an earlier save to it that failed before its commit
         options, overrides = split_options(self.take_options)
         new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
@@ -151,23 +157,29 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         settings = take_settings(repo, overrides)
         fresh, repo.created = repo.created, False
         replaces = repo.resolve(name) if repo.has_ref(name) else None
-        lease = acquire_lease(repo.store, kind="take")
+        # Rank 0's mkdir precedes every rank's first write (DCP plans before it writes),
+        # so its lease alone keeps gc out of all of them, as CasnapWriter's coordinator's.
+        lease = acquire_lease(repo.store, kind="take") if group.rank == 0 else None
         try:
             given = [replaces] if replaces is not None else None
             rule = parent_rule(repo, given, self.session, settings, fresh, own_session=True)
             parents = rule.choose(repo, name)
         except BaseException:
-            lease.release()
+            if lease is not None:
+                lease.release()
             raise
-        save = _Save(repo, name, settings, lease, parents, replaces)
+        save = _Save(repo, name, settings, lease, parents, replaces, group)
         with self._guard:
+            if lease is None:  # a rank's earlier saves ended when it handed its files over
+                for done in [k for k, v in self._saves.items() if v.lease is None]:
+                    del self._saves[done]
             self._saves[ckpt] = save
         return save
 
     def _abandon(self, ckpt: str) -> None:
         with self._guard:
             save = self._saves.pop(ckpt, None)
-        if save is not None:
+        if save is not None and save.lease is not None:
             save.lease.release()
 
     def _save_of(self, ckpt: str) -> _Save:
@@ -191,13 +203,20 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
             self._store(save, file, segments)
         except BaseException:
             save.failed = True
-            save.lease.release()
+            if save.lease is not None:
+                save.lease.release()
             raise
+        if save.lease is None and not file.startswith(METADATA):  # a rank other than 0
+            with self._guard:
+                entry = save.files[file]
+            save.exchange().post(file, 0, entry)  # one rank writes each file: slot 0
 
     def _store(self, save: _Save, file: str, segments: list[bytearray]) -> None:
         settings, repo = save.settings, save.repo
         segments = [s for s in segments if s]
-        if file.startswith(METADATA) and sum(map(len, segments)) <= INLINE_METADATA:
+        if file.startswith(METADATA):
+            save.metadata = b"".join(segments)
+        if file.startswith(METADATA) and len(save.metadata) <= INLINE_METADATA:
             inline = encode_primitive(b"".join(segments))
             assert inline is not None  # bytes always are a primitive
             with self._guard:
@@ -244,10 +263,36 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if save is None or staged is None or save.failed:
             raise FileNotFoundError(src)
         save.files[METADATA] = staged
+        gathered: list[str] = []
         try:
+            if save.group.distributed:
+                gathered = self._gather(save)
             self._commit(save)
         finally:
             self._abandon(ckpt)
+            for file in gathered:
+                save.exchange().discard(file, 0)
+
+    def _gather(self, save: _Save) -> list[str]:
+        """(the coordinator, at the rename) The other ranks' entries of the files DCP's
+        metadata names; each was posted when its file closed, before DCP's gather."""
+        if save.lease is None:
+            raise ConfigError(
+                "a multi-rank casnap:// save is committed by global rank 0, DCP's coordinator "
+                "in the default group; with another process group pass "
+                "storage_writer=casnap.integrations.dcp.CasnapWriter(path)"
+            )
+        # The bytes DCP pickled in this process a moment ago (its own Metadata), not a load.
+        metadata = pickle.loads(save.metadata)
+        files = sorted({info.relative_path for info in metadata.storage_data.values()})
+        theirs = [f for f in files if f not in save.files]
+        exchange = save.exchange()
+        for file in theirs:
+            got, missing = exchange.collect(file, [0], dist_timeout())
+            if missing:
+                raise ConfigError(f"{file} of checkpoint {save.name!r} never reached rank 0")
+            save.files[file] = got[0]
+        return theirs
 
     rename = mv
 
@@ -255,10 +300,11 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """The manifest of the staged files, then the ref (as ``CasnapWriter.finish``)."""
         entries: dict[str, Entry] = {path_key((f,)): e for f, e in save.files.items()}
         entries.update(containers(entries))
+        assert save.lease is not None  # _gather refused a commit on a rank without one
         manifest = Manifest(
             format_version=format_version_for(entries),
             created_at=now_iso(),
-            world_size=1,
+            world_size=save.group.size,
             parents=list(save.parents),
             metadata={FILES_METADATA: {"version": 1}},
             entries=entries,
@@ -340,7 +386,7 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if isinstance(entry, PrimitiveEntry):
             return io.BytesIO(_inline(entry, path))
         assert isinstance(entry, (TensorEntry, ShardedEntry))
-        return io.BufferedReader(_ReadStream(load.repo, entry), 1 << 20)
+        return io.BufferedReader(ReadStream(load.repo, entry), 1 << 20)
 
 
 def _inline(entry: PrimitiveEntry, path: str) -> bytes:
@@ -382,81 +428,3 @@ class _WriteStream(io.RawIOBase):
         segments, self.segments = self.segments, []
         super().close()
         self.fs._stored(self.path, segments)
-
-
-class _ReadStream(io.RawIOBase):
-    """A stored file, read at any offset; every chunk is verified as it is fetched."""
-
-    def __init__(self, repo: RepoStorage, entry: TensorEntry | ShardedEntry) -> None:
-        super().__init__()
-        self.repo = repo
-        if isinstance(entry, TensorEntry):
-            self.shards = [(0, entry.shape[0], entry.chunk_size, entry.chunks)]
-        else:
-            self.shards = [(s.offsets[0], s.sizes[0], s.chunk_size, s.chunks) for s in entry.shards]
-        self._starts = [start for start, *_ in self.shards]
-        self.size = entry.shape[0]
-        self.pos = 0
-        self._cache: dict[tuple[int, int], bytearray] = {}
-        workers = read_workers_for(repo.root.capabilities.local)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="casnap-dcpfs-r")
-        self._budget = ByteBudget(default_memory_budget())
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        done = 0
-        while done < len(out) and self.pos < self.size:
-            i = bisect.bisect_right(self._starts, self.pos) - 1
-            start, size, cs, _refs = self.shards[i]
-            at = self.pos - start
-            want = min(len(out) - done, size - at)
-            first, last = at // cs, (at + want - 1) // cs
-            self._prefetch(i, first, last)  # a read over several chunks: fetched in parallel
-            for c in range(first, last + 1):
-                data = self._cache[(i, c)]
-                off = self.pos - start - c * cs
-                n = min(len(out) - done, len(data) - off)
-                out[done : done + n] = memoryview(data)[off : off + n]
-                done += n
-                self.pos += n
-        return done
-
-    def _prefetch(self, shard: int, first: int, last: int) -> None:
-        """Chunks ``first..last`` of ``shard`` into the cache; those missing read and verified."""
-        _start, size, cs, refs = self.shards[shard]
-        missing = [c for c in range(first, last + 1) if (shard, c) not in self._cache]
-        if not missing:
-            return
-        bufs = [bytearray(min(cs, size - c * cs)) for c in missing]
-
-        def sink(j: int, data: Buffer) -> None:
-            bufs[j][: len(data)] = data
-
-        read_chunks(self.repo, [refs[c] for c in missing], Consumer(sink), self._pool, self._budget)
-        keep = max(_CACHED_CHUNKS, last - first + 1)
-        for c, buf in zip(missing, bufs, strict=True):
-            while len(self._cache) >= keep:
-                oldest = next(iter(self._cache))
-                if oldest[0] == shard and first <= oldest[1] <= last:
-                    break  # never evict what this read is about to copy
-                del self._cache[oldest]
-            self._cache[(shard, c)] = buf
-
-    def close(self) -> None:
-        if not self.closed:
-            self._pool.shutdown(wait=False)
-        super().close()
