@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/integrations.py lightning [--small] [--width 2048] [--layers 15]
         [--steps 24] [--every 4] [--repeats 3]
     .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6] [--repeats 3]
+    .venv/bin/python benchmarks/integrations.py torch_checkpointing [--size-gib 0.5] [--small]
 
 Each prints a Markdown table of medians, casnap / the framework's own writer (below 1:
 casnap faster or smaller), and writes every sample to ``--out`` as JSON; scratch data
@@ -29,6 +30,11 @@ the plugin's ``save_checkpoint`` and ``remove_checkpoint``; written is ``wchar``
 norm), then ``load`` of the last save into a fresh model, compared bit for bit.
 Megatron-core's torch_dist writer assumes CUDA in two calls (``torch.cuda.synchronize``,
 a flag on ``torch.cuda.current_device()``); for its saves only they are patched.
+
+``torch_checkpointing``: its ``CheckpointManager`` (synchronous saver) with its own
+``LocalFileSystemStorageConfig`` (``use_direct_io=False``: O_DIRECT writes fail on many
+file systems) and with casnap's ``CasnapStorageConfig``: ``first``, ``unchanged``,
+``sparse change`` (the last layer and final layernorm), ``load`` of the last save.
 """
 
 from __future__ import annotations
@@ -352,6 +358,57 @@ def run_megatron(args: argparse.Namespace, samples: Samples) -> tuple[str, bool 
 RUNS = {"dcp": run_dcp, "lightning": run_lightning, "megatron": run_megatron}
 
 
+# -- torch_checkpointing: its local file system storage against casnap's ------------------
+
+
+def run_torch_checkpointing(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    from casnap.integrations.torch_checkpointing import CasnapStorageConfig
+
+    if args.small:
+        args.size_gib, args.repeats = 0.05, 1
+    _, _, shapes = transformer_shapes(int(args.size_gib * GiB))
+    base = make_state(shapes)
+    tuned = {k: (v + 0.001 if k in _head_keys(base) else v) for k, v in base.items()}
+    states = {"first": base, "unchanged": base, "sparse change": tuned}
+    exact = True
+    for _ in range(args.repeats):
+        with scratch_dir(args.workdir) as root:
+            for tool in ("LocalFileSystemStorage", "casnap"):
+                folder = os.path.join(root, tool)
+                os.makedirs(folder)
+                storage: Any = (
+                    CasnapStorageConfig(folder)
+                    if tool == "casnap"
+                    else LocalFileSystemStorageConfig(use_direct_io=False)
+                )
+                config = CheckpointManager.Config(
+                    save=SyncCheckpointSaverConfig(), storage_config=storage
+                )
+                manager = config.build()
+                for i, step in enumerate(states):
+                    before = disk_usage(folder)[1]
+                    settle(cold=False)
+                    ckpt = os.path.join(folder, f"step_{i}")
+                    save = functools.partial(manager.save, ckpt, {"model": states[step]})
+                    samples.time(f"{tool}/{step}", save)
+                    samples.count(f"{tool}/{step}", "bytes", disk_usage(folder)[1] - before)
+                settle(cold=False)
+                load = functools.partial(manager.load, ckpt, {"model": None})
+                out = samples.time(f"{tool}/load", load)
+                exact = exact and same_state(out["model"], tuned)
+                manager.close()
+    print(f"state: {human_bytes(state_bytes(base))} fp32, {args.repeats} repeat(s), medians")
+    steps = (*states, "load")
+    return table(samples, "LocalFileSystemStorage", steps, ("bytes",)), exact
+
+
+RUNS["torch_checkpointing"] = run_torch_checkpointing
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     sub = parser.add_subparsers(dest="framework", required=True)
@@ -367,7 +424,10 @@ def main(argv: list[str] | None = None) -> None:
     mg = sub.add_parser("megatron", help="Megatron-core's torch_dist against casnap's strategy")
     mg.add_argument("--hidden", type=int, default=768)
     mg.add_argument("--layers", type=int, default=6)
-    for p in (dcp_p, pl, mg):
+    tc = sub.add_parser("torch_checkpointing", help="its local storage against casnap's")
+    tc.add_argument("--size-gib", type=float, default=0.5)
+    tc.add_argument("--small", action="store_true", help="a quick run: 0.05 GiB, 1 repeat")
+    for p in (dcp_p, pl, mg, tc):
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--workdir", default="bench-out/scratch")
         p.add_argument("--out", help="JSON path (default bench-out/<framework>.json)")

@@ -9,12 +9,10 @@ alone", says why not a routed ``CasnapWriter``). What each call does:
 - ``mkdir(<id>)`` (DCP's ``prepare_local_plan``): locate or create the
   repository, take the save's lease (gc sweeps nothing until the ref is
   written) and choose the parents, as ``CasnapWriter`` does;
-- a file opened for writing is cut, at its close, into segments at every
-  ``tell()`` (DCP asks for the offset before each item, so each item is its
-  own segment) and each segment into chunks at fixed offsets from its start:
-  an item keeps its chunks when the items before it change size. Only chunks
-  the repository lacks are written; the file is a 1-D ``uint8`` entry whose
-  shards are the segments;
+- a file opened for writing is stored at its close as
+  :mod:`casnap.integrations.file_entries` says: cut into segments at every
+  ``tell()``, so each of DCP's items keeps its chunks when the items before
+  it change size; only chunks the repository lacks are written;
 - ``rename(<id>/.metadata.tmp, <id>/.metadata)`` (DCP's last step) writes the
   manifest, then the ref: the commit point. ``rm(<id>/.metadata)`` (DCP's
   step before it) does nothing: the ref is replaced in one atomic step, the
@@ -38,38 +36,28 @@ import io
 import os
 import pickle
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from casnap.chunks.budget import ByteBudget
-from casnap.chunks.write import ChunkWriter
 from casnap.distributed.group import Group, Rendezvous, resolve_group
 from casnap.errors import ConfigError, SnapshotNotFoundError
 from casnap.format.entries import (
-    MAX_SHARDS,
     ContainerEntry,
     Entry,
-    PrimitiveEntry,
-    ShardedEntry,
-    ShardRecord,
-    TensorEntry,
 )
 from casnap.format.manifest import Manifest, format_version_for
-from casnap.integrations.dcp_fs_read import ReadStream
 from casnap.integrations.dcp_layout import FILES_METADATA, containers, path_key
 from casnap.integrations.dcp_writer import _commit_replacing
+from casnap.integrations.file_entries import WriteStream, entry_size, open_entry, store_segments
 from casnap.repo.leases import Lease, acquire_lease
 from casnap.repo.repository import RepoStorage, locate, now_iso
-from casnap.settings import Settings, default_memory_budget, dist_timeout
+from casnap.settings import Settings, dist_timeout
 from casnap.take.parent import parent_rule
-from casnap.take.plan import known_chunks
-from casnap.take.scheduler import Scheduler, data_request
 from casnap.take.session import Session
 from casnap.take.target import split_options, take_settings
-from casnap.torch_io.flatten import decode_primitive, encode_primitive
+from casnap.torch_io.flatten import encode_primitive
 
 PROTOCOL = "casnap"
 METADATA = ".metadata"  # DCP's metadata file: its rename is the commit
@@ -222,33 +210,7 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
             with self._guard:
                 save.files[file] = inline
             return
-        if len(segments) > MAX_SHARDS:
-            segments = [bytearray(b"".join(segments))]
-        requests = [data_request(str(i), memoryview(s), s) for i, s in enumerate(segments)]
-        known = known_chunks(repo, save.parents)
-        with ThreadPoolExecutor(settings.io_workers, thread_name_prefix="casnap-dcpfs") as pool:
-            writer = ChunkWriter(repo, settings, pool, known)
-            written = Scheduler(writer, settings, ByteBudget(default_memory_budget())).run(requests)
-        repo.store.flush()
-        shards, start = [], 0
-        for i, seg in enumerate(segments):
-            chunks = list(written.get(str(i), ()))
-            shards.append(
-                ShardRecord(
-                    offsets=[start], sizes=[len(seg)], chunk_size=settings.chunk_size, chunks=chunks
-                )
-            )
-            start += len(seg)
-        entry: Entry
-        if len(shards) == 1:
-            one = shards[0]
-            entry = TensorEntry(
-                dtype="uint8", shape=[start], chunk_size=one.chunk_size, chunks=one.chunks
-            )
-        elif not shards:
-            entry = TensorEntry(dtype="uint8", shape=[0], chunk_size=settings.chunk_size, chunks=[])
-        else:
-            entry = ShardedEntry(layout="dtensor", dtype="uint8", shape=[start], shards=shards)
+        entry = store_segments(repo, settings, save.parents, segments)
         with self._guard:
             save.files[file] = entry
 
@@ -369,62 +331,13 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
         _, entry = self._entry(strip(path))
-        if isinstance(entry, PrimitiveEntry):
-            size = len(_inline(entry, path))
-        else:
-            assert isinstance(entry, (TensorEntry, ShardedEntry))
-            size = entry.shape[0]
-        return {"name": strip(path), "size": size, "type": "file"}
+        return {"name": strip(path), "size": entry_size(entry, path), "type": "file"}
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> io.IOBase:
         path = strip(path)
         if "w" in mode:
-            return _WriteStream(self, path)
+            return WriteStream(lambda segments: self._stored(path, segments))
         if mode != "rb":
             raise ConfigError(f"casnap:// files open as 'rb' or 'wb', not {mode!r}")
         load, entry = self._entry(path, fresh=os.path.basename(path) == METADATA)
-        if isinstance(entry, PrimitiveEntry):
-            return io.BytesIO(_inline(entry, path))
-        assert isinstance(entry, (TensorEntry, ShardedEntry))
-        return io.BufferedReader(ReadStream(load.repo, entry), 1 << 20)
-
-
-def _inline(entry: PrimitiveEntry, path: str) -> bytes:
-    data = decode_primitive(entry, path)
-    if not isinstance(data, bytes):
-        raise ConfigError(f"{path}: the snapshot holds a {entry.type}, not a file")
-    return data
-
-
-class _WriteStream(io.RawIOBase):
-    """A file being written: its bytes, in segments cut at each ``tell()``."""
-
-    def __init__(self, fs: CasnapFileSystem, path: str) -> None:
-        super().__init__()
-        self.fs, self.path = fs, path
-        self.segments: list[bytearray] = [bytearray()]
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        data = memoryview(b).cast("B")
-        self.segments[-1] += data
-        self.size += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        if self.segments[-1]:
-            self.segments.append(bytearray())  # DCP asks before each item: a boundary
-        return self.size
-
-    def seekable(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        segments, self.segments = self.segments, []
-        super().close()
-        self.fs._stored(self.path, segments)
+        return open_entry(load.repo, entry, path)

@@ -1,21 +1,137 @@
-"""Reading a file of a ``casnap://`` snapshot (:mod:`casnap.integrations.dcp_fs`): at any
-offset, each chunk fetched once, in parallel where a read spans several, and verified."""
+"""Files as casnap entries, for the integrations that see files, not tensors
+(:mod:`casnap.integrations.dcp_fs`, :mod:`casnap.integrations.torch_checkpointing`).
+
+A file written is cut into segments at every ``tell()`` (DCP asks for the offset
+before each item, so each item is its own segment) and each segment into chunks
+at fixed offsets from its start, so an item keeps its chunks when the items
+before it change size; only chunks the repository lacks are written. The file
+is a 1-D ``uint8`` entry whose shards are the segments (a ``tensor`` entry for
+one segment). A file read is served at any offset, each chunk fetched once, in
+parallel where a read spans several, and verified against its hash.
+"""
 
 from __future__ import annotations
 
 import bisect
 import io
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.read import Buffer, read_chunks
 from casnap.chunks.target import Consumer
-from casnap.format.entries import ShardedEntry, TensorEntry
+from casnap.chunks.write import ChunkWriter
+from casnap.errors import ConfigError
+from casnap.format.entries import (
+    MAX_SHARDS,
+    Entry,
+    PrimitiveEntry,
+    ShardedEntry,
+    ShardRecord,
+    TensorEntry,
+)
 from casnap.repo.repository import RepoStorage
-from casnap.settings import default_memory_budget, read_workers_for
+from casnap.settings import Settings, default_memory_budget, read_workers_for
+from casnap.take.plan import known_chunks
+from casnap.take.scheduler import Scheduler, data_request
+from casnap.torch_io.flatten import decode_primitive
 
 _CACHED_CHUNKS = 8  # decoded chunks a read stream keeps (torch.load reads in small pieces)
+
+
+def store_segments(
+    repo: RepoStorage, settings: Settings, parents: list[str], segments: list[bytearray]
+) -> Entry:
+    """A closed file's entry: its segments' chunks written (those ``parents`` and the
+    repository lack) and made durable."""
+    segments = [s for s in segments if s]
+    if len(segments) > MAX_SHARDS:
+        segments = [bytearray(b"".join(segments))]
+    requests = [data_request(str(i), memoryview(s), s) for i, s in enumerate(segments)]
+    known = known_chunks(repo, parents)
+    with ThreadPoolExecutor(settings.io_workers, thread_name_prefix="casnap-files") as pool:
+        writer = ChunkWriter(repo, settings, pool, known)
+        written = Scheduler(writer, settings, ByteBudget(default_memory_budget())).run(requests)
+    repo.store.flush()
+    shards, start = [], 0
+    for i, seg in enumerate(segments):
+        chunks = list(written.get(str(i), ()))
+        shards.append(
+            ShardRecord(
+                offsets=[start], sizes=[len(seg)], chunk_size=settings.chunk_size, chunks=chunks
+            )
+        )
+        start += len(seg)
+    if len(shards) == 1:
+        one = shards[0]
+        return TensorEntry(
+            dtype="uint8", shape=[start], chunk_size=one.chunk_size, chunks=one.chunks
+        )
+    if not shards:
+        return TensorEntry(dtype="uint8", shape=[0], chunk_size=settings.chunk_size, chunks=[])
+    return ShardedEntry(layout="dtensor", dtype="uint8", shape=[start], shards=shards)
+
+
+def inline_bytes(entry: PrimitiveEntry, path: str) -> bytes:
+    """A small file kept in the manifest itself (a ``bytes`` primitive)."""
+    data = decode_primitive(entry, path)
+    if not isinstance(data, bytes):
+        raise ConfigError(f"{path}: the snapshot holds a {entry.type}, not a file")
+    return data
+
+
+def entry_size(entry: Entry, path: str) -> int:
+    """The size in bytes of the file ``entry`` holds."""
+    if isinstance(entry, PrimitiveEntry):
+        return len(inline_bytes(entry, path))
+    if not isinstance(entry, (TensorEntry, ShardedEntry)):
+        raise IsADirectoryError(path)
+    return entry.shape[0]
+
+
+def open_entry(repo: RepoStorage, entry: Entry, path: str) -> io.IOBase:
+    """A readable, seekable stream of the file ``entry`` holds; every chunk verified."""
+    if isinstance(entry, PrimitiveEntry):
+        return io.BytesIO(inline_bytes(entry, path))
+    if not isinstance(entry, (TensorEntry, ShardedEntry)):
+        raise IsADirectoryError(path)
+    return io.BufferedReader(ReadStream(repo, entry), 1 << 20)
+
+
+class WriteStream(io.RawIOBase):
+    """A file being written: its bytes, in segments cut at each ``tell()``, handed
+    to ``on_close`` when it closes."""
+
+    def __init__(self, on_close: Callable[[list[bytearray]], None]) -> None:
+        super().__init__()
+        self.on_close = on_close
+        self.segments: list[bytearray] = [bytearray()]
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = memoryview(b).cast("B")
+        self.segments[-1] += data
+        self.size += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        if self.segments[-1]:
+            self.segments.append(bytearray())  # DCP asks before each item: a boundary
+        return self.size
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        segments, self.segments = self.segments, []
+        super().close()
+        self.on_close(segments)
 
 
 class ReadStream(io.RawIOBase):
