@@ -144,7 +144,7 @@ def test_an_async_failure_is_raised_once_and_the_step_can_be_retried(tmp_path):
     local, chunks = LocalStore(str(tmp_path / "run")), (".casnap/chunks/",)
     store = FailingStore(local, 1, prefixes=chunks, fail=disk_full, lasting=True, armed=False)
     repo = Repository.on_store(store, chunk_size=4096)
-    ckpt = Checkpointer(repo.url, 5, async_take=True, storage_options={"repository": repo})
+    ckpt = Checkpointer(repo, 5, async_take=True)
     state = fresh()
     fill(state, 5)
     store.armed = True

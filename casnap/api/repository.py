@@ -75,7 +75,7 @@ class Repository:
     ``storage`` is the :class:`~casnap.repo.repository.RepoStorage` underneath
     (objects, manifests, refs: the commit point), for casnap's own layers and
     tools; a Repository is not one, and writes refs only through its methods.
-    ``storage_options={"repository": repo}`` takes and reads through it.
+    ``Snapshot.take(path, app_state, repository=repo)`` takes and reads through it.
     """
 
     storage: RepoStorage
@@ -438,16 +438,15 @@ class Repository:
         """
         from casnap.api.snapshot import Snapshot
 
-        path, options = self._path(resolve_name(self.storage, name)), {"repository": self.storage}
-        return Snapshot(path, storage_options=options, session=self._take_session())
+        path = self._path(resolve_name(self.storage, name))
+        return Snapshot(path, repository=self.storage, session=self._take_session())
 
     def take(self, name: str, app_state: dict[str, Any], **kwargs: Any) -> Snapshot:
         """``Snapshot.take`` of ``app_state`` as ``name`` in this repository."""
         from casnap.api.snapshot import Snapshot
 
-        options = {**kwargs.pop("storage_options", {}), "repository": self.storage}
         kwargs.setdefault("session", self._take_session())
-        return Snapshot.take(self._path(name), app_state, storage_options=options, **kwargs)
+        return Snapshot.take(self._path(name), app_state, repository=self.storage, **kwargs)
 
     def export(
         self,
