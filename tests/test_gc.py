@@ -25,8 +25,8 @@ from casnap.gc.collect import (
     GcSession,
     execute_gc,
     gc,
-    plan_gc,
     read_gc_epoch,
+    sweep_list,
 )
 from casnap.repo.lease_record import GC_LOCK_KEY, LeaseRecord
 from casnap.repo.leases import (
@@ -197,7 +197,7 @@ def test_a_plan_executed_later_deletes_only_what_is_still_garbage(repo):
     a = make_state(1)
     s1 = take(repo, "s1", a)
     repo.delete_ref("s1")
-    plan = plan_gc(repo, grace_seconds=0)  # the lock is released again
+    plan = sweep_list(repo, grace_seconds=0)  # the lock is released again
     assert len(plan.data) == 1 + 6 + 1
 
     take(repo, "s2", a, parents=[s1.manifest_hash])  # dedups against the planned garbage
