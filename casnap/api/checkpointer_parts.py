@@ -40,8 +40,8 @@ from casnap.ops.retention import (
     RetentionRule,
     SnapshotInfo,
     SummaryCache,
+    decide_retention,
     execute_retention,
-    plan_retention,
     read_snapshots,
 )
 from casnap.ops.verify import check_snapshot
@@ -258,7 +258,7 @@ def retain(
     ``reclaim_wait_seconds`` is None) what the retired ones and ``last``'s pending
     reached. A failed reclaim is logged and left pending for the next: freeing space
     is housekeeping, and a cut-short sweep is consistent (manifests before chunks)."""
-    plan = plan_retention(repo, RetentionPolicy(*policy.rules, *keep), names=mine, cache=cache)
+    plan = decide_retention(repo, RetentionPolicy(*policy.rules, *keep), names=mine, cache=cache)
     result = execute_retention(repo, plan)
     earlier = last.reclaimed if last is not None else None
     retired = (earlier.pending if earlier is not None else ()) + result.retired_manifests

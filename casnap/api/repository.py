@@ -43,12 +43,12 @@ from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
 from casnap.ops.naming import resolve_name
 from casnap.ops.repair import RepairResult, repair
 from casnap.ops.retention import (
-    RetentionPlan,
+    RetentionDecision,
     RetentionPolicy,
     RetentionResult,
     RetentionRule,
+    decide_retention,
     execute_retention,
-    plan_retention,
 )
 from casnap.ops.verify import VerifyReport, verify
 from casnap.repo.gc_lock import break_gc_lock
@@ -277,7 +277,7 @@ class Repository:
 
     def retain(
         self,
-        policy: RetentionPolicy | RetentionRule | RetentionPlan,
+        policy: RetentionPolicy | RetentionRule | RetentionDecision,
         *,
         dry_run: bool = False,
         now: datetime | None = None,
@@ -288,7 +288,7 @@ class Repository:
         """Delete the refs ``policy`` does not keep; with ``prune``, then their space.
 
         The plan is made first and returned in ``result.plan``; ``dry_run``
-        stops there (nothing deleted). A :class:`RetentionPlan` from an
+        stops there (nothing deleted). A :class:`RetentionDecision` from an
         earlier dry run can be passed instead of a policy to execute exactly
         it (refs changed since are skipped). A plan that deletes every
         snapshot raises :class:`casnap.errors.RetentionError` unless
@@ -302,10 +302,10 @@ class Repository:
             print(preview.plan.render())
             repo.retain(preview.plan, prune=True).reclaimed.bytes_freed
         """
-        if isinstance(policy, RetentionPlan):
+        if isinstance(policy, RetentionDecision):
             plan = policy
         else:
-            plan = plan_retention(self.storage, policy, now, allow_delete_all=allow_delete_all)
+            plan = decide_retention(self.storage, policy, now, allow_delete_all=allow_delete_all)
         if dry_run:
             return RetentionResult((), {}, plan, dry_run=True)
         result = execute_retention(self.storage, plan)
