@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/delta.py [--size-mib 256] [--bf16-mib 128] [--repeats 3]
         [--series 10] [--workdir bench-out/scratch] [--out bench-out/delta.json]
 
-Scenarios, each with CASNAP_DELTA on and off (``storage_options={"delta": ...}``)
+Scenarios, each with CASNAP_DELTA on and off (``settings={"delta": ...}``)
 into fresh repositories through one ``casnap.Session`` (a training loop):
 
   sparse   an fp32 embedding table (``--size-mib``), then steps that scale 1% of
@@ -42,7 +42,7 @@ def _take(
     path: str, state: dict[str, torch.Tensor], session: casnap.Session, delta: bool
 ) -> casnap.Snapshot:
     return casnap.Snapshot.take(
-        path, {"m": casnap.StateDict(state)}, session=session, storage_options={"delta": delta}
+        path, {"m": casnap.StateDict(state)}, session=session, settings={"delta": delta}
     )
 
 

@@ -160,9 +160,7 @@ def read(system: str, path: str, key: str, rows: int, cols: int, warm: str) -> d
         repo = casnap.Repository.on_store(counting)
 
         def one() -> torch.Tensor:
-            out: torch.Tensor = casnap.Snapshot(
-                path, storage_options={"repository": repo}
-            ).read_object(f"0/model/{key}")
+            out: torch.Tensor = casnap.Snapshot(path, repository=repo).read_object(f"0/model/{key}")
             return out
 
         counting.reset()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from casnap.display import parse_size
-from casnap.errors import ConfigError
+from casnap.errors import ConfigError, expect_type
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -446,6 +446,52 @@ def state_dir() -> Path:
 
 # -- the settings of one take ------------------------------------------------
 
+# The settings one take may override: ``Snapshot.take(..., settings={"chunk_size": ...})``.
+TAKE_SETTINGS = (
+    "chunk_size",
+    "compression",
+    "replica_mismatch",
+    "delta",
+    "delta_max_chain",
+    "auto_parent",
+)
+
+
+def take_overrides(settings: object) -> dict[str, Any]:
+    """A take's ``settings`` argument as overrides: a dict of :data:`TAKE_SETTINGS`
+    names, else :class:`casnap.ConfigError` (values are checked where applied)."""
+    if settings is None:
+        return {}
+    expect_type(settings, Mapping, "settings", "a dict of take settings or None")
+    assert isinstance(settings, Mapping)
+    for name in settings:
+        if name not in TAKE_SETTINGS:
+            raise ConfigError(
+                f"unknown take setting {name!r}: a take's settings are "
+                f"{', '.join(TAKE_SETTINGS)} (the others are CASNAP_* variables, "
+                "docs/settings.md)",
+                str(name),
+            )
+    return dict(settings)
+
+
+def check_storage_options(options: Mapping[str, Any]) -> None:
+    """Refuse, saying where it goes, a key of ``storage_options`` that is casnap's:
+    they are the store's options only (fsspec's), as in torchsnapshot and DCP."""
+    for key in options:
+        if key == "repository":
+            raise ConfigError(
+                "storage_options are the store's (fsspec) options; name the repository "
+                "with repository=... instead of storage_options={'repository': ...}",
+                key,
+            )
+        if key in TAKE_SETTINGS:
+            raise ConfigError(
+                f"storage_options are the store's (fsspec) options; {key!r} is a take "
+                f"setting: pass settings={{{key!r}: ...}}",
+                key,
+            )
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -478,7 +524,7 @@ class Settings:
         )
 
     def with_overrides(self, **kwargs: object) -> Settings:
-        """These settings with ``kwargs`` (a take's ``storage_options``) checked and applied."""
+        """These settings with ``kwargs`` (a take's ``settings``) checked and applied."""
         checked: dict[str, Any] = {}
         for name, raw in kwargs.items():
             if name not in self.__dataclass_fields__:

@@ -62,9 +62,7 @@ def test_read_object_and_restore_stay_under_the_memory_budget(tmp_path, monkeypa
     monkeypatch.setattr(restore, "ByteBudget", RecordingBudget)
     RecordingBudget.instances = []
     state = StateDict(w=torch.randn(2_000_000))  # 8 MB in 64 KiB chunks
-    Snapshot.take(
-        str(tmp_path / "repo" / "s1"), {"m": state}, storage_options={"chunk_size": 64 * 1024}
-    )
+    Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": state}, settings={"chunk_size": 64 * 1024})
     snap = Snapshot(str(tmp_path / "repo" / "s1"))
     out = torch.empty(2_000_000)
     snap.read_object("0/m/w", obj_out=out, memory_budget_bytes=budget)
@@ -95,7 +93,7 @@ def test_async_take_stages_at_most_its_budget_and_stays_point_in_time(tmp_path):
     pending = Snapshot.async_take(
         str(tmp_path / "repo" / "s1"),
         {"m": state},
-        storage_options={"chunk_size": 256 * 1024},
+        settings={"chunk_size": 256 * 1024},
         memory_budget_bytes=budget,
         session=session,
     )

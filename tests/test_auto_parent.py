@@ -50,7 +50,7 @@ def state(seed: int = 0) -> dict:
 
 
 def take(path: str | Path, app: dict, **kw) -> Snapshot:
-    kw.setdefault("storage_options", {"chunk_size": CHUNK})
+    kw.setdefault("settings", {"chunk_size": CHUNK})
     return Snapshot.take(str(path), app, **kw)
 
 
@@ -144,12 +144,12 @@ def test_a_sparse_update_of_a_large_table_is_stored_as_a_delta(tmp_path):
 
 def test_a_new_process_reads_its_parent_once_and_the_next_take_none(tmp_path):
     repo, store = helpers.counted_repo(str(tmp_path / "run"), CHUNK)
-    opts = {"repository": repo, "chunk_size": CHUNK}
+    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     app = state()
-    s1 = Snapshot.take(f"{repo.url}/s1", app, storage_options=opts)
+    s1 = Snapshot.take(f"{repo.url}/s1", app, **opts)
     REUSE.clear()  # as in a new process: s1's plan is not in memory
     store.reset()
-    s2 = Snapshot.take(f"{repo.url}/s2", app, storage_options=opts)
+    s2 = Snapshot.take(f"{repo.url}/s2", app, **opts)
     assert s2.manifest.parents == [s1.manifest_hash]
     assert [k for k in store.read_keys if "/manifests/" in k] == [
         f".casnap/manifests/{s1.manifest_hash[:2]}/{s1.manifest_hash}"
@@ -159,7 +159,7 @@ def test_a_new_process_reads_its_parent_once_and_the_next_take_none(tmp_path):
     app["m"]["t0"][:100] += 1.0
     REUSE.clear()
     store.reset()
-    s3 = Snapshot.take(f"{repo.url}/s3", app, storage_options=opts)
+    s3 = Snapshot.take(f"{repo.url}/s3", app, **opts)
     assert [k for k in store.read_keys if "/manifests/" in k] == [
         f".casnap/manifests/{s2.manifest_hash[:2]}/{s2.manifest_hash}"
     ]
@@ -168,7 +168,7 @@ def test_a_new_process_reads_its_parent_once_and_the_next_take_none(tmp_path):
     # In the same process, the next take finds s3's plan in memory: no manifest read.
     app["m"]["t0"][:100] += 1.0
     store.reset()
-    s4 = Snapshot.take(f"{repo.url}/s4", app, storage_options=opts)
+    s4 = Snapshot.take(f"{repo.url}/s4", app, **opts)
     assert s4.manifest.parents == [s3.manifest_hash]
     assert not [k for k in store.read_keys if "/manifests/" in k]
     assert take_stats(s4).chunks_written == 1 and take_stats(s4).deltas_written == 1
@@ -211,7 +211,7 @@ def test_opting_out(tmp_path, monkeypatch):
     s1 = take(root / "s1", app)
     assert take(root / "s2", app, parents=[]).manifest.parents == []
     off = {"chunk_size": CHUNK, "auto_parent": False}
-    assert take(root / "s3", app, storage_options=off).manifest.parents == []
+    assert take(root / "s3", app, settings=off).manifest.parents == []
     with settings.override(auto_parent=False):
         assert take(root / "s4", app).manifest.parents == []
     monkeypatch.setenv("CASNAP_AUTO_PARENT", "0")
@@ -238,7 +238,7 @@ def test_dcp_saves_with_a_new_writer_each_descend_from_the_last(tmp_path):
     assert m2.parents == [repo.resolve("step_1")]
     assert writer.last_write_stats is not None
     assert writer.last_write_stats.stored_bytes_written < 4 * 1024  # only the bias
-    off = CasnapWriter(root / "step_3", storage_options={"auto_parent": False})
+    off = CasnapWriter(root / "step_3", settings={"auto_parent": False})
     dcp.save({"model": model.state_dict()}, storage_writer=off)
     assert repo.storage.read_manifest(repo.resolve("step_3")).parents == []
 
@@ -267,15 +267,15 @@ def test_a_parent_deleted_by_retention_and_gc_between_takes_loses_nothing(tmp_pa
 
 def test_after_a_gc_the_index_no_longer_vouches_for_the_parent(tmp_path):
     repo, store = helpers.counted_repo(str(tmp_path / "run"), CHUNK)
-    opts = {"repository": repo, "chunk_size": CHUNK}
+    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     app = state()
-    Snapshot.take(f"{repo.url}/s1", app, storage_options=opts)
-    s2 = Snapshot.take(f"{repo.url}/s2", state(1), storage_options=opts)
+    Snapshot.take(f"{repo.url}/s1", app, **opts)
+    s2 = Snapshot.take(f"{repo.url}/s2", state(1), **opts)
     repo.delete("s1")
     repo.gc(grace_seconds=0)  # a new gc epoch: every chunk entry dropped
     REUSE.clear()  # as in a new process: s2's plan is not in memory
     store.reset()
-    s3 = Snapshot.take(f"{repo.url}/s3", state(1), storage_options=opts)
+    s3 = Snapshot.take(f"{repo.url}/s3", state(1), **opts)
     assert s3.manifest.parents == [s2.manifest_hash]
     assert [k for k in store.read_keys if "/manifests/" in k]  # read: the index knew nothing
     assert take_stats(s3).chunks_written == 0
@@ -338,29 +338,29 @@ def test_after_a_dcp_re_save_the_parent_is_the_new_save_not_its_history(tmp_path
     model = torch.nn.Linear(64, 64)
     dcp.save(
         {"model": model.state_dict()},
-        storage_writer=CasnapWriter(f"{repo.url}/ckpt", storage_options=opts),
+        storage_writer=CasnapWriter(f"{repo.url}/ckpt", **opts),
     )
     with torch.no_grad():
         model.bias.add_(1.0)
-    resave = CasnapWriter(f"{repo.url}/ckpt", overwrite=True, storage_options=opts)
+    resave = CasnapWriter(f"{repo.url}/ckpt", overwrite=True, **opts)
     dcp.save({"model": model.state_dict()}, storage_writer=resave)
     assert len(repo.snapshots()) == 2  # ckpt and its history
-    s = Snapshot.take(f"{repo.url}/after", {"model": model}, storage_options=opts)
+    s = Snapshot.take(f"{repo.url}/after", {"model": model}, **opts)
     assert s.manifest.parents == [repo.resolve("ckpt")]
 
 
 def test_saves_through_a_repository_object_made_here_get_parents(tmp_path):
-    """``storage_options={"repository": repo}`` with a repository this process just
+    """``repository=repo`` with a repository this process just
     created (``Repository.init``, ``on_store``): only the first save into it is
     "fresh"; every later save, DCP or take, descends from the one before."""
     repo = Repository.on_store(LocalStore(str(tmp_path / "run")))
     opts = {"repository": repo}
     model = torch.nn.Linear(64, 64)
     for step in (1, 2):
-        writer = CasnapWriter(f"{repo.url}/step_{step}", storage_options=opts)
+        writer = CasnapWriter(f"{repo.url}/step_{step}", **opts)
         dcp.save({"model": model.state_dict()}, storage_writer=writer)
     assert repo.storage.read_manifest(repo.resolve("step_2")).parents == [repo.resolve("step_1")]
-    s3 = Snapshot.take(f"{repo.url}/step_3", {"model": model}, storage_options=opts)
+    s3 = Snapshot.take(f"{repo.url}/step_3", {"model": model}, **opts)
     assert s3.manifest.parents == [repo.resolve("step_2")]
 
 
@@ -379,7 +379,7 @@ def test_an_import_descends_from_the_newest_snapshot_in_its_folder(tmp_path):
     assert again.manifest.parents == [imported.manifest_hash]
     assert take_stats(again).chunks_written == 0
     off = import_checkpoint(
-        tmp_path / "m.safetensors", root / "step_4", storage_options={"auto_parent": False}
+        tmp_path / "m.safetensors", root / "step_4", settings={"auto_parent": False}
     )
     assert off.manifest.parents == []
 
@@ -417,22 +417,22 @@ def test_every_changed_chunk_of_a_take_finds_its_delta_base(tmp_path):
     is slow (a remote store, or a manifest of many entries)."""
     Repository.init(str(tmp_path / "run"))
     repo = Repository.on_store(_SlowManifests(LocalStore(str(tmp_path / "run"))))
-    opts = {"repository": repo, "chunk_size": 1 << 20}
+    opts = {"repository": repo, "settings": {"chunk_size": 1 << 20}}
     g = torch.Generator().manual_seed(0)
     table = torch.randn(4096, 1024, generator=g)  # 16 MiB: sixteen 1 MiB chunks
     app = {"emb": StateDict(weight=table, bias=torch.randn(1024, generator=g))}
-    Snapshot.take(f"{repo.url}/step_1", app, storage_options=opts)
+    Snapshot.take(f"{repo.url}/step_1", app, **opts)
     table[::256] += 0.01  # one row in each chunk
     REUSE.clear()  # as in a new process: step_1 is read from the store
-    s2 = Snapshot.take(f"{repo.url}/step_2", app, storage_options=opts)
+    s2 = Snapshot.take(f"{repo.url}/step_2", app, **opts)
     stats = take_stats(s2)
     assert stats.chunks_written == 16
     assert stats.deltas_written == 16
     assert stats.stored_bytes_written < 1 << 20  # of 16 MiB
-    assert restores_emb(f"{repo.url}/step_2", app, opts)
+    assert restores_emb(f"{repo.url}/step_2", app, repo)
 
 
-def restores_emb(path: str, app: dict, opts: dict) -> bool:
+def restores_emb(path: str, app: dict, repo: Repository) -> bool:
     blank = {"emb": StateDict({k: torch.zeros_like(v) for k, v in app["emb"].items()})}
-    Snapshot(path, storage_options=opts).restore(blank)
+    Snapshot(path, repository=repo).restore(blank)
     return all(torch.equal(blank["emb"][k], app["emb"][k]) for k in app["emb"])

@@ -50,6 +50,12 @@ TYPE_ERRORS: dict[str, tuple[Call, str]] = {
         lambda r: Snapshot.take(f"{r}/b", _state(), storage_options=[1]),  # type: ignore[arg-type]
         "storage_options",
     ),
+    "take settings": (
+        lambda r: Snapshot.take(f"{r}/b", _state(), settings=[1]),  # type: ignore[arg-type]
+        "settings",
+    ),
+    "take repository": (lambda r: Snapshot.take(f"{r}/b", _state(), repository=5), "repository"),  # type: ignore[arg-type]
+    "Snapshot repository": (lambda r: Snapshot(f"{r}/a", repository=5).manifest, "repository"),  # type: ignore[arg-type]
     "take metadata": (lambda r: Snapshot.take(f"{r}/b", _state(), metadata="x"), "metadata"),  # type: ignore[arg-type]
     "take parents": (lambda r: Snapshot.take(f"{r}/b", _state(), parents="a"), "parents"),  # type: ignore[arg-type]
     "take replicated": (
@@ -88,8 +94,25 @@ VALUE_ERRORS: dict[str, tuple[Call, str]] = {
         "memory_budget_bytes",
     ),
     "take chunk size": (
-        lambda r: Snapshot.take(f"{r}/b", _state(), storage_options={"chunk_size": 100}),
+        lambda r: Snapshot.take(f"{r}/b", _state(), settings={"chunk_size": 100}),
         "chunk_size",
+    ),
+    "take unknown setting": (
+        lambda r: Snapshot.take(f"{r}/b", _state(), settings={"chunk": 4096}),
+        "chunk",
+    ),
+    # storage_options are the store's only: casnap's own keys say where they go.
+    "take setting as storage option": (
+        lambda r: Snapshot.take(f"{r}/b", _state(), storage_options={"chunk_size": 4096}),
+        "chunk_size",
+    ),
+    "repository as storage option": (
+        lambda r: Snapshot.take(f"{r}/b", _state(), storage_options={"repository": str(r)}),
+        "repository",
+    ),
+    "Checkpointer unknown setting": (
+        lambda r: Checkpointer(f"{r}/c", 1, settings={"io_workers": 2}),
+        "io_workers",
     ),
     "read_object budget": (
         lambda r: Snapshot(f"{r}/a").read_object("0/s/w", memory_budget_bytes=0),

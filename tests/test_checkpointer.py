@@ -28,7 +28,7 @@ from helpers import reclaimed_of
 from casnap import PendingSnapshot, Repository, Snapshot, StateDict
 from casnap.api.checkpointer import Checkpointer, CheckpointerOptions
 from casnap.errors import ConfigError, StoreError
-from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy, plan_retention
+from casnap.ops.retention import KeepBest, KeepLast, RetentionPolicy, decide_retention
 from casnap.store import LocalStore
 from casnap.store.faults import FailingStore
 
@@ -144,7 +144,7 @@ def test_an_async_failure_is_raised_once_and_the_step_can_be_retried(tmp_path):
     local, chunks = LocalStore(str(tmp_path / "run")), (".casnap/chunks/",)
     store = FailingStore(local, 1, prefixes=chunks, fail=disk_full, lasting=True, armed=False)
     repo = Repository.on_store(store, chunk_size=4096)
-    ckpt = Checkpointer(repo.url, 5, async_take=True, storage_options={"repository": repo})
+    ckpt = Checkpointer(repo, 5, async_take=True)
     state = fresh()
     fill(state, 5)
     store.armed = True
@@ -457,7 +457,7 @@ def test_nan_and_infinite_metrics_are_stored_and_never_best(tmp_path):
     assert ckpt.best_step() == 1 and ckpt.best() == name(1)
 
     repo = Repository(root)
-    infos = {s.step: s for s in plan_retention(repo.storage, policy).snapshots}
+    infos = {s.step: s for s in decide_retention(repo.storage, policy).snapshots}
     assert infos[5].metric("acc") == math.inf and infos[1].metric("loss") == 0.5
     # every "acc" is +inf: no best in either mode
     assert ckpt.best("acc", "max") is None and ckpt.best("acc", "min") is None

@@ -102,7 +102,7 @@ store = FailingStore(
     armed=False,
 )
 repo = Repository.on_store(store, chunk_size=4096)
-ckpt = Checkpointer(sys.argv[1], 5, storage_options={{"repository": repo}})
+ckpt = Checkpointer(repo, 5)
 state = fresh()
 for step in range(1, 16):
     fill(state, step)
@@ -163,7 +163,7 @@ CHUNK = 16 * 1024
 
 
 def take_steps(root: str, steps: list[int]) -> Checkpointer:
-    ckpt = Checkpointer(root, 5, storage_options={"chunk_size": CHUNK})
+    ckpt = Checkpointer(root, 5, settings={"chunk_size": CHUNK})
     state = fresh()
     for step in steps:
         fill(state, step)

@@ -41,7 +41,7 @@ def repo_dir(tmp_path) -> str:
         Snapshot.take(
             f"{root}/s{step}",
             {"s": state},
-            storage_options=opts,
+            settings=opts,
             metadata={"step": step},
             session=session,
         )
@@ -118,7 +118,7 @@ def test_diff_stats_reads_only_changed_chunks(repo_dir):
 def test_diff_between_repositories(capsys, repo_dir, tmp_path):
     other = str(tmp_path / "other")
     state = StateDict(big=torch.zeros(200_000), small=torch.randn(100), step=3)
-    Snapshot.take(f"{other}/x", {"s": state}, storage_options={"chunk_size": CHUNK})
+    Snapshot.take(f"{other}/x", {"s": state}, settings={"chunk_size": CHUNK})
     code, out, _ = run(capsys, "diff", f"{repo_dir}/s3", f"{other}/x", "--stats", "--json")
     rows = {r["key"]: r for r in json.loads(out)}
     assert code == 0 and rows["0/s/big"]["status"] == "changed"

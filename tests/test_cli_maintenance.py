@@ -27,7 +27,7 @@ def repo_dir(tmp_path) -> str:
         Snapshot.take(
             f"{root}/s{step}",
             {"m": state},
-            storage_options={"chunk_size": 65536},
+            settings={"chunk_size": 65536},
             metadata={"step": step, "metrics": {"loss": abs(step - 3.2)}},
         )
     return root

@@ -38,7 +38,7 @@ def _take(repo: Repository, name: str, seed: int) -> None:
     Snapshot.take(
         f"{repo.url}/{name}",
         _state(seed),
-        storage_options={"repository": repo},
+        repository=repo,
         metadata={"step": seed},
     )
 

@@ -50,9 +50,7 @@ def snap_path(repo: Path, name: str) -> str:
 
 
 def take_here(repo: Path, name: str, **kw) -> Snapshot:
-    return Snapshot.take(
-        snap_path(repo, name), live_state(), storage_options={"chunk_size": CHUNK}, **kw
-    )
+    return Snapshot.take(snap_path(repo, name), live_state(), settings={"chunk_size": CHUNK}, **kw)
 
 
 def take_in_new_process(
@@ -63,7 +61,7 @@ def take_in_new_process(
     code = STATE_SRC + textwrap.dedent(f"""
         from casnap import Snapshot
         Snapshot.take({snap_path(repo, name)!r}, live_state(),
-                      storage_options={{"chunk_size": {CHUNK}}}, parents={parents!r})
+                      settings={{"chunk_size": {CHUNK}}}, parents={parents!r})
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if index_dir is not None:

@@ -63,7 +63,7 @@ def _stored(repo: Path) -> int:
 def test_save_then_load_gives_back_the_state(tmp_path):
     model, opt = _trained()
     state = {**_state(model), "optim": opt.state_dict()}
-    dcp.save(state, storage_writer=CasnapWriter(tmp_path / "run" / "step_3", storage_options=SMALL))
+    dcp.save(state, storage_writer=CasnapWriter(tmp_path / "run" / "step_3", settings=SMALL))
     out = {**_blank(), "optim": _trained(5)[1].state_dict()}
     dcp.load(out, storage_reader=CasnapReader(tmp_path / "run" / "step_3"))
     assert _same(out["model"], model.state_dict())
@@ -78,7 +78,7 @@ def test_save_then_load_gives_back_the_state(tmp_path):
 
 def test_an_unchanged_resave_writes_no_chunk(tmp_path):
     model, _ = _trained()
-    writer = CasnapWriter(tmp_path / "run" / "step_1", storage_options=SMALL)
+    writer = CasnapWriter(tmp_path / "run" / "step_1", settings=SMALL)
     dcp.save(_state(model), storage_writer=writer)
     first = writer.last_write_stats
     before = _stored(tmp_path / "run")
@@ -96,7 +96,7 @@ def test_an_unchanged_resave_writes_no_chunk(tmp_path):
 
 def test_a_frozen_backbone_resave_writes_only_the_head(tmp_path):
     model, _ = _trained()
-    writer = CasnapWriter(tmp_path / "run" / "step_1", storage_options=SMALL)
+    writer = CasnapWriter(tmp_path / "run" / "step_1", settings=SMALL)
     dcp.save(_state(model), storage_writer=writer)
     with torch.no_grad():
         model.get_parameter("2.weight").add_(1.0)  # the head: 64*8 floats = 2 KiB
@@ -195,9 +195,7 @@ def test_stateful_values_and_async_save(tmp_path):
 
 def test_a_damaged_chunk_fails_the_load_and_verify_finds_it(tmp_path):
     model, _ = _trained()
-    dcp.save(
-        _state(model), storage_writer=CasnapWriter(tmp_path / "run" / "s", storage_options=SMALL)
-    )
+    dcp.save(_state(model), storage_writer=CasnapWriter(tmp_path / "run" / "s", settings=SMALL))
     loose = sorted((tmp_path / "run" / ".casnap" / "chunks").rglob("*"))
     victim = next(f for f in loose if f.is_file())
     data = bytearray(victim.read_bytes())
@@ -214,7 +212,7 @@ def test_a_damaged_chunk_fails_the_load_and_verify_finds_it(tmp_path):
 def test_the_cli_works_on_a_dcp_written_repository(tmp_path):
     model, _ = _trained()
     run = tmp_path / "run"
-    writer = CasnapWriter(run / "step_1", storage_options=SMALL, metadata={"step": 1})
+    writer = CasnapWriter(run / "step_1", settings=SMALL, metadata={"step": 1})
     dcp.save(_state(model, 1), storage_writer=writer)
     with torch.no_grad():
         model.get_parameter("2.bias").add_(1.0)

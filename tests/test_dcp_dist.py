@@ -34,7 +34,7 @@ def _save_dtensor(rank: int, world: int, path: str, dim: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     w = distribute_tensor(_full(), mesh, [Shard(dim)])
     bias = distribute_tensor(torch.ones(COLS), mesh, [Shard(0)])
-    writer = CasnapWriter(path, storage_options={"chunk_size": 4096})
+    writer = CasnapWriter(path, settings={"chunk_size": 4096})
     dcp.save({"model": {"w": w, "b": bias}, "step": 7}, storage_writer=writer)
     stats = writer.last_write_stats
     assert stats is not None

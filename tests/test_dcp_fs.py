@@ -267,7 +267,7 @@ def test_pyproject_registers_the_protocol_as_an_fsspec_entry_point():
 def test_writer_and_reader_pickle_without_their_repository(tmp_path):
     import pickle
 
-    writer = CasnapWriter(tmp_path / "run" / "s", storage_options={"chunk_size": 4096})
+    writer = CasnapWriter(tmp_path / "run" / "s", settings={"chunk_size": 4096})
     dcp.save(_state(1), storage_writer=writer)
     copy = pickle.loads(pickle.dumps(writer))
     assert copy.path == writer.path and copy.storage_options == writer.storage_options

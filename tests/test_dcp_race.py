@@ -67,7 +67,7 @@ def test_a_save_that_loses_the_commit_race_is_kept_in_history(tmp_path):
         ".casnap/refs/latest",
         lambda: dcp.save(step_state(3, 256, 3.0), storage_writer=other),
     )
-    writer = CasnapWriter(path, storage_options={"repository": RepoStorage.on_store(gated)})
+    writer = CasnapWriter(path, repository=RepoStorage.on_store(gated))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dcp.save(step_state(2, 256, 2.0), storage_writer=writer)
@@ -98,7 +98,7 @@ def test_a_first_save_that_loses_the_race_is_kept_in_history(tmp_path):
         ".casnap/refs/latest",
         lambda: dcp.save(step_state(3, 256, 3.0), storage_writer=other),
     )
-    writer = CasnapWriter(path, storage_options={"repository": RepoStorage.on_store(gated)})
+    writer = CasnapWriter(path, repository=RepoStorage.on_store(gated))
     dcp.save(step_state(2, 256, 2.0), storage_writer=writer)
     mine, theirs = writer.last_manifest, other.last_manifest
     assert mine is not None and theirs is not None

@@ -21,7 +21,7 @@ def counted_repo(root: str) -> tuple[Repository, CountingStore]:
 
 
 def opts(repo: Repository) -> dict:
-    return {"repository": repo, "chunk_size": CHUNK}
+    return {"repository": repo, "settings": {"chunk_size": CHUNK}}
 
 
 def data_keys(keys: list[str]) -> list[str]:
@@ -41,10 +41,10 @@ def many_tensors(n: int = 100, seed: int = 0) -> StateDict:
 def test_second_take_of_unchanged_state_writes_no_chunk_data(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = {"model": torch.nn.Linear(300, 200), "extra": many_tensors()}
-    Snapshot.take(str(tmp_path / "repo" / "s1"), state, storage_options=opts(repo))
+    Snapshot.take(str(tmp_path / "repo" / "s1"), state, **opts(repo))
     assert data_keys(store.written_keys), "the first take writes chunk data"
     store.reset()
-    snap = Snapshot.take(str(tmp_path / "repo" / "s2"), state, storage_options=opts(repo))
+    snap = Snapshot.take(str(tmp_path / "repo" / "s2"), state, **opts(repo))
     assert data_keys(store.written_keys) == []
     # besides the take's own lease (a gc root while it runs), only the manifest and the ref
     written = [k for k in store.written_keys if not k.startswith(".casnap/leases/")]
@@ -58,9 +58,9 @@ def test_unchanged_state_dedups_across_processes_by_loose_chunk(tmp_path):
     # No lineage (as if in a new process): large chunks are still found in the store.
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = {"w": StateDict(w=torch.randn(100_000))}
-    Snapshot.take(str(tmp_path / "repo" / "s1"), state, storage_options=opts(repo))
+    Snapshot.take(str(tmp_path / "repo" / "s1"), state, **opts(repo))
     store.reset()
-    Snapshot.take(str(tmp_path / "repo" / "s2"), state, storage_options=opts(repo))
+    Snapshot.take(str(tmp_path / "repo" / "s2"), state, **opts(repo))
     assert data_keys(store.written_keys) == []
 
 
@@ -68,10 +68,10 @@ def test_unchanged_state_dedups_across_processes_by_loose_chunk(tmp_path):
 def test_changing_one_tensor_of_100_writes_only_its_chunks(tmp_path, which):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = many_tensors()
-    Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, storage_options=opts(repo))
+    Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, **opts(repo))
     state[which].add_(1.0)
     store.reset()
-    snap = Snapshot.take(str(tmp_path / "repo" / "s2"), {"s": state}, storage_options=opts(repo))
+    snap = Snapshot.take(str(tmp_path / "repo" / "s2"), {"s": state}, **opts(repo))
     entry = tensor_entry(snap.get_manifest(), f"0/s/{which}")
     nbytes = state[which].numel() * 4
     written = data_keys(store.written_keys)
@@ -92,12 +92,12 @@ def test_a_thousand_small_tensors_become_a_handful_of_objects(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     g = torch.Generator().manual_seed(1)
     state = StateDict({f"bias{i}": torch.randn(64, generator=g) for i in range(1000)})
-    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, storage_options=opts(repo))
+    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, **opts(repo))
     objects = data_keys(store.written_keys)
     total = 1000 * (64 * 4)
     assert 1 <= len(objects) <= math.ceil(total / (4 << 20)) + 1
     # ...and any one of them can still be read alone, with one small ranged read.
-    fresh = Snapshot(str(tmp_path / "repo" / "s1"), storage_options=opts(repo))
+    fresh = Snapshot(str(tmp_path / "repo" / "s1"), repository=repo)
     assert fresh.manifest.entries  # load the manifest before counting
     store.reset()
     got = fresh.read_object("0/s/bias517")
@@ -111,8 +111,8 @@ def test_read_object_reads_only_that_tensors_chunks(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     g = torch.Generator().manual_seed(2)
     state = StateDict({f"w{i}": torch.randn(50_000, generator=g) for i in range(10)})
-    Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, storage_options=opts(repo))
-    snap = Snapshot(str(tmp_path / "repo" / "s1"), storage_options=opts(repo))
+    Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, **opts(repo))
+    snap = Snapshot(str(tmp_path / "repo" / "s1"), repository=repo)
     entry = tensor_entry(snap.get_manifest(), "0/s/w3")
     store.reset()
     out = torch.empty(50_000)
@@ -128,7 +128,7 @@ def test_identical_tensors_within_one_take_are_stored_once(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     t = torch.randn(30_000)
     state = StateDict(a=t, b=t.clone(), c=t.clone())
-    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, storage_options=opts(repo))
+    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, **opts(repo))
     m = snap.get_manifest()
     assert (
         tensor_entry(m, "0/s/a").chunks
@@ -141,7 +141,7 @@ def test_identical_tensors_within_one_take_are_stored_once(tmp_path):
 def test_compressible_chunks_are_stored_smaller_and_incompressible_raw(tmp_path):
     repo, _store = counted_repo(str(tmp_path / "repo"))
     state = StateDict(zeros=torch.zeros(200_000), noise=torch.randn(200_000))
-    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, storage_options=opts(repo))
+    snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, **opts(repo))
     m = snap.get_manifest()
     zeros_stored = sum(c.length for c in tensor_entry(m, "0/s/zeros").chunks)
     noise_stored = sum(c.length for c in tensor_entry(m, "0/s/noise").chunks)
@@ -149,7 +149,7 @@ def test_compressible_chunks_are_stored_smaller_and_incompressible_raw(tmp_path)
     # random float32 mantissas barely compress: stored raw, header overhead only
     assert 800_000 <= noise_stored <= 800_000 + 56 * len(tensor_entry(m, "0/s/noise").chunks)
     fresh = StateDict(zeros=torch.ones(200_000), noise=torch.empty(200_000))
-    Snapshot(str(tmp_path / "repo" / "s1"), storage_options=opts(repo)).restore({"s": fresh})
+    Snapshot(str(tmp_path / "repo" / "s1"), repository=repo).restore({"s": fresh})
     assert torch.equal(fresh["zeros"], state["zeros"]) and torch.equal(
         fresh["noise"], state["noise"]
     )
@@ -157,7 +157,7 @@ def test_compressible_chunks_are_stored_smaller_and_incompressible_raw(tmp_path)
 
 def test_chunk_size_of_a_new_repository_is_remembered(tmp_path):
     state = {"s": StateDict(w=torch.randn(50_000))}
-    Snapshot.take(str(tmp_path / "repo" / "s1"), state, storage_options={"chunk_size": 8192})
+    Snapshot.take(str(tmp_path / "repo" / "s1"), state, settings={"chunk_size": 8192})
     assert RepoStorage.open(str(tmp_path / "repo")).config.chunk_size == 8192
     snap = Snapshot.take(str(tmp_path / "repo" / "s2"), state)  # no option: the repo's size
     assert tensor_entry(snap.get_manifest(), "0/s/w").chunk_size == 8192

@@ -62,7 +62,7 @@ def _series(root: Path, n: int, **kw: object) -> tuple[list[torch.Tensor], list[
                 f"{root}/s{i}",
                 {"m": StateDict(emb=t)},
                 session=session,
-                storage_options=_opts(**kw),
+                settings=_opts(**kw),
             )
         )
     return states, snaps
@@ -130,11 +130,9 @@ def test_chains_never_grow_past_the_setting(tmp_path: Path) -> None:
 def test_a_dense_update_of_every_weight_is_written_whole(tmp_path: Path) -> None:
     session = Session()
     t = torch.randn(ROWS, COLS)
-    Snapshot.take(
-        f"{tmp_path}/a", {"m": StateDict(emb=t)}, session=session, storage_options=_opts()
-    )
+    Snapshot.take(f"{tmp_path}/a", {"m": StateDict(emb=t)}, session=session, settings=_opts())
     snap = Snapshot.take(
-        f"{tmp_path}/b", {"m": StateDict(emb=t * 1.001)}, session=session, storage_options=_opts()
+        f"{tmp_path}/b", {"m": StateDict(emb=t * 1.001)}, session=session, settings=_opts()
     )
     assert take_stats(snap).deltas_written == 0  # a 0.53 delta does not pay on a local disk
     assert _manifest_json(tmp_path, snap)["format_version"] == "1.1"

@@ -34,18 +34,15 @@ def _sparse(t: torch.Tensor, seed: int, rows: int = 3) -> torch.Tensor:
 def _series(root: Path, n: int, repo: Repository | None = None) -> list[torch.Tensor]:
     """``n`` snapshots ``s0..`` of a sparsely updated table (chains of up to 4 deltas)."""
     session = Session()
-    opts: dict[str, object] = {"chunk_size": CHUNK}
-    if repo is not None:
-        opts["repository"] = repo
+    opts = {"chunk_size": CHUNK}
     t = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0))
     states = []
     for i in range(n):
         if i:
             t = _sparse(t, i, rows=24)  # most chunks change at every step
         states.append(t)
-        Snapshot.take(
-            f"{root}/s{i}", {"m": StateDict(emb=t)}, session=session, storage_options=opts
-        )
+        app = {"m": StateDict(emb=t)}
+        Snapshot.take(f"{root}/s{i}", app, session=session, settings=opts, repository=repo)
     return states
 
 
@@ -64,7 +61,7 @@ def test_the_newest_of_a_chain_reads_each_delta_frame_once(tmp_path: Path) -> No
     assert len(links) >= 16  # most chunks are 4 deltas deep
     store.reset()
     out = StateDict(emb=torch.zeros(ROWS, COLS))
-    Snapshot(f"{root}/s4", storage_options={"repository": repo}).restore({"m": out})
+    Snapshot(f"{root}/s4", repository=repo).restore({"m": out})
     assert torch.equal(out["emb"], states[4])
     pack_reads = [k for k in store.read_keys if k.startswith(".casnap/packs/")]
     assert len(pack_reads) == len(links)  # each delta frame once, none again
@@ -88,13 +85,11 @@ def test_a_delta_ending_in_a_ragged_block_restores_bit_exact(tmp_path: Path) -> 
     n = 8 * CHUNK // 4 + 10003
     t = torch.randn(n, generator=torch.Generator().manual_seed(1))
     session, opts = Session(), {"chunk_size": CHUNK}
-    Snapshot.take(f"{tmp_path}/a", {"m": StateDict(w=t)}, session=session, storage_options=opts)
+    Snapshot.take(f"{tmp_path}/a", {"m": StateDict(w=t)}, session=session, settings=opts)
     u = t.clone()
     u[-3:] += 1.0  # the last, ragged block
     u[5:9] += 1.0
-    snap = Snapshot.take(
-        f"{tmp_path}/b", {"m": StateDict(w=u)}, session=session, storage_options=opts
-    )
+    snap = Snapshot.take(f"{tmp_path}/b", {"m": StateDict(w=u)}, session=session, settings=opts)
     refs = _chunks(f"{tmp_path}/b", "0/m/w")
     assert refs[-1].size % DELTA_BLOCK and refs[-1].base is not None
     assert take_stats(snap).deltas_written == 2
@@ -113,7 +108,7 @@ def test_a_densely_changed_tensor_does_not_keep_a_sparse_one_from_deltas(tmp_pat
         f"{tmp_path}/a",
         {"m": StateDict(dense=dense, emb=emb)},
         session=session,
-        storage_options=opts,
+        settings=opts,
     )
     new_emb = _sparse(emb, 7, rows=8)
     changed = sum(
@@ -124,7 +119,7 @@ def test_a_densely_changed_tensor_does_not_keep_a_sparse_one_from_deltas(tmp_pat
         f"{tmp_path}/b",
         {"m": StateDict(dense=dense * 1.001, emb=new_emb)},
         session=session,
-        storage_options=opts,
+        settings=opts,
     )
     assert take_stats(snap).deltas_written == changed  # every changed emb chunk, no dense one
     assert all(r.base is None for r in _chunks(f"{tmp_path}/b", "0/m/dense"))

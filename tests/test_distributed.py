@@ -43,7 +43,7 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     model = _ddp_model()
     progress = StateDict(rank=rank, note=f"rank {rank}", data=torch.full((5,), float(rank)))
     app = {"model": model, "progress": progress}
-    snap = Snapshot.take(f"{root}/s1", app, storage_options=opts)
+    snap = Snapshot.take(f"{root}/s1", app, settings=opts)
     stats = snap.last_take_rank_stats
     assert stats is not None
     written = [s.raw_bytes_written for s in stats]
@@ -76,7 +76,7 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     bad = StateDict(w=torch.full((4,), 1.0 if rank != 2 else 2.0))
     strict = {**opts, "replica_mismatch": "error"}
     try:
-        Snapshot.take(f"{root}/bad", {"bad": bad}, replicated=["bad/**"], storage_options=strict)
+        Snapshot.take(f"{root}/bad", {"bad": bad}, replicated=["bad/**"], settings=strict)
     except ReplicaMismatchError as exc:
         mismatch = (str(exc), exc.failed_ranks)
     assert mismatch is not None and "bad/w" in mismatch[0]
@@ -99,7 +99,7 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     with torch.no_grad():
         model.get_parameter("module.0.weight").add_(1.0)  # new chunks to write
     try:
-        Snapshot.take(f"{root}/s2", app, storage_options=opts)
+        Snapshot.take(f"{root}/s2", app, settings=opts)
     except DistributedTakeError as exc:
         failed = (str(exc), exc.failed_ranks)
     finally:
@@ -116,7 +116,7 @@ def ddp_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
         model.get_parameter("module.0.weight").add_(
             1.0
         )  # the state of the failed take (restore undid it)
-    again = Snapshot.take(f"{root}/s2", app, storage_options=opts)
+    again = Snapshot.take(f"{root}/s2", app, settings=opts)
     rerun = sum(s.raw_bytes_written for s in again.last_take_rank_stats or [])
     return {"written": written, "mismatch": mismatch, "failed": failed, "rerun": rerun}
 
@@ -154,7 +154,7 @@ def async_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
 
     state = StateDict(w=torch.arange(6000, dtype=torch.float32), own=torch.full((3,), float(rank)))
     pending = Snapshot.async_take(
-        f"{root}/a1", {"s": state}, replicated=["s/w"], storage_options={"chunk_size": 4096}
+        f"{root}/a1", {"s": state}, replicated=["s/w"], settings={"chunk_size": 4096}
     )
     state["w"].add_(1.0)  # after async_take returns: never in the snapshot
     state["own"].add_(1.0)
@@ -199,7 +199,7 @@ def dying_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
         chunks_mod.ChunkWriter.add = lambda *a, **k: os._exit(3)  # type: ignore[method-assign]
     t0 = time.monotonic()
     try:
-        Snapshot.take(f"{root}/d", {"s": state}, storage_options={"chunk_size": 4096})
+        Snapshot.take(f"{root}/d", {"s": state}, settings={"chunk_size": 4096})
     except DistributedTakeError as exc:
         return {"message": str(exc), "ranks": exc.failed_ranks, "s": time.monotonic() - t0}
     return {"message": "", "ranks": (), "s": time.monotonic() - t0}
@@ -241,7 +241,7 @@ def _staged_take(root: str, step: int, rank: int, session: Any) -> dict[str, Any
         f"{root}/a{step}",
         {"s": state},
         replicated=["s/w"],
-        storage_options={"chunk_size": STAGING_CHUNK},
+        settings={"chunk_size": STAGING_CHUNK},
         session=session,
     )
     state["w"].mul_(-1.0)  # right after async_take returns: never in the snapshot
@@ -406,7 +406,7 @@ def _cached_take(root: str, name: str, app: dict[str, Any], session: Any) -> tup
     from casnap import Snapshot
 
     snap = Snapshot.take(
-        f"{root}/{name}", app, replicated=["shared/**"], storage_options=CACHE_OPTS, session=session
+        f"{root}/{name}", app, replicated=["shared/**"], settings=CACHE_OPTS, session=session
     )
     return snap, session.plan_cache.last
 

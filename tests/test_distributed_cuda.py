@@ -38,9 +38,9 @@ def scenario(rank: int, world: int, root: str, dev: str) -> dict[str, Any]:
     expected = {k: v.cpu().clone() for k, v in state.items()}
     app = {"s": StateDict(state)}
     session = Session()
-    Snapshot.take(f"{root}/s1", app, replicated=["s/w", "s/b"], storage_options=opts)
+    Snapshot.take(f"{root}/s1", app, replicated=["s/w", "s/b"], settings=opts)
     pending = Snapshot.async_take(
-        f"{root}/s2", app, replicated=["s/w", "s/b"], storage_options=opts, session=session
+        f"{root}/s2", app, replicated=["s/w", "s/b"], settings=opts, session=session
     )
     state["w"].mul_(-1.0)  # after async_take returned: never in s2
     pending.wait()
@@ -59,7 +59,7 @@ def scenario(rank: int, world: int, root: str, dev: str) -> dict[str, Any]:
     bad = StateDict(r=torch.full((4,), 1.0 + rank, device=dev))
     strict = {**opts, "replica_mismatch": "error"}
     try:
-        Snapshot.take(f"{root}/bad", {"bad": bad}, replicated=["bad/**"], storage_options=strict)
+        Snapshot.take(f"{root}/bad", {"bad": bad}, replicated=["bad/**"], settings=strict)
         out["mismatch"] = ""
     except ReplicaMismatchError as exc:
         out["mismatch"] = str(exc)

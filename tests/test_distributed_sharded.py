@@ -88,7 +88,7 @@ def save(rank: int, world: int, root: str, name: str) -> int:
         "dt": StateDict(_state(world, "a", fill=True)),
         "own": StateDict(x=torch.full((3,), float(rank))),
     }
-    snap = Snapshot.take(f"{root}/{name}", app, storage_options=OPTS)
+    snap = Snapshot.take(f"{root}/{name}", app, settings=OPTS)
     entry = snap.get_manifest()[f"{rank}/dt/w1"]
     assert entry.kind == "sharded" and len(entry.shards) == world
     replicated = snap.get_manifest()[f"{rank}/dt/r"]
@@ -162,7 +162,7 @@ def one_rank(rank: int, world: int, root: str) -> None:
 
     state = _state(1, "a", fill=True)
     app = {"dt": StateDict(state), "misc": StateDict(t=torch.arange(5), n=3, s="x", o=[1, 2])}
-    snap = Snapshot.take(f"{root}/one", app, storage_options=OPTS)
+    snap = Snapshot.take(f"{root}/one", app, settings=OPTS)
     for key, entry in snap.get_manifest().items():
         value = snap.read_object(key)
         if entry.kind == "sharded":

@@ -60,7 +60,7 @@ def random_bits(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 def take(tmp_path: Path, name: str, state: dict[str, Any]) -> Snapshot:
-    Snapshot.take(str(tmp_path / "repo" / name), state, storage_options={"chunk_size": CHUNK})
+    Snapshot.take(str(tmp_path / "repo" / name), state, settings={"chunk_size": CHUNK})
     return Snapshot(str(tmp_path / "repo" / name))  # a fresh reader, manifest from disk
 
 

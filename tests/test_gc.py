@@ -25,8 +25,8 @@ from casnap.gc.collect import (
     GcSession,
     execute_gc,
     gc,
-    plan_gc,
     read_gc_epoch,
+    sweep_list,
 )
 from casnap.repo.lease_record import GC_LOCK_KEY, LeaseRecord
 from casnap.repo.leases import (
@@ -58,13 +58,13 @@ def make_state(seed: int) -> StateDict:
 
 
 def take(repo: RepoStorage, name: str, state: StateDict, **kw) -> Snapshot:
-    opts = {"repository": repo, "chunk_size": CHUNK}
-    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, storage_options=opts, **kw)
+    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, **opts, **kw)
 
 
 def restored(repo: RepoStorage, name: str, like: StateDict) -> StateDict:
     out = StateDict({k: torch.zeros_like(v) for k, v in like.items()})
-    Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"s": out})
+    Snapshot(f"{repo.url}/{name}", repository=repo).restore({"s": out})
     return out
 
 
@@ -197,7 +197,7 @@ def test_a_plan_executed_later_deletes_only_what_is_still_garbage(repo):
     a = make_state(1)
     s1 = take(repo, "s1", a)
     repo.delete_ref("s1")
-    plan = plan_gc(repo, grace_seconds=0)  # the lock is released again
+    plan = sweep_list(repo, grace_seconds=0)  # the lock is released again
     assert len(plan.data) == 1 + 6 + 1
 
     take(repo, "s2", a, parents=[s1.manifest_hash])  # dedups against the planned garbage
@@ -509,7 +509,7 @@ def die(src, dst):  # the process is killed between writing a chunk and renaming
     real_replace(src, dst)
 os.replace = die
 state = StateDict(w=torch.randn(200_000))
-Snapshot.take(sys.argv[1], {"s": state}, storage_options={"chunk_size": 65536})
+Snapshot.take(sys.argv[1], {"s": state}, settings={"chunk_size": 65536})
 """
 
 

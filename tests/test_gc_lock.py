@@ -57,7 +57,7 @@ def take_in_thread(repo: Repository, name: str, st: StateDict) -> tuple[threadin
 
     def run() -> None:
         try:
-            Snapshot.take(f"{repo.url}/{name}", {"s": st}, storage_options={"repository": repo})
+            Snapshot.take(f"{repo.url}/{name}", {"s": st}, repository=repo)
             outcome.append("ok")
         except BaseException as exc:  # reported by the test
             outcome.append(exc)
@@ -69,7 +69,7 @@ def take_in_thread(repo: Repository, name: str, st: StateDict) -> tuple[threadin
 
 def restores(repo: Repository, name: str, st: StateDict) -> bool:
     out = StateDict({k: torch.zeros_like(v) for k, v in st.items()})
-    Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"s": out})
+    Snapshot(f"{repo.url}/{name}", repository=repo).restore({"s": out})
     return all(torch.equal(out[k], st[k]) for k in st)
 
 
@@ -77,7 +77,7 @@ def test_a_stale_lock_of_a_crashed_gc_stops_counting_once_expired(repo):
     stale = LeaseRecord.new("gc", ttl=-1.0)
     repo.storage.store.put(GC_LOCK_KEY, stale.to_bytes())
     # does not wait for a dead gc
-    Snapshot.take(f"{repo.url}/s1", {"s": state(1)}, storage_options={"repository": repo})
+    Snapshot.take(f"{repo.url}/s1", {"s": state(1)}, repository=repo)
     gc(repo.storage, grace_seconds=0, wait_seconds=0)  # breaks the stale lock
     assert not repo.storage.store.exists(GC_LOCK_KEY)
 
@@ -161,7 +161,7 @@ def test_the_hostile_lock_from_the_issue_stops_no_take(repo, caplog):
 
 
 def test_the_hostile_lock_from_the_issue_is_broken_by_gc(repo):
-    Snapshot.take(f"{repo.url}/s1", {"s": state(1)}, storage_options={"repository": repo})
+    Snapshot.take(f"{repo.url}/s1", {"s": state(1)}, repository=repo)
     repo.storage.store.put(GC_LOCK_KEY, HOSTILE)
     started = time.monotonic()
     result = repo.gc(grace_seconds=0, wait_seconds=BOUND)  # GcBusyError after BOUND before

@@ -79,7 +79,7 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
             write_ref(name, manifest)
 
         repo.write_ref = slow_write_ref  # type: ignore[method-assign]
-    opts = {"repository": repo, "chunk_size": CHUNK}
+    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     mine: list[tuple[int, str, str]] = []
     deleted: list[str] = []
     with open(out, "a", encoding="utf-8") as log:
@@ -88,9 +88,7 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
             state = state_for(k, rnd)
             parents = [deleted[-1]] if rnd % 4 == 3 and deleted else None
             try:
-                snap = Snapshot.take(
-                    f"{url}/{name}", {"s": state}, storage_options=opts, parents=parents
-                )
+                snap = Snapshot.take(f"{url}/{name}", {"s": state}, **opts, parents=parents)
             except StoreError:
                 # Unleased, a take's own temp file can be swept by gc --grace 0
                 # mid-put; that take fails loudly and commits nothing.
@@ -164,7 +162,7 @@ def damaged_refs(repo: RepoStorage, expected: dict[str, dict[str, str]]) -> list
     for name in repo.list_snapshots():
         out = StateDict({k: torch.full_like(v, float("nan")) for k, v in template.items()})
         try:
-            Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"s": out})
+            Snapshot(f"{repo.url}/{name}", repository=repo).restore({"s": out})
         except CasnapError:
             bad.append(name)
             continue

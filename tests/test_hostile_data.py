@@ -38,7 +38,7 @@ def take(tmp_path: Path, state: dict[str, torch.Tensor], chunk_size: int = MiB) 
     return Snapshot.take(
         str(tmp_path / "repo" / "s1"),
         {"s": StateDict(**state)},
-        storage_options={"chunk_size": chunk_size},
+        settings={"chunk_size": chunk_size},
     )
 
 

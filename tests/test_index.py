@@ -44,7 +44,7 @@ def counted_repo(root: str) -> tuple[Repository, CountingStore]:
 
 
 def opts(repo: Repository) -> dict:
-    return {"repository": repo, "chunk_size": CHUNK}
+    return {"repository": repo, "settings": {"chunk_size": CHUNK}}
 
 
 def data_keys(keys: list[str]) -> list[str]:
@@ -65,12 +65,12 @@ def loose_chunks(snap: Snapshot) -> set[str]:
 
 
 def take(repo: Repository, name: str, state: StateDict) -> Snapshot:
-    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, storage_options=opts(repo))
+    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, **opts(repo))
 
 
 def assert_restores(repo: Repository, name: str, state: StateDict) -> None:
     fresh = StateDict({k: torch.empty_like(v) for k, v in state.items()})
-    Snapshot(f"{repo.url}/{name}", storage_options=opts(repo)).restore({"s": fresh})
+    Snapshot(f"{repo.url}/{name}", repository=repo).restore({"s": fresh})
     assert all(torch.equal(fresh[k], state[k]) for k in state)
 
 
@@ -205,10 +205,10 @@ def test_a_take_in_a_copy_meanwhile_never_lends_its_entries(tmp_path, monkeypatc
 
     def take_in_b() -> None:
         b = Repository(str(tmp_path / "b"))
-        Snapshot.take(f"{b.url}/t1", {"s": new}, storage_options=opts(b))
+        Snapshot.take(f"{b.url}/t1", {"s": new}, **opts(b))
 
     a = Repository.on_store(_Meanwhile(LocalStore(str(tmp_path / "a")), take_in_b))
-    Snapshot.take(f"{a.url}/s2", {"s": new}, parents=["s1"], storage_options=opts(a))
+    Snapshot.take(f"{a.url}/s2", {"s": new}, parents=["s1"], **opts(a))
     assert a.verify().ok
     assert_restores(Repository(str(tmp_path / "a")), "s2", new)
 
@@ -283,9 +283,7 @@ def test_manifest_summaries_are_read_once_then_served_locally(tmp_path):
     state = mixed_state()
     s1 = take(repo, "s1", state)
     state["t0"].add_(1.0)
-    s2 = Snapshot.take(
-        f"{repo.url}/s2", {"s": state}, storage_options=opts(repo), parents=[s1.manifest_hash]
-    )
+    s2 = Snapshot.take(f"{repo.url}/s2", {"s": state}, **opts(repo), parents=[s1.manifest_hash])
     index.drop(repo.storage.config.repo_id)
     store.reset()
     hashes = [repo.resolve("s1"), repo.resolve("s2")]
@@ -325,7 +323,7 @@ def _take_in_child(root: str, index_dir: str, name: str, seed: int) -> None:
     state = mixed_state(0)
     state["t1"].add_(seed)  # one tensor differs per process
     for i in range(3):
-        Snapshot.take(f"{root}/{name}-{i}", {"s": state}, storage_options=opts(repo))
+        Snapshot.take(f"{root}/{name}-{i}", {"s": state}, **opts(repo))
 
 
 def test_two_processes_share_one_index(tmp_path):
@@ -434,9 +432,7 @@ def test_a_sessions_summaries_reuse_unchanged_entries_and_equal_a_fresh_summary(
                 m.setattr(summaries, "_part", lambda e: pytest.fail("an entry was walked"))
             else:
                 change()
-            Snapshot.take(
-                f"{repo.url}/s{i}", {"s": state}, storage_options=opts(repo), session=session
-            )
+            Snapshot.take(f"{repo.url}/s{i}", {"s": state}, **opts(repo), session=session)
     assert any(
         c.base is not None for c in repo.storage.read_manifest(repo.resolve("s3")).chunk_refs()
     )
@@ -469,9 +465,7 @@ def test_a_sessions_unchanged_re_takes_gather_their_parents_chunks_once(tmp_path
     monkeypatch.setattr(index, "parent_chunks", counted)
 
     def take_stats_of(name: str) -> int:
-        snap = Snapshot.take(
-            f"{repo.url}/{name}", {"s": state}, storage_options=opts(repo), session=session
-        )
+        snap = Snapshot.take(f"{repo.url}/{name}", {"s": state}, **opts(repo), session=session)
         return take_stats(snap).chunks_written
 
     take_stats_of("s0")
@@ -493,7 +487,7 @@ def test_rebuild_never_records_a_delta_frame_as_a_whole_chunk(tmp_path):
     s2 = Snapshot.take(
         f"{repo.url}/run/s2",
         {"s": StateDict(table=table)},
-        storage_options=opts(repo),
+        **opts(repo),
         parents=["run/s1"],
     )
     deltas = {c.hash for c in s2.manifest.chunk_refs() if c.base is not None}

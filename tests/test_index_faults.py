@@ -63,7 +63,7 @@ CHILD = textwrap.dedent(
                         pass
         store.reset()
         Snapshot.take(f"{{root}}/{{name}}{{i}}", {{"s": state(i)}},
-                      storage_options={{"repository": repo, "chunk_size": {chunk}}})
+                      repository=repo, settings={{"chunk_size": {chunk}}})
     print("probes", store.requests.get("get_range", 0))
     """
 ).format(chunk=CHUNK)
@@ -109,7 +109,7 @@ def assert_restores(root: Path, name: str = "s", takes: int = 3) -> None:
     for i in range(takes):
         want = state(i)
         got = StateDict({k: torch.empty_like(v) for k, v in want.items()})
-        Snapshot(f"{root}/{name}{i}", storage_options={"repository": repo}).restore({"s": got})
+        Snapshot(f"{root}/{name}{i}", repository=repo).restore({"s": got})
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -290,7 +290,7 @@ def test_one_warning_per_process_then_silence(tmp_path, caplog, monkeypatch):
     repo = Repository(str(root))
     with caplog.at_level("WARNING", logger="casnap.index"):
         for i in range(3):
-            Snapshot.take(f"{root}/s{i}", {"s": state(i)}, storage_options={"repository": repo})
+            Snapshot.take(f"{root}/s{i}", {"s": state(i)}, repository=repo)
     assert len([r for r in caplog.records if r.name == "casnap.index"]) == 1
     assert_restores(root)
     index.close_all()  # forgets that it gave up: the next use tries again

@@ -22,9 +22,7 @@ CHUNK = 64 * 1024
 
 
 def take(tmp_path, name: str, state: dict) -> Snapshot:
-    return Snapshot.take(
-        str(tmp_path / "repo" / name), state, storage_options={"chunk_size": CHUNK}
-    )
+    return Snapshot.take(str(tmp_path / "repo" / name), state, settings={"chunk_size": CHUNK})
 
 
 def test_flipped_byte_in_a_loose_chunk_raises_integrity_error_naming_it(tmp_path):
@@ -171,7 +169,7 @@ def test_a_failed_take_leaves_no_ref_and_earlier_snapshots_restorable(tmp_path):
     failing = Repository.on_store(FailingStore(LocalStore(root), 3, fail=disk_full))
     with pytest.raises(StoreError, match="no space"):
         Snapshot.take(
-            f"{root}/s2", {"s": state}, storage_options={"repository": failing, "chunk_size": CHUNK}
+            f"{root}/s2", {"s": state}, settings={"chunk_size": CHUNK}, repository=failing
         )
     assert Repository(root).snapshots() == ["s1"]
     with pytest.raises(FileNotFoundError):

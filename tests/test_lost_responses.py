@@ -34,13 +34,14 @@ def _take(repo: RepoStorage, name: str, state: StateDict) -> None:
     Snapshot.take(
         f"{repo.url}/{name}",
         {"m": state},
-        storage_options={"repository": repo, "chunk_size": 64 * 1024},
+        settings={"chunk_size": 64 * 1024},
+        repository=repo,
     )
 
 
 def _restores(repo: RepoStorage, name: str, state: StateDict) -> bool:
     out = StateDict({k: torch.zeros_like(v) for k, v in state.items()})
-    Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"m": out})
+    Snapshot(f"{repo.url}/{name}", repository=repo).restore({"m": out})
     return all(torch.equal(out[k], state[k]) for k in state)
 
 

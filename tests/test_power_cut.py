@@ -135,15 +135,15 @@ def _take_one(kind: str, repo: Repository, name: str, session: Session | None) -
 
         from casnap.integrations.dcp import CasnapWriter
 
-        dcp.save(state, storage_writer=CasnapWriter(path, storage_options=opts))
+        dcp.save(state, storage_writer=CasnapWriter(path, **opts))
         return 0
     if kind == "async":
-        snap = Snapshot.async_take(path, state, storage_options=opts).wait()
+        snap = Snapshot.async_take(path, state, **opts).wait()
     elif kind == "delta":
-        opts["chunk_size"] = DELTA_CHUNK
-        snap = Snapshot.take(path, state, storage_options=opts, session=session)
+        opts["settings"] = {"chunk_size": DELTA_CHUNK}
+        snap = Snapshot.take(path, state, **opts, session=session)
     else:
-        snap = Snapshot.take(path, state, storage_options=opts)
+        snap = Snapshot.take(path, state, **opts)
     stats = snap.last_take_stats
     return stats.deltas_written if stats is not None else 0
 
@@ -152,10 +152,9 @@ def _taker(kind: str, repo: Repository, prefix: str, once: bool, report: Callabl
     """Take snapshots of ``kind`` until killed (``once``: one), reporting each that returned."""
     if kind == "ckpt":  # async on every other child: its commit is in wait()
         ckpt = Checkpointer(
-            repo.url,
+            repo,
             every_n_steps=1,
             async_take=int(prefix[1:]) % 2 == 1,
-            storage_options={"repository": repo},
             name_format=f"ckpt/{prefix}-{{step}}",
         )
         for step in range(1) if once else itertools.count():

@@ -44,7 +44,7 @@ def _snapshot(root: Path) -> str:
             table[i * 7 : i * 7 + 2] *= 1.001
         state = {"m": StateDict(table=table, **fixed)}
         opts = {"chunk_size": CHUNK}
-        Snapshot.take(f"{root}/s{i}", state, session=session, storage_options=opts)
+        Snapshot.take(f"{root}/s{i}", state, session=session, settings=opts)
     return f"{root}/s3"
 
 

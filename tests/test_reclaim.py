@@ -86,7 +86,7 @@ class Watcher:
 
 def restores_bit_exact(repo: Repository, name: str, expected: StateDict) -> bool:
     out = StateDict({k: torch.zeros_like(v) for k, v in expected.items()})
-    Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"m": out})
+    Snapshot(f"{repo.url}/{name}", repository=repo).restore({"m": out})
     return all(torch.equal(out[k], expected[k]) for k in expected)
 
 

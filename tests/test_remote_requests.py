@@ -31,7 +31,7 @@ def test_first_take_into_a_new_repository_probes_for_nothing(gcs_bucket):  # noq
     repo = Repository.on_store(store, chunk_size=CHUNK)  # created here: nothing stored yet
     state = random_tensors(SHAPES)
     store.reset()
-    Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, storage_options={"repository": repo})
+    Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, repository=repo)
 
     # Every loose chunk is put without a probe first, the name is not looked up
     # (the ref is written create-only anyway), and no damage record is listed.
@@ -55,11 +55,11 @@ def test_later_takes_still_look_before_writing(gcs_bucket):  # noqa: F811
     repo = Repository.on_store(store, chunk_size=CHUNK)
     state = random_tensors(SHAPES)
     opts = {"repository": repo}
-    Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, storage_options=opts)
+    Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, **opts)
 
     state["w"][: CHUNK // 4].add_(1.0)  # one new chunk; the index does not know it
     store.reset()
-    Snapshot.take(f"{url}/s2", {"m": StateDict(state)}, storage_options=opts, session=Session())
+    Snapshot.take(f"{url}/s2", {"m": StateDict(state)}, **opts, session=Session())
     assert store.requests["exists"] == 1  # is the name free?
     assert len(_chunk_reads(store)) == 1  # the new chunk is probed before its put
     assert [k for k in store.written_keys if "/chunks/" in k] == [_chunk_reads(store)[0]]

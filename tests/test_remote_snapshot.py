@@ -69,9 +69,9 @@ def test_take_restore_and_dedup(remote: Remote) -> None:
     opts = {"repository": repo}
     model = torch.nn.Linear(256, 300)
     extra = StateDict(step=7, small=torch.arange(10))
-    Snapshot.take(f"{url}/s1", {"model": model, "extra": extra}, storage_options=opts)
+    Snapshot.take(f"{url}/s1", {"model": model, "extra": extra}, **opts)
     store.reset()
-    Snapshot.take(f"{url}/s2", {"model": model, "extra": extra}, storage_options=opts)
+    Snapshot.take(f"{url}/s2", {"model": model, "extra": extra}, **opts)
     assert [k for k in store.written_keys if "/chunks/" in k or "/packs/" in k] == []
 
     # a separate reader, finding the repository from the path and the options alone

@@ -267,9 +267,7 @@ def _diverged(rank: int) -> dict[str, Any]:
 
 def warn_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     with replica_warnings() as found:
-        snap = Snapshot.take(
-            f"{root}/s1", _diverged(rank), replicated=["s/**"], storage_options=OPTS
-        )
+        snap = Snapshot.take(f"{root}/s1", _diverged(rank), replicated=["s/**"], settings=OPTS)
     manifest = snap.get_manifest()
     flags = {
         f"{r}/{k}": manifest[f"{r}/s/{k}"].replicated for r in range(world) for k in ("w", "same")
@@ -309,7 +307,7 @@ def error_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     from casnap.settings import override
 
     errors = []
-    # Through storage_options, and through the setting (set on rank 0 only: its choice
+    # Through the take's settings, and through the setting (set on rank 0 only: its choice
     # holds on every rank, so no rank is left waiting for another that chose otherwise).
     for name, opts, setting in (
         ("e1", {**OPTS, "replica_mismatch": "error"}, None),
@@ -317,9 +315,7 @@ def error_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     ):
         try:
             with override(replica_mismatch=setting):
-                Snapshot.take(
-                    f"{root}/{name}", _diverged(rank), replicated=["s/**"], storage_options=opts
-                )
+                Snapshot.take(f"{root}/{name}", _diverged(rank), replicated=["s/**"], settings=opts)
         except ReplicaMismatchError as exc:
             errors.append((str(exc), exc.mismatches))
     return {"errors": errors}
@@ -347,9 +343,7 @@ def dtensor_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
         return DTensor.from_local(torch.full((6,), fill), mesh, [Replicate()], run_check=False)
 
     with replica_warnings() as found:
-        Snapshot.take(
-            f"{root}/d", {"m": StateDict(r=replicated(float(rank)))}, storage_options=OPTS
-        )
+        Snapshot.take(f"{root}/d", {"m": StateDict(r=replicated(float(rank)))}, settings=OPTS)
     target = StateDict(r=replicated(-1.0))
     Snapshot(f"{root}/d").restore({"m": target})
     return {"warned": [str(w.message) for w in found], "restored": target["r"].to_local().tolist()}
@@ -385,7 +379,7 @@ def big_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
         state = {"s": StateDict(w=_big(rank, diverge_at))}
         with replica_warnings() as found:
             snap = Snapshot.take(
-                f"{root}/{name}", state, replicated=["s/**"], storage_options={**BIG, **opts}
+                f"{root}/{name}", state, replicated=["s/**"], settings={**BIG, **opts}
             )
         return snap, [str(w.message) for w in found]
 

@@ -258,9 +258,9 @@ def test_a_repository_holds_its_storage_and_commits_only_through_its_methods(tmp
     for commit_point in ("write_ref", "write_manifest", "delete_ref", "replace_ref", "store"):
         assert not hasattr(repo, commit_point)
     assert repo.url == repo.storage.url
-    # A Repository serves as storage_options["repository"], as before.
+    # A Repository names the repository a Snapshot is in.
     got = {"model": StateDict(w=torch.zeros(64)), "progress": StateDict(step=0)}
-    Snapshot(f"{url}/step_1", storage_options={"repository": repo}).restore(got)
+    Snapshot(f"{url}/step_1", repository=repo).restore(got)
     assert torch.equal(got["model"]["w"], torch.ones(64))
 
 

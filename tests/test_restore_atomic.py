@@ -51,7 +51,7 @@ def take(tmp_path, state: dict[str, torch.Tensor]) -> Snapshot:
     return Snapshot.take(
         str(tmp_path / "repo" / "s1"),
         {"s": StateDict(state)},
-        storage_options={"chunk_size": CHUNK},
+        settings={"chunk_size": CHUNK},
     )
 
 
@@ -174,9 +174,7 @@ def test_a_store_error_mid_restore_leaves_its_tensor_unchanged(tmp_path, maps):
     dropping = Repository.on_store(store)
     target = patterned(state)
     with pytest.raises(StoreError, match="connection reset"):
-        Snapshot(f"{root}/s1", storage_options={"repository": dropping}).restore(
-            {"s": StateDict(target)}
-        )
+        Snapshot(f"{root}/s1", repository=dropping).restore({"s": StateDict(target)})
     assert store.dropped_in == ["map" if maps else "read_into"]
     assert_each_old_or_new(target, state, {"c"})
 
@@ -335,9 +333,7 @@ def test_loose_raw_chunks_are_verified_on_a_mapping_and_saved_nowhere(tmp_path, 
     keys = chunk_keys(snap, state)
     store, options = counted(tmp_path)
     target = patterned(state)
-    Snapshot(str(tmp_path / "repo" / "s1"), storage_options=options).restore(
-        {"s": StateDict(target)}
-    )
+    Snapshot(str(tmp_path / "repo" / "s1"), **options).restore({"s": StateDict(target)})
     assert all(torch.equal(target[k], state[k]) for k in state)
     assert set(store.mapped_keys) == keys  # every chunk read through a mapping
     (pool,) = pools
@@ -357,9 +353,7 @@ def test_a_damaged_mapped_chunk_never_reaches_its_target(tmp_path, monkeypatch, 
     store, options = counted(tmp_path)
     target = patterned(state)
     with pytest.raises(IntegrityError, match=ref.hash):
-        Snapshot(str(tmp_path / "repo" / "s1"), storage_options=options).restore(
-            {"s": StateDict(target)}
-        )
+        Snapshot(str(tmp_path / "repo" / "s1"), **options).restore({"s": StateDict(target)})
     assert torch.equal(target["b"], torch.full_like(target["b"], PATTERN))
     assert_each_old_or_new(target, state, {"b"})
     assert f".casnap/chunks/{ref.hash[:2]}/{ref.hash}" in store.mapped_keys
@@ -375,9 +369,7 @@ def test_a_short_mapped_chunk_is_damage(tmp_path):
     store, options = counted(tmp_path)
     target = patterned(state)
     with pytest.raises(IntegrityError, match=ref.hash):
-        Snapshot(str(tmp_path / "repo" / "s1"), storage_options=options).restore(
-            {"s": StateDict(target)}
-        )
+        Snapshot(str(tmp_path / "repo" / "s1"), **options).restore({"s": StateDict(target)})
     assert torch.equal(target["c"], torch.full_like(target["c"], PATTERN))
     assert_each_old_or_new(target, state, {"c"})
     damaged = list_damage(Repository(str(tmp_path / "repo")).storage)

@@ -38,7 +38,7 @@ def take(tmp_path, state) -> Snapshot:
     snap = Snapshot.take(
         str(tmp_path / "repo" / "s1"),
         {"s": StateDict(state)},
-        storage_options={"chunk_size": CHUNK, "compression": "none"},
+        settings={"chunk_size": CHUNK, "compression": "none"},
     )
     refs = [r for k in state for r in tensor_entry(snap.get_manifest(), f"0/s/{k}").chunks]
     assert all(r.pack is None and r.length == codec.HEADER_SIZE + r.size for r in refs)
@@ -116,7 +116,7 @@ def test_a_chunk_that_fails_its_check_never_reaches_an_in_place_target(tmp_path)
     store = FlippingStore(root, f".casnap/chunks/{ref.hash[:2]}/{ref.hash}")
     target = {"big": torch.full_like(state["big"], PATTERN)}
     with pytest.raises(IntegrityError, match=ref.hash):
-        Snapshot(f"{root}/s1", storage_options={"repository": Repository.on_store(store)}).restore(
+        Snapshot(f"{root}/s1", repository=Repository.on_store(store)).restore(
             {"s": StateDict(target)}, memory_budget_bytes=4 * CHUNK
         )
     for i, (old, new) in enumerate(

@@ -36,8 +36,8 @@ from casnap.ops.retention import (
     KeepWithin,
     RetentionPolicy,
     RetentionRule,
+    decide_retention,
     execute_retention,
-    plan_retention,
     read_snapshots,
 )
 from casnap.repo.repository import RepoStorage
@@ -91,7 +91,7 @@ def repo(built: Path, tmp_path: Path) -> RepoStorage:
 
 
 def kept(repo: RepoStorage, *rules: RetentionRule, **kwargs: Any) -> set[str]:
-    plan = plan_retention(repo, RetentionPolicy(*rules), **kwargs)
+    plan = decide_retention(repo, RetentionPolicy(*rules), **kwargs)
     assert set(plan.keep) | set(plan.delete) == ALL
     assert not set(plan.keep) & set(plan.delete)
     return set(plan.keep)
@@ -116,7 +116,7 @@ def test_keep_last_without_steps_orders_by_creation_time(tmp_path):
     for name in ("zz", "aa", "mm"):  # creation order differs from name order
         Snapshot.take(str(root / name), _state(1))
     repo = RepoStorage.open(str(root))
-    plan = plan_retention(repo, RetentionPolicy(KeepLast(2)))
+    plan = decide_retention(repo, RetentionPolicy(KeepLast(2)))
     assert set(plan.keep) == {"aa", "mm"} and plan.delete == ("zz",)
 
 
@@ -143,7 +143,7 @@ def test_keep_best_ties_favour_the_newer_snapshot(tmp_path):
             str(root / f"t{step}"), _state(step), metadata={"step": step, "metrics": {"loss": 1.0}}
         )
     repo = RepoStorage.open(str(root))
-    assert set(plan_retention(repo, RetentionPolicy(KeepBest(1, "loss"))).keep) == {"t3"}
+    assert set(decide_retention(repo, RetentionPolicy(KeepBest(1, "loss"))).keep) == {"t3"}
 
 
 def test_keep_tagged_repository_and_metadata_tags(repo):
@@ -151,7 +151,7 @@ def test_keep_tagged_repository_and_metadata_tags(repo):
     assert kept(repo, KeepTagged("release")) == {"s050"}
     assert kept(repo, KeepTagged(["milestone"])) == {"s030", "s070"}
     assert kept(repo, KeepTagged(["eval", "release"])) == {"s050", "s070"}
-    plan = plan_retention(repo, RetentionPolicy(KeepTagged()))
+    plan = decide_retention(repo, RetentionPolicy(KeepTagged()))
     assert plan.keep["s070"] == ("tagged eval,milestone",)
     assert plan.keep["s050"] == ("tagged release",)
 
@@ -179,7 +179,7 @@ def test_keep_within_uses_the_injected_now(repo):
 
 # -- policies and plans ----------------------------------------------------------
 def test_rules_combine_as_a_union_with_every_reason(repo):
-    plan = plan_retention(
+    plan = decide_retention(
         repo, RetentionPolicy(KeepLast(2), KeepEveryStep(50), KeepBest(1, "loss"), KeepTagged())
     )
     assert set(plan.keep) == {"s110", "s120", "s050", "s100", "s090", "s030", "s070"}
@@ -193,7 +193,7 @@ def test_rules_combine_as_a_union_with_every_reason(repo):
 
 def test_plan_is_a_dry_run_and_renders(repo):
     refs, manifests = files(repo.url, "refs"), files(repo.url, "manifests")
-    plan = plan_retention(repo, RetentionPolicy(KeepLast(2)))
+    plan = decide_retention(repo, RetentionPolicy(KeepLast(2)))
     assert len(plan.delete) == 11
     assert files(repo.url, "refs") == refs and files(repo.url, "manifests") == manifests
     doc = plan.to_json()
@@ -215,7 +215,7 @@ def test_plan_is_a_dry_run_and_renders(repo):
 
 def test_execute_deletes_refs_only(repo):
     before = {f: files(repo.url, f) for f in ("manifests", "chunks", "packs", "tags")}
-    plan = plan_retention(repo, RetentionPolicy(KeepLast(2), KeepTagged("release")))
+    plan = decide_retention(repo, RetentionPolicy(KeepLast(2), KeepTagged("release")))
     result = execute_retention(repo, plan)
     assert result.deleted == plan.delete and result.skipped == {}
     assert set(repo.list_snapshots()) == {"s050", "s110", "s120"}
@@ -230,7 +230,7 @@ def test_execute_deletes_refs_only(repo):
 
 
 def test_execute_rechecks_refs_and_new_tags(repo):
-    plan = plan_retention(repo, RetentionPolicy(KeepLast(1)))
+    plan = decide_retention(repo, RetentionPolicy(KeepLast(1)))
     repo.delete_ref("s010")  # someone else deleted it
     add_tag(repo, "keepme", "s020")  # tagged after the plan: left alone
     repo.delete_ref("s030")  # ... and re-created with other content
@@ -246,11 +246,11 @@ def test_execute_rechecks_refs_and_new_tags(repo):
 
 def test_empty_policy_and_delete_everything_refuse(repo):
     with pytest.raises(RetentionError, match="empty retention policy"):
-        plan_retention(repo, RetentionPolicy())
+        decide_retention(repo, RetentionPolicy())
     with pytest.raises(ValueError, match="keeps none of the 13"):
-        plan_retention(repo, RetentionPolicy(KeepTagged("nope")))
+        decide_retention(repo, RetentionPolicy(KeepTagged("nope")))
     assert len(repo.list_snapshots()) == 13
-    plan = plan_retention(repo, RetentionPolicy(), allow_delete_all=True)
+    plan = decide_retention(repo, RetentionPolicy(), allow_delete_all=True)
     assert plan.keep == {} and set(plan.delete) == ALL
     execute_retention(repo, plan)
     assert repo.list_snapshots() == []
@@ -258,7 +258,7 @@ def test_empty_policy_and_delete_everything_refuse(repo):
 
 def test_names_restrict_what_retention_considers(repo):
     scope = {"s010", "s020", "s030"}
-    plan = plan_retention(repo, RetentionPolicy(KeepLast(1)), names=scope)
+    plan = decide_retention(repo, RetentionPolicy(KeepLast(1)), names=scope)
     assert set(plan.keep) == {"s030"} and set(plan.delete) == {"s010", "s020"}
 
 
@@ -307,7 +307,7 @@ def test_tags_are_create_only_json_pins(repo):
 
 def test_a_tag_pins_its_manifest_after_the_ref_is_deleted(repo):
     manifest = repo.resolve("s050")
-    plan = plan_retention(repo, RetentionPolicy(KeepLast(1)))
+    plan = decide_retention(repo, RetentionPolicy(KeepLast(1)))
     assert "s050" in plan.delete  # KeepLast does not look at tags
     execute_retention(repo, plan)
     assert not repo.has_ref("s050")
@@ -316,7 +316,7 @@ def test_a_tag_pins_its_manifest_after_the_ref_is_deleted(repo):
     assert repo.read_manifest(manifest).metadata["step"] == 50  # still there for gc roots
     # a new snapshot under the old name is not the tagged one
     Snapshot.take(f"{repo.url}/s050", _state(5), metadata={"step": 50})
-    plan = plan_retention(repo, RetentionPolicy(KeepTagged("release")), allow_delete_all=True)
+    plan = decide_retention(repo, RetentionPolicy(KeepTagged("release")), allow_delete_all=True)
     assert plan.keep == {} and set(plan.delete) == {"s050", "s120"}
 
 

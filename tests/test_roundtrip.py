@@ -266,7 +266,7 @@ def test_large_tensor_spans_chunks_with_partial_last(tmp_path: Any) -> None:
     state = StateDict(big=big, big_t=big_t)
     expected = clone_state(dict(state))
     path = f"{tmp_path}/repo/snap1"
-    snap = Snapshot.take(path, {"s": state}, storage_options={"chunk_size": 4096})
+    snap = Snapshot.take(path, {"s": state}, settings={"chunk_size": 4096})
 
     entry = snap.get_manifest()["0/s/big"]
     assert isinstance(entry, TensorEntry)

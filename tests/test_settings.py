@@ -155,5 +155,5 @@ def test_storage_options_are_checked_like_variables(tmp_path: Path) -> None:
         Snapshot.take(
             str(tmp_path / "s"),
             {"s": StateDict(w=torch.zeros(4))},
-            storage_options={"chunk_size": 12},
+            settings={"chunk_size": 12},
         )

@@ -122,10 +122,10 @@ def test_takes_through_one_repository_from_several_threads_are_whole_when_they_r
         for i in range(6):
             w = torch.randn(96 << 10, generator=g)  # 6 chunks of new bytes each time
             path = f"{repo.url}/{tag}/s{i}"
-            Snapshot.take(path, {"m": StateDict(w=w)}, storage_options={"repository": repo})
+            Snapshot.take(path, {"m": StateDict(w=w)}, repository=repo)
             out = StateDict(w=torch.empty_like(w))
             try:
-                Snapshot(path, storage_options={"repository": repo}).restore({"m": out})
+                Snapshot(path, repository=repo).restore({"m": out})
             except Exception as exc:  # noqa: BLE001 - the finding
                 failures.append(f"{path}: {type(exc).__name__}: {exc}")
                 continue

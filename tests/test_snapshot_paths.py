@@ -33,6 +33,7 @@ from casnap.distributed.group import Group
 from casnap.distributed.take import prepare_distributed_take
 from casnap.errors import InvalidNameError, UnsupportedValueError
 from casnap.repo.repository import RepoStorage
+from casnap.take.target import TakeOptions
 
 GOLDEN = Path(__file__).parent / "data" / "golden-v1"
 
@@ -121,10 +122,10 @@ def test_init_marks_a_repository_a_take_created_as_shared(tmp_path):
 
 def test_an_explicit_repository_wins(tmp_path):
     opts = {"repository": str(tmp_path / "repo")}
-    Snapshot.take(str(tmp_path / "repo" / "a" / "b"), state(1), storage_options=opts)
+    Snapshot.take(str(tmp_path / "repo" / "a" / "b"), state(1), **opts)
     assert repositories(tmp_path) == ["repo"]
     assert Repository(str(tmp_path / "repo")).snapshots() == ["a/b"]
-    assert restored(str(tmp_path / "repo" / "a" / "b"), storage_options=opts) == 1.0
+    assert restored(str(tmp_path / "repo" / "a" / "b"), **opts) == 1.0
 
 
 def test_repositories_older_versions_wrote_keep_working(tmp_path):
@@ -132,7 +133,7 @@ def test_repositories_older_versions_wrote_keep_working(tmp_path):
     assert RepoStorage.open(str(GOLDEN)).config.shared is False
     # An implicit repository that an older casnap let capture a deeper path ...
     root = tmp_path / "old"
-    Snapshot.take(str(root / "deep" / "s"), state(5), storage_options={"repository": str(root)})
+    Snapshot.take(str(root / "deep" / "s"), state(5), repository=str(root))
     assert "shared" not in json.loads((root / ".casnap" / "config.json").read_text())
     # ... still serves that snapshot by its path,
     assert restored(str(root / "deep" / "s")) == 5.0
@@ -149,8 +150,8 @@ def test_an_ancestors_snapshot_stays_readable_after_a_take_makes_a_nearer_reposi
 ):
     root = tmp_path / "old"
     # An older casnap put deep/s and a/b/c into `old` (ancestor capture) ...
-    Snapshot.take(str(root / "deep" / "s"), state(5), storage_options={"repository": str(root)})
-    Snapshot.take(str(root / "a" / "b" / "c"), state(8), storage_options={"repository": str(root)})
+    Snapshot.take(str(root / "deep" / "s"), state(5), repository=str(root))
+    Snapshot.take(str(root / "a" / "b" / "c"), state(8), repository=str(root))
     # ... then takes made old/deep and old/a repositories of their own (the parent rule).
     Snapshot.take(str(root / "deep" / "t"), state(6))
     Snapshot.take(str(root / "a" / "x"), state(9))
@@ -207,7 +208,7 @@ def test_unpredictable_paths_are_refused_with_how_to_choose(sandbox, path, why):
         Snapshot.take(path, state())
     message = str(err.value)
     assert why in message
-    assert "storage_options={'repository'" in message and "casnap init" in message
+    assert "repository='/ckpt/run1'" in message and "casnap init" in message
     assert "/ckpt/run1/step_100" in message
     assert repositories(sandbox) == []
     assert not os.path.exists("/ckpt_x") and not os.path.exists("/.casnap/config.json.tmp")
@@ -244,7 +245,7 @@ def test_the_working_directory_and_its_ancestors_are_refused(deep_cwd, path, why
         Snapshot.take(path, state())
     message = str(err.value)
     assert why in message
-    assert "storage_options={'repository'" in message and "casnap init" in message
+    assert "repository='/ckpt/run1'" in message and "casnap init" in message
     assert repositories(deep_cwd) == []
     assert not os.path.exists("/.casnap")
 
@@ -304,7 +305,7 @@ def test_bad_input_to_a_distributed_take_creates_nothing(tmp_path, case):
             app_state,
             group=Group(object(), 0, 1),
             replicated=None,
-            storage_options=None,
+            options=TakeOptions(),
             metadata=metadata,
             allow_pickle=False,
             parents=None,

@@ -133,7 +133,7 @@ def live_state():
 def _take_in_new_process(url: str, index_dir: Path) -> None:
     code = _STATE + textwrap.dedent(f"""
         from casnap import Snapshot
-        Snapshot.take({url!r}, live_state(), storage_options={{"chunk_size": 65536}})
+        Snapshot.take({url!r}, live_state(), settings={{"chunk_size": 65536}})
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CASNAP_INDEX_DIR": str(index_dir)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)

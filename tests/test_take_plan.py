@@ -35,10 +35,8 @@ def counted_repo(root: str) -> tuple[Repository, CountingStore]:
 def take(
     repo: Repository, name: str, state: StateDict, session: Session | None, **kwargs
 ) -> Snapshot:
-    opts = {"repository": repo, "chunk_size": CHUNK}
-    return Snapshot.take(
-        f"{repo.url}/{name}", {"s": state}, storage_options=opts, session=session, **kwargs
-    )
+    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    return Snapshot.take(f"{repo.url}/{name}", {"s": state}, **opts, session=session, **kwargs)
 
 
 def state_of(n_small: int, seed: int = 0) -> StateDict:
@@ -51,7 +49,7 @@ def state_of(n_small: int, seed: int = 0) -> StateDict:
 
 def restored(repo: Repository, name: str, like: StateDict) -> StateDict:
     out = StateDict({k: torch.empty_like(v) for k, v in like.items()})
-    Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore({"s": out})
+    Snapshot(f"{repo.url}/{name}", repository=repo).restore({"s": out})
     return out
 
 
@@ -95,11 +93,9 @@ def test_an_unchanged_re_take_holds_its_parents_very_entries(tmp_path, session):
     extra = StateDict(step=7, lr=0.5, opts={"betas": (0.9, 0.99)}, tags={"a", "b"})
 
     def snap(name: str) -> Snapshot:
-        opts = {"repository": repo, "chunk_size": CHUNK}
+        opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
         app = {"s": state, "x": extra}
-        return Snapshot.take(
-            f"{repo.url}/{name}", app, storage_options=opts, session=session, allow_pickle=True
-        )
+        return Snapshot.take(f"{repo.url}/{name}", app, **opts, session=session, allow_pickle=True)
 
     s1, s2 = snap("s1"), snap("s2")
     assert s2.manifest.parents == [s1.manifest_hash]
@@ -114,9 +110,7 @@ def test_an_unchanged_re_take_holds_its_parents_very_entries(tmp_path, session):
         assert stored == canonical_json(s.manifest.model_dump(mode="json"))
         assert repo.storage.read_manifest(s.manifest_hash) == s.manifest
     out = StateDict(step=0, lr=0.0, opts={}, tags=set())
-    Snapshot(f"{repo.url}/s3", storage_options={"repository": repo}).restore(
-        {"x": out}, allow_pickle=True
-    )
+    Snapshot(f"{repo.url}/s3", repository=repo).restore({"x": out}, allow_pickle=True)
     assert dict(out) == dict(extra)
 
 
@@ -125,9 +119,9 @@ def test_a_parents_malformed_primitive_is_not_reused_for_an_equal_value(tmp_path
     ``{"type": "int", "value": true}`` (parsed; refused only when restored), must not
     lend its entry to the next take's ``1``, or that take stores the bad value too."""
     repo, _ = counted_repo(str(tmp_path / "repo"))
-    opts = {"repository": repo, "chunk_size": CHUNK}
+    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     app = {"a": StateDict(w=torch.ones(4)), "b": StateDict(flag=1)}
-    s0 = Snapshot.take(f"{repo.url}/s0", app, storage_options=opts)
+    s0 = Snapshot.take(f"{repo.url}/s0", app, **opts)
     store = repo.storage.store
     doc = json.loads(store.get(manifest_key(s0.manifest_hash)))
     doc["entries"]["0/b/flag"]["value"] = True
@@ -135,13 +129,13 @@ def test_a_parents_malformed_primitive_is_not_reused_for_an_equal_value(tmp_path
     store.put(manifest_key(hash_bytes(bad)), bad, create_only=True)
     repo.storage.write_ref("bad", hash_bytes(bad))
     session = Session()
-    Snapshot(f"{repo.url}/bad", storage_options=opts, session=session).restore(
+    Snapshot(f"{repo.url}/bad", repository=repo, session=session).restore(
         {"a": StateDict(w=torch.zeros(4))}
     )
-    s1 = Snapshot.take(f"{repo.url}/s1", app, storage_options=opts, session=session)
+    s1 = Snapshot.take(f"{repo.url}/s1", app, **opts, session=session)
     assert s1.manifest.parents == [hash_bytes(bad)]  # the session's plan is the bad one
     out = {"b": StateDict(flag=0)}
-    Snapshot(f"{repo.url}/s1", storage_options=opts).restore(out)
+    Snapshot(f"{repo.url}/s1", repository=repo).restore(out)
     assert out["b"]["flag"] == 1 and type(out["b"]["flag"]) is int
 
 

@@ -55,14 +55,12 @@ def main() -> None:
     Snapshot.take(
         str(GOLDEN / "first"),
         {"state": state},
-        storage_options=opts,
+        settings=opts,
         metadata={"step": 1, "note": "golden v1"},
         parents=[],
     )
     state["weights"][3].add_(1.0)  # a second snapshot sharing most chunks
-    Snapshot.take(
-        str(GOLDEN / "second"), {"state": state}, storage_options=opts, metadata={"step": 2}
-    )
+    Snapshot.take(str(GOLDEN / "second"), {"state": state}, settings=opts, metadata={"step": 2})
     print(f"wrote {GOLDEN}")
 
 
@@ -158,7 +156,7 @@ def _v11_rank(rank: int, world: int, init: str) -> None:
             str(GOLDEN_V11 / "first"),
             app,
             replicated=V11_REPLICATED,
-            storage_options=V11_OPTS,
+            settings=V11_OPTS,
             allow_pickle=True,
             parents=[],
             metadata={"step": 1, "note": "golden v1.1"},
@@ -172,7 +170,7 @@ def _v11_rank(rank: int, world: int, init: str) -> None:
             str(GOLDEN_V11 / "second"),
             app,
             replicated=V11_REPLICATED,
-            storage_options=V11_OPTS,
+            settings=V11_OPTS,
             allow_pickle=True,
             parents=[first.manifest_hash],
             metadata={"step": 2},

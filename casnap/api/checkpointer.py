@@ -40,7 +40,6 @@ from casnap.repo.repository import RepoStorage
 from casnap.take.session import Session
 
 __all__ = ["Checkpointer", "CheckpointerOptions"]  # the options' public home is here
-_TAKE_ONLY_OPTIONS = ("chunk_size", "compression")
 _Call = tuple[int, dict[str, Any], Mapping[str, Any] | None, list[str]]  # maybe_take's
 log = logging.getLogger("casnap.checkpointer")
 
@@ -98,7 +97,8 @@ class PreemptionGuard:
 
 
 class Checkpointer:
-    """Takes snapshots of a training loop into the repository at ``repo_url``.
+    """Takes snapshots of a training loop into the repository at ``repo_url`` (or into
+    an open :class:`casnap.Repository`).
 
     :meth:`maybe_take` takes when ``every_n_steps`` or ``every_seconds`` (from the end of
     the last take) says so, with ``force=True``, after a SIGTERM (``take_on_preemption``)
@@ -115,13 +115,14 @@ class Checkpointer:
 
     def __init__(
         self,
-        repo_url: str,
+        repo_url: str | Repository | RepoStorage,
         every_n_steps: int | None = None,
         *,
         options: CheckpointerOptions | None = None,
         **keywords: Any,
     ) -> None:
-        repo_url = as_path(repo_url, "repo_url")
+        opened = repo_url.storage if isinstance(repo_url, Repository) else repo_url
+        repo_url = opened.url if isinstance(opened, RepoStorage) else as_path(repo_url, "repo_url")
         if every_n_steps is not None:
             keywords["every_n_steps"] = every_n_steps
         opts = replace(options, **keywords) if options else CheckpointerOptions(**keywords)
@@ -137,14 +138,9 @@ class Checkpointer:
         self.reclaim = opts.reclaim
         self.reclaim_wait_seconds = float(opts.reclaim_wait_seconds)
         self.tags = list(opts.tags or ())
-        take_options = dict(opts.storage_options or {})
-        explicit = take_options.pop("repository", None)
-        if isinstance(explicit, Repository):
-            explicit = explicit.storage
-        self._repo: RepoStorage | None = explicit if isinstance(explicit, RepoStorage) else None
-        self._url: str = explicit if isinstance(explicit, str) else repo_url
-        self._take_options = take_options
-        self._store_options = {k: v for k, v in take_options.items() if k not in _TAKE_ONLY_OPTIONS}
+        self._repo: RepoStorage | None = opened if isinstance(opened, RepoStorage) else None
+        self._url: str = repo_url
+        self._store_options = dict(opts.storage_options or {})
         # Lineage, plan reuse and staging buffers from one take to the next.
         self.session = opts.session if opts.session is not None else Session()
         self._steps: set[int] = set()  # steps taken (or being taken) by this checkpointer
@@ -254,14 +250,15 @@ class Checkpointer:
             return None
         # Without a repository, the take creates it once its input is checked.
         url = repo.url if repo is not None else self._url
-        options = {**self._take_options, "repository": repo if repo is not None else url}
         self._steps.add(step)
         start = Snapshot.async_take if self.async_take else Snapshot.take
         try:
             snap = start(
                 f"{url.rstrip('/')}/{name}",
                 app_state,
-                storage_options=options,
+                storage_options=self._store_options,
+                settings=self.options.settings,
+                repository=repo if repo is not None else url,
                 metadata=metadata,
                 session=self.session,
             )
@@ -438,10 +435,8 @@ class Checkpointer:
         return next((s for s in infos if s.name in picked), None)
 
     def _snapshot(self, repo: RepoStorage, name: str) -> Snapshot:
-        options = {**self._take_options, "repository": repo}
-        return Snapshot(
-            f"{repo.url.rstrip('/')}/{name}", storage_options=options, session=self.session
-        )
+        path, options = f"{repo.url.rstrip('/')}/{name}", self._store_options
+        return Snapshot(path, storage_options=options, session=self.session, repository=repo)
 
     def restore_latest(self, app_state: dict[str, Any], **restore_kwargs: Any) -> int | None:
         """Restore this checkpointer's newest snapshot that restores whole and return its

@@ -40,12 +40,13 @@ from casnap.ops.retention import (
     RetentionRule,
     SnapshotInfo,
     SummaryCache,
+    decide_retention,
     execute_retention,
-    plan_retention,
     read_snapshots,
 )
 from casnap.ops.verify import check_snapshot
 from casnap.repo.repository import RepoStorage
+from casnap.settings import check_storage_options, take_overrides
 from casnap.take.session import Session
 
 Clock = Callable[[], float]
@@ -73,6 +74,7 @@ class CheckpointerOptions:
     async_take: bool = False
     name_format: str = "step_{step:09d}"
     storage_options: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = None
     tags: Iterable[str] | None = None
     session: Session | None = None
     retention: RetentionPolicy | RetentionRule | None = None
@@ -114,6 +116,10 @@ class CheckpointerOptions:
             raise ConfigError(
                 f"reclaim_wait_seconds must not be negative, got {wait}", "reclaim_wait_seconds"
             )
+        set_(self, "settings", take_overrides(self.settings))
+        for name in ("storage_options", "mirror_storage_options"):
+            if getattr(self, name) is not None:
+                check_storage_options(expect_type(getattr(self, name), Mapping, name, "a dict"))
         tags = as_names(self.tags, "tags")
         set_(self, "tags", tuple(check_ref_name(t) for t in (tags or [])))
         try:  # a bad format fails here, not at the first take
@@ -252,7 +258,7 @@ def retain(
     ``reclaim_wait_seconds`` is None) what the retired ones and ``last``'s pending
     reached. A failed reclaim is logged and left pending for the next: freeing space
     is housekeeping, and a cut-short sweep is consistent (manifests before chunks)."""
-    plan = plan_retention(repo, RetentionPolicy(*policy.rules, *keep), names=mine, cache=cache)
+    plan = decide_retention(repo, RetentionPolicy(*policy.rules, *keep), names=mine, cache=cache)
     result = execute_retention(repo, plan)
     earlier = last.reclaimed if last is not None else None
     retired = (earlier.pending if earlier is not None else ()) + result.retired_manifests

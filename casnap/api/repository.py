@@ -43,12 +43,12 @@ from casnap.ops.history import EntryDiff, LogLine, Usage, diff, du, log
 from casnap.ops.naming import resolve_name
 from casnap.ops.repair import RepairResult, repair
 from casnap.ops.retention import (
-    RetentionPlan,
+    RetentionDecision,
     RetentionPolicy,
     RetentionResult,
     RetentionRule,
+    decide_retention,
     execute_retention,
-    plan_retention,
 )
 from casnap.ops.verify import VerifyReport, verify
 from casnap.repo.gc_lock import break_gc_lock
@@ -75,7 +75,7 @@ class Repository:
     ``storage`` is the :class:`~casnap.repo.repository.RepoStorage` underneath
     (objects, manifests, refs: the commit point), for casnap's own layers and
     tools; a Repository is not one, and writes refs only through its methods.
-    ``storage_options={"repository": repo}`` takes and reads through it.
+    ``Snapshot.take(path, app_state, repository=repo)`` takes and reads through it.
     """
 
     storage: RepoStorage
@@ -277,7 +277,7 @@ class Repository:
 
     def retain(
         self,
-        policy: RetentionPolicy | RetentionRule | RetentionPlan,
+        policy: RetentionPolicy | RetentionRule | RetentionDecision,
         *,
         dry_run: bool = False,
         now: datetime | None = None,
@@ -288,7 +288,7 @@ class Repository:
         """Delete the refs ``policy`` does not keep; with ``prune``, then their space.
 
         The plan is made first and returned in ``result.plan``; ``dry_run``
-        stops there (nothing deleted). A :class:`RetentionPlan` from an
+        stops there (nothing deleted). A :class:`RetentionDecision` from an
         earlier dry run can be passed instead of a policy to execute exactly
         it (refs changed since are skipped). A plan that deletes every
         snapshot raises :class:`casnap.errors.RetentionError` unless
@@ -302,10 +302,10 @@ class Repository:
             print(preview.plan.render())
             repo.retain(preview.plan, prune=True).reclaimed.bytes_freed
         """
-        if isinstance(policy, RetentionPlan):
+        if isinstance(policy, RetentionDecision):
             plan = policy
         else:
-            plan = plan_retention(self.storage, policy, now, allow_delete_all=allow_delete_all)
+            plan = decide_retention(self.storage, policy, now, allow_delete_all=allow_delete_all)
         if dry_run:
             return RetentionResult((), {}, plan, dry_run=True)
         result = execute_retention(self.storage, plan)
@@ -438,16 +438,15 @@ class Repository:
         """
         from casnap.api.snapshot import Snapshot
 
-        path, options = self._path(resolve_name(self.storage, name)), {"repository": self.storage}
-        return Snapshot(path, storage_options=options, session=self._take_session())
+        path = self._path(resolve_name(self.storage, name))
+        return Snapshot(path, repository=self.storage, session=self._take_session())
 
     def take(self, name: str, app_state: dict[str, Any], **kwargs: Any) -> Snapshot:
         """``Snapshot.take`` of ``app_state`` as ``name`` in this repository."""
         from casnap.api.snapshot import Snapshot
 
-        options = {**kwargs.pop("storage_options", {}), "repository": self.storage}
         kwargs.setdefault("session", self._take_session())
-        return Snapshot.take(self._path(name), app_state, storage_options=options, **kwargs)
+        return Snapshot.take(self._path(name), app_state, repository=self.storage, **kwargs)
 
     def export(
         self,

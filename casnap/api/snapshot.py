@@ -36,7 +36,7 @@ from casnap.take import at_exit
 from casnap.take.commit import remember
 from casnap.take.job import ShardedNeedsGroup, TakeJob, TakeResult, prepare_take
 from casnap.take.session import Session
-from casnap.take.target import TensorPrepareFunc
+from casnap.take.target import TakeOptions, TensorPrepareFunc
 
 Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
 
@@ -52,7 +52,7 @@ def _prepare(
     app_state: dict[str, Any],
     pg: Any,
     replicated: list[str] | None,
-    storage_options: dict[str, Any] | None,
+    options: TakeOptions,
     custom_prepare: TensorPrepareFunc | None,
     metadata: dict[str, Any] | None,
     allow_pickle: bool,
@@ -69,7 +69,7 @@ def _prepare(
     """
     path = as_path(path)
     expect_type(app_state, Mapping, "app_state", "a dict of stateful objects")
-    for name, value in (("storage_options", storage_options), ("metadata", metadata)):
+    for name, value in (("storage_options", options.storage), ("metadata", metadata)):
         if value is not None:
             expect_type(value, Mapping, name, "a dict or None")
     parents = as_names(parents, "parents")
@@ -85,7 +85,7 @@ def _prepare(
         return prepare_take(
             path,
             app_state,
-            storage_options=storage_options,
+            options=options,
             metadata=metadata,
             allow_pickle=allow_pickle,
             parents=parents,
@@ -110,7 +110,7 @@ def _prepare(
             app_state,
             group=group,
             replicated=replicated,
-            storage_options=storage_options,
+            options=options,
             metadata=metadata,
             allow_pickle=allow_pickle,
             parents=parents,
@@ -128,7 +128,9 @@ class Snapshot:
     Nothing is read until the snapshot is used; a path that names no snapshot
     raises :class:`casnap.SnapshotNotFoundError` then. :meth:`restore` checks
     ``app_state`` before that: a value without ``state_dict()`` raises a
-    ``TypeError`` whether or not the snapshot exists (as torchsnapshot). A restore through a
+    ``TypeError`` whether or not the snapshot exists (as torchsnapshot).
+    ``repository`` (a URL or an open :class:`casnap.Repository`) names the
+    repository the path is in, as for :meth:`take`. A restore through a
     ``session`` (:class:`casnap.Session`) makes this snapshot the parent of
     that session's next take into the repository.
     """
@@ -140,6 +142,7 @@ class Snapshot:
         storage_options: dict[str, Any] | None = None,
         *,
         session: Session | None = None,
+        repository: str | Repository | RepoStorage | None = None,
     ) -> None:
         self.path = as_path(path)
         self.pg = pg
@@ -149,6 +152,7 @@ class Snapshot:
             expect_type(session, Session, "session", "a casnap.Session")
         self.storage_options = dict(storage_options or {})
         self.session = session
+        self._named_repository = repository  # None: found from the path (locate)
         self._repo: RepoStorage | None = None
         self._repository: Repository | None = None
         self._name: str | None = None
@@ -176,6 +180,8 @@ class Snapshot:
         memory_budget_bytes: int | None = None,
         session: Session | None = None,
         progress: Progress | None = None,
+        settings: dict[str, Any] | None = None,
+        repository: str | Repository | RepoStorage | None = None,
     ) -> Snapshot:
         """Take a snapshot of ``app_state`` (a dict of stateful objects) at ``path``.
 
@@ -189,6 +195,10 @@ class Snapshot:
         also lets the next take reuse this one's plan and staging buffers.
         ``memory_budget_bytes`` bounds the take's in-flight copies (default: a
         quarter of available memory, ``CASNAP_MEMORY_BUDGET``).
+        ``storage_options`` are the store's (fsspec's, as in torchsnapshot);
+        ``settings`` override this take's settings (``{"chunk_size": "1MiB"}``:
+        ``casnap.settings.TAKE_SETTINGS``); ``repository`` (a URL or an open
+        :class:`casnap.Repository`) names the repository the path is in.
         ``progress(done_bytes, total_bytes)`` is called from writer threads, in
         order, as each chunk of this rank's tensors and objects is hashed and
         written or found already stored; it ends at ``total_bytes``::
@@ -202,7 +212,7 @@ class Snapshot:
                 app_state,
                 pg,
                 replicated,
-                storage_options,
+                TakeOptions.of(storage_options, settings, repository),
                 _custom_tensor_prepare_func,
                 metadata,
                 allow_pickle,
@@ -231,6 +241,8 @@ class Snapshot:
         memory_budget_bytes: int | None = None,
         session: Session | None = None,
         progress: Progress | None = None,
+        settings: dict[str, Any] | None = None,
+        repository: str | Repository | RepoStorage | None = None,
     ) -> PendingSnapshot:
         """Like :meth:`take`, but returns once the state is copied; writing continues
         in the background. Changing the live tensors afterwards never changes the
@@ -248,7 +260,7 @@ class Snapshot:
                 app_state,
                 pg,
                 replicated,
-                storage_options,
+                TakeOptions.of(storage_options, settings, repository),
                 _custom_tensor_prepare_func,
                 metadata,
                 allow_pickle,
@@ -282,7 +294,11 @@ class Snapshot:
     def _load(self) -> tuple[RepoStorage, Manifest]:
         if self._repo is None or self._name is None:
             self._repo, self._name = locate(
-                self.path, self.storage_options, create=False, existing=True
+                self.path,
+                self.storage_options,
+                create=False,
+                existing=True,
+                repository=self._named_repository,
             )
         if self._manifest is None:
             self._manifest_hash = self._repo.resolve(self._name)

@@ -37,7 +37,7 @@ from casnap.distributed.plan_cache import CacheKey, exchange_plans
 from casnap.errors import DistributedTakeError
 from casnap.format.entries import ChunkRef
 from casnap.repo.leases import Lease, acquire_lease
-from casnap.repo.repository import RepoStorage, locate
+from casnap.repo.repository import RepoStorage
 from casnap.settings import Settings, dist_timeout
 from casnap.take.commit import commit_snapshot, remember
 from casnap.take.job import TakeResult
@@ -45,10 +45,10 @@ from casnap.take.plan import RankPlan, cached_parent, known_chunks
 from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage
 from casnap.take.session import Session
 from casnap.take.target import (
+    TakeOptions,
     TensorPrepareFunc,
     collect,
     resolve_target,
-    split_options,
     staging_limit,
     take_settings,
 )
@@ -87,13 +87,13 @@ class _Failed:
 
 def _start(
     path: str,
-    storage_options: dict[str, Any] | None,
+    options: TakeOptions,
     metadata: dict[str, Any] | None,
     parents: list[str] | None,
     session: Session | None,
 ) -> tuple[RepoStorage, _Start, Lease]:
     """Rank 0's part of phase 1."""
-    target = resolve_target(path, storage_options, metadata, parents, session)
+    target = resolve_target(path, options, metadata, parents, session)
     repo, name, chunk = target.repo, target.name, target.settings.chunk_size
     meta = target.metadata
     lease = acquire_lease(repo.store, kind="take")
@@ -126,7 +126,7 @@ def prepare_distributed_take(
     *,
     group: Group,
     replicated: list[str] | None,
-    storage_options: dict[str, Any] | None,
+    options: TakeOptions,
     metadata: dict[str, Any] | None,
     allow_pickle: bool,
     parents: list[str] | None,
@@ -160,20 +160,19 @@ def prepare_distributed_take(
                 start = nodes
             else:
                 try:
-                    repo, start, lease = _start(path, storage_options, metadata, parents, session)
+                    repo, start, lease = _start(path, options, metadata, parents, session)
                 except Exception as exc:
                     start = failure_of(0, exc)
         starts = all_gather(group, start, "start")
         info = starts[0]
         assert isinstance(info, _Start)
-        options, overrides = split_options(storage_options)
         plan: RankPlan | Failure
         local = LocalData()
         key: CacheKey | None = None
         try:
             if repo is None:
-                repo, _ = locate(path, options, create=False)
-            settings = take_settings(repo, overrides, chunk_size=info.chunk_size)
+                repo, _ = options.locate(path, create=False)
+            settings = take_settings(repo, options.settings, chunk_size=info.chunk_size)
             if isinstance(nodes, Failure):
                 plan = nodes  # reported to every rank by the exchange
             else:

@@ -115,7 +115,7 @@ class ZipRecord:
         return head + self.name + extra
 
 
-class ZipPlan:
+class ZipLayout:
     """Offsets of every member of a torch.save archive, known before any data is read."""
 
     def __init__(self) -> None:
@@ -148,10 +148,10 @@ class ZipPlan:
         return cd + eocd64 + locator + eocd
 
 
-def plan_torch_archive(pkl: bytes, storage_sizes: list[int]) -> tuple[ZipPlan, list[bytes]]:
+def plan_torch_archive(pkl: bytes, storage_sizes: list[int]) -> tuple[ZipLayout, list[bytes]]:
     """The archive's layout and the bytes of its small records (in plan order; the
     storages' entries are empty placeholders)."""
-    plan = ZipPlan()
+    plan = ZipLayout()
     small: list[bytes] = []
     alignment = str(_ALIGNMENT).encode()
     head = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", alignment)]
@@ -168,7 +168,7 @@ def plan_torch_archive(pkl: bytes, storage_sizes: list[int]) -> tuple[ZipPlan, l
     return plan, small
 
 
-def _serialization_id(plan: ZipPlan) -> bytes:
+def _serialization_id(plan: ZipLayout) -> bytes:
     """40 digits as PyTorch writes them: 20 of a hash of the record names (PyTorch's uses
     std::hash, so this half differs), then 20 of the records' CRCs combined with
     c10::hash_combine (this half equals torch.save's for the same tensors)."""
@@ -182,7 +182,7 @@ def _serialization_id(plan: ZipPlan) -> bytes:
 
 
 def write_torch_archive(
-    fd: int, plan: ZipPlan, small: list[bytes], storage_crcs: dict[int, int]
+    fd: int, plan: ZipLayout, small: list[bytes], storage_crcs: dict[int, int]
 ) -> None:
     """Write everything but the storages' bytes: headers, small records, descriptors and
     the directory. ``storage_crcs`` maps a record's index to the CRC-32 of its bytes."""

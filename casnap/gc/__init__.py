@@ -14,14 +14,14 @@ from casnap.gc.collect import (
     execute_gc,
     gc,
     gc_in_progress,
-    plan_gc,
     read_gc_epoch,
+    sweep_list,
 )
-from casnap.gc.plan import GcPlan
+from casnap.gc.plan import GcSweep
 from casnap.gc.reclaim import ReclaimResult, reclaim
 
 __all__ = [
-    "GcPlan",
+    "GcSweep",
     "GcRefusedError",
     "GcResult",
     "GcSession",
@@ -29,7 +29,7 @@ __all__ = [
     "execute_gc",
     "gc",
     "gc_in_progress",
-    "plan_gc",
+    "sweep_list",
     "read_gc_epoch",
     "reclaim",
 ]

@@ -37,10 +37,10 @@ from casnap.format.parse import MAX_RECORD_BYTES
 from casnap.gc.plan import (
     LEASE_TEMP_MIN_AGE,
     Garbage,
-    GcPlan,
+    GcSweep,
     Progress,
     intersect,
-    make_plan,
+    make_sweep,
 )
 from casnap.index import GC_EPOCH_KEY
 from casnap.repo.damage import clear_damage, list_damage
@@ -56,7 +56,7 @@ __all__ = [
     "DEFAULT_WAIT_SECONDS",
     "LEASE_TEMP_MIN_AGE",
     "Garbage",
-    "GcPlan",
+    "GcSweep",
     "GcRefusedError",
     "GcResult",
     "GcSession",
@@ -64,7 +64,7 @@ __all__ = [
     "execute_gc",
     "gc",
     "gc_in_progress",
-    "plan_gc",
+    "sweep_list",
     "read_gc_epoch",
 ]
 
@@ -76,7 +76,7 @@ DEFAULT_WAIT_SECONDS = 60.0
 class GcResult:
     """What a gc did (``dry_run``: what it would have done)."""
 
-    plan: GcPlan
+    plan: GcSweep
     dry_run: bool
     deleted_manifests: int = 0
     deleted_chunks: int = 0
@@ -210,7 +210,7 @@ class GcSession:
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         progress: Progress | None = None,
         retired: Sequence[str] | None = None,
-    ) -> GcPlan:
+    ) -> GcSweep:
         """Mark from refs and tags; list unreachable objects older than ``grace_seconds``.
 
         ``retired`` narrows the plan to what those manifests (whose refs the caller
@@ -219,11 +219,11 @@ class GcSession:
         as the reachable manifests are read.
         """
         lock = self.lock
-        plan = make_plan(self.repo, lock.id, grace_seconds, progress, retired)
+        plan = make_sweep(self.repo, lock.id, grace_seconds, progress, retired)
         lock.check()
         return plan
 
-    def execute(self, plan: GcPlan, *, progress: Progress | None = None) -> GcResult:
+    def execute(self, plan: GcSweep, *, progress: Progress | None = None) -> GcResult:
         """Delete what ``plan`` lists: manifests (durably) first, then chunks and packs.
 
         A plan from another session (a dry run earlier, say) is re-checked: only
@@ -337,13 +337,13 @@ def _still_dead(store: ObjectStore, key: str) -> LeaseRecord | None:
 # -- one call --------------------------------------------------------------
 
 
-def plan_gc(
+def sweep_list(
     repo: RepoStorage,
     *,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     wait_seconds: float = DEFAULT_WAIT_SECONDS,
     progress: Progress | None = None,
-) -> GcPlan:
+) -> GcSweep:
     """A plan made under the lock, which is released again (a dry run).
 
     Pass it to :func:`execute_gc` later: only what is still garbage then goes.
@@ -354,12 +354,12 @@ def plan_gc(
 
 def execute_gc(
     repo: RepoStorage,
-    plan: GcPlan,
+    plan: GcSweep,
     *,
     wait_seconds: float = DEFAULT_WAIT_SECONDS,
     progress: Progress | None = None,
 ) -> GcResult:
-    """Execute a plan from :func:`plan_gc` under a new lock, re-checked first."""
+    """Execute a plan from :func:`sweep_list` under a new lock, re-checked first."""
     with GcSession(repo, wait_seconds=wait_seconds) as session:
         return session.execute(plan, progress=progress)
 
@@ -391,7 +391,7 @@ def gc(
         # Read only: no lock, no epoch, no lease. The plan may list objects of a take in
         # flight, which is harmless: it deletes nothing, and a plan from outside a session
         # is re-checked under the lock before anything goes (:meth:`GcSession.execute`).
-        plan = make_plan(repo, f"dry-run-{uuid.uuid4().hex}", grace_seconds, progress)
+        plan = make_sweep(repo, f"dry-run-{uuid.uuid4().hex}", grace_seconds, progress)
         return GcResult(
             plan=plan, dry_run=True, epoch=read_gc_epoch(repo), seconds=time.monotonic() - started
         )

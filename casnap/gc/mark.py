@@ -6,7 +6,7 @@ summaries (a reclaim: the local index caches them). A :class:`Scope` is what a
 plan may delete: every unreachable object (:func:`unreachable`) or what the
 manifests retention retired reference (:func:`retired_scope`).
 :func:`sort_scope` splits a scope's objects into kept (and why) and garbage.
-:mod:`casnap.gc.plan` puts these together into a :class:`~casnap.gc.plan.GcPlan`.
+:mod:`casnap.gc.plan` puts these together into a :class:`~casnap.gc.plan.GcSweep`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ the plan may delete is its scope:
   the manifests it keeps from their summaries (the local index caches them).
 
 Either way every manifest the plan keeps is marked, so a manifest that exists
-after the sweep is whole. A :class:`GcPlan` is a value: print it, test it,
+after the sweep is whole. A :class:`GcSweep` is a value: print it, test it,
 dry-run it. It is made and executed inside a
 :class:`casnap.gc.collect.GcSession`, which holds the gc lock.
 """
@@ -45,7 +45,7 @@ from casnap.repo.leases import scan_leases
 from casnap.repo.repository import CONFIG_KEY, RepoStorage, now_iso
 from casnap.store import ObjectInfo
 
-__all__ = ["LEASE_TEMP_MIN_AGE", "Garbage", "GcPlan", "Progress", "intersect", "make_plan"]
+__all__ = ["LEASE_TEMP_MIN_AGE", "Garbage", "GcSweep", "Progress", "intersect", "make_sweep"]
 
 # Temp files of unfinished puts. gc runs only once no take holds a lease, and
 # takes write chunks, packs, manifests, refs and tags only under one, so a temp
@@ -65,8 +65,8 @@ def _may_be_live(temp_key: str) -> bool:
 
 
 @dataclass(frozen=True)
-class GcPlan:
-    """What one gc would delete, made under the lock of session ``session``.
+class GcSweep:
+    """What one gc would delete (its sweep list), made under the lock of session ``session``.
 
     Only valid while that session holds the lock; :meth:`GcSession.execute`
     re-plans (in the same scope) and deletes only what is still garbage when
@@ -159,13 +159,13 @@ class GcPlan:
         return {**out, "bytes_to_free": self.bytes_to_free}
 
 
-def make_plan(
+def make_sweep(
     repo: RepoStorage,
     session: str,
     grace_seconds: float,
     progress: Progress | None,
     retired: Sequence[str] | None = None,
-) -> GcPlan:
+) -> GcSweep:
     """The plan of gc session ``session`` (see :meth:`casnap.gc.collect.GcSession.plan`)."""
     expect_type(grace_seconds, (int, float), "grace_seconds", "a number of seconds")
     if not grace_seconds >= 0:
@@ -202,7 +202,7 @@ def make_plan(
             f"the store does not report object ages: {ages.unknown} unreachable object(s) "
             "kept; pass grace_seconds=0 to sweep them"
         )
-    return GcPlan(
+    return GcSweep(
         url=repo.url,
         session=session,
         made_at=now_iso(),
@@ -246,7 +246,7 @@ def _dead_leases(repo: RepoStorage, now: float) -> tuple[str, ...]:
     return tuple(k for f in (LEASES, GC_CLAIMS) for k, _ in scan_leases(repo.store, now, f).dead)
 
 
-def intersect(old: GcPlan, fresh: GcPlan) -> tuple[GcPlan, int]:
+def intersect(old: GcSweep, fresh: GcSweep) -> tuple[GcSweep, int]:
     """``old`` restricted to what ``fresh`` (made under the current lock) still deletes."""
 
     def both(a: tuple[Garbage, ...], b: tuple[Garbage, ...]) -> tuple[Garbage, ...]:

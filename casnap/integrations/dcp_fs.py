@@ -52,11 +52,11 @@ from casnap.integrations.dcp_layout import FILES_METADATA, containers, path_key
 from casnap.integrations.dcp_writer import _commit_replacing
 from casnap.integrations.file_entries import WriteStream, entry_size, open_entry, store_segments
 from casnap.repo.leases import Lease, acquire_lease
-from casnap.repo.repository import RepoStorage, locate, now_iso
+from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings, dist_timeout
 from casnap.take.parent import parent_rule
 from casnap.take.session import Session
-from casnap.take.target import split_options, take_settings
+from casnap.take.target import TakeOptions, take_settings
 from casnap.torch_io.flatten import encode_primitive
 
 PROTOCOL = "casnap"
@@ -105,8 +105,9 @@ class _Load:
 class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
     """``casnap://<snapshot path>/<file>``: DCP's files as a casnap snapshot (docs/dcp.md).
 
-    ``storage_options`` (fsspec's constructor keywords) are those of a take:
-    ``chunk_size``, ``compression``, ``repository``, the store's options.
+    Its constructor keywords (DCP's ``storage_options``, given to fsspec) are a
+    take's three in one dict: its settings (``chunk_size``, ``compression``, ...),
+    ``repository``, and the rest the store's options.
     """
 
     protocol = PROTOCOL
@@ -114,9 +115,10 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **storage_options: Any) -> None:
         super().__init__(*args, **storage_options)
-        self.take_options = dict(storage_options)
+        options = dict(storage_options)
         for key in ("skip_instance_cache", "use_listings_cache", "listings_expiry_time"):
-            self.take_options.pop(key, None)
+            options.pop(key, None)
+        self.take_options = TakeOptions.split(options)
         self.session = Session()
         self._saves: dict[str, _Save] = {}
         self._loads: dict[str, _Load] = {}
@@ -139,9 +141,9 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         """Start a save to ``ckpt``: the repository, the lease, the parents (every rank)."""
         group = resolve_group(None)
         self._abandon(ckpt)  # an earlier save to it that failed before its commit
-        options, overrides = split_options(self.take_options)
+        overrides = self.take_options.settings
         new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
-        repo, name = locate(ckpt, options, create=True, chunk_size=new_repo_chunk)
+        repo, name = self.take_options.locate(ckpt, create=True, chunk_size=new_repo_chunk)
         settings = take_settings(repo, overrides)
         fresh, repo.created = repo.created, False
         replaces = repo.resolve(name) if repo.has_ref(name) else None
@@ -290,8 +292,7 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         with self._guard:
             load = self._loads.get(ckpt)
         if load is None or fresh:
-            options, _ = split_options(self.take_options)
-            repo, name = locate(ckpt, options, create=False, existing=True)
+            repo, name = self.take_options.locate(ckpt, create=False, existing=True)
             manifest = repo.read_manifest(repo.resolve(name))
             if FILES_METADATA not in manifest.metadata:
                 raise ConfigError(

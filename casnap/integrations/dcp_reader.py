@@ -71,8 +71,8 @@ class CasnapReader(StorageReader):
     """Load a DCP checkpoint that :class:`~casnap.integrations.dcp.CasnapWriter` saved.
 
     ``path`` (or DCP's ``checkpoint_id=``) is the snapshot path given to the
-    writer; ``storage_options`` as for ``casnap.Snapshot`` (``repository``,
-    fsspec options).
+    writer; ``storage_options`` (the store's) and ``repository`` as for
+    ``casnap.Snapshot``.
 
     Example::
 
@@ -89,11 +89,13 @@ class CasnapReader(StorageReader):
         path: str | os.PathLike[str] | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
+        repository: Any = None,
         **_filesystem_reader_options: Any,
     ) -> None:
         super().__init__()
         self.path: str | None = _as_path(path) if path is not None else None
         self.storage_options = dict(storage_options or {})
+        self.repository = repository
         self.load_id = uuid.uuid4().hex
         self._repo: RepoStorage | None = None
         self._manifest: Manifest | None = None
@@ -131,7 +133,9 @@ class CasnapReader(StorageReader):
             raise FileNotFoundError("casnap snapshots have no per-rank DCP metadata")
         if self.path is None:
             raise ConfigError("CasnapReader needs a path: CasnapReader(path) or checkpoint_id=")
-        repo, name = locate(self.path, self.storage_options, create=False, existing=True)
+        repo, name = locate(
+            self.path, self.storage_options, create=False, existing=True, repository=self.repository
+        )
         manifest_hash = repo.resolve(name)
         manifest = repo.read_manifest(manifest_hash)
         version, paths = read_record(manifest.metadata, f"snapshot {name!r}")

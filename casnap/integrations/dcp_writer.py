@@ -59,14 +59,14 @@ from casnap.integrations.dcp_layout import (
     whole_tensor_keys,
 )
 from casnap.repo.leases import Lease, acquire_lease
-from casnap.repo.repository import RepoStorage, locate, now_iso
+from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings, default_memory_budget
 from casnap.take.commit import commit_snapshot, remember
 from casnap.take.parent import parent_rule
 from casnap.take.plan import known_chunks
 from casnap.take.scheduler import Scheduler, data_request, tensor_request
 from casnap.take.session import Session
-from casnap.take.target import check_metadata, split_options, take_settings
+from casnap.take.target import TakeOptions, check_metadata, take_settings
 from casnap.torch_io.tensors import dtype_name
 
 HISTORY_SEP = "@"  # <name>@<12 hex>: an earlier save to the same checkpoint id
@@ -111,8 +111,9 @@ class CasnapWriter(StorageWriter):
     """Save DCP checkpoints as casnap snapshots: deduplicated, verified, gc-able.
 
     ``path`` (or DCP's ``checkpoint_id=``) is a snapshot path, as for
-    ``casnap.Snapshot.take``; ``storage_options`` are those of a take and
-    ``metadata`` (JSON) goes into each manifest. ``overwrite=False`` refuses an
+    ``casnap.Snapshot.take``; ``storage_options`` (the store's), ``settings``
+    and ``repository`` are those of a take and ``metadata`` (JSON) goes into
+    each manifest. ``overwrite=False`` refuses an
     existing id as ``FileSystemWriter`` does
     (:class:`casnap.errors.CheckpointExistsError`); FileSystemWriter's other
     arguments are accepted and ignored. A save descends from the snapshot it
@@ -133,6 +134,8 @@ class CasnapWriter(StorageWriter):
         path: str | os.PathLike[str] | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
+        settings: dict[str, Any] | None = None,
+        repository: Any = None,
         metadata: dict[str, Any] | None = None,
         overwrite: bool = True,
         session: Session | None = None,
@@ -141,6 +144,7 @@ class CasnapWriter(StorageWriter):
         super().__init__()
         self.path: str | None = _as_path(path) if path is not None else None
         self.storage_options = dict(storage_options or {})
+        self.options = TakeOptions.of(self.storage_options, settings, repository)
         self.metadata = check_metadata(metadata)
         if DCP_METADATA in self.metadata:
             raise UnsupportedValueError(f"metadata key {DCP_METADATA!r} is the DCP writer's own")
@@ -220,9 +224,8 @@ class CasnapWriter(StorageWriter):
         """(all ranks) ``overwrite=False``: refuse an existing id on every rank, as DCP does."""
         if not self.overwrite:
             assert self.path is not None
-            options, _ = split_options(self.storage_options)
             try:
-                repo, name = locate(self.path, options, create=False)
+                repo, name = self.options.locate(self.path, create=False)
             except SnapshotNotFoundError:
                 return plan  # no repository holds it yet
             if repo.has_ref(name):
@@ -232,9 +235,9 @@ class CasnapWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Locate the snapshot, take the lease, choose chunk size and parents."""
         assert self.path is not None
-        options, overrides = split_options(self.storage_options)
+        overrides = self.options.settings
         new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
-        repo, name = locate(self.path, options, create=True, chunk_size=new_repo_chunk)
+        repo, name = self.options.locate(self.path, create=True, chunk_size=new_repo_chunk)
         settings = take_settings(repo, overrides)
         # Created for this save, or (a repository object given in the options) since it
         # was made: later saves and takes through the same object are not (target.py).
@@ -250,7 +253,7 @@ class CasnapWriter(StorageWriter):
         rule = parent_rule(repo, given, self.session, settings, fresh, own_session=self._own)
         self._parents = rule.choose(repo, name)  # under the lease (casnap.take.parent)
         parents = tuple(self._parents)
-        store_options = {k: v for k, v in options.items() if k != "repository"}
+        store_options = self.storage_options
         target = SaveTarget(repo.url, name, store_options, overrides, settings.chunk_size, parents)
         return [replace(plan, storage_data=target) for plan in plans]
 

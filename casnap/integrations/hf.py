@@ -135,7 +135,7 @@ class CasnapTrainerMixin:
             return None
         repo = pointer.open_current(checkpoint)
         path = f"{repo.url.rstrip('/')}/{pointer.snapshot}"
-        snap = Snapshot(path, storage_options={"repository": repo}, session=self._casnap().session)
+        snap = Snapshot(path, repository=repo, session=self._casnap().session)
         cache[checkpoint] = snap
         return snap
 

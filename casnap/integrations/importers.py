@@ -42,7 +42,7 @@ from casnap.integrations.import_sources import (
 )
 from casnap.take.job import TakeJob
 from casnap.take.scheduler import WriteRequest, lazy_request, tensor_request
-from casnap.take.target import resolve_target
+from casnap.take.target import TakeOptions, resolve_target
 from casnap.torch_io.flatten import MAX_DEPTH, Node, TensorLeaf, flatten
 from casnap.torch_io.staging import StagingPool
 from casnap.torch_io.tensors import dtype_name
@@ -89,6 +89,8 @@ def import_checkpoint(
     snapshot_path: str,
     *,
     storage_options: dict[str, Any] | None = None,
+    settings: dict[str, Any] | None = None,
+    repository: Any = None,
     memory_budget_bytes: int | None = None,
     metadata: dict[str, Any] | None = None,
     progress: Progress | None = None,
@@ -101,7 +103,8 @@ def import_checkpoint(
     the nesting of a DCP save or a ``torch.save`` dict of dicts; the metadata is
     ``metadata`` plus ``"import"`` (docs/import.md, "Sources and their keys").
     ``format`` forces one of :data:`FORMATS` instead of detecting it.
-    ``storage_options``, ``memory_budget_bytes`` and ``progress`` as for
+    ``storage_options``, ``settings``, ``repository``, ``memory_budget_bytes``
+    and ``progress`` as for
     :meth:`casnap.Snapshot.take`.
 
     Raises :class:`SourceNotFoundError` (a ``FileNotFoundError``) for a missing
@@ -129,13 +132,14 @@ def import_checkpoint(
         if SOURCE_KEY in metadata:
             raise ConfigError(f"metadata key {SOURCE_KEY!r} is the import's own record", "metadata")
     budget = ByteBudget(check_budget(memory_budget_bytes))
+    options = TakeOptions.of(storage_options, settings, repository)
     opened = open_source(source, stateful, format)
     try:
         nodes, requests = plan_nodes(opened.state)
         record = {"format": opened.format, "path": opened.path, **opened.info}
         meta = {**(metadata or {}), SOURCE_KEY: record}
         # Only now, with the source validated, is the repository found or created.
-        target = resolve_target(snapshot_path, storage_options, meta, None, None)
+        target = resolve_target(snapshot_path, options, meta, None, None)
         # A take without a session: fresh and auto-parent as any (docs/repository.md).
         job = TakeJob.of(target, nodes, requests, budget, None, StagingPool(idle_limit=0))
         job.live_consumed.set()  # nothing is staged: the take blocks until committed

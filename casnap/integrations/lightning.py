@@ -44,6 +44,7 @@ from casnap.integrations.pointer import (
     take_versioned,
     write_pointer,
 )
+from casnap.settings import take_overrides
 from casnap.take.session import Session
 from casnap.torch_io.stateful import StateDict
 
@@ -103,7 +104,10 @@ class CasnapCheckpointIO(CheckpointIO):
     ``weights_only=True``) values that are neither tensors, primitives nor
     containers; ``memory_budget_bytes`` bounds the in-flight copies;
     ``reclaim_wait_seconds`` is how long deleting a checkpoint waits for a save
-    in flight. ``save_checkpoint``'s ``storage_options`` go to the take. A
+    in flight; ``repository`` (a URL or a :class:`casnap.Repository`) names the
+    repository and ``settings`` override the takes' settings, as for
+    ``casnap.Snapshot.take``. ``save_checkpoint``'s ``storage_options`` (the
+    store's, fsspec's) go to the take. A
     ``torch.save`` checkpoint from before the switch is loaded and removed as
     Lightning would (docs/lightning-hf.md, "Lightning: CasnapCheckpointIO").
     """
@@ -114,9 +118,13 @@ class CasnapCheckpointIO(CheckpointIO):
         allow_pickle: bool = False,
         memory_budget_bytes: int | None = None,
         reclaim_wait_seconds: float = 1.0,
+        repository: Any = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         expect_type(allow_pickle, bool, "allow_pickle", "True or False")
+        self.repository = repository
+        self.settings = take_overrides(settings)
         self.allow_pickle = allow_pickle
         self.memory_budget_bytes = memory_budget_bytes
         self._session = Session()
@@ -180,6 +188,8 @@ class CasnapCheckpointIO(CheckpointIO):
             path,
             app_state,
             storage_options=storage_options,
+            settings=self.settings,
+            repository=self.repository,
             metadata=metadata,
             allow_pickle=self.allow_pickle,
             memory_budget_bytes=self.memory_budget_bytes,

@@ -116,8 +116,9 @@ class CasnapSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
     """Save Megatron-core sharded state dicts as casnap snapshots (sync and async).
 
     ``repository``: where the snapshots go (a path or URL); by default the
-    parent of each checkpoint directory. ``storage_options``: those of a casnap
-    take (``chunk_size``, ``compression``, fsspec options). ``metadata``: JSON
+    parent of each checkpoint directory. ``storage_options`` (the store's,
+    fsspec's) and ``settings`` (``chunk_size``, ``compression``, ...): those of
+    a casnap take. ``metadata``: JSON
     put into every manifest (``{"step": N}`` is added from an ``iter_N``
     directory name unless given). Keep one instance for the run: its session
     makes each save the child of the previous one and reuses staging buffers.
@@ -137,14 +138,14 @@ class CasnapSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         repository: str | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
+        settings: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         session: Session | None = None,
     ) -> None:
         super().__init__(BACKEND, VERSION)
         self.repository = repository
         self.storage_options = dict(storage_options or {})
-        if repository is not None:
-            self.storage_options["repository"] = repository
+        self.settings = dict(settings or {})
         self.metadata = dict(metadata or {})
         if MEGATRON_METADATA in self.metadata:
             raise UnsupportedValueError(f"metadata key {MEGATRON_METADATA!r} is the strategy's own")
@@ -202,6 +203,8 @@ class CasnapSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         writer = CasnapWriter(
             snapshot_path(path, self.repository),
             storage_options=self.storage_options,
+            settings=self.settings,
+            repository=self.repository,
             metadata=metadata,
             session=self.session,
         )
@@ -214,9 +217,8 @@ class CasnapSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         if writer.last_manifest is None:
             return  # not the coordinator
         path = _dir(checkpoint_dir)
-        repo, name = locate(
-            snapshot_path(path, self.repository), self.storage_options, create=False
-        )
+        where = snapshot_path(path, self.repository)
+        repo, name = locate(where, self.storage_options, create=False, repository=self.repository)
         pointer = Pointer(repo.url, name, writer.last_manifest)
         write_pointer(os.path.join(path, POINTER_FILE), pointer, POINTER_KIND)
 
@@ -251,8 +253,6 @@ class CasnapLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]
         super().__init__()
         self.repository = repository
         self.storage_options = dict(storage_options or {})
-        if repository is not None:
-            self.storage_options["repository"] = repository
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -279,14 +279,15 @@ class CasnapLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]
         except FileNotFoundError:
             pointer = None
         if pointer is None:
+            where = snapshot_path(path, self.repository)
             reader = CasnapReader(
-                snapshot_path(path, self.repository), storage_options=self.storage_options
+                where, storage_options=self.storage_options, repository=self.repository
             )
             return reader, reader.read_metadata()
-        options = {**self.storage_options, "repository": pointer.repository}
         for name in (pointer.snapshot, f"{pointer.snapshot}{HISTORY_SEP}{pointer.manifest[:12]}"):
+            path = f"{pointer.repository.rstrip('/')}/{name}"
             reader = CasnapReader(
-                f"{pointer.repository.rstrip('/')}/{name}", storage_options=options
+                path, storage_options=self.storage_options, repository=pointer.repository
             )
             try:
                 metadata = reader.read_metadata()

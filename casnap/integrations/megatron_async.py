@@ -82,6 +82,8 @@ class _AsyncWriter(CasnapWriter):
         super().__init__(
             base.path,
             storage_options=base.storage_options,
+            settings=base.options.settings,
+            repository=base.options.repository,
             metadata=base.metadata,
             overwrite=base.overwrite,
             session=base.session,

@@ -41,12 +41,12 @@ from casnap.integrations.dcp_layout import FILES_METADATA, containers, path_key
 from casnap.integrations.file_entries import WriteStream, entry_size, open_entry, store_segments
 from casnap.repo.lease_record import LEASES
 from casnap.repo.leases import Lease, acquire_lease
-from casnap.repo.repository import RepoStorage, locate, now_iso
+from casnap.repo.repository import RepoStorage, now_iso
 from casnap.settings import Settings, dist_timeout
 from casnap.take.commit import commit_snapshot
 from casnap.take.parent import parent_rule
 from casnap.take.session import Session
-from casnap.take.target import split_options, take_settings
+from casnap.take.target import TakeOptions, take_settings
 
 TORCH_CHECKPOINTING = "torch_checkpointing"  # manifest metadata: which library wrote it
 
@@ -92,7 +92,8 @@ class CasnapStorage(Storage):
 
     def __init__(self, config: CasnapStorageConfig) -> None:
         self.root = os.fspath(config.root).rstrip("/") or "/"
-        self.options, self.overrides = split_options(dict(config.storage_options))
+        self.take_options = TakeOptions.split(dict(config.storage_options))
+        self.overrides = self.take_options.settings
         self.session = Session()
         self._saves: dict[str, _Save] = {}
         self._guard = threading.Lock()
@@ -112,8 +113,8 @@ class CasnapStorage(Storage):
         chunk = Settings.from_env().with_overrides(**self.overrides).chunk_size
         where = f"{self.root.rstrip('/')}/{name}"
         if create:
-            return locate(where, self.options, create=True, chunk_size=chunk)
-        return locate(where, self.options, create=False, existing=True)
+            return self.take_options.locate(where, create=True, chunk_size=chunk)
+        return self.take_options.locate(where, create=False, existing=True)
 
     def _manifest(self, name: str) -> tuple[RepoStorage, Manifest] | None:
         try:
@@ -318,7 +319,7 @@ class CasnapStorage(Storage):
             with self._guard:
                 pending = list(self._saves)
             try:  # the repository a save would use; a shared one above names them "run1/..."
-                repo, probe = locate(f"{self.root.rstrip('/')}/x", self.options, create=False)
+                repo, probe = self.take_options.locate(f"{self.root.rstrip('/')}/x", create=False)
             except SnapshotNotFoundError:
                 return sorted(pending)
             prefix = probe[:-1]

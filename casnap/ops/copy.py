@@ -1,6 +1,7 @@
 """Copy snapshots from one repository to another: only what is missing, verified, resumable.
 
-Plan (:func:`casnap.ops.copy_plan.plan_copy`), then :func:`execute_copy`: each
+What the destination lacks (:func:`casnap.ops.copy_plan.copy_needs`), then
+:func:`execute_copy`: each
 missing object is checked against its name before its create-only put, and a
 snapshot's manifest and then its ref (the commit point) are written once its
 objects are durable. :func:`copy` holds a lease on the destination throughout,
@@ -31,11 +32,11 @@ from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.format.names import hash_bytes
 from casnap.ops.copy_plan import (
-    CopyPlan,
+    CopyNeeds,
     SnapshotCopy,
+    copy_needs,
     copy_workers,
     estimate,
-    plan_copy,
     read_manifest_bytes,
 )
 from casnap.repo.leases import Lease, hold_lease
@@ -63,7 +64,7 @@ class CopyResult:
     bytes_sent: int = 0
     objects_present: int = 0
     manifests_sent: int = 0
-    plan: CopyPlan | None = field(default=None, compare=False)  # what was planned
+    plan: CopyNeeds | None = field(default=None, compare=False)  # what was planned
     dry_run: bool = False  # planned only: nothing was sent
 
     def render(self) -> str:
@@ -142,7 +143,7 @@ def _send(src: RepoStorage, dst: RepoStorage, key: str, refs: Sequence[ChunkRef]
 def execute_copy(
     src: RepoStorage,
     dst: RepoStorage,
-    plan: CopyPlan,
+    plan: CopyNeeds,
     *,
     lease: Lease | None = None,
     progress: Progress | None = None,
@@ -204,7 +205,7 @@ def execute_copy(
 def _send_all(
     src: RepoStorage,
     dst: RepoStorage,
-    plan: CopyPlan,
+    plan: CopyNeeds,
     snap: SnapshotCopy,
     pool: ThreadPoolExecutor,
     tally: _Tally,
@@ -277,10 +278,10 @@ def copy(
     if not isinstance(dst, RepoStorage):
         dst = open_destination(dst, dst_storage_options, src, create=not dry_run)
     if dry_run:
-        plan = plan_copy(src, dst, names, force=force)
+        plan = copy_needs(src, dst, names, force=force)
         return CopyResult(src.url, dst.url, plan=plan, dry_run=True)
     with hold_lease(dst, kind="copy") as lease:
-        plan = plan_copy(src, dst, names, force=force)  # under the lease: answers stay true
+        plan = copy_needs(src, dst, names, force=force)  # under the lease: answers stay true
         result = execute_copy(src, dst, plan, lease=lease, progress=progress)
     if result.failed:
         listed = "; ".join(f"{name}: {why}" for name, why in result.failed)

@@ -1,6 +1,6 @@
 """Planning a copy between repositories: what the destination lacks (docs/copy.md).
 
-:func:`plan_copy` resolves each snapshot to its manifest, refuses a name the
+:func:`copy_needs` resolves each snapshot to its manifest, refuses a name the
 destination holds with other content (unless ``force``), and lists the
 objects the manifest reaches (:func:`casnap.repo.reach.reached_objects`, the
 definition gc marks by) that the destination lacks, by asking the
@@ -36,7 +36,7 @@ State = Literal["new", "present", "replace"]
 
 @dataclass(frozen=True)
 class SnapshotCopy:
-    """One snapshot in a :class:`CopyPlan`.
+    """One snapshot in a :class:`CopyNeeds`.
 
     ``state``: ``new`` (the destination lacks the name), ``present`` (it names
     the same manifest: nothing to do) or ``replace`` (another manifest, and
@@ -53,7 +53,7 @@ class SnapshotCopy:
 
 
 @dataclass(frozen=True)
-class CopyPlan:
+class CopyNeeds:
     """What :func:`execute_copy` would send; print it for a dry run."""
 
     src: str
@@ -156,13 +156,13 @@ def copy_workers(src: RepoStorage, dst: RepoStorage) -> int:
     return io_workers_for(local)
 
 
-def plan_copy(
+def copy_needs(
     src: RepoStorage,
     dst: RepoStorage,
     names: Sequence[str] | None = None,
     *,
     force: bool = False,
-) -> CopyPlan:
+) -> CopyNeeds:
     """What copying ``names`` (default: every snapshot of ``src``) to ``dst`` sends.
 
     Reads refs and manifests and asks ``dst`` whether each object exists; writes
@@ -212,7 +212,7 @@ def plan_copy(
                     bytes_to_send=sum(estimate(reached[k]) for k in missing),
                 )
             )
-    return CopyPlan(src.url, dst.url, tuple(plans), len(reached_all - refs.keys()), refs)
+    return CopyNeeds(src.url, dst.url, tuple(plans), len(reached_all - refs.keys()), refs)
 
 
 def _objects_there(dst: RepoStorage, m: str) -> set[str]:

@@ -2,7 +2,7 @@
 
 The model is restic's ``repair``, reduced to what content addressing makes
 safe (docs/damage.md, "Repair"): any bytes that hash to a chunk's name are
-the chunk. :func:`plan_repair` finds every bad copy a ref or tag reaches and
+the chunk. :func:`find_repairs` finds every bad copy a ref or tag reaches and
 asks the sources (:mod:`casnap.ops.repair_sources`) in turn for its bytes;
 executing puts the verified bytes at ``chunks/<h>``, durably, and rewrites no
 manifest, ref, tag or pack, so a repair killed at any point leaves every
@@ -53,7 +53,7 @@ class Fix:
 
 
 @dataclass
-class RepairPlan:
+class RepairFindings:
     bad: list[BadChunk] = field(default_factory=list)
     fixes: list[Fix] = field(default_factory=list)
     already: list[str] = field(default_factory=list)  # chunks whose chunks/<h> is good already
@@ -82,7 +82,7 @@ class RootStatus:
 
 @dataclass
 class RepairResult:
-    plan: RepairPlan
+    plan: RepairFindings
     dry_run: bool
     written: list[str] = field(default_factory=list)  # chunks written to chunks/<h>
     roots: list[RootStatus] = field(default_factory=list)
@@ -136,11 +136,11 @@ class RepairResult:
 
 def find_bad(
     repo: RepoStorage, *, read_data: bool = False, progress: Progress | None = None
-) -> RepairPlan:
+) -> RepairFindings:
     """The bad referenced chunks (recorded damaged or missing) and the unreadable roots.
 
     With ``read_data``, ``progress`` follows the re-hash (bytes, as in verify)."""
-    plan = RepairPlan()
+    plan = RepairFindings()
     if read_data:
         verify(repo, read_data=True, progress=progress)  # records every damaged copy it re-hashes
     report = VerifyReport()
@@ -206,14 +206,14 @@ def element_sizes(manifest: Manifest) -> dict[str, int]:
     return out
 
 
-def plan_repair(
+def find_repairs(
     repo: RepoStorage,
     sources: Sequence[ChunkSource] = (),
     *,
     read_data: bool = False,
     dry_run: bool = False,
     progress: Progress | None = None,
-) -> RepairPlan:
+) -> RepairFindings:
     """Find the bad chunks and, for each, the first source whose bytes hash to its name."""
     plan = find_bad(repo, read_data=read_data, progress=progress)
     recorded = set(list_damage(repo))
@@ -259,7 +259,7 @@ def _sources(
 
 def execute_repair(
     repo: RepoStorage,
-    plan: RepairPlan,
+    plan: RepairFindings,
     sources: Sequence[ChunkSource] = (),
     *,
     progress: Progress | None = None,
@@ -329,7 +329,7 @@ def _recorded_loose(repo: RepoStorage, bad: BadChunk) -> bool:
     return repo.store.exists(DamagedCopy(bad.chunk, None).key)
 
 
-def statuses(plan: RepairPlan, fixed: set[str]) -> list[RootStatus]:
+def statuses(plan: RepairFindings, fixed: set[str]) -> list[RootStatus]:
     """Per snapshot and tag: ok, repaired (every bad chunk fixed) or unrecoverable."""
     out = []
     for holder in sorted(plan.holders):
@@ -353,7 +353,7 @@ def repair(
     progress: Progress | None = None,
 ) -> RepairResult:
     """Plan, then (unless ``dry_run``) execute; see the module docstring."""
-    plan = plan_repair(repo, sources, read_data=read_data, dry_run=dry_run, progress=progress)
+    plan = find_repairs(repo, sources, read_data=read_data, dry_run=dry_run, progress=progress)
     if dry_run:
         fixable = {f.chunk for f in plan.fixes if f.source} | set(plan.already)
         return RepairResult(plan, dry_run=True, roots=statuses(plan, fixable))

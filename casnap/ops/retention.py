@@ -2,13 +2,13 @@
 
 A :class:`RetentionPolicy` is a union of rules: a snapshot is kept when any
 rule keeps it, and every rule that keeps it is recorded as a reason.
-:func:`plan_retention` returns a :class:`RetentionPlan`, a value to print,
+:func:`decide_retention` returns a :class:`RetentionDecision`, a value to print,
 test or dry-run; :func:`execute_retention` deletes the refs the plan deletes
 and nothing else (:func:`casnap.gc.reclaim.reclaim` and ``gc`` free the space).
 Example::
 
     policy = RetentionPolicy(KeepLast(3), KeepEveryStep(1000), KeepBest(1, "loss"))
-    plan = plan_retention(repo, policy)
+    plan = decide_retention(repo, policy)
     print(plan.render())  # the dry run
     execute_retention(repo, plan)
 """
@@ -322,7 +322,7 @@ class RetentionPolicy:
 
 # -- plan and execute --------------------------------------------------------
 @dataclass(frozen=True)
-class RetentionPlan:
+class RetentionDecision:
     """What retention would do; nothing has been deleted yet.
 
     ``keep`` maps each kept snapshot to its reasons; ``delete`` lists the
@@ -399,7 +399,7 @@ class RetentionResult:
 
     deleted: tuple[str, ...]
     skipped: dict[str, str]
-    plan: RetentionPlan | None = None
+    plan: RetentionDecision | None = None
     dry_run: bool = False
     reclaimed: ReclaimResult | None = None
 
@@ -418,7 +418,7 @@ def _now(now: datetime | None) -> datetime:
     return now if now.tzinfo is not None else now.replace(tzinfo=UTC)
 
 
-def plan_retention(
+def decide_retention(
     repo: RepoStorage,
     policy: RetentionPolicy | RetentionRule,
     now: datetime | None = None,
@@ -426,7 +426,7 @@ def plan_retention(
     names: Collection[str] | None = None,
     allow_delete_all: bool = False,
     cache: SummaryCache | None = None,
-) -> RetentionPlan:
+) -> RetentionDecision:
     """Decide which snapshots ``policy`` keeps; reads manifests, deletes nothing.
 
     ``now`` (default: the current time; naive means UTC) anchors
@@ -435,7 +435,7 @@ def plan_retention(
     be read is kept. A plan that would delete every snapshot, and any plan of
     an empty policy, raises :class:`RetentionError` unless ``allow_delete_all``.
 
-    Example: ``print(plan_retention(repo, RetentionPolicy(KeepLast(2))).render())``.
+    Example: ``print(decide_retention(repo, RetentionPolicy(KeepLast(2))).render())``.
     """
     expect_type(repo, RepoStorage, "repo", "a casnap repository")
     if isinstance(policy, RetentionRule):
@@ -457,10 +457,10 @@ def plan_retention(
             f"the policy keeps none of the {len(delete)} snapshots in {repo.url}; "
             "pass allow_delete_all=True to delete them all"
         )
-    return RetentionPlan(keep, delete, tuple(infos), at.isoformat(), frozenset(tags))
+    return RetentionDecision(keep, delete, tuple(infos), at.isoformat(), frozenset(tags))
 
 
-def execute_retention(repo: RepoStorage, plan: RetentionPlan) -> RetentionResult:
+def execute_retention(repo: RepoStorage, plan: RetentionDecision) -> RetentionResult:
     """Delete the refs ``plan`` deletes (only refs: a reclaim or gc deletes the rest).
 
     Each ref is re-read first and left alone if it changed since the plan:

@@ -46,7 +46,7 @@ from casnap.format.parse import (
 from casnap.format.records import Ref, RepoConfig, record_bytes
 from casnap.format.versions import FORMAT_VERSION
 from casnap.repo.named import check_recorded_name, named_keys, names_in
-from casnap.settings import DEFAULT_CHUNK_SIZE
+from casnap.settings import DEFAULT_CHUNK_SIZE, check_storage_options
 from casnap.store import ObjectStore, open_store
 
 META = ".casnap"
@@ -143,7 +143,7 @@ class RepoStorage:
         ``shared``: a new repository is recorded as created on purpose to hold
         the runs below it (``Repository.init``), not implicitly by a take.
 
-        Pass the result as ``storage_options={"repository": repo}`` to make
+        Pass the result as ``repository=repo`` to make
         ``Snapshot`` use this exact store (for example a CountingStore).
         """
         key = f"{META}/{CONFIG_KEY}"
@@ -305,9 +305,24 @@ class RepoStorage:
 
 # -- discovery -----------------------------------------------------------
 def _options(storage_options: Any) -> dict[str, Any] | None:
+    """``storage_options`` checked: a dict of the store's (fsspec) options, or None."""
     if storage_options is not None:
         expect_type(storage_options, Mapping, "storage_options", "a dict or None")
+        check_storage_options(storage_options)
     return cast("dict[str, Any] | None", storage_options)
+
+
+# Where a snapshot path's repository is named: a URL, an open RepoStorage, or a
+# casnap.Repository (anything whose ``storage`` is a RepoStorage; api sits above).
+RepositoryArg = Any
+
+
+def _repository(repository: RepositoryArg) -> str | RepoStorage | None:
+    """``repository`` (a ``casnap.Repository``, a RepoStorage, a URL or None) checked."""
+    repository = getattr(repository, "storage", repository)  # a casnap.Repository: its storage
+    if repository is not None and not isinstance(repository, RepoStorage):
+        expect_type(repository, str, "repository", "a casnap.Repository, a URL or None")
+    return cast("str | RepoStorage | None", repository)
 
 
 def split_url(path: str) -> tuple[str, list[str]]:
@@ -329,9 +344,8 @@ def _join(scheme: str, parts: list[str]) -> str:
 
 HOW_TO_CHOOSE = (
     "choose the repository: take into a deeper path such as /ckpt/run1/step_100 (its parent "
-    "/ckpt/run1 becomes the repository), name one with storage_options={'repository': "
-    "'/ckpt/run1'}, or create a shared one with `casnap init DIR` (docs/repository.md, "
-    "'Where snapshots live')"
+    "/ckpt/run1 becomes the repository), name one with repository='/ckpt/run1', or create "
+    "a shared one with `casnap init DIR` (docs/repository.md, 'Where snapshots live')"
 )
 
 
@@ -411,16 +425,17 @@ def locate(
     create: bool,
     existing: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    repository: RepositoryArg = None,
 ) -> tuple[RepoStorage, str]:
     """Find the repository holding snapshot ``path`` and the snapshot's name in it.
 
     By the rules of docs/repository.md, "Where snapshots live": an explicit
-    ``storage_options["repository"]`` (a URL, a RepoStorage or a
-    ``casnap.Repository``) wins; else the nearest ancestor holding a repository,
-    if it is the path's parent or shared (a read, ``create=False``, then tries
-    each further ancestor that holds the name); else, with ``create=True``, the
-    path's parent becomes a new repository with default chunk size
-    ``chunk_size`` (never ``/`` or the home directory: :class:`casnap.ConfigError`).
+    ``repository`` (a URL, a RepoStorage or a ``casnap.Repository``) wins; else
+    the nearest ancestor holding a repository, if it is the path's parent or
+    shared (a read, ``create=False``, then tries each further ancestor that
+    holds the name); else, with ``create=True``, the path's parent becomes a
+    new repository with default chunk size ``chunk_size`` (never ``/`` or the
+    home directory: :class:`casnap.ConfigError`).
 
     The name is checked before anything is created (:class:`casnap.errors.InvalidNameError`).
     ``existing``: a read of a snapshot that must exist; when no repository holds
@@ -429,8 +444,7 @@ def locate(
     of a distributed take find rank 0's repository before the snapshot exists.)
     """
     options = dict(_options(storage_options) or {})
-    explicit = options.pop("repository", None)
-    explicit = getattr(explicit, "storage", explicit)  # a casnap.Repository: what it holds
+    explicit = _repository(repository)
     scheme, parts = split_url(path)
     if create and explicit is None:
         _check_take_path(path, scheme, parts)  # "/" too: a ConfigError that says what to do

@@ -65,6 +65,7 @@ from casnap.take.scheduler import (
 )
 from casnap.take.session import Session
 from casnap.take.target import (
+    TakeOptions,
     Target,
     TensorPrepareFunc,
     collect,
@@ -266,7 +267,7 @@ def prepare_take(
     path: str,
     app_state: Mapping[str, Any],
     *,
-    storage_options: dict[str, Any] | None,
+    options: TakeOptions,
     metadata: dict[str, Any] | None,
     allow_pickle: bool,
     parents: list[str] | None,
@@ -281,7 +282,7 @@ def prepare_take(
     budget = ByteBudget(check_budget(memory_budget_bytes))
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
     requests = requests_of(nodes)  # sharded values: refused before anything is created
-    target = resolve_target(path, storage_options, metadata, parents, session)
+    target = resolve_target(path, options, metadata, parents, session)
     # Pinning pays only when the buffer is reused: a take without a session keeps none.
     pool = session.staging if session is not None else StagingPool(idle_limit=0, pin=False)
     job = TakeJob.of(

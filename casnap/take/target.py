@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +20,14 @@ from casnap.errors import ShapeMismatchError, SnapshotExistsError, UnsupportedVa
 from casnap.format.json_text import canonical_json
 from casnap.format.names import escape_key
 from casnap.repo.repository import RepoStorage, locate
-from casnap.settings import Settings, io_workers_for, is_set
+from casnap.settings import (
+    DEFAULT_CHUNK_SIZE,
+    TAKE_SETTINGS,
+    Settings,
+    io_workers_for,
+    is_set,
+    take_overrides,
+)
 from casnap.take.parent import ParentRule, parent_rule
 from casnap.take.plan import logical
 from casnap.take.session import Session
@@ -32,27 +39,52 @@ from casnap.torch_io.tensors import check_storable
 
 TensorPrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
-# Keys of ``storage_options`` that tune the take rather than open the store.
-TAKE_OPTIONS = (
-    "chunk_size",
-    "compression",
-    "replica_mismatch",
-    "delta",
-    "delta_max_chain",
-    "auto_parent",
-)
 # A snapshot's metadata lives in its manifest and in every ``log``; 1 MiB is
 # far more than steps, metrics and tags need, and bounds what a take can add there.
 MAX_METADATA_BYTES = 1 << 20
 
 
-def split_options(
-    storage_options: dict[str, Any] | None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``storage_options`` as (options for the store, setting overrides for the take)."""
-    options = dict(storage_options or {})
-    overrides = {k: options.pop(k) for k in TAKE_OPTIONS if k in options}
-    return options, overrides
+@dataclass(frozen=True)
+class TakeOptions:
+    """What a take is told besides its state, one meaning each: the store's (fsspec)
+    ``storage``, the ``settings`` it overrides (:data:`casnap.settings.TAKE_SETTINGS`),
+    and the ``repository`` named explicitly (a URL, a RepoStorage, a
+    ``casnap.Repository``; None: the one the path finds)."""
+
+    storage: dict[str, Any] | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    repository: Any = None
+
+    @classmethod
+    def of(cls, storage_options: Any, settings: Any, repository: Any = None) -> TakeOptions:
+        """The arguments of ``Snapshot.take`` checked (storage options, when opened)."""
+        return cls(storage_options, take_overrides(settings), repository)
+
+    @classmethod
+    def split(cls, mixed: Mapping[str, Any]) -> TakeOptions:
+        """The three from one dict that holds them all: an fsspec file system's
+        constructor keywords (``casnap://`` in DCP), the store's options the rest."""
+        options = dict(mixed)
+        settings = {k: options.pop(k) for k in TAKE_SETTINGS if k in options}
+        return cls(options, settings, options.pop("repository", None))
+
+    def locate(
+        self,
+        path: str,
+        *,
+        create: bool,
+        existing: bool = False,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> tuple[RepoStorage, str]:
+        """:func:`casnap.repo.repository.locate` of ``path`` with these options."""
+        return locate(
+            path,
+            self.storage,
+            create=create,
+            existing=existing,
+            chunk_size=chunk_size,
+            repository=self.repository,
+        )
 
 
 def take_settings(
@@ -187,19 +219,18 @@ class Target:
 
 def resolve_target(
     path: str,
-    storage_options: dict[str, Any] | None,
+    options: TakeOptions,
     metadata: dict[str, Any] | None,
     parents: list[str] | None,
     session: Session | None,
 ) -> Target:
     """Find or create the repository, check the name is free, validate metadata, pick parents."""
-    options, overrides = split_options(storage_options)
     # Bad input fails here, before a repository is created or anything written
     # (the name is checked by locate before it creates one).
-    new_repo_chunk = Settings.from_env().with_overrides(**overrides).chunk_size
+    new_repo_chunk = Settings.from_env().with_overrides(**options.settings).chunk_size
     meta = check_metadata(metadata)
-    repo, name = locate(path, options, create=True, chunk_size=new_repo_chunk)
-    settings = take_settings(repo, overrides)
+    repo, name = options.locate(path, create=True, chunk_size=new_repo_chunk)
+    settings = take_settings(repo, options.settings)
     # A repository created just now holds nothing to find (another process writing
     # into it at once costs at most a chunk written twice, and its ref is written
     # create-only): the first take skips the ref check and every chunk probe.

@@ -135,7 +135,7 @@ def build(base: Path) -> dict[str, dict[str, Any]]:
     states = _states()
     for name, state in states.items():
         options = {"chunk_size": _CHUNK}
-        Snapshot.take(str(base / name), {"s": StateDict(**state)}, storage_options=options)
+        Snapshot.take(str(base / name), {"s": StateDict(**state)}, settings=options)
     repo = Repository(str(base))
     repo.tag("best", "s2")
     repo.gc(grace_seconds=0)  # nothing unreachable: writes the gc epoch

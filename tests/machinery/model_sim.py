@@ -531,12 +531,12 @@ class Sim:
         auto = "session" not in kw and "parents" not in kw  # the newest in its folder
         newest = rm.newest(op["name"])
         path, app_state = f"{rm.url}/{op['name']}", {"m": StateDict(**self.live)}
-        options = {"repository": rm.url, "chunk_size": op["chunk_size"]}
+        kw.update(repository=rm.url, settings={"chunk_size": op["chunk_size"]})
         with self._settings(op):
             if mode == "async":
-                snap = Snapshot.async_take(path, app_state, storage_options=options, **kw).wait()
+                snap = Snapshot.async_take(path, app_state, **kw).wait()
             else:
-                snap = Snapshot.take(path, app_state, storage_options=options, **kw)
+                snap = Snapshot.take(path, app_state, **kw)
         rm.snaps[op["name"]] = Expected(clone(self.live), "take", op["i"])
         rm.committed(op["name"])
         if auto:
@@ -576,7 +576,8 @@ class Sim:
         writer = CasnapWriter(
             f"{rm.url}/{op['id']}",
             metadata={"step": op["i"]},
-            storage_options={"repository": rm.url, "chunk_size": op["chunk_size"]},
+            settings={"chunk_size": op["chunk_size"]},
+            repository=rm.url,
         )
         with self._settings(op):
             dcp.save({"model": dict(self.live)}, storage_writer=writer)
@@ -697,7 +698,7 @@ class Sim:
                     rm.session = rm.session or Session()
                     Snapshot(
                         f"{rm.url}/{name}",
-                        storage_options={"repository": rm.url},
+                        repository=rm.url,
                         session=rm.session,
                     ).restore(target)
                 else:
@@ -720,9 +721,7 @@ class Sim:
         exp = rm.snaps[name]
         key = f"0/{'m' if exp.via == 'take' else 'model'}/{op['key']}"
         try:
-            got = Snapshot(f"{rm.url}/{name}", storage_options={"repository": rm.url}).read_object(
-                key
-            )
+            got = Snapshot(f"{rm.url}/{name}", repository=rm.url).read_object(key)
         except BaseException as exc:  # noqa: BLE001
             reraise_interrupt(exc)
             v = Verdict("refused" if is_refusal(exc) else "crash", True, repr(exc)[:300])
@@ -824,7 +823,7 @@ class Sim:
             f"shapes = {{k: (s, getattr(torch, d)) for k, (s, d) in {shapes_src()}.items()}}\n"
             f"Snapshot.take({rm.url + '/' + op['sub_name']!r}, "
             f"{{'m': StateDict(**seeded_state({op['sub_seed']}, shapes))}}, "
-            f"storage_options={{'repository': {rm.url!r}, 'chunk_size': {op['chunk_size']}}})\n"
+            f"repository={rm.url!r}, settings={{'chunk_size': {op['chunk_size']}}})\n"
         )
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(
@@ -856,7 +855,7 @@ class Sim:
         rm = self.repos[op["repo"]]
         self._trim(op["repo"], op["threads"] * op["takes"])
         shared = self.handle(op["repo"])
-        options = {"repository": shared, "chunk_size": op["chunk_size"]}
+        settings = {"chunk_size": op["chunk_size"]}
         taken: dict[str, dict[str, torch.Tensor]] = {}
         late: list[str] = []
 
@@ -864,13 +863,12 @@ class Sim:
             for k in range(op["takes"]):
                 name = f"t{op['i']}_{t}_{k}"
                 state = seeded_state(op["seed"] + 31 * t + k, SHAPES)
-                Snapshot.take(
-                    f"{rm.url}/{name}", {"m": StateDict(**state)}, storage_options=options
-                )
+                app = {"m": StateDict(**state)}
+                Snapshot.take(f"{rm.url}/{name}", app, repository=shared, settings=settings)
                 taken[name] = state
                 got = {"m": StateDict(**zeros_like(state))}
                 try:
-                    Snapshot(f"{rm.url}/{name}", storage_options=options).restore(got)
+                    Snapshot(f"{rm.url}/{name}", repository=shared).restore(got)
                 except BaseException as exc:  # noqa: BLE001 - the finding
                     late.append(f"{name}: {describe(exc)}")
                     continue
@@ -1004,12 +1002,12 @@ class Sim:
                 target: dict[str, Any] = {"model": zeros_like(exp.tensors)}
                 dcp.load(
                     target,
-                    storage_reader=CasnapReader(path, storage_options={"repository": rm.url}),
+                    storage_reader=CasnapReader(path, repository=rm.url),
                 )
                 got = target["model"]
             else:
                 st = {"m": StateDict(**zeros_like(exp.tensors))}
-                Snapshot(path, storage_options={"repository": rm.url}).restore(st)
+                Snapshot(path, repository=rm.url).restore(st)
                 got = dict(st["m"])
         except BaseException as exc:  # noqa: BLE001
             reraise_interrupt(exc)

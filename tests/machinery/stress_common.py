@@ -73,7 +73,7 @@ def restored_sums(repo: Any, name: str, shape_of: dict[str, torch.Tensor]) -> di
     from casnap import Snapshot
 
     out = template(shape_of)
-    Snapshot(f"{repo.url}/{name}", storage_options={"repository": repo}).restore(app(out))
+    Snapshot(f"{repo.url}/{name}", repository=repo).restore(app(out))
     return checksums(out)
 
 

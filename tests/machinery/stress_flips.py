@@ -56,7 +56,7 @@ def fresh_takes(url: str, env: dict[str, str]) -> None:
     from casnap import Snapshot
 
     for name, state in states().items():
-        Snapshot.take(f"{url}/fresh_{name}", app(state), storage_options={"chunk_size": CHUNK})
+        Snapshot.take(f"{url}/fresh_{name}", app(state), settings={"chunk_size": CHUNK})
 
 
 def damage(path: Path, kind: str, rng: random.Random) -> str:
@@ -162,7 +162,7 @@ def run(
     pristine = workdir / "pristine"
     with settings.override(index_dir=str(workdir / "pristine-index")):
         for name, state in expected.items():
-            Snapshot.take(f"{pristine}/{name}", app(state), storage_options={"chunk_size": CHUNK})
+            Snapshot.take(f"{pristine}/{name}", app(state), settings={"chunk_size": CHUNK})
         users = object_users(Repository(str(pristine)), list(expected))
     objects = sorted(users)
     rng = random.Random(seed)
@@ -202,7 +202,7 @@ def run(
                     Snapshot.take(
                         f"{folder / 'repo'}/{name}",
                         app(state),
-                        storage_options={"chunk_size": CHUNK},
+                        settings={"chunk_size": CHUNK},
                     )
         else:
             shutil.copytree(pristine, folder / "repo")

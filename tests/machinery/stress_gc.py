@@ -31,7 +31,7 @@ def taker(url: str, k: int, seconds: float, out: str, env: dict[str, str]) -> No
     from casnap import CasnapError, Repository, Snapshot
 
     repo = Repository(url)
-    opts = {"repository": repo, "chunk_size": CHUNK}
+    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     mine: list[tuple[int, str, str]] = []
     deleted: list[str] = []
     end = time.monotonic() + seconds
@@ -43,9 +43,7 @@ def taker(url: str, k: int, seconds: float, out: str, env: dict[str, str]) -> No
             # Every fourth take dedups against a deleted snapshot's manifest: its objects
             # are garbage by then, and gc may be sweeping them right now.
             parents = [deleted[-1]] if rnd % 4 == 3 and deleted else None
-            snap = Snapshot.take(
-                f"{url}/{name}", {"s": state}, storage_options=opts, parents=parents
-            )
+            snap = Snapshot.take(f"{url}/{name}", {"s": state}, **opts, parents=parents)
             log.write(json.dumps({"ev": "commit", "name": name, "sums": checksums(state)}) + "\n")
             mine.append((rnd, snap.manifest_hash, name))
             for r, m, n in mine[:-2]:  # keep the last two, and every fifth

@@ -60,7 +60,7 @@ def child(url: str, k: int, mode: str, sidecar: str, env: dict[str, str]) -> Non
             retention=RetentionPolicy(KeepLast(KEEP_LAST)),
             async_take=mode.endswith("async"),
             name_format=step_format(k),
-            storage_options=opts,
+            settings=opts,
             session=session,
         )
     for step in range(10**6):
@@ -69,10 +69,10 @@ def child(url: str, k: int, mode: str, sidecar: str, env: dict[str, str]) -> Non
         log.write(ev="intent", name=name, sums=checksums(state))
         retired: list[str] = []
         if mode == "take":
-            Snapshot.take(f"{url}/{name}", app(state), storage_options=opts, session=session)
+            Snapshot.take(f"{url}/{name}", app(state), settings=opts, session=session)
         elif mode == "async_take":
             pending = Snapshot.async_take(
-                f"{url}/{name}", app(state), storage_options=opts, session=session
+                f"{url}/{name}", app(state), settings=opts, session=session
             )
             train_step(state, -(k * 10_000 + step))  # the next step runs while it is written
             pending.wait()
