@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 pytest.importorskip("torchtitan")
 
@@ -31,6 +32,7 @@ from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
 
 import casnap  # noqa: E402
 from casnap.integrations.dcp import CasnapWriter  # noqa: E402
@@ -95,6 +97,7 @@ class Job:
         self.data: Any = None
         self.train_state = TrainState()
         manager = cfg.pop("manager", CasnapCheckpointManager)
+        adapter = cfg.pop("sd_adapter", None)
         config = manager.Config(**{"enable": True, "interval": 1, "keep_latest_k": 0, **cfg})
         self.ckpt = config.build(
             dataloader=self.dataloader,
@@ -102,7 +105,7 @@ class Job:
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self.train_state},
-            sd_adapter=None,
+            sd_adapter=adapter,
             base_folder=str(base),
         )
 
@@ -364,6 +367,49 @@ def test_a_remote_folder_is_a_repository_there(tmp_path, world_of_one):
         fresh.ckpt.close()
     finally:
         fsspec.filesystem("memory").rm(f"/{tmp_path.name}", recursive=True)
+
+
+class HfNames(BaseStateDictAdapter):  # type: ignore[misc]
+    """A state-dict adapter as a torchtitan model has one: native keys <-> HF keys."""
+
+    def __init__(self) -> None:
+        self.fqn_to_index_mapping, self.hf_assets_path = None, None
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {f"hf.{k}": v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k.removeprefix("hf."): v for k, v in hf_state_dict.items()}
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> Any:
+        return HuggingFaceStorageReader(path)
+
+
+def test_last_save_in_hf_writes_torchtitans_safetensors_folder_outside_casnap(
+    tmp_path, world_of_one
+):
+    job = Job(tmp_path, sd_adapter=HfNames(), last_save_in_hf=True, keep_latest_k=2)
+    job.train(2)
+    assert job.ckpt.save(3, last_step=True) is True
+    job.ckpt.close()
+    folder = tmp_path / "checkpoint"
+    export = folder / "step-3"
+    assert list(export.glob("*.safetensors"))  # torchtitan's HuggingFaceStorageWriter's files
+    from safetensors.torch import load_file
+
+    (file,) = export.glob("*.safetensors")
+    assert same(dict(sorted(load_file(file).items())), HfNames().to_hf(job.state()["model"]))
+    assert casnap.Repository(str(folder)).snapshots() == ["step-1", "step-2"]
+    fresh = Job(tmp_path, seed=2)
+    assert fresh.ckpt._find_load_step() == 2  # the model-only export is no resume point
+    fresh.ckpt.close()
+
+
+def test_last_save_in_hf_with_a_remote_folder_is_refused_by_torchtitan(tmp_path):
+    with pytest.raises(ValueError, match="last_save_in_hf is not supported with a remote"):
+        CasnapCheckpointManager.Config(
+            enable=True, folder="memory://run/ckpt", last_save_in_hf=True
+        )
 
 
 # -- a save killed mid-way -----------------------------------------------------
