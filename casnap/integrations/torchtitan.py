@@ -317,13 +317,10 @@ class CasnapCheckpointManager(CheckpointManager):  # type: ignore[misc]
             return
         step = _step_of(checkpoint_id.rstrip("/").rsplit("/", 1)[-1])
         found = self._repository()
-        if found is None or step is None:
-            return
-        repo = found[0]
+        if found is None or step is None or step == self._in_flight_step():
+            return  # never the save still running (keep_latest_k >= 2 keeps it anyway)
         for name in self._snapshots().get(step, []):
-            if step == self._in_flight_step():
-                return  # never the save still running (keep_latest_k >= 2 keeps it anyway)
-            self._retirer.retire(repo, name, None)
+            self._retirer.retire(found[0], name, None)
 
     def _in_flight_step(self) -> int | None:
         future = self.save_future
