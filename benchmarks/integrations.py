@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/integrations.py lightning [--small] [--width 2048] [--layers 15]
         [--steps 24] [--every 4] [--repeats 3]
     .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6] [--repeats 3]
+    .venv/bin/python benchmarks/integrations.py torchtitan [--size-gib 0.25] [--repeats 3]
 
 Each prints a Markdown table of medians, casnap / the framework's own writer (below 1:
 casnap faster or smaller), and writes every sample to ``--out`` as JSON; scratch data
@@ -29,6 +30,13 @@ the plugin's ``save_checkpoint`` and ``remove_checkpoint``; written is ``wchar``
 norm), then ``load`` of the last save into a fresh model, compared bit for bit.
 Megatron-core's torch_dist writer assumes CUDA in two calls (``torch.cuda.synchronize``,
 a flag on ``torch.cuda.current_device()``); for its saves only they are patched.
+
+``torchtitan``: torchtitan's ``CheckpointManager`` (DCP step folders) and casnap's
+``CasnapCheckpointManager``, both built as torchtitan's Trainer builds them (its AdamW
+container, whose state it creates as zeros, and LR scheduler; sync saves):
+``manager.save(step)`` for ``first``, ``unchanged``, ``sparse change`` (the last layer
+and the final norm), then ``load()`` of the last step into a fresh model, compared bit
+for bit.
 """
 
 from __future__ import annotations
@@ -349,7 +357,69 @@ def run_megatron(args: argparse.Namespace, samples: Samples) -> tuple[str, bool 
     return table(samples, "torch_dist", steps, ("bytes",)), exact
 
 
-RUNS = {"dcp": run_dcp, "lightning": run_lightning, "megatron": run_megatron}
+# -- torchtitan: its DCP CheckpointManager against CasnapCheckpointManager -------------
+
+
+def _titan_once(tool: str, root: str, base: State, head: list[str], samples: Samples) -> bool:
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from casnap.integrations.torchtitan import CasnapCheckpointManager
+
+    def build(state: State) -> tuple[torch.nn.Module, Any]:
+        model = torch.nn.Module()
+        for k, v in state.items():  # the state as the model's parameters
+            model.register_parameter(k.replace(".", "_"), torch.nn.Parameter(v.clone()))
+        opts = default_adamw().build(model_parts=[model])
+        scheds = LRSchedulersContainer.Config().build(optimizers=opts, training_steps=10)
+        manager = CasnapCheckpointManager if tool == "casnap" else CheckpointManager
+        config = manager.Config(enable=True, interval=1, keep_latest_k=0)
+        return model, config.build(
+            dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=scheds,
+            states={}, sd_adapter=None, base_folder=root,
+        )  # fmt: skip
+
+    model, ckpt = build(base)
+    for step, name in enumerate(("first", "unchanged", "sparse change"), start=1):
+        if name == "sparse change":  # the last layer and the final norm
+            with torch.no_grad():
+                for k in head:
+                    getattr(model, k.replace(".", "_")).add_(0.001)
+        before = disk_usage(root)[1]
+        settle(cold=False)
+        samples.time(f"{tool}/{name}", functools.partial(ckpt.save, step))
+        samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
+    ckpt.close()
+    fresh, loader = build({k: torch.zeros_like(v) for k, v in base.items()})
+    settle(cold=False)
+    samples.time(f"{tool}/load", loader.load)
+    loader.close()
+    return same_state(dict(fresh.state_dict()), dict(model.state_dict()))
+
+
+def run_torchtitan(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    warnings.filterwarnings("ignore")  # DCP: no process group (one process, as torchtitan's)
+    hidden, layers, shapes = transformer_shapes(int(args.size_gib * GiB))
+    base = make_state(shapes)
+    exact = True
+    for r in range(args.repeats):
+        tools = ("torchtitan", "casnap")
+        for tool in tools if r % 2 == 0 else tools[::-1]:  # alternate who goes first
+            with scratch_dir(args.workdir) as root:
+                exact = _titan_once(tool, root, base, _head_keys(base), samples) and exact
+    print(f"model {human_bytes(state_bytes(base))} fp32 (hidden {hidden}, {layers} layers), "
+          f"AdamW state as torchtitan creates it (zeros), medians of {args.repeats}")  # fmt: skip
+    steps = ("first", "unchanged", "sparse change", "load")
+    return table(samples, "torchtitan", steps, ("bytes",)), exact
+
+
+RUNS = {
+    "dcp": run_dcp,
+    "lightning": run_lightning,
+    "megatron": run_megatron,
+    "torchtitan": run_torchtitan,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -367,7 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     mg = sub.add_parser("megatron", help="Megatron-core's torch_dist against casnap's strategy")
     mg.add_argument("--hidden", type=int, default=768)
     mg.add_argument("--layers", type=int, default=6)
-    for p in (dcp_p, pl, mg):
+    tt = sub.add_parser("torchtitan", help="torchtitan's CheckpointManager against casnap's")
+    tt.add_argument("--size-gib", type=float, default=0.25)
+    for p in (dcp_p, pl, mg, tt):
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--workdir", default="bench-out/scratch")
         p.add_argument("--out", help="JSON path (default bench-out/<framework>.json)")
