@@ -5,6 +5,7 @@
         [--steps 24] [--every 4] [--repeats 3]
     .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6] [--repeats 3]
     .venv/bin/python benchmarks/integrations.py torch_checkpointing [--size-gib 0.5] [--small]
+    .venv/bin/python benchmarks/integrations.py torchtitan [--size-gib 0.25] [--repeats 3]
 
 Each prints a Markdown table of medians, casnap / the framework's own writer (below 1:
 casnap faster or smaller), and writes every sample to ``--out`` as JSON; scratch data
@@ -35,6 +36,12 @@ a flag on ``torch.cuda.current_device()``); for its saves only they are patched.
 ``LocalFileSystemStorageConfig`` (``use_direct_io=False``: O_DIRECT writes fail on many
 file systems) and with casnap's ``CasnapStorageConfig``: ``first``, ``unchanged``,
 ``sparse change`` (the last layer and final layernorm), ``load`` of the last save.
+``torchtitan``: torchtitan's ``CheckpointManager`` (DCP step folders) and casnap's
+``CasnapCheckpointManager``, both built as torchtitan's Trainer builds them (its AdamW
+container, whose state it creates as zeros, and LR scheduler; sync saves):
+``manager.save(step)`` for ``first``, ``unchanged``, ``sparse change`` (the last layer
+and the final norm), then ``load()`` of the last step into a fresh model, compared bit
+for bit.
 """
 
 from __future__ import annotations
@@ -355,7 +362,61 @@ def run_megatron(args: argparse.Namespace, samples: Samples) -> tuple[str, bool 
     return table(samples, "torch_dist", steps, ("bytes",)), exact
 
 
-RUNS = {"dcp": run_dcp, "lightning": run_lightning, "megatron": run_megatron}
+# -- torchtitan: its DCP CheckpointManager against CasnapCheckpointManager -------------
+
+
+def _titan_once(tool: str, root: str, base: State, head: list[str], samples: Samples) -> bool:
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from casnap.integrations.torchtitan import CasnapCheckpointManager
+
+    def build(state: State) -> tuple[torch.nn.Module, Any]:
+        model = torch.nn.Module()
+        for k, v in state.items():  # the state as the model's parameters
+            model.register_parameter(k.replace(".", "_"), torch.nn.Parameter(v.clone()))
+        opts = default_adamw().build(model_parts=[model])
+        scheds = LRSchedulersContainer.Config().build(optimizers=opts, training_steps=10)
+        manager = CasnapCheckpointManager if tool == "casnap" else CheckpointManager
+        config = manager.Config(enable=True, interval=1, keep_latest_k=0)
+        return model, config.build(
+            dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=scheds,
+            states={}, sd_adapter=None, base_folder=root,
+        )  # fmt: skip
+
+    model, ckpt = build(base)
+    for step, name in enumerate(("first", "unchanged", "sparse change"), start=1):
+        if name == "sparse change":  # the last layer and the final norm
+            with torch.no_grad():
+                for k in head:
+                    getattr(model, k.replace(".", "_")).add_(0.001)
+        before = disk_usage(root)[1]
+        settle(cold=False)
+        samples.time(f"{tool}/{name}", functools.partial(ckpt.save, step))
+        samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
+    ckpt.close()
+    fresh, loader = build({k: torch.zeros_like(v) for k, v in base.items()})
+    settle(cold=False)
+    samples.time(f"{tool}/load", loader.load)
+    loader.close()
+    return same_state(dict(fresh.state_dict()), dict(model.state_dict()))
+
+
+def run_torchtitan(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    warnings.filterwarnings("ignore")  # DCP: no process group (one process, as torchtitan's)
+    hidden, layers, shapes = transformer_shapes(int(args.size_gib * GiB))
+    base = make_state(shapes)
+    exact = True
+    for r in range(args.repeats):
+        tools = ("torchtitan", "casnap")
+        for tool in tools if r % 2 == 0 else tools[::-1]:  # alternate who goes first
+            with scratch_dir(args.workdir) as root:
+                exact = _titan_once(tool, root, base, _head_keys(base), samples) and exact
+    print(f"model {human_bytes(state_bytes(base))} fp32 (hidden {hidden}, {layers} layers), "
+          f"AdamW state as torchtitan creates it (zeros), medians of {args.repeats}")  # fmt: skip
+    steps = ("first", "unchanged", "sparse change", "load")
+    return table(samples, "torchtitan", steps, ("bytes",)), exact
 
 
 # -- torch_checkpointing: its local file system storage against casnap's ------------------
@@ -406,7 +467,13 @@ def run_torch_checkpointing(args: argparse.Namespace, samples: Samples) -> tuple
     return table(samples, "LocalFileSystemStorage", steps, ("bytes",)), exact
 
 
-RUNS["torch_checkpointing"] = run_torch_checkpointing
+RUNS = {
+    "dcp": run_dcp,
+    "lightning": run_lightning,
+    "megatron": run_megatron,
+    "torch_checkpointing": run_torch_checkpointing,
+    "torchtitan": run_torchtitan,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -427,7 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     tc = sub.add_parser("torch_checkpointing", help="its local storage against casnap's")
     tc.add_argument("--size-gib", type=float, default=0.5)
     tc.add_argument("--small", action="store_true", help="a quick run: 0.05 GiB, 1 repeat")
-    for p in (dcp_p, pl, mg, tc):
+    tt = sub.add_parser("torchtitan", help="torchtitan's CheckpointManager against casnap's")
+    tt.add_argument("--size-gib", type=float, default=0.25)
+    for p in (dcp_p, pl, mg, tc, tt):
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--workdir", default="bench-out/scratch")
         p.add_argument("--out", help="JSON path (default bench-out/<framework>.json)")

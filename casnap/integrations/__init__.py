@@ -7,7 +7,8 @@ Each module wraps one outside library and imports it only when used, so
 - ``casnap.integrations.importers``: DCP directories, safetensors files, Hugging
   Face model directories and ``torch.save`` files into a repository;
 - ``casnap.integrations.lightning``: a Lightning ``CheckpointIO`` plugin (extra ``lightning``);
-- ``casnap.integrations.hf``: a Hugging Face ``Trainer`` callback (extra ``hf``).
+- ``casnap.integrations.hf``: a Hugging Face ``Trainer`` callback (extra ``hf``);
+- ``casnap.integrations.torchtitan``: a torchtitan checkpoint manager (extra ``torchtitan``).
 
 This layer sits above ``casnap.api`` and below ``casnap.cli`` (pyproject.toml,
 ``[tool.importlinter]``).
