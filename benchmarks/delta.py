@@ -12,12 +12,14 @@ into fresh repositories through one ``casnap.Session`` (a training loop):
            steps (lr ``--lr``, fp32 master weights, random gradients): bytes
            written by the fine-tuned snapshot over its raw bytes
   series   ``--series`` successive sparse snapshots; restore of the newest into a
-           live tensor, median of ``--repeats`` (page cache warm; cold with --cold)
+           live tensor, median of ``--repeats`` (page cache warm; cold with --cold),
+           and the bytes the series stored (``stored_bytes``)
   all      every weight scaled by 1.001 (a dense update): take time, median, the
            on and off takes interleaved; wall and CPU ratios
 
-Targets (issue #13): sparse <= 3x changed; bf16 <= 0.55 of raw; series restore
-on/off <= 1.2; all take on/off <= 1.0 (noise allowing). ``benchmarks/suite.py
+Targets (issue #13): sparse <= 3x changed; bf16 <= 0.55 of raw; all take on/off
+<= 1.0 (noise allowing). Issue #39: series restore on/off <= 1.3, its stored bytes
+(deltas on) at most 1.2x those of the code before it (a run of each). ``benchmarks/suite.py
 --scenarios delta`` runs this at the suite's size and adds it to suite.json.
 """
 
@@ -157,7 +159,7 @@ def series(args: argparse.Namespace) -> dict[str, Any]:
             }
     ratio = out["on"]["restore_s"] / out["off"]["restore_s"]
     out["restore_on_over_off"] = ratio
-    out["target"] = {"max": 1.2, "met": ratio <= 1.2}
+    out["target"] = {"max": 1.3, "met": ratio <= 1.3}
     return out
 
 

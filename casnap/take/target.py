@@ -38,7 +38,6 @@ TAKE_OPTIONS = (
     "compression",
     "replica_mismatch",
     "delta",
-    "delta_max_chain",
     "auto_parent",
 )
 # A snapshot's metadata lives in its manifest and in every ``log``; 1 MiB is
