@@ -11,6 +11,10 @@ verifies the base and the delta each and names the copy at fault.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+
 from casnap.chunks.stored import contain, fetch_frame
 from casnap.errors import CasnapError, ObjectRefusedError
 from casnap.format import codec
@@ -21,6 +25,8 @@ from casnap.repo.reach import object_key
 from casnap.repo.repository import RepoStorage
 
 Buffer = codec.Buffer
+# madvise(MADV_POPULATE_WRITE): Linux 5.14; Python's mmap names it from 3.13 on.
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
 
 
 def _runs(raw: Buffer, ref: ChunkRef) -> DeltaRuns | None:
@@ -73,10 +79,42 @@ def rebuild_on(ref: ChunkRef, frame: Buffer, base_frame: Buffer) -> Buffer | Non
         runs = _runs(frame, ref)
         if runs is None:
             return None
+        _copy_pages(out, runs)
         runs.xor_into(out)
     except (CasnapError, ValueError):
         return None
     return out if digest_of(out).hex() == ref.hash else None
+
+
+def _copy_pages(out: memoryview, runs: DeltaRuns) -> None:
+    """Copy the pages of ``out``, a private mapping, that ``runs`` change, before the XOR
+    writes them (Linux 5.14 on: ``MADV_POPULATE_WRITE``; elsewhere nothing).
+
+    The XOR reads a page before it writes it: the read maps the page cache's
+    page, and the write then copies it and flushes that mapping. Copied first,
+    one call per span of neighbouring pages, the XOR of a restore of the
+    newest of 10 sparse-delta snapshots (128 MiB) took 6.5-7.3 ms of CPU
+    instead of 9.2-9.7. Only an optimisation: whatever fails leaves the writes
+    to fault as they come.
+    """
+    mapping = out.obj
+    if _POPULATE_WRITE is None or not isinstance(mapping, mmap.mmap) or not len(runs.starts):
+        return
+    try:
+        page = mmap.PAGESIZE
+        shift = ctypes.addressof(ctypes.c_char.from_buffer(out))
+        shift -= ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        firsts = ((shift + runs.starts) // page * page).tolist()
+        ends = (-(-(shift + runs.starts + runs.lengths) // page) * page).tolist()
+        lo, hi = firsts[0], min(ends[0], len(mapping))
+        for a, b in zip(firsts[1:], ends[1:], strict=True):
+            if a > hi:
+                mapping.madvise(_POPULATE_WRITE, lo, hi - lo)
+                lo = a
+            hi = min(b, len(mapping))
+        mapping.madvise(_POPULATE_WRITE, lo, hi - lo)
+    except (OSError, ValueError, TypeError, BufferError):
+        return
 
 
 def fetch_base(repo: RepoStorage, base: ChunkRef) -> Buffer:
