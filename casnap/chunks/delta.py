@@ -43,11 +43,12 @@ REMOTE_OVER_PLAIN = 0.90
 # A sample whose changed share exceeds the margin this many times over is not tried.
 DENSE_SLACK = 1.5
 # A delta is decoded on every read of its chunk. Where the plain codec stores the chunk
-# raw on a local disk, a read is a mapping and a digest pass, and decoding a delta costs
-# about five times as much per byte of its body (the changed blocks): a body of at most
-# a sixteenth of the chunk keeps the read within about 1.3x a whole chunk's
-# (benchmarks/delta.py, series). A chunk drifted further from its base is written whole,
-# the base of the deltas after it.
+# raw on a local disk, a read is a mapping and a digest pass, and decoding a delta adds
+# about 7% of that per 1% of the chunk in its body (the changed blocks): a body of at
+# most a sixteenth of the chunk keeps a read within about 1.5x a whole chunk's. A chunk
+# drifted further from its base is written whole, the base of the deltas after it; a
+# sparse series (1% of rows a step) then writes one whole chunk every seventh snapshot
+# or so, about the bytes of the chains it replaced (benchmarks/delta.py, series).
 LOCAL_MOST_BODY = 1 / 16
 # After this many chunks of a tensor in a row that did not pay, one in this many is tested.
 BACK_OFF = 4
