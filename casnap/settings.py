@@ -37,9 +37,6 @@ DEFAULT_PACK_THRESHOLD = 512 * 1024
 DEFAULT_PACK_TARGET = 4 * MiB
 DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_IO_WORKERS = 4
-# Four deltas then a whole chunk: a restore of the newest snapshot reads at most
-# five frames per chunk, fetched concurrently (benchmarks/delta.py measures it).
-DEFAULT_DELTA_MAX_CHAIN = 4
 # Cold reads from a local disk gain from a deeper queue than writes do: a cold
 # 1 GiB restore (virtio disk, 2 cores) took 1.32 s with 4 readers, 1.29 s with
 # 8 and 1.18 s with 12, torch.load 1.32 s (benchmarks/read_workers.py).
@@ -205,20 +202,10 @@ VARIABLES: Mapping[str, Variable] = _table(
         "delta",
         "bool",
         True,
-        "Whether a take may store a changed chunk as a delta "
-        "against the same chunk of its parent snapshot, where that pays (docs/format.md, "
+        "Whether a take may store a changed chunk as a delta against the whole chunk "
+        "a read of the same chunk of its parent snapshot decodes, where that pays (docs/format.md, "
         '"Delta chunks"). A snapshot holding deltas is format 2.0, which casnap '
         "versions before deltas refuse to read.",
-    ),
-    Variable(
-        "delta_max_chain",
-        "int",
-        DEFAULT_DELTA_MAX_CHAIN,
-        "The longest chain of "
-        "deltas a take writes: a chunk whose base is already this many deltas deep is "
-        "written whole, so a restore reads at most this many deltas and one whole chunk.",
-        minimum=1,
-        maximum=64,
     ),
     Variable(
         "auto_parent",
@@ -505,7 +492,6 @@ class Settings:
     io_workers: int = DEFAULT_IO_WORKERS
     replica_mismatch: str = "warn"  # or "error" (distributed takes; rank 0's value holds)
     delta: bool = True  # changed chunks as deltas against the parent's (docs/format.md)
-    delta_max_chain: int = DEFAULT_DELTA_MAX_CHAIN
     auto_parent: bool = True  # no parent given: the newest in the folder (casnap.take.parent)
 
     @classmethod
@@ -519,7 +505,6 @@ class Settings:
             io_workers=get("io_workers", DEFAULT_IO_WORKERS),
             replica_mismatch=get("replica_mismatch"),
             delta=get("delta"),
-            delta_max_chain=get("delta_max_chain"),
             auto_parent=get("auto_parent"),
         )
 

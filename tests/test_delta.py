@@ -15,7 +15,6 @@ import torch
 from helpers import chunk_path, take_stats
 from safetensors.torch import load_file
 
-import casnap
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.errors import (
     DeltaBaseError,
@@ -27,7 +26,7 @@ from casnap.format import codec
 from casnap.format.delta import encode_delta
 from casnap.format.entries import TensorEntry
 from casnap.format.manifest import Manifest
-from casnap.format.names import digest_of
+from casnap.format.names import digest_of, hash_bytes
 from casnap.format.parse import _parse, parse_manifest
 
 CHUNK = 64 * 1024
@@ -113,18 +112,71 @@ def test_a_delta_keeps_the_chunk_identity_of_its_raw_bytes(tmp_path: Path) -> No
     assert take_stats(plain[1]).deltas_written == 0
 
 
-def test_chains_never_grow_past_the_setting(tmp_path: Path) -> None:
-    states, snaps = _series(tmp_path, 6, delta_max_chain=2)
-    depths = [c.depth for s in snaps for c in _entry(s).chunks]
-    assert max(depths) == 2
-    # A chunk whose base is already 2 deep and that changes again is written whole.
-    first = {c.hash for c in _entry(snaps[0]).chunks}
+def test_every_delta_is_against_the_whole_chunk_its_parent_reads(tmp_path: Path) -> None:
+    states, snaps = _series(tmp_path, 6)
+    deltas = 0
     for before, after in zip(snaps, snaps[1:]):
         for old, new in zip(_entry(before).chunks, _entry(after).chunks):
-            if old.hash != new.hash:
-                assert new.depth == (old.depth + 1 if old.depth < 2 else 0)
-                assert new.hash not in first
+            if new.base is not None:
+                deltas += 1
+                assert new.base.base is None  # a read decodes one whole frame and one delta
+                assert new.base.hash == old.whole.hash  # not against the parent's delta
+    assert deltas >= 8
     assert torch.equal(_restore(f"{tmp_path}/s5"), states[5])
+
+
+def test_a_chunk_drifting_from_its_whole_is_written_whole_again(tmp_path: Path) -> None:
+    # One chunk of 64 rows; each step scales a row not changed before, so the delta
+    # against the whole grows by a row until its body passes a sixteenth of the chunk
+    # (casnap.chunks.delta.LOCAL_MOST_BODY): then the chunk is written whole again.
+    session = Session()
+    t = torch.randn(64, COLS, generator=torch.Generator().manual_seed(4))
+    refs, states = [], []
+    for i in range(8):
+        if i:
+            t = t.clone()
+            t[9 * i] *= 1.001
+        states.append(t)
+        snap = Snapshot.take(
+            f"{tmp_path}/s{i}", {"m": StateDict(emb=t)}, session=session, storage_options=_opts()
+        )
+        (ref,) = _entry(snap).chunks
+        refs.append(ref)
+    kinds = ["delta" if r.base is not None else "whole" for r in refs]
+    assert kinds[:2] == ["whole", "delta"] and "whole" in kinds[2:], kinds
+    rewritten = kinds.index("whole", 2)
+    assert all(r.base is not None and r.base.hash == refs[0].hash for r in refs[1:rewritten])
+    assert refs[rewritten + 1].base is not None  # against the chunk written whole
+    assert all(r.base is None or r.base.hash == refs[rewritten].hash for r in refs[rewritten:])
+    for i in (rewritten - 1, rewritten, len(refs) - 1):
+        out = StateDict(emb=torch.zeros(64, COLS))
+        Snapshot(f"{tmp_path}/s{i}").restore({"m": out})
+        assert torch.equal(out["emb"], states[i])
+
+
+def test_a_manifest_naming_a_chain_of_deltas_is_refused(tmp_path: Path) -> None:
+    _, snaps = _series(tmp_path, 3)
+    doc = _manifest_json(tmp_path, snaps[2])
+    chunks = doc["entries"][KEY]["chunks"]  # type: ignore[index]
+    i = next(i for i, c in enumerate(chunks) if "base" in c)
+    old = _entry(snaps[0]).chunks[(i + 1) % len(chunks)]  # another whole chunk of that size
+    chunks[i]["base"]["base"] = old.model_dump(exclude_none=True)
+    forged = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    name = hash_bytes(forged)
+    with pytest.raises(ManifestValidationError, match="no chains"):
+        parse_manifest(forged, name)
+    # Written into the repository under its name and committed by a ref, as a hostile
+    # writer would: restore and verify refuse it rather than follow the chain.
+    folder = tmp_path / ".casnap" / "manifests" / name[:2]
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_bytes(forged)
+    repo = Repository(str(tmp_path))
+    repo.storage.write_ref("forged", name)
+    with pytest.raises(ManifestValidationError, match="no chains"):
+        _restore(f"{tmp_path}/forged")
+    problems = [p for p in repo.verify().problems if p.kind == "manifest"]
+    assert [(p.subject, p.snapshots) for p in problems] == [(name, ("forged",))]
+    assert "no chains" in problems[0].detail
 
 
 def test_a_dense_update_of_every_weight_is_written_whole(tmp_path: Path) -> None:
@@ -221,8 +273,6 @@ def test_a_reader_of_format_1_refuses_a_manifest_with_deltas(tmp_path: Path) -> 
     doc = json.loads(data)
     doc["format_version"] = "1.1"
     forged = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    from casnap.format.names import hash_bytes
-
     with pytest.raises(ManifestValidationError, match="delta"):
         parse_manifest(forged, hash_bytes(forged))
 
@@ -249,7 +299,6 @@ def test_the_settings_turn_deltas_off(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("CASNAP_DELTA", "0")
     _, snaps = _series(tmp_path, 2)
     assert take_stats(snaps[1]).deltas_written == 0
-    assert casnap.settings.get("delta_max_chain") == 4
 
 
 def test_a_copy_of_a_delta_snapshot_sends_its_bases(tmp_path: Path) -> None:

@@ -152,11 +152,11 @@ class DroppingStore(WrapperStore):
         self._drop("read_into", key)
         return n
 
-    def map(self, key: str, limit: int) -> Buffer | None:
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
         if not self.maps:
             return None
         self._drop("map", key)
-        return self.inner.map(key, limit)
+        return self.inner.map(key, limit, private=private)
 
     def get(self, key: str, *, limit: int | None = None) -> bytes:
         self._drop("get", key)

@@ -343,6 +343,10 @@ def test_map_reads_a_local_object_in_place_and_wrappers_pass_it_on(local: LocalS
     local.put("a/big", big)
     assert _mapped(local, "a/big", len(big)) == big
     assert _mapped(local, "a/big", 300_000) == big[:300_000]
+    private = local.map("a/big", len(big), private=True)
+    assert private is not None and bytes(private) == big
+    memoryview(private)[0] ^= 0xFF  # copy on write: the object is unchanged
+    assert _mapped(local, "a/big", len(big)) == big
     with pytest.raises(ObjectNotFoundError):
         local.map("a/missing", 10)
     counting = CountingStore(RetryingStore(local.child("a")))

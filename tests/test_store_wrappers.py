@@ -40,7 +40,7 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "put": (("a/new", b"x"), {"create_only": True, "durable": False}),
     "replace": (("a/obj", b"bye"), {"expected": b"hello"}),
     "read_into": (("a/obj", [memoryview(bytearray(3))]), {}),
-    "map": (("a/obj", 4), {}),
+    "map": (("a/obj", 4), {"private": True}),
     "flush": ((), {}),
     "deferral": ((), {}),
     "deferring": ((None,), {}),

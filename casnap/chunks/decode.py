@@ -1,7 +1,7 @@
 """Decoding stored frames, verified: the one decode every read goes through.
 
 This is where a verified read decodes a frame (any codec, a delta rebuilt
-from its chain: :mod:`casnap.chunks.rebuild`) and reacts to a damaged one
+on its whole base: :mod:`casnap.chunks.rebuild`) and reacts to a damaged one
 (docs/damage.md; containment is :func:`casnap.chunks.stored.contain`).
 
 Every read that checks a frame against its chunk's hash goes through
@@ -30,10 +30,9 @@ verdict (a read glitch) costs one rewrite of identical bytes, never data.
 
 from __future__ import annotations
 
-from casnap.chunks.rebuild import fetch_chain, rebuild
+from casnap.chunks.rebuild import fetch_base, rebuild
 from casnap.chunks.stored import contain, fetch_frame
 from casnap.errors import (
-    CasnapError,
     DeltaBaseError,
     IntegrityError,
     ObjectNotFoundError,
@@ -53,7 +52,7 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
 
     A damaged pack frame with a good replacement ``chunks/<h>`` yields the
     replacement's bytes (see the module docstring). A delta (``ref.base``)
-    is rebuilt from its base chain, read first (:func:`base_bytes`); a base
+    is rebuilt on its base, a whole frame read first (:func:`base_bytes`); a base
     that cannot be read leaves the same stand-in, a good loose ``chunks/<h>``
     (written whole by a later take or by repair), else raises
     :class:`DeltaBaseError` naming the base. Only the copy that failed its own
@@ -64,7 +63,7 @@ def decode_frame(repo: RepoStorage, key: str, ref: ChunkRef, frame: Buffer) -> B
     fast = rebuild(repo, ref, frame)
     if fast is not None:
         return fast
-    # Something in the chain is wrong: rebuild link by link, each verified, so the
+    # The base or the delta is wrong: verify the base, then the delta on it, so the
     # copy at fault is the one named (and recorded, if damaged).
     try:
         base = (bytes.fromhex(ref.base.hash), base_bytes(repo, ref.base, key))
@@ -96,42 +95,27 @@ def _decode_one(
 
 
 def base_bytes(repo: RepoStorage, base: ChunkRef, user: str) -> Buffer:
-    """The verified bytes of chunk ``base``, which the delta in object ``user`` needs.
+    """The verified bytes of chunk ``base`` (a whole frame), which the delta in object
+    ``user`` needs.
 
-    The frames of the chain (``base`` and its own bases) are fetched first,
-    concurrently on a remote store (one round trip for the chain, not one per
-    link), then decoded from the whole frame up, each checked against its
-    hash like any read. Any failure is a :class:`DeltaBaseError` naming the
-    base's object; a damaged base frame is recorded (contained) as such.
+    The base is checked against its hash like any read. Any failure is a
+    :class:`DeltaBaseError` naming the base's object; a damaged base frame is
+    recorded (contained) as such.
     """
-    if base.base is not None:  # one digest check for the chain, unless it fails
-        try:
-            fast = rebuild(repo, base, fetch_frame(repo, base))
-        except CasnapError:
-            fast = None
-        if fast is not None:
-            return fast
-    chain = base.chain()
     try:
-        frames = fetch_chain(repo, chain)
-        data: Buffer | None = None
-        for ref, frame in zip(reversed(chain), reversed(frames), strict=True):
-            link = (bytes.fromhex(ref.base.hash), data) if ref.base is not None else None
-            data = _decode_one(repo, object_key(ref), ref, frame, link)  # type: ignore[arg-type]
+        return _decode_one(repo, object_key(base), base, fetch_base(repo, base), None)
     except (ObjectNotFoundError, IntegrityError) as exc:
         what = "is missing" if isinstance(exc, ObjectNotFoundError) else "cannot be read"
         raise DeltaBaseError(
             f"{user}: delta base {object_key(base)} (chunk {base.hash[:12]}) {what}: {exc}",
             object_key(base),
         ) from exc
-    assert data is not None
-    return data
 
 
 def loose_copy(repo: RepoStorage, chunk: str, size: int, record: bool = True) -> Buffer | None:
     """The verified bytes of the loose object ``chunks/<chunk>``, whatever frame it holds
-    (a stand-in for a damaged frame or a lost delta chain, a repair read back), or None
-    (damage recorded if ``record``)."""
+    (a stand-in for a damaged frame or a delta whose base is lost, a repair read back),
+    or None (damage recorded if ``record``)."""
     loose = ChunkRef(hash=chunk, size=size, length=codec.HEADER_SIZE + size)  # a frame's most
     return read_copy(repo, loose, record)
 

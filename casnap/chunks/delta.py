@@ -1,10 +1,15 @@
-"""Delta chunks: whether a changed chunk pays as a delta against its parent's, and the frame.
+"""Delta chunks: whether a changed chunk pays as a delta against its parent's whole, and the frame.
 
 A take hands the :class:`~casnap.chunks.write.ChunkWriter` each new chunk
-together with a *base*: the chunk at the same index of the same tensor in
-the parent snapshot. :meth:`DeltaEncoder.encode` then decides, per chunk,
-by the test and back-off docs/chunking.md ("Delta chunks") lists, each step
-costing a small fraction of writing the chunk; the frame is docs/format.md's.
+together with a *base*: the whole frame a read of the chunk at the same
+index of the same tensor in the parent snapshot decodes (that chunk, or its
+own base if it is a delta: :attr:`ChunkRef.whole`). Every delta is against a
+whole chunk, so a read decodes one whole frame and one delta; a chunk that
+keeps drifting from that whole makes a growing delta, until it no longer
+pays and the chunk is written whole, the base of the deltas after it.
+:meth:`DeltaEncoder.encode` decides, per chunk, by the test and back-off
+docs/chunking.md ("Delta chunks") lists, each step costing a small fraction
+of writing the chunk; the frame is docs/format.md's.
 
 The margins keep deltas from costing a take time on a local disk, where a
 byte written costs about as little as a byte compressed: when the plain codec
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from casnap.chunks.decode import base_bytes
 from casnap.errors import CasnapError
 from casnap.format import codec
-from casnap.format.delta import changed_share, delta_sample_size, encode_delta
+from casnap.format.delta import changed_share, delta_body, delta_sample_size, encode_body
 from casnap.format.entries import ChunkRef
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
 
@@ -37,6 +42,14 @@ LOCAL_OVER_COMPRESSED = 0.85
 REMOTE_OVER_PLAIN = 0.90
 # A sample whose changed share exceeds the margin this many times over is not tried.
 DENSE_SLACK = 1.5
+# A delta is decoded on every read of its chunk. Where the plain codec stores the chunk
+# raw on a local disk, a read is a mapping and a digest pass, and decoding a delta adds
+# about 7% of that per 1% of the chunk in its body (the changed blocks): a body of at
+# most a sixteenth of the chunk keeps a read within about 1.5x a whole chunk's. A chunk
+# drifted further from its base is written whole, the base of the deltas after it; a
+# sparse series (1% of rows a step) then writes one whole chunk every seventh snapshot
+# or so, about the bytes of the chains it replaced (benchmarks/delta.py, series).
+LOCAL_MOST_BODY = 1 / 16
 # After this many chunks of a tensor in a row that did not pay, one in this many is tested.
 BACK_OFF = 4
 
@@ -53,9 +66,8 @@ class DeltaChoice:
 class DeltaEncoder:
     """Encodes a chunk as a delta against its base when that pays; one per take."""
 
-    def __init__(self, repo: RepoStorage, max_chain: int, level: int = 1) -> None:
+    def __init__(self, repo: RepoStorage, level: int = 1) -> None:
         self.repo = repo
-        self.max_chain = max_chain
         self.level = level
         self.local = bool(repo.root.capabilities.local)
         self._lock = threading.Lock()
@@ -65,7 +77,8 @@ class DeltaEncoder:
     def encode(
         self, data: Buffer, digest: bytes, elem_size: int, base: ChunkRef, tensor: str = ""
     ) -> DeltaChoice:
-        """The delta frame of ``data`` against ``base`` if it pays; else the plain codec.
+        """The delta frame of ``data`` against ``base`` (a whole chunk) if it pays; else the
+        plain codec.
 
         ``tensor`` names the tensor the chunk belongs to (see BACK_OFF).
 
@@ -73,12 +86,13 @@ class DeltaEncoder:
         and the chunk is then written whole.
         """
         size = len(data)
-        if base.size != size or base.depth + 1 > self.max_chain or not self._try(tensor):
+        if base.size != size or base.base is not None or not self._try(tensor):
             return DeltaChoice()
         sample = memoryview(data)[:SAMPLE]
         plain_codec, plain = codec.choose_codec(data, self.level, elem_size)
         whole_plain = DeltaChoice(plain=plain_codec)
         ratio = self._ratio(plain, len(sample))
+        drift = self.local and plain >= len(sample)  # stored raw: LOCAL_MOST_BODY bounds it
         group = elem_size if elem_size in codec.GROUPABLE and size % elem_size == 0 else 1
         user = chunk_key(digest.hex())
         try:
@@ -99,9 +113,10 @@ class DeltaEncoder:
                 whole = base_bytes(self.repo, base, user)
         except CasnapError:
             return whole_plain  # the base is missing or damaged: write the chunk whole
-        head, payload = encode_delta(
-            data, digest, whole, bytes.fromhex(base.hash), group=group, level=self.level
-        )
+        body = delta_body(data, whole, group)
+        if drift and len(body) > size * LOCAL_MOST_BODY:
+            return whole_plain  # drifted too far from its base; not dense: no back-off
+        head, payload = encode_body(body, size, digest, bytes.fromhex(base.hash), group, self.level)
         expected_plain = plain / len(sample) * size
         if len(payload) > min(expected_plain * ratio, size):
             return self._missed(tensor, whole_plain)
@@ -137,7 +152,7 @@ class DeltaEncoder:
         Unverified: it only sizes the estimate. The delta itself is built on
         the verified whole base.
         """
-        if base.base is not None or base.length != codec.HEADER_SIZE + base.size:
+        if base.length != codec.HEADER_SIZE + base.size:
             return None
         if base.pack is None:
             key, start = chunk_key(base.hash), codec.HEADER_SIZE

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from casnap.chunks.bounce import BouncePool
 from casnap.chunks.budget import ByteBudget
 from casnap.chunks.decode import decode_frame
+from casnap.chunks.rebuild import rebuild_on
 from casnap.chunks.stored import contain, frame_limit
 from casnap.chunks.target import ReadTarget
-from casnap.errors import IntegrityError, ObjectNotFoundError, ObjectRefusedError
+from casnap.errors import CasnapError, IntegrityError, ObjectNotFoundError, ObjectRefusedError
 from casnap.format import codec
 from casnap.format.entries import ChunkRef
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
@@ -52,7 +53,7 @@ def plan_reads(refs: list[ChunkRef]) -> list[Span]:
     loose_seen: dict[str, list[tuple[int, ChunkRef]]] = {}
     for i, ref in enumerate(refs):
         if ref.base is not None and ref.pack is not None:
-            # A delta is rebuilt from its chain, which costs about a whole chunk's
+            # A delta is rebuilt on its whole base, which costs about a whole chunk's
             # read: one span each, so the workers rebuild a pack's deltas in parallel.
             spans.append(Span(pack_key(ref.pack), ref.offset, ref.offset + ref.length, ((i, ref),)))
         elif ref.pack is None:
@@ -146,9 +147,12 @@ def read_chunks(
       reused page-aligned buffer under ``budget`` (:mod:`casnap.chunks.bounce`),
       decoded and verified there, only then copied into place; a chunk that
       fails verification raises :class:`IntegrityError` and writes nothing;
-    - everything else (packed frames, deltas, several chunks of one span, a
-      target that only consumes): fetched by one get, decoded through a buffer
-      (a delta rebuilt from its chain: :mod:`casnap.chunks.rebuild`), consumed.
+    - a packed delta on a loose base the store can map, for a target that
+      holds: rebuilt on a private (copy-on-write) mapping of the base,
+      verified there, then held (:mod:`casnap.chunks.rebuild`);
+    - everything else (packed frames, other deltas, several chunks of one
+      span, a target that only consumes): fetched by one get, decoded through
+      a buffer (a delta rebuilt on its whole base), consumed.
     """
     reader = _Reader(repo, target, budget)
     futures = [pool.submit(reader.run, span) for span in plan_reads(refs)]
@@ -183,7 +187,9 @@ class _Reader:
 
     def _fast(self, span: Span, i: int, ref: ChunkRef) -> bool:
         """A span of one chunk by its fast path, if the target and the store allow one."""
-        if ref.base is not None or span.end >= 0:  # a delta or a packed frame: buffered
+        if ref.base is not None:
+            return self._delta_mapped(span, i, ref)
+        if span.end >= 0:  # a packed frame: buffered
             return False
         # A loose object (any valid frame of the chunk: read whole).
         return self._loose_mapped(span, i, ref) or self._loose_placed(span, i, ref)
@@ -224,6 +230,38 @@ class _Reader:
             elif ref.size:
                 view[:] = memoryview(data).cast("B")
         self.target.placed(i)
+        return True
+
+    def _delta_mapped(self, span: Span, i: int, ref: ChunkRef) -> bool:
+        """A packed delta on a loose base, for a target that holds: rebuilt on a private
+        (copy-on-write) mapping of the base, where only the pages the delta changes
+        are copied, verified there and held as a chunk stored whole is (no undo copy,
+        no rebuild buffer, one digest pass). Where that fails, the careful decode
+        names the frame at fault (:func:`~casnap.chunks.decode.decode_frame`)."""
+        base = ref.base
+        if base is None or base.pack is not None or span.end < 0:
+            return False  # a loose delta (no writer makes one) or a packed base: buffered
+        if not self.target.holds(i, ref.size):
+            return False
+        try:
+            frame = self.repo.store.map(chunk_key(base.hash), frame_limit(base), private=True)
+        except CasnapError:
+            return False  # the buffered path reads it and says what is wrong
+        if frame is None:
+            return False  # the store cannot map: buffered
+        cost = span.end - span.start
+        self.budget.acquire(cost)
+        try:
+            with _missing_is_integrity_error(span):
+                delta = fetch_span(self.repo, span)
+            self._count(len(delta) + len(frame))
+            data = rebuild_on(ref, delta, frame)
+            if data is None:
+                self.target.consume(i, decode_frame(self.repo, span.key, ref, delta))
+            else:
+                self.target.hold(i, memoryview(data))
+        finally:
+            self.budget.release(cost)
         return True
 
     def _buffered(self, span: Span) -> None:

@@ -1,18 +1,19 @@
-"""Rebuilding a delta chunk from its chain with one digest check (docs/chunking.md).
+"""Rebuilding a delta chunk from its whole base with one digest check (docs/chunking.md).
 
-A delta's chain ends in a whole frame; each link XORs its runs into the
-bytes below it (:mod:`casnap.format.delta`). :func:`rebuild` decodes the
-whole frame without its own check, applies every delta in place and checks
-only the result's digest: a sparse chain costs about what reading the whole
-chunk does. Any failure is an answer (None), never an error: the careful
-path, :func:`casnap.chunks.decode.decode_frame`, then decodes link by link
-and names the copy at fault.
+A delta's base is a whole frame (never a delta: docs/format.md); the delta
+XORs its runs into the base's bytes (:mod:`casnap.format.delta`).
+:func:`rebuild_on` decodes the base without its own check, applies the delta
+in place and checks only the result's digest: a sparse delta costs about
+what reading the whole chunk does. Any failure is an answer (None), never an
+error: the careful path, :func:`casnap.chunks.decode.decode_frame`, then
+verifies the base and the delta each and names the copy at fault.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+import ctypes
+import mmap
+import sys
 
 from casnap.chunks.stored import contain, fetch_frame
 from casnap.errors import CasnapError, ObjectRefusedError
@@ -24,81 +25,102 @@ from casnap.repo.reach import object_key
 from casnap.repo.repository import RepoStorage
 
 Buffer = codec.Buffer
+# madvise(MADV_POPULATE_WRITE): Linux 5.14; Python's mmap names it from 3.13 on.
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
 
 
-def delta_frame(
-    raw: Buffer, link: ChunkRef
-) -> tuple[str, codec.FrameHeader, memoryview, bytes] | None:
-    """``raw``'s key, header, payload and base digest if it is the delta frame ``link``
-    names, else None."""
-    key = object_key(link)
+def _runs(raw: Buffer, ref: ChunkRef) -> DeltaRuns | None:
+    """The checked runs of ``raw`` if it is the delta frame ``ref`` names, else None."""
+    key = object_key(ref)
     hdr = codec.parse_header(raw, key)
     if hdr.codec != codec.CODEC_DELTA or hdr.frame_length != len(raw):
         return None
-    if hdr.digest.hex() != link.hash or hdr.raw_length != link.size or link.base is None:
+    if hdr.digest.hex() != ref.hash or hdr.raw_length != ref.size or ref.base is None:
         return None
-    return key, hdr, memoryview(raw)[codec.HEADER_SIZE :], bytes.fromhex(link.base.hash)
-
-
-def link_runs(raw: Buffer, link: ChunkRef) -> DeltaRuns | None:
-    """The checked runs of delta frame ``raw`` of ``link``; None if the frame is not that delta."""
-    frame = delta_frame(raw, link)
-    if frame is None:
-        return None
-    key, hdr, payload, base_digest = frame
-    return delta_runs(hdr, payload, key, base_digest)
-
-
-def apply_link(raw: Buffer, link: ChunkRef, out: Any) -> bool:
-    """XOR delta frame ``raw`` of ``link`` into ``out``; False if the frame is not that delta."""
-    runs = link_runs(raw, link)
-    if runs is None:
-        return False
-    runs.xor_into(out)
-    return True
+    payload = memoryview(raw)[codec.HEADER_SIZE :]
+    return delta_runs(hdr, payload, key, bytes.fromhex(ref.base.hash))
 
 
 def rebuild(repo: RepoStorage, ref: ChunkRef, frame: Buffer) -> Buffer | None:
-    """The delta ``ref`` rebuilt with one digest check, of the result; None if anything fails.
-
-    The whole frame at the chain's end is decoded without its own check and
-    every delta is XORed into it in place: a sparse chain costs about what
-    reading the whole chunk does. The result's digest covers every link
-    (a damaged one yields other bytes), so the careful path is only needed
-    to say which link failed.
-    """
-    chain = ref.chain()
+    """The delta ``ref`` (its stored ``frame``) rebuilt with one digest check, of the
+    result; None if anything fails (:func:`rebuild_on` on the base's frame, fetched)."""
+    if ref.base is None:
+        return None
     try:
-        frames = [frame, *fetch_chain(repo, chain[1:])]
-        whole = chain[-1]
-        out = bytearray(
+        return rebuild_on(ref, frame, fetch_base(repo, ref.base))
+    except CasnapError:
+        return None
+
+
+def rebuild_on(ref: ChunkRef, frame: Buffer, base_frame: Buffer) -> Buffer | None:
+    """The delta ``ref`` (its stored ``frame``) rebuilt on ``base_frame``, the stored frame
+    of its base, with one digest check, of the result; None if anything fails.
+
+    The base is decoded without its own check and the delta XORed into its
+    bytes, in ``base_frame`` itself where that is writable and stored raw (a
+    restore's private mapping of the base: :mod:`casnap.chunks.read`), else in
+    a copy. The result's digest covers both frames (a damaged one yields other
+    bytes), so the careful path is only needed to say which one failed.
+    """
+    base = ref.base
+    if base is None:
+        return None
+    try:
+        decoded = memoryview(
             codec.decode(
-                frames[-1],
-                object_key(whole),
-                bytes.fromhex(whole.hash),
-                whole.size,
+                base_frame,
+                object_key(base),
+                bytes.fromhex(base.hash),
+                base.size,
                 check_digest=False,
             )
         )
-        for link, raw in zip(reversed(chain[:-1]), reversed(frames[:-1]), strict=True):
-            if not apply_link(raw, link, out):
-                return None
+        out = decoded if not decoded.readonly else memoryview(bytearray(decoded))
+        runs = _runs(frame, ref)
+        if runs is None:
+            return None
+        _copy_pages(out, runs)
+        runs.xor_into(out)
     except (CasnapError, ValueError):
         return None
     return out if digest_of(out).hex() == ref.hash else None
 
 
-def fetch_chain(repo: RepoStorage, chain: list[ChunkRef]) -> list[Buffer]:
-    """Every frame of ``chain``, concurrently where each request waits on a network."""
+def _copy_pages(out: memoryview, runs: DeltaRuns) -> None:
+    """Copy the pages of ``out``, a private mapping, that ``runs`` change, before the XOR
+    writes them (Linux 5.14 on: ``MADV_POPULATE_WRITE``; elsewhere nothing).
 
-    def one(ref: ChunkRef) -> Buffer:
-        try:
-            return fetch_frame(repo, ref)
-        except ObjectRefusedError as exc:  # a FIFO, a link: damage to that copy
-            contain(repo, ref, exc)
-            raise
+    The XOR reads a page before it writes it: the read maps the page cache's
+    page, and the write then copies it and flushes that mapping. Copied first,
+    one call per span of neighbouring pages, the XOR of a restore of the
+    newest of 10 sparse-delta snapshots (128 MiB) took 6.5-7.3 ms of CPU
+    instead of 9.2-9.7. Only an optimisation: whatever fails leaves the writes
+    to fault as they come.
+    """
+    mapping = out.obj
+    if _POPULATE_WRITE is None or not isinstance(mapping, mmap.mmap) or not len(runs.starts):
+        return
+    try:
+        page = mmap.PAGESIZE
+        shift = ctypes.addressof(ctypes.c_char.from_buffer(out))
+        shift -= ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        firsts = ((shift + runs.starts) // page * page).tolist()
+        ends = (-(-(shift + runs.starts + runs.lengths) // page) * page).tolist()
+        lo, hi = firsts[0], min(ends[0], len(mapping))
+        for a, b in zip(firsts[1:], ends[1:], strict=True):
+            if a > hi:
+                mapping.madvise(_POPULATE_WRITE, lo, hi - lo)
+                lo = a
+            hi = min(b, len(mapping))
+        mapping.madvise(_POPULATE_WRITE, lo, hi - lo)
+    except (OSError, ValueError, TypeError, BufferError):
+        return
 
-    if len(chain) <= 1 or repo.root.capabilities.local:  # local: a page-cache copy each
-        return [one(ref) for ref in chain]
-    with ThreadPoolExecutor(len(chain), thread_name_prefix="casnap-chain") as pool:
-        return list(pool.map(one, chain))
+
+def fetch_base(repo: RepoStorage, base: ChunkRef) -> Buffer:
+    """The stored frame of delta base ``base``; a FIFO or a link there is damage to that copy."""
+    try:
+        return fetch_frame(repo, base)
+    except ObjectRefusedError as exc:
+        contain(repo, base, exc)
+        raise

@@ -3,7 +3,8 @@
 :class:`ChunkWriter`: each chunk is hashed; a chunk already known (written
 earlier in this take, listed by a parent manifest, or present as a loose
 object) is not written again. A changed chunk may be written as a delta
-against the parent's chunk at its place (:mod:`casnap.chunks.delta`). Where a
+against the whole frame of the parent's chunk at its place, never against a
+delta (:mod:`casnap.chunks.delta`). Where a
 new chunk's frame goes, a loose object or a pack, is
 :mod:`casnap.chunks.frames`.
 """
@@ -88,14 +89,15 @@ class ChunkWriter(FrameWriter):
         # save's requests are named by write item; base_of looks bases up by entry).
         self.entry_keys: Mapping[str, str] = {}
         self.delta = (
-            DeltaEncoder(repo, settings.delta_max_chain, settings.zstd_level)
+            DeltaEncoder(repo, settings.zstd_level)
             if settings.delta and settings.compression == "auto"
             else None
         )
 
     def base_of(self, key: str, index: int, chunk_size: int) -> BaseAt | None:
-        """Where the delta base of chunk ``index`` of tensor ``key`` is: the parent's chunk
-        there, looked up (:meth:`_base`) only if the chunk turns out to be new."""
+        """Where the delta base of chunk ``index`` of tensor ``key`` is: the whole frame of
+        the parent's chunk there (:attr:`ChunkRef.whole`), looked up (:meth:`_base`) only
+        if the chunk turns out to be new."""
         return None if self.delta is None else (key, index, chunk_size)
 
     def _base(self, at: BaseAt | None) -> ChunkRef | None:
@@ -105,7 +107,7 @@ class ChunkWriter(FrameWriter):
         found = self.bases.get(self.entry_keys.get(key, key))
         if found is None or found[0] != chunk_size or index >= len(found[1]):
             return None
-        base = found[1][index]
+        base = found[1][index].whole  # every delta is against a whole chunk: no chains
         with self._lock:
             self._tensor_of[base.hash] = key  # for the delta test's back-off, by tensor
         return base
@@ -306,7 +308,7 @@ class ChunkWriter(FrameWriter):
         """
         if self.delta is None or base is None or base.hash == h:
             return False, None
-        if self.damaged and any(link in self.damaged for link in base.chain()):
+        if self.damaged and base in self.damaged:
             return False, None
         tensor = self._tensor_of.get(base.hash, "")
         choice = self.delta.encode(data, digest, elem_size, base, tensor)

@@ -6,9 +6,10 @@ of its base chunk (same raw length), then the zstd-compressed delta body
 chunk differs from the base, and their XOR with it, byte-grouped by the
 frame's group width. Decoding it needs the base's verified bytes
 (:func:`undelta`, which :func:`casnap.format.codec.decode` calls for a delta
-frame given ``base``). Whether a chunk is stored as a delta is decided by
-:mod:`casnap.chunks.delta`; chains of deltas are rebuilt by
-:mod:`casnap.chunks.rebuild`.
+frame given ``base``). The base is always a whole frame, never another
+delta (:class:`casnap.format.entries.ChunkRef` refuses chains). Whether a
+chunk is stored as a delta is decided by :mod:`casnap.chunks.delta`; a read
+rebuilds it by :mod:`casnap.chunks.rebuild`.
 """
 
 from __future__ import annotations
@@ -104,9 +105,16 @@ def encode_delta(
     """
     if len(base) != len(data) or group not in DELTA_GROUPS or len(data) % group:
         raise ValueError("a delta needs a base of the same length and a group width dividing it")
-    body = delta_body(data, base, group)
+    return encode_body(delta_body(data, base, group), len(data), digest, base_digest, group, level)
+
+
+def encode_body(
+    body: bytes, size: int, digest: bytes, base_digest: bytes, group: int, level: int = 1
+) -> tuple[bytes, bytes]:
+    """The delta frame (header, payload) of a chunk of ``size`` bytes whose
+    :func:`delta_body` against its base is ``body``."""
     payload = base_digest + frame.compressor(level).compress(body)
-    header = HEADER.pack(MAGIC, FRAME_VERSION, CODEC_DELTA, group, len(data), len(payload), digest)
+    header = HEADER.pack(MAGIC, FRAME_VERSION, CODEC_DELTA, group, size, len(payload), digest)
     return header, payload
 
 

@@ -27,9 +27,6 @@ from casnap.format.codec import HEADER_SIZE, MAX_CHUNK_SIZE
 from casnap.format.floats import decode_float, hex_float
 from casnap.format.names import HASH_HEX_LEN
 
-# The longest delta chain a reader follows (a writer's bound, CASNAP_DELTA_MAX_CHAIN,
-# is at most this): it bounds the recursion of validation and of every read.
-MAX_DELTA_CHAIN = 64
 MAX_BYTES = 1 << 62  # largest tensor / object / offset accepted from a manifest
 
 # Element sizes by dtype name (the name is torch's, without "torch.").
@@ -99,9 +96,10 @@ def _no_base(base: ChunkRef | None) -> bool:
 class ChunkRef(FormatModel):
     """Where one chunk lives: a loose object (``pack`` is null) or a frame inside a pack.
 
-    ``base`` (format 2.0): the frame is a delta against that chunk, which the
-    reader rebuilds first (recursively: a base may be a delta too). Left out
-    of the JSON when absent, so other references are unchanged.
+    ``base`` (format 2.0): the frame is a delta against that chunk, which is
+    stored whole: a base never has a base of its own, so a read decodes one
+    whole frame and one delta. Left out of the JSON when absent, so other
+    references are unchanged.
     """
 
     hash: HashStr
@@ -112,28 +110,22 @@ class ChunkRef(FormatModel):
     base: ChunkRef | None = Field(default=None, exclude_if=_no_base)
 
     @property
-    def depth(self) -> int:
-        """Delta links to follow to rebuild this chunk: 0 for a whole frame."""
-        n, ref = 0, self.base
-        while ref is not None:
-            n, ref = n + 1, ref.base
-        return n
+    def whole(self) -> ChunkRef:
+        """The whole frame a read of this chunk decodes: its base, or itself if it has none
+        (what a delta of a later version of the chunk is written against)."""
+        return self if self.base is None else self.base
 
     def chain(self) -> list[ChunkRef]:
-        """This reference and its bases, newest first, the whole frame last."""
-        out, ref = [self], self.base
-        while ref is not None:
-            out.append(ref)
-            ref = ref.base
-        return out
+        """This reference, then its base if it is a delta: every frame a read needs."""
+        return [self] if self.base is None else [self, self.base]
 
     @model_validator(mode="after")
     def _loose_at_zero(self) -> ChunkRef:
         if self.base is not None:
             if self.base.size != self.size or self.base.hash == self.hash:
                 raise ValueError("a delta's base is another chunk of the same size")
-            if self.base.depth >= MAX_DELTA_CHAIN:
-                raise ValueError(f"a delta chain is at most {MAX_DELTA_CHAIN} links long")
+            if self.base.base is not None:
+                raise ValueError("a delta's base is a whole chunk, not a delta: no chains")
         if self.pack is None and self.offset != 0:
             raise ValueError("a loose chunk has offset 0")
         if self.size > MAX_CHUNK_SIZE:

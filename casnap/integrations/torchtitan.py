@@ -50,7 +50,6 @@ from casnap.api.repository import Repository
 from casnap.errors import ConfigError, SnapshotNotFoundError
 from casnap.integrations.dcp import HISTORY_SEP, CasnapReader, CasnapWriter
 from casnap.integrations.pointer import Retirer
-from casnap.take.target import split_options
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +84,11 @@ class CasnapCheckpointManager(CheckpointManager):  # type: ignore[misc]
 
     Built by torchtitan from ``config.checkpoint = CasnapCheckpointManager.Config(...)``
     with the arguments it gives every manager. ``Config`` is torchtitan's
-    ``CheckpointManager.Config`` plus ``storage_options`` (those of
-    ``casnap.Snapshot.take``: ``chunk_size``, ``compression``, a store's
-    options; JSON values) and ``reclaim_wait_seconds`` (how long a retention
-    reclaim waits for a save in flight before leaving the space to the next
-    one).
+    ``CheckpointManager.Config`` plus ``storage_options`` (the store's fsspec
+    options), ``settings`` (what ``casnap.Snapshot.take(settings=...)`` overrides:
+    ``chunk_size``, ``compression``, ``delta``; JSON values) and
+    ``reclaim_wait_seconds`` (how long a retention reclaim waits for a save in
+    flight before leaving the space to the next one).
 
     Example::
 
@@ -106,7 +105,10 @@ class CasnapCheckpointManager(CheckpointManager):  # type: ignore[misc]
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):  # type: ignore[misc]
         storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-        """Options of each save (``chunk_size``, ``compression``, fsspec options)."""
+        """The store's fsspec options (``casnap.Snapshot.take``'s ``storage_options``)."""
+
+        settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+        """What each save overrides (``chunk_size``, ``compression``, ``delta``)."""
 
         reclaim_wait_seconds: float = 1.0
         """How long deleting a step waits for a save in flight before deferring."""
@@ -123,6 +125,7 @@ class CasnapCheckpointManager(CheckpointManager):  # type: ignore[misc]
         if not self.enable:
             return
         self.storage_options = dict(config.storage_options)
+        self.settings = dict(config.settings)
         self.keep_latest_k = config.keep_latest_k
         self._retirer = Retirer(config.reclaim_wait_seconds)
         self._saved_step: int | None = None  # the last save dispatched (maybe in flight)
@@ -167,6 +170,7 @@ class CasnapCheckpointManager(CheckpointManager):  # type: ignore[misc]
         writer = CasnapWriter(
             checkpoint_id,
             storage_options=self.storage_options,
+            settings=self.settings,
             metadata={"step": step} if step is not None else None,
         )
         self._saved_step = step
@@ -203,7 +207,7 @@ class CasnapCheckpointManager(CheckpointManager):  # type: ignore[misc]
         if from_hf or _is_dcp_folder(checkpoint_id):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        reader = CasnapReader(checkpoint_id, storage_options=self._read_options())
+        reader = CasnapReader(checkpoint_id, storage_options=self.storage_options)
         dcp.load(state_dict, storage_reader=reader)
         if MODEL in self.states:  # the model's keys are flattened into state_dict
             self.states[MODEL].load_state_dict(state_dict)
@@ -239,14 +243,11 @@ class CasnapCheckpointManager(CheckpointManager):  # type: ignore[misc]
         return max(self._steps(folder), default=-1)
 
     # -- the folder: a repository, and DCP folders from before the switch --
-    def _read_options(self) -> dict[str, Any]:
-        return split_options(self.storage_options)[0]  # the store's, not the take's
-
     def _repository(self, folder: str = "") -> tuple[Repository, str] | None:
         """The repository a save of ``<folder>/step-0`` uses and the names' prefix there."""
         probe = filesystem.join(folder or self.folder, "step-0")
         try:
-            repo, name = Repository.locate(probe, self._read_options(), must_exist=False)
+            repo, name = Repository.locate(probe, self.storage_options, must_exist=False)
         except (SnapshotNotFoundError, ConfigError):
             return None  # no repository yet: nothing saved
         return repo, name[: -len("step-0")]
@@ -285,7 +286,7 @@ class CasnapCheckpointManager(CheckpointManager):  # type: ignore[misc]
 
     def _is_snapshot(self, path: str) -> bool:
         try:
-            Repository.locate(path, self._read_options())
+            Repository.locate(path, self.storage_options)
         except (SnapshotNotFoundError, ConfigError):
             return False
         return True

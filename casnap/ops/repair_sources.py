@@ -20,13 +20,16 @@ from casnap.chunks.stored import fetch_frame
 from casnap.errors import CasnapError
 from casnap.format import codec
 from casnap.format.delta import apply_delta
-from casnap.format.entries import MAX_DELTA_CHAIN, ChunkRef
+from casnap.format.entries import ChunkRef
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
 from casnap.ops.verify import VerifyReport, roots
 from casnap.repo.repository import RepoStorage
 
 Buffer = codec.Buffer
+# A delta's chunk may itself be the (whole) base of other deltas: FromDeltas follows at
+# most this many such hops, which also ends a cycle a hostile repository could hold.
+MAX_HOPS = 8
 
 
 class ChunkSource(Protocol):
@@ -91,8 +94,9 @@ class FromDeltas:
     """A damaged base rebuilt from a delta on it: a delta frame is the XOR of its chunk
     with its base over the runs that differ, so applying it to the chunk's bytes
     gives the base's. The chunk's bytes come from the other sources (live state
-    still holding them, a snapshot) or, for a chain, from a delta on *it*, each
-    verified against its hash before it is used.
+    still holding them, a snapshot) or, where that chunk is stored whole too (the
+    base of other deltas), from a delta on *it*, each verified against its hash
+    before it is used.
     """
 
     label = "a delta on it, rebuilt from another source"
@@ -118,7 +122,7 @@ class FromDeltas:
         return self._users
 
     def fetch(self, chunk: str, size: int, depth: int = 0) -> Buffer | None:
-        if depth > MAX_DELTA_CHAIN:
+        if depth > MAX_HOPS:
             return None
         for delta in self.users().get(chunk, ()):
             data = self._verified(delta, depth)

@@ -227,9 +227,13 @@ class ObjectStore(ABC):
             pos += n
         return pos
 
-    def map(self, key: str, limit: int) -> Buffer | None:
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
         """The object's first ``limit`` bytes (fewer if it is shorter) as a read-only
         buffer mapped from its file, or ``None`` if the store cannot map it.
+
+        ``private``: a writable copy-on-write mapping instead; what the caller
+        writes stays in this process's memory (only the pages written are
+        copied) and never reaches the object (a delta rebuilt on its base).
 
         Raises as :meth:`read_into` would (missing, refused); like it, reads
         nothing past ``limit``. The mapping lives as long as the buffer is referenced.
@@ -320,8 +324,8 @@ class WrapperStore(ObjectStore):
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
         return self.inner.read_into(key, buffers)
 
-    def map(self, key: str, limit: int) -> Buffer | None:
-        return self.inner.map(key, limit)
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
+        return self.inner.map(key, limit, private=private)
 
     def flush(self) -> None:
         self.inner.flush()
@@ -396,9 +400,9 @@ class PrefixStore(WrapperStore):
         with self._as_seen(key):
             return self.inner.read_into(self._k(key), buffers)
 
-    def map(self, key: str, limit: int) -> Buffer | None:
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
         with self._as_seen(key):
-            return self.inner.map(self._k(key), limit)
+            return self.inner.map(self._k(key), limit, private=private)
 
     def exists(self, key: str) -> bool:
         with self._as_seen(key):

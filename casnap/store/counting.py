@@ -85,10 +85,10 @@ class CountingStore(WrapperStore):
         finally:
             self._count("get", read=n, key=key)
 
-    def map(self, key: str, limit: int) -> Buffer | None:
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
         buf = None
         try:
-            buf = self.inner.map(key, limit)
+            buf = self.inner.map(key, limit, private=private)
             return buf
         except BaseException:
             self._count("get", key=key)  # a failed read is a request too

@@ -59,8 +59,8 @@ class _Injecting(WrapperStore):
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
         return self._run("read_into", key, lambda: self.inner.read_into(key, buffers))
 
-    def map(self, key: str, limit: int) -> Buffer | None:
-        return self._run("map", key, lambda: self.inner.map(key, limit))
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
+        return self._run("map", key, lambda: self.inner.map(key, limit, private=private))
 
     def put(self, key: str, data: Data, *, create_only: bool = False, durable: bool = True) -> None:
         parts = as_parts(data)  # a list of buffers can be put again after a lost answer

@@ -64,6 +64,10 @@ _RAMP_FROM = 256 << 10
 # 0.58-0.62 s (benchmarks/read_workers.py). Without MAP_SHARED/PROT_READ (Windows)
 # no mapping.
 _MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0)
+# A private (copy-on-write) mapping is not populated: populating a writable private
+# mapping copies every page, where only the pages written should be.
+_PRIVATE_FLAGS = getattr(mmap, "MAP_PRIVATE", 0)
+_WRITABLE = getattr(mmap, "PROT_READ", 0) | getattr(mmap, "PROT_WRITE", 0)
 _CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
 
 
@@ -235,8 +239,9 @@ class LocalStore(ObjectStore):
         finally:
             os.close(fd)
 
-    def map(self, key: str, limit: int) -> Buffer | None:
-        """The first ``limit`` bytes (at most) of the file at ``key``, mapped read-only.
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
+        """The first ``limit`` bytes (at most) of the file at ``key``, mapped read-only
+        (``private``: writable, copy on write; see :meth:`ObjectStore.map`).
 
         The file is opened as by ``get`` (a regular file, never through a link).
         A file that shrank once mapped is not mapped (``None``): reading it would
@@ -251,7 +256,10 @@ class LocalStore(ObjectStore):
                 return b""  # mmap refuses an empty range; nothing to map
             _prime(fd, length)  # faulting the mapping in is readahead too
             try:
-                mapped = mmap.mmap(fd, length, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+                if private:
+                    mapped = mmap.mmap(fd, length, flags=_PRIVATE_FLAGS, prot=_WRITABLE)
+                else:
+                    mapped = mmap.mmap(fd, length, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
             except (OSError, ValueError):
                 return None  # a file system that cannot map: the caller reads instead
             if os.fstat(fd).st_size < length:

@@ -128,8 +128,8 @@ class RetryingStore(WrapperStore):
     def read_into(self, key: str, buffers: list[memoryview]) -> int:
         return self._call("get", key, lambda: self.inner.read_into(key, buffers))
 
-    def map(self, key: str, limit: int) -> Buffer | None:
-        return self._call("get", key, lambda: self.inner.map(key, limit))
+    def map(self, key: str, limit: int, *, private: bool = False) -> Buffer | None:
+        return self._call("get", key, lambda: self.inner.map(key, limit, private=private))
 
     def exists(self, key: str) -> bool:
         return self._call("exists", key, lambda: self.inner.exists(key))
