@@ -304,19 +304,27 @@ def _take(s: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
+# The printed ratios after the take's: (label, key in the output, target), each the
+# median of the first step over the median of the second.
+_RATIO_ROWS = [
+    ("restore in place / warm read+blake3", "restore_over_read_hash_floor", 1.5),
+    ("new tensors / torch.load, warm", "new_tensors_over_torch_load_warm", 1.0),
+    ("new tensors / torch.load, cold", "new_tensors_over_torch_load_cold", 1.0),
+]
+_RATIO_STEPS = {
+    "restore_over_read_hash_floor": (
+        "casnap restore in place (warm)",
+        "warm read+blake3 (2 cores)",
+    ),
+    "new_tensors_over_torch_load_warm": ("casnap restore, new tensors (warm)", "torch.load (warm)"),
+    "new_tensors_over_torch_load_cold": ("casnap restore, new tensors (cold)", "torch.load (cold)"),
+}
+
+
 def _ratios(s: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
     med = _medians(s)
-    return {
-        "state_bytes": nbytes,
-        "medians_s": med,
-        **_take(s),
-        "restore_over_read_hash_floor": med["casnap restore in place (warm)"]
-        / med["warm read+blake3 (2 cores)"],
-        "new_tensors_over_torch_load_warm": med["casnap restore, new tensors (warm)"]
-        / med["torch.load (warm)"],
-        "new_tensors_over_torch_load_cold": med["casnap restore, new tensors (cold)"]
-        / med["torch.load (cold)"],
-    }
+    ratios = {key: med[a] / med[b] for key, (a, b) in _RATIO_STEPS.items()}
+    return {"state_bytes": nbytes, "medians_s": med, **_take(s), **ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,19 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.take_only:
         return 0
+    for label, key, limit in _RATIO_ROWS:
+        print(f"  {label:38s} {out[key]:5.2f}x (<= {limit})")
     r = out["read_object"]
-    print(
-        f"  restore in place / warm read+blake3    "
-        f"{out['restore_over_read_hash_floor']:5.2f}x (<= 1.5)"
-    )
-    print(
-        f"  new tensors / torch.load, warm         "
-        f"{out['new_tensors_over_torch_load_warm']:5.2f}x (<= 1.0)"
-    )
-    print(
-        f"  new tensors / torch.load, cold         "
-        f"{out['new_tensors_over_torch_load_cold']:5.2f}x (<= 1.0)"
-    )
     print(
         f"  read_object / safe_open.get_tensor     {r['ratio']:5.2f}x (<= 1.0): "
         f"{r['tensor_bytes'] / 2**20:.0f} MiB of a {r['snapshot_bytes'] / 2**20:.0f} MiB "

@@ -185,18 +185,19 @@ def disk_usage(path: str) -> tuple[int, int, int]:
     return used, apparent, files
 
 
-def fsync_path(path: str) -> None:
-    """fsync a file and its directory: what a durable save needs."""
+def fsync_one(path: str) -> None:
+    """fsync one file or folder."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file and its directory: what a durable save needs."""
+    fsync_one(path)
+    fsync_one(os.path.dirname(os.path.abspath(path)))
 
 
 def machine() -> dict[str, Any]:

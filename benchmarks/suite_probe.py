@@ -36,6 +36,7 @@ import time
 
 import suite_states
 import torch
+from harness import drop_page_cache
 from suite_systems import SYSTEMS
 
 
@@ -60,16 +61,6 @@ def _reset_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
             fh.write("5\n")
-        return True
-    except OSError:
-        return False
-
-
-def _drop_cache() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as fh:
-            fh.write("3\n")
         return True
     except OSError:
         return False
@@ -170,7 +161,7 @@ def read(system: str, path: str, key: str, rows: int, cols: int, warm: str) -> d
             return sys_.read_one(path, key, like)
 
     gc.collect()
-    dropped = _drop_cache()
+    dropped = drop_page_cache() is None
     before = _io()
     t0 = time.perf_counter()
     got = one()

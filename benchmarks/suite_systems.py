@@ -28,17 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from harness import fsync_one as _fsync
 from harness import fsync_path
 
 State = dict[str, torch.Tensor]
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(path: str) -> None:

@@ -466,16 +466,10 @@ def check_storage_options(options: Mapping[str, Any]) -> None:
     """Refuse, saying where it goes, a key of ``storage_options`` that is casnap's:
     they are the store's options only (fsspec's), as in torchsnapshot and DCP."""
     for key in options:
-        if key == "repository":
+        if key == "repository" or key in TAKE_SETTINGS:
+            use = "repository=..." if key == "repository" else f"settings={{{key!r}: ...}}"
             raise ConfigError(
-                "storage_options are the store's (fsspec) options; name the repository "
-                "with repository=... instead of storage_options={'repository': ...}",
-                key,
-            )
-        if key in TAKE_SETTINGS:
-            raise ConfigError(
-                f"storage_options are the store's (fsspec) options; {key!r} is a take "
-                f"setting: pass settings={{{key!r}: ...}}",
+                f"storage_options are the store's (fsspec) options only; pass {key!r} as {use}",
                 key,
             )
 

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from casnap.cli.common import (
     EXIT_ERROR,
@@ -42,6 +42,9 @@ from casnap.ops.retention import (
 )
 from casnap.repo.tags import tag_names
 from casnap.settings import VARIABLES
+
+if TYPE_CHECKING:
+    from casnap.gc.reclaim import ReclaimResult
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -93,21 +96,24 @@ def cmd_rm(args: argparse.Namespace) -> int:
     repo, name = open_snapshot(args, args.snapshot)
     manifest = repo.delete(name)
     reclaimed = repo.reclaim([manifest], wait_seconds=args.wait) if args.prune else None
-    data = {
-        "repo": repo.url,
-        "snapshot": name,
-        "manifest": manifest,
-        "reclaimed": reclaimed.to_json() if reclaimed is not None else None,
-    }
+    data = {"repo": repo.url, "snapshot": name, "manifest": manifest}
+    head = f"deleted snapshot {name} from {repo.url}"
+    later = f"`casnap rm --prune` or `casnap gc {repo.url}` reclaims its space"
+    return _emit_deleted(args, data, head, later, reclaimed)
 
-    def text() -> str:
-        out = f"deleted snapshot {name} from {repo.url}"
-        if reclaimed is None:
-            return out + f"; `casnap rm --prune` or `casnap gc {repo.url}` reclaims its space"
-        return out + "\n" + reclaimed.render()
 
-    emit(args, data, text)
-    # A deferred prune deleted no data: the ref is gone, the space is not (yet).
+def _emit_deleted(
+    args: argparse.Namespace,
+    data: dict[str, Any],
+    head: str,
+    later: str,
+    reclaimed: ReclaimResult | None,
+) -> int:
+    """Emit what a deletion did: ``head``, then the reclaim, or ``later``: what reclaims it."""
+    data["reclaimed"] = reclaimed.to_json() if reclaimed is not None else None
+    text = f"{head}; {later}" if reclaimed is None else f"{head}\n{reclaimed.render()}"
+    emit(args, data, lambda: text)
+    # A deferred prune deleted no data: the refs are gone, the space is not (yet).
     return EXIT_ERROR if reclaimed is not None and reclaimed.deferred is not None else 0
 
 
@@ -145,24 +151,11 @@ def cmd_retain(args: argparse.Namespace) -> int:
     if result.dry_run:
         emit(args, {**plan.to_json(), "dry_run": True}, lambda: plan.render() + "\n(dry run)")
         return 0
-    reclaimed = result.reclaimed
-    data = {
-        **plan.to_json(),
-        "dry_run": False,
-        "deleted": list(result.deleted),
-        "skipped": result.skipped,
-        "reclaimed": reclaimed.to_json() if reclaimed is not None else None,
-    }
-
-    def text() -> str:
-        out = plan.render() + f"\ndeleted {len(result.deleted)} ref(s)"
-        if reclaimed is None:
-            return out + "; `casnap retain --prune` or `casnap gc` reclaims their space"
-        return out + "\n" + reclaimed.render()
-
-    emit(args, data, text)
-    # A deferred prune deleted no data: the refs are gone, the space is not (yet).
-    return EXIT_ERROR if reclaimed is not None and reclaimed.deferred is not None else 0
+    data = {**plan.to_json(), "dry_run": False}
+    data.update(deleted=list(result.deleted), skipped=result.skipped)
+    head = plan.render() + f"\ndeleted {len(result.deleted)} ref(s)"
+    later = "`casnap retain --prune` or `casnap gc` reclaims their space"
+    return _emit_deleted(args, data, head, later, result.reclaimed)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
