@@ -439,7 +439,6 @@ TAKE_SETTINGS = (
     "compression",
     "replica_mismatch",
     "delta",
-    "delta_max_chain",
     "auto_parent",
 )
 
