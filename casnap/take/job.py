@@ -63,7 +63,7 @@ from casnap.take.scheduler import (
     stage,
     tensor_request,
 )
-from casnap.take.session import Session
+from casnap.take.session import Session, staging_of
 from casnap.take.target import (
     Target,
     TensorPrepareFunc,
@@ -99,7 +99,7 @@ class TakeJob:
     metadata: dict[str, Any]
     budget: ByteBudget
     session: Session | None
-    pool: StagingPool  # the session's, or a private one without a session
+    pool: StagingPool  # the session's, or the process's without a session
     replicated: list[str] = field(default_factory=list)  # fnmatch patterns of logical keys
     fresh: bool = False  # the take created the repository: nothing to probe for
     parents: list[str] = field(default_factory=list)  # chosen by ``rule`` under the lease
@@ -282,8 +282,7 @@ def prepare_take(
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
     requests = requests_of(nodes)  # sharded values: refused before anything is created
     target = resolve_target(path, storage_options, metadata, parents, session)
-    # Pinning pays only when the buffer is reused: a take without a session keeps none.
-    pool = session.staging if session is not None else StagingPool(idle_limit=0, pin=False)
+    pool = staging_of(session)  # without a session: the process's (casnap.take.session)
     job = TakeJob.of(
         target,
         nodes,
