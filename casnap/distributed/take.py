@@ -140,9 +140,9 @@ def prepare_distributed_take(
     to run now or in the background.
 
     ``stage=True`` (async) copies the chunks this rank writes into the
-    session's pool (without one, the process's), up to the staging share of ``memory_budget_bytes``
-    (default ``CASNAP_MEMORY_BUDGET``); the rest stay live, are written first,
-    and the caller waits for :attr:`DistributedJob.live_consumed` so the
+    session's pool (without one, the process's), up to the staging share of
+    ``memory_budget_bytes`` (default ``CASNAP_MEMORY_BUDGET``); the rest stay
+    live, are written first, and the caller waits for :attr:`DistributedJob.live_consumed` so the
     snapshot is point-in-time when ``async_take`` returns.
     """
     lease: Lease | None = None

@@ -5,9 +5,10 @@ A take runs in two phases:
 1. ``prepare`` (always in the caller's thread): find the repository, check
    the name is free, call every ``state_dict()``, flatten
    (:mod:`casnap.take.target`), turn the values into write requests and,
-   for an async take, stage them into the session's pooled host buffers as
-   far as the memory budget allows (:func:`casnap.take.scheduler.stage`);
-   the rest stay "live".
+   for an async take, stage them into pooled host buffers (the session's,
+   else the process's: :func:`casnap.take.session.staging_of`) as far as
+   the memory budget allows (:func:`casnap.take.scheduler.stage`); the rest
+   stay "live".
 2. ``commit`` (caller's thread, or a background thread for async): inside
    the take's lease, run the requests through the scheduler (chunks
    deduplicated, packed, written; live ones first), build the entries from
@@ -301,7 +302,7 @@ def prepare_take(
 
 
 def _stage(job: TakeJob) -> None:
-    """Copy what the background writes into the session's pool (point-in-time for async)."""
+    """Copy what the background writes into the job's pool (point-in-time for async)."""
     staged = stage(job.requests, staging_limit(job.budget.limit, job.settings), job.pool)
     job.requests, job.buffers = staged.requests, staged.buffers
     if not any(r.live for r in job.requests):
