@@ -235,7 +235,8 @@ VARIABLES: Mapping[str, Variable] = _table(
         "staging_cache",
         "size",
         None,
-        "Idle async-staging buffers a Session keeps for the next take. Unset: the memory budget.",
+        "Idle async-staging buffers a Session keeps for the next take (takes without a "
+        "session: the process, read at every take). Unset: the memory budget.",
         minimum=0,
     ),
     Variable(

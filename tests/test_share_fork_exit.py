@@ -249,6 +249,52 @@ def test_a_fork_while_a_thread_writes_the_index_neither_hangs_nor_loses(tmp_path
     assert f"child exit 0 refs {refs} verify True" in out.stdout, out.stdout + out.stderr
 
 
+_FORK_WHILE_STAGED = """
+    import os, sys, threading
+    import torch
+    import casnap
+    from casnap import Snapshot, StateDict
+    from casnap.store import local_sync
+    from casnap.take.session import SHARED_STAGING
+
+    root = sys.argv[1]
+    torch.set_num_threads(1)  # no OpenMP team in the parent: a forked child would hang in it
+    casnap.Repository.init(root)
+    real, gate = local_sync._fsync, threading.Event()
+    local_sync._fsync = lambda fd: (gate.wait(60), real(fd))[1]  # the write lasts past the fork
+    w = torch.arange(1 << 18, dtype=torch.float32)
+    pending = Snapshot.async_take(f"{root}/parent", {"m": StateDict(w=w)})  # no session
+    held = SHARED_STAGING.pool().in_use_bytes
+    pid = os.fork()  # the process's staging buffers are in use by the parent's write
+    if pid == 0:
+        local_sync._fsync = real
+        pool = SHARED_STAGING.pool()
+        fresh = pool.in_use_bytes == 0 and pool.allocated_bytes == 0
+        v = torch.full((1 << 18,), 7.0)
+        Snapshot.async_take(f"{root}/child", {"m": StateDict(w=v)}).wait()
+        out = StateDict(w=torch.empty_like(v))
+        Snapshot(f"{root}/child").restore({"m": out})
+        os._exit(0 if fresh and pool.in_use_bytes == 0 and torch.equal(out["w"], v) else 3)
+    _, status = os.waitpid(pid, 0)
+    gate.set()
+    pending.wait()
+    out = StateDict(w=torch.empty_like(w))
+    Snapshot(f"{root}/parent").restore({"m": out})
+    print("held", held, "child exit", os.waitstatus_to_exitcode(status),
+          "same", torch.equal(out["w"], w), "in use", SHARED_STAGING.pool().in_use_bytes,
+          "refs", sorted(casnap.Repository(root).snapshots()),
+          "verify", casnap.Repository(root).verify().ok)
+"""
+
+
+@fork_only
+def test_a_child_forked_while_staged_buffers_are_in_use_starts_its_own_pool(tmp_path):
+    out = _run(_FORK_WHILE_STAGED, str(tmp_path / "repo"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    want = f"held {1 << 20} child exit 0 same True in use 0 refs ['child', 'parent'] verify True"
+    assert want in out.stdout, out.stdout + out.stderr
+
+
 # -- exit ----------------------------------------------------------------------------------
 
 _EXIT_WITHOUT_WAIT = """

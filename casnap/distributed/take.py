@@ -43,7 +43,7 @@ from casnap.take.commit import commit_snapshot, remember
 from casnap.take.job import TakeResult
 from casnap.take.plan import RankPlan, cached_parent, known_chunks
 from casnap.take.scheduler import Scheduler, WriteRequest, data_request, stage
-from casnap.take.session import Session
+from casnap.take.session import Session, staging_of
 from casnap.take.target import (
     TakeOptions,
     TensorPrepareFunc,
@@ -140,9 +140,9 @@ def prepare_distributed_take(
     to run now or in the background.
 
     ``stage=True`` (async) copies the chunks this rank writes into the
-    session's pool, up to the staging share of ``memory_budget_bytes``
-    (default ``CASNAP_MEMORY_BUDGET``); the rest stay live, are written first,
-    and the caller waits for :attr:`DistributedJob.live_consumed` so the
+    session's pool (without one, the process's), up to the staging share of
+    ``memory_budget_bytes`` (default ``CASNAP_MEMORY_BUDGET``); the rest stay
+    live, are written first, and the caller waits for :attr:`DistributedJob.live_consumed` so the
     snapshot is point-in-time when ``async_take`` returns.
     """
     lease: Lease | None = None
@@ -203,7 +203,7 @@ def prepare_distributed_take(
         for h in mine
     ]
     budget = ByteBudget(check_budget(memory_budget_bytes))
-    pool = session.staging if session is not None else StagingPool(idle_limit=0)
+    pool = staging_of(session)
     job = DistributedJob(
         group,
         repo,
@@ -239,7 +239,7 @@ class DistributedJob:
     rendezvous: Rendezvous
     lease: Lease | None
     session: Session | None
-    pool: StagingPool  # the session's, or a private one without a session
+    pool: StagingPool  # the session's, or the process's without a session
     buffers: list[torch.Tensor] = field(default_factory=list)  # staged: back to the pool
     failed: Failure | None = None  # staging failed: reported by run(), like a write failure
     # Set once every live request's chunks are consumed (at once when there are none).

@@ -5,9 +5,10 @@ A take runs in two phases:
 1. ``prepare`` (always in the caller's thread): find the repository, check
    the name is free, call every ``state_dict()``, flatten
    (:mod:`casnap.take.target`), turn the values into write requests and,
-   for an async take, stage them into the session's pooled host buffers as
-   far as the memory budget allows (:func:`casnap.take.scheduler.stage`);
-   the rest stay "live".
+   for an async take, stage them into pooled host buffers (the session's,
+   else the process's: :func:`casnap.take.session.staging_of`) as far as
+   the memory budget allows (:func:`casnap.take.scheduler.stage`); the rest
+   stay "live".
 2. ``commit`` (caller's thread, or a background thread for async): inside
    the take's lease, run the requests through the scheduler (chunks
    deduplicated, packed, written; live ones first), build the entries from
@@ -63,7 +64,7 @@ from casnap.take.scheduler import (
     stage,
     tensor_request,
 )
-from casnap.take.session import Session
+from casnap.take.session import Session, staging_of
 from casnap.take.target import (
     TakeOptions,
     Target,
@@ -100,7 +101,7 @@ class TakeJob:
     metadata: dict[str, Any]
     budget: ByteBudget
     session: Session | None
-    pool: StagingPool  # the session's, or a private one without a session
+    pool: StagingPool  # the session's, or the process's without a session
     replicated: list[str] = field(default_factory=list)  # fnmatch patterns of logical keys
     fresh: bool = False  # the take created the repository: nothing to probe for
     parents: list[str] = field(default_factory=list)  # chosen by ``rule`` under the lease
@@ -283,8 +284,7 @@ def prepare_take(
     nodes = collect(app_state, 0, allow_pickle, custom_prepare)  # bad app_state: nothing created
     requests = requests_of(nodes)  # sharded values: refused before anything is created
     target = resolve_target(path, options, metadata, parents, session)
-    # Pinning pays only when the buffer is reused: a take without a session keeps none.
-    pool = session.staging if session is not None else StagingPool(idle_limit=0, pin=False)
+    pool = staging_of(session)  # without a session: the process's (casnap.take.session)
     job = TakeJob.of(
         target,
         nodes,
@@ -303,7 +303,7 @@ def prepare_take(
 
 
 def _stage(job: TakeJob) -> None:
-    """Copy what the background writes into the session's pool (point-in-time for async)."""
+    """Copy what the background writes into the job's pool (point-in-time for async)."""
     staged = stage(job.requests, staging_limit(job.budget.limit, job.settings), job.pool)
     job.requests, job.buffers = staged.requests, staged.buffers
     if not any(r.live for r in job.requests):

@@ -6,7 +6,8 @@ A :class:`Session` holds
   last take or restore through this session), the second step of the parent
   rule (:mod:`casnap.take.parent`);
 - **the staging pool**: host buffers of async takes, reused by the next async
-  take of the same structure instead of page-faulting fresh memory;
+  take of the same structure instead of page-faulting fresh memory (takes
+  without a session share one pool per process instead, :data:`SHARED_STAGING`);
 - **the plan cache**: every rank's plan structure from the last distributed
   take, so an unchanged structure is not exchanged again
   (:mod:`casnap.distributed.plan_cache`).
@@ -34,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Generic, TypeVar
 
@@ -101,3 +103,50 @@ class Session:
 
     def __repr__(self) -> str:
         return f"<casnap.Session staging={self.staging!r}>"
+
+
+class SharedStaging:
+    """The staging pool of every take without a session: one per process, made on first use.
+
+    A torchsnapshot loop (``Snapshot.async_take(f"{root}/step_{n}", state)``
+    every N steps) would otherwise stage each take into fresh buffers and
+    page-fault the whole state every time. These takes share this pool as a
+    session's takes share its own: a take's buffers go back only once its
+    background write is done with them (:meth:`casnap.take.job.TakeJob.run`),
+    and the buffers of one take still writing count against the next one's
+    staging share. Idle buffers kept: ``CASNAP_STAGING_CACHE``, read at every
+    take (unset: the memory budget; 0 keeps none). A forked child starts with
+    none: the buffers its parent's writes hold would never come back there.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: StagingPool | None = None
+
+    def pool(self) -> StagingPool:
+        """The pool, its idle buffers cut to the setting's bound now."""
+        idle = settings.staging_cache_bytes()
+        with self._lock:
+            if self._pool is None:
+                self._pool = StagingPool(idle)
+            pool = self._pool
+        pool.limit_idle(idle)
+        return pool
+
+    def clear(self) -> None:
+        """Forget the pool and its idle buffers (as a new process would start)."""
+        with self._lock:
+            self._pool = None
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
+        self._pool = None
+
+
+SHARED_STAGING = SharedStaging()
+os.register_at_fork(after_in_child=SHARED_STAGING._forked)
+
+
+def staging_of(session: Session | None) -> StagingPool:
+    """The pool a take stages into: its session's, else the process's (:data:`SHARED_STAGING`)."""
+    return session.staging if session is not None else SHARED_STAGING.pool()

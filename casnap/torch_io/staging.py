@@ -1,6 +1,7 @@
 """Host buffers for staging tensors, reused from one take to the next, and the device copy path.
 
-A :class:`StagingPool` (one per :class:`casnap.Session`, guarded by a lock) hands out
+A :class:`StagingPool` (one per :class:`casnap.Session`, and one per process for takes
+without a session: :data:`casnap.take.session.SHARED_STAGING`; guarded by a lock) hands out
 buffers; a tensor on an accelerator is copied in chunk-sized pieces (:class:`PieceCopy`)
 by a copy engine (:class:`CudaCopies`, or :class:`ThreadCopies` without a GPU). Design,
 limits and the order of copy and write: docs/gpu.md.
@@ -278,6 +279,13 @@ class StagingPool:
                 pinned = nbytes > 0 and ptr in self._pinned
                 self._free.setdefault((nbytes, pinned), []).append(flat)
                 self._idle_bytes += nbytes
+
+    def limit_idle(self, idle_limit: int) -> None:
+        """Keep at most ``idle_limit`` idle bytes from now on; if more are idle, drop them."""
+        with self._lock:
+            self.idle_limit = idle_limit
+            if self._idle_bytes > idle_limit:
+                self._drop_idle()
 
     @property
     def idle_bytes(self) -> int:
