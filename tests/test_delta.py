@@ -138,7 +138,7 @@ def test_a_chunk_drifting_from_its_whole_is_written_whole_again(tmp_path: Path) 
             t[9 * i] *= 1.001
         states.append(t)
         snap = Snapshot.take(
-            f"{tmp_path}/s{i}", {"m": StateDict(emb=t)}, session=session, storage_options=_opts()
+            f"{tmp_path}/s{i}", {"m": StateDict(emb=t)}, session=session, settings=_opts()
         )
         (ref,) = _entry(snap).chunks
         refs.append(ref)
