@@ -45,6 +45,7 @@ from casnap.integrations.pointer import (
     Pointer,
     Retirer,
     read_pointer,
+    retire_unpointed,
     take_versioned,
     write_pointer,
 )
@@ -196,20 +197,15 @@ class CasnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpe
 
     def _sync(self, repo: Repository, save_dir: str, prefix: str) -> None:
         """Retire the snapshots whose tag folder is gone or points elsewhere; apply keep_last."""
-        live: list[str] = []
-        for line in repo.log():
-            name, meta = line.name, line.metadata.get(_META)
-            if not name.startswith(prefix) or "/" in name[len(prefix) :]:
-                continue
-            if not isinstance(meta, dict) or not isinstance(meta.get("tag"), str):
-                continue  # not a DeepSpeed checkpoint of this engine's kind
-            folder = os.path.join(save_dir, meta["tag"])
-            if (repo.url, name) in self._pointers(folder):
-                live.append(name)
-            else:
-                self._retirer.retire(repo, name, None)
+
+        def pointed(name: str, meta: dict[str, Any]) -> bool:
+            tag = meta.get("tag")
+            folder = os.path.join(save_dir, tag) if isinstance(tag, str) else ""
+            return isinstance(tag, str) and (repo.url, name) in self._pointers(folder)
+
+        live = retire_unpointed(repo, self._retirer, _META, prefix, pointed)
         if self.keep_last is not None and len(live) > self.keep_last:
-            for name in live[: len(live) - self.keep_last]:  # log is oldest first
+            for name in live[: len(live) - self.keep_last]:  # oldest first
                 tag = repo.snapshot(name).metadata[_META]["tag"]
                 shutil.rmtree(os.path.join(save_dir, tag), ignore_errors=True)
                 self._retirer.retire(repo, name, None)

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "Retirer",
     "is_url",
     "read_pointer",
+    "retire_unpointed",
     "take_versioned",
     "write_pointer",
 ]
@@ -162,6 +164,35 @@ def take_versioned(path: str, app_state: dict[str, Any], **kwargs: Any) -> Snaps
         except SnapshotExistsError:
             continue  # an earlier save of this path holds the name: take the next
     raise SnapshotExistsError(f"{path}: {_MAX_VERSIONS} versions exist", path)
+
+
+def retire_unpointed(
+    repo: Repository,
+    retirer: Retirer,
+    kind: str,
+    prefix: str,
+    pointed: Callable[[str, dict[str, Any]], bool],
+) -> list[str]:
+    """Retire the snapshots an integration took whose checkpoint no pointer names any more.
+
+    The candidates are the snapshots named ``prefix<name>`` whose metadata holds
+    a dict under ``kind`` (what the integration recorded: its tag or folder);
+    ``pointed(name, that dict)`` says whether the library's file layout still
+    names the snapshot (a folder rotated away, or re-pointed by a re-save, does
+    not). Returns the names still pointed at, oldest first.
+    """
+    live = []
+    for line in repo.log():
+        name, meta = line.name, line.metadata.get(kind)
+        if not name.startswith(prefix) or "/" in name[len(prefix) :]:
+            continue
+        if not isinstance(meta, dict):
+            continue  # not a snapshot of this integration
+        if pointed(name, meta):
+            live.append(name)
+        else:
+            retirer.retire(repo, name, None)
+    return live
 
 
 class Retirer:
