@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/integrations.py lightning [--small] [--width 2048] [--layers 15]
         [--steps 24] [--every 4] [--repeats 3]
     .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6] [--repeats 3]
+    .venv/bin/python benchmarks/integrations.py deepspeed|accelerate [--width 2048] [--layers 12]
+        [--repeats 3]
 
 Each prints a Markdown table of medians, casnap / the framework's own writer (below 1:
 casnap faster or smaller), and writes every sample to ``--out`` as JSON; scratch data
@@ -29,6 +31,13 @@ the plugin's ``save_checkpoint`` and ``remove_checkpoint``; written is ``wchar``
 norm), then ``load`` of the last save into a fresh model, compared bit for bit.
 Megatron-core's torch_dist writer assumes CUDA in two calls (``torch.cuda.synchronize``,
 a flag on ``torch.cuda.current_device()``); for its saves only they are patched.
+
+``deepspeed`` and ``accelerate``: a stack of Linear layers whose last alone trains
+(ZeRO stage 2 on one gloo rank with DeepSpeed's CPU accelerator; one process for
+Accelerate), saved with the framework's default (``TorchCheckpointEngine``;
+``Accelerator.save_state``: safetensors and ``torch.save``) and with casnap's:
+``first``, ``unchanged`` (saved again), ``sparse change`` (after one more step), then
+``load`` of the last save into a fresh model, compared bit for bit.
 """
 
 from __future__ import annotations
@@ -349,7 +358,134 @@ def run_megatron(args: argparse.Namespace, samples: Samples) -> tuple[str, bool 
     return table(samples, "torch_dist", steps, ("bytes",)), exact
 
 
-RUNS = {"dcp": run_dcp, "lightning": run_lightning, "megatron": run_megatron}
+# -- deepspeed: TorchCheckpointEngine against CasnapCheckpointEngine ----------------------
+
+
+def _frozen_mlp(width: int, layers: int, seed: int) -> torch.nn.Sequential:
+    """A stack of Linear layers whose last alone trains (a fine-tune: saves share the rest)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model[:-1].requires_grad_(False)
+    return model
+
+
+def run_deepspeed(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import logging
+
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    from casnap.integrations.deepspeed import CasnapCheckpointEngine
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo: nothing compiled
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    adam = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": adam,
+        "zero_optimization": {"stage": 2},
+    }
+
+    def build(tool: str, seed: int) -> Any:
+        model = _frozen_mlp(args.width, args.layers, seed)
+        params = [p for p in model.parameters() if p.requires_grad]
+        eng = deepspeed.initialize(model=model, model_parameters=params, config=cfg)[0]
+        if tool == "casnap":
+            eng.checkpoint_engine = CasnapCheckpointEngine()
+        return eng
+
+    def step(eng: Any) -> None:
+        eng.backward(eng(torch.ones(1, args.width)).sum())
+        eng.step()
+
+    exact = True
+    with scratch_dir(args.workdir) as work:
+        dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
+        for r in range(args.repeats):
+            for tool in ("TorchCheckpointEngine", "casnap"):
+                root, eng = os.path.join(work, f"{tool}-{r}"), build(tool, 0)
+                step(eng)  # Adam state exists from the first save on
+                for i, name in enumerate(("first", "unchanged", "sparse change")):
+                    if name == "sparse change":
+                        step(eng)  # the last layer and its Adam state change
+                    before = disk_usage(root)[1] if os.path.isdir(root) else 0
+                    settle(cold=False)
+                    samples.time(
+                        f"{tool}/{name}", functools.partial(eng.save_checkpoint, root, f"t{i}")
+                    )
+                    samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
+                fresh = build(tool, 1)
+                settle(cold=False)
+                samples.time(f"{tool}/load", functools.partial(fresh.load_checkpoint, root))
+                a, b = eng.module.state_dict(), fresh.module.state_dict()
+                exact = exact and all(torch.equal(a[k], b[k]) for k in a)
+        dist.destroy_process_group()
+    mib = args.width * (args.width + 1) * args.layers * 4 / MiB
+    print(f"{mib:.0f} MiB fp32, last layer trained (ZeRO 2, one rank), medians of {args.repeats}")
+    steps = ("first", "unchanged", "sparse change", "load")
+    return table(samples, "TorchCheckpointEngine", steps, ("bytes",)), exact
+
+
+# -- accelerate: Accelerator against CasnapAccelerator -------------------------------------
+
+
+def run_accelerate(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from casnap.integrations.accelerate import CasnapAccelerator
+
+    def build(tool: str, seed: int) -> tuple[Any, Any, Any]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+        acc = (CasnapAccelerator if tool == "casnap" else Accelerator)(cpu=True)
+        model = _frozen_mlp(args.width, args.layers, seed)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        model, opt = acc.prepare(model, opt)
+        return acc, model, opt
+
+    def step(acc: Any, model: Any, opt: Any) -> None:
+        acc.backward(model(torch.ones(1, args.width)).sum())
+        opt.step()
+        opt.zero_grad()
+
+    exact = True
+    with scratch_dir(args.workdir) as work:
+        for r in range(args.repeats):
+            for tool in ("Accelerator", "casnap"):
+                root, (acc, model, opt) = os.path.join(work, f"{tool}-{r}"), build(tool, 0)
+                step(acc, model, opt)
+                for i, name in enumerate(("first", "unchanged", "sparse change")):
+                    if name == "sparse change":
+                        step(acc, model, opt)  # the last layer and its AdamW state change
+                    before = disk_usage(root)[1] if os.path.isdir(root) else 0
+                    settle(cold=False)
+                    ckpt = os.path.join(root, f"checkpoint_{i}")
+                    samples.time(f"{tool}/{name}", functools.partial(acc.save_state, ckpt))
+                    samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
+                want = {k: v.clone() for k, v in model.state_dict().items()}
+                fresh, fmodel, _ = build(tool, 1)
+                settle(cold=False)
+                samples.time(f"{tool}/load", functools.partial(fresh.load_state, ckpt))
+                exact = exact and all(
+                    torch.equal(want[k], v) for k, v in fmodel.state_dict().items()
+                )
+    mib = args.width * (args.width + 1) * args.layers * 4 / MiB
+    print(f"{mib:.0f} MiB fp32, last layer trained (one process), medians of {args.repeats}")
+    steps = ("first", "unchanged", "sparse change", "load")
+    return table(samples, "Accelerator", steps, ("bytes",)), exact
+
+
+RUNS = {
+    "dcp": run_dcp,
+    "lightning": run_lightning,
+    "megatron": run_megatron,
+    "deepspeed": run_deepspeed,
+    "accelerate": run_accelerate,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -367,7 +503,12 @@ def main(argv: list[str] | None = None) -> None:
     mg = sub.add_parser("megatron", help="Megatron-core's torch_dist against casnap's strategy")
     mg.add_argument("--hidden", type=int, default=768)
     mg.add_argument("--layers", type=int, default=6)
-    for p in (dcp_p, pl, mg):
+    ds = sub.add_parser("deepspeed", help="TorchCheckpointEngine against CasnapCheckpointEngine")
+    ac = sub.add_parser("accelerate", help="Accelerator.save_state against CasnapAccelerator's")
+    for p in (ds, ac):
+        p.add_argument("--width", type=int, default=2048)
+        p.add_argument("--layers", type=int, default=12)
+    for p in (dcp_p, pl, mg, ds, ac):
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--workdir", default="bench-out/scratch")
         p.add_argument("--out", help="JSON path (default bench-out/<framework>.json)")
