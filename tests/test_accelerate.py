@@ -116,6 +116,20 @@ def test_total_limit_rotates_snapshots_and_a_resave_writes_nothing(tmp_path):
     assert subprocess.run(verify, capture_output=True).returncode == 0
 
 
+def test_saving_again_to_a_folder_replaces_its_snapshot(tmp_path):
+    parts = setup(str(tmp_path / "unused"), seed=0)
+    parts[0].project_configuration.automatic_checkpoint_naming = False
+    folder = tmp_path / "run" / "best"
+    parts[0].save_state(str(folder))
+    train(parts, 1)
+    parts[0].save_state(str(folder))
+    want = params(parts[1])
+    assert casnap.Repository(str(tmp_path / "run")).snapshots() == ["best@1"]
+    fresh = setup(str(tmp_path / "unused"), seed=1)
+    fresh[0].load_state(str(folder))
+    assert all(torch.equal(want[k], v) for k, v in params(fresh[1]).items())
+
+
 def test_a_plain_accelerate_checkpoint_still_loads(tmp_path):
     from accelerate import Accelerator
 
