@@ -51,6 +51,7 @@ def _resume(rank: int, world: int, root: str, stage: int) -> dict[str, Any]:
     eng.save_checkpoint(ckpt, tag="again")  # nothing changed: no chunk may be written
     torch.distributed.barrier()
     unchanged_new = len(_chunk_files(ckpt) - before)
+    eng.save_checkpoint(ckpt, tag="again")  # the same tag again: "again@1" (rank 0 picks it)
     sched = eng.lr_scheduler.state_dict()
     after = train(eng, 3, rank, 3)
     want = params(eng)
@@ -88,7 +89,7 @@ def _check_resume(tmp_path: Path, outs: list[dict[str, Any]], world: int) -> Non
         assert out["latest_path"].endswith("again/mp_rank_00_model_states.pt")
     assert (ckpt / "latest").read_text() == "again"
     repo = casnap.Repository(str(ckpt))
-    assert sorted(repo.snapshots()) == ["again", "global_step3"]
+    assert sorted(repo.snapshots()) == ["again@1", "global_step3"]
     files = sorted(p.name for p in (ckpt / "global_step3").iterdir())
     zero = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
     assert files == sorted(["mp_rank_00_model_states.pt", *zero])
