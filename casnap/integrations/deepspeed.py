@@ -72,8 +72,11 @@ def checkpoint_snapshot(path: str) -> tuple[Snapshot, str]:
     pointer = read_pointer(path, POINTER_KIND)
     if pointer is None:
         raise ArgumentTypeError(f"{path}: not a casnap DeepSpeed checkpoint file", path)
-    repo = pointer.open_current(path)
-    snap = repo.snapshot(pointer.snapshot)
+    return _snapshot_key(path, pointer)
+
+
+def _snapshot_key(path: str, pointer: Pointer) -> tuple[Snapshot, str]:
+    snap = pointer.open_current(path).snapshot(pointer.snapshot)
     name = escape_key(os.path.basename(path))
     for key in snap.get_manifest():  # which rank saved this file: "<rank>/<file>/..."
         rank, _, rest = key.partition("/")
@@ -125,7 +128,7 @@ class CasnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpe
         self._retirer = Retirer()
         self._info: CheckpointCommitInfo | None = None
         self._files: dict[str, Any] = {}  # path -> state dict, this rank's since create()
-        self._read: dict[str, tuple[Snapshot, str]] = {}  # pointer path -> (snapshot, key)
+        self._read: dict[tuple[str, Pointer], tuple[Snapshot, str]] = {}  # what load found
 
     # -- saving ----------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -161,7 +164,7 @@ class CasnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpe
         step = _global_steps(files)
         if step is not None:
             metadata["step"] = step
-        old = self._pointers(folder)
+        old = self._pointers(folder) if rank == 0 else set()
         snap = take_versioned(
             folder,
             app_state,
@@ -173,7 +176,6 @@ class CasnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpe
         pointer = Pointer(snap.repository.url, snap.name, snap.manifest_hash)
         for path in files:
             write_pointer(path, pointer, POINTER_KIND)
-            self._read.pop(path, None)
         if world > 1:
             dist.barrier()  # every rank's pointers name the new snapshot before any retiring
         if rank == 0:
@@ -218,11 +220,12 @@ class CasnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpe
         switch) is loaded with ``torch.load``, as DeepSpeed's own engine does.
         """
         path = os.fspath(path)
-        if read_pointer(path, POINTER_KIND) is None:
+        pointer = read_pointer(path, POINTER_KIND)
+        if pointer is None:
             return torch.load(path, map_location=map_location, weights_only=False)
-        if path not in self._read:
-            self._read[path] = checkpoint_snapshot(path)
-        snap, key = self._read[path]
+        if (path, pointer) not in self._read:  # a re-save moves the pointer: looked up anew
+            self._read[(path, pointer)] = _snapshot_key(path, pointer)
+        snap, key = self._read[(path, pointer)]
         state = snap.read_object(
             key, memory_budget_bytes=self.memory_budget_bytes, allow_pickle=self.allow_pickle
         )
