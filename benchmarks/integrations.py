@@ -369,6 +369,11 @@ def _frozen_mlp(width: int, layers: int, seed: int) -> torch.nn.Sequential:
     return model
 
 
+def _batch(width: int) -> torch.Tensor:
+    """Eight random rows: a gradient whose rows differ (one row of ones repeats them)."""
+    return torch.randn(8, width, generator=torch.Generator().manual_seed(width))
+
+
 def run_deepspeed(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -383,7 +388,7 @@ def run_deepspeed(args: argparse.Namespace, samples: Samples) -> tuple[str, bool
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     adam = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
     cfg = {
-        "train_micro_batch_size_per_gpu": 1,
+        "train_micro_batch_size_per_gpu": 8,
         "optimizer": adam,
         "zero_optimization": {"stage": 2},
     }
@@ -397,7 +402,7 @@ def run_deepspeed(args: argparse.Namespace, samples: Samples) -> tuple[str, bool
         return eng
 
     def step(eng: Any) -> None:
-        eng.backward(eng(torch.ones(1, args.width)).sum())
+        eng.backward(eng(_batch(args.width)).square().mean())
         eng.step()
 
     exact = True
@@ -448,7 +453,7 @@ def run_accelerate(args: argparse.Namespace, samples: Samples) -> tuple[str, boo
         return acc, model, opt
 
     def step(acc: Any, model: Any, opt: Any) -> None:
-        acc.backward(model(torch.ones(1, args.width)).sum())
+        acc.backward(model(_batch(args.width)).square().mean())
         opt.step()
         opt.zero_grad()
 
