@@ -145,13 +145,13 @@ class CasnapAcceleratorMixin:
         weights = [a.get_state_dict(m, unwrap=False) for m in a._models]
         for hook in a._save_model_state_pre_hook.values():
             hook(a._models, weights, folder)  # a hook may pop weights it saves itself
+        step = int(a.step)
         state: dict[str, Any] = {"rng": RNGState(), "numpy_rng": NumpyRNGState()}
-        state["accelerate"] = StateDict(step=int(a.step))
+        state["accelerate"] = StateDict(step=step)
         if a.is_main_process:
             state |= self._casnap_shared(weights)
         session, retirer = self._casnap()
         old = _pointer(folder) if a.is_main_process else None
-        step = int(a.step)
         snap = take_versioned(
             folder,
             state,
