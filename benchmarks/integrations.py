@@ -6,6 +6,8 @@
     .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6] [--repeats 3]
     .venv/bin/python benchmarks/integrations.py torch_checkpointing [--size-gib 0.5] [--small]
     .venv/bin/python benchmarks/integrations.py torchtitan [--size-gib 0.25] [--repeats 3]
+    .venv/bin/python benchmarks/integrations.py deepspeed|accelerate [--width 2048] [--layers 12]
+        [--repeats 3]
 
 Each prints a Markdown table of medians, casnap / the framework's own writer (below 1:
 casnap faster or smaller), and writes every sample to ``--out`` as JSON; scratch data
@@ -42,6 +44,12 @@ container, whose state it creates as zeros, and LR scheduler; sync saves):
 ``manager.save(step)`` for ``first``, ``unchanged``, ``sparse change`` (the last layer
 and the final norm), then ``load()`` of the last step into a fresh model, compared bit
 for bit.
+``deepspeed`` and ``accelerate``: a stack of Linear layers whose last alone trains
+(ZeRO stage 2 on one gloo rank with DeepSpeed's CPU accelerator; one process for
+Accelerate), saved with the framework's default (``TorchCheckpointEngine``;
+``Accelerator.save_state``: safetensors and ``torch.save``) and with casnap's:
+``first``, ``unchanged`` (saved again), ``sparse change`` (after one more step), then
+``load`` of the last save into a fresh model, compared bit for bit.
 """
 
 from __future__ import annotations
@@ -467,12 +475,140 @@ def run_torch_checkpointing(args: argparse.Namespace, samples: Samples) -> tuple
     return table(samples, "LocalFileSystemStorage", steps, ("bytes",)), exact
 
 
+# -- deepspeed: TorchCheckpointEngine against CasnapCheckpointEngine ----------------------
+
+
+def _frozen_mlp(width: int, layers: int, seed: int) -> torch.nn.Sequential:
+    """A stack of Linear layers whose last alone trains (a fine-tune: saves share the rest)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model[:-1].requires_grad_(False)
+    return model
+
+
+def _batch(width: int) -> torch.Tensor:
+    """Eight random rows: a gradient whose rows differ (one row of ones repeats them)."""
+    return torch.randn(8, width, generator=torch.Generator().manual_seed(width))
+
+
+def run_deepspeed(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import logging
+
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    from casnap.integrations.deepspeed import CasnapCheckpointEngine
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo: nothing compiled
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    adam = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": adam,
+        "zero_optimization": {"stage": 2},
+    }
+
+    def build(tool: str, seed: int) -> Any:
+        model = _frozen_mlp(args.width, args.layers, seed)
+        params = [p for p in model.parameters() if p.requires_grad]
+        eng = deepspeed.initialize(model=model, model_parameters=params, config=cfg)[0]
+        if tool == "casnap":
+            eng.checkpoint_engine = CasnapCheckpointEngine()
+        return eng
+
+    def step(eng: Any) -> None:
+        eng.backward(eng(_batch(args.width)).square().mean())
+        eng.step()
+
+    exact = True
+    with scratch_dir(args.workdir) as work:
+        dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
+        for r in range(args.repeats):
+            for tool in ("TorchCheckpointEngine", "casnap"):
+                root, eng = os.path.join(work, f"{tool}-{r}"), build(tool, 0)
+                step(eng)  # Adam state exists from the first save on
+                for i, name in enumerate(("first", "unchanged", "sparse change")):
+                    if name == "sparse change":
+                        step(eng)  # the last layer and its Adam state change
+                    before = disk_usage(root)[1] if os.path.isdir(root) else 0
+                    settle(cold=False)
+                    samples.time(
+                        f"{tool}/{name}", functools.partial(eng.save_checkpoint, root, f"t{i}")
+                    )
+                    samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
+                fresh = build(tool, 1)
+                settle(cold=False)
+                samples.time(f"{tool}/load", functools.partial(fresh.load_checkpoint, root))
+                a, b = eng.module.state_dict(), fresh.module.state_dict()
+                exact = exact and all(torch.equal(a[k], b[k]) for k in a)
+        dist.destroy_process_group()
+    mib = args.width * (args.width + 1) * args.layers * 4 / MiB
+    print(f"{mib:.0f} MiB fp32, last layer trained (ZeRO 2, one rank), medians of {args.repeats}")
+    steps = ("first", "unchanged", "sparse change", "load")
+    return table(samples, "TorchCheckpointEngine", steps, ("bytes",)), exact
+
+
+# -- accelerate: Accelerator against CasnapAccelerator -------------------------------------
+
+
+def run_accelerate(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from casnap.integrations.accelerate import CasnapAccelerator
+
+    def build(tool: str, seed: int) -> tuple[Any, Any, Any]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+        acc = (CasnapAccelerator if tool == "casnap" else Accelerator)(cpu=True)
+        model = _frozen_mlp(args.width, args.layers, seed)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        model, opt = acc.prepare(model, opt)
+        return acc, model, opt
+
+    def step(acc: Any, model: Any, opt: Any) -> None:
+        acc.backward(model(_batch(args.width)).square().mean())
+        opt.step()
+        opt.zero_grad()
+
+    exact = True
+    with scratch_dir(args.workdir) as work:
+        for r in range(args.repeats):
+            for tool in ("Accelerator", "casnap"):
+                root, (acc, model, opt) = os.path.join(work, f"{tool}-{r}"), build(tool, 0)
+                step(acc, model, opt)
+                for i, name in enumerate(("first", "unchanged", "sparse change")):
+                    if name == "sparse change":
+                        step(acc, model, opt)  # the last layer and its AdamW state change
+                    before = disk_usage(root)[1] if os.path.isdir(root) else 0
+                    settle(cold=False)
+                    ckpt = os.path.join(root, f"checkpoint_{i}")
+                    samples.time(f"{tool}/{name}", functools.partial(acc.save_state, ckpt))
+                    samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
+                want = {k: v.clone() for k, v in model.state_dict().items()}
+                fresh, fmodel, _ = build(tool, 1)
+                settle(cold=False)
+                samples.time(f"{tool}/load", functools.partial(fresh.load_state, ckpt))
+                exact = exact and all(
+                    torch.equal(want[k], v) for k, v in fmodel.state_dict().items()
+                )
+    mib = args.width * (args.width + 1) * args.layers * 4 / MiB
+    print(f"{mib:.0f} MiB fp32, last layer trained (one process), medians of {args.repeats}")
+    steps = ("first", "unchanged", "sparse change", "load")
+    return table(samples, "Accelerator", steps, ("bytes",)), exact
+
+
 RUNS = {
     "dcp": run_dcp,
     "lightning": run_lightning,
     "megatron": run_megatron,
     "torch_checkpointing": run_torch_checkpointing,
     "torchtitan": run_torchtitan,
+    "deepspeed": run_deepspeed,
+    "accelerate": run_accelerate,
 }
 
 
@@ -496,7 +632,12 @@ def main(argv: list[str] | None = None) -> None:
     tc.add_argument("--small", action="store_true", help="a quick run: 0.05 GiB, 1 repeat")
     tt = sub.add_parser("torchtitan", help="torchtitan's CheckpointManager against casnap's")
     tt.add_argument("--size-gib", type=float, default=0.25)
-    for p in (dcp_p, pl, mg, tc, tt):
+    ds = sub.add_parser("deepspeed", help="TorchCheckpointEngine against CasnapCheckpointEngine")
+    ac = sub.add_parser("accelerate", help="Accelerator.save_state against CasnapAccelerator's")
+    for p in (ds, ac):
+        p.add_argument("--width", type=int, default=2048)
+        p.add_argument("--layers", type=int, default=12)
+    for p in (dcp_p, pl, mg, tc, tt, ds, ac):
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--workdir", default="bench-out/scratch")
         p.add_argument("--out", help="JSON path (default bench-out/<framework>.json)")

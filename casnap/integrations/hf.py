@@ -27,8 +27,6 @@ import os
 import re
 from typing import Any
 
-import numpy as np
-import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -40,6 +38,7 @@ from casnap.integrations.pointer import (
     take_versioned,
     write_pointer,
 )
+from casnap.integrations.rng import NumpyRNGState
 from casnap.take.session import Session
 from casnap.torch_io.stateful import RNGState
 
@@ -50,24 +49,6 @@ __all__ = ["POINTER_FILE", "POINTER_KIND", "CasnapTrainer", "CasnapTrainerMixin"
 POINTER_KIND = "hf-checkpoint"
 POINTER_FILE = "casnap.json"  # in each checkpoint-N directory
 _NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)(@\d+)?$")
-
-
-class NumpyRNGState:
-    """NumPy's global RNG (``np.random``) as a stateful: the HF Trainer seeds and saves it too."""
-
-    def state_dict(self) -> dict[str, Any]:
-        kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-        return {
-            "kind": str(kind),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        keys = state["keys"].numpy().astype(np.uint32)
-        np.random.set_state((state["kind"], keys, state["pos"], state["has_gauss"], state["gauss"]))
 
 
 class _CasnapState:

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "Retirer",
     "is_url",
     "read_pointer",
+    "retire_unpointed",
     "take_versioned",
     "write_pointer",
 ]
@@ -152,9 +154,16 @@ def take_versioned(path: str, app_state: dict[str, Any], **kwargs: Any) -> Snaps
     Snapshots are immutable, but a library saves again to the same path (Lightning's
     ``last.ckpt``, a resumed run's ``checkpoint-N``): the new snapshot gets the
     first free version, the caller moves its pointer to it and retires the old one.
+    In a process group of several ranks (every rank calls it), rank 0 picks the
+    version and sends it to the others: a distributed take reports a taken name
+    to every rank as a failure of rank 0, not as :class:`SnapshotExistsError`.
     """
     from casnap.api.snapshot import Snapshot  # the torch layer
+    from casnap.distributed.group import resolve_group
 
+    group = resolve_group(kwargs.get("pg"))
+    if group.distributed:
+        return Snapshot.take(_free_version(path, group, kwargs), app_state, **kwargs)
     for version in range(_MAX_VERSIONS):
         target = path if version == 0 else f"{path}@{version}"
         try:
@@ -162,6 +171,62 @@ def take_versioned(path: str, app_state: dict[str, Any], **kwargs: Any) -> Snaps
         except SnapshotExistsError:
             continue  # an earlier save of this path holds the name: take the next
     raise SnapshotExistsError(f"{path}: {_MAX_VERSIONS} versions exist", path)
+
+
+def _free_version(path: str, group: Any, kwargs: dict[str, Any]) -> str:
+    """The first of ``path``, ``path@1``, ... free in its repository, as rank 0 finds it."""
+    import torch.distributed as dist
+
+    from casnap.repo.repository import RepoStorage
+    from casnap.take.target import TakeOptions
+
+    choice = [path]
+    if group.rank == 0:
+        options = TakeOptions.of(
+            kwargs.get("storage_options"), kwargs.get("settings"), kwargs.get("repository")
+        )
+        repo: RepoStorage | None
+        try:
+            repo, name = options.locate(path, create=False)
+        except CasnapError:
+            repo, name = None, ""  # no repository yet: the take creates one (or says why not)
+        version = 0
+        while repo is not None and version < _MAX_VERSIONS - 1:
+            if not repo.has_ref(name if version == 0 else f"{name}@{version}"):
+                break
+            version += 1  # past the last, the take itself fails on every rank
+        choice = [path if version == 0 else f"{path}@{version}"]
+    dist.broadcast_object_list(choice, src=dist.get_global_rank(group.pg, 0), group=group.pg)
+    return str(choice[0])
+
+
+def retire_unpointed(
+    repo: Repository,
+    retirer: Retirer,
+    kind: str,
+    prefix: str,
+    pointed: Callable[[str, dict[str, Any]], bool],
+) -> list[str]:
+    """Retire the snapshots an integration took whose checkpoint no pointer names any more.
+
+    The candidates are the snapshots named ``prefix<name>`` whose metadata holds
+    a dict under ``kind`` (what the integration recorded: its tag or folder);
+    ``pointed(name, that dict)`` says whether the library's file layout still
+    names the snapshot (a folder rotated away, or re-pointed by a re-save, does
+    not). Returns the names still pointed at, oldest first.
+    """
+    live = []
+    for line in repo.log():
+        name, meta = line.name, line.metadata.get(kind)
+        if not name.startswith(prefix) or "/" in name[len(prefix) :]:
+            continue
+        if not isinstance(meta, dict):
+            continue  # not a snapshot of this integration
+        if pointed(name, meta):
+            live.append(name)
+        else:
+            retirer.retire(repo, name, None)
+    return live
 
 
 class Retirer:
