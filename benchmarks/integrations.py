@@ -449,15 +449,10 @@ def run_torch_checkpointing(args: argparse.Namespace, samples: Samples) -> tuple
             for tool in ("LocalFileSystemStorage", "casnap"):
                 folder = os.path.join(root, tool)
                 os.makedirs(folder)
-                storage: Any = (
-                    CasnapStorageConfig(folder)
-                    if tool == "casnap"
-                    else LocalFileSystemStorageConfig(use_direct_io=False)
-                )
-                config = CheckpointManager.Config(
-                    save=SyncCheckpointSaverConfig(), storage_config=storage
-                )
-                manager = config.build()
+                own = LocalFileSystemStorageConfig(use_direct_io=False)  # O_DIRECT fails here
+                storage = CasnapStorageConfig(folder) if tool == "casnap" else own
+                sync = SyncCheckpointSaverConfig()
+                manager = CheckpointManager.Config(save=sync, storage_config=storage).build()
                 for i, step in enumerate(states):
                     before = disk_usage(folder)[1]
                     settle(cold=False)
@@ -471,8 +466,7 @@ def run_torch_checkpointing(args: argparse.Namespace, samples: Samples) -> tuple
                 exact = exact and same_state(out["model"], tuned)
                 manager.close()
     print(f"state: {human_bytes(state_bytes(base))} fp32, {args.repeats} repeat(s), medians")
-    steps = (*states, "load")
-    return table(samples, "LocalFileSystemStorage", steps, ("bytes",)), exact
+    return table(samples, "LocalFileSystemStorage", (*states, "load"), ("bytes",)), exact
 
 
 # -- deepspeed: TorchCheckpointEngine against CasnapCheckpointEngine ----------------------

@@ -183,3 +183,43 @@ def test_a_rank_killed_mid_save_leaves_no_checkpoint(tmp_path):
     assert repo.snapshots() == ["step_1", "step_2", "step_4"]
     assert values(run_ranks(3, _on_three, str(tmp_path))) == [True] * 3
     assert repo.verify(read_data=True).ok
+
+
+def _process_async(rank: int, world: int, root: str, kind: str) -> bool:
+    """``dcp.async_save`` through DCP's spawned daemon on every rank (its own gloo group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from casnap.integrations.dcp import CasnapReader, CasnapWriter
+
+    _protocol()
+    ckpt = f"{Path(root, 'run')}/step_6"
+    process = AsyncCheckpointerType.PROCESS
+    if kind == "fs":
+        fut = dcp.async_save(
+            _state(world, 6), checkpoint_id=f"casnap://{ckpt}", async_checkpointer_type=process
+        )
+    else:
+        writer = CasnapWriter(ckpt)
+        fut = dcp.async_save(
+            _state(world, 6), storage_writer=writer, async_checkpointer_type=process
+        )
+    fut.result(timeout=180)
+    got = _state(world, 0, fill=False)
+    if kind == "fs":
+        dcp.load(got, checkpoint_id=f"casnap://{ckpt}")
+    else:
+        dcp.load(got, storage_reader=CasnapReader(ckpt))
+    return _same(got, 6)
+
+
+@pytest.mark.parametrize("kind", ["fs", "writer"])
+def test_process_based_async_save_on_two_ranks(tmp_path, kind):
+    import casnap
+
+    outcomes = run_ranks(2, _process_async, str(tmp_path), kind, timeout=300)
+    assert values(outcomes) == [True, True]
+    repo = casnap.Repository(str(tmp_path / "run"))
+    assert repo.snapshots() == ["step_6"]
+    assert repo.storage.read_manifest(repo.resolve("step_6")).world_size == 2
+    assert repo.verify(read_data=True).ok

@@ -145,6 +145,30 @@ def test_a_sparse_change_writes_only_what_changed(tmp_path):
         manager.close()
 
 
+def test_a_file_that_fails_to_store_fails_the_save_and_frees_its_lease(tmp_path, monkeypatch):
+    from casnap.integrations import torch_checkpointing as casnap_tc
+
+    root = tmp_path / "run"
+    manager = _manager(root)
+    try:
+        manager.save(str(root / "a"), {"model": {"w": torch.ones(64, 64)}})
+
+        def refused(*args: Any) -> None:
+            raise OSError("the store refused a chunk")
+
+        monkeypatch.setattr(casnap_tc, "store_segments", refused)
+        with pytest.raises(OSError, match="refused"):
+            manager.save(str(root / "b"), {"model": {"w": torch.zeros(64, 64)}})
+        assert not list((root / ".casnap" / "leases").iterdir())  # released at the failure
+        assert casnap.Repository(str(root)).snapshots() == ["a"]
+        monkeypatch.undo()
+        manager.save(str(root / "b"), {"model": {"w": torch.zeros(64, 64)}})  # afresh
+        loaded = manager.load(str(root / "b"), {"model": None})
+        assert torch.equal(loaded["model"]["w"], torch.zeros(64, 64))
+    finally:
+        manager.close()
+
+
 def test_a_damaged_chunk_fails_the_load(tmp_path):
     root = tmp_path / "run"
     manager = _manager(root)

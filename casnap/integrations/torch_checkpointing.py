@@ -49,6 +49,7 @@ from casnap.take.session import Session
 from casnap.take.target import TakeOptions, take_settings
 
 TORCH_CHECKPOINTING = "torch_checkpointing"  # manifest metadata: which library wrote it
+_CACHED_MANIFESTS = 4
 
 
 @dataclass
@@ -85,6 +86,7 @@ class _Save:
     group: Group
     exchange: Rendezvous
     files: dict[str, Entry] = field(default_factory=dict)
+    failed: bool = False  # a file failed to be stored: this save can no longer commit
 
 
 class CasnapStorage(Storage):
@@ -96,6 +98,7 @@ class CasnapStorage(Storage):
         self.overrides = self.take_options.settings
         self.session = Session()
         self._saves: dict[str, _Save] = {}
+        self._manifests: dict[str, Manifest] = {}  # by hash: immutable
         self._guard = threading.Lock()
 
     # -- paths -----------------------------------------------------------
@@ -117,11 +120,22 @@ class CasnapStorage(Storage):
         return self.take_options.locate(where, create=False, existing=True)
 
     def _manifest(self, name: str) -> tuple[RepoStorage, Manifest] | None:
+        """The committed checkpoint ``name``: its ref read at every call, its manifest
+        parsed once (a load asks for it several times per file)."""
         try:
             repo, snap = self._locate(name, create=False)
-            return repo, repo.read_manifest(repo.resolve(snap))
+            digest = repo.resolve(snap)
         except SnapshotNotFoundError:
             return None
+        with self._guard:
+            manifest = self._manifests.get(digest)
+        if manifest is None:
+            manifest = repo.read_manifest(digest)
+            with self._guard:
+                while len(self._manifests) >= _CACHED_MANIFESTS:
+                    del self._manifests[next(iter(self._manifests))]
+                self._manifests[digest] = manifest
+        return repo, manifest
 
     def _entry(self, path: Path | str) -> tuple[RepoStorage | None, Entry | None]:
         """What ``path`` is: an entry of a committed or pending checkpoint, or nothing."""
@@ -171,7 +185,11 @@ class CasnapStorage(Storage):
     def _save_of(self, name: str) -> _Save:
         with self._guard:
             save = self._saves.get(name)
-        return save if save is not None else self._begin(name)
+        if save is None:
+            return self._begin(name)
+        if save.failed:
+            raise OSError(errno.EIO, f"the save of {name} failed: an earlier file was not stored")
+        return save
 
     def _abandon(self, name: str) -> None:
         with self._guard:
@@ -187,7 +205,13 @@ class CasnapStorage(Storage):
         if self._manifest(name) is not None:
             raise PermissionError(errno.EACCES, "a committed checkpoint is immutable", str(path))
         save = self._save_of(name)
-        entry = store_segments(save.repo, save.settings, save.parents, segments)
+        try:
+            entry = store_segments(save.repo, save.settings, save.parents, segments)
+        except BaseException:
+            save.failed = True  # its lease goes now: gc need not wait for a save that is over
+            if save.lease is not None:
+                save.lease.release()
+            raise
         with self._guard:
             save.files[rel] = entry
             mine = dict(save.files)
@@ -204,6 +228,10 @@ class CasnapStorage(Storage):
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
         name, _ = self._split(path)
+        with self._guard:
+            failed = name in self._saves and self._saves[name].failed
+        if failed:
+            self._abandon(name)  # the library starts the save again: afresh
         if name and self._manifest(name) is None:
             self._save_of(name)
 
@@ -218,7 +246,7 @@ class CasnapStorage(Storage):
         (src, src_rel), (dst, dst_rel) = self._split(src_path), self._split(dst_path)
         with self._guard:
             save = self._saves.get(src)
-        if save is None:
+        if save is None or save.failed:
             raise FileNotFoundError(errno.ENOENT, "no checkpoint being written", str(src_path))
         if src_rel or dst_rel:
             if src != dst or src_rel not in save.files:
