@@ -207,8 +207,7 @@ VARIABLES: Mapping[str, Variable] = _table(
         True,
         "Whether a take may store a changed chunk as a delta "
         "against the same chunk of its parent snapshot, where that pays (docs/format.md, "
-        '"Delta chunks"). A snapshot holding deltas is format 2.0, which casnap '
-        "versions before deltas refuse to read.",
+        '"Delta chunks").',
     ),
     Variable(
         "delta_max_chain",

@@ -34,7 +34,7 @@ from casnap.distributed.take import prepare_distributed_take
 from casnap.errors import InvalidNameError, UnsupportedValueError
 from casnap.repo.repository import RepoStorage
 
-GOLDEN = Path(__file__).parent / "data" / "golden-v1"
+GOLDEN = Path(__file__).parent / "data" / "golden"
 
 
 def state(value: float = 1.0) -> dict[str, StateDict]:

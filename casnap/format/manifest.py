@@ -2,8 +2,7 @@
 
 :class:`Manifest` is the document a ref points to; :class:`RankGroup` and
 :class:`GroupedEntries` are how entries several ranks hold as one object are
-written once (format 1.3); :func:`format_version_for` picks the oldest format
-that can hold a manifest's entries. The entries themselves are in
+written once. The entries themselves are in
 :mod:`casnap.format.entries`, parsing in :mod:`casnap.format.parse`.
 """
 
@@ -21,20 +20,11 @@ from casnap.format.entries import (
     Entry,
     FormatModel,
     HashStr,
-    ObjectEntry,
     ShardedEntry,
     ShardRecord,
-    TensorEntry,
     chunks_of,
 )
-from casnap.format.versions import (
-    DELTA_FORMAT_VERSION,
-    FORMAT_VERSION,
-    GROUPED_FORMAT_VERSION,
-    QUANTIZED_FORMAT_VERSION,
-    QUANTIZED_SHARDS_FORMAT_VERSION,
-    version_at_least,
-)
+from casnap.format.versions import FORMAT_VERSION, Version
 
 # What a manifest may expand to (rank_groups multiply): far above 1,024 ranks x 10,000 keys.
 MAX_ENTRIES = 1 << 26
@@ -52,7 +42,7 @@ Key = Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)]
 
 
 class RankGroup(FormatModel):
-    """Entries held alike by several ranks (format 1.3): ``entries[path]`` is the entry of
+    """Entries held alike by several ranks: ``entries[path]`` is the entry of
     the key ``f"{rank}/{path}"`` for every rank in the inclusive ``ranks`` ranges."""
 
     ranks: list[RankRange] = Field(min_length=1)
@@ -97,10 +87,10 @@ class Manifest(FormatModel):
 
     In memory ``entries`` holds every key (``rank_groups`` is empty: a parsed
     manifest's groups are expanded, each entry object shared by its keys);
-    :meth:`to_jsonable` writes a manifest of format 1.3 or later with groups.
+    :meth:`to_jsonable` writes a manifest of several ranks with groups.
     """
 
-    format_version: StrictStr = FORMAT_VERSION
+    format_version: Version = FORMAT_VERSION
     created_at: StrictStr
     world_size: Annotated[int, Field(ge=1), StrictInt] = 1
     parents: list[HashStr] = []
@@ -111,7 +101,7 @@ class Manifest(FormatModel):
 
     def to_jsonable(self) -> dict[str, Any]:
         """``model_dump(mode="json")``, with entries several ranks hold as one object
-        written once in ``rank_groups`` (format 1.3 and later, more than one rank):
+        written once in ``rank_groups`` (a manifest of more than one rank):
         what :func:`casnap.format.manifest_bytes.serialize` writes, as Python values."""
         plain: dict[str, Entry] = self.entries
         groups: list[tuple[list[tuple[int, int]], dict[str, Entry]]] = []
@@ -131,7 +121,7 @@ class Manifest(FormatModel):
 
     def writes_rank_groups(self) -> bool:
         """Whether this manifest is written with ``rank_groups`` (a distributed take's)."""
-        return self.world_size > 1 and version_at_least(self.format_version, GROUPED_FORMAT_VERSION)
+        return self.world_size > 1
 
     def rank_groups_split(self) -> tuple[dict[str, Entry], Groups]:
         """The entries as :meth:`to_jsonable` writes them: those of one rank, and the groups.
@@ -302,31 +292,6 @@ def same_entries(a: Mapping[str, Entry], b: Mapping[str, Entry]) -> bool:
         and all(map(operator.is_, a.values(), b.values()))
         and all(map(operator.eq, a, b))
     )
-
-
-def format_version_for(entries: dict[str, Entry]) -> str:
-    """The format a manifest of ``entries`` is written in: the oldest that can hold them.
-
-    One pass over the entries (a take of 20,000 small tensors calls it every time).
-    """
-    quantized = quantized_shards = False
-    for e in entries.values():
-        if isinstance(e, TensorEntry):
-            chunks = e.chunks
-            quantized = quantized or e.quantized is not None
-        elif isinstance(e, ShardedEntry):
-            chunks = chunks_of(e)
-            quantized_shards = quantized_shards or bool(e.quantized_shards)
-        elif isinstance(e, ObjectEntry):
-            chunks = e.chunks
-        else:
-            continue
-        for c in chunks:
-            if c.base is not None:
-                return DELTA_FORMAT_VERSION
-    if quantized_shards:
-        return QUANTIZED_SHARDS_FORMAT_VERSION
-    return QUANTIZED_FORMAT_VERSION if quantized else FORMAT_VERSION
 
 
 @dataclass(frozen=True)

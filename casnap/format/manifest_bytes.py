@@ -164,7 +164,7 @@ def serialize(manifest: Manifest, texts: Mapping[str, str] | None = None) -> byt
     """The canonical JSON bytes of ``manifest``, what its name hashes (``texts``: its
     entry texts, :func:`entry_texts`, reused from the last take where unchanged).
 
-    A distributed take's manifest (format 1.3 and later, more than one rank) is
+    A distributed take's manifest (more than one rank) is
     written with ``rank_groups`` (:mod:`casnap.format.grouped_bytes`); any other as
     :func:`manifest_bytes` assembles it.
     """

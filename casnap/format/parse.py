@@ -19,7 +19,7 @@ from casnap.format.json_text import load_json
 from casnap.format.manifest import Manifest
 from casnap.format.names import check_hash, hash_bytes
 from casnap.format.records import DamageRecord, Ref, RepoConfig, TagRecord
-from casnap.format.versions import DELTA_FORMAT_VERSION, FORMAT_MAJOR, MANIFEST_MAJORS
+from casnap.format.versions import FORMAT_VERSION
 from casnap.python_gc import python_gc_paused
 
 MAX_MANIFEST_BYTES = 1 << 30
@@ -28,16 +28,13 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_RECORD_BYTES = 64 << 10
 
 
-def check_version(version: str, what: str, majors: tuple[int, ...] = (FORMAT_MAJOR,)) -> None:
-    try:
-        major = int(version.split(".", 1)[0])
-    except ValueError as exc:
-        raise UnsupportedFormatError(f"{what}: malformed format_version {version!r}") from exc
-    if major not in majors:
-        shown = " and ".join(str(m) for m in majors)
+def check_version(version: object, what: str) -> None:
+    """Refuse a document of any version but ``FORMAT_VERSION``: there is one format."""
+    if version != FORMAT_VERSION or not isinstance(version, str):
+        shown = version[:40] if isinstance(version, str) else repr(version)[:40]
         raise UnsupportedFormatError(
-            f"{what} has format version {version}; this casnap reads major version "
-            f"{shown} only — upgrade casnap to read it"
+            f"{what} has format version {shown}; this casnap reads format "
+            f"{FORMAT_VERSION} only (a newer casnap wrote it, or it is not a casnap file)"
         )
 
 
@@ -47,7 +44,6 @@ def _parse(
     what: str,
     *,
     versioned: bool = False,
-    majors: tuple[int, ...] = (FORMAT_MAJOR,),
 ) -> Any:
     raw = load_json(data, what)
     if versioned and isinstance(raw, dict) and "format_version" not in raw:
@@ -57,8 +53,8 @@ def _parse(
             "format, so this is not one (or it is damaged)",
             what,
         )
-    if isinstance(raw, dict) and isinstance(raw.get("format_version"), str):
-        check_version(raw["format_version"], what, majors)
+    if isinstance(raw, dict) and "format_version" in raw:
+        check_version(raw["format_version"], what)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -79,25 +75,12 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
         raise ManifestValidationError(f"{what} is larger than {MAX_MANIFEST_BYTES} bytes", name)
     if hash_bytes(data) != name:
         raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
-    manifest: Manifest = _parse(Manifest, data, what, versioned=True, majors=MANIFEST_MAJORS)
+    manifest: Manifest = _parse(Manifest, data, what, versioned=True)
     try:
         manifest = manifest.expanded(len(data))
     except ValueError as exc:
         raise ManifestValidationError(f"{what} is malformed at rank_groups: {exc}", name) from exc
-    _check_delta_version(manifest, what)
     return manifest
-
-
-def _check_delta_version(manifest: Manifest, what: str) -> None:
-    """A delta reference in a manifest of major 1 is refused: major-1 readers cannot read it."""
-    if manifest.format_version.split(".", 1)[0] == "1" and any(
-        r.base is not None for r in manifest.distinct_refs()
-    ):
-        raise ManifestValidationError(
-            f"{what} has format version {manifest.format_version} but holds delta chunks "
-            f"(format {DELTA_FORMAT_VERSION})",
-            what,
-        )
 
 
 def parse_config(data: bytes) -> RepoConfig:

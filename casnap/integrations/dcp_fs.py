@@ -54,7 +54,7 @@ from casnap.format.entries import (
     ShardRecord,
     TensorEntry,
 )
-from casnap.format.manifest import Manifest, format_version_for
+from casnap.format.manifest import Manifest
 from casnap.integrations.dcp_layout import FILES_METADATA, containers, path_key
 from casnap.integrations.dcp_writer import _commit_replacing
 from casnap.repo.leases import Lease, acquire_lease
@@ -256,7 +256,6 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         entries: dict[str, Entry] = {path_key((f,)): e for f, e in save.files.items()}
         entries.update(containers(entries))
         manifest = Manifest(
-            format_version=format_version_for(entries),
             created_at=now_iso(),
             world_size=1,
             parents=list(save.parents),

@@ -47,7 +47,7 @@ from casnap.format.entries import (
     Entry,
     PrimitiveEntry,
 )
-from casnap.format.manifest import Manifest, format_version_for
+from casnap.format.manifest import Manifest
 from casnap.format.manifest_bytes import entry_texts
 from casnap.integrations.dcp_entries import StoredBytes, StoredTensor, entry_of, primitive_of
 from casnap.integrations.dcp_layout import (
@@ -353,7 +353,6 @@ class CasnapWriter(StorageWriter):
         manifest = Manifest(
             # 2.0 where an entry holds a delta chunk (written now, or a parent's reused):
             # a 1.x manifest with deltas is refused by every reader
-            format_version=format_version_for(entries),
             created_at=now_iso(),
             world_size=len(results),
             parents=parents,
