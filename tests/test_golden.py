@@ -4,7 +4,8 @@ tests/data/golden is format 1.0, the one format: ``first`` and ``second`` were
 taken by 2 gloo ranks on CPU with sharded entries (DTensor Shard(0), uneven
 Shard(1) and Replicate, a ShardedTensor), replicated plain tensors and
 per-rank state (a quantized tensor, a pickled object); ``solo-1`` and
-``solo-2`` by one process, ``solo-2`` holding a delta of depth 1.
+``solo-2`` by one process, ``solo-2`` holding a delta of depth 1, their
+entries in a part each.
 tools/make_golden.py wrote it once; nothing here writes into tests/data
 (every test works on a copy).
 """
@@ -112,6 +113,10 @@ def test_golden_solo_metadata_lineage_and_delta(golden):
     (old, new) = next((a, b) for a, b in zip(w1.chunks, w2.chunks) if a.hash != b.hash)
     assert new.base is not None and new.base.hash == old.hash and new.base.base is None
     assert new.depth == 1 and all(c.base is None for c in first.chunk_refs())
+    # their entries are stored in a part each (the change is in solo-2's), the 2-rank
+    # take's inline beside its rank groups
+    assert len(first.parts) == len(second.parts) == 1 and first.parts != second.parts
+    assert all(not repo.storage.read_manifest(repo.resolve(n)).parts for n in SNAPSHOTS)
 
 
 # -- the whole repository ------------------------------------------------------
@@ -121,10 +126,11 @@ def test_golden_manifests_named_by_their_unchanged_bytes(golden):
     """Each manifest's name is the hash of its bytes, and parsing then dumping gives those bytes."""
     files = sorted((golden / ".casnap" / "manifests").glob("*/*"))
     assert len(files) == 4
+    parts = Repository(str(golden)).storage.parts
     for f in files:
         data = f.read_bytes()
         assert hash_bytes(data) == f.name and f.parent.name == f.name[:2]
-        manifest = parse_manifest(data, f.name)
+        manifest = parse_manifest(data, f.name, parts.load)
         assert manifest.format_version == "1.0"
         assert serialize(manifest) == data  # serialization did not change
     repo = Repository(str(golden))

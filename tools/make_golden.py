@@ -5,7 +5,8 @@ are a 2-rank gloo take on CPU (sharded entries, rank groups, replicated
 tensors, per-rank state with a quantized tensor and a pickled object, packs
 of small tensors); ``solo-1`` and ``solo-2`` are one process's takes of
 :func:`golden_state`, ``solo-2`` storing its one changed chunk as a delta
-against ``solo-1``'s whole chunk (depth 1). Every future casnap must read it
+against ``solo-1``'s whole chunk (depth 1); their entries' JSON is long
+enough to be stored in a part (docs/format.md, "Manifest parts"). Every future casnap must read it
 bit-exact: tests/test_golden.py rebuilds the expected state from the
 functions here and compares.
 """
@@ -36,6 +37,7 @@ def golden_state() -> dict[str, Any]:
         "z": torch.complex(torch.randn(3, generator=g), torch.randn(3, generator=g)),
         "empty": torch.empty(0, 4),
         "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "many": torch.zeros(100, 4096),  # 100 chunk refs, one stored chunk: the entries in a part
         "meta": collections.OrderedDict(
             step=1234,
             lr=3e-4,

@@ -34,6 +34,8 @@ MAX_ENTRIES = 1 << 26
 EXPANSION_FIXED = 1 << 20
 EXPANSION_PER_BYTE = 64
 MAX_KEY_LENGTH = 4096
+# Parts a manifest may list: each names at least one entry, so at most MAX_ENTRIES.
+MAX_PARTS = 1 << 20
 JsonValue = Any
 
 
@@ -46,6 +48,14 @@ class RankGroup(FormatModel):
     the key ``f"{rank}/{path}"`` for every rank in the inclusive ``ranks`` ranges."""
 
     ranks: list[RankRange] = Field(min_length=1)
+    entries: dict[Key, Entry]
+
+
+class Part(FormatModel):
+    """A part of a manifest's entries (docs/format.md, "Manifest parts"): stored once as
+    a loose object named by the blake3 of its canonical JSON, shared by every manifest
+    that lists it."""
+
     entries: dict[Key, Entry]
 
 
@@ -98,6 +108,10 @@ class Manifest(FormatModel):
     entries: dict[Key, Entry]
     # Read from JSON, expanded by the parser; written by to_jsonable only: never dumped as a field.
     rank_groups: list[RankGroup] = Field(default=[], exclude=True)
+    # The parts holding the entries (docs/format.md, "Manifest parts"): read from JSON and
+    # merged into ``entries`` by the parser, chosen by the serializer when written
+    # (casnap.format.manifest_bytes.split); never dumped as a field.
+    parts: list[ChunkRef] = Field(default=[], exclude=True, max_length=MAX_PARTS)
 
     def to_jsonable(self) -> dict[str, Any]:
         """``model_dump(mode="json")``, with entries several ranks hold as one object
@@ -135,28 +149,23 @@ class Manifest(FormatModel):
         return _group_by_ranks(entries)
 
     def stored_refs(self) -> list[ChunkRef]:
-        """Every stored frame reading this manifest needs: its chunks and their delta bases.
+        """Every stored frame reading this manifest needs: its parts, its chunks and their
+        delta bases.
 
         gc keeps, verify checks and ``du`` counts these; a chunk's bases may
-        belong to snapshots that no longer exist.
+        belong to snapshots that no longer exist, a part to several snapshots.
         """
         refs = self.distinct_refs()
-        if not any(r.base is not None for r in refs):
-            return refs
-        return [link for r in refs for link in r.chain()]
+        if any(r.base is not None for r in refs):
+            refs = [link for r in refs for link in r.chain()]
+        return [*self.parts, *refs] if self.parts else refs
 
     @model_validator(mode="after")
-    def _empty_shards(self) -> Manifest:
-        # A rank's local shard of an uneven split may be empty: a take stores at most
-        # one such box per rank. More is work without data, refused before any read.
-        groups = (g.entries for g in self.rank_groups)
-        for held in (self.entries, *groups):
-            for key, e in held.items():
-                if isinstance(e, ShardedEntry) and e.empty_shards > self.world_size:
-                    raise ValueError(
-                        f"entry {key[:200]!r} has {e.empty_shards} empty shards, more "
-                        f"than world_size {self.world_size}"
-                    )
+    def _checked(self) -> Manifest:
+        for part in self.parts:  # a part is a whole frame of its own (docs/format.md)
+            if part.pack is not None or part.base is not None:
+                raise ValueError(f"part {part.hash} is not a loose whole object")
+        check_empty_shards(self.world_size, self.entries, *(g.entries for g in self.rank_groups))
         return self
 
     def expanded(self, size: int | None = None) -> Manifest:
@@ -233,6 +242,21 @@ class Manifest(FormatModel):
         """:meth:`chunk_refs` of each distinct entry object once: what a set of the
         chunks needs (dedup, gc, verify), without a grouped manifest's repeats."""
         return [c for refs, _ in self.distinct_chunk_refs() for c in refs]
+
+
+def check_empty_shards(world_size: int, *held: Mapping[str, Entry]) -> None:
+    """Refuse a sharded entry with more empty shards than ``world_size``.
+
+    A rank's local shard of an uneven split may be empty: a take stores at most
+    one such box per rank. More is work without data, refused before any read.
+    """
+    for entries in held:
+        for key, e in entries.items():
+            if isinstance(e, ShardedEntry) and e.empty_shards > world_size:
+                raise ValueError(
+                    f"entry {key[:200]!r} has {e.empty_shards} empty shards, more "
+                    f"than world_size {world_size}"
+                )
 
 
 def _shards(e: Entry) -> list[ShardRecord]:

@@ -9,14 +9,15 @@ caller allocates or reads; every failure is a ``ManifestValidationError``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
 from casnap.errors import ManifestValidationError, UnsupportedFormatError
-from casnap.format.entries import FormatModel
+from casnap.format.entries import ChunkRef, Entry, FormatModel
 from casnap.format.json_text import load_json
-from casnap.format.manifest import Manifest
+from casnap.format.manifest import MAX_ENTRIES, Manifest, Part, check_empty_shards
 from casnap.format.names import check_hash, hash_bytes
 from casnap.format.records import DamageRecord, Ref, RepoConfig, TagRecord
 from casnap.format.versions import FORMAT_VERSION
@@ -66,9 +67,16 @@ def _parse(
         ) from exc
 
 
+PartLoader = Callable[[ChunkRef], dict[str, Entry]]  # a part's entries, checked (parse_part)
+
+
 @python_gc_paused()  # a model or more per entry, no cycles (casnap.python_gc)
-def parse_manifest(data: bytes, name: str) -> Manifest:
-    """Validate an untrusted manifest; ``name`` is its hash, checked against the bytes."""
+def parse_manifest(data: bytes, name: str, load_part: PartLoader | None = None) -> Manifest:
+    """Validate an untrusted manifest; ``name`` is its hash, checked against the bytes.
+
+    ``load_part`` gives the entries of each part the manifest lists (docs/format.md,
+    "Manifest parts"), called only once the parts' declared sizes passed the limits.
+    """
     check_hash(name, "manifest name")
     what = f"manifest {name}"
     if len(data) > MAX_MANIFEST_BYTES:
@@ -76,11 +84,46 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
     if hash_bytes(data) != name:
         raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
     manifest: Manifest = _parse(Manifest, data, what, versioned=True)
+    size = len(data) + sum(p.size for p in manifest.parts)
+    if manifest.parts:
+        manifest = _with_parts(manifest, size, what, load_part)
     try:
-        manifest = manifest.expanded(len(data))
+        manifest = manifest.expanded(size)
     except ValueError as exc:
         raise ManifestValidationError(f"{what} is malformed at rank_groups: {exc}", name) from exc
     return manifest
+
+
+def _with_parts(manifest: Manifest, size: int, what: str, load: PartLoader | None) -> Manifest:
+    """``manifest`` with the entries of its parts merged in, every limit checked first."""
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestValidationError(
+            f"{what} and its parts declare {size} bytes, more than {MAX_MANIFEST_BYTES}", what
+        )
+    if load is None:
+        raise ManifestValidationError(f"{what} lists parts: read it from its repository", what)
+    entries = dict(manifest.entries)
+    for ref in manifest.parts:
+        held = load(ref)
+        before = len(entries)
+        entries.update(held)
+        if len(entries) != before + len(held):
+            raise ManifestValidationError(f"{what}: part {ref.hash} repeats a key", what)
+        if len(entries) > MAX_ENTRIES:
+            raise ManifestValidationError(f"{what}: more than {MAX_ENTRIES} entries", what)
+    try:
+        check_empty_shards(manifest.world_size, entries)
+    except ValueError as exc:
+        raise ManifestValidationError(f"{what} is malformed in a part: {exc}", what) from exc
+    return manifest.model_copy(update={"entries": entries})
+
+
+@python_gc_paused()
+def parse_part(data: bytes, ref: ChunkRef) -> dict[str, Entry]:
+    """The entries of an untrusted part, whose bytes were checked against ``ref`` (its
+    hash and size: casnap.format.codec.decode)."""
+    part: Part = _parse(Part, data, f"manifest part {ref.hash}")
+    return part.entries
 
 
 def parse_config(data: bytes) -> RepoConfig:
@@ -103,6 +146,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     """The JSON Schemas exported into ``schema/`` (see tools/export_schema.py)."""
     return {
         "manifest-v1.schema.json": Manifest.model_json_schema(),
+        "manifest-part-v1.schema.json": Part.model_json_schema(),
         "config-v1.schema.json": RepoConfig.model_json_schema(),
         "ref-v1.schema.json": Ref.model_json_schema(),
         "tag-v1.schema.json": TagRecord.model_json_schema(),

@@ -361,7 +361,7 @@ class CasnapWriter(StorageWriter):
         )
         if self._replaces is None and not self.overwrite:
             try:
-                self.last_manifest = commit_snapshot(
+                self.last_manifest, _ = commit_snapshot(
                     repo, target_name, manifest, lease=lease, session=self.session
                 )
             except SnapshotExistsError as exc:  # another save committed it meanwhile
@@ -415,7 +415,7 @@ def _commit_replacing(
     so no save that returns is left without a ref.
     """
     texts = entry_texts(manifest)
-    manifest_hash = repo.write_manifest(manifest, texts)
+    manifest_hash, manifest = repo.write_manifest(manifest, texts)
     if old is not None:
         repo.write_ref(f"{name}{HISTORY_SEP}{old[:12]}", old)
     lease.check()

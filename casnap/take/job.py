@@ -193,7 +193,7 @@ class TakeJob:
             parents=self.parents,
             metadata=self.metadata,
         )
-        manifest_hash = commit_snapshot(
+        manifest_hash, manifest = commit_snapshot(
             self.repo, self.name, manifest, lease=lease, session=self.session, previous=dumped
         )
         return manifest, manifest_hash
