@@ -30,14 +30,19 @@ def part_key(h: str) -> str:
 
 
 def store_parts(store: ObjectStore, parts: list[StoredPart]) -> None:
-    """Put each part not known stored (create-only: the same bytes under the same name)."""
-    for part in parts:
-        if part.frame is None:
-            continue
-        try:
-            store.put(part_key(part.ref.hash), part.frame, create_only=True)
-        except ObjectExistsError:
-            pass
+    """Put each part not known stored (create-only: the same bytes under the same name).
+
+    Non-durably, their syncs deferred, as a take's chunks: the manifest's durable put
+    that follows makes them durable first (the commit order), in one flush.
+    """
+    with store.deferring():
+        for part in parts:
+            if part.frame is None:
+                continue
+            try:
+                store.put(part_key(part.ref.hash), part.frame, create_only=True, durable=False)
+            except ObjectExistsError:
+                pass
 
 
 class PartMemo:
