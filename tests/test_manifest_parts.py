@@ -225,3 +225,20 @@ def test_a_hostile_part_is_refused(parted, change, match):
     data, name = _forged(parted, lambda doc: change(doc, lambda raw: _store_part(parted, raw)))
     with pytest.raises(IntegrityError, match=match):
         parse_manifest(data, name, repo.parts.load)
+
+
+def test_repair_restores_a_lost_part_from_another_repository(tmp_path):
+    state = _state()
+    Snapshot.take(str(tmp_path / "src" / "a"), {"m": StateDict(state)}, storage_options=OPTS)
+    Repository(str(tmp_path / "src")).copy_to(str(tmp_path / "dst"))
+    _, doc = _manifest_doc(tmp_path / "dst", "a")
+    h = doc["parts"][-1]["hash"]
+    (tmp_path / "dst" / ".casnap" / "chunks" / h[:2] / h).unlink()
+    dst = Repository(str(tmp_path / "dst"))
+    assert not dst.verify().ok
+    result = dst.repair(from_snapshots=[str(tmp_path / "src" / "a")])
+    assert result.ok and h in result.written, result.render()
+    assert dst.verify(read_data=True).ok
+    target = StateDict({k: torch.empty_like(v) for k, v in state.items()})
+    Snapshot(str(tmp_path / "dst" / "a")).restore({"m": target})
+    assert torch.equal(target["t23"], state["t23"])

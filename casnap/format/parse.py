@@ -94,6 +94,16 @@ def parse_manifest(data: bytes, name: str, load_part: PartLoader | None = None) 
     return manifest
 
 
+def manifest_part_refs(data: bytes, name: str) -> list[ChunkRef]:
+    """The parts an untrusted manifest lists, its parts not read (what repair restores
+    when a part is lost: the manifest cannot be read whole without it)."""
+    check_hash(name, "manifest name")
+    if len(data) > MAX_MANIFEST_BYTES or hash_bytes(data) != name:
+        raise ManifestValidationError(f"manifest {name} is too large or corrupt", name)
+    manifest: Manifest = _parse(Manifest, data, f"manifest {name}", versioned=True)
+    return manifest.parts
+
+
 def _with_parts(manifest: Manifest, size: int, what: str, load: PartLoader | None) -> Manifest:
     """``manifest`` with the entries of its parts merged in, every limit checked first."""
     if size > MAX_MANIFEST_BYTES:
