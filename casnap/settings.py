@@ -203,9 +203,8 @@ VARIABLES: Mapping[str, Variable] = _table(
         "bool",
         True,
         "Whether a take may store a changed chunk as a delta against the whole chunk "
-        "a read of the same chunk of its parent snapshot decodes, where that pays (docs/format.md, "
-        '"Delta chunks"). A snapshot holding deltas is format 2.0, which casnap '
-        "versions before deltas refuse to read.",
+        "a read of the same chunk of its parent snapshot decodes, where that pays "
+        '(docs/format.md, "Delta chunks").',
     ),
     Variable(
         "auto_parent",

@@ -167,6 +167,10 @@ def _summary(
     spans: frozenset[tuple[str, int, int]],
     table: bytes | None,
 ) -> ManifestSummary:
+    if manifest.parts:  # the manifest's parts are frames it needs too (not chunk refs)
+        held = frozenset((p.hash, p.offset, p.length) for p in manifest.parts)
+        spans = spans | held
+        table = None if table is None else table + span_table(held)  # a set: order is free
     return ManifestSummary(
         manifest=manifest_hash,
         created_at=manifest.created_at,

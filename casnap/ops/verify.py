@@ -189,7 +189,7 @@ def verify(
             whole = whole and isinstance(exc, SnapshotNotFoundError)  # missing: references none
             continue
         report.manifests += 1
-        owners.add(m.distinct_refs(), holders)  # a delta's bases must be whole too
+        owners.add([*m.parts, *m.distinct_refs()], holders)  # a delta's bases, its parts too
     report.chunks = len(refs)
 
     listed = [i for kind in ("chunks", "packs") for i in repo.store.list_info(kind)]
@@ -256,7 +256,7 @@ def check_snapshot(repo: RepoStorage, name: str) -> VerifyReport:
         return report
     report.manifests = 1
     owners = Owners()
-    owners.add(manifest.distinct_refs(), holders)
+    owners.add([*manifest.parts, *manifest.distinct_refs()], holders)
     report.chunks = len(owners.refs)
     present = _Probed(repo)
     _report_recorded(repo, owners, report, (0, 0), present, StandIns(repo, present, False))

@@ -5,7 +5,8 @@ Layout below the repository root (docs/format.md)::
     .casnap/config.json
     .casnap/chunks/<h[:2]>/<h>      one chunk frame, h = blake3 of the raw chunk
     .casnap/packs/<p[:2]>/<p>       frames of small chunks, p = blake3 of the pack bytes
-    .casnap/manifests/<m[:2]>/<m>   manifest JSON, m = blake3 of the JSON bytes
+    .casnap/manifests/<m[:2]>/<m>   manifest JSON, m = blake3 of the JSON bytes; its
+                                    parts are loose objects in chunks/ (casnap.repo.parts)
     .casnap/refs/<key>              snapshot name -> manifest (the commit point);
                                     <key> is name_key(name): one flat component
 """
@@ -34,7 +35,7 @@ from casnap.errors import (
 )
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import Manifest
-from casnap.format.manifest_bytes import serialize
+from casnap.format.manifest_bytes import EntryTexts, split
 from casnap.format.names import check_hash, check_ref_name, hash_bytes, is_hashed_key
 from casnap.format.parse import (
     MAX_MANIFEST_BYTES,
@@ -46,6 +47,7 @@ from casnap.format.parse import (
 from casnap.format.records import Ref, RepoConfig, record_bytes
 from casnap.format.versions import FORMAT_VERSION
 from casnap.repo.named import check_recorded_name, named_keys, names_in
+from casnap.repo.parts import PartMemo, store_parts
 from casnap.settings import DEFAULT_CHUNK_SIZE, check_storage_options
 from casnap.store import ObjectStore, open_store
 
@@ -96,6 +98,7 @@ class RepoStorage:
         self.store = root.child(META)
         self.config = config
         self.url = root.url
+        self.parts = PartMemo(self.store)  # parts parsed, shared by the manifests read
         # Set when this object created the repository, until the first take into it
         # consumes it (casnap.take.target.resolve_target): nothing to deduplicate against.
         self.created = False
@@ -185,16 +188,24 @@ class RepoStorage:
         return open_store(url, _options(storage_options)).exists(f"{META}/{CONFIG_KEY}")
 
     # -- manifests -------------------------------------------------------
-    def write_manifest(self, manifest: Manifest, texts: Mapping[str, str] | None = None) -> str:
-        """Store ``manifest`` (``texts``: its entries' JSON, see
-        :func:`casnap.format.manifest_bytes.serialize`); returns its hash."""
-        data = serialize(manifest, texts)
+    def write_manifest(
+        self, manifest: Manifest, texts: Mapping[str, str] | None = None
+    ) -> tuple[str, Manifest]:
+        """Store ``manifest``'s parts, then itself (``texts``: its entries' JSON, see
+        :func:`casnap.format.manifest_bytes.split`); returns its hash and the manifest
+        as stored, its ``parts`` listed (what gc, verify and summaries follow)."""
+        data, parts = split(manifest, texts)
+        store_parts(self.store, parts)
+        if isinstance(texts, EntryTexts) and texts.of is manifest.entries:
+            texts.stored()  # a re-take of the same texts puts none of them again
         name = hash_bytes(data)
         try:
             self.store.put(manifest_key(name), data, create_only=True)
         except ObjectExistsError:
             pass  # same bytes, same name: already durable
-        return name
+        if parts:
+            manifest = manifest.model_copy(update={"parts": [p.ref for p in parts]})
+        return name, manifest
 
     def read_manifest(self, name: str) -> Manifest:
         check_hash(name, "manifest name")
@@ -202,7 +213,7 @@ class RepoStorage:
             data = self.store.get(manifest_key(name), limit=MAX_MANIFEST_BYTES)
         except ObjectNotFoundError as exc:
             raise SnapshotNotFoundError(f"manifest {name} is missing from {self.url}") from exc
-        return parse_manifest(data, name)
+        return parse_manifest(data, name, self.parts.load)
 
     # -- refs ------------------------------------------------------------
     def write_ref(self, name: str, manifest: str) -> None:

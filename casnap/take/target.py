@@ -183,7 +183,7 @@ def _prepared_shards(prepare: TensorPrepareFunc, key: str, leaf: ShardLeaf) -> S
     """Every local shard of a sharded value through the prepare function, as torchsnapshot.
 
     A quantized shard is stored as its integers and parameters, as a quantized
-    tensor is (format 1.4: docs/format.md, "Quantized tensors")."""
+    tensor is (docs/format.md, "Quantized tensors")."""
     shards = []
     for s in leaf.shards:
         out = _prepared(prepare, key, s.tensor)
