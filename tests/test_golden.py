@@ -112,7 +112,7 @@ def test_golden_solo_metadata_lineage_and_delta(golden):
     # the changed chunk is a delta against solo-1's whole chunk: depth 1
     (old, new) = next((a, b) for a, b in zip(w1.chunks, w2.chunks) if a.hash != b.hash)
     assert new.base is not None and new.base.hash == old.hash and new.base.base is None
-    assert new.depth == 1 and all(c.base is None for c in first.chunk_refs())
+    assert new.whole == new.base and all(c.base is None for c in first.chunk_refs())
     # their entries are stored in a part each (the change is in solo-2's), the 2-rank
     # take's inline beside its rank groups
     assert len(first.parts) == len(second.parts) == 1 and first.parts != second.parts
