@@ -23,7 +23,7 @@ from casnap.format.entries import (
 )
 from casnap.format.manifest import Manifest
 from casnap.format.tree import missing_key
-from casnap.index import manifest_summaries
+from casnap.index import SummaryLine, manifest_summaries, summary_lines
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
 from casnap.repo.damage import list_damage
 from casnap.repo.leases import scan_leases
@@ -82,20 +82,20 @@ def log(repo: RepoStorage) -> list[LogLine]:
     repository reads only refs.
     """
     heads = _heads(repo)
-    sums = manifest_summaries(repo, heads.values(), missing_ok=True)
-    parents = {p for s in sums.values() for p in s.parents} - sums.keys()
-    sums |= manifest_summaries(repo, parents, missing_ok=True)
+    lines = summary_lines(repo, heads.values(), missing_ok=True)
+    parents = {p for s in lines.values() for p in s.parents} - lines.keys()
+    lines |= summary_lines(repo, parents, missing_ok=True)
     named = sorted(
-        ((name, mhash, sums[mhash]) for name, mhash in heads.items() if mhash in sums),
+        ((name, mhash, lines[mhash]) for name, mhash in heads.items() if mhash in lines),
         key=lambda item: item[2].created_at,
     )
-    seen: set[tuple[str, int, int]] = set()  # every frame of the snapshots listed so far
-    lines = []
+    seen = _Seen(repo, lines)
+    out = []
     for name, mhash, s in named:
         for p in s.parents:
-            if p in sums:
-                seen |= sums[p].spans
-        lines.append(
+            if p in lines:
+                seen.cover(p)
+        out.append(
             LogLine(
                 name=name,
                 manifest=mhash,
@@ -104,13 +104,40 @@ def log(repo: RepoStorage) -> list[LogLine]:
                 parents=tuple(s.parents),
                 logical_bytes=s.logical_bytes,
                 stored_bytes=s.stored_bytes,
-                new_bytes=sum(x[2] for x in s.spans - seen),
+                new_bytes=sum(x[2] for x in seen.beyond(mhash)),
                 metadata=dict(s.metadata),
-                parents_absent=tuple(p for p in s.parents if p not in sums),
+                parents_absent=tuple(p for p in s.parents if p not in lines),
             )
         )
-        seen |= s.spans
-    return lines
+        seen.cover(mhash)
+    return out
+
+
+class _Seen:
+    """Every frame of the manifests covered so far, grown by each one's log line: a
+    manifest whose first parent is covered adds only the spans its line adds to it
+    (what ``log`` reads per snapshot); another one's whole summary is read."""
+
+    def __init__(self, repo: RepoStorage, lines: dict[str, SummaryLine]) -> None:
+        self.repo, self.lines = repo, lines
+        self.frames: set[tuple[str, int, int]] = set()
+        self.covered: set[str] = set()
+
+    def _spans(self, mhash: str) -> frozenset[tuple[str, int, int]]:
+        """Spans of ``mhash`` that hold every one of its frames not covered yet."""
+        line = self.lines[mhash]
+        if line.base is None or line.base in self.covered:
+            return line.added
+        return manifest_summaries(self.repo, [mhash])[mhash].spans
+
+    def beyond(self, mhash: str) -> frozenset[tuple[str, int, int]]:
+        """The frames of ``mhash`` not covered yet."""
+        return self._spans(mhash) - self.frames
+
+    def cover(self, mhash: str) -> None:
+        if mhash not in self.covered:
+            self.frames |= self._spans(mhash)
+            self.covered.add(mhash)
 
 
 @dataclass(frozen=True)
