@@ -114,3 +114,61 @@ def test_log_lines_match_the_summaries(tmp_path):
         base = sums[line.base].spans if line.base is not None else frozenset()
         assert line.added == s.spans - base
     assert history.log(repo.storage)[0].step == 0
+
+
+def _du_by_every_span(repo: Repository) -> dict[str, tuple[int, int, int]]:
+    """(logical, stored, exclusive) per snapshot, from every span of every root."""
+    roots = [(n, repo.resolve(n), True) for n in repo.storage.list_snapshots()]
+    roots += [(f"tag:{t}", i.manifest, False) for t, i in repo.tags().items()]
+    sums = index.manifest_summaries(repo.storage, [h for _, h, _ in roots])
+    owners: dict[str, int] = {}
+    for _, h, _ in roots:
+        for obj in sums[h].object_extents():
+            owners[obj] = owners.get(obj, 0) + 1
+    sizes = {
+        i.key.rpartition("/")[2]: i.size
+        for kind in ("chunks", "packs")
+        for i in repo.storage.store.list_info(kind)
+    }
+    return {
+        n: (
+            sums[h].logical_bytes,
+            sums[h].stored_bytes,
+            sum(sizes[o] for o in sums[h].object_extents() if owners[o] == 1),
+        )
+        for n, h, is_ref in roots
+        if is_ref
+    }
+
+
+def _du(repo: Repository) -> dict[str, tuple[int, int, int]]:
+    return {
+        u.name: (u.logical_bytes, u.stored_bytes, u.exclusive_bytes) for u in repo.du().per_snapshot
+    }
+
+
+@pytest.mark.parametrize("gone", [None, "s0", "s3"])
+def test_du_from_lines_agrees_with_every_span(tmp_path, gone):
+    repo = _series(tmp_path)
+    repo.tag("pin", "s4")  # a tag is a root too: what it reaches is freed by no deletion
+    if gone is not None:
+        repo.storage.delete_ref(gone)
+    expected = _du_by_every_span(repo)
+    assert any(excl for _, _, excl in expected.values())
+    usage = repo.du()
+    assert _du(repo) == expected
+    assert usage.stored_bytes == sum(
+        x[2]
+        for x in set().union(
+            *(
+                s.spans
+                for s in index.manifest_summaries(
+                    repo.storage,
+                    [repo.resolve(n) for n in repo.storage.list_snapshots()]
+                    + [i.manifest for i in repo.tags().values()],
+                ).values()
+            )
+        )
+    )
+    index.drop(repo.storage.config.repo_id)
+    assert _du(repo) == expected

@@ -63,9 +63,11 @@ class ManifestSummary:
 
 @dataclass(frozen=True, eq=False)
 class SummaryLine:
-    """What one ``log`` line needs of a manifest: its figures, and the spans it
-    references that ``base`` (its first parent) does not; ``base`` None: ``added``
-    holds every span (a root, or a parent whose summary was not at hand)."""
+    """What one ``log`` or ``du`` line needs of a manifest: its figures, and how it
+    differs from ``base`` (its first parent): the spans it references that the base
+    does not, and the store objects it uses that the base does not (``gained``) and
+    the base's it does not (``lost``). ``base`` None: ``added`` and ``gained`` hold
+    every span and object (a root, or a parent whose summary was not at hand)."""
 
     manifest: str
     created_at: str
@@ -75,6 +77,8 @@ class SummaryLine:
     stored_bytes: int
     base: str | None
     added: frozenset[tuple[str, int, int]]
+    gained: frozenset[str] = frozenset()
+    lost: frozenset[str] = frozenset()
 
     @property
     def step(self) -> int | None:
@@ -83,26 +87,44 @@ class SummaryLine:
 
 
 def line_of(s: ManifestSummary, base: frozenset[tuple[str, int, int]] | None) -> SummaryLine:
-    """The log line of ``s``; ``base``: the spans of its first parent, when known."""
-    return SummaryLine(
-        manifest=s.manifest,
-        created_at=s.created_at,
-        parents=s.parents,
-        metadata=s.metadata,
-        logical_bytes=s.logical_bytes,
-        stored_bytes=s.stored_bytes,
-        base=s.parents[0] if base is not None and s.parents else None,
-        added=s.spans - base if base is not None and s.parents else s.spans,
+    """The line of ``s``; ``base``: the spans of its first parent, when known."""
+    ours = {o for o, _, _ in s.spans}
+    if base is None or not s.parents:
+        return _line(s, None, s.spans, frozenset(ours), frozenset())
+    theirs = {o for o, _, _ in base}
+    return _line(
+        s, s.parents[0], s.spans - base, frozenset(ours - theirs), frozenset(theirs - ours)
     )
+
+
+def _line(
+    s: ManifestSummary,
+    base: str | None,
+    added: frozenset[tuple[str, int, int]],
+    gained: frozenset[str],
+    lost: frozenset[str],
+) -> SummaryLine:
+    return SummaryLine(
+        s.manifest, s.created_at, s.parents, s.metadata, s.logical_bytes, s.stored_bytes,
+        base, added, gained, lost,
+    )  # fmt: skip
 
 
 def encode_line(line: SummaryLine) -> bytes:
     head = _head(line) | {"stored_bytes": line.stored_bytes, "base": line.base}
-    return _pack_head(head) + span_table(line.added)
+    head |= {"gained": len(line.gained), "lost": len(line.lost)}
+    digests = b"".join(bytes.fromhex(o) for o in (*sorted(line.gained), *sorted(line.lost)))
+    return _pack_head(head) + digests + span_table(line.added)
 
 
 def decode_line(manifest_hash: str, body: bytes) -> SummaryLine:
-    head, spans = _unpack(body)
+    (n,) = _HEAD.unpack_from(body)
+    head = json.loads(body[_HEAD.size : _HEAD.size + n])
+    gained, lost = int(head["gained"]), int(head["lost"])
+    at = _HEAD.size + n
+    ends = (at + 32 * gained, at + 32 * (gained + lost))
+    if ends[1] > len(body):
+        raise ValueError("truncated object table")
     base = head["base"]
     return SummaryLine(
         manifest=manifest_hash,
@@ -112,7 +134,9 @@ def decode_line(manifest_hash: str, body: bytes) -> SummaryLine:
         logical_bytes=int(head["logical_bytes"]),
         stored_bytes=int(head["stored_bytes"]),
         base=None if base is None else str(base),
-        added=spans,
+        added=_spans(memoryview(body)[ends[1] :]),
+        gained=frozenset(body[i : i + 32].hex() for i in range(at, ends[0], 32)),
+        lost=frozenset(body[i : i + 32].hex() for i in range(ends[0], ends[1], 32)),
     )
 
 
@@ -270,11 +294,13 @@ def _pack_head(head: dict[str, Any]) -> bytes:
 def _unpack(body: bytes) -> tuple[dict[str, Any], frozenset[tuple[str, int, int]]]:
     (n,) = _HEAD.unpack_from(body)
     head = json.loads(body[_HEAD.size : _HEAD.size + n])
-    rest = memoryview(body)[_HEAD.size + n :]
-    if len(rest) % _SPAN.size:
+    return head, _spans(memoryview(body)[_HEAD.size + n :])
+
+
+def _spans(table: memoryview) -> frozenset[tuple[str, int, int]]:
+    if len(table) % _SPAN.size:
         raise ValueError("truncated span table")
-    spans = frozenset((o.hex(), off, ln) for o, off, ln in _SPAN.iter_unpack(rest))
-    return head, spans
+    return frozenset((o.hex(), off, ln) for o, off, ln in _SPAN.iter_unpack(table))
 
 
 def encode_summary(s: ManifestSummary) -> bytes:
