@@ -32,7 +32,10 @@ libraries send all their traffic through those methods, so the counts are
 comparable. DCP runs with FsspecWriter's defaults (``thread_count=1``) and,
 with ``--dcp-threads N``, also with N writer threads.
 
-Prints a markdown table and writes JSON to ``--out``.
+``--chunks N`` measures maintenance instead: one take of N loose 4 KiB chunks,
+then the requests of an unchanged re-take (same Session, then a new one), ``verify``,
+``gc --grace 0`` (nothing to free), ``du`` and ``log``, beside N/1,000 (a listing's
+pages). Prints a markdown table and writes JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -249,6 +252,31 @@ def run_dcp(
     return out
 
 
+def run_maintenance(base: str, options: dict[str, Any], n: int, counter: RequestCounter) -> Any:
+    """Requests per leg on a repository of ``n`` chunk objects (see the docstring)."""
+    from casnap import Repository, Session, Snapshot, StateDict
+
+    model, opts = {"m": StateDict(w=torch.randn(n * 1024))}, dict(options, chunk_size=4096)
+    repo, session = f"{base}/repo", Session()
+
+    def take(name: str, s: Session) -> Callable[[], Any]:
+        return lambda: Snapshot.take(f"{repo}/{name}", model, storage_options=opts, session=s)
+
+    def op(name: str, **kw: Any) -> Callable[[], Any]:
+        return lambda: getattr(Repository(repo, options), name)(**kw)
+
+    legs = {
+        "first take": take("s1", session),
+        "unchanged re-take": take("s2", session),
+        "re-take, new process": take("s3", Session()),
+        "verify": op("verify"),
+        "gc --grace 0": op("gc", grace_seconds=0),
+        "du": op("du"),
+        "log": op("log"),
+    }
+    return {leg: _timed(counter, fn) for leg, fn in legs.items()}
+
+
 # -- main ---------------------------------------------------------------------
 
 LEGS = ("first take", "unchanged re-take", "re-take, new process", "restore")
@@ -264,6 +292,7 @@ def main() -> None:
     ap.add_argument(
         "--dcp-threads", type=int, default=0, help="also run DCP with this many writer threads"
     )
+    ap.add_argument("--chunks", type=int, help="maintenance requests with this many chunks")
     ap.add_argument("--out", default="bench-out/remote.json")
     args = ap.parse_args()
 
@@ -284,6 +313,24 @@ def main() -> None:
         yield args.url.rstrip("/"), json.loads(args.storage_options)
 
     server = given if args.url else (gcs_server if args.backend == "gcs" else s3_server)
+    if args.chunks:
+        with server() as (prefix, options):
+            got = run_maintenance(f"{prefix}/{uuid.uuid4().hex}", options, args.chunks, counter)
+        rows = [
+            [
+                leg,
+                f"{sum(c.values())}",
+                f"{sum(c.values()) / (args.chunks / 1000):.1f}",
+                ", ".join(f"{k} {v}" for k, v in sorted(c.items())),
+            ]
+            for leg, (_, c) in got.items()
+        ]
+        print(f"{args.chunks:,} chunk objects on {args.url or args.backend}\n")
+        print(markdown_table(["leg", "requests", "per 1,000 objects", "by kind"], rows))
+        write_json(
+            args.out, {"chunks": args.chunks, "requests": {k: c for k, (_, c) in got.items()}}
+        )
+        return
     with server() as (prefix, options):
         for _ in range(args.repeat):
             for side, threads in sides.items():
