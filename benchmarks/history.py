@@ -1,20 +1,15 @@
 """History operations against their floor as a repository ages (issue 39, point 1).
 
-    .venv/bin/python benchmarks/history.py --sizes 1000,2000 [--chunk-kib 256] [--repeats 3]
+    .venv/bin/python benchmarks/history.py --sizes 1000,2000 [--chunk-kib 256] [--baseline DIR]
 
-Builds one repository of snapshots taken through one ``Session``: 16 fp32
-tensors of 16 chunks each (256 chunks), 10% of the chunks changed by
-``+= 1.0`` before every take (so deltas). ``--chunk-kib 256`` is the issue's
-64 MiB state; the default, 4 KiB chunks (a 1 MiB state), keeps the chunk and
-reference counts (what history operations work on) and builds 10,000
-snapshots in minutes. The repository grows in place: at each size of
-``--sizes`` it times, best of ``--repeats``, each command through the CLI, its
-start-up (``casnap ls`` of a 10-snapshot repository) subtracted, beside its
-floor: listing what it lists and reading and parsing the bytes it must read,
-in this process. ``log`` and ``du`` need each ref and its cached summary
-line; ``verify``, ``gc`` and ``retain`` list the store and parse every
-manifest. Prints a markdown table (time, floor, ratio, growth against the
-previous size) and writes JSON to ``--out``.
+One repository of snapshots through one ``Session``: 16 fp32 tensors of 16
+chunks, 10% of the chunks ``+= 1.0`` before each take (so deltas). 4 KiB chunks
+(a 1 MiB state, the default) keep the issue's chunk and reference counts and
+build 10,000 snapshots in minutes; ``--chunk-kib 256`` is its 64 MiB state. At
+each size (a copy kept per size under ``--workdir``, grown from the last) each
+command runs through the CLI, best of ``--repeats``, its start-up (``casnap ls``
+of 10 snapshots) subtracted, beside its floor in this process (FLOORS) and a
+``--baseline`` checkout. Prints a markdown table, writes JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -66,13 +61,9 @@ def build(repo: Path, upto: int, chunk: int, state: dict[str, torch.Tensor] | No
             for c in picked.tolist():
                 t, k = divmod(c, CHUNKS)
                 state[f"t{t:02d}"][k * chunk // 4 : (k + 1) * chunk // 4] += 1.0
-        path = str(repo / f"s{i:05d}")
+        model, step = {"m": StateDict(state)}, {"step": i}
         Snapshot.take(
-            path,
-            {"m": StateDict(state)},
-            storage_options=opts,
-            session=session,
-            metadata={"step": i},
+            str(repo / f"s{i:05d}"), model, None, None, opts, session=session, metadata=step
         )
     return state
 
@@ -121,11 +112,8 @@ def measure(repo: Path, tiny: Path, repeats: int, envs: dict[str, dict[str, str]
         f = best(lambda o=op: floor(repo, *FLOORS.get(o, ("", META, False))), repeats)
         out[op] = {"floor_s": f}
         for side, env in envs.items():
-            t = (
-                best(lambda a=args, e=env: cli([*a, str(repo)], e), repeats)
-                - out[f"startup_{side}"]
-            )
-            out[op][side] = t
+            t = best(lambda a=args, e=env: cli([*a, str(repo)], e), repeats)
+            t = out[op][side] = t - out[f"startup_{side}"]
             out[op][f"{side}_ratio"] = t / f
     files = [p for p in (repo / ".casnap").rglob("*") if p.is_file()]
     meta = [p for p in files if p.relative_to(repo / ".casnap").parts[0] not in ("chunks", "packs")]
@@ -168,11 +156,9 @@ def main() -> None:
         got = results[str(n)] = measure(repo, tiny, a.repeats, envs)
         for op in OPS:
             g = got[op]
+            growth = f"{g['casnap'] / prev[op]['casnap']:.2f}x" if prev else ""
             row = [f"{n:,}", op, f"{g['casnap']:.3f}", f"{g['floor_s']:.3f}"]
-            row += [
-                f"{g['casnap_ratio']:.2f}x",
-                f"{g['casnap'] / prev[op]['casnap']:.2f}x" if prev else "",
-            ]
+            row += [f"{g['casnap_ratio']:.2f}x", growth]
             if a.baseline:
                 row += [f"{g['baseline']:.3f}", f"{g['baseline_ratio']:.2f}x"]
             rows.append(row)
