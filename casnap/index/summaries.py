@@ -88,9 +88,11 @@ class SummaryLine:
 
 def line_of(s: ManifestSummary, base: frozenset[tuple[str, int, int]] | None) -> SummaryLine:
     """The line of ``s``; ``base``: the spans of its first parent, when known."""
-    ours = {o for o, _, _ in s.spans}
     if base is None or not s.parents:
-        return _line(s, None, s.spans, frozenset(ours), frozenset())
+        return _line(s, None, s.spans, frozenset(o for o, _, _ in s.spans), frozenset())
+    if base is s.spans:  # an unchanged re-take: the parent's very spans (SummaryMemo)
+        return _line(s, s.parents[0], frozenset(), frozenset(), frozenset())
+    ours = {o for o, _, _ in s.spans}
     theirs = {o for o, _, _ in base}
     return _line(
         s, s.parents[0], s.spans - base, frozenset(ours - theirs), frozenset(theirs - ours)
