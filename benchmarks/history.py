@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import markdown_table, write_json
+from harness import ROOT, markdown_table, write_json
 
 import casnap
 from casnap import Session, Snapshot, StateDict
@@ -76,8 +76,8 @@ def cpu() -> float:
 def cli(args: list[str], env: dict[str, str]) -> float:
     t0 = cpu()
     code = "import sys; from casnap.cli.app import main; sys.exit(main())"
-    subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, check=True, stdout=subprocess.DEVNULL
+    subprocess.run(  # -P: casnap from PYTHONPATH, never from the current folder
+        [sys.executable, "-P", "-c", code, *args], env=env, check=True, stdout=subprocess.DEVNULL
     )
     return cpu() - t0
 
@@ -139,7 +139,7 @@ def main() -> None:
     a = ap.parse_args()
     work, last = Path(a.workdir), None
     tiny = work / "tiny"
-    env = dict(os.environ, CASNAP_INDEX_DIR=str(work / "index"))
+    env = dict(os.environ, CASNAP_INDEX_DIR=str(work / "index"), PYTHONPATH=ROOT)
     os.environ.update(env)
     envs = {"casnap": env}
     if a.baseline:  # another checkout, with its own index
