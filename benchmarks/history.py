@@ -57,9 +57,7 @@ def build(repo: Path, upto: int, chunk: int, state: dict[str, torch.Tensor] | No
                 t, k = divmod(c, CHUNKS)
                 state[f"t{t:02d}"][k * chunk // 4 : (k + 1) * chunk // 4] += 1.0
         model, step = {"m": StateDict(state)}, {"step": i}
-        Snapshot.take(
-            str(repo / f"s{i:05d}"), model, None, None, opts, session=session, metadata=step
-        )
+        Snapshot.take(str(repo / f"s{i:05d}"), model, settings=opts, session=session, metadata=step)
     return state
 
 

@@ -246,11 +246,13 @@ def run_maintenance(base: str, options: dict[str, Any], n: int, counter: Request
     """Requests per leg on a repository of ``n`` chunk objects (see the docstring)."""
     from casnap import Repository, Session, Snapshot, StateDict
 
-    model, opts = {"m": StateDict(w=torch.randn(n * 1024))}, dict(options, chunk_size=4096)
+    model, opts = {"m": StateDict(w=torch.randn(n * 1024))}, {"chunk_size": 4096}
     repo, session = f"{base}/repo", Session()
 
     def take(name: str, s: Session) -> Callable[[], Any]:
-        return lambda: Snapshot.take(f"{repo}/{name}", model, storage_options=opts, session=s)
+        return lambda: Snapshot.take(
+            f"{repo}/{name}", model, storage_options=options, settings=opts, session=s
+        )
 
     def op(name: str, **kw: Any) -> Callable[[], Any]:
         return lambda: getattr(Repository(repo, options), name)(**kw)

@@ -24,7 +24,7 @@ def _private_index(tmp_path, monkeypatch):
 def _series(tmp_path, n: int = 6) -> Repository:
     """A chain through one Session, a fork off its middle, and one take without a parent."""
     repo = Repository.init(str(tmp_path / "repo"), chunk_size=CHUNK)
-    opts = {"repository": repo}
+    opts = repo
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(8 * CHUNK // 4, generator=g) for i in range(3)}
     state["small"] = torch.randn(10, generator=g)  # packed
@@ -35,13 +35,13 @@ def _series(tmp_path, n: int = 6) -> Repository:
         Snapshot.take(
             f"{repo.url}/s{i}",
             {"m": StateDict(state)},
-            storage_options=opts,
+            repository=opts,
             session=session,
             metadata={"step": i},
         )
     state["t1"][-10:] += 2.0
-    Snapshot.take(f"{repo.url}/fork", {"m": StateDict(state)}, storage_options=opts, parents=["s2"])
-    Snapshot.take(f"{repo.url}/alone", {"m": StateDict(state)}, storage_options=opts, parents=[])
+    Snapshot.take(f"{repo.url}/fork", {"m": StateDict(state)}, repository=opts, parents=["s2"])
+    Snapshot.take(f"{repo.url}/alone", {"m": StateDict(state)}, repository=opts, parents=[])
     return repo
 
 
