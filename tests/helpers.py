@@ -121,3 +121,28 @@ def counted_repo(root: str, chunk_size: int) -> tuple[Any, Any]:
 
     store = CountingStore(LocalStore(root))
     return Repository.on_store(store, chunk_size=chunk_size), store
+
+
+def kill_when_ready(argv: list[str], ready: Path, env: dict[str, str], wait: float = 300) -> None:
+    """Run ``argv``; SIGKILL it once it writes ``ready`` (the moment it chose: chunks
+    written, a commit not yet). Fails, with the child's stderr, if it ends before."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + wait
+        while not ready.exists():
+            if child.poll() is not None:
+                err = child.stderr.read().decode() if child.stderr else ""
+                raise AssertionError(f"the child ended before it was ready: {err}")
+            assert time.monotonic() < deadline, f"no {ready} within {wait} s"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(30)
+        if child.stderr:
+            child.stderr.close()

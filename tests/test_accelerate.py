@@ -12,10 +12,8 @@ from __future__ import annotations
 import glob
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ pytest.importorskip("torchdata")
 
 from accelerate_helpers import params, reset, setup, train  # noqa: E402
 from dist_harness import run_ranks, values  # noqa: E402
+from helpers import kill_when_ready  # noqa: E402
 
 import casnap  # noqa: E402
 
@@ -151,23 +150,8 @@ def test_a_plain_accelerate_checkpoint_still_loads(tmp_path):
 @pytest.mark.parametrize("where", ["ref", "pointer"])
 def test_a_killed_save_leaves_the_last_checkpoint_latest(tmp_path, where):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "accelerate_helpers.py"), "kill", str(tmp_path), where],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not (tmp_path / "ready").exists():
-            if child.poll() is not None:
-                raise AssertionError(child.stderr.read().decode() if child.stderr else "")
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(30)
+    argv = [sys.executable, str(HERE / "accelerate_helpers.py"), "kill", str(tmp_path), where]
+    kill_when_ready(argv, tmp_path / "ready", env)
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "checkpoint_1").is_dir() and not any((ckpts / "checkpoint_1").iterdir())
     repo = casnap.Repository(str(ckpts))

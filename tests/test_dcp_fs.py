@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import subprocess
 import sys
-import time
 import tomllib
 from concurrent.futures import Future
 from pathlib import Path
@@ -32,6 +30,7 @@ from casnap.integrations.dcp_layout import FILES_METADATA
 from casnap.take.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).parent))
+from helpers import kill_when_ready  # noqa: E402
 from test_cli_contract import casnap as run_cli  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -192,17 +191,8 @@ def test_a_save_killed_before_its_commit_leaves_no_checkpoint(tmp_path):
     run = tmp_path / "run"
     dcp.save(_state(1), checkpoint_id=_id(run / "step_1"))
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    child = subprocess.Popen([sys.executable, str(CHILD), "kill", str(tmp_path)], env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "ready").exists():
-            assert child.poll() is None, "the child ended before its commit"
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)  # every chunk written, the ref not yet
-    finally:
-        child.kill()
-        child.wait(30)
+    # killed with every chunk written, the ref not yet
+    kill_when_ready([sys.executable, str(CHILD), "kill", str(tmp_path)], tmp_path / "ready", env)
     assert casnap.Repository(str(run)).snapshots() == ["step_1"]
     out = _blank()
     dcp.load(out, checkpoint_id=_id(run / "step_1"))

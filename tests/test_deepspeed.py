@@ -13,10 +13,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ import pytest
 import torch
 from deepspeed_helpers import deepspeed_missing, engine, params, quiet, train
 from dist_harness import run_ranks, values
+from helpers import kill_when_ready
 
 import casnap
 
@@ -159,23 +158,8 @@ def test_keep_last_and_removed_folders_retire_their_snapshots(tmp_path):
 @pytest.mark.parametrize("where", ["ref", "pointer"])
 def test_a_killed_save_leaves_the_last_checkpoint_as_latest(tmp_path, where):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "deepspeed_helpers.py"), "kill", str(tmp_path), where],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not (tmp_path / "ready").exists():
-            if child.poll() is not None:
-                raise AssertionError(child.stderr.read().decode() if child.stderr else "")
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(30)
+    argv = [sys.executable, str(HERE / "deepspeed_helpers.py"), "kill", str(tmp_path), where]
+    kill_when_ready(argv, tmp_path / "ready", env)
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text() == "a"  # DeepSpeed would resume from "a"
     repo = casnap.Repository(str(ckpt))

@@ -7,10 +7,7 @@ spawned process; casnap is only its ``storage_config``.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,7 +29,7 @@ from casnap.integrations.torch_checkpointing import CasnapStorageConfig  # noqa:
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_harness import run_ranks, values  # noqa: E402
-from helpers import flip_byte  # noqa: E402
+from helpers import flip_byte, kill_when_ready  # noqa: E402
 from test_cli_contract import casnap as run_cli  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -207,19 +204,9 @@ def test_removing_a_checkpoint_folder_drops_its_snapshot_and_gc_reclaims(tmp_pat
 def test_a_save_killed_before_its_rename_leaves_no_checkpoint(tmp_path):
     root = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "torch_checkpointing_child.py"), str(tmp_path)], env=env
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "ready").exists():
-            assert child.poll() is None, "the child ended before its rename"
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)  # step_2's files all stored, its rename next
-    finally:
-        child.kill()
-        child.wait(30)
+    # killed with step_2's files all stored, its rename next
+    argv = [sys.executable, str(HERE / "torch_checkpointing_child.py"), str(tmp_path)]
+    kill_when_ready(argv, tmp_path / "ready", env)
     storage = CasnapStorageConfig(str(root)).create_storage()
     assert storage.ls(root) == ["step_1"] and not storage.exists(root / "tmp_step_2")
     manager = _manager(root)

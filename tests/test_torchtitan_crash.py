@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from casnap.integrations.dcp import CasnapWriter  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from helpers import kill_when_ready  # noqa: E402
 from test_cli_contract import casnap as run_cli  # noqa: E402
 from test_power_cut import NO_FSYNC, _mount, _no_fsync, cut, ext4  # noqa: E402, F401  (ext4: the fixture)
 from test_torchtitan import Job, same, verify_clean  # noqa: E402
@@ -58,17 +58,8 @@ def _killed_child(root: Path) -> None:
 
 def test_a_killed_save_leaves_the_earlier_steps_and_no_latest_half(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    child = subprocess.Popen([sys.executable, __file__, "kill", str(tmp_path)], env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "ready").exists():
-            assert child.poll() is None, "the child ended before its commit"
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)  # step 3's chunks written, its ref not
-    finally:
-        child.kill()
-        child.wait(30)
+    # killed with step 3's chunks written, its ref not
+    kill_when_ready([sys.executable, __file__, "kill", str(tmp_path)], tmp_path / "ready", env)
     folder = tmp_path / "checkpoint"
     assert casnap.Repository(str(folder)).snapshots() == ["step-1", "step-2"]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg2", rank=0, world_size=1)
