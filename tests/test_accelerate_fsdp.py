@@ -166,3 +166,38 @@ def test_saving_again_to_a_folder_replaces_its_fsdp2_snapshots(tmp_path):
     assert values(run_ranks(2, _resave, str(tmp_path), timeout=600)) == [True, True]
     repo = casnap.Repository(str(tmp_path / "run"))
     assert sorted(repo.snapshots()) == ["best@1", "best@1.fsdp"]
+
+
+def _failed(rank: int, world: int, root: str) -> tuple[int, int]:
+    """The second save fails in the DCP writer's commit: the first stays the one loaded."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from casnap.integrations.dcp import CasnapWriter
+
+    _env(rank, world)
+    parts = setup(root, seed=0, fsdp=True)
+    _, it = train(parts, 3)
+    parts[0].save_state()
+    train(parts, 2, it)
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise OSError("injected: the store went away")
+
+    CasnapWriter.finish = fail  # type: ignore[method-assign]
+    with pytest.raises(CheckpointException) as failed:  # on every rank (a BaseException)
+        parts[0].save_state()
+    assert "injected" in repr(failed.value)
+    fresh = setup(root, seed=1, fsdp=True)
+    fresh[0].load_state()
+    out = (fresh[5].n, len(train(fresh, 1)[0]))
+    reset()
+    return out
+
+
+def test_a_failed_fsdp2_save_leaves_the_last_checkpoint_latest(tmp_path):
+    assert values(run_ranks(2, _failed, str(tmp_path), timeout=600)) == [(3, 1), (3, 1)]
+    ckpts = tmp_path / "checkpoints"
+    assert not (ckpts / "checkpoint_1" / "casnap.json").exists()
+    repo = casnap.Repository(str(ckpts))
+    assert "checkpoint_1.fsdp" not in repo.snapshots()
+    assert repo.verify(read_data=True).ok
