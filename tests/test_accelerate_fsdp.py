@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,8 +42,17 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _draws() -> tuple[Any, ...]:
+    return (torch.rand(3), random.random(), float(np.random.rand()))
+
+
+def _same_draws(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
 def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Save after 3 steps (twice, unchanged), train 4; a fresh run loads and trains the same 4."""
+    """Save after 3 steps (twice, unchanged), train 4; a fresh run loads and trains the same 4
+    (and its torch, Python and NumPy RNGs draw what the first run drew after the save)."""
     _env(rank, world)
     ckpts = os.path.join(root, "checkpoints")
     parts = setup(root, seed=0, fsdp=True, total_limit=2)
@@ -53,6 +64,7 @@ def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
     parts[0].save_state()  # unchanged: no chunk may be written
     parts[0].wait_for_everyone()
     resave_wrote = sorted(_chunks(ckpts) - before)
+    draws = _draws()
     after, _ = train(parts, 4, it)
     want = params(parts[1])
     parts[0].save_state()  # checkpoint_0 rotates away (total_limit=2), its snapshots with it
@@ -60,6 +72,7 @@ def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
 
     fresh = setup(root, seed=1, fsdp=True, total_limit=2)
     fresh[0].load_state(os.path.join(ckpts, "checkpoint_1"))
+    same_draws = _same_draws(draws, _draws())
     step, counter = fresh[0].step, fresh[5].n
     resumed, _ = train(fresh, 4)
     got = params(fresh[1])
@@ -73,6 +86,7 @@ def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
         "same_losses": after == resumed,
         "same_params": _same(want, got),
         "newest": _same(last, newest),
+        "same_draws": same_draws,
         "counter": counter,
         "step": step,
     }
@@ -85,6 +99,7 @@ def test_two_fsdp2_ranks_resume_bit_exact_with_total_limit(tmp_path):
         assert out["shard"] == "DTensor"
         assert out["resave_wrote"] == []
         assert out["same_losses"] and out["same_params"] and out["newest"], out
+        assert out["same_draws"], out
         assert (out["counter"], out["step"]) == (3, 0)
     ckpts = tmp_path / "checkpoints"
     repo = casnap.Repository(str(ckpts))
@@ -201,3 +216,21 @@ def test_a_failed_fsdp2_save_leaves_the_last_checkpoint_latest(tmp_path):
     repo = casnap.Repository(str(ckpts))
     assert "checkpoint_1.fsdp" not in repo.snapshots()
     assert repo.verify(read_data=True).ok
+
+
+def _ddp_then_fsdp(rank: int, world: int, root: str) -> str:
+    """A checkpoint saved under DDP is refused, with a reason, by an FSDP2 load."""
+    from casnap.errors import ConfigError
+
+    _env(rank, world)
+    setup(root, seed=0)[0].save_state()
+    fresh = setup(root, seed=1, fsdp=True)
+    with pytest.raises(ConfigError) as refused:
+        fresh[0].load_state()
+    reset()
+    return str(refused.value)
+
+
+def test_a_ddp_checkpoint_is_refused_by_an_fsdp2_load(tmp_path):
+    for text in values(run_ranks(2, _ddp_then_fsdp, str(tmp_path), timeout=600)):
+        assert "saved without FSDP" in text

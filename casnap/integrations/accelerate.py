@@ -276,7 +276,10 @@ class CasnapAcceleratorMixin:
             hook(models, input_dir)  # a hook may remove models it loads itself
         kwargs.pop("map_location", None)  # tensors are restored in place, on their device
         shared: dict[str, Any] = {}
+        entries = {k.split("/", 2)[1] for k in snap.get_manifest() if k.startswith("0/")}
         if accelerate_fsdp.handled(a):
+            if "model_0" in entries:
+                raise ConfigError(f"{snap.name} was saved without FSDP: load it without FSDP")
             path = accelerate_fsdp.fsdp_path(os.fspath(input_dir), pointer.snapshot)
             accelerate_fsdp.load(a, path, models)
         else:
@@ -286,7 +289,6 @@ class CasnapAcceleratorMixin:
         if a.scaler is not None:
             shared["scaler"] = a.scaler
         shared |= {f"custom_{i}": o for i, o in enumerate(a._custom_objects)}
-        entries = {k.split("/", 2)[1] for k in snap.get_manifest() if k.startswith("0/")}
         for key, target in shared.items():
             self._casnap_read(snap, f"0/{key}", target, key in entries)
         for i, loader in enumerate(a._dataloaders):
