@@ -38,7 +38,33 @@ class Counter:
         self.n = state["n"]
 
 
-def setup(root: str, seed: int, *, total_limit: int | None = None, width: int = 16) -> Any:
+def force_fsdp(acc: Any) -> None:
+    """Make Accelerate treat this CPU (gloo) run as FSDP, which it never selects on CPU.
+
+    ``AcceleratorState.__init__`` (accelerate/state.py, 1.15.0, lines 986-1013)
+    turns ``fsdp_plugin`` into ``DistributedType.FSDP`` only when the type is
+    one of the accelerator kinds (MULTI_GPU, MULTI_NPU, ...); MULTI_CPU stays
+    MULTI_CPU and the plugin is dropped. Set afterwards (in the shared state
+    of both ``PartialState`` and ``AcceleratorState``), Accelerate's own FSDP2
+    ``prepare`` (``fully_shard``) and ``save_state``/``load_state`` run on gloo.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    PartialState().distributed_type = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+
+
+def setup(
+    root: str,
+    seed: int,
+    *,
+    total_limit: int | None = None,
+    width: int = 16,
+    fsdp: bool = False,
+    plain: bool = False,
+) -> Any:
     """A CasnapAccelerator with a model, AdamW, a scheduler, a stateful data loader
     and a registered counter, all prepared.
 
@@ -46,7 +72,9 @@ def setup(root: str, seed: int, *, total_limit: int | None = None, width: int = 
     ``save_state``/``load_state`` resume neither bit-exactly mid-epoch (a new
     iterator draws from the restored RNG; the shuffle order is not saved), and
     casnap's resume is Accelerate's, value for value. The RNG is checked apart.
+    ``fsdp``: FSDP2 (:func:`force_fsdp`); ``plain``: Accelerate's own Accelerator.
     """
+    from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -54,11 +82,13 @@ def setup(root: str, seed: int, *, total_limit: int | None = None, width: int = 
 
     reset()
     config = ProjectConfiguration(root, automatic_checkpoint_naming=True, total_limit=total_limit)
-    acc = CasnapAccelerator(
+    acc = (Accelerator if plain else CasnapAccelerator)(
         cpu=True,
         project_config=config,
         dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
     )
+    if fsdp:
+        force_fsdp(acc)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
@@ -92,7 +122,11 @@ def train(parts: Any, steps: int, it: Any = None) -> tuple[list[float], Any]:
 
 
 def params(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """The model's whole tensors (an FSDP2 shard gathered: every rank calls it)."""
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
 
 
 def kill(root: str, where: str) -> None:

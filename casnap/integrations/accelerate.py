@@ -18,9 +18,11 @@ Accelerate does and their snapshots go with them. Models, optimizers,
 schedulers, data loader states, the gradient scaler, objects registered with
 ``register_for_checkpointing``, each process's RNG states and ``step`` are in
 the snapshot; the save and load pre-hooks run as in Accelerate. Single
-process and DDP (several processes, any device); with FSDP, DeepSpeed,
-Megatron-LM or XLA Accelerate's own ``save_state`` runs (a warning says so;
-docs/accelerate.md).
+process, DDP (several processes, any device) and FSDP2 with sharded state
+dicts (the models and optimizers in a DCP snapshot ``<S>.fsdp`` beside the
+folder's snapshot ``S``, :mod:`casnap.integrations.accelerate_fsdp`); with FSDP1, a full FSDP state
+dict, DeepSpeed, Megatron-LM or XLA Accelerate's own ``save_state`` runs (a
+warning says so; docs/accelerate.md).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from accelerate.utils import DistributedType
 
 from casnap.api.snapshot import Snapshot
 from casnap.errors import ConfigError
+from casnap.integrations import accelerate_fsdp
 from casnap.integrations.pointer import (
     Pointer,
     Retirer,
@@ -118,12 +121,17 @@ class CasnapAcceleratorMixin:
     def _casnap(self) -> tuple[Session, Retirer]:
         found = self.__dict__.get("_casnap_parts")
         if found is None:
-            found = self.__dict__["_casnap_parts"] = (Session(), Retirer())
-        return found
+            found = self.__dict__["_casnap_parts"] = (Session(), Retirer(), Session())
+        return found[0], found[1]
+
+    def _casnap_fsdp_session(self) -> Session:
+        self._casnap()
+        session: Session = self.__dict__["_casnap_parts"][2]
+        return session
 
     def _casnap_enabled(self) -> bool:
         a: Any = self
-        if a.distributed_type in _SUPPORTED:
+        if a.distributed_type in _SUPPORTED or accelerate_fsdp.handled(a):
             return True
         log.warning("casnap: %s: Accelerate's own save_state is used", a.distributed_type)
         return False
@@ -142,23 +150,29 @@ class CasnapAcceleratorMixin:
             return super().save_state(output_dir, safe_serialization, **kwargs)  # type: ignore[misc]
         a: Any = self
         folder = self._casnap_folder(output_dir)
-        weights = [a.get_state_dict(m, unwrap=False) for m in a._models]
+        fsdp = accelerate_fsdp.handled(a)
+        # Under FSDP Accelerate's hooks see no weights too (the shards go by DCP).
+        weights = [] if fsdp else [a.get_state_dict(m, unwrap=False) for m in a._models]
         for hook in a._save_model_state_pre_hook.values():
             hook(a._models, weights, folder)  # a hook may pop weights it saves itself
         step = int(a.step)
+        meta = {"step": step, _META: {"folder": os.path.basename(folder)}}
         state: dict[str, Any] = {"rng": RNGState(), "numpy_rng": NumpyRNGState()}
         state["accelerate"] = StateDict(step=step)
         if a.is_main_process:
-            state |= self._casnap_shared(weights)
+            state |= self._casnap_shared(weights, fsdp)
         session, retirer = self._casnap()
         old = _pointer(folder) if a.is_main_process else None
         snap = take_versioned(
             folder,
             state,
-            metadata={"step": step, _META: {"folder": os.path.basename(folder)}},
+            metadata=meta,
             allow_pickle=self.casnap_allow_pickle,
             session=session,
         )
+        if fsdp:  # snapshot <name>.fsdp, before the pointer names <name>
+            path = accelerate_fsdp.fsdp_path(folder, snap.name)
+            accelerate_fsdp.save(a, path, meta, self._casnap_fsdp_session())
         if a.is_main_process:
             pointer = Pointer(snap.repository.url, snap.name, snap.manifest_hash)
             write_pointer(os.path.join(folder, POINTER_FILE), pointer, POINTER_KIND)
@@ -198,13 +212,13 @@ class CasnapAcceleratorMixin:
         os.makedirs(folder, exist_ok=True)
         return folder
 
-    def _casnap_shared(self, weights: list[Any]) -> dict[str, Any]:
+    def _casnap_shared(self, weights: list[Any], fsdp: bool) -> dict[str, Any]:
         """What the main process saves for all (Accelerate's files without a rank in the name)."""
         a: Any = self
         state: dict[str, Any] = {}
         for i, w in enumerate(weights):
             state[f"model_{i}"] = StateDict(w)
-        for i, opt in enumerate(a._optimizers):
+        for i, opt in enumerate([] if fsdp else a._optimizers):
             state[f"optimizer_{i}"] = opt
         for i, sched in enumerate(a._schedulers):
             state[f"scheduler_{i}"] = sched
@@ -228,7 +242,9 @@ class CasnapAcceleratorMixin:
         def pointed(name: str, meta: dict[str, Any]) -> bool:
             folder = meta.get("folder")
             p = _pointer(os.path.join(root, folder)) if isinstance(folder, str) else None
-            return p is not None and (p.repository, p.snapshot) == (repo.url, name)
+            if p is None or p.repository != repo.url:
+                return False
+            return name in (p.snapshot, p.snapshot + accelerate_fsdp.SUFFIX)
 
         retire_unpointed(repo, self._casnap()[1], _META, prefix, pointed)
 
@@ -259,15 +275,20 @@ class CasnapAcceleratorMixin:
         for hook in a._load_model_state_pre_hook.values():
             hook(models, input_dir)  # a hook may remove models it loads itself
         kwargs.pop("map_location", None)  # tensors are restored in place, on their device
-        shared: dict[str, Any] = {
-            f"model_{i}": _Weights(None, m, kwargs) for i, m in enumerate(models)
-        }
-        shared |= {f"optimizer_{i}": o for i, o in enumerate(a._optimizers)}
+        shared: dict[str, Any] = {}
+        entries = {k.split("/", 2)[1] for k in snap.get_manifest() if k.startswith("0/")}
+        if accelerate_fsdp.handled(a):
+            if "model_0" in entries:
+                raise ConfigError(f"{snap.name} was saved without FSDP: load it without FSDP")
+            path = accelerate_fsdp.fsdp_path(os.fspath(input_dir), pointer.snapshot)
+            accelerate_fsdp.load(a, path, models)
+        else:
+            shared |= {f"model_{i}": _Weights(None, m, kwargs) for i, m in enumerate(models)}
+            shared |= {f"optimizer_{i}": o for i, o in enumerate(a._optimizers)}
         shared |= {f"scheduler_{i}": s for i, s in enumerate(a._schedulers)}
         if a.scaler is not None:
             shared["scaler"] = a.scaler
         shared |= {f"custom_{i}": o for i, o in enumerate(a._custom_objects)}
-        entries = {k.split("/", 2)[1] for k in snap.get_manifest() if k.startswith("0/")}
         for key, target in shared.items():
             self._casnap_read(snap, f"0/{key}", target, key in entries)
         for i, loader in enumerate(a._dataloaders):
