@@ -20,13 +20,13 @@ from casnap.store import local as local_module
 @pytest.fixture
 def synced(monkeypatch) -> list[str]:
     calls: list[str] = []
-    real = local_module._fsync_dir
+    real = local_module.fsync_dir
 
     def record(folder: str) -> None:
         calls.append(folder)
         real(folder)
 
-    monkeypatch.setattr(local_module, "_fsync_dir", record)
+    monkeypatch.setattr(local_module, "fsync_dir", record)
     return calls
 
 

@@ -106,9 +106,14 @@ def _differs(got: Any, want: Any, where: str = "") -> str | None:
         if set(got) != set(want):
             return f"{where}: keys {sorted(got)} != {sorted(want)}"
         return next((d for k in want if (d := _differs(got[k], want[k], f"{where}/{k}"))), None)
+    if isinstance(want, (list, tuple)) and len(got) == len(want):
+        return next(
+            (d for k, w in enumerate(want) if (d := _differs(got[k], w, f"{where}/{k}"))), None
+        )
     if isinstance(want, torch.Tensor):
         same = got.dtype == want.dtype and got.shape == want.shape
-        return None if same and got.view(torch.uint8).equal(want.view(torch.uint8)) else where
+        bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731  (0-dim too)
+        return None if same and bits(got).equal(bits(want)) else where
     return None if got == want else f"{where}: {got!r} != {want!r}"
 
 

@@ -45,6 +45,7 @@ from casnap.integrations.pointer import (
     Pointer,
     Retirer,
     read_pointer,
+    replace_file,
     retire_unpointed,
     take_versioned,
     write_pointer,
@@ -178,6 +179,11 @@ class CasnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpe
             write_pointer(path, pointer, POINTER_KIND)
         if world > 1:
             dist.barrier()  # every rank's pointers name the new snapshot before any retiring
+        if rank == 0 and info.save_latest:
+            # DeepSpeed writes ``latest`` next, not synced: a power cut could leave it
+            # empty (a new file's data is written back later). Written durably first,
+            # its rewrite by DeepSpeed truncates a file ext4 then writes back on close.
+            replace_file(os.path.join(info.save_dir, "latest"), info.tag.encode())
         if rank == 0:
             repo = snap.repository
             for stale in old - {(pointer.repository, pointer.snapshot)}:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from casnap.api.repository import Repository
 from casnap.errors import CasnapError, SnapshotExistsError, SnapshotNotFoundError
+from casnap.store.local import fsync_dir
 
 if TYPE_CHECKING:
     from casnap.api.snapshot import Snapshot
@@ -35,6 +36,7 @@ __all__ = [
     "Retirer",
     "is_url",
     "read_pointer",
+    "replace_file",
     "retire_unpointed",
     "take_versioned",
     "write_pointer",
@@ -135,7 +137,13 @@ def write_pointer(path: str, pointer: Pointer, kind: str) -> None:
         fs, stripped = _fs(path)
         fs.pipe_file(stripped, body)  # one object put: atomic on object stores
         return
-    # A symbolic link (Lightning's last.ckpt) is replaced, never written through.
+    replace_file(path, body)
+
+
+def replace_file(path: str, body: bytes) -> None:
+    """Replace the local file ``path`` by ``body`` atomically and durably: after a power
+    cut it holds ``body`` or what it held before. A symbolic link (Lightning's
+    last.ckpt) is replaced, never written through."""
     tmp = f"{path}.casnap-{uuid.uuid4().hex[:8]}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -143,6 +151,7 @@ def write_pointer(path: str, pointer: Pointer, kind: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))  # the rename too survives a power cut
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

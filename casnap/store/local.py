@@ -162,7 +162,7 @@ class LocalStore(ObjectStore):
             with self._pending_lock:
                 pending, self._pending_dirs = self._pending_dirs, set()
             try:
-                sync_all(_fsync_dir, sorted(pending))
+                sync_all(fsync_dir, sorted(pending))
             except BaseException as exc:  # also a thread that could not start: retried next
                 with self._pending_lock:
                     self._pending_dirs |= pending
@@ -308,7 +308,7 @@ class LocalStore(ObjectStore):
             # (a manifest, a ref) can even appear: the commit order holds across crashes.
             self.flush()
         try:
-            _make_folders(folder, _fsync_dir if durable else self._defer)
+            _make_folders(folder, fsync_dir if durable else self._defer)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 write_parts(fd, as_parts(data))
@@ -323,7 +323,7 @@ class LocalStore(ObjectStore):
             else:
                 os.replace(tmp, path)
             if durable:
-                _fsync_dir(folder)
+                fsync_dir(folder)
             else:
                 self._defer(folder)
         except OSError as exc:
@@ -481,7 +481,7 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
