@@ -338,7 +338,7 @@ def main() -> None:
         f"state: {size / MiB:.1f} MiB fp32 (hidden {d}, {layers} layers, {len(state)} "
         f"tensors) on {url}; median of {args.repeat}\n"
     )
-    rows: list[list[str]] = []
+    rows = []
     result: dict[str, dict[str, Any]] = {}
     for leg in LEGS:
         for side in sides:

@@ -146,7 +146,7 @@ def kill(root: str, where: str) -> None:
     if where == "ref":
         RepoStorage.write_ref = stop  # type: ignore[method-assign]
     else:
-        casnap_acc.write_pointer = stop  # type: ignore[assignment]
+        casnap_acc.write_pointer = stop  # type: ignore[attr-defined]
     parts[0].save_state()
 
 

@@ -111,7 +111,7 @@ def kill(root: str, where: str) -> None:
     if where == "ref":
         RepoStorage.write_ref = stop  # type: ignore[method-assign]
     else:
-        casnap_ds.write_pointer = stop  # type: ignore[assignment]
+        casnap_ds.write_pointer = stop  # type: ignore[attr-defined]
     eng.save_checkpoint(os.path.join(root, "ckpt"), tag="b")
 
 

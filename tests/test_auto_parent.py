@@ -14,6 +14,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import helpers
 import pytest
@@ -144,7 +145,7 @@ def test_a_sparse_update_of_a_large_table_is_stored_as_a_delta(tmp_path):
 
 def test_a_new_process_reads_its_parent_once_and_the_next_take_none(tmp_path):
     repo, store = helpers.counted_repo(str(tmp_path / "run"), CHUNK)
-    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     app = state()
     s1 = Snapshot.take(f"{repo.url}/s1", app, **opts)
     REUSE.clear()  # as in a new process: s1's plan is not in memory
@@ -267,7 +268,7 @@ def test_a_parent_deleted_by_retention_and_gc_between_takes_loses_nothing(tmp_pa
 
 def test_after_a_gc_the_index_no_longer_vouches_for_the_parent(tmp_path):
     repo, store = helpers.counted_repo(str(tmp_path / "run"), CHUNK)
-    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     app = state()
     Snapshot.take(f"{repo.url}/s1", app, **opts)
     s2 = Snapshot.take(f"{repo.url}/s2", state(1), **opts)
@@ -334,7 +335,7 @@ def test_after_a_dcp_re_save_the_parent_is_the_new_save_not_its_history(tmp_path
     must still descend from what ``<id>`` names now, not from the history."""
     Repository.init(str(tmp_path / "run"))
     repo = Repository.on_store(_WholeSeconds(LocalStore(str(tmp_path / "run"))))
-    opts = {"repository": repo}
+    opts: dict[str, Any] = {"repository": repo}
     model = torch.nn.Linear(64, 64)
     dcp.save(
         {"model": model.state_dict()},
@@ -354,7 +355,7 @@ def test_saves_through_a_repository_object_made_here_get_parents(tmp_path):
     created (``Repository.init``, ``on_store``): only the first save into it is
     "fresh"; every later save, DCP or take, descends from the one before."""
     repo = Repository.on_store(LocalStore(str(tmp_path / "run")))
-    opts = {"repository": repo}
+    opts: dict[str, Any] = {"repository": repo}
     model = torch.nn.Linear(64, 64)
     for step in (1, 2):
         writer = CasnapWriter(f"{repo.url}/step_{step}", **opts)
@@ -417,7 +418,7 @@ def test_every_changed_chunk_of_a_take_finds_its_delta_base(tmp_path):
     is slow (a remote store, or a manifest of many entries)."""
     Repository.init(str(tmp_path / "run"))
     repo = Repository.on_store(_SlowManifests(LocalStore(str(tmp_path / "run"))))
-    opts = {"repository": repo, "settings": {"chunk_size": 1 << 20}}
+    opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": 1 << 20}}
     g = torch.Generator().manual_seed(0)
     table = torch.randn(4096, 1024, generator=g)  # 16 MiB: sixteen 1 MiB chunks
     app = {"emb": StateDict(weight=table, bias=torch.randn(1024, generator=g))}

@@ -166,7 +166,10 @@ def test_a_save_by_id_on_two_ranks_loads_on_three_and_in_one_process(two):
     _protocol()
     root, _ = two
     assert values(run_ranks(3, _on_three, str(root))) == [True] * 3
-    plain = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "step": -1}
+    plain: dict[str, Any] = {
+        "model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)},
+        "step": -1,
+    }
     dcp.load(plain, checkpoint_id=f"casnap://{root / 'run'}/step_4", no_dist=True)
     assert torch.equal(plain["model"]["w"], _full(4)) and plain["step"] == 4
 
@@ -204,7 +207,7 @@ def _process_async(rank: int, world: int, root: str, kind: str) -> bool:
         fut = dcp.async_save(
             _state(world, 6), storage_writer=writer, async_checkpointer_type=process
         )
-    fut.result(timeout=180)
+    fut.result(timeout=180)  # type: ignore[union-attr]  # a Future: no stager given
     got = _state(world, 0, fill=False)
     if kind == "fs":
         dcp.load(got, checkpoint_id=f"casnap://{ckpt}")

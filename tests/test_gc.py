@@ -10,6 +10,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def make_state(seed: int) -> StateDict:
 
 
 def take(repo: RepoStorage, name: str, state: StateDict, **kw) -> Snapshot:
-    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     return Snapshot.take(f"{repo.url}/{name}", {"s": state}, **opts, **kw)
 
 

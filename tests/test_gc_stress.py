@@ -79,7 +79,7 @@ def taker(url: str, k: int, rounds: int, out: str, protected: bool) -> None:
             write_ref(name, manifest)
 
         repo.write_ref = slow_write_ref  # type: ignore[method-assign]
-    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     mine: list[tuple[int, str, str]] = []
     deleted: list[str] = []
     with open(out, "a", encoding="utf-8") as log:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -84,10 +85,13 @@ def test_history_operations_parse_each_part_once(tmp_path, monkeypatch):
     from casnap.repo import parts as parts_module
 
     parsed: list[str] = []
-    real = parts_module.parse_part
-    monkeypatch.setattr(
-        parts_module, "parse_part", lambda d, r: parsed.append(r.hash) or real(d, r)
-    )
+    real = parts_module.parse_part  # type: ignore[attr-defined]
+
+    def counted(data: bytes, ref: Any) -> Any:
+        parsed.append(ref.hash)
+        return real(data, ref)
+
+    monkeypatch.setattr(parts_module, "parse_part", counted)
     repo = Repository(str(tmp_path))
     assert repo.verify().ok
     _, doc = _manifest_doc(tmp_path, "a")

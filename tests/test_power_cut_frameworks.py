@@ -168,7 +168,8 @@ class _DCP:
         from casnap.integrations.dcp_fs import CasnapFileSystem
 
         fsspec.register_implementation("casnap", CasnapFileSystem, clobber=True)
-        self.root, self.seed, self.step, self.loaded = root / "dcp", seed, 0, None
+        self.root, self.seed, self.step = root / "dcp", seed, 0
+        self.loaded: dict[str, Any] | None = None
 
     def train(self) -> None:
         self.step += 1
@@ -262,7 +263,7 @@ def child(backend: str, mnt: Path, tmp: Path, prefix: str, mode: str) -> None:
 
     warnings.filterwarnings("ignore")
     seed = int(prefix[1:])
-    b = KINDS[backend](mnt, tmp, seed)
+    b: Any = KINDS[backend](mnt, tmp, seed)
     problems = _check(backend, b, mnt, tmp)
     (tmp / f"problems-{prefix}.json").write_text(json.dumps(problems))
     if problems:

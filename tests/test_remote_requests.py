@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def test_later_takes_still_look_before_writing(gcs_bucket):  # noqa: F811
     store = CountingStore(FsspecStore(url))
     repo = Repository.on_store(store, chunk_size=CHUNK)
     state = random_tensors(SHAPES)
-    opts = {"repository": repo}
+    opts: dict[str, Any] = {"repository": repo}
     Snapshot.take(f"{url}/s1", {"m": StateDict(state)}, **opts)
 
     state["w"][: CHUNK // 4].add_(1.0)  # one new chunk; the index does not know it

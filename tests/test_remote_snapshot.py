@@ -66,7 +66,7 @@ def test_take_restore_and_dedup(remote: Remote) -> None:
     url = remote.repo_url()
     store = CountingStore(remote.store(url))
     repo = Repository.on_store(store, chunk_size=64 * 1024)
-    opts = {"repository": repo}
+    opts: dict[str, Any] = {"repository": repo}
     model = torch.nn.Linear(256, 300)
     extra = StateDict(step=7, small=torch.arange(10))
     Snapshot.take(f"{url}/s1", {"model": model, "extra": extra}, **opts)

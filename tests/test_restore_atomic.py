@@ -246,7 +246,7 @@ def sharded_snapshot(root: str, full: torch.Tensor, parts: int) -> tuple[str, li
     repo.store.flush()
     entry = ShardedEntry(layout="dtensor", dtype="float32", shape=list(full.shape), shards=shards)
     manifest = Manifest(created_at=now_iso(), world_size=parts, entries={"0/m/w": entry})
-    repo.write_ref("s1", repo.write_manifest(manifest))
+    repo.write_ref("s1", repo.write_manifest(manifest)[0])
     return f"{root}/s1", shards
 
 

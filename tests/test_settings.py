@@ -11,7 +11,7 @@ import torch
 from helpers import tensor_entry
 
 import casnap
-from casnap import ConfigError, Snapshot, StateDict, settings
+from casnap import ConfigError, Snapshot, StateDict, settings, settings_kinds
 from casnap.repo.repository import RepoStorage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def test_only_the_settings_module_reads_the_environment_for_casnap_variables() -
 
 @pytest.mark.parametrize("var", [v for v in settings.VARIABLES.values() if v.kind in BAD], ids=str)
 def test_a_bad_value_is_a_config_error_naming_the_variable(
-    var: settings.Variable, monkeypatch: pytest.MonkeyPatch
+    var: settings_kinds.Variable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(var.env, BAD[var.kind])
     with pytest.raises(ConfigError, match=var.env) as info:

@@ -51,7 +51,7 @@ def sharded_snapshot(root: str, full: torch.Tensor, parts: int, container: bool 
     if container:
         entries["0/m"] = ContainerEntry(type="dict", keys=["w"])
     manifest = Manifest(created_at=now_iso(), world_size=parts, entries=entries)
-    repo.write_ref("s1", repo.write_manifest(manifest))
+    repo.write_ref("s1", repo.write_manifest(manifest)[0])
     return f"{root}/s1"
 
 

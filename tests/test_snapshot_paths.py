@@ -121,7 +121,7 @@ def test_init_marks_a_repository_a_take_created_as_shared(tmp_path):
 
 
 def test_an_explicit_repository_wins(tmp_path):
-    opts = {"repository": str(tmp_path / "repo")}
+    opts: dict[str, Any] = {"repository": str(tmp_path / "repo")}
     Snapshot.take(str(tmp_path / "repo" / "a" / "b"), state(1), **opts)
     assert repositories(tmp_path) == ["repo"]
     assert Repository(str(tmp_path / "repo")).snapshots() == ["a/b"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import helpers
 import pytest
@@ -12,7 +13,9 @@ from helpers import take_stats
 from casnap import Repository, Session, Snapshot, StateDict
 from casnap.errors import StoreError
 from casnap.format.json_text import canonical_json
+from casnap.format.manifest_bytes import split
 from casnap.format.names import hash_bytes
+from casnap.repo.parts import part_key
 from casnap.repo.repository import manifest_key
 from casnap.store import CountingStore
 from casnap.take.reuse import REUSE
@@ -35,7 +38,7 @@ def counted_repo(root: str) -> tuple[Repository, CountingStore]:
 def take(
     repo: Repository, name: str, state: StateDict, session: Session | None, **kwargs
 ) -> Snapshot:
-    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     return Snapshot.take(f"{repo.url}/{name}", {"s": state}, **opts, session=session, **kwargs)
 
 
@@ -76,10 +79,14 @@ def test_the_next_take_reuses_the_previous_manifest_instead_of_reading_it(tmp_pa
     assert s2.manifest.entries["0/s/small3"] != s1.manifest.entries["0/s/small3"]
     assert_same(restored(repo, "s2", state), state)
     # What was written is exactly what a fresh read of the manifest gives, and its
-    # bytes are the canonical JSON of a full dump (the reused entry dumps changed nothing).
+    # bytes, manifest and parts, are those of a full dump made afresh (the reused entry
+    # dumps changed nothing; docs/format.md, "Manifest parts").
     assert repo.storage.read_manifest(s2.manifest_hash) == s2.manifest
-    stored = repo.storage.store.get(manifest_key(s2.manifest_hash))
-    assert stored == canonical_json(s2.manifest.model_dump(mode="json"))
+    data, parts = split(s2.manifest.model_copy(update={"parts": []}))
+    assert repo.storage.store.get(manifest_key(s2.manifest_hash)) == data
+    assert [p.ref for p in parts] == s2.manifest.parts
+    for part in parts:
+        assert repo.storage.store.get(part_key(part.ref.hash)) == part.frame
 
 
 def test_an_unchanged_re_take_holds_its_parents_very_entries(tmp_path, session):
@@ -93,7 +100,7 @@ def test_an_unchanged_re_take_holds_its_parents_very_entries(tmp_path, session):
     extra = StateDict(step=7, lr=0.5, opts={"betas": (0.9, 0.99)}, tags={"a", "b"})
 
     def snap(name: str) -> Snapshot:
-        opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+        opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": CHUNK}}
         app = {"s": state, "x": extra}
         return Snapshot.take(f"{repo.url}/{name}", app, **opts, session=session, allow_pickle=True)
 
@@ -119,7 +126,7 @@ def test_a_parents_malformed_primitive_is_not_reused_for_an_equal_value(tmp_path
     ``{"type": "int", "value": true}`` (parsed; refused only when restored), must not
     lend its entry to the next take's ``1``, or that take stores the bad value too."""
     repo, _ = counted_repo(str(tmp_path / "repo"))
-    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     app = {"a": StateDict(w=torch.ones(4)), "b": StateDict(flag=1)}
     s0 = Snapshot.take(f"{repo.url}/s0", app, **opts)
     store = repo.storage.store

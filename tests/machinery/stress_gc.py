@@ -31,7 +31,7 @@ def taker(url: str, k: int, seconds: float, out: str, env: dict[str, str]) -> No
     from casnap import CasnapError, Repository, Snapshot
 
     repo = Repository(url)
-    opts = {"repository": repo, "settings": {"chunk_size": CHUNK}}
+    opts: dict[str, Any] = {"repository": repo, "settings": {"chunk_size": CHUNK}}
     mine: list[tuple[int, str, str]] = []
     deleted: list[str] = []
     end = time.monotonic() + seconds
