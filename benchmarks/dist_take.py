@@ -3,25 +3,12 @@
     .venv/bin/python benchmarks/dist_take.py [--ranks 4] [--mib 64] [--repeat 7]
         [--mode both|fresh|series]
 
-Each repeat times one casnap take and one DCP save of the same DDP state, back
-to back (a barrier before and after each, so a figure is the slowest rank's).
-Two ways of taking, both against a DCP save into a new folder:
-
-- ``fresh``: every take goes into a new repository (a first take: repository
-  and index created, nothing to deduplicate against).
-- ``series``: successive takes into one repository through one
-  :class:`casnap.Session`, every weight changed before each take (a training
-  loop; nothing deduplicates, the plan and the open index are reused). The
-  first take of the series is a warm-up and is not counted.
-
-Both sides pay the same durability: DCP's ``FileSystemWriter`` is given
-``sync_files=True`` (its default) and fsyncs each file it writes; casnap's
-local store fsyncs each chunk, manifest and ref and their folders.
-
-Prints one JSON line: per mode, casnap's bytes written per rank and their
-max/mean, the median take and save times, the median of the per-repeat
-ratios casnap/DCP (paired: robust to a machine whose load changes), and the
-median CPU time of a take and of a save, all ranks' processes together.
+Each repeat times one casnap take and one DCP save (``sync_files=True``) of the same DDP
+state back to back, a barrier before and after each (the slowest rank's time). ``fresh``:
+every take into a new repository; ``series``: into one through one ``Session``, every
+weight changed before each take (the first is a warm-up, not counted). Prints one JSON
+line per mode: casnap's bytes per rank and their max/mean, the median take and save, the
+median of the paired per-repeat ratios, and the median CPU time of all ranks together.
 """
 
 from __future__ import annotations

@@ -368,13 +368,10 @@ def finish_rank(rank: int, out: str, result: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def io_write_bytes() -> int:
-    """Bytes this process has caused to be written to storage (Linux /proc/self/io)."""
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters (Linux /proc/self/io: rchar, wchar, write_bytes...)."""
     with open("/proc/self/io", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("write_bytes:"):
-                return int(line.split()[1])
-    return 0
+        return {k.strip(): int(v) for k, v in (line.split(":") for line in fh)}
 
 
 def manifest_file(root: str, snap: Any) -> str | None:

@@ -3,23 +3,13 @@
     .venv/bin/python benchmarks/small_tensors.py [--tensors 20000 2000] [--numel 64]
         [--repeats 5] [--workdir bench-out/scratch] [--profile first|retake|alone] [--json]
 
-Per-tensor overheads (a future per chunk, a work item per chunk, building
-and validating one manifest entry per tensor) decide this case, not
-bandwidth: 20,000 tensors of 256 B are 5 MB. For each ``--tensors`` count,
-each repeat takes the state into a fresh repository (the *first take*), then
-takes it again unchanged in the same session (the *re-take*: its parent is
-the first, the every-N-steps loop), and times torch.save + fsync of the same
-dict, interleaved so that a noisy neighbour hits all of them alike. Each
-repeat also re-takes the state unchanged twice *without* a session (the
-torchsnapshot loop, ``Snapshot.take(f"{root}/step_{n}", app_state)``: its
-parent is the newest snapshot in the folder, found in the store; issue #25
-point 1): the first of them has a parent this process did not take without a
-session (as in a new process per save), the second is the loop's steady state,
-its parent the first (the target row). Prints medians and the ratios
-(issue #14 point 1: first take <= 1.5x, re-take <= 0.5x; issue #25: re-take
-without a session <= 0.6x), of wall time and, next to it, of CPU time (all
-threads). ``--profile`` runs cProfile over one first take, re-take, or
-session-less re-take (``alone``) of the first count and prints the top of it.
+Per-tensor overheads decide this case, not bandwidth (20,000 tensors of 256 B are 5 MB).
+Per ``--tensors`` count and repeat, interleaved with torch.save + fsync of the same dict:
+the first take into a fresh repository, an unchanged re-take in the same session, and two
+unchanged re-takes without one (``Snapshot.take(f"{root}/step_{n}", ...)``, parent the
+newest in the folder; the second is the steady state and the target row). Prints medians
+and the ratios of wall and of CPU time (first <= 1.5x, re-take <= 0.5x, without a session
+<= 0.6x). ``--profile`` prints cProfile's top of one first take, re-take or ``alone``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """The checkpoint systems benchmarks/suite.py compares, each through its natural API.
 
-Every system saves a flat ``{name: tensor}`` state durably and loads it back:
-
-- ``torch.save``: ``torch.save`` + fsync of the file and its folder;
-  ``torch.load(weights_only=True)`` (fresh tensors); one tensor with
-  ``torch.load(mmap=True)``.
-- ``safetensors``: ``save_file`` + fsync; ``load_file`` (fresh tensors); one
-  tensor with ``safe_open(...).get_tensor``.
-- ``DCP``: ``torch.distributed.checkpoint.save/load`` with ``checkpoint_id``
-  (no process group; DCP fsyncs its files); loads in place; one tensor by
-  loading a one-entry state dict; ``async_save``.
-- ``torchsnapshot``: ``Snapshot.take`` + fsync of every file it wrote
-  (torchsnapshot does not fsync); restore in place; ``read_object``;
-  ``async_take``.
-- ``casnap``: ``Snapshot.take`` of successive snapshots into ONE repository
-  (so unchanged chunks are shared); restore in place; ``read_object``;
-  ``async_take``.
-
-Peers write a full file (or folder) for every snapshot, as they would.
+Every system saves a flat ``{name: tensor}`` state durably (the peers fsync what they
+wrote where they do not themselves) and loads it back; ``save_op`` and ``load_op`` say
+how (benchmarks/README.md tabulates them). Peers write a full file or folder for every
+snapshot, as they would; casnap writes successive snapshots into ONE repository.
 """
 
 from __future__ import annotations
