@@ -10,29 +10,21 @@ to it through s3fs with dummy credentials. ``--url`` with ``--storage-options``
 (JSON, the fsspec options, the same for both sides) uses a store that is already
 running instead. Every repeat works under a new prefix.
 
-One fp32 transformer-shaped state (harness.transformer_shapes: big matrices and
-many small biases and norms), and for each repeat, in one process:
-
-- ``first take``: casnap ``Snapshot.take`` into a new repository (its config
-  and index are created inside the timing) / ``dcp.save`` with
-  ``FsspecWriter`` to a new checkpoint folder;
-- ``unchanged re-take``: the same state again, through the same
-  :class:`casnap.Session` (a training loop whose weights did not move: a
-  frozen model, an eval-only phase) / ``dcp.save`` to another new folder (DCP
-  has nothing to skip);
-- ``re-take, new process``: casnap again, with a new Session (only the local
-  index remembers what the store holds);
-- ``restore``: into existing tensors (``Snapshot.restore`` /
-  ``dcp.load`` with ``FsspecReader``), checked bit-exact.
-
-Requests are counted the same way for both sides, at the HTTP client: every
-call of gcsfs's ``GCSFileSystem._request`` (one HTTP request, retries not
-counted again) or of s3fs's ``S3FileSystem._call_s3`` (one S3 API call). Both
-libraries send all their traffic through those methods, so the counts are
-comparable. DCP runs with FsspecWriter's defaults (``thread_count=1``) and,
+One fp32 transformer-shaped state (harness.transformer_shapes), per repeat in
+one process: ``first take`` (casnap into a new repository, its config and index
+created inside the timing / ``dcp.save`` with ``FsspecWriter``), ``unchanged
+re-take`` (the same state through the same :class:`casnap.Session` / ``dcp.save``
+to a new folder: DCP has nothing to skip), ``re-take, new process`` (a new
+Session: only the local index remembers the store), ``restore`` into existing
+tensors, checked bit-exact. Requests are counted alike for both sides at the
+HTTP client (gcsfs ``GCSFileSystem._request``, s3fs ``S3FileSystem._call_s3``,
+through which all their traffic goes). DCP runs with ``thread_count=1`` and,
 with ``--dcp-threads N``, also with N writer threads.
 
-Prints a markdown table and writes JSON to ``--out``.
+``--chunks N`` measures maintenance instead: one take of N loose 4 KiB chunks,
+then the requests of an unchanged re-take (same Session, then a new one), ``verify``,
+``gc --grace 0`` (nothing to free), ``du`` and ``log``, beside N/1,000 (a listing's
+pages). Prints a markdown table and writes JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -170,11 +162,8 @@ def s3_server() -> Iterator[tuple[str, dict[str, Any]]]:
     server.start()
     try:
         host, port = server.get_host_and_port()
-        options: dict[str, Any] = {
-            "key": "casnap-bench",
-            "secret": "casnap-bench",  # moto accepts any
-            "endpoint_url": f"http://{host}:{port}",
-        }
+        url = f"http://{host}:{port}"  # moto accepts any key and secret
+        options: dict[str, Any] = {"key": "casnap", "secret": "casnap", "endpoint_url": url}
         # The region from the environment: in client_kwargs, s3fs's mkdir would send it
         # as a location constraint, which S3 refuses for us-east-1.
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -185,6 +174,10 @@ def s3_server() -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 # -- the legs -----------------------------------------------------------------
+
+
+def _kinds(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def _timed(counter: RequestCounter, fn: Callable[[], Any]) -> tuple[float, dict[str, int]]:
@@ -249,6 +242,31 @@ def run_dcp(
     return out
 
 
+def run_maintenance(base: str, options: dict[str, Any], n: int, counter: RequestCounter) -> Any:
+    """Requests per leg on a repository of ``n`` chunk objects (see the docstring)."""
+    from casnap import Repository, Session, Snapshot, StateDict
+
+    model, opts = {"m": StateDict(w=torch.randn(n * 1024))}, dict(options, chunk_size=4096)
+    repo, session = f"{base}/repo", Session()
+
+    def take(name: str, s: Session) -> Callable[[], Any]:
+        return lambda: Snapshot.take(f"{repo}/{name}", model, storage_options=opts, session=s)
+
+    def op(name: str, **kw: Any) -> Callable[[], Any]:
+        return lambda: getattr(Repository(repo, options), name)(**kw)
+
+    legs = {
+        "first take": take("s1", session),
+        "unchanged re-take": take("s2", session),
+        "re-take, new process": take("s3", Session()),
+        "verify": op("verify"),
+        "gc --grace 0": op("gc", grace_seconds=0),
+        "du": op("du"),
+        "log": op("log"),
+    }
+    return {leg: _timed(counter, fn) for leg, fn in legs.items()}
+
+
 # -- main ---------------------------------------------------------------------
 
 LEGS = ("first take", "unchanged re-take", "re-take, new process", "restore")
@@ -264,6 +282,7 @@ def main() -> None:
     ap.add_argument(
         "--dcp-threads", type=int, default=0, help="also run DCP with this many writer threads"
     )
+    ap.add_argument("--chunks", type=int, help="maintenance requests with this many chunks")
     ap.add_argument("--out", default="bench-out/remote.json")
     args = ap.parse_args()
 
@@ -284,6 +303,16 @@ def main() -> None:
         yield args.url.rstrip("/"), json.loads(args.storage_options)
 
     server = given if args.url else (gcs_server if args.backend == "gcs" else s3_server)
+    if args.chunks:
+        with server() as (prefix, options):
+            got = run_maintenance(f"{prefix}/{uuid.uuid4().hex}", options, args.chunks, counter)
+        rows = [[leg, str(sum(c.values())), _kinds(c)] for leg, (_, c) in got.items()]
+        print(f"{args.chunks:,} chunk objects on {args.url or args.backend}\n")
+        print(markdown_table(["leg", "requests", "by kind"], rows))
+        write_json(
+            args.out, {"chunks": args.chunks, "requests": {k: c for k, (_, c) in got.items()}}
+        )
+        return
     with server() as (prefix, options):
         for _ in range(args.repeat):
             for side, threads in sides.items():
@@ -316,32 +345,20 @@ def main() -> None:
             s, n, kinds = med(side, leg)
             c_s = med("casnap", leg)[0] if leg in samples["casnap"] else None
             ratio = f"{s / c_s:.2f}" if c_s and side != "casnap" else ""
-            detail = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
-            rows.append([leg, side, f"{s:.3f}", ratio, str(n), detail])
-            result.setdefault(leg, {})[side] = {
-                "median_s": s,
-                "samples_s": [t for t, _ in samples[side][leg]],
-                "requests": n,
-                "requests_by_kind": kinds,
-            }
+            rows.append([leg, side, f"{s:.3f}", ratio, str(n), _kinds(kinds)])
+            samples_s = [t for t, _ in samples[side][leg]]
+            got = {"median_s": s, "samples_s": samples_s, "requests": n, "requests_by_kind": kinds}
+            result.setdefault(leg, {})[side] = got
     print(markdown_table(["leg", "side", "s", "× casnap", "requests", "requests by kind"], rows))
-    speedups = {}
-    for leg, dcp_leg in (("first take", "first take"), ("unchanged re-take", "unchanged re-take")):
-        speedups[leg] = result[dcp_leg]["DCP"]["median_s"] / result[leg]["casnap"]["median_s"]
+    speedups = {
+        leg: result[leg]["DCP"]["median_s"] / result[leg]["casnap"]["median_s"]
+        for leg in ("first take", "unchanged re-take")
+    }
     print("\n" + ", ".join(f"{k}: casnap {v:.1f}x faster than DCP" for k, v in speedups.items()))
-    write_json(
-        args.out,
-        {
-            "benchmark": "remote",
-            "command": " ".join([sys.executable, *sys.argv]),
-            "machine": machine(),
-            "backend": args.backend if not args.url else args.url,
-            "state_bytes": size,
-            "tensors": len(state),
-            "results": result,
-            "speedups": speedups,
-        },
-    )
+    command, backend = " ".join([sys.executable, *sys.argv]), args.url or args.backend
+    out = {"benchmark": "remote", "command": command, "machine": machine(), "backend": backend}
+    out |= {"state_bytes": size, "tensors": len(state), "results": result, "speedups": speedups}
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

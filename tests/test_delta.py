@@ -20,14 +20,12 @@ from casnap.errors import (
     DeltaBaseError,
     IntegrityError,
     ManifestValidationError,
-    UnsupportedFormatError,
 )
 from casnap.format import codec
 from casnap.format.delta import encode_delta
 from casnap.format.entries import TensorEntry
-from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of, hash_bytes
-from casnap.format.parse import _parse, parse_manifest
+from casnap.format.parse import parse_manifest
 
 CHUNK = 64 * 1024
 ROWS, COLS = 512, 256  # fp32: 512 KiB, 8 chunks of 64 rows
@@ -93,9 +91,9 @@ def test_a_sparse_update_is_written_as_small_deltas_and_restores_bit_exact(tmp_p
     assert stats.stored_bytes_written <= 3 * changed  # the target of #13, at this size
     assert torch.equal(_restore(f"{tmp_path}/s1"), states[1])
     assert torch.equal(_restore(f"{tmp_path}/s0"), states[0])
-    # Format 2.0 only where a delta is used: the first snapshot is written as before.
-    assert _manifest_json(tmp_path, snaps[0])["format_version"] == "1.1"
-    assert _manifest_json(tmp_path, snaps[1])["format_version"] == "2.0"
+    # One format, with deltas or without.
+    assert _manifest_json(tmp_path, snaps[0])["format_version"] == "1.0"
+    assert _manifest_json(tmp_path, snaps[1])["format_version"] == "1.0"
 
 
 def test_a_delta_keeps_the_chunk_identity_of_its_raw_bytes(tmp_path: Path) -> None:
@@ -187,7 +185,7 @@ def test_a_dense_update_of_every_weight_is_written_whole(tmp_path: Path) -> None
         f"{tmp_path}/b", {"m": StateDict(emb=t * 1.001)}, session=session, settings=_opts()
     )
     assert take_stats(snap).deltas_written == 0  # a 0.53 delta does not pay on a local disk
-    assert _manifest_json(tmp_path, snap)["format_version"] == "1.1"
+    assert _manifest_json(tmp_path, snap)["format_version"] == "1.0"
 
 
 def test_gc_keeps_the_bases_a_live_delta_needs_then_frees_them(tmp_path: Path) -> None:
@@ -259,22 +257,6 @@ def test_read_object_export_and_diff_stats_read_through_deltas(tmp_path: Path) -
     rows = {d.key: d for d in repo.diff("s1", "s2", stats=True)}
     want = (states[2] - states[1]).abs().max().item()
     assert rows[KEY].max_abs_diff == pytest.approx(want)
-
-
-def test_a_reader_of_format_1_refuses_a_manifest_with_deltas(tmp_path: Path) -> None:
-    _, snaps = _series(tmp_path, 2)
-    h = Repository(str(tmp_path)).resolve("s1")
-    data = (tmp_path / ".casnap" / "manifests" / h[:2] / h).read_bytes()
-    # What a casnap before deltas does with it: its check_version accepts major 1 only.
-    with pytest.raises(UnsupportedFormatError, match="upgrade casnap"):
-        _parse(Manifest, data, "manifest", versioned=True)
-    assert parse_manifest(data, h).format_version == "2.0"
-    # And a manifest that says 1.x but holds a delta is refused, not half-read.
-    doc = json.loads(data)
-    doc["format_version"] = "1.1"
-    forged = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    with pytest.raises(ManifestValidationError, match="delta"):
-        parse_manifest(forged, hash_bytes(forged))
 
 
 def test_a_delta_frame_checks_its_base() -> None:

@@ -1,14 +1,18 @@
-"""The committed golden repositories still read bit-exact.
+"""The committed golden repository still reads bit-exact.
 
-tests/data/golden-v1 is format 1.0 (one process); tests/data/golden-v1.1 is
-format 1.1, taken by 2 gloo ranks on CPU with sharded entries (DTensor
-Shard(0), uneven Shard(1) and Replicate, a ShardedTensor), replicated plain
-tensors and per-rank state. tools/make_golden.py wrote both once; nothing
-here writes into tests/data (every test works on a copy).
+tests/data/golden is format 1.0, the one format: ``first`` and ``second`` were
+taken by 2 gloo ranks on CPU with sharded entries (DTensor Shard(0), uneven
+Shard(1) and Replicate, a ShardedTensor), replicated plain tensors and
+per-rank state (a quantized tensor, a pickled object); ``solo-1`` and
+``solo-2`` by one process, ``solo-2`` holding a delta of depth 1, their
+entries in a part each.
+tools/make_golden.py wrote it once; nothing here writes into tests/data
+(every test works on a copy).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -20,43 +24,48 @@ from helpers import tensor_entry
 
 from casnap import Repository, Snapshot, StateDict
 from casnap.cli import main as cli_main
-from casnap.errors import PickleNotAllowedError
+from casnap.errors import PickleNotAllowedError, UnsupportedFormatError
 from casnap.format.entries import ShardedEntry
+from casnap.format.json_text import canonical_json
 from casnap.format.manifest_bytes import serialize
 from casnap.format.names import hash_bytes
-from casnap.format.parse import parse_manifest
+from casnap.format.parse import parse_config, parse_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
 sys.path.insert(0, str(ROOT / "tools"))
 from make_golden import (  # noqa: E402
-    V11_WORLD,
+    SOLO,
+    WORLD,
+    golden_globals,
+    golden_model,
+    golden_rank_state,
+    golden_second,
+    golden_solo_second,
     golden_state,
-    golden_v11_globals,
-    golden_v11_model,
-    golden_v11_rank_state,
-    golden_v11_second,
 )
 
-
-def _copy(tmp_path: Path, name: str) -> Path:
-    # a copy, so that nothing a test does can touch the committed files
-    dst = tmp_path / name
-    shutil.copytree(DATA / name, dst)
-    return dst
+SNAPSHOTS = ("first", "second")  # the 2-rank take
 
 
 @pytest.fixture
 def golden(tmp_path) -> Path:
-    return _copy(tmp_path, "golden-v1")
-
-
-@pytest.fixture
-def golden11(tmp_path) -> Path:
-    return _copy(tmp_path, "golden-v1.1")
+    # a copy, so that nothing a test does can touch the committed files
+    dst = tmp_path / "golden"
+    shutil.copytree(DATA / "golden", dst)
+    return dst
 
 
 def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and a.is_quantized:
+        return (
+            isinstance(b, torch.Tensor)
+            and b.is_quantized
+            and a.dtype == b.dtype
+            and a.q_scale() == b.q_scale()
+            and a.q_zero_point() == b.q_zero_point()
+            and same(a.int_repr(), b.int_repr())
+        )
     if isinstance(a, torch.Tensor):
         return (
             isinstance(b, torch.Tensor)
@@ -76,81 +85,101 @@ def same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def test_golden_snapshots_restore_bit_exact(golden):
+# -- the one process's snapshots, solo-2 with a delta --------------------------
+
+
+def test_golden_solo_snapshots_restore_bit_exact(golden):
     expected = golden_state()
-    for name in ("first", "second"):
+    for name in SOLO:
         target = StateDict()
         Snapshot(str(golden / name)).restore({"state": target})
         assert set(target) == set(expected)
         for key in expected:
             assert same(expected[key], target[key]), f"{name}: {key} differs"
-        expected["weights"][3].add_(1.0)
+        golden_solo_second(expected)
 
 
-def test_golden_repository_metadata_and_lineage(golden):
+def test_golden_solo_metadata_lineage_and_delta(golden):
     repo = Repository(str(golden))
-    assert repo.storage.list_snapshots() == ["first", "second"]
-    first = repo.storage.read_manifest(repo.resolve("first"))
-    second = repo.storage.read_manifest(repo.resolve("second"))
-    assert first.format_version == "1.0" and first.metadata == {"step": 1, "note": "golden v1"}
-    assert second.parents == [repo.resolve("first")]
+    first = repo.storage.read_manifest(repo.resolve(SOLO[0]))
+    second = repo.storage.read_manifest(repo.resolve(SOLO[1]))
+    assert first.format_version == "1.0" and first.metadata == {"step": 1, "note": "golden solo"}
+    assert first.parents == [] and second.parents == [repo.resolve(SOLO[0])]
     w1 = tensor_entry(first.entries, "0/state/weights")
     w2 = tensor_entry(second.entries, "0/state/weights")
     shared = sum(a.hash == b.hash for a, b in zip(w1.chunks, w2.chunks))
     assert shared == len(w1.chunks) - 1
+    # the changed chunk is a delta against solo-1's whole chunk: depth 1
+    (old, new) = next((a, b) for a, b in zip(w1.chunks, w2.chunks) if a.hash != b.hash)
+    assert new.base is not None and new.base.hash == old.hash and new.base.base is None
+    assert new.whole == new.base and all(c.base is None for c in first.chunk_refs())
+    # their entries are stored in a part each (the change is in solo-2's), the 2-rank
+    # take's inline beside its rank groups
+    assert len(first.parts) == len(second.parts) == 1 and first.parts != second.parts
+    assert all(not repo.storage.read_manifest(repo.resolve(n)).parts for n in SNAPSHOTS)
 
 
-# -- both repositories -------------------------------------------------------
+# -- the whole repository ------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "version"), [("golden-v1", "1.0"), ("golden-v1.1", "1.1")])
-def test_golden_manifests_named_by_their_unchanged_bytes(tmp_path, name, version):
+def test_golden_manifests_named_by_their_unchanged_bytes(golden):
     """Each manifest's name is the hash of its bytes, and parsing then dumping gives those bytes."""
-    root = _copy(tmp_path, name)
-    files = sorted((root / ".casnap" / "manifests").glob("*/*"))
-    assert len(files) == 2
+    files = sorted((golden / ".casnap" / "manifests").glob("*/*"))
+    assert len(files) == 4
+    parts = Repository(str(golden)).storage.parts
     for f in files:
         data = f.read_bytes()
         assert hash_bytes(data) == f.name and f.parent.name == f.name[:2]
-        manifest = parse_manifest(data, f.name)
-        assert manifest.format_version == version
+        manifest = parse_manifest(data, f.name, parts.load)
+        assert manifest.format_version == "1.0"
         assert serialize(manifest) == data  # serialization did not change
-    repo = Repository(str(root))
-    assert repo.storage.config.format_version == version
+    repo = Repository(str(golden))
+    assert repo.storage.config.format_version == "1.0"
     assert sorted(repo.resolve(s) for s in repo.snapshots()) == [f.name for f in files]
 
 
-@pytest.mark.parametrize("name", ["golden-v1", "golden-v1.1"])
-def test_golden_verify_with_read_data(tmp_path, name, capsys):
-    root = _copy(tmp_path, name)
-    report = Repository(str(root)).verify(read_data=True)
+@pytest.mark.parametrize("version", ["0.9", "1.1", "1.4", "2.0", "1", "", 1.0, None])
+def test_any_other_format_version_is_refused(golden, version):
+    """One format: a manifest or config of any other version is refused, saying so."""
+    f = next((golden / ".casnap" / "manifests").glob("*/*"))
+    doc = json.loads(f.read_bytes())
+    doc["format_version"] = version
+    data = canonical_json(doc)
+    with pytest.raises(UnsupportedFormatError, match="reads format 1.0 only"):
+        parse_manifest(data, hash_bytes(data))
+    config = json.loads((golden / ".casnap" / "config.json").read_bytes())
+    config["format_version"] = version
+    with pytest.raises(UnsupportedFormatError, match="reads format 1.0 only"):
+        parse_config(canonical_json(config))
+
+
+def test_golden_verify_with_read_data(golden, capsys):
+    report = Repository(str(golden)).verify(read_data=True)
     assert report.ok, report.problems
-    assert report.snapshots == 2 and report.manifests == 2
+    assert report.snapshots == 4 and report.manifests == 4
     assert report.chunks_read == report.chunks > 0
-    assert cli_main(["verify", "--read-data", str(root)]) == 0
+    assert cli_main(["verify", "--read-data", str(golden)]) == 0
     assert "OK" in capsys.readouterr().out
 
 
-# -- golden-v1.1: format 1.1, two ranks, sharded entries ----------------------
-
-V11_SNAPSHOTS = ("first", "second")
+# -- the 2-rank take: sharded entries, rank groups ---------------------------
 
 
-def v11_expected() -> dict[str, dict[str, torch.Tensor]]:
-    """Every model value of golden-v1.1, whole, by snapshot name."""
-    first = golden_v11_globals()
+def expected_model() -> dict[str, dict[str, torch.Tensor]]:
+    """Every model value of the 2-rank take, whole, by snapshot name."""
+    first = golden_globals()
     second = {k: v.clone() for k, v in first.items()}
-    golden_v11_second(second)
+    golden_second(second)
     return {"first": first, "second": second}
 
 
-def v11_rank_state(rank: int, snapshot: str) -> dict:
-    return golden_v11_rank_state(rank, step=V11_SNAPSHOTS.index(snapshot) + 1)
+def rank_state_of(rank: int, snapshot: str) -> dict:
+    return golden_rank_state(rank, step=SNAPSHOTS.index(snapshot) + 1)
 
 
-def test_golden_v11_restore_whole_tensors_bit_exact(golden11):
+def test_golden_restore_whole_tensors_bit_exact(golden):
     """One process (rank 0) restores every sharded and replicated entry into plain tensors."""
-    for name, expected in v11_expected().items():
+    for name, expected in expected_model().items():
         model = StateDict({k: torch.zeros_like(v) for k, v in expected.items()})
         own = StateDict(
             x=torch.zeros(6, dtype=torch.int64),
@@ -160,25 +189,24 @@ def test_golden_v11_restore_whole_tensors_bit_exact(golden11):
             lr=0.0,
             name="",
             frac=None,
+            q=torch.quantize_per_tensor(torch.zeros(8), 1.0, 0, torch.qint8),
         )
         with pytest.raises(PickleNotAllowedError):
-            Snapshot(str(golden11 / name)).restore({"model": model, "rank_state": own})
+            Snapshot(str(golden / name)).restore({"model": model, "rank_state": own})
         assert not model["w_row"].any()  # refused before anything was modified
-        Snapshot(str(golden11 / name)).restore(
-            {"model": model, "rank_state": own}, allow_pickle=True
-        )
+        Snapshot(str(golden / name)).restore({"model": model, "rank_state": own}, allow_pickle=True)
         assert same(expected, dict(model)), name
-        assert same(v11_rank_state(0, name), dict(own)), name
+        assert same(rank_state_of(0, name), dict(own)), name
 
 
-def test_golden_v11_read_object_every_entry(golden11):
-    expected = v11_expected()
-    for name in V11_SNAPSHOTS:
-        snap = Snapshot(str(golden11 / name))
-        for rank in range(V11_WORLD):
+def test_golden_read_object_every_entry(golden):
+    expected = expected_model()
+    for name in SNAPSHOTS:
+        snap = Snapshot(str(golden / name))
+        for rank in range(WORLD):
             for key, value in expected[name].items():
                 assert same(value, snap.read_object(f"{rank}/model/{key}")), (name, rank, key)
-            own = v11_rank_state(rank, name)
+            own = rank_state_of(rank, name)
             for key, value in own.items():
                 got = snap.read_object(f"{rank}/rank_state/{key}", allow_pickle=True)
                 assert same(value, got), (name, rank, key)
@@ -191,15 +219,15 @@ def test_golden_v11_read_object_every_entry(golden11):
         assert same(expected[name]["w_row"], out)
 
 
-def test_golden_v11_manifest_layout_lineage_and_dedupe(golden11):
-    repo = Repository(str(golden11))
-    assert repo.snapshots() == ["first", "second"]
+def test_golden_manifest_layout_lineage_and_dedupe(golden):
+    repo = Repository(str(golden))
+    assert repo.snapshots() == ["first", "second", *SOLO]
     first = repo.storage.read_manifest(repo.resolve("first"))
     second = repo.storage.read_manifest(repo.resolve("second"))
-    assert first.format_version == second.format_version == "1.1"
-    assert first.world_size == second.world_size == V11_WORLD
+    assert first.format_version == second.format_version == "1.0"
+    assert first.world_size == second.world_size == WORLD
     assert first.parents == [] and second.parents == [repo.resolve("first")]
-    assert first.metadata == {"step": 1, "note": "golden v1.1"}
+    assert first.metadata == {"step": 1, "note": "golden"}
     assert second.metadata == {"step": 2}
     boxes = {
         "w_row": ("dtensor", [([0, 0], [32, 40]), ([32, 0], [32, 40])]),
@@ -208,7 +236,7 @@ def test_golden_v11_manifest_layout_lineage_and_dedupe(golden11):
         "rep": ("dtensor", [([0], [20])]),  # Replicate(): stored once
         "st": ("sharded_tensor", [([0, 0], [8, 8]), ([8, 0], [7, 8])]),
     }
-    for rank in range(V11_WORLD):
+    for rank in range(WORLD):
         for key, (layout, shards) in boxes.items():
             entry = first.entries[f"{rank}/model/{key}"]
             assert entry.kind == "sharded" and entry.layout == layout
@@ -234,19 +262,19 @@ def test_golden_v11_manifest_layout_lineage_and_dedupe(golden11):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
-def test_golden_v11_reshard_on_restore(golden11, world):
+def test_golden_reshard_on_restore(golden, world):
     """Ranks restore onto other placements (and a third rank onto a 2-rank snapshot)."""
     from dist_harness import run_ranks, values
 
-    assert values(run_ranks(world, reshard_restore, str(golden11))) == [True] * world
+    assert values(run_ranks(world, reshard_restore, str(golden))) == [True] * world
 
 
 def reshard_restore(rank: int, world: int, root: str) -> bool:
     from casnap.torch_io.sharded import as_shard_leaf
 
-    for name, expected in v11_expected().items():
+    for name, expected in expected_model().items():
         zeros = {k: torch.zeros_like(v) for k, v in expected.items()}
-        model = golden_v11_model(world, zeros, layout="reshard")
+        model = golden_model(world, zeros, layout="reshard")
         app = {"model": StateDict(model)}
         own = StateDict(
             x=torch.zeros(6, dtype=torch.int64),
@@ -256,8 +284,9 @@ def reshard_restore(rank: int, world: int, root: str) -> bool:
             lr=0.0,
             name="",
             frac=None,
+            q=torch.quantize_per_tensor(torch.zeros(8), 1.0, 0, torch.qint8),
         )
-        if rank < V11_WORLD:  # per-rank state restores onto the same rank only
+        if rank < WORLD:  # per-rank state restores onto the same rank only
             app["rank_state"] = own
         Snapshot(f"{root}/{name}").restore(app, allow_pickle=True)
         for key, value in model.items():
@@ -270,6 +299,6 @@ def reshard_restore(rank: int, world: int, root: str) -> bool:
             for offsets, local in parts:
                 box = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))
                 assert same(expected[key][box].contiguous(), local), (name, rank, key)
-        if rank < V11_WORLD:
-            assert same(v11_rank_state(rank, name), dict(own)), (name, rank)
+        if rank < WORLD:
+            assert same(rank_state_of(rank, name), dict(own)), (name, rank)
     return True

@@ -138,7 +138,7 @@ def _huge_int(path: Path, before: bytes = b'{"x":', after: bytes = b"}") -> None
 
 def _huge_int_manifest(repo: Path) -> str:
     """A manifest whose name is the blake3 of its bytes (so the hash check passes), ref s1 -> it."""
-    body = b'{"format_version":"1.1","step":' + HUGE_INT.encode() + b"}"
+    body = b'{"format_version":"1.0","step":' + HUGE_INT.encode() + b"}"
     name = hash_bytes(body)
     path = _meta(repo) / "manifests" / name[:2] / name
     path.parent.mkdir(parents=True, exist_ok=True)

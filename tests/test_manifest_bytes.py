@@ -2,7 +2,7 @@
 
 A change in how pydantic (or casnap) dumps a manifest would rename every
 manifest written from then on and break dedup of manifests; this test fails
-first. ``tests/data/manifest-v1.1.json`` holds the expected bytes.
+first. The golden repository's manifests (tests/data/golden) hold the expected bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from casnap.format.manifest_bytes import (
 from casnap.format.names import hash_bytes
 from casnap.format.parse import parse_manifest
 from casnap.format.records import RepoConfig
+from casnap.repo.repository import RepoStorage
 
 DATA = Path(__file__).parent / "data"
 H = [f"{i:064x}" for i in range(1, 9)]
@@ -35,7 +36,7 @@ def every_kind() -> Manifest:
     packed = {"hash": H[1], "size": 40, "pack": H[2], "offset": 112, "length": 96}
     return Manifest.model_validate(
         {
-            "format_version": "1.1",
+            "format_version": "1.0",
             "created_at": "2026-11-24T00:00:00.000000+00:00",
             "world_size": 2,
             "parents": [H[3]],
@@ -97,11 +98,18 @@ def every_kind() -> Manifest:
 
 
 def test_manifest_bytes_and_name_are_pinned():
+    kinds = set()
+    parts = RepoStorage.open(str(DATA / "golden")).parts
+    for f in sorted((DATA / "golden" / ".casnap" / "manifests").glob("*/*")):
+        expected = f.read_bytes()
+        manifest = parse_manifest(expected, f.name, parts.load)
+        assert serialize(manifest) == expected and hash_bytes(expected) == f.name
+        kinds |= {e.kind for e in manifest.entries.values()}
+    assert kinds == {"tensor", "primitive", "container", "object", "sharded"}
     manifest = every_kind()
-    expected = (DATA / "manifest-v1.1.json").read_bytes()
-    assert serialize(manifest) == expected
-    assert hash_bytes(expected) == (DATA / "manifest-v1.1.name").read_text().strip()
-    assert parse_manifest(expected, hash_bytes(expected)) == manifest
+    data = serialize(manifest)
+    assert data == canonical_json(manifest.to_jsonable())
+    assert parse_manifest(data, hash_bytes(data)) == manifest
 
 
 def test_reusing_a_parent_dump_gives_the_same_bytes():
@@ -122,7 +130,7 @@ def test_config_bytes_are_pinned():
 
     stored = (
         b'{"chunk_size":4194304,"created_at":"2026-11-24T00:00:00.000000+00:00",'
-        b'"format_version":"1.1","hash":"blake3","repo_id":"00000000000000000000000000000000"'
+        b'"format_version":"1.0","hash":"blake3","repo_id":"00000000000000000000000000000000"'
     )
     # A repository a take creates: the same bytes as before `shared` existed.
     assert config_bytes(config) == stored + b"}"

@@ -96,7 +96,7 @@ def test_manifest_holds_every_key_and_writes_shared_entries_once() -> None:
         data = serialize(manifest)
         sizes[ranks] = len(data)
         parsed = parse_manifest(data, hash_bytes(data))
-        assert parsed.entries == entries and parsed.format_version == "1.3"
+        assert parsed.entries == entries and parsed.format_version == "1.0"
         union = parsed.entries[f"{ranks - 1}/model/output.weight"]
         assert isinstance(union, ShardedEntry) and len(union.shards) == 8
         assert union is parsed.entries["0/model/output.weight"]  # one object for all ranks
@@ -118,7 +118,7 @@ def test_what_a_rank_sends_does_not_grow_with_the_world() -> None:
 def _grouped_json(world_size: int, ranks: list[list[int]], twice: bool = False) -> bytes:
     entry = {"kind": "primitive", "type": "int", "value": 1}
     doc = {
-        "format_version": "1.3",
+        "format_version": "1.0",
         "created_at": "2026-11-24T00:00:00+00:00",
         "world_size": world_size,
         "parents": [],

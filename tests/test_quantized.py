@@ -83,9 +83,7 @@ def test_round_trip_in_place_fresh_and_read_object(tmp_path: Path, name: str, ma
     assert_identical(fresh["q"], value)
 
 
-def test_the_manifest_records_the_quantization_and_old_readers_still_parse_it(
-    tmp_path: Path,
-) -> None:
+def test_the_manifest_records_the_quantization(tmp_path: Path) -> None:
     value = _per_channel(torch.qint8, axis=1)
     snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"m": StateDict(q=value, f=torch.ones(3))})
     entry = tensor_entry(snap.get_manifest(), "0/m/q")
@@ -93,11 +91,8 @@ def test_the_manifest_records_the_quantization_and_old_readers_still_parse_it(
     assert entry.quantized.dtype == "qint8" and entry.quantized.qscheme == "per_channel_affine"
     assert entry.quantized.axis == 1 and len(entry.quantized.scales or ()) == 5
     raw = _manifest_json(tmp_path / "repo")
-    assert raw["format_version"] == "1.2"  # written only when a quantized entry is present
+    assert raw["format_version"] == "1.0"  # one format, with quantized entries or without
     assert "quantized" not in raw["entries"]["0/m/f"]  # other tensors' JSON is unchanged
-    # A manifest without quantized tensors keeps format 1.1.
-    Snapshot.take(str(tmp_path / "plain" / "s1"), {"m": StateDict(f=torch.ones(3))})
-    assert _manifest_json(tmp_path / "plain")["format_version"] == "1.1"
 
 
 def test_a_float_target_receives_the_dequantized_values(tmp_path: Path) -> None:

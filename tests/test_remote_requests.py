@@ -67,3 +67,27 @@ def test_later_takes_still_look_before_writing(gcs_bucket):  # noqa: F811
     # A repository opened (not created) by this process: probes as before.
     reopened = Repository.on_store(CountingStore(FsspecStore(url)))
     assert reopened.storage.created is False
+
+
+def test_maintenance_sends_no_request_per_chunk_object(gcs_bucket):  # noqa: F811
+    """verify and gc list the chunks (a page per 1,000 objects, inside one list call)
+    and read only refs, manifests and records; an unchanged re-take costs O(1)
+    requests, not one per chunk. benchmarks/remote.py --chunks counts the pages."""
+    url = f"gs://{gcs_bucket}/{uuid.uuid4().hex}/repo"
+    store = CountingStore(FsspecStore(url))
+    repo = Repository.on_store(store, chunk_size=4096)
+    opts = {"repository": repo}
+    state, session = {"m": StateDict(w=torch.randn(1200 * 1024))}, Session()
+    Snapshot.take(f"{url}/s1", state, storage_options=opts, session=session)
+    costs = {}
+    for what, run in {
+        "re-take": lambda: Snapshot.take(f"{url}/s2", state, storage_options=opts, session=session),
+        "verify": lambda: repo.verify(),
+        "gc": lambda: repo.gc(grace_seconds=0),
+    }.items():
+        store.reset()
+        run()
+        assert _chunk_reads(store) == [], what
+        assert [k for k in store.written_keys if "/chunks/" in k] == [], what
+        costs[what] = sum(store.requests.values())
+    assert max(costs.values()) <= 30, costs  # 1,200 chunk objects

@@ -35,7 +35,7 @@ from casnap.errors import InvalidNameError, UnsupportedValueError
 from casnap.repo.repository import RepoStorage
 from casnap.take.target import TakeOptions
 
-GOLDEN = Path(__file__).parent / "data" / "golden-v1"
+GOLDEN = Path(__file__).parent / "data" / "golden"
 
 
 def state(value: float = 1.0) -> dict[str, StateDict]:

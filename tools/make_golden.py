@@ -1,10 +1,14 @@
-"""Write a golden repository (run once per format version; commit it).
+"""Write the golden repository, tests/data/golden (run once per format change; commit it).
 
-``make_golden.py`` writes tests/data/golden-v1 (format 1.0, one process);
-``make_golden.py 1.1`` writes tests/data/golden-v1.1 (format 1.1: a 2-rank
-gloo take on CPU with sharded entries). Every future casnap must read both
-bit-exact: tests/test_golden.py rebuilds the expected state with
-``golden_state()`` and ``golden_v11_*()`` and compares.
+It holds format 1.0, every feature in one repository: ``first`` and ``second``
+are a 2-rank gloo take on CPU (sharded entries, rank groups, replicated
+tensors, per-rank state with a quantized tensor and a pickled object, packs
+of small tensors); ``solo-1`` and ``solo-2`` are one process's takes of
+:func:`golden_state`, ``solo-2`` storing its one changed chunk as a delta
+against ``solo-1``'s whole chunk (depth 1); their entries' JSON is long
+enough to be stored in a part (docs/format.md, "Manifest parts"). Every future casnap must read it
+bit-exact: tests/test_golden.py rebuilds the expected state from the
+functions here and compares.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from typing import Any
 
 import torch
 
-GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "data" / "golden-v1"
+GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "data" / "golden"
+SOLO = ("solo-1", "solo-2")
+SOLO_OPTS = {"chunk_size": 16 * 1024}
 
 
 def golden_state() -> dict[str, Any]:
@@ -31,6 +37,7 @@ def golden_state() -> dict[str, Any]:
         "z": torch.complex(torch.randn(3, generator=g), torch.randn(3, generator=g)),
         "empty": torch.empty(0, 4),
         "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "many": torch.zeros(100, 4096),  # 100 chunk refs, one stored chunk: the entries in a part
         "meta": collections.OrderedDict(
             step=1234,
             lr=3e-4,
@@ -45,35 +52,41 @@ def golden_state() -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def golden_solo_second(state: dict[str, Any]) -> None:
+    """What changed for ``solo-2``: one row of ``weights`` (one chunk, a sparse delta)."""
+    state["weights"][3].add_(1.0)
+
+
+def write_solo() -> None:
     from casnap import Snapshot, StateDict
 
-    if GOLDEN.exists():
-        shutil.rmtree(GOLDEN)
-    opts = {"chunk_size": 16 * 1024}
     state = StateDict(golden_state())
-    Snapshot.take(
-        str(GOLDEN / "first"),
+    first = Snapshot.take(
+        str(GOLDEN / SOLO[0]),
         {"state": state},
-        settings=opts,
-        metadata={"step": 1, "note": "golden v1"},
+        settings=SOLO_OPTS,
+        metadata={"step": 1, "note": "golden solo"},
         parents=[],
     )
-    state["weights"][3].add_(1.0)  # a second snapshot sharing most chunks
-    Snapshot.take(str(GOLDEN / "second"), {"state": state}, settings=opts, metadata={"step": 2})
-    print(f"wrote {GOLDEN}")
+    golden_solo_second(state)  # a second snapshot sharing most chunks, its change a delta
+    Snapshot.take(
+        str(GOLDEN / SOLO[1]),
+        {"state": state},
+        settings=SOLO_OPTS,
+        metadata={"step": 2},
+        parents=[first.manifest_hash],
+    )
 
 
-# -- format 1.1: a 2-rank gloo take with sharded entries ---------------------
+# -- a 2-rank gloo take with sharded entries ---------------------------------
 
-GOLDEN_V11 = GOLDEN.parent / "golden-v1.1"
-V11_WORLD = 2
-V11_OPTS = {"chunk_size": 4096}  # packs below 1 KiB (chunk_size // 4), loose above
-V11_REPLICATED = ["model/emb", "model/bias"]  # plain tensors the same on every rank
+WORLD = 2
+OPTS = {"chunk_size": 4096}  # packs below 1 KiB (chunk_size // 4), loose above
+REPLICATED = ["model/emb", "model/bias"]  # plain tensors the same on every rank
 
 
-def golden_v11_globals() -> dict[str, torch.Tensor]:
-    """The global (unsharded) value of every ``model`` entry of golden-v1.1 "first"."""
+def golden_globals() -> dict[str, torch.Tensor]:
+    """The global (unsharded) value of every ``model`` entry of the golden repository "first"."""
     g = torch.Generator().manual_seed(20261124)
     return {
         "w_row": torch.randn(64, 40, generator=g),  # DTensor Shard(0): 2 x 5120 B, loose
@@ -86,12 +99,12 @@ def golden_v11_globals() -> dict[str, torch.Tensor]:
     }
 
 
-def golden_v11_second(values: dict[str, torch.Tensor]) -> None:
-    """What changed for golden-v1.1 "second": one row of rank 0's shard of w_row."""
+def golden_second(values: dict[str, torch.Tensor]) -> None:
+    """What changed for the golden repository "second": one row of rank 0's shard of w_row."""
     values["w_row"][3].add_(1.0)
 
 
-def golden_v11_rank_state(rank: int, step: int = 1) -> dict[str, Any]:
+def golden_rank_state(rank: int, step: int = 1) -> dict[str, Any]:
     """Rank ``rank``'s own (per-rank) state: tensors, primitives and a pickled object."""
     return {
         "x": torch.arange(6, dtype=torch.int64) * (rank + 1) - 2**40,
@@ -101,15 +114,18 @@ def golden_v11_rank_state(rank: int, step: int = 1) -> dict[str, Any]:
         "lr": 3e-4 * (rank + 1),
         "name": f"rank-{rank}/π",
         "frac": fractions.Fraction(rank + 1, 7),  # pickled (allow_pickle)
+        "q": torch.quantize_per_tensor(  # stored as its int8 values, with its parameters
+            torch.arange(8, dtype=torch.float32) * (rank + 1), 0.25, rank - 3, torch.qint8
+        ),
     }
 
 
-def golden_v11_model(
+def golden_model(
     world: int, values: dict[str, torch.Tensor], layout: str = "save"
 ) -> dict[str, Any]:
     """The ``model`` state on a ``world``-rank CPU mesh: DTensors, a ShardedTensor, plain tensors.
 
-    ``layout="save"`` is how golden-v1.1 was taken; ``"reshard"`` puts every
+    ``layout="save"`` is how the golden repository was taken; ``"reshard"`` puts every
     sharded value on other placements (a restore target). Call inside a
     process group.
     """
@@ -140,37 +156,37 @@ def golden_v11_model(
     return state
 
 
-def _v11_rank(rank: int, world: int, init: str) -> None:
+def _rank(rank: int, world: int, init: str) -> None:
     import torch.distributed as dist
 
     from casnap import Snapshot, StateDict
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        values = golden_v11_globals()
+        values = golden_globals()
         app = {
-            "model": StateDict(golden_v11_model(world, values)),
-            "rank_state": StateDict(golden_v11_rank_state(rank)),
+            "model": StateDict(golden_model(world, values)),
+            "rank_state": StateDict(golden_rank_state(rank)),
         }
         first = Snapshot.take(
-            str(GOLDEN_V11 / "first"),
+            str(GOLDEN / "first"),
             app,
-            replicated=V11_REPLICATED,
-            settings=V11_OPTS,
+            replicated=REPLICATED,
+            settings=OPTS,
             allow_pickle=True,
             parents=[],
-            metadata={"step": 1, "note": "golden v1.1"},
+            metadata={"step": 1, "note": "golden"},
         )
-        golden_v11_second(values)
+        golden_second(values)
         app = {
-            "model": StateDict(golden_v11_model(world, values)),
-            "rank_state": StateDict(golden_v11_rank_state(rank, step=2)),
+            "model": StateDict(golden_model(world, values)),
+            "rank_state": StateDict(golden_rank_state(rank, step=2)),
         }
         Snapshot.take(
-            str(GOLDEN_V11 / "second"),
+            str(GOLDEN / "second"),
             app,
-            replicated=V11_REPLICATED,
-            settings=V11_OPTS,
+            replicated=REPLICATED,
+            settings=OPTS,
             allow_pickle=True,
             parents=[first.manifest_hash],
             metadata={"step": 2},
@@ -179,26 +195,22 @@ def _v11_rank(rank: int, world: int, init: str) -> None:
         dist.destroy_process_group()
 
 
-def write_v11() -> None:
+def main() -> None:
     import tempfile
 
     import torch.multiprocessing as mp
 
-    if GOLDEN_V11.exists():
-        shutil.rmtree(GOLDEN_V11)
+    if GOLDEN.exists():
+        shutil.rmtree(GOLDEN)
     with tempfile.TemporaryDirectory(prefix="casnap-golden-") as tmp:
         os.environ["CASNAP_INDEX_DIR"] = str(Path(tmp, "index"))  # leave no local state behind
-        mp.spawn(_v11_rank, args=(V11_WORLD, str(Path(tmp, "init"))), nprocs=V11_WORLD)
-    print(f"wrote {GOLDEN_V11}")
+        mp.spawn(_rank, args=(WORLD, str(Path(tmp, "init"))), nprocs=WORLD)
+        write_solo()
+    print(f"wrote {GOLDEN}")
 
 
 if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(GOLDEN.parents[2]))  # this checkout's casnap, also in spawned ranks
-    if sys.argv[1:] == ["1.1"]:
-        write_v11()
-    elif not sys.argv[1:]:
-        main()
-    else:
-        sys.exit("usage: make_golden.py [1.1]  (no argument: golden-v1, format 1.0)")
+    main()

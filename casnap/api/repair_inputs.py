@@ -15,7 +15,8 @@ from typing import Any
 from casnap.errors import CasnapError
 from casnap.format.entries import TensorEntry
 from casnap.ops.repair_sources import ChunkSource, SnapshotSource
-from casnap.repo.repository import RepoStorage, locate
+from casnap.repo.locate import locate
+from casnap.repo.repository import RepoStorage
 
 
 def repair_sources(

@@ -52,7 +52,8 @@ from casnap.ops.retention import (
 )
 from casnap.ops.verify import VerifyReport, verify
 from casnap.repo.gc_lock import break_gc_lock
-from casnap.repo.repository import RepoStorage, locate
+from casnap.repo.locate import locate
+from casnap.repo.repository import RepoStorage
 from casnap.repo.tags import TagInfo, add_tag, list_tags, remove_tag
 from casnap.settings import DEFAULT_CHUNK_SIZE
 from casnap.store import ObjectStore

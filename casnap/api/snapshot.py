@@ -30,7 +30,8 @@ from casnap.errors import as_names, as_path, expect_type
 from casnap.format.entries import Entry
 from casnap.format.manifest import Manifest
 from casnap.python_gc import python_gc_paused
-from casnap.repo.repository import RepoStorage, locate
+from casnap.repo.locate import locate
+from casnap.repo.repository import RepoStorage
 from casnap.restore.restore import check_app_state, read_entry, restore_state
 from casnap.take import at_exit
 from casnap.take.commit import remember

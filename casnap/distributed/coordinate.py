@@ -22,10 +22,8 @@ from casnap.format.manifest import (
     GroupedEntries,
     Groups,
     Manifest,
-    format_version_for,
     rank_ranges,
 )
-from casnap.format.versions import GROUPED_FORMAT_VERSION
 from casnap.python_gc import python_gc_paused
 from casnap.repo.repository import now_iso
 from casnap.take.plan import RankPlan, build_entries
@@ -178,20 +176,13 @@ def manifest_of(
     with python_gc_paused():  # many tuples and models, no cycles (casnap.python_gc)
         if isinstance(entries, GroupedEntries) and entries.intact():
             _check_keys(entries.plain)
-            distinct = {id(e): e for e in entries.plain.values()}
             for ranks, held in entries.groups:
-                distinct.update((id(e), e) for e in held.values())
                 prefix = len(f"{ranks[-1][1]}/")  # the group's longest rank number, and "/"
                 if prefix + max(map(len, held), default=0) > MAX_KEY_LENGTH:
                     _check_keys(entries)  # names the key
         else:
             _check_keys(entries)
-            distinct = {id(e): e for e in entries.values()}  # ranks share entry objects
-        by_id = {str(k): e for k, e in distinct.items()}
-        shell = Manifest(
-            # written with rank groups (one copy per value); 2.0 where an entry reuses
-            # a parent's delta chunk, since a 1.x reader must refuse those
-            format_version=max(GROUPED_FORMAT_VERSION, format_version_for(by_id), key=_version_key),
+        shell = Manifest(  # written with rank groups: one copy per value
             created_at=now_iso(),
             world_size=world_size,
             parents=parents,
@@ -205,7 +196,3 @@ def _check_keys(entries: Mapping[str, Entry]) -> None:
     for key in entries:
         if not 0 < len(key) <= MAX_KEY_LENGTH:
             raise ValueError(f"manifest key of {len(key)} characters: {key[:80]!r}")
-
-
-def _version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("."))

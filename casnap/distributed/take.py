@@ -315,7 +315,7 @@ class DistributedJob:
             previous, dumped = cached_parent(self.repo, self.info.parents)
             entries = assemble_entries(self.planned, refs, previous)
             manifest = manifest_of(entries, self.group.size, self.info.parents, self.info.metadata)
-            manifest_hash = commit_snapshot(
+            manifest_hash, manifest = commit_snapshot(
                 self.repo,
                 self.info.name,
                 manifest,

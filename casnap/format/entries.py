@@ -96,10 +96,10 @@ def _no_base(base: ChunkRef | None) -> bool:
 class ChunkRef(FormatModel):
     """Where one chunk lives: a loose object (``pack`` is null) or a frame inside a pack.
 
-    ``base`` (format 2.0): the frame is a delta against that chunk, which is
-    stored whole: a base never has a base of its own, so a read decodes one
-    whole frame and one delta. Left out of the JSON when absent, so other
-    references are unchanged.
+    ``base``: the frame is a delta against that chunk, which is stored whole:
+    a base never has a base of its own, so a read decodes one whole frame and
+    one delta. Left out of the JSON when absent, so other references are
+    unchanged.
     """
 
     hash: HashStr
@@ -167,7 +167,7 @@ MAX_CHANNELS = 1 << 24  # per-channel parameters are inline JSON: bound them
 
 
 class Quantization(FormatModel):
-    """How a quantized tensor's stored integers map back to it (format 1.2).
+    """How a quantized tensor's stored integers map back to it.
 
     The entry's ``dtype`` is the integer representation (``int8`` for
     ``qint8``); ``dtype`` here is the quantized dtype. ``per_tensor_affine``
@@ -317,7 +317,7 @@ MAX_SHARDS = 1 << 16
 class ShardRecord(FormatModel):
     """One stored shard of a sharded tensor: the box ``offsets``..``offsets+sizes``, row-major.
 
-    ``quantized`` (format 1.4): the shard is a quantized tensor stored as its
+    ``quantized``: the shard is a quantized tensor stored as its
     integer representation, as a quantized tensor entry is; left out otherwise.
     """
 

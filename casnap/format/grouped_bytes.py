@@ -1,4 +1,4 @@
-"""A grouped manifest's canonical JSON (format 1.3), assembled from one text per entry object.
+"""A grouped manifest's canonical JSON, assembled from one text per entry object.
 
 What a distributed take writes is ``canonical_json(manifest.to_jsonable())``
 (pinned by tests/test_grouped_bytes.py): the keys one rank holds in
@@ -13,7 +13,7 @@ order ``canonical_json`` sorts them.
 
 Example::
 
-    >>> data = serialize(manifest)  # a 1.3 manifest of world_size > 1 comes here
+    >>> data = serialize(manifest)  # a manifest of world_size > 1 comes here
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 :class:`Manifest` is the document a ref points to; :class:`RankGroup` and
 :class:`GroupedEntries` are how entries several ranks hold as one object are
-written once (format 1.3); :func:`format_version_for` picks the oldest format
-that can hold a manifest's entries. The entries themselves are in
+written once. The entries themselves are in
 :mod:`casnap.format.entries`, parsing in :mod:`casnap.format.parse`.
 """
 
@@ -21,20 +20,11 @@ from casnap.format.entries import (
     Entry,
     FormatModel,
     HashStr,
-    ObjectEntry,
     ShardedEntry,
     ShardRecord,
-    TensorEntry,
     chunks_of,
 )
-from casnap.format.versions import (
-    DELTA_FORMAT_VERSION,
-    FORMAT_VERSION,
-    GROUPED_FORMAT_VERSION,
-    QUANTIZED_FORMAT_VERSION,
-    QUANTIZED_SHARDS_FORMAT_VERSION,
-    version_at_least,
-)
+from casnap.format.versions import FORMAT_VERSION, Version
 
 # What a manifest may expand to (rank_groups multiply): far above 1,024 ranks x 10,000 keys.
 MAX_ENTRIES = 1 << 26
@@ -44,6 +34,8 @@ MAX_ENTRIES = 1 << 26
 EXPANSION_FIXED = 1 << 20
 EXPANSION_PER_BYTE = 64
 MAX_KEY_LENGTH = 4096
+# Parts a manifest may list: each names at least one entry, so at most MAX_ENTRIES.
+MAX_PARTS = 1 << 20
 JsonValue = Any
 
 
@@ -52,10 +44,18 @@ Key = Annotated[str, Field(min_length=1, max_length=MAX_KEY_LENGTH)]
 
 
 class RankGroup(FormatModel):
-    """Entries held alike by several ranks (format 1.3): ``entries[path]`` is the entry of
+    """Entries held alike by several ranks: ``entries[path]`` is the entry of
     the key ``f"{rank}/{path}"`` for every rank in the inclusive ``ranks`` ranges."""
 
     ranks: list[RankRange] = Field(min_length=1)
+    entries: dict[Key, Entry]
+
+
+class Part(FormatModel):
+    """A part of a manifest's entries (docs/format.md, "Manifest parts"): stored once as
+    a loose object named by the blake3 of its canonical JSON, shared by every manifest
+    that lists it."""
+
     entries: dict[Key, Entry]
 
 
@@ -97,10 +97,10 @@ class Manifest(FormatModel):
 
     In memory ``entries`` holds every key (``rank_groups`` is empty: a parsed
     manifest's groups are expanded, each entry object shared by its keys);
-    :meth:`to_jsonable` writes a manifest of format 1.3 or later with groups.
+    :meth:`to_jsonable` writes a manifest of several ranks with groups.
     """
 
-    format_version: StrictStr = FORMAT_VERSION
+    format_version: Version = FORMAT_VERSION
     created_at: StrictStr
     world_size: Annotated[int, Field(ge=1), StrictInt] = 1
     parents: list[HashStr] = []
@@ -108,10 +108,14 @@ class Manifest(FormatModel):
     entries: dict[Key, Entry]
     # Read from JSON, expanded by the parser; written by to_jsonable only: never dumped as a field.
     rank_groups: list[RankGroup] = Field(default=[], exclude=True)
+    # The parts holding the entries (docs/format.md, "Manifest parts"): read from JSON and
+    # merged into ``entries`` by the parser, chosen by the serializer when written
+    # (casnap.format.manifest_bytes.split); never dumped as a field.
+    parts: list[ChunkRef] = Field(default=[], exclude=True, max_length=MAX_PARTS)
 
     def to_jsonable(self) -> dict[str, Any]:
         """``model_dump(mode="json")``, with entries several ranks hold as one object
-        written once in ``rank_groups`` (format 1.3 and later, more than one rank):
+        written once in ``rank_groups`` (a manifest of more than one rank):
         what :func:`casnap.format.manifest_bytes.serialize` writes, as Python values."""
         plain: dict[str, Entry] = self.entries
         groups: list[tuple[list[tuple[int, int]], dict[str, Entry]]] = []
@@ -131,7 +135,7 @@ class Manifest(FormatModel):
 
     def writes_rank_groups(self) -> bool:
         """Whether this manifest is written with ``rank_groups`` (a distributed take's)."""
-        return self.world_size > 1 and version_at_least(self.format_version, GROUPED_FORMAT_VERSION)
+        return self.world_size > 1
 
     def rank_groups_split(self) -> tuple[dict[str, Entry], Groups]:
         """The entries as :meth:`to_jsonable` writes them: those of one rank, and the groups.
@@ -145,28 +149,23 @@ class Manifest(FormatModel):
         return _group_by_ranks(entries)
 
     def stored_refs(self) -> list[ChunkRef]:
-        """Every stored frame reading this manifest needs: its chunks and their delta bases.
+        """Every stored frame reading this manifest needs: its parts, its chunks and their
+        delta bases.
 
         gc keeps, verify checks and ``du`` counts these; a chunk's bases may
-        belong to snapshots that no longer exist.
+        belong to snapshots that no longer exist, a part to several snapshots.
         """
         refs = self.distinct_refs()
-        if not any(r.base is not None for r in refs):
-            return refs
-        return [link for r in refs for link in r.chain()]
+        if any(r.base is not None for r in refs):
+            refs = [link for r in refs for link in r.chain()]
+        return [*self.parts, *refs] if self.parts else refs
 
     @model_validator(mode="after")
-    def _empty_shards(self) -> Manifest:
-        # A rank's local shard of an uneven split may be empty: a take stores at most
-        # one such box per rank. More is work without data, refused before any read.
-        groups = (g.entries for g in self.rank_groups)
-        for held in (self.entries, *groups):
-            for key, e in held.items():
-                if isinstance(e, ShardedEntry) and e.empty_shards > self.world_size:
-                    raise ValueError(
-                        f"entry {key[:200]!r} has {e.empty_shards} empty shards, more "
-                        f"than world_size {self.world_size}"
-                    )
+    def _checked(self) -> Manifest:
+        for part in self.parts:  # a part is a whole frame of its own (docs/format.md)
+            if part.pack is not None or part.base is not None:
+                raise ValueError(f"part {part.hash} is not a loose whole object")
+        check_empty_shards(self.world_size, self.entries, *(g.entries for g in self.rank_groups))
         return self
 
     def expanded(self, size: int | None = None) -> Manifest:
@@ -245,6 +244,21 @@ class Manifest(FormatModel):
         return [c for refs, _ in self.distinct_chunk_refs() for c in refs]
 
 
+def check_empty_shards(world_size: int, *held: Mapping[str, Entry]) -> None:
+    """Refuse a sharded entry with more empty shards than ``world_size``.
+
+    A rank's local shard of an uneven split may be empty: a take stores at most
+    one such box per rank. More is work without data, refused before any read.
+    """
+    for entries in held:
+        for key, e in entries.items():
+            if isinstance(e, ShardedEntry) and e.empty_shards > world_size:
+                raise ValueError(
+                    f"entry {key[:200]!r} has {e.empty_shards} empty shards, more "
+                    f"than world_size {world_size}"
+                )
+
+
 def _shards(e: Entry) -> list[ShardRecord]:
     return e.shards if isinstance(e, ShardedEntry) else []
 
@@ -302,31 +316,6 @@ def same_entries(a: Mapping[str, Entry], b: Mapping[str, Entry]) -> bool:
         and all(map(operator.is_, a.values(), b.values()))
         and all(map(operator.eq, a, b))
     )
-
-
-def format_version_for(entries: dict[str, Entry]) -> str:
-    """The format a manifest of ``entries`` is written in: the oldest that can hold them.
-
-    One pass over the entries (a take of 20,000 small tensors calls it every time).
-    """
-    quantized = quantized_shards = False
-    for e in entries.values():
-        if isinstance(e, TensorEntry):
-            chunks = e.chunks
-            quantized = quantized or e.quantized is not None
-        elif isinstance(e, ShardedEntry):
-            chunks = chunks_of(e)
-            quantized_shards = quantized_shards or bool(e.quantized_shards)
-        elif isinstance(e, ObjectEntry):
-            chunks = e.chunks
-        else:
-            continue
-        for c in chunks:
-            if c.base is not None:
-                return DELTA_FORMAT_VERSION
-    if quantized_shards:
-        return QUANTIZED_SHARDS_FORMAT_VERSION
-    return QUANTIZED_FORMAT_VERSION if quantized else FORMAT_VERSION
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,29 @@ take's manifest parses back equal to what the take built.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from casnap.format import codec
 from casnap.format.entries import ChunkRef, Entry, Quantization, TensorEntry
 from casnap.format.grouped_bytes import grouped_bytes, ref_text
 from casnap.format.json_text import canonical_json
 from casnap.format.manifest import MAX_KEY_LENGTH, Dumped, Manifest
+from casnap.format.names import digest_of
 
 M = TypeVar("M", ChunkRef, TensorEntry)
+# How a writer cuts entries into parts (docs/format.md, "Manifest parts"): a manifest
+# whose entries' JSON is at most INLINE_MAX characters holds them inline; else every
+# entry is in a part. A part ends after PART_MAX characters, or after PART_MIN at a
+# key whose crc32 has its low bits clear: an end chosen by the keys, so a changed
+# entry changes its own part only, and an added key moves no other part's ends.
+INLINE_MAX = 16 << 10
+PART_MIN = 64 << 10
+PART_MAX = 512 << 10
+_CUT_MASK = 15
+PART_LEVEL = 1  # zstd level of a part's frame
 _REF_FIELDS = {"hash", "size", "pack", "offset", "length", "base"}
 _TENSOR_FIELDS = {"dtype", "shape", "chunk_size", "chunks", "replicated", "quantized"}
 
@@ -137,7 +151,12 @@ def entry_texts(manifest: Manifest, reuse: Dumped | None = None) -> Mapping[str,
         return reuse.texts
     old_entries = reuse.manifest.entries if reuse is not None else {}
     old_texts = reuse.texts if reuse is not None else {}
-    out = EntryTexts(manifest.entries)
+    known = {p.hash: p for p in manifest.parts}
+    if isinstance(old_texts, EntryTexts):  # the parent's parts are stored: not encoded again
+        known.update((p.ref.hash, p.ref) for p in old_texts.parts())
+    elif reuse is not None:
+        known.update((p.hash, p) for p in reuse.manifest.parts)
+    out = EntryTexts(manifest.entries, known)
     for key, entry in manifest.entries.items():
         text = old_texts.get(key) if old_entries.get(key) is entry else None
         out[key] = text if text is not None else entry_text(key, entry)
@@ -148,10 +167,12 @@ class EntryTexts(dict[str, str]):
     """:func:`entry_texts`' result: each key's text, and the ``entries`` member they make
     up, joined once (an unchanged re-take reuses the parent's texts, so the join too)."""
 
-    def __init__(self, of: Mapping[str, Entry]) -> None:
+    def __init__(self, of: Mapping[str, Entry], known: Mapping[str, ChunkRef] | None = None):
         super().__init__()
         self.of = of  # the entries they are the texts of
+        self.known = known or {}  # parts already stored (the parent's), by hash
         self._body: bytes | None = None
+        self._parts: list[StoredPart] | None = None
 
     def body(self) -> bytes:
         """The texts in key order, comma-separated: a manifest's ``entries`` members."""
@@ -159,31 +180,104 @@ class EntryTexts(dict[str, str]):
             self._body = ",".join([self[k] for k in sorted(self)]).encode("utf-8")
         return self._body
 
+    def parts(self) -> list[StoredPart]:
+        """:func:`cut_parts` of these texts, once (an unchanged re-take reuses them)."""
+        if self._parts is None:
+            self._parts = cut_parts(self, sorted(self), self.known)
+        return self._parts
+
+    def stored(self) -> None:
+        """Record that :meth:`parts` are stored: they are not put again."""
+        if self._parts is not None:
+            self._parts = [StoredPart(p.ref, None) for p in self._parts]
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """A part of a manifest's entries: its reference and, unless stored already, its frame."""
+
+    ref: ChunkRef
+    frame: bytes | None  # None: known stored (the parent's part, or one read back)
+
+
+def cut_parts(
+    texts: Mapping[str, str], keys: list[str], known: Mapping[str, ChunkRef]
+) -> list[StoredPart]:
+    """The parts of the entries ``keys`` (sorted), as the writer's rule cuts them (see
+    ``PART_MIN``); ``known``: parts stored already, by hash, not encoded again."""
+    out: list[StoredPart] = []
+    start = size = 0
+    for i, key in enumerate(keys):
+        size += len(texts[key]) + 1
+        end = i == len(keys) - 1 or size >= PART_MAX
+        if not end and size >= PART_MIN:
+            end = zlib.crc32(key.encode("utf-8")) & _CUT_MASK == 0
+        if end:
+            members = ",".join([texts[k] for k in keys[start : i + 1]])
+            out.append(_part(('{"entries":{' + members + "}}").encode("utf-8"), known))
+            start, size = i + 1, 0
+    return out
+
+
+def _part(data: bytes, known: Mapping[str, ChunkRef]) -> StoredPart:
+    digest = digest_of(data)
+    ref = known.get(digest.hex())
+    if ref is not None:
+        return StoredPart(ref, None)
+    # JSON always compresses: zstd without a trial, one compression per part
+    header, payload = codec.encode(data, digest, level=PART_LEVEL, choice=codec.CODEC_ZSTD)
+    frame = header + bytes(payload)
+    return StoredPart(trusted_chunk_ref(digest.hex(), len(data), None, 0, len(frame)), frame)
+
 
 def serialize(manifest: Manifest, texts: Mapping[str, str] | None = None) -> bytes:
-    """The canonical JSON bytes of ``manifest``, what its name hashes (``texts``: its
-    entry texts, :func:`entry_texts`, reused from the last take where unchanged).
+    """The canonical JSON bytes of ``manifest`` as stored, what its name hashes
+    (``texts``: its entry texts, :func:`entry_texts`, reused from the last take where
+    unchanged); its parts are :func:`split`'s."""
+    return split(manifest, texts)[0]
 
-    A distributed take's manifest (format 1.3 and later, more than one rank) is
-    written with ``rank_groups`` (:mod:`casnap.format.grouped_bytes`); any other as
-    :func:`manifest_bytes` assembles it.
+
+def split(
+    manifest: Manifest, texts: Mapping[str, str] | None = None
+) -> tuple[bytes, list[StoredPart]]:
+    """The manifest's bytes and the parts they list (docs/format.md, "Manifest parts").
+
+    A distributed take's manifest (more than one rank) is written with
+    ``rank_groups`` (:mod:`casnap.format.grouped_bytes`) and its entries inline;
+    any other as :func:`manifest_bytes` assembles it, in parts when its entries'
+    JSON is longer than ``INLINE_MAX``.
     """
     if manifest.writes_rank_groups():  # its ranks share entry objects
-        return grouped_bytes(manifest, *manifest.rank_groups_split())
-    return manifest_bytes(manifest, texts)
-
-
-def manifest_bytes(manifest: Manifest, texts: Mapping[str, str] | None = None) -> bytes:
-    """``canonical_json(manifest.model_dump(mode="json"))``, assembled from ``texts``
-    (:func:`entry_texts`, computed here when not given)."""
+        return grouped_bytes(manifest, *manifest.rank_groups_split()), []
     if texts is None:
         texts = entry_texts(manifest)
+    if not isinstance(texts, EntryTexts) or texts.of is not manifest.entries:
+        known = {p.hash: p for p in manifest.parts}
+        texts = _as_entry_texts(manifest, texts, known)
+    if len(texts.body()) <= INLINE_MAX:
+        return manifest_bytes(manifest, texts.body()), []
+    parts = texts.parts()
+    return manifest_bytes(manifest, b"", [p.ref for p in parts]), parts
+
+
+def _as_entry_texts(
+    manifest: Manifest, texts: Mapping[str, str], known: dict[str, ChunkRef]
+) -> EntryTexts:
+    out = EntryTexts(manifest.entries, known)
+    out.update((k, texts[k]) for k in manifest.entries)
+    return out
+
+
+def manifest_bytes(manifest: Manifest, body: bytes, parts: list[ChunkRef] | None = None) -> bytes:
+    """``canonical_json`` of the manifest with ``body`` (its entries' texts, comma-joined,
+    or none) as ``entries`` and ``parts`` listed."""
     head = manifest.model_dump(mode="json", exclude={"entries", "created_at"})
     rest = canonical_json(head)  # b'{"format_version":...}': keys after "entries"
-    if isinstance(texts, EntryTexts) and texts.of is manifest.entries:
-        body = texts.body()
-    else:
-        body = ",".join([texts[k] for k in sorted(manifest.entries)]).encode("utf-8")
+    if parts:  # "parts" sorts between "parents" and "world_size", the last key
+        listed = ",".join([ref_text(p) for p in parts]).encode("utf-8")
+        world = b',"world_size":'
+        at = rest.rindex(world)
+        rest = rest[:at] + b',"parts":[' + listed + b"]" + rest[at:]
     return b"".join(
         [
             b'{"created_at":',

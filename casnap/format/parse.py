@@ -9,17 +9,18 @@ caller allocates or reads; every failure is a ``ManifestValidationError``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
 from casnap.errors import ManifestValidationError, UnsupportedFormatError
-from casnap.format.entries import FormatModel
+from casnap.format.entries import ChunkRef, Entry, FormatModel
 from casnap.format.json_text import load_json
-from casnap.format.manifest import Manifest
+from casnap.format.manifest import MAX_ENTRIES, Manifest, Part, check_empty_shards
 from casnap.format.names import check_hash, hash_bytes
 from casnap.format.records import DamageRecord, Ref, RepoConfig, TagRecord
-from casnap.format.versions import DELTA_FORMAT_VERSION, FORMAT_MAJOR, MANIFEST_MAJORS
+from casnap.format.versions import FORMAT_VERSION
 from casnap.python_gc import python_gc_paused
 
 MAX_MANIFEST_BYTES = 1 << 30
@@ -28,16 +29,13 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_RECORD_BYTES = 64 << 10
 
 
-def check_version(version: str, what: str, majors: tuple[int, ...] = (FORMAT_MAJOR,)) -> None:
-    try:
-        major = int(version.split(".", 1)[0])
-    except ValueError as exc:
-        raise UnsupportedFormatError(f"{what}: malformed format_version {version!r}") from exc
-    if major not in majors:
-        shown = " and ".join(str(m) for m in majors)
+def check_version(version: object, what: str) -> None:
+    """Refuse a document of any version but ``FORMAT_VERSION``: there is one format."""
+    if version != FORMAT_VERSION or not isinstance(version, str):
+        shown = version[:40] if isinstance(version, str) else repr(version)[:40]
         raise UnsupportedFormatError(
-            f"{what} has format version {version}; this casnap reads major version "
-            f"{shown} only — upgrade casnap to read it"
+            f"{what} has format version {shown}; this casnap reads format "
+            f"{FORMAT_VERSION} only (a newer casnap wrote it, or it is not a casnap file)"
         )
 
 
@@ -47,7 +45,6 @@ def _parse(
     what: str,
     *,
     versioned: bool = False,
-    majors: tuple[int, ...] = (FORMAT_MAJOR,),
 ) -> Any:
     raw = load_json(data, what)
     if versioned and isinstance(raw, dict) and "format_version" not in raw:
@@ -57,8 +54,8 @@ def _parse(
             "format, so this is not one (or it is damaged)",
             what,
         )
-    if isinstance(raw, dict) and isinstance(raw.get("format_version"), str):
-        check_version(raw["format_version"], what, majors)
+    if isinstance(raw, dict) and "format_version" in raw:
+        check_version(raw["format_version"], what)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -70,34 +67,73 @@ def _parse(
         ) from exc
 
 
+PartLoader = Callable[[ChunkRef], dict[str, Entry]]  # a part's entries, checked (parse_part)
+
+
 @python_gc_paused()  # a model or more per entry, no cycles (casnap.python_gc)
-def parse_manifest(data: bytes, name: str) -> Manifest:
-    """Validate an untrusted manifest; ``name`` is its hash, checked against the bytes."""
+def parse_manifest(data: bytes, name: str, load_part: PartLoader | None = None) -> Manifest:
+    """Validate an untrusted manifest; ``name`` is its hash, checked against the bytes.
+
+    ``load_part`` gives the entries of each part the manifest lists (docs/format.md,
+    "Manifest parts"), called only once the parts' declared sizes passed the limits.
+    """
     check_hash(name, "manifest name")
     what = f"manifest {name}"
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestValidationError(f"{what} is larger than {MAX_MANIFEST_BYTES} bytes", name)
     if hash_bytes(data) != name:
         raise ManifestValidationError(f"{what}: blake3 digest mismatch (corrupt)", name)
-    manifest: Manifest = _parse(Manifest, data, what, versioned=True, majors=MANIFEST_MAJORS)
+    manifest: Manifest = _parse(Manifest, data, what, versioned=True)
+    size = len(data) + sum(p.size for p in manifest.parts)
+    if manifest.parts:
+        manifest = _with_parts(manifest, size, what, load_part)
     try:
-        manifest = manifest.expanded(len(data))
+        manifest = manifest.expanded(size)
     except ValueError as exc:
         raise ManifestValidationError(f"{what} is malformed at rank_groups: {exc}", name) from exc
-    _check_delta_version(manifest, what)
     return manifest
 
 
-def _check_delta_version(manifest: Manifest, what: str) -> None:
-    """A delta reference in a manifest of major 1 is refused: major-1 readers cannot read it."""
-    if manifest.format_version.split(".", 1)[0] == "1" and any(
-        r.base is not None for r in manifest.distinct_refs()
-    ):
+def manifest_part_refs(data: bytes, name: str) -> list[ChunkRef]:
+    """The parts an untrusted manifest lists, its parts not read (what repair restores
+    when a part is lost: the manifest cannot be read whole without it)."""
+    check_hash(name, "manifest name")
+    if len(data) > MAX_MANIFEST_BYTES or hash_bytes(data) != name:
+        raise ManifestValidationError(f"manifest {name} is too large or corrupt", name)
+    manifest: Manifest = _parse(Manifest, data, f"manifest {name}", versioned=True)
+    return manifest.parts
+
+
+def _with_parts(manifest: Manifest, size: int, what: str, load: PartLoader | None) -> Manifest:
+    """``manifest`` with the entries of its parts merged in, every limit checked first."""
+    if size > MAX_MANIFEST_BYTES:
         raise ManifestValidationError(
-            f"{what} has format version {manifest.format_version} but holds delta chunks "
-            f"(format {DELTA_FORMAT_VERSION})",
-            what,
+            f"{what} and its parts declare {size} bytes, more than {MAX_MANIFEST_BYTES}", what
         )
+    if load is None:
+        raise ManifestValidationError(f"{what} lists parts: read it from its repository", what)
+    entries = dict(manifest.entries)
+    for ref in manifest.parts:
+        held = load(ref)
+        before = len(entries)
+        entries.update(held)
+        if len(entries) != before + len(held):
+            raise ManifestValidationError(f"{what}: part {ref.hash} repeats a key", what)
+        if len(entries) > MAX_ENTRIES:
+            raise ManifestValidationError(f"{what}: more than {MAX_ENTRIES} entries", what)
+    try:
+        check_empty_shards(manifest.world_size, entries)
+    except ValueError as exc:
+        raise ManifestValidationError(f"{what} is malformed in a part: {exc}", what) from exc
+    return manifest.model_copy(update={"entries": entries})
+
+
+@python_gc_paused()
+def parse_part(data: bytes, ref: ChunkRef) -> dict[str, Entry]:
+    """The entries of an untrusted part, whose bytes were checked against ``ref`` (its
+    hash and size: casnap.format.codec.decode)."""
+    part: Part = _parse(Part, data, f"manifest part {ref.hash}")
+    return part.entries
 
 
 def parse_config(data: bytes) -> RepoConfig:
@@ -120,6 +156,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     """The JSON Schemas exported into ``schema/`` (see tools/export_schema.py)."""
     return {
         "manifest-v1.schema.json": Manifest.model_json_schema(),
+        "manifest-part-v1.schema.json": Part.model_json_schema(),
         "config-v1.schema.json": RepoConfig.model_json_schema(),
         "ref-v1.schema.json": Ref.model_json_schema(),
         "tag-v1.schema.json": TagRecord.model_json_schema(),

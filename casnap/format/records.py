@@ -12,13 +12,13 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from casnap.format.entries import FormatModel, HashStr
 from casnap.format.json_text import canonical_json
-from casnap.format.versions import FORMAT_VERSION
+from casnap.format.versions import FORMAT_VERSION, Version
 
 
 class RepoConfig(FormatModel):
     """``.casnap/config.json``: written once when the repository is created."""
 
-    format_version: StrictStr = FORMAT_VERSION
+    format_version: Version = FORMAT_VERSION
     repo_id: StrictStr
     hash: Literal["blake3"] = "blake3"
     chunk_size: Annotated[int, Field(ge=4096, le=1 << 30), StrictInt]

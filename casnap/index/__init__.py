@@ -29,7 +29,7 @@ from casnap.index.lmdb_store import (
     open_index,
     read_epoch_bytes,
 )
-from casnap.index.summaries import ManifestSummary, SummaryMemo, summarize
+from casnap.index.summaries import ManifestSummary, SummaryLine, SummaryMemo, line_of, summarize
 from casnap.repo.damage import DamageSet
 from casnap.repo.leases import hold_lease
 from casnap.repo.repository import RepoStorage
@@ -44,6 +44,7 @@ __all__ = [
     "ManifestSummary",
     "RebuildStats",
     "RepoIndex",
+    "SummaryLine",
     "SummaryMemo",
     "close_all",
     "drop",
@@ -56,6 +57,7 @@ __all__ = [
     "rebuild",
     "record_manifest",
     "summarize",
+    "summary_lines",
 ]
 
 
@@ -161,6 +163,32 @@ def manifest_summaries(
     return out
 
 
+def summary_lines(
+    repo: RepoStorage, hashes: Iterable[str], *, missing_ok: bool = False
+) -> dict[str, SummaryLine]:
+    """The log lines of ``hashes`` (see :class:`SummaryLine`): from the index where
+    cached, else made from their summaries and their first parents' (then cached)."""
+    wanted = list(dict.fromkeys(hashes))
+    index = open_index(repo, chunks=False)
+    out = index.lines(wanted) if index is not None else {}
+    todo = [h for h in wanted if h not in out]
+    if not todo:
+        return out
+    sums = manifest_summaries(repo, todo, missing_ok=missing_ok)
+    firsts = {s.parents[0] for s in sums.values() if s.parents} - sums.keys()
+    sums |= manifest_summaries(repo, firsts, missing_ok=True)
+    made = []
+    for h in todo:
+        if h in sums:
+            s = sums[h]
+            parent = sums.get(s.parents[0]) if s.parents else None
+            made.append(line_of(s, parent.spans if parent is not None else None))
+            out[h] = made[-1]
+    if index is not None:
+        index.record_summaries((), made)
+    return out
+
+
 def manifest_summary(repo: RepoStorage, manifest_hash: str) -> ManifestSummary:
     """The summary of one manifest (see :func:`manifest_summaries`).
 
@@ -180,8 +208,15 @@ def record_manifest(
     ``memo``: the reuse cache's (casnap.take.reuse), which reuses what the parent's
     entries cost to summarize."""
     index = open_index(repo, chunks=False)
-    if index is not None:
-        index.record_summaries([summarize(manifest_hash, manifest, memo)])
+    if index is None:
+        return
+    first = manifest.parents[0] if manifest.parents else None
+    base = memo.spans_of(first) if memo is not None and first is not None else None
+    if base is None and first is not None:
+        cached = index.summary(first)  # a parent this process did not summarize last
+        base = cached.spans if cached is not None else None
+    summary = summarize(manifest_hash, manifest, memo)
+    index.record_summaries([summary], [line_of(summary, base)])
 
 
 @dataclass(frozen=True)

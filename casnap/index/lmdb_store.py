@@ -27,7 +27,14 @@ from casnap.format.names import check_hash
 from casnap.format.parse import MAX_RECORD_BYTES
 from casnap.index import lmdb_envs
 from casnap.index.lmdb_envs import Env
-from casnap.index.summaries import ManifestSummary, decode_summary, encode_summary
+from casnap.index.summaries import (
+    ManifestSummary,
+    SummaryLine,
+    decode_line,
+    decode_summary,
+    encode_line,
+    encode_summary,
+)
 from casnap.repo.repository import RepoStorage
 from casnap.settings import index_enabled
 
@@ -36,6 +43,7 @@ _log = logging.getLogger("casnap.index")  # the logger users configure (docs/ind
 GC_EPOCH_KEY = "gc-epoch"  # below .casnap/; written by gc after a sweep that deleted something
 
 _META_CHUNKS_FOR = b"chunks-for"  # store URL + gc epoch the chunk entries were recorded under
+_LINE = b"L"  # a summary's log line is under its manifest's key + this (33 bytes)
 _CHECK = 8  # bytes of blake3 that guard every value against a damaged page
 _LOOSE = struct.Struct("<QQ")  # raw size, frame length
 _PACKED = struct.Struct("<QQQ32s")  # raw size, frame length, offset, pack digest
@@ -229,10 +237,33 @@ class RepoIndex:
             pass  # a damaged entry is a miss
         return None
 
-    def record_summaries(self, summaries: Iterable[ManifestSummary]) -> None:
+    def lines(self, hashes: Iterable[str]) -> dict[str, SummaryLine]:
+        """The log lines of ``hashes`` the index holds, in one read transaction."""
+        out: dict[str, SummaryLine] = {}
+        if not self._env.usable:
+            return out
+        try:
+            with self._env.begin(db=self._env.manifests) as txn:
+                for h in hashes:
+                    key = bytes.fromhex(check_hash(h, "manifest name")) + _LINE
+                    value = txn.get(key)
+                    body = _unseal(key, value) if value is not None else None
+                    try:
+                        if body is not None:
+                            out[h] = decode_line(h, body)
+                    except (ValueError, KeyError, TypeError, struct.error):
+                        pass  # a damaged entry is a miss
+        except lmdb.Error as exc:
+            self._failed("read", exc)
+        return out
+
+    def record_summaries(
+        self, summaries: Iterable[ManifestSummary], lines: Iterable[SummaryLine] = ()
+    ) -> None:
         if not self._env.usable:
             return
         items = [(bytes.fromhex(s.manifest), encode_summary(s)) for s in summaries]
+        items += [(bytes.fromhex(x.manifest) + _LINE, encode_line(x)) for x in lines]
         try:
             with self._env.begin(write=True, db=self._env.manifests) as txn:
                 for key, body in items:

@@ -3,6 +3,9 @@
 A summary is derived from one manifest and named by its hash, so it never
 goes stale. :mod:`casnap.index.lmdb_store` stores summaries in the local index in
 the binary form below; :func:`casnap.index.manifest_summaries` serves them.
+A :class:`SummaryLine` is the small part ``log`` reads per snapshot: the
+summary's figures and the spans it adds to its first parent, not every span
+(the parent's summary holds the rest; docs/index.md).
 """
 
 from __future__ import annotations
@@ -58,6 +61,87 @@ class ManifestSummary:
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class SummaryLine:
+    """What one ``log`` or ``du`` line needs of a manifest: its figures, and how it
+    differs from ``base`` (its first parent): the spans it references that the base
+    does not, and the store objects it uses that the base does not (``gained``) and
+    the base's it does not (``lost``). ``base`` None: ``added`` and ``gained`` hold
+    every span and object (a root, or a parent whose summary was not at hand)."""
+
+    manifest: str
+    created_at: str
+    parents: tuple[str, ...]
+    metadata: dict[str, Any]
+    logical_bytes: int
+    stored_bytes: int
+    base: str | None
+    added: frozenset[tuple[str, int, int]]
+    gained: frozenset[str] = frozenset()
+    lost: frozenset[str] = frozenset()
+
+    @property
+    def step(self) -> int | None:
+        step = self.metadata.get("step")
+        return step if isinstance(step, int) else None
+
+
+def line_of(s: ManifestSummary, base: frozenset[tuple[str, int, int]] | None) -> SummaryLine:
+    """The line of ``s``; ``base``: the spans of its first parent, when known."""
+    if base is None or not s.parents:
+        return _line(s, None, s.spans, frozenset(o for o, _, _ in s.spans), frozenset())
+    if base is s.spans:  # an unchanged re-take: the parent's very spans (SummaryMemo)
+        return _line(s, s.parents[0], frozenset(), frozenset(), frozenset())
+    ours = {o for o, _, _ in s.spans}
+    theirs = {o for o, _, _ in base}
+    return _line(
+        s, s.parents[0], s.spans - base, frozenset(ours - theirs), frozenset(theirs - ours)
+    )
+
+
+def _line(
+    s: ManifestSummary,
+    base: str | None,
+    added: frozenset[tuple[str, int, int]],
+    gained: frozenset[str],
+    lost: frozenset[str],
+) -> SummaryLine:
+    return SummaryLine(
+        s.manifest, s.created_at, s.parents, s.metadata, s.logical_bytes, s.stored_bytes,
+        base, added, gained, lost,
+    )  # fmt: skip
+
+
+def encode_line(line: SummaryLine) -> bytes:
+    head = _head(line) | {"stored_bytes": line.stored_bytes, "base": line.base}
+    head |= {"gained": len(line.gained), "lost": len(line.lost)}
+    digests = b"".join(bytes.fromhex(o) for o in (*sorted(line.gained), *sorted(line.lost)))
+    return _pack_head(head) + digests + span_table(line.added)
+
+
+def decode_line(manifest_hash: str, body: bytes) -> SummaryLine:
+    (n,) = _HEAD.unpack_from(body)
+    head = json.loads(body[_HEAD.size : _HEAD.size + n])
+    gained, lost = int(head["gained"]), int(head["lost"])
+    at = _HEAD.size + n
+    ends = (at + 32 * gained, at + 32 * (gained + lost))
+    if ends[1] > len(body):
+        raise ValueError("truncated object table")
+    base = head["base"]
+    return SummaryLine(
+        manifest=manifest_hash,
+        created_at=str(head["created_at"]),
+        parents=tuple(str(p) for p in head["parents"]),
+        metadata=dict(head["metadata"]),
+        logical_bytes=int(head["logical_bytes"]),
+        stored_bytes=int(head["stored_bytes"]),
+        base=None if base is None else str(base),
+        added=_spans(memoryview(body)[ends[1] :]),
+        gained=frozenset(body[i : i + 32].hex() for i in range(at, ends[0], 32)),
+        lost=frozenset(body[i : i + 32].hex() for i in range(ends[0], ends[1], 32)),
+    )
+
+
 _Part = tuple[Entry, int, int, tuple[tuple[str, int, int], ...]]
 
 
@@ -76,6 +160,7 @@ class SummaryMemo:
         self._lock = threading.Lock()
         self._parts: dict[int, _Part] = {}
         self._encoded: tuple[frozenset[tuple[str, int, int]], bytes] | None = None
+        self._last: str | None = None  # the manifest whose spans _encoded holds
         # The last manifest's entries with chunks (with_chunks) and its (logical, count).
         self._whole: tuple[dict[str, Entry], tuple[int, int]] | None = None
 
@@ -83,6 +168,16 @@ class SummaryMemo:
         """The parts and the (spans, table) of the manifest summarized last, together."""
         with self._lock:
             return self._parts, self._encoded
+
+    def spans_of(self, manifest_hash: str) -> frozenset[tuple[str, int, int]] | None:
+        """The spans of ``manifest_hash`` if it is the manifest summarized last."""
+        with self._lock:
+            encoded, last = self._encoded, self._last
+        return encoded[0] if encoded is not None and last == manifest_hash else None
+
+    def now_of(self, manifest_hash: str) -> None:
+        with self._lock:
+            self._last = manifest_hash
 
     def unchanged(
         self, held: dict[str, Entry]
@@ -103,11 +198,13 @@ class SummaryMemo:
         spans: frozenset[Any],
         table: bytes,
         whole: tuple[dict[str, Entry], tuple[int, int]] | None = None,
+        manifest_hash: str | None = None,
     ) -> None:
         """Remember a summarized manifest's parts, span table and entry objects (one
         step: a take in another thread reads all of one manifest)."""
         with self._lock:
             self._parts, self._encoded, self._whole = parts, (spans, table), whole
+            self._last = manifest_hash
 
 
 def _part(e: Entry) -> tuple[int, int, tuple[tuple[str, int, int], ...]]:
@@ -132,6 +229,8 @@ def summarize(
     reused = memo.unchanged(held) if memo is not None else None
     if reused is not None:
         (total, refs), spans, encoded = reused
+        if memo is not None:
+            memo.now_of(manifest_hash)  # the same spans, now this manifest's
         return _summary(manifest_hash, manifest, total, refs, spans, encoded)
     logical = count = 0
     old, last = memo.take() if memo is not None else ({}, None)
@@ -155,7 +254,7 @@ def summarize(
     if memo is not None:  # the summary is about to be recorded: its table is needed
         reuse = last is not None and (same or last[0] == frozen)
         table = last[1] if reuse and last is not None else span_table(frozen)
-        memo.keep(parts, frozen, table, (held, (logical, count)))
+        memo.keep(parts, frozen, table, (held, (logical, count)), manifest_hash)
     return _summary(manifest_hash, manifest, logical, count, frozen, table)
 
 
@@ -167,6 +266,10 @@ def _summary(
     spans: frozenset[tuple[str, int, int]],
     table: bytes | None,
 ) -> ManifestSummary:
+    if manifest.parts:  # the manifest's parts are frames it needs too (not chunk refs)
+        held = frozenset((p.hash, p.offset, p.length) for p in manifest.parts)
+        spans = spans | held
+        table = None if table is None else table + span_table(held)  # a set: order is free
     return ManifestSummary(
         manifest=manifest_hash,
         created_at=manifest.created_at,
@@ -180,23 +283,38 @@ def _summary(
     )
 
 
+def _head(s: ManifestSummary | SummaryLine) -> dict[str, Any]:
+    return {
+        "created_at": s.created_at,
+        "parents": list(s.parents),
+        "metadata": s.metadata,
+        "logical_bytes": s.logical_bytes,
+    }
+
+
+def _pack_head(head: dict[str, Any]) -> bytes:
+    text = json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
+    return _HEAD.pack(len(text)) + text
+
+
+def _unpack(body: bytes) -> tuple[dict[str, Any], frozenset[tuple[str, int, int]]]:
+    (n,) = _HEAD.unpack_from(body)
+    head = json.loads(body[_HEAD.size : _HEAD.size + n])
+    return head, _spans(memoryview(body)[_HEAD.size + n :])
+
+
+def _spans(table: memoryview) -> frozenset[tuple[str, int, int]]:
+    if len(table) % _SPAN.size:
+        raise ValueError("truncated span table")
+    return frozenset((o.hex(), off, ln) for o, off, ln in _SPAN.iter_unpack(table))
+
+
 def encode_summary(s: ManifestSummary) -> bytes:
-    head = json.dumps(
-        {
-            "created_at": s.created_at,
-            "world_size": s.world_size,
-            "parents": list(s.parents),
-            "metadata": s.metadata,
-            "logical_bytes": s.logical_bytes,
-            "chunk_refs": s.chunk_refs,
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    ).encode()
+    head = _head(s) | {"world_size": s.world_size, "chunk_refs": s.chunk_refs}
     spans = s.encoded_spans
     if spans is None:
         spans = span_table(s.spans)
-    return _HEAD.pack(len(head)) + head + spans
+    return _pack_head(head) + spans
 
 
 def span_table(spans: frozenset[tuple[str, int, int]]) -> bytes:
@@ -205,12 +323,7 @@ def span_table(spans: frozenset[tuple[str, int, int]]) -> bytes:
 
 
 def decode_summary(manifest_hash: str, body: bytes) -> ManifestSummary:
-    (n,) = _HEAD.unpack_from(body)
-    head = json.loads(body[_HEAD.size : _HEAD.size + n])
-    rest = memoryview(body)[_HEAD.size + n :]
-    if len(rest) % _SPAN.size:
-        raise ValueError("truncated span table")
-    spans = frozenset((o.hex(), off, ln) for o, off, ln in _SPAN.iter_unpack(rest))
+    head, spans = _unpack(body)
     return ManifestSummary(
         manifest=manifest_hash,
         created_at=str(head["created_at"]),

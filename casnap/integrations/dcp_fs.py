@@ -47,7 +47,7 @@ from casnap.format.entries import (
     ContainerEntry,
     Entry,
 )
-from casnap.format.manifest import Manifest, format_version_for
+from casnap.format.manifest import Manifest
 from casnap.integrations.dcp_layout import FILES_METADATA, containers, path_key
 from casnap.integrations.dcp_writer import _commit_replacing
 from casnap.integrations.file_entries import WriteStream, entry_size, open_entry, store_segments
@@ -266,7 +266,6 @@ class CasnapFileSystem(AbstractFileSystem):  # type: ignore[misc]
         entries.update(containers(entries))
         assert save.lease is not None  # _gather refused a commit on a rank without one
         manifest = Manifest(
-            format_version=format_version_for(entries),
             created_at=now_iso(),
             world_size=save.group.size,
             parents=list(save.parents),

@@ -53,7 +53,8 @@ from casnap.format.entries import (
 from casnap.format.manifest import Manifest
 from casnap.integrations.dcp_layout import key_fqns, read_record
 from casnap.integrations.dcp_writer import _as_path, _valid_id
-from casnap.repo.repository import RepoStorage, locate
+from casnap.repo.locate import locate
+from casnap.repo.repository import RepoStorage
 from casnap.settings import default_memory_budget, read_workers_for
 from casnap.torch_io.flatten import decode_primitive
 from casnap.torch_io.tensors import byte_view, copy_bits, torch_dtype

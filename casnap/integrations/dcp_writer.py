@@ -47,7 +47,7 @@ from casnap.format.entries import (
     Entry,
     PrimitiveEntry,
 )
-from casnap.format.manifest import Manifest, format_version_for
+from casnap.format.manifest import Manifest
 from casnap.format.manifest_bytes import entry_texts
 from casnap.integrations.dcp_entries import StoredBytes, StoredTensor, entry_of, primitive_of
 from casnap.integrations.dcp_layout import (
@@ -356,7 +356,6 @@ class CasnapWriter(StorageWriter):
         manifest = Manifest(
             # 2.0 where an entry holds a delta chunk (written now, or a parent's reused):
             # a 1.x manifest with deltas is refused by every reader
-            format_version=format_version_for(entries),
             created_at=now_iso(),
             world_size=len(results),
             parents=parents,
@@ -365,7 +364,7 @@ class CasnapWriter(StorageWriter):
         )
         if self._replaces is None and not self.overwrite:
             try:
-                self.last_manifest = commit_snapshot(
+                self.last_manifest, _ = commit_snapshot(
                     repo, target_name, manifest, lease=lease, session=self.session
                 )
             except SnapshotExistsError as exc:  # another save committed it meanwhile
@@ -419,7 +418,7 @@ def _commit_replacing(
     so no save that returns is left without a ref.
     """
     texts = entry_texts(manifest)
-    manifest_hash = repo.write_manifest(manifest, texts)
+    manifest_hash, manifest = repo.write_manifest(manifest, texts)
     if old is not None:
         repo.write_ref(f"{name}{HISTORY_SEP}{old[:12]}", old)
     lease.check()

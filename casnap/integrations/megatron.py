@@ -67,7 +67,7 @@ from casnap.errors import ConfigError, UnsupportedValueError
 from casnap.integrations.dcp_reader import CasnapReader
 from casnap.integrations.dcp_writer import HISTORY_SEP, CasnapWriter
 from casnap.integrations.pointer import Pointer, read_pointer, write_pointer
-from casnap.repo.repository import locate
+from casnap.repo.locate import locate
 from casnap.take.session import Session
 
 __all__ = [

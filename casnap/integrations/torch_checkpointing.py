@@ -36,7 +36,7 @@ from typing_extensions import Buffer
 from casnap.distributed.group import Group, Rendezvous, resolve_group
 from casnap.errors import ConfigError, SnapshotExistsError, SnapshotNotFoundError
 from casnap.format.entries import ContainerEntry, Entry
-from casnap.format.manifest import Manifest, format_version_for
+from casnap.format.manifest import Manifest
 from casnap.integrations.dcp_layout import FILES_METADATA, containers, path_key
 from casnap.integrations.file_entries import WriteStream, entry_size, open_entry, store_segments
 from casnap.repo.lease_record import LEASES
@@ -273,7 +273,6 @@ class CasnapStorage(Storage):
         entries.update(containers(entries))
         repo, snap = self._locate(dst, create=True)
         manifest = Manifest(
-            format_version=format_version_for(entries),
             created_at=now_iso(),
             world_size=save.group.size,
             parents=list(save.parents),

@@ -119,7 +119,7 @@ def read_manifest_bytes(repo: RepoStorage, m: str) -> tuple[bytes, Manifest]:
         data = repo.store.get(manifest_key(m), limit=MAX_MANIFEST_BYTES)
     except ObjectNotFoundError as exc:
         raise SnapshotNotFoundError(f"manifest {m} is missing from {repo.url}") from exc
-    return data, parse_manifest(data, m)  # checks the bytes against the name
+    return data, parse_manifest(data, m, repo.parts.load)  # checks the bytes against the name
 
 
 def _resolve(

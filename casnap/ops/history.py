@@ -6,6 +6,7 @@ the manifests' chunk references (sizes, hashes, frame lengths).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -23,8 +24,9 @@ from casnap.format.entries import (
 )
 from casnap.format.manifest import Manifest
 from casnap.format.tree import missing_key
-from casnap.index import manifest_summaries
+from casnap.index import SummaryLine, manifest_summaries, summary_lines
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
+from casnap.python_gc import python_gc_paused
 from casnap.repo.damage import list_damage
 from casnap.repo.leases import scan_leases
 from casnap.repo.repository import RepoStorage, chunk_key, pack_key
@@ -70,6 +72,7 @@ def _heads(repo: RepoStorage) -> dict[str, str]:
     return heads
 
 
+@python_gc_paused()  # sets of spans, no cycles: no full collection per summary read
 def log(repo: RepoStorage) -> list[LogLine]:
     """Every snapshot, oldest first, with its size and what it added to the repository.
 
@@ -82,20 +85,20 @@ def log(repo: RepoStorage) -> list[LogLine]:
     repository reads only refs.
     """
     heads = _heads(repo)
-    sums = manifest_summaries(repo, heads.values(), missing_ok=True)
-    parents = {p for s in sums.values() for p in s.parents} - sums.keys()
-    sums |= manifest_summaries(repo, parents, missing_ok=True)
+    lines = summary_lines(repo, heads.values(), missing_ok=True)
+    parents = {p for s in lines.values() for p in s.parents} - lines.keys()
+    lines |= summary_lines(repo, parents, missing_ok=True)
     named = sorted(
-        ((name, mhash, sums[mhash]) for name, mhash in heads.items() if mhash in sums),
+        ((name, mhash, lines[mhash]) for name, mhash in heads.items() if mhash in lines),
         key=lambda item: item[2].created_at,
     )
-    seen: set[tuple[str, int, int]] = set()  # every frame of the snapshots listed so far
-    lines = []
+    seen = _Seen(repo, lines)
+    out = []
     for name, mhash, s in named:
         for p in s.parents:
-            if p in sums:
-                seen |= sums[p].spans
-        lines.append(
+            if p in lines:
+                seen.cover(p)
+        out.append(
             LogLine(
                 name=name,
                 manifest=mhash,
@@ -104,13 +107,40 @@ def log(repo: RepoStorage) -> list[LogLine]:
                 parents=tuple(s.parents),
                 logical_bytes=s.logical_bytes,
                 stored_bytes=s.stored_bytes,
-                new_bytes=sum(x[2] for x in s.spans - seen),
+                new_bytes=sum(x[2] for x in seen.beyond(mhash)),
                 metadata=dict(s.metadata),
-                parents_absent=tuple(p for p in s.parents if p not in sums),
+                parents_absent=tuple(p for p in s.parents if p not in lines),
             )
         )
-        seen |= s.spans
-    return lines
+        seen.cover(mhash)
+    return out
+
+
+class _Seen:
+    """Every frame of the manifests covered so far, grown by each one's log line: a
+    manifest whose first parent is covered adds only the spans its line adds to it
+    (what ``log`` reads per snapshot); another one's whole summary is read."""
+
+    def __init__(self, repo: RepoStorage, lines: dict[str, SummaryLine]) -> None:
+        self.repo, self.lines = repo, lines
+        self.frames: set[tuple[str, int, int]] = set()
+        self.covered: set[str] = set()
+
+    def _spans(self, mhash: str) -> frozenset[tuple[str, int, int]]:
+        """Spans of ``mhash`` that hold every one of its frames not covered yet."""
+        line = self.lines[mhash]
+        if line.base is None or line.base in self.covered:
+            return line.added
+        return manifest_summaries(self.repo, [mhash])[mhash].spans
+
+    def beyond(self, mhash: str) -> frozenset[tuple[str, int, int]]:
+        """The frames of ``mhash`` not covered yet."""
+        return self._spans(mhash) - self.frames
+
+    def cover(self, mhash: str) -> None:
+        if mhash not in self.covered:
+            self.frames |= self._spans(mhash)
+            self.covered.add(mhash)
 
 
 @dataclass(frozen=True)
@@ -175,6 +205,7 @@ class Usage:
         return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
 
+@python_gc_paused()  # as log
 def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
     """Space used, overall and per snapshot. ``pinned`` maps extra roots (tags) to manifests.
 
@@ -187,36 +218,28 @@ def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
     heads = _heads(repo)
     roots = [(n, h, True) for n, h in heads.items()]
     roots += [(f"tag:{t}", m, False) for t, m in (pinned or {}).items()]
-    sums = manifest_summaries(repo, [h for _, h, _ in roots], missing_ok=True)
+    sums = summary_lines(repo, [h for _, h, _ in roots], missing_ok=True)
+    named = Counter(h for _, h, _ in roots if h in sums)  # roots per manifest
+    seen = _Seen(repo, sums)
+    for mhash in sorted(named, key=lambda h: sums[h].created_at):
+        seen.cover(mhash)
+    frames = seen.frames
     extents: dict[str, int] = {}
-    uses: dict[str, set[str]] = {}
-    owners: dict[str, int] = {}
-    frames: set[tuple[str, int, int]] = set()
-    for name, mhash, _is_ref in roots:
-        s = sums.get(mhash)
-        if s is None:
-            continue
-        frames |= s.spans
-        ends = s.object_extents()
-        for obj, end in ends.items():
-            extents[obj] = max(extents.get(obj, 0), end)
-            owners[obj] = owners.get(obj, 0) + 1
-        uses[name] = set(ends)
+    for obj, offset, length in frames:
+        extents[obj] = max(extents.get(obj, 0), offset + length)
+    owners, only = _owners(repo, sums, named)
     listed = [i for kind in ("chunks", "packs") for i in repo.store.list_info(kind)]
     manifests = list(repo.store.list_info("manifests"))
     sizes = _object_sizes(listed, extents)
-    per = []
-    for name, mhash, is_ref in roots:
-        if not is_ref or name not in uses:
-            continue
-        per.append(
-            SnapshotUsage(
-                name,
-                sums[mhash].logical_bytes,
-                sums[mhash].stored_bytes,
-                sum(sizes[o] for o in uses[name] if owners[o] == 1),
-            )
-        )
+    exclusive = Counter[str]()
+    for obj, n in owners.items():
+        if n == 1:
+            exclusive[only[obj]] += sizes[obj]
+    per = [
+        SnapshotUsage(name, sums[h].logical_bytes, sums[h].stored_bytes, exclusive[h])
+        for name, h, is_ref in roots
+        if is_ref and h in sums
+    ]
     frame_bytes = sum(length for _, _, length in frames)
     left = leftovers(repo)
     junk = _unreferenced(repo, set(sums), set(extents), listed, manifests)
@@ -235,6 +258,47 @@ def du(repo: RepoStorage, pinned: dict[str, str] | None = None) -> Usage:
             temp_bytes=left.temp_bytes,
         ),
     )
+
+
+def _owners(
+    repo: RepoStorage, lines: dict[str, SummaryLine], named: Counter[str]
+) -> tuple[dict[str, int], dict[str, str]]:
+    """How many roots use each object (``named``: roots per manifest), from the lines.
+
+    The manifests form a forest, each under its first parent where that is one of
+    them. An object is in a manifest when it is in its parent and not ``lost``, or
+    ``gained``: the roots using it add up, over the manifests where it comes in
+    (+) or goes (-), to that manifest's roots and all below it. Where an object has
+    one user, the one manifest it comes in at is that user (``only``).
+    """
+    up = {m: b for m in named if (b := lines[m].base) is not None and b in named}
+    children: dict[str, list[str]] = {}
+    for m, b in up.items():
+        children.setdefault(b, []).append(m)
+    order = [m for m in named if m not in up]  # parents before children
+    for m in order:
+        order.extend(children.get(m, ()))
+    below = dict(named)  # roots at a manifest and under it
+    for m in reversed(order):
+        if m in up:
+            below[up[m]] += below[m]
+    owners: dict[str, int] = {}
+    only: dict[str, str] = {}
+    for m in named:
+        line = lines[m]
+        if m in up:
+            gained, lost = line.gained, line.lost
+        elif line.base is None:
+            gained, lost = line.gained, frozenset()
+        else:  # its base is no root: every object it uses comes in here
+            gained = frozenset(o for o, _, _ in manifest_summaries(repo, [m])[m].spans)
+            lost = frozenset()
+        for obj in gained:
+            owners[obj] = owners.get(obj, 0) + below[m]
+            only[obj] = m
+        for obj in lost:
+            owners[obj] = owners.get(obj, 0) - below[m]
+    return owners, only
 
 
 def _object_sizes(listed: list[ObjectInfo], extents: dict[str, int]) -> dict[str, int]:

@@ -23,11 +23,12 @@ from casnap.format import codec
 from casnap.format.entries import DTYPE_ITEMSIZE, ChunkRef, ShardedEntry, TensorEntry, chunks_of
 from casnap.format.manifest import Manifest
 from casnap.format.names import digest_of
+from casnap.format.parse import MAX_MANIFEST_BYTES, manifest_part_refs
 from casnap.ops.repair_sources import ChunkSource, FromDeltas, RepoCopies
 from casnap.ops.verify import Holder, Owners, StandIns, VerifyReport, roots, verify
 from casnap.repo.damage import DamagedCopy, clear_damage, list_damage
 from casnap.repo.leases import hold_lease
-from casnap.repo.repository import RepoStorage, chunk_key
+from casnap.repo.repository import RepoStorage, chunk_key, manifest_key
 from casnap.settings import Settings
 
 Progress = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
@@ -58,6 +59,7 @@ class RepairFindings:
     fixes: list[Fix] = field(default_factory=list)
     already: list[str] = field(default_factory=list)  # chunks whose chunks/<h> is good already
     broken_roots: dict[Holder, str] = field(default_factory=dict)  # ref/tag/manifest problems
+    parts: set[str] = field(default_factory=set)  # the parts of unreadable manifests
     holders: set[Holder] = field(default_factory=set)
 
     def render(self) -> str:
@@ -153,8 +155,11 @@ def find_bad(
         except CasnapError as exc:
             for holder in holders:
                 plan.broken_roots[holder] = f"manifest {mhash}: {exc}"
+            parts = _part_refs(repo, mhash)  # a lost part is repaired as a chunk is
+            owners.add(parts, holders)
+            plan.parts.update(p.hash for p in parts)
             continue
-        owners.add(manifest.distinct_refs(), holders)
+        owners.add([*manifest.parts, *manifest.distinct_refs()], holders)
         elems.update(element_sizes(manifest))
     for p in report.problems:  # unreadable refs and tags
         plan.holders.add((p.kind if p.kind == "tag" else "snapshot", p.subject))
@@ -190,6 +195,15 @@ def find_bad(
             )
             plan.bad.append(bad)
     return plan
+
+
+def _part_refs(repo: RepoStorage, mhash: str) -> list[ChunkRef]:
+    try:
+        return manifest_part_refs(
+            repo.store.get(manifest_key(mhash), limit=MAX_MANIFEST_BYTES), mhash
+        )
+    except CasnapError:
+        return []
 
 
 def element_sizes(manifest: Manifest) -> dict[str, int]:
@@ -357,4 +371,10 @@ def repair(
     if dry_run:
         fixable = {f.chunk for f in plan.fixes if f.source} | set(plan.already)
         return RepairResult(plan, dry_run=True, roots=statuses(plan, fixable))
-    return execute_repair(repo, plan, sources, progress=progress)
+    result = execute_repair(repo, plan, sources, progress=progress)
+    if plan.parts & set(result.written):  # a manifest readable again: its chunks next
+        again = repair(repo, sources, progress=progress)
+        again.plan.fixes[:0] = plan.fixes
+        again.written[:0] = result.written
+        return again
+    return result

@@ -32,6 +32,7 @@ from casnap.errors import (
 )
 from casnap.format.entries import ChunkRef
 from casnap.ops.unreferenced import Unreferenced, find_unreferenced
+from casnap.python_gc import python_gc_paused
 from casnap.repo.damage import DAMAGED, DamagedCopy, list_damage
 from casnap.repo.named import stored_names
 from casnap.repo.repository import CONFIG_KEY, META, RepoStorage, chunk_key
@@ -181,15 +182,20 @@ def verify(
     refs = owners.refs
     named = roots(repo, report)
     whole = not report.problems  # every ref and tag read (and below: every root's manifest)
-    for mhash, holders in sorted(named.items()):
-        try:
-            m = repo.read_manifest(mhash)
-        except CasnapError as exc:
-            report.problems.append(_problem("manifest", mhash, str(exc), holders))
-            whole = whole and isinstance(exc, SnapshotNotFoundError)  # missing: references none
-            continue
-        report.manifests += 1
-        owners.add(m.distinct_refs(), holders)  # a delta's bases must be whole too
+    # Owners grows by several objects per reference and forms no cycles: with collection
+    # on, each manifest parsed set off a full one walking all of it, so verify took
+    # 2.4x as long per doubling of the history (docs/repository.md, "Checking").
+    with python_gc_paused():
+        for mhash, holders in sorted(named.items()):
+            try:
+                m = repo.read_manifest(mhash)
+            except CasnapError as exc:
+                report.problems.append(_problem("manifest", mhash, str(exc), holders))
+                whole = whole and isinstance(exc, SnapshotNotFoundError)  # references none
+                continue
+            report.manifests += 1
+            owners.add([*m.parts, *m.distinct_refs()], holders)  # a delta's bases, its parts
+            del m  # freed before the next one is parsed
     report.chunks = len(refs)
 
     listed = [i for kind in ("chunks", "packs") for i in repo.store.list_info(kind)]
@@ -256,7 +262,7 @@ def check_snapshot(repo: RepoStorage, name: str) -> VerifyReport:
         return report
     report.manifests = 1
     owners = Owners()
-    owners.add(manifest.distinct_refs(), holders)
+    owners.add([*manifest.parts, *manifest.distinct_refs()], holders)
     report.chunks = len(owners.refs)
     present = _Probed(repo)
     _report_recorded(repo, owners, report, (0, 0), present, StandIns(repo, present, False))

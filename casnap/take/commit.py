@@ -34,8 +34,9 @@ def commit_snapshot(
     lease: Lease | None,
     session: Session | None,
     previous: Dumped | None = None,
-) -> str:
-    """Steps 1 to 4 above; returns the manifest's hash.
+) -> tuple[str, Manifest]:
+    """Steps 1 to 4 above; returns the manifest's hash and the manifest as stored (its
+    ``parts`` listed: docs/format.md, "Manifest parts").
 
     ``previous`` (the parent's manifest and its JSON form, from the reuse
     cache) lets the serializer reuse the JSON of the entries the two share.
@@ -43,12 +44,12 @@ def commit_snapshot(
     # A distributed take's manifest is written per entry object, not per key (its
     # 1,024 ranks' keys would each be dumped again): no key's text is needed.
     texts = None if manifest.writes_rank_groups() else entry_texts(manifest, previous)
-    manifest_hash = repo.write_manifest(manifest, texts)
+    manifest_hash, manifest = repo.write_manifest(manifest, texts)  # as stored: its parts
     if lease is not None:
         lease.check()
     repo.write_ref(name, manifest_hash)  # the commit point
     remember(repo, manifest_hash, manifest, session, texts, committed=True)
-    return manifest_hash
+    return manifest_hash, manifest
 
 
 def remember(

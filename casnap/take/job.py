@@ -38,7 +38,7 @@ from casnap.chunks.frames import WriteStats
 from casnap.chunks.write import ChunkWriter
 from casnap.errors import UnsupportedValueError
 from casnap.format.entries import ChunkRef, ContainerEntry, Entry, PrimitiveEntry, TensorEntry
-from casnap.format.manifest import Manifest, format_version_for, same_entries
+from casnap.format.manifest import Manifest, same_entries
 from casnap.format.manifest_bytes import trusted_manifest
 from casnap.python_gc import python_gc_paused
 from casnap.repo.leases import Lease, hold_lease
@@ -185,20 +185,17 @@ class TakeJob:
         others = build_entries([plan], by_hash, previous)
         entries = {k: tensors[k] if k in tensors else others[k] for k in self.nodes}
         if dumped is not None and same_entries(entries, dumped.manifest.entries):
-            # An unchanged re-take: the parent's own entries, whose JSON, format
-            # version and summary are reused whole.
-            entries, version = dumped.manifest.entries, dumped.manifest.format_version
-        else:
-            version = format_version_for(entries)
+            # An unchanged re-take: the parent's own entries, whose JSON and
+            # summary are reused whole.
+            entries = dumped.manifest.entries
         manifest = trusted_manifest(  # the entries were built (or validated) already
             entries,
-            format_version=version,
             created_at=now_iso(),
             world_size=1,
             parents=self.parents,
             metadata=self.metadata,
         )
-        manifest_hash = commit_snapshot(
+        manifest_hash, manifest = commit_snapshot(
             self.repo, self.name, manifest, lease=lease, session=self.session, previous=dumped
         )
         return manifest, manifest_hash

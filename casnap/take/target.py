@@ -19,7 +19,8 @@ import torch
 from casnap.errors import ShapeMismatchError, SnapshotExistsError, UnsupportedValueError
 from casnap.format.json_text import canonical_json
 from casnap.format.names import escape_key
-from casnap.repo.repository import RepoStorage, locate
+from casnap.repo.locate import locate
+from casnap.repo.repository import RepoStorage
 from casnap.settings import (
     DEFAULT_CHUNK_SIZE,
     TAKE_SETTINGS,
@@ -76,7 +77,7 @@ class TakeOptions:
         existing: bool = False,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> tuple[RepoStorage, str]:
-        """:func:`casnap.repo.repository.locate` of ``path`` with these options."""
+        """:func:`casnap.repo.locate.locate` of ``path`` with these options."""
         return locate(
             path,
             self.storage,
@@ -183,7 +184,7 @@ def _prepared_shards(prepare: TensorPrepareFunc, key: str, leaf: ShardLeaf) -> S
     """Every local shard of a sharded value through the prepare function, as torchsnapshot.
 
     A quantized shard is stored as its integers and parameters, as a quantized
-    tensor is (format 1.4: docs/format.md, "Quantized tensors")."""
+    tensor is (docs/format.md, "Quantized tensors")."""
     shards = []
     for s in leaf.shards:
         out = _prepared(prepare, key, s.tensor)

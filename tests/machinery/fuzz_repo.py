@@ -68,6 +68,7 @@ KINDS = (
     "float_overflow",
     "hostile_lock",
     "many_shards",
+    "part_value",
 )
 STORE_KINDS = ("fifo", "symlink_dev_zero", "sparse", "bigint")
 ALL_KINDS = KINDS + STORE_KINDS
@@ -92,6 +93,7 @@ _REWRITES = (
     "huge_shape",
     "float_overflow",
     "many_shards",
+    "part_value",
 )  # the manifest declares other data
 _JSON_DIRS = ("manifests", "refs", "tags", "leases", "damaged")
 _SNAPSHOTS = ("s1", "s2", "s3")
@@ -122,6 +124,9 @@ def _states() -> dict[str, dict[str, Any]]:
             "b": torch.randn(100, generator=g),  # packed
             "i": torch.arange(50, dtype=torch.int64) * (i + 1),  # packed, compressible
             "step": i,
+            # 140 refs to one zero chunk: the entries' JSON passes 16 KiB, so every
+            # manifest holds them in a part (docs/format.md, "Manifest parts")
+            "many": torch.zeros(140 * _CHUNK // 4),
         }
     return out
 
@@ -243,6 +248,54 @@ def _write_manifest(case: Path, old: str, doc: Any) -> str:
                 if old in text:
                     p.write_text(text.replace(old, name))
     return name
+
+
+def _part_path(case: Path, h: str) -> Path:
+    return case / ".casnap" / "chunks" / h[:2] / h
+
+
+def _read_part(case: Path, ref: dict[str, Any]) -> Any:
+    from casnap.format import codec
+
+    h = ref["hash"]
+    frame = _part_path(case, h).read_bytes()
+    return json.loads(bytes(codec.decode(frame, h, bytes.fromhex(h), ref["size"])))
+
+
+def _write_part(case: Path, part: Any) -> dict[str, Any]:
+    """Store ``part`` as a part frame under its blake3 name; returns its reference."""
+    from casnap.format import codec
+    from casnap.format.names import digest_of
+
+    raw = _dumps(part, canonical=True)
+    digest = digest_of(raw)
+    header, payload = codec.encode(raw, digest)
+    frame = header + bytes(payload)
+    path = _part_path(case, digest.hex())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(frame)
+    return {"hash": digest.hex(), "size": len(raw), "pack": None, "offset": 0, "length": len(frame)}
+
+
+def _inline_parts(case: Path, doc: Any) -> None:
+    """Merge a manifest's parts into its entries (a reader accepts both), so that the
+    rewrites of entries find them."""
+    for ref in doc.pop("parts", None) or []:
+        doc["entries"].update(_read_part(case, ref)["entries"])
+
+
+def _part_value(rng: random.Random, case: Path, rel: str, doc: Any) -> str:
+    """A hostile value somewhere in one of the manifest's parts, both rehashed."""
+    parts = doc.get("parts") or []
+    if not parts:
+        return "no part"
+    at = rng.randrange(len(parts))
+    part = _read_part(case, parts[at])
+    node = rng.choice(_nodes(part))
+    value = _hostile_value(rng)
+    parts[at] = _write_part(case, _replace(part, node, value))
+    name = _write_manifest(case, Path(rel).name, doc)
+    return f"part {at}: set {list(node)[:8]} to {repr(value)[:60]}, rehashed as {name[:12]}"
 
 
 def _huge_shape(rng: random.Random, doc: Any) -> None:
@@ -469,6 +522,10 @@ def mutate(rng: random.Random, case: Path, rel: str, kind: str) -> str:
         at = rng.choice(nums) if nums else 0
         path.write_text(text[:at] + digits + text[at:])
         return f"a {len(digits)}-digit integer at {at}"
+    if kind == "part_value":
+        return _part_value(rng, case, rel, doc)
+    if kind in _REWRITES:
+        _inline_parts(case, doc)
     node = rng.choice(_nodes(doc))
     if kind == "huge_shape":
         _huge_shape(rng, doc)
@@ -497,7 +554,7 @@ def _applicable(rel: str, kind: str) -> bool:
     is_json = folder in _JSON_DIRS or rel.endswith(("config.json", "gc-epoch"))
     if kind in ("json_value", "bigint"):
         return is_json
-    if kind in ("rehash", "huge_shape", "float_overflow", "many_shards"):
+    if kind in _REWRITES:
         return folder == "manifests"
     if kind == "hostile_lock":
         return folder == "leases"

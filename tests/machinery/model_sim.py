@@ -297,6 +297,13 @@ def refs_of(repo: Repository, name: str) -> list[Any]:
     return list(storage.read_manifest(storage.resolve(name)).chunk_refs())
 
 
+def part_files(repo: Repository, name: str) -> list[str]:
+    """The files of the parts holding a snapshot's entries (docs/format.md, "Manifest parts")."""
+    storage = repo.storage
+    parts = storage.read_manifest(storage.resolve(name)).parts
+    return [f"chunks/{p.hash[:2]}/{p.hash}" for p in parts]
+
+
 def copies_of(refs: list[Any]) -> set[tuple[str, str | None]]:
     return {(link.hash, link.pack) for r in refs for link in r.chain()}
 
@@ -444,8 +451,10 @@ class Sim:
         snaps = sorted(self.repos[repo].snaps)
         referenced: list[str] = []
         if snaps and rng.random() < 0.75:
+            picked = rng.choice(snaps)
             try:
-                refs = refs_of(self.handle(repo), rng.choice(snaps))
+                refs = refs_of(self.handle(repo), picked)
+                referenced += part_files(self.handle(repo), picked)  # a part is damaged too
             except CasnapError:
                 refs = []
             for r in refs:
@@ -1030,13 +1039,17 @@ class Sim:
         return all(oracle.value(r)[0] is not None for r in refs)
 
     def manifest_refs(self, repo: str, manifest: str) -> tuple[list[Any], list[Path], set[Any]]:
-        """A manifest's chunk references, the files they read, their copies (memoized:
-        manifests are immutable and never damaged here)."""
+        """A manifest's chunk references, the files they and its parts read, their copies
+        (memoized: manifests are immutable and never damaged here; their parts may be)."""
         key = (repo, manifest)
         if key not in self._refs:
             oracle = Oracle(self.repos[repo].root)
-            refs = list(self.handle(repo).storage.read_manifest(manifest).chunk_refs())
-            paths = sorted({p for r in refs for p in oracle.files_of(r)})
+            read = self.handle(repo).storage.read_manifest(manifest)
+            refs = list(read.chunk_refs())
+            paths = sorted(
+                {p for r in refs for p in oracle.files_of(r)}
+                | {oracle.loose_path(part.hash) for part in read.parts}
+            )
             self._refs[key] = (refs, paths, copies_of(refs))
         return self._refs[key]
 
