@@ -81,9 +81,7 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
         "max_over_mean_bytes": max(per_rank) / statistics.mean(per_rank),
         "casnap_take_s": statistics.median(casnap_times),
         "dcp_save_s": statistics.median(dcp_times),
-        "casnap_over_dcp": statistics.median(
-            c / d for c, d in zip(casnap_times, dcp_times, strict=True)
-        ),
+        "casnap_over_dcp": statistics.median(c / d for c, d in zip(casnap_times, dcp_times)),
         "casnap_samples_s": casnap_times,
         "dcp_samples_s": dcp_times,
         # CPU seconds of all ranks' processes together: the ranks share the cores, so

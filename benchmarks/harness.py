@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import platform
 import shutil
@@ -50,13 +51,7 @@ def _layer_shapes(d: int, i: int) -> dict[str, tuple[int, ...]]:
 
 
 def _numel(shapes: dict[str, tuple[int, ...]]) -> int:
-    total = 0
-    for shape in shapes.values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def transformer_shapes(target_bytes: int) -> tuple[int, int, dict[str, tuple[int, ...]]]:
@@ -297,14 +292,8 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
         padded = [c.rjust(w) if r else c.ljust(w) for c, w, r in cols]
         return "| " + " | ".join(padded) + " |"
 
-    sep = (
-        "|"
-        + "|".join(
-            ("-" * (w + 1) + ":") if r else ("-" * (w + 2))
-            for w, r in zip(widths, right, strict=True)
-        )
-        + "|"
-    )
+    dashes = [("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(widths, right)]
+    sep = "|" + "|".join(dashes) + "|"
     return "\n".join([line(headers), sep, *(line(r) for r in rows)])
 
 

@@ -1,38 +1,32 @@
 """casnap's integrations against the checkpointing each framework ships, same state, one run.
 
-    .venv/bin/python benchmarks/integrations.py dcp [--size-gib 0.5] [--repeats 3] [--small]
+    .venv/bin/python benchmarks/integrations.py dcp|torch_checkpointing [--size-gib 0.5] [--small]
     .venv/bin/python benchmarks/integrations.py lightning [--small] [--width 2048] [--layers 15]
-        [--steps 24] [--every 4] [--repeats 3]
-    .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6] [--repeats 3]
-    .venv/bin/python benchmarks/integrations.py torch_checkpointing [--size-gib 0.5] [--small]
-    .venv/bin/python benchmarks/integrations.py torchtitan [--size-gib 0.25] [--repeats 3]
+        [--steps 24] [--every 4]
+    .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6]
+    .venv/bin/python benchmarks/integrations.py torchtitan [--size-gib 0.25]
     .venv/bin/python benchmarks/integrations.py deepspeed|accelerate [--width 2048] [--layers 12]
-        [--repeats 3]
+    (each also [--repeats 3] [--workdir bench-out/scratch] [--out JSON])
 
 Each prints a Markdown table of medians, casnap / the framework's own writer (below 1:
-casnap faster or smaller), and writes every sample to ``--out`` as JSON; scratch data
-goes under ``--workdir`` (removed afterwards). Every subcommand but ``lightning`` saves
-``first``, ``unchanged`` (the same state again) and ``sparse change`` (the last layer and
-the final norm; ``dcp`` calls it ``frozen backbone``) into a fresh folder per writer, then
-loads the last save into a fresh model and compares it bit for bit. Time is the save
-call's (every writer fsyncs); bytes are what the save added to its folder.
-
-``dcp``: ``dcp.save`` (one process, default planner) through ``FileSystemWriter`` and
-``CasnapWriter``. ``lightning``: one short ``Trainer.fit`` per plugin (``TorchCheckpointIO``,
-``CasnapCheckpointIO``) with ``ModelCheckpoint(every_n_train_steps=K, save_top_k=2)`` for a
-``frozen`` model (90% frozen: checkpoints share it) and a ``full`` one (Adam over
-everything: casnap's overhead); time is inside ``save_checkpoint`` and
-``remove_checkpoint``, written is their ``wchar`` (/proc/self/io), on disk the folder at
-the end. ``megatron``: a GPT (local layer spec, CPU, one gloo rank) through
-``dist_checkpointing.save`` with ``torch_dist`` and with casnap's strategy (torch_dist's two
-CUDA calls are patched for its saves only). ``torch_checkpointing``: its
+casnap faster or smaller), and writes every sample to ``--out`` as JSON. All but
+``lightning`` save ``first``, ``unchanged`` and ``sparse change`` (the last layer and the
+final norm; ``dcp``: ``frozen backbone``) into a fresh folder per writer and load the last
+into a fresh model, compared bit for bit; time is the save call's (every writer fsyncs),
+bytes what it added to the folder. ``dcp``: ``dcp.save`` (one process, default planner),
+``FileSystemWriter`` against ``CasnapWriter``. ``torch_checkpointing``: its
 ``CheckpointManager`` with ``LocalFileSystemStorageConfig(use_direct_io=False)`` (O_DIRECT
-fails on many file systems) and with ``CasnapStorageConfig``. ``torchtitan``: its
-``CheckpointManager`` and ``CasnapCheckpointManager``, built as its Trainer builds them
-(AdamW container, zeros state, LR scheduler; sync saves). ``deepspeed`` and
-``accelerate``: Linear layers whose last alone trains (ZeRO 2 on one gloo rank with the CPU
-accelerator; one process for Accelerate), the default writer (``TorchCheckpointEngine``;
-``Accelerator.save_state``) against casnap's; ``sparse change`` follows one more step.
+fails on many file systems) against ``CasnapStorageConfig``. ``lightning``: a short
+``Trainer.fit`` per plugin with ``ModelCheckpoint(every_n_train_steps=K, save_top_k=2)``,
+for a ``frozen`` model (90% frozen) and a ``full`` one (Adam over everything); time inside
+``save_checkpoint`` and ``remove_checkpoint``, written their ``wchar``, on disk the folder
+at the end. ``megatron``: a GPT (local layer spec, CPU, one gloo rank), ``torch_dist``
+against casnap's strategy (torch_dist's two CUDA calls patched for its saves).
+``torchtitan``: its ``CheckpointManager`` and casnap's, built as its Trainer builds them
+(AdamW, zeros state, LR scheduler; sync saves). ``deepspeed``, ``accelerate``: Linear
+layers whose last alone trains (ZeRO 2 on one gloo rank, CPU accelerator; one process),
+``TorchCheckpointEngine`` / ``Accelerator.save_state`` against casnap's; ``sparse change``
+follows one more step.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import pickle
 import sys
 import time
@@ -48,22 +49,12 @@ GROUP = 8  # FSDP shards within a node group
 def llama70b_shapes(layers: int = 80) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of a Llama-2/3-70B-like model (about 70.6e9 parameters)."""
     d, ff, kv, vocab = 8192, 28672, 1024, 128_256
+    layer = {"attention.wq": (d, d), "attention.wk": (kv, d), "attention.wv": (kv, d),
+             "attention.wo": (d, d), "feed_forward.w1": (ff, d), "feed_forward.w2": (d, ff),
+             "feed_forward.w3": (ff, d), "attention_norm": (d,), "ffn_norm": (d,)}  # fmt: skip
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, d)}
     for i in range(layers):
-        p = f"layers.{i}."
-        shapes.update(
-            {
-                p + "attention.wq.weight": (d, d),
-                p + "attention.wk.weight": (kv, d),
-                p + "attention.wv.weight": (kv, d),
-                p + "attention.wo.weight": (d, d),
-                p + "feed_forward.w1.weight": (ff, d),
-                p + "feed_forward.w2.weight": (d, ff),
-                p + "feed_forward.w3.weight": (ff, d),
-                p + "attention_norm.weight": (d,),
-                p + "ffn_norm.weight": (d,),
-            }
-        )
+        shapes.update({f"layers.{i}.{k}.weight": shape for k, shape in layer.items()})
     shapes.update({"norm.weight": (d,), "output.weight": (vocab, d)})
     return shapes
 
@@ -85,9 +76,7 @@ def shard_boxes(
     for name, shape in shapes.items():
         rows, rest = shape[0], shape[1:]
         step = -(-rows // GROUP)
-        row_bytes = itemsize
-        for n in rest:
-            row_bytes *= n
+        row_bytes = itemsize * math.prod(rest)
         for i in range(GROUP):
             start = min(rows, i * step)
             size = min(step, rows - start)

@@ -84,27 +84,25 @@ def measure(tensors: int, numel: int, repeats: int, work: str) -> dict[str, Any]
         save.append(_clock(partial(_save, state, pt)))
         shutil.rmtree(repo)
         os.unlink(pt)
-    (f, fc), (r, rc), (c, cc), (a, ac), (s, sc) = (
-        (statistics.median(w for w, _ in x), statistics.median(c for _, c in x))
-        for x in (first, retake, cold, alone, save)
-    )
-    return {
-        "tensors": tensors,
-        "tensor_bytes": numel * 4,
-        "repeats": repeats,
-        "first_s": f,
-        "retake_s": r,
-        "retake_no_session_s": a,
-        "retake_new_process_s": c,
-        "save_s": s,
-        "first_ratio": f / s,
-        "retake_ratio": r / s,
-        "first_cpu_ratio": fc / sc,
-        "retake_cpu_ratio": rc / sc,
-        "retake_no_session_ratio": a / s,
-        "retake_new_process_ratio": c / s,
-        "retake_no_session_cpu_ratio": ac / sc,
-    }
+    runs = {"first": first, "retake": retake, "retake_no_session": alone, "save": save}
+    runs["retake_new_process"] = cold
+    out: dict[str, Any] = {"tensors": tensors, "tensor_bytes": numel * 4, "repeats": repeats}
+    wall = {k: statistics.median(w for w, _ in x) for k, x in runs.items()}
+    cpu = {k: statistics.median(c for _, c in x) for k, x in runs.items()}
+    for k in runs:
+        out[f"{k}_s"] = wall[k]
+        if k != "save":
+            out[f"{k}_ratio"], out[f"{k}_cpu_ratio"] = wall[k] / wall["save"], cpu[k] / cpu["save"]
+    return out
+
+
+# The printed rows: label, key, and the target (None: no target, no CPU ratio shown).
+_ROWS = [
+    ("casnap first take", "first", 1.5),
+    ("casnap unchanged take", "retake", 0.5),
+    ("same, without session", "retake_no_session", 0.6),
+    ("same, parent not taken", "retake_new_process", None),
+]
 
 
 def profile(tensors: int, numel: int, which: str, work: str) -> None:
@@ -204,25 +202,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(m))
                 continue
             print(f"{n} tensors of {args.numel * 4} B, medians of {args.repeats}:")
-            print(
-                f"  casnap first take      {m['first_s']:6.3f} s  "
-                f"{m['first_ratio']:5.2f}x torch.save (target <= 1.5x), "
-                f"CPU {m['first_cpu_ratio']:4.2f}x"
-            )
-            print(
-                f"  casnap unchanged take  {m['retake_s']:6.3f} s  "
-                f"{m['retake_ratio']:5.2f}x torch.save (target <= 0.5x), "
-                f"CPU {m['retake_cpu_ratio']:4.2f}x"
-            )
-            print(
-                f"  same, without session  {m['retake_no_session_s']:6.3f} s  "
-                f"{m['retake_no_session_ratio']:5.2f}x torch.save (target <= 0.6x), "
-                f"CPU {m['retake_no_session_cpu_ratio']:4.2f}x"
-            )
-            print(
-                f"  same, parent not taken {m['retake_new_process_s']:6.3f} s  "
-                f"{m['retake_new_process_ratio']:5.2f}x torch.save (a new process per save)"
-            )
+            for label, key, limit in _ROWS:
+                ratio = f"{m[key + '_s']:6.3f} s  {m[key + '_ratio']:5.2f}x torch.save"
+                if limit is None:
+                    print(f"  {label:22s} {ratio} (a new process per save)")
+                else:
+                    cpu = m[key + "_cpu_ratio"]
+                    print(f"  {label:22s} {ratio} (target <= {limit}x), CPU {cpu:4.2f}x")
             print(f"  torch.save + fsync     {m['save_s']:6.3f} s")
     return 0
 

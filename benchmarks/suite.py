@@ -160,11 +160,8 @@ def incremental(run: Run, scenario: str) -> None:
     pattern = INCREMENTAL[scenario]
     base = st.start_state(pattern, run.state)
     steps = [st.derive(pattern, base, r) for r in range(run.args.repeats)]
-    run.info[scenario] = {
-        "changed_bytes": steps[0].changed_bytes,
-        "pattern": pattern,
-        "state_bytes": st.nbytes(steps[0].state),
-    }
+    changed, size = steps[0].changed_bytes, st.nbytes(steps[0].state)
+    run.info[scenario] = {"changed_bytes": changed, "pattern": pattern, "state_bytes": size}
     for system in run.systems:
         with scratch_dir(run.args.workdir) as work:
             root = system_root(work, system)
@@ -288,16 +285,8 @@ def read_object(run: Run) -> None:
             system.save(warm, warm_path)
             for _ in range(run.args.read_repeats):
                 settle(False)  # the probe drops the page cache itself, after its imports
-                out = _probe(
-                    run,
-                    "read",
-                    system.name,
-                    path,
-                    st.PROBE_KEY,
-                    str(rows),
-                    str(st.PROBE_COLS),
-                    warm_path,
-                )
+                argv = (st.PROBE_KEY, str(rows), str(st.PROBE_COLS), warm_path)
+                out = _probe(run, "read", system.name, path, *argv)
                 if not out["correct"]:
                     raise SystemExit(f"{system.name}: read_object returned the wrong tensor")
                 op = run.op("read_object", system)
@@ -315,20 +304,9 @@ def delta(run: Run) -> None:
     import delta as delta_bench  # benchmarks/delta.py
 
     size_mib = max(16, int(run.args.size_gib * 1024) // 4)
-    args = delta_bench.parser().parse_args(
-        [
-            "--size-mib",
-            str(size_mib),
-            "--bf16-mib",
-            str(run.args.bf16_mib // 2),
-            "--repeats",
-            str(run.args.repeats),
-            "--series",
-            str(run.args.series),
-            "--workdir",
-            run.args.workdir,
-        ]
-    )
+    argv = f"--size-mib {size_mib} --bf16-mib {run.args.bf16_mib // 2} --repeats "
+    argv += f"{run.args.repeats} --series {run.args.series}"
+    args = delta_bench.parser().parse_args([*argv.split(), "--workdir", run.args.workdir])
     args.scenarios = list(delta_bench.SCENARIOS)
     run.info["delta"] = delta_bench.measure(args)
     _progress("delta: casnap on/off")

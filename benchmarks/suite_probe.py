@@ -44,7 +44,8 @@ def _reset_peak() -> bool:
         return False
 
 
-def _measure_peak(op: object) -> dict[str, object]:
+def _measure_peak(op: object, live: dict[str, torch.Tensor]) -> dict[str, object]:
+    """Peak RSS of ``op()`` above the RSS before it, next to ``live``'s bytes."""
     gc.collect()
     reset = _reset_peak()
     base = _status("VmRSS")
@@ -63,15 +64,13 @@ def _measure_peak(op: object) -> dict[str, object]:
         "peak_reset": reset,
         "seconds": seconds,
         "memory_budget_env": os.environ.get("CASNAP_MEMORY_BUDGET"),
+        "live_bytes": suite_states.nbytes(live),
     }
 
 
 def rss_take(system: str, path: str, size: int, hidden: int) -> dict[str, object]:
     state = suite_states.build(suite_states.model_shapes(size, hidden))
-    sys_ = SYSTEMS[system]
-    out = _measure_peak(lambda: sys_.save(state, path))
-    out["live_bytes"] = suite_states.nbytes(state)
-    return out
+    return _measure_peak(lambda: SYSTEMS[system].save(state, path), state)
 
 
 def rss_async(system: str, path: str, size: int, hidden: int) -> dict[str, object]:
@@ -88,8 +87,7 @@ def rss_async(system: str, path: str, size: int, hidden: int) -> dict[str, objec
         assert pending is not None, f"{system} has no async save"
         pending.wait()
 
-    out = _measure_peak(save)
-    out["live_bytes"] = suite_states.nbytes(state)
+    out = _measure_peak(save, state)
     out["blocked_seconds"] = blocked[0]
     return out
 
@@ -107,8 +105,7 @@ def rss_restore(system: str, path: str, size: int, hidden: int) -> dict[str, obj
                 t.copy_(loaded[k])
         del loaded
 
-    out = _measure_peak(restore)
-    out["live_bytes"] = suite_states.nbytes(target)
+    out = _measure_peak(restore, target)
     probe = "layers.0.attn.qkv.weight"
     out["restored_nonzero"] = bool(target[probe].abs().sum() > 0)
     return out
