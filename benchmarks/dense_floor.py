@@ -198,10 +198,7 @@ def read_one(size: int, repeats: int, work: str, cold_ok: bool) -> dict[str, Any
     casnap.Snapshot(f"{work}/big/s").read_object(f"0/model/{key}")
     span = _safetensors_span(st_path, key)
     read_one_floor(st_path, span, want)  # warm-up
-    st: list[float] = []
-    lazy: list[float] = []
-    cs: list[float] = []
-    floor: list[float] = []
+    st, lazy, cs, floor = [], [], [], []  # seconds: safetensors, lazy, casnap, the floor
     for _ in range(repeats):
         for out in (lazy, st):
             _cold(cold_ok)

@@ -43,16 +43,15 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
 
     from casnap import Session, Snapshot
 
-    session = Session() if mode == "series" else None
+    series = mode == "series"
+    session = Session() if series else None
     casnap_times, dcp_times, per_rank = [], [], None
     cpu: list[tuple[float, float]] = []  # this rank's (casnap, DCP) CPU seconds per repeat
-    rounds = repeat + 1 if mode == "series" else repeat
-    for i in range(rounds):
-        if mode == "series":
+    for i in range(repeat + series):  # a series has a warm-up round
+        if series:
             with torch.no_grad():  # every chunk changes, as after a training step
                 for p in model.parameters():
                     p.add_(1.0)
-        series = mode == "series"
         path = base / mode / "repo" / f"step{i}" if series else base / mode / f"r{i}" / "s"
 
         def take(path: Path = path) -> None:
@@ -66,7 +65,7 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
             dcp.save({"model": model.state_dict()}, storage_writer=writer)
 
         (c, c_cpu), (d, d_cpu) = _timed(take), _timed(save)
-        if mode == "series" and i == 0:
+        if series and i == 0:
             continue  # warm-up: creates the repository and its index
         casnap_times.append(c)
         dcp_times.append(d)

@@ -111,20 +111,16 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def filesystem_of(path: str) -> tuple[str, str]:
     """(mount point, filesystem type) holding ``path``, from /proc/mounts."""
-    path = os.path.realpath(path)
-    best = ("/", "unknown")
+    path, best = os.path.realpath(path), ("/", "unknown")
     try:
         with open("/proc/mounts", encoding="utf-8") as fh:
-            for line in fh:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mnt, fstype = fields[1], fields[2]
-                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best[0]):
-                    best = (mnt, fstype)
+            mounts = [fields[1:3] for fields in map(str.split, fh) if len(fields) >= 3]
     except OSError:
-        pass
+        return best
+    for mnt, fstype in mounts:
+        inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best[0]):
+            best = (mnt, fstype)
     return best
 
 

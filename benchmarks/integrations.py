@@ -274,12 +274,10 @@ def run_lightning(args: argparse.Namespace, samples: Samples) -> Result:
                     samples.count(op, "on disk", disk_usage(f"{root}/ckpt")[0])
                     samples.count(op, "saves", timed.saves)
     params = args.layers * (args.width * args.width + args.width) + args.width * (args.width + 1)
-    print(
-        f"{params * 4 / MiB:.0f} MiB of fp32 weights (+ Adam state for the trained part), "
-        f"{args.steps} steps, a save every {args.every} "
-        f"({samples.counter('casnap/full', 'saves')} saves), save_top_k=2, "
-        f"median of {args.repeats}"
-    )
+    saves = samples.counter("casnap/full", "saves")
+    print(f"{params * 4 / MiB:.0f} MiB of fp32 weights (+ Adam state for the trained part), "
+          f"{args.steps} steps, a save every {args.every} ({saves} saves), save_top_k=2, "
+          f"median of {args.repeats}")  # fmt: skip
     return table(samples, "torch", ("frozen", "full"), ("written", "on disk")), None  # no load
 
 
@@ -480,12 +478,8 @@ def run_deepspeed(args: argparse.Namespace, samples: Samples) -> Result:
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo: nothing compiled
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    adam = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
-    cfg = {
-        "train_micro_batch_size_per_gpu": 8,
-        "optimizer": adam,
-        "zero_optimization": {"stage": 2},
-    }
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}
+    cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
 
     def build(tool: str, seed: int) -> tuple[Any, Any]:
         model = _frozen_mlp(args.width, args.layers, seed)

@@ -179,9 +179,8 @@ class Casnap(System):
     def save(self, state: State, path: str) -> Any:
         import casnap
 
-        return casnap.Snapshot.take(
-            path, {"model": casnap.StateDict(state)}, session=self._session()
-        )
+        app = {"model": casnap.StateDict(state)}
+        return casnap.Snapshot.take(path, app, session=self._session())
 
     def load(self, path: str, target: State) -> State:
         import casnap
@@ -199,26 +198,18 @@ class Casnap(System):
     def async_save(self, state: State, path: str) -> Pending:
         import casnap
 
-        pending = casnap.Snapshot.async_take(
-            path, {"model": casnap.StateDict(state)}, session=self._session()
-        )
-        return Pending(pending.wait)
+        app = {"model": casnap.StateDict(state)}
+        return Pending(casnap.Snapshot.async_take(path, app, session=self._session()).wait)
 
 
-SYSTEMS: dict[str, System] = {
-    s.name: s
-    for s in (
-        TorchSave(
-            "torch.save", "torch.save + fsync", "torch.load(weights_only=True)", False, ".pt"
-        ),
-        Safetensors("safetensors", "save_file + fsync", "load_file", False, ".safetensors"),
-        DCP("DCP", "dcp.save (fsyncs)", "dcp.load in place", True, ""),
-        TorchSnapshot(
-            "torchsnapshot", "Snapshot.take + fsync of its files", "restore in place", True, ""
-        ),
-        Casnap("casnap", "Snapshot.take into one repository", "restore in place", True, ""),
-    )
-}
+SYSTEMS: dict[str, System] = {s.name: s for s in (
+    TorchSave("torch.save", "torch.save + fsync", "torch.load(weights_only=True)", False, ".pt"),
+    Safetensors("safetensors", "save_file + fsync", "load_file", False, ".safetensors"),
+    DCP("DCP", "dcp.save (fsyncs)", "dcp.load in place", True, ""),
+    TorchSnapshot("torchsnapshot", "Snapshot.take + fsync of its files", "restore in place", True,
+                  ""),
+    Casnap("casnap", "Snapshot.take into one repository", "restore in place", True, ""),
+)}  # fmt: skip
 PEER = "torch.save"  # the peer every ratio is taken against
 CASNAP = "casnap"
 
