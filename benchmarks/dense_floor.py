@@ -3,34 +3,14 @@
     .venv/bin/python benchmarks/dense_floor.py [--size-mib 1024] [--read-size-mib 2048]
         [--repeats 3] [--workdir bench-out/scratch] [--json] [--take-only]
 
-``--take-only``: only the first take and the raw writes (point 2's first ratio).
-
-Issue #14, measured in one run on the same transformer-shaped fp32 state:
-
-- point 2: the first take into a new repository ÷ the best raw write + fsync of
-  the same bytes (one writer thread into one file, or 8 threads into 8 files);
-  target <= 1.15. The in-place restore (warm) ÷ a warm read of the same bytes
-  into existing memory plus blake3 of them on both cores; target <= 1.5.
-- point 3: restore into new tensors (an empty ``StateDict``: a process that
-  resumes and lets the restore allocate) ÷ ``torch.load`` of
-  the same state, warm and cold; target <= 1.0. ``read_object`` of one tensor
-  (the largest) from a cold ``--read-size-mib`` snapshot ÷ safetensors'
-  ``safe_open(...).get_tensor`` of it from a cold file; target <= 1.0.
-  safetensors 0.8 returns a tensor over a mapping of the file, read on first
-  use: the ratio is taken against ``get_tensor(key).clone()`` (a resident,
-  private tensor, what ``read_object`` returns after verifying every byte);
-  the lazy ``get_tensor`` alone is printed next to it. Every read verifies
-  what it returns, which safetensors does not: the floor of that, the
-  tensor's bytes read cold into a new tensor plus blake3 of them on both
-  cores, is measured in the same run and printed with both ratios.
-
-Large allocations get fresh pages from the kernel (``mallopt``
-M_MMAP_THRESHOLD = 1 MiB, as in a process that just started): otherwise
-``torch.load`` and casnap would reuse each other's freed, already faulted
-memory, which a resuming process does not have.
-
-Cold steps drop the page cache first (as root; otherwise the output says so
-and the "cold" rows are warm). Steps interleave within each repeat; medians.
+On one transformer-shaped fp32 state, steps interleaved within each repeat, medians: the
+first take ÷ the best raw write + fsync (<= 1.15; ``--take-only`` measures only these); the
+in-place restore, warm ÷ a warm read + blake3 on both cores (<= 1.5); restore into new
+tensors ÷ ``torch.load``, warm and cold (<= 1.0); ``read_object`` of the largest tensor of a
+cold ``--read-size-mib`` snapshot ÷ ``safe_open(...).get_tensor(key).clone()`` (the lazy
+call and the floor of a verified read, cold read + blake3, printed beside it).
+benchmarks/README.md ("Floors") says how each is measured; ``mallopt`` gives large
+allocations fresh pages, as in a process that just started.
 """
 
 from __future__ import annotations
@@ -218,10 +198,7 @@ def read_one(size: int, repeats: int, work: str, cold_ok: bool) -> dict[str, Any
     casnap.Snapshot(f"{work}/big/s").read_object(f"0/model/{key}")
     span = _safetensors_span(st_path, key)
     read_one_floor(st_path, span, want)  # warm-up
-    st: list[float] = []
-    lazy: list[float] = []
-    cs: list[float] = []
-    floor: list[float] = []
+    st, lazy, cs, floor = [], [], [], []  # seconds: safetensors, lazy, casnap, the floor
     for _ in range(repeats):
         for out in (lazy, st):
             _cold(cold_ok)
@@ -304,26 +281,21 @@ def _take(s: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
-# The printed ratios after the take's: (label, key in the output, target), each the
-# median of the first step over the median of the second.
+# The printed ratios after the take's: (label, key in the output, target, the step whose
+# median is over the median of the other).
 _RATIO_ROWS = [
-    ("restore in place / warm read+blake3", "restore_over_read_hash_floor", 1.5),
-    ("new tensors / torch.load, warm", "new_tensors_over_torch_load_warm", 1.0),
-    ("new tensors / torch.load, cold", "new_tensors_over_torch_load_cold", 1.0),
-]
-_RATIO_STEPS = {
-    "restore_over_read_hash_floor": (
-        "casnap restore in place (warm)",
-        "warm read+blake3 (2 cores)",
-    ),
-    "new_tensors_over_torch_load_warm": ("casnap restore, new tensors (warm)", "torch.load (warm)"),
-    "new_tensors_over_torch_load_cold": ("casnap restore, new tensors (cold)", "torch.load (cold)"),
-}
+    ("restore in place / warm read+blake3", "restore_over_read_hash_floor", 1.5,
+     "casnap restore in place (warm)", "warm read+blake3 (2 cores)"),
+    ("new tensors / torch.load, warm", "new_tensors_over_torch_load_warm", 1.0,
+     "casnap restore, new tensors (warm)", "torch.load (warm)"),
+    ("new tensors / torch.load, cold", "new_tensors_over_torch_load_cold", 1.0,
+     "casnap restore, new tensors (cold)", "torch.load (cold)"),
+]  # fmt: skip
 
 
 def _ratios(s: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
     med = _medians(s)
-    ratios = {key: med[a] / med[b] for key, (a, b) in _RATIO_STEPS.items()}
+    ratios = {key: med[a] / med[b] for _, key, _, a, b in _RATIO_ROWS}
     return {"state_bytes": nbytes, "medians_s": med, **_take(s), **ratios}
 
 
@@ -356,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.take_only:
         return 0
-    for label, key, limit in _RATIO_ROWS:
+    for label, key, limit, _, _ in _RATIO_ROWS:
         print(f"  {label:38s} {out[key]:5.2f}x (<= {limit})")
     r = out["read_object"]
     print(

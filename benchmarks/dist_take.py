@@ -3,25 +3,12 @@
     .venv/bin/python benchmarks/dist_take.py [--ranks 4] [--mib 64] [--repeat 7]
         [--mode both|fresh|series]
 
-Each repeat times one casnap take and one DCP save of the same DDP state, back
-to back (a barrier before and after each, so a figure is the slowest rank's).
-Two ways of taking, both against a DCP save into a new folder:
-
-- ``fresh``: every take goes into a new repository (a first take: repository
-  and index created, nothing to deduplicate against).
-- ``series``: successive takes into one repository through one
-  :class:`casnap.Session`, every weight changed before each take (a training
-  loop; nothing deduplicates, the plan and the open index are reused). The
-  first take of the series is a warm-up and is not counted.
-
-Both sides pay the same durability: DCP's ``FileSystemWriter`` is given
-``sync_files=True`` (its default) and fsyncs each file it writes; casnap's
-local store fsyncs each chunk, manifest and ref and their folders.
-
-Prints one JSON line: per mode, casnap's bytes written per rank and their
-max/mean, the median take and save times, the median of the per-repeat
-ratios casnap/DCP (paired: robust to a machine whose load changes), and the
-median CPU time of a take and of a save, all ranks' processes together.
+Each repeat times one casnap take and one DCP save (``sync_files=True``) of the same DDP
+state back to back, a barrier before and after each (the slowest rank's time). ``fresh``:
+every take into a new repository; ``series``: into one through one ``Session``, every
+weight changed before each take (the first is a warm-up, not counted). Prints one JSON
+line per mode: casnap's bytes per rank and their max/mean, the median take and save, the
+median of the paired per-repeat ratios, and the median CPU time of all ranks together.
 """
 
 from __future__ import annotations
@@ -56,16 +43,15 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
 
     from casnap import Session, Snapshot
 
-    session = Session() if mode == "series" else None
+    series = mode == "series"
+    session = Session() if series else None
     casnap_times, dcp_times, per_rank = [], [], None
     cpu: list[tuple[float, float]] = []  # this rank's (casnap, DCP) CPU seconds per repeat
-    rounds = repeat + 1 if mode == "series" else repeat
-    for i in range(rounds):
-        if mode == "series":
+    for i in range(repeat + series):  # a series has a warm-up round
+        if series:
             with torch.no_grad():  # every chunk changes, as after a training step
                 for p in model.parameters():
                     p.add_(1.0)
-        series = mode == "series"
         path = base / mode / "repo" / f"step{i}" if series else base / mode / f"r{i}" / "s"
 
         def take(path: Path = path) -> None:
@@ -79,7 +65,7 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
             dcp.save({"model": model.state_dict()}, storage_writer=writer)
 
         (c, c_cpu), (d, d_cpu) = _timed(take), _timed(save)
-        if mode == "series" and i == 0:
+        if series and i == 0:
             continue  # warm-up: creates the repository and its index
         casnap_times.append(c)
         dcp_times.append(d)
@@ -94,9 +80,7 @@ def _run_mode(mode: str, model: Any, base: Path, repeat: int) -> dict[str, Any]:
         "max_over_mean_bytes": max(per_rank) / statistics.mean(per_rank),
         "casnap_take_s": statistics.median(casnap_times),
         "dcp_save_s": statistics.median(dcp_times),
-        "casnap_over_dcp": statistics.median(
-            c / d for c, d in zip(casnap_times, dcp_times, strict=True)
-        ),
+        "casnap_over_dcp": statistics.median(c / d for c, d in zip(casnap_times, dcp_times)),
         "casnap_samples_s": casnap_times,
         "dcp_samples_s": dcp_times,
         # CPU seconds of all ranks' processes together: the ranks share the cores, so

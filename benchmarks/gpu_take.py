@@ -2,19 +2,12 @@
 
     .venv/bin/python benchmarks/gpu_take.py [--gib 2] [--repeat 3] [--dir /path]
 
-On a machine with CUDA: a state of ``--gib`` GiB of bf16 CUDA tensors (a
-transformer-like mix of 64 MiB matrices and small vectors). Per system and
-round, into a fresh directory: *blocked* is the time ``async_take`` /
-``async_save`` holds the caller (the device-to-host copy into host memory:
-after it the live tensors may change), *total* the time until the save is
-durable, and *throughput* the state's bytes over *total*. casnap runs through
-one ``Session``, so from the second round on its pinned staging buffers are
-reused (round 1 pays for pinning them; its figures are reported apart).
-The floor for *blocked* is a copy of the state into pinned host buffers
-allocated once and reused from round to round (``copy_to_reused_pinned_s``;
-``blocked_vs_copy`` is casnap's blocked time over it).
-Prints one JSON line: medians of rounds 2.., and casnap/DCP ratios.
-
+``--gib`` GiB of bf16 CUDA tensors (64 MiB matrices and small vectors), per system and
+round into a fresh directory: *blocked* is how long the call holds the caller (the copy to
+host), *total* until durable, *throughput* bytes over total. casnap runs through one
+``Session`` (round 1 pins its staging buffers and is reported apart). The floor of
+*blocked* is a copy into pinned host buffers allocated once (``copy_to_reused_pinned_s``;
+``blocked_vs_copy``). Prints one JSON line: medians of rounds 2.., casnap/DCP ratios.
 Without CUDA it prints that it skips, as JSON, and exits 0.
 """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import platform
 import shutil
@@ -50,13 +51,7 @@ def _layer_shapes(d: int, i: int) -> dict[str, tuple[int, ...]]:
 
 
 def _numel(shapes: dict[str, tuple[int, ...]]) -> int:
-    total = 0
-    for shape in shapes.values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def transformer_shapes(target_bytes: int) -> tuple[int, int, dict[str, tuple[int, ...]]]:
@@ -116,20 +111,16 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def filesystem_of(path: str) -> tuple[str, str]:
     """(mount point, filesystem type) holding ``path``, from /proc/mounts."""
-    path = os.path.realpath(path)
-    best = ("/", "unknown")
+    path, best = os.path.realpath(path), ("/", "unknown")
     try:
         with open("/proc/mounts", encoding="utf-8") as fh:
-            for line in fh:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mnt, fstype = fields[1], fields[2]
-                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best[0]):
-                    best = (mnt, fstype)
+            mounts = [fields[1:3] for fields in map(str.split, fh) if len(fields) >= 3]
     except OSError:
-        pass
+        return best
+    for mnt, fstype in mounts:
+        inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best[0]):
+            best = (mnt, fstype)
     return best
 
 
@@ -297,14 +288,8 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
         padded = [c.rjust(w) if r else c.ljust(w) for c, w, r in cols]
         return "| " + " | ".join(padded) + " |"
 
-    sep = (
-        "|"
-        + "|".join(
-            ("-" * (w + 1) + ":") if r else ("-" * (w + 2))
-            for w, r in zip(widths, right, strict=True)
-        )
-        + "|"
-    )
+    dashes = [("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(widths, right)]
+    sep = "|" + "|".join(dashes) + "|"
     return "\n".join([line(headers), sep, *(line(r) for r in rows)])
 
 
@@ -368,13 +353,10 @@ def finish_rank(rank: int, out: str, result: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def io_write_bytes() -> int:
-    """Bytes this process has caused to be written to storage (Linux /proc/self/io)."""
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters (Linux /proc/self/io: rchar, wchar, write_bytes...)."""
     with open("/proc/self/io", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("write_bytes:"):
-                return int(line.split()[1])
-    return 0
+        return {k.strip(): int(v) for k, v in (line.split(":") for line in fh)}
 
 
 def manifest_file(root: str, snap: Any) -> str | None:

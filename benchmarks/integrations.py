@@ -1,55 +1,32 @@
 """casnap's integrations against the checkpointing each framework ships, same state, one run.
 
-    .venv/bin/python benchmarks/integrations.py dcp [--size-gib 0.5] [--repeats 3] [--small]
+    .venv/bin/python benchmarks/integrations.py dcp|torch_checkpointing [--size-gib 0.5] [--small]
     .venv/bin/python benchmarks/integrations.py lightning [--small] [--width 2048] [--layers 15]
-        [--steps 24] [--every 4] [--repeats 3]
-    .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6] [--repeats 3]
-    .venv/bin/python benchmarks/integrations.py torch_checkpointing [--size-gib 0.5] [--small]
-    .venv/bin/python benchmarks/integrations.py torchtitan [--size-gib 0.25] [--repeats 3]
+        [--steps 24] [--every 4]
+    .venv/bin/python benchmarks/integrations.py megatron [--hidden 768] [--layers 6]
+    .venv/bin/python benchmarks/integrations.py torchtitan [--size-gib 0.25]
     .venv/bin/python benchmarks/integrations.py deepspeed|accelerate [--width 2048] [--layers 12]
-        [--repeats 3]
+    (each also [--repeats 3] [--workdir bench-out/scratch] [--out JSON])
 
 Each prints a Markdown table of medians, casnap / the framework's own writer (below 1:
-casnap faster or smaller), and writes every sample to ``--out`` as JSON; scratch data
-goes under ``--workdir`` (removed afterwards).
-
-``dcp``: ``torch.distributed.checkpoint.save`` (one process, no process group, DCP's
-default planner) through ``FileSystemWriter`` and through casnap's ``CasnapWriter``,
-each into its own fresh directory: ``first`` (empty directory / repository),
-``unchanged`` (the same state again), ``frozen backbone`` (only the last layer and the
-final layernorm changed). Time is ``dcp.save``'s (both writers fsync); bytes are what
-the save added to its directory. The last checkpoints are loaded back and compared.
-
-``lightning``: one short ``Trainer.fit`` per plugin (``TorchCheckpointIO``,
-``CasnapCheckpointIO``) with ``ModelCheckpoint(every_n_train_steps=K, save_top_k=2)``,
-for a ``frozen`` model (90% of the parameters frozen: checkpoints share them) and a
-``full`` one (Adam over everything: nothing shared, casnap's overhead). Time is inside
-the plugin's ``save_checkpoint`` and ``remove_checkpoint``; written is ``wchar`` of
-/proc/self/io over those calls; on disk is the checkpoint folder at the end.
-
-``megatron``: a Megatron GPT (local layer spec, CPU, one gloo rank) through
-``dist_checkpointing.save`` with the ``torch_dist`` strategy and with casnap's:
-``first``, ``unchanged``, ``sparse change`` (the last layer's MLP fc1 and the final
-norm), then ``load`` of the last save into a fresh model, compared bit for bit.
-Megatron-core's torch_dist writer assumes CUDA in two calls (``torch.cuda.synchronize``,
-a flag on ``torch.cuda.current_device()``); for its saves only they are patched.
-
-``torch_checkpointing``: its ``CheckpointManager`` (synchronous saver) with its own
-``LocalFileSystemStorageConfig`` (``use_direct_io=False``: O_DIRECT writes fail on many
-file systems) and with casnap's ``CasnapStorageConfig``: ``first``, ``unchanged``,
-``sparse change`` (the last layer and final layernorm), ``load`` of the last save.
-``torchtitan``: torchtitan's ``CheckpointManager`` (DCP step folders) and casnap's
-``CasnapCheckpointManager``, both built as torchtitan's Trainer builds them (its AdamW
-container, whose state it creates as zeros, and LR scheduler; sync saves):
-``manager.save(step)`` for ``first``, ``unchanged``, ``sparse change`` (the last layer
-and the final norm), then ``load()`` of the last step into a fresh model, compared bit
-for bit.
-``deepspeed`` and ``accelerate``: a stack of Linear layers whose last alone trains
-(ZeRO stage 2 on one gloo rank with DeepSpeed's CPU accelerator; one process for
-Accelerate), saved with the framework's default (``TorchCheckpointEngine``;
-``Accelerator.save_state``: safetensors and ``torch.save``) and with casnap's:
-``first``, ``unchanged`` (saved again), ``sparse change`` (after one more step), then
-``load`` of the last save into a fresh model, compared bit for bit.
+casnap faster or smaller), and writes every sample to ``--out`` as JSON. All but
+``lightning`` save ``first``, ``unchanged`` and ``sparse change`` (the last layer and the
+final norm; ``dcp``: ``frozen backbone``) into a fresh folder per writer and load the last
+into a fresh model, compared bit for bit; time is the save call's (every writer fsyncs),
+bytes what it added to the folder. ``dcp``: ``dcp.save`` (one process, default planner),
+``FileSystemWriter`` against ``CasnapWriter``. ``torch_checkpointing``: its
+``CheckpointManager`` with ``LocalFileSystemStorageConfig(use_direct_io=False)`` (O_DIRECT
+fails on many file systems) against ``CasnapStorageConfig``. ``lightning``: a short
+``Trainer.fit`` per plugin with ``ModelCheckpoint(every_n_train_steps=K, save_top_k=2)``,
+for a ``frozen`` model (90% frozen) and a ``full`` one (Adam over everything); time inside
+``save_checkpoint`` and ``remove_checkpoint``, written their ``wchar``, on disk the folder
+at the end. ``megatron``: a GPT (local layer spec, CPU, one gloo rank), ``torch_dist``
+against casnap's strategy (torch_dist's two CUDA calls patched for its saves).
+``torchtitan``: its ``CheckpointManager`` and casnap's, built as its Trainer builds them
+(AdamW, zeros state, LR scheduler; sync saves). ``deepspeed``, ``accelerate``: Linear
+layers whose last alone trains (ZeRO 2 on one gloo rank, CPU accelerator; one process),
+``TorchCheckpointEngine`` / ``Accelerator.save_state`` against casnap's; ``sparse change``
+follows one more step.
 """
 
 from __future__ import annotations
@@ -62,7 +39,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -77,6 +53,7 @@ from harness import (  # noqa: E402
     machine,
     make_state,
     markdown_table,
+    proc_io,
     same_state,
     scratch_dir,
     settle,
@@ -86,6 +63,9 @@ from harness import (  # noqa: E402
 )
 
 State = dict[str, torch.Tensor]
+Result = tuple[str, bool | None]
+STEPS = ("first", "unchanged", "sparse change")
+LOADED = (*STEPS, "load")
 
 
 def table(samples: Samples, peer: str, steps: tuple[str, ...], counters: tuple[str, ...]) -> str:
@@ -109,7 +89,22 @@ def table(samples: Samples, peer: str, steps: tuple[str, ...], counters: tuple[s
     return markdown_table(headers, rows)
 
 
-# -- dcp: FileSystemWriter against CasnapWriter ------------------------------------------
+def timed_save(samples: Samples, op: str, folder: str, fn: Callable[[], Any]) -> None:
+    """``fn`` timed as ``op`` from a settled start, with the bytes it added under ``folder``."""
+    before = disk_usage(folder)[1] if os.path.isdir(folder) else 0
+    settle(cold=False)
+    samples.time(op, fn)
+    samples.count(op, "bytes", disk_usage(folder)[1] - before)
+
+
+def timed_load(samples: Samples, op: str, fn: Callable[[], Any]) -> Any:
+    settle(cold=False)
+    return samples.time(op, fn)
+
+
+def alternating(r: int, tools: tuple[str, str]) -> tuple[str, ...]:
+    """Both tools, the first one going first on even repeats."""
+    return tools if r % 2 == 0 else tools[::-1]
 
 
 def _head_keys(state: State) -> list[str]:
@@ -117,19 +112,31 @@ def _head_keys(state: State) -> list[str]:
     return [k for k in state if k.startswith(f"layers.{last}.") or k.startswith("ln_f.")]
 
 
-def run_dcp(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
-    import torch.distributed.checkpoint as dcp
-
-    from casnap.integrations.dcp import CasnapReader, CasnapWriter
-
+def _dense_states(
+    args: argparse.Namespace, names: tuple[str, ...]
+) -> tuple[str, State, dict[str, State]]:
+    """A transformer state, and it for ``names`` (the last with its head changed)."""
     if args.small:
         args.size_gib, args.repeats = 0.05, 1
-    warnings.simplefilter("ignore")  # DCP warns that no process group is initialized
     hidden, layers, shapes = transformer_shapes(int(args.size_gib * GiB))
     base = make_state(shapes)
     head = _head_keys(base)
     tuned = {k: (v + 0.001 if k in head else v) for k, v in base.items()}
-    states = {"first": base, "unchanged": base, "frozen backbone": tuned}
+    size = sum(base[k].nbytes for k in head)
+    about = f"{human_bytes(state_bytes(base))} fp32 (hidden {hidden}, {layers} layers; head "
+    return about + f"{human_bytes(size)})", tuned, dict(zip(names, (base, base, tuned)))
+
+
+# -- dcp: FileSystemWriter against CasnapWriter; torch_checkpointing ---------------------
+
+
+def run_dcp(args: argparse.Namespace, samples: Samples) -> Result:
+    import torch.distributed.checkpoint as dcp
+
+    from casnap.integrations.dcp import CasnapReader, CasnapWriter
+
+    warnings.simplefilter("ignore")  # DCP warns that no process group is initialized
+    about, tuned, states = _dense_states(args, ("first", "unchanged", "frozen backbone"))
     exact = True
     for _ in range(args.repeats):
         with scratch_dir(args.workdir) as root:
@@ -141,38 +148,53 @@ def run_dcp(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | Non
                 writer = CasnapWriter(os.path.join(folder, "step_0")) if tool == "casnap" else None
                 for i, step in enumerate(states):
                     ckpt = os.path.join(folder, f"step_{i}")
-                    before = disk_usage(folder)[1]
-                    settle(cold=False)
                     target = writer or dcp.FileSystemWriter(ckpt)
                     save = functools.partial(
                         dcp.save, {"model": states[step]}, storage_writer=target, checkpoint_id=ckpt
                     )
-                    samples.time(f"{tool}/{step}", save)
-                    samples.count(f"{tool}/{step}", "bytes", disk_usage(folder)[1] - before)
+                    timed_save(samples, f"{tool}/{step}", folder, save)
                 out = {"model": {k: torch.empty_like(v) for k, v in tuned.items()}}
                 reader = CasnapReader(ckpt) if tool == "casnap" else dcp.FileSystemReader(ckpt)
                 dcp.load(out, storage_reader=reader)
                 exact = exact and same_state(out["model"], tuned)
-    head_bytes = sum(base[k].nbytes for k in head)
-    print(
-        f"state: {human_bytes(state_bytes(base))} fp32 (hidden {hidden}, {layers} layers; "
-        f"head {human_bytes(head_bytes)}), {args.repeats} repeat(s), medians"
-    )
+    print(f"state: {about}, {args.repeats} repeat(s), medians")
     return table(samples, "FileSystemWriter", tuple(states), ("bytes",)), exact
+
+
+def run_torch_checkpointing(args: argparse.Namespace, samples: Samples) -> Result:
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    from casnap.integrations.torch_checkpointing import CasnapStorageConfig
+
+    about, tuned, states = _dense_states(args, STEPS)
+    exact = True
+    for _ in range(args.repeats):
+        with scratch_dir(args.workdir) as root:
+            for tool in ("LocalFileSystemStorage", "casnap"):
+                folder = os.path.join(root, tool)
+                os.makedirs(folder)
+                own = LocalFileSystemStorageConfig(use_direct_io=False)  # O_DIRECT fails here
+                storage = CasnapStorageConfig(folder) if tool == "casnap" else own
+                sync = SyncCheckpointSaverConfig()
+                manager = CheckpointManager.Config(save=sync, storage_config=storage).build()
+                for i, step in enumerate(states):
+                    ckpt = os.path.join(folder, f"step_{i}")
+                    save = functools.partial(manager.save, ckpt, {"model": states[step]})
+                    timed_save(samples, f"{tool}/{step}", folder, save)
+                load = functools.partial(manager.load, ckpt, {"model": None})
+                out = timed_load(samples, f"{tool}/load", load)
+                exact = exact and same_state(out["model"], tuned)
+                manager.close()
+    print(f"state: {about}, {args.repeats} repeat(s), medians")
+    return table(samples, "LocalFileSystemStorage", LOADED, ("bytes",)), exact
 
 
 # -- lightning: TorchCheckpointIO against CasnapCheckpointIO ------------------------------
 
 
-def _wchar() -> int:
-    with open("/proc/self/io", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    return 0
-
-
-def run_lightning(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+def run_lightning(args: argparse.Namespace, samples: Samples) -> Result:
     import lightning as L
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -188,10 +210,10 @@ def run_lightning(args: argparse.Namespace, samples: Samples) -> tuple[str, bool
             self.inner, self.seconds, self.written, self.saves = inner, 0.0, 0, 0
 
         def _measure(self, fn: Callable[..., Any], *a: Any) -> None:
-            w0, t0 = _wchar(), time.perf_counter()
+            w0, t0 = proc_io()["wchar"], time.perf_counter()
             fn(*a)
             self.seconds += time.perf_counter() - t0
-            self.written += _wchar() - w0
+            self.written += proc_io()["wchar"] - w0
 
         def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
             self.saves += 1
@@ -207,10 +229,10 @@ def run_lightning(args: argparse.Namespace, samples: Samples) -> tuple[str, bool
         def __init__(self, frozen: bool) -> None:
             super().__init__()
             w = args.width
-            block = [
+            block = (
                 torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Tanh())
                 for _ in range(args.layers)
-            ]
+            )
             self.backbone = torch.nn.Sequential(*block)
             self.head = torch.nn.Linear(w, w)
             if frozen:
@@ -235,22 +257,14 @@ def run_lightning(args: argparse.Namespace, samples: Samples) -> tuple[str, bool
                     torch.manual_seed(0)
                     timed = Timed(make())
                     callback = ModelCheckpoint(
-                        dirpath=f"{root}/ckpt",
-                        every_n_train_steps=args.every,
-                        save_top_k=2,
-                        monitor="step",
-                        mode="max",
-                    )
+                        dirpath=f"{root}/ckpt", every_n_train_steps=args.every, save_top_k=2,
+                        monitor="step", mode="max",
+                    )  # fmt: skip
                     trainer = L.Trainer(
-                        max_steps=args.steps,
-                        plugins=[timed],
-                        callbacks=[callback],
-                        enable_progress_bar=False,
-                        logger=False,
-                        accelerator="cpu",
-                        default_root_dir=root,
-                        enable_model_summary=False,
-                    )
+                        max_steps=args.steps, plugins=[timed], callbacks=[callback],
+                        enable_progress_bar=False, logger=False, accelerator="cpu",
+                        default_root_dir=root, enable_model_summary=False,
+                    )  # fmt: skip
                     w = args.width
                     data = TensorDataset(torch.randn(64, w), torch.randn(64, w))
                     trainer.fit(Net(model == "frozen"), DataLoader(data, batch_size=8))
@@ -260,12 +274,10 @@ def run_lightning(args: argparse.Namespace, samples: Samples) -> tuple[str, bool
                     samples.count(op, "on disk", disk_usage(f"{root}/ckpt")[0])
                     samples.count(op, "saves", timed.saves)
     params = args.layers * (args.width * args.width + args.width) + args.width * (args.width + 1)
-    print(
-        f"{params * 4 / MiB:.0f} MiB of fp32 weights (+ Adam state for the trained part), "
-        f"{args.steps} steps, a save every {args.every} "
-        f"({samples.counter('casnap/full', 'saves')} saves), save_top_k=2, "
-        f"median of {args.repeats}"
-    )
+    saves = samples.counter("casnap/full", "saves")
+    print(f"{params * 4 / MiB:.0f} MiB of fp32 weights (+ Adam state for the trained part), "
+          f"{args.steps} steps, a save every {args.every} ({saves} saves), save_top_k=2, "
+          f"median of {args.repeats}")  # fmt: skip
     return table(samples, "torch", ("frozen", "full"), ("written", "on disk")), None  # no load
 
 
@@ -287,19 +299,27 @@ def _cuda_calls_patched(tool: str) -> Iterator[None]:
         torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
+@contextlib.contextmanager
+def one_gloo_rank(work: str) -> Iterator[None]:
+    """A process group of this process alone (file rendezvous in ``work``)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(work)}/pg", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _gpt(hidden: int, layers: int, seed: int) -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
-    cfg = TransformerConfig(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=8,
-        use_cpu_initialization=True,
-        pipeline_dtype=torch.float32,
-    )
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=8,
+                            use_cpu_initialization=True, pipeline_dtype=torch.float32)  # fmt: skip
     return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=8192, max_sequence_length=512)
 
 
@@ -315,59 +335,43 @@ def _megatron_once(tool: str, root: str, args: argparse.Namespace, samples: Samp
         save_strategy = td.TorchDistSaveShardedStrategy("torch_dist", 1)
         load_strategy = td.TorchDistLoadShardedStrategy()
     model = _gpt(args.hidden, args.layers, seed=1)
-    for it, step in enumerate(("first", "unchanged", "sparse change"), start=1):
+    for it, step in enumerate(STEPS, start=1):
         if step == "sparse change":
             with torch.no_grad():
                 model.decoder.layers[-1].mlp.linear_fc1.weight.add_(0.01)
                 model.decoder.final_layernorm.weight.mul_(1.01)
         ckpt = os.path.join(root, f"iter_{it:07d}")
         os.makedirs(ckpt)
-        before = disk_usage(root)[1]
-        settle(cold=False)
         with _cuda_calls_patched(tool):
             state = {"model": model.sharded_state_dict(), "iteration": it}
             save = functools.partial(
                 dist_checkpointing.save, state, ckpt, sharded_strategy=save_strategy
             )
-            samples.time(f"{tool}/{step}", save)
-        samples.count(f"{tool}/{step}", "bytes", disk_usage(root)[1] - before)
+            timed_save(samples, f"{tool}/{step}", root, save)
     fresh = _gpt(args.hidden, args.layers, seed=2)
-    settle(cold=False)
     want = {"model": fresh.sharded_state_dict()}
     load = functools.partial(dist_checkpointing.load, want, ckpt, sharded_strategy=load_strategy)
-    loaded = samples.time(f"{tool}/load", load)
-    fresh.load_state_dict(loaded["model"], strict=False)
+    fresh.load_state_dict(timed_load(samples, f"{tool}/load", load)["model"], strict=False)
     a, b = model.state_dict(), fresh.state_dict()
     return bool(a) and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
 
 
-def run_megatron(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
-    import torch.distributed as dist
+def run_megatron(args: argparse.Namespace, samples: Samples) -> Result:
     from megatron.core import parallel_state as ps
 
     warnings.filterwarnings("ignore")
     exact = True
-    with scratch_dir(args.workdir) as work:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{os.path.abspath(work)}/pg",
-            rank=0,
-            world_size=1,
-            timeout=timedelta(seconds=600),
-        )
+    with scratch_dir(args.workdir) as work, one_gloo_rank(work):
         ps.initialize_model_parallel(1, 1)
         params = _gpt(args.hidden, args.layers, 1).parameters()
         model_bytes = sum(t.numel() * t.element_size() for t in params)
         for r in range(args.repeats):
-            tools = ("torch_dist", "casnap")
-            for tool in tools if r % 2 == 0 else tools[::-1]:  # alternate who goes first
+            for tool in alternating(r, ("torch_dist", "casnap")):
                 root = os.path.join(work, f"{tool}-{r}")
                 os.makedirs(root)
                 exact = _megatron_once(tool, root, args, samples) and exact
-        dist.destroy_process_group()
     print(f"model {human_bytes(model_bytes)} fp32, medians of {args.repeats}")
-    steps = ("first", "unchanged", "sparse change", "load")
-    return table(samples, "torch_dist", steps, ("bytes",)), exact
+    return table(samples, "torch_dist", LOADED, ("bytes",)), exact
 
 
 # -- torchtitan: its DCP CheckpointManager against CasnapCheckpointManager -------------
@@ -394,82 +398,34 @@ def _titan_once(tool: str, root: str, base: State, head: list[str], samples: Sam
         )  # fmt: skip
 
     model, ckpt = build(base)
-    for step, name in enumerate(("first", "unchanged", "sparse change"), start=1):
+    for step, name in enumerate(STEPS, start=1):
         if name == "sparse change":  # the last layer and the final norm
             with torch.no_grad():
                 for k in head:
                     getattr(model, k.replace(".", "_")).add_(0.001)
-        before = disk_usage(root)[1]
-        settle(cold=False)
-        samples.time(f"{tool}/{name}", functools.partial(ckpt.save, step))
-        samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
+        timed_save(samples, f"{tool}/{name}", root, functools.partial(ckpt.save, step))
     ckpt.close()
     fresh, loader = build({k: torch.zeros_like(v) for k, v in base.items()})
-    settle(cold=False)
-    samples.time(f"{tool}/load", loader.load)
+    timed_load(samples, f"{tool}/load", loader.load)
     loader.close()
     return same_state(dict(fresh.state_dict()), dict(model.state_dict()))
 
 
-def run_torchtitan(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+def run_torchtitan(args: argparse.Namespace, samples: Samples) -> Result:
     warnings.filterwarnings("ignore")  # DCP: no process group (one process, as torchtitan's)
     hidden, layers, shapes = transformer_shapes(int(args.size_gib * GiB))
     base = make_state(shapes)
     exact = True
     for r in range(args.repeats):
-        tools = ("torchtitan", "casnap")
-        for tool in tools if r % 2 == 0 else tools[::-1]:  # alternate who goes first
+        for tool in alternating(r, ("torchtitan", "casnap")):
             with scratch_dir(args.workdir) as root:
                 exact = _titan_once(tool, root, base, _head_keys(base), samples) and exact
     print(f"model {human_bytes(state_bytes(base))} fp32 (hidden {hidden}, {layers} layers), "
           f"AdamW state as torchtitan creates it (zeros), medians of {args.repeats}")  # fmt: skip
-    steps = ("first", "unchanged", "sparse change", "load")
-    return table(samples, "torchtitan", steps, ("bytes",)), exact
+    return table(samples, "torchtitan", LOADED, ("bytes",)), exact
 
 
-# -- torch_checkpointing: its local file system storage against casnap's ------------------
-
-
-def run_torch_checkpointing(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
-    from torch_checkpointing import CheckpointManager
-    from torch_checkpointing.config import SyncCheckpointSaverConfig
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
-
-    from casnap.integrations.torch_checkpointing import CasnapStorageConfig
-
-    if args.small:
-        args.size_gib, args.repeats = 0.05, 1
-    _, _, shapes = transformer_shapes(int(args.size_gib * GiB))
-    base = make_state(shapes)
-    tuned = {k: (v + 0.001 if k in _head_keys(base) else v) for k, v in base.items()}
-    states = {"first": base, "unchanged": base, "sparse change": tuned}
-    exact = True
-    for _ in range(args.repeats):
-        with scratch_dir(args.workdir) as root:
-            for tool in ("LocalFileSystemStorage", "casnap"):
-                folder = os.path.join(root, tool)
-                os.makedirs(folder)
-                own = LocalFileSystemStorageConfig(use_direct_io=False)  # O_DIRECT fails here
-                storage = CasnapStorageConfig(folder) if tool == "casnap" else own
-                sync = SyncCheckpointSaverConfig()
-                manager = CheckpointManager.Config(save=sync, storage_config=storage).build()
-                for i, step in enumerate(states):
-                    before = disk_usage(folder)[1]
-                    settle(cold=False)
-                    ckpt = os.path.join(folder, f"step_{i}")
-                    save = functools.partial(manager.save, ckpt, {"model": states[step]})
-                    samples.time(f"{tool}/{step}", save)
-                    samples.count(f"{tool}/{step}", "bytes", disk_usage(folder)[1] - before)
-                settle(cold=False)
-                load = functools.partial(manager.load, ckpt, {"model": None})
-                out = samples.time(f"{tool}/load", load)
-                exact = exact and same_state(out["model"], tuned)
-                manager.close()
-    print(f"state: {human_bytes(state_bytes(base))} fp32, {args.repeats} repeat(s), medians")
-    return table(samples, "LocalFileSystemStorage", (*states, "load"), ("bytes",)), exact
-
-
-# -- deepspeed: TorchCheckpointEngine against CasnapCheckpointEngine ----------------------
+# -- deepspeed and accelerate: the default writer against casnap's on a fine-tune -------
 
 
 def _frozen_mlp(width: int, layers: int, seed: int) -> torch.nn.Sequential:
@@ -485,75 +441,73 @@ def _batch(width: int) -> torch.Tensor:
     return torch.randn(8, width, generator=torch.Generator().manual_seed(width))
 
 
-def run_deepspeed(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+def _finetune(
+    args: argparse.Namespace, samples: Samples, work: str, peer: str, hooks: dict[str, Any]
+) -> tuple[bool, str]:
+    """Per repeat and tool: build, step, the three saves, a load into a fresh build.
+
+    ``hooks``: ``build(tool, seed)`` -> (handle, module), ``step(handle)``,
+    ``save(handle, root, i)`` and ``load(handle, root)``.
+    """
+    exact = True
+    for r in range(args.repeats):
+        for tool in (peer, "casnap"):
+            root, (obj, module) = os.path.join(work, f"{tool}-{r}"), hooks["build"](tool, 0)
+            hooks["step"](obj)  # the optimizer state exists from the first save on
+            for i, name in enumerate(STEPS):
+                if name == "sparse change":
+                    hooks["step"](obj)  # the last layer and its optimizer state change
+                save = functools.partial(hooks["save"], obj, root, i)
+                timed_save(samples, f"{tool}/{name}", root, save)
+            want = {k: v.clone() for k, v in module.state_dict().items()}
+            fresh, fmodule = hooks["build"](tool, 1)
+            timed_load(samples, f"{tool}/load", functools.partial(hooks["load"], fresh, root))
+            exact = exact and same_state(want, dict(fmodule.state_dict()))
+    mib = args.width * (args.width + 1) * args.layers * 4 / MiB
+    return exact, f"{mib:.0f} MiB fp32, last layer trained"
+
+
+def run_deepspeed(args: argparse.Namespace, samples: Samples) -> Result:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import logging
 
     import deepspeed.ops
-    import torch.distributed as dist
 
     from casnap.integrations.deepspeed import CasnapCheckpointEngine
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo: nothing compiled
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    adam = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
-    cfg = {
-        "train_micro_batch_size_per_gpu": 8,
-        "optimizer": adam,
-        "zero_optimization": {"stage": 2},
-    }
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}
+    cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}
 
-    def build(tool: str, seed: int) -> Any:
+    def build(tool: str, seed: int) -> tuple[Any, Any]:
         model = _frozen_mlp(args.width, args.layers, seed)
         params = [p for p in model.parameters() if p.requires_grad]
         eng = deepspeed.initialize(model=model, model_parameters=params, config=cfg)[0]
         if tool == "casnap":
             eng.checkpoint_engine = CasnapCheckpointEngine()
-        return eng
+        return eng, eng.module
 
     def step(eng: Any) -> None:
         eng.backward(eng(_batch(args.width)).square().mean())
         eng.step()
 
-    exact = True
-    with scratch_dir(args.workdir) as work:
-        dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=0, world_size=1)
-        for r in range(args.repeats):
-            for tool in ("TorchCheckpointEngine", "casnap"):
-                root, eng = os.path.join(work, f"{tool}-{r}"), build(tool, 0)
-                step(eng)  # Adam state exists from the first save on
-                for i, name in enumerate(("first", "unchanged", "sparse change")):
-                    if name == "sparse change":
-                        step(eng)  # the last layer and its Adam state change
-                    before = disk_usage(root)[1] if os.path.isdir(root) else 0
-                    settle(cold=False)
-                    samples.time(
-                        f"{tool}/{name}", functools.partial(eng.save_checkpoint, root, f"t{i}")
-                    )
-                    samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
-                fresh = build(tool, 1)
-                settle(cold=False)
-                samples.time(f"{tool}/load", functools.partial(fresh.load_checkpoint, root))
-                a, b = eng.module.state_dict(), fresh.module.state_dict()
-                exact = exact and all(torch.equal(a[k], b[k]) for k in a)
-        dist.destroy_process_group()
-    mib = args.width * (args.width + 1) * args.layers * 4 / MiB
-    print(f"{mib:.0f} MiB fp32, last layer trained (ZeRO 2, one rank), medians of {args.repeats}")
-    steps = ("first", "unchanged", "sparse change", "load")
-    return table(samples, "TorchCheckpointEngine", steps, ("bytes",)), exact
+    save = lambda e, root, i: e.save_checkpoint(root, f"t{i}")  # noqa: E731
+    hooks = {"build": build, "step": step, "save": save, "load": lambda e, r: e.load_checkpoint(r)}
+    with scratch_dir(args.workdir) as work, one_gloo_rank(work):
+        exact, about = _finetune(args, samples, work, "TorchCheckpointEngine", hooks)
+    print(f"{about} (ZeRO 2, one rank), medians of {args.repeats}")
+    return table(samples, "TorchCheckpointEngine", LOADED, ("bytes",)), exact
 
 
-# -- accelerate: Accelerator against CasnapAccelerator -------------------------------------
-
-
-def run_accelerate(args: argparse.Namespace, samples: Samples) -> tuple[str, bool | None]:
+def run_accelerate(args: argparse.Namespace, samples: Samples) -> Result:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from casnap.integrations.accelerate import CasnapAccelerator
 
-    def build(tool: str, seed: int) -> tuple[Any, Any, Any]:
+    def build(tool: str, seed: int) -> tuple[Any, Any]:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         PartialState._reset_state()
@@ -561,83 +515,65 @@ def run_accelerate(args: argparse.Namespace, samples: Samples) -> tuple[str, boo
         model = _frozen_mlp(args.width, args.layers, seed)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         model, opt = acc.prepare(model, opt)
-        return acc, model, opt
+        return (acc, model, opt), model
 
-    def step(acc: Any, model: Any, opt: Any) -> None:
+    def step(handle: tuple[Any, Any, Any]) -> None:
+        acc, model, opt = handle
         acc.backward(model(_batch(args.width)).square().mean())
         opt.step()
         opt.zero_grad()
 
-    exact = True
+    def ckpt(root: str, i: int = len(STEPS) - 1) -> str:
+        return os.path.join(root, f"checkpoint_{i}")  # the load reads the last
+
+    save = lambda h, root, i: h[0].save_state(ckpt(root, i))  # noqa: E731
+    hooks = {
+        "build": build,
+        "step": step,
+        "save": save,
+        "load": lambda h, r: h[0].load_state(ckpt(r)),
+    }
     with scratch_dir(args.workdir) as work:
-        for r in range(args.repeats):
-            for tool in ("Accelerator", "casnap"):
-                root, (acc, model, opt) = os.path.join(work, f"{tool}-{r}"), build(tool, 0)
-                step(acc, model, opt)
-                for i, name in enumerate(("first", "unchanged", "sparse change")):
-                    if name == "sparse change":
-                        step(acc, model, opt)  # the last layer and its AdamW state change
-                    before = disk_usage(root)[1] if os.path.isdir(root) else 0
-                    settle(cold=False)
-                    ckpt = os.path.join(root, f"checkpoint_{i}")
-                    samples.time(f"{tool}/{name}", functools.partial(acc.save_state, ckpt))
-                    samples.count(f"{tool}/{name}", "bytes", disk_usage(root)[1] - before)
-                want = {k: v.clone() for k, v in model.state_dict().items()}
-                fresh, fmodel, _ = build(tool, 1)
-                settle(cold=False)
-                samples.time(f"{tool}/load", functools.partial(fresh.load_state, ckpt))
-                exact = exact and all(
-                    torch.equal(want[k], v) for k, v in fmodel.state_dict().items()
-                )
-    mib = args.width * (args.width + 1) * args.layers * 4 / MiB
-    print(f"{mib:.0f} MiB fp32, last layer trained (one process), medians of {args.repeats}")
-    steps = ("first", "unchanged", "sparse change", "load")
-    return table(samples, "Accelerator", steps, ("bytes",)), exact
+        exact, about = _finetune(args, samples, work, "Accelerator", hooks)
+    print(f"{about} (one process), medians of {args.repeats}")
+    return table(samples, "Accelerator", LOADED, ("bytes",)), exact
 
 
-RUNS = {
-    "dcp": run_dcp,
-    "lightning": run_lightning,
-    "megatron": run_megatron,
-    "torch_checkpointing": run_torch_checkpointing,
-    "torchtitan": run_torchtitan,
-    "deepspeed": run_deepspeed,
-    "accelerate": run_accelerate,
-}
+RUNS: dict[str, tuple[Callable[[argparse.Namespace, Samples], Result], str, dict[str, Any]]] = {
+    "dcp": (run_dcp, "DCP's FileSystemWriter against casnap's DCP writer",
+            {"size-gib": 0.5, "small": "a quick run: 0.05 GiB, 1 repeat"}),
+    "lightning": (run_lightning, "TorchCheckpointIO against CasnapCheckpointIO",
+                  {"small": "a quick run: 16 MiB, 1 repeat", "width": 2048, "layers": 15,
+                   "steps": 24, "every": 4}),
+    "megatron": (run_megatron, "Megatron-core's torch_dist against casnap's strategy",
+                 {"hidden": 768, "layers": 6}),
+    "torch_checkpointing": (run_torch_checkpointing, "its local storage against casnap's",
+                            {"size-gib": 0.5, "small": "a quick run: 0.05 GiB, 1 repeat"}),
+    "torchtitan": (run_torchtitan, "torchtitan's CheckpointManager against casnap's",
+                   {"size-gib": 0.25}),
+    "deepspeed": (run_deepspeed, "TorchCheckpointEngine against CasnapCheckpointEngine",
+                  {"width": 2048, "layers": 12}),
+    "accelerate": (run_accelerate, "Accelerator.save_state against CasnapAccelerator's",
+                   {"width": 2048, "layers": 12}),
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     sub = parser.add_subparsers(dest="framework", required=True)
-    dcp_p = sub.add_parser("dcp", help="DCP's FileSystemWriter against casnap's DCP writer")
-    dcp_p.add_argument("--size-gib", type=float, default=0.5)
-    dcp_p.add_argument("--small", action="store_true", help="a quick run: 0.05 GiB, 1 repeat")
-    pl = sub.add_parser("lightning", help="TorchCheckpointIO against CasnapCheckpointIO")
-    pl.add_argument("--small", action="store_true", help="a quick run: 16 MiB, 1 repeat")
-    pl.add_argument("--width", type=int, default=2048)
-    pl.add_argument("--layers", type=int, default=15)
-    pl.add_argument("--steps", type=int, default=24)
-    pl.add_argument("--every", type=int, default=4)
-    mg = sub.add_parser("megatron", help="Megatron-core's torch_dist against casnap's strategy")
-    mg.add_argument("--hidden", type=int, default=768)
-    mg.add_argument("--layers", type=int, default=6)
-    tc = sub.add_parser("torch_checkpointing", help="its local storage against casnap's")
-    tc.add_argument("--size-gib", type=float, default=0.5)
-    tc.add_argument("--small", action="store_true", help="a quick run: 0.05 GiB, 1 repeat")
-    tt = sub.add_parser("torchtitan", help="torchtitan's CheckpointManager against casnap's")
-    tt.add_argument("--size-gib", type=float, default=0.25)
-    ds = sub.add_parser("deepspeed", help="TorchCheckpointEngine against CasnapCheckpointEngine")
-    ac = sub.add_parser("accelerate", help="Accelerator.save_state against CasnapAccelerator's")
-    for p in (ds, ac):
-        p.add_argument("--width", type=int, default=2048)
-        p.add_argument("--layers", type=int, default=12)
-    for p in (dcp_p, pl, mg, tc, tt, ds, ac):
+    for name, (_, what, options) in RUNS.items():
+        p = sub.add_parser(name, help=what)
+        for flag, value in options.items():
+            if isinstance(value, str):  # a switch, with its help
+                p.add_argument(f"--{flag}", action="store_true", help=value)
+            else:
+                p.add_argument(f"--{flag}", type=type(value), default=value)
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--workdir", default="bench-out/scratch")
         p.add_argument("--out", help="JSON path (default bench-out/<framework>.json)")
     args = parser.parse_args(argv)
     samples = Samples()
-    text, exact = RUNS[args.framework](args, samples)
+    text, exact = RUNS[args.framework][0](args, samples)
     print(text if exact is None else f"{text}\nloads bit-exact: {exact}")
     write_json(
         args.out or f"bench-out/{args.framework}.json",

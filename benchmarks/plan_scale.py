@@ -2,27 +2,15 @@
 
     .venv/bin/python benchmarks/plan_scale.py [--ranks 8,64,256,1024] [--repeat 3]
 
-No tensors and no processes: each simulated rank's planning message is built
-from metadata alone (what ``exchange_plans`` would send for a cold take: its
-structure and its chunk digests), pickled as the gather carries it, and the
-coordinator's pure step runs on the gathered messages in this process:
-decoding the messages into plans, the replica check, the writer assignment
-(replicated chunks deduplicated by hash and balanced across their holders)
-and the manifest (entries built, the model validated, serialized).
-
-The layout: a 70B-parameter Llama-like model (80 layers, hidden 8192, MLP
-28672, grouped-query attention with 8 KV heads, vocabulary 128,256) in bf16,
-held as DTensors under HSDP: FSDP shards (``Shard(0)``) within a node group
-of 8 ranks, replicas (``Replicate()``) across the groups, as a 2-D mesh
-(groups x 8). Each rank holds one eighth of every parameter, and every box is
-held by ``ranks / 8`` ranks. Plus a per-rank step counter.
-
-Prints one JSON line per world size: the coordinator's time (split by stage;
-the median of ``--repeat`` runs, the fastest as ``min_s``),
-its peak Python memory while planning (tracemalloc, the gathered messages not
-counted: they are reported as ``received_bytes``), max/mean of the bytes
-assigned to the writing ranks, the bytes each rank sends (max over ranks) with
-its chunk count, and the manifest's size.
+No tensors and no processes: each simulated rank's planning message (what
+``exchange_plans`` sends for a cold take) is built from metadata, pickled as the gather
+carries it, and the coordinator's pure step (decode, replica check, writer assignment,
+manifest) runs on them here. The layout: a 70B Llama-like model in bf16 as DTensors under
+HSDP (``Shard(0)`` within groups of 8 ranks, ``Replicate()`` across them), plus a per-rank
+step counter. Prints one JSON line per world size: the coordinator's time by stage (median
+of ``--repeat``, fastest as ``min_s``), its peak Python memory (tracemalloc; the received
+messages apart as ``received_bytes``), max/mean of the bytes per writer, the bytes each
+rank sends with its chunk count, and the manifest's size.
 """
 
 from __future__ import annotations
@@ -30,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import pickle
 import sys
 import time
@@ -60,22 +49,12 @@ GROUP = 8  # FSDP shards within a node group
 def llama70b_shapes(layers: int = 80) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of a Llama-2/3-70B-like model (about 70.6e9 parameters)."""
     d, ff, kv, vocab = 8192, 28672, 1024, 128_256
+    layer = {"attention.wq": (d, d), "attention.wk": (kv, d), "attention.wv": (kv, d),
+             "attention.wo": (d, d), "feed_forward.w1": (ff, d), "feed_forward.w2": (d, ff),
+             "feed_forward.w3": (ff, d), "attention_norm": (d,), "ffn_norm": (d,)}  # fmt: skip
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, d)}
     for i in range(layers):
-        p = f"layers.{i}."
-        shapes.update(
-            {
-                p + "attention.wq.weight": (d, d),
-                p + "attention.wk.weight": (kv, d),
-                p + "attention.wv.weight": (kv, d),
-                p + "attention.wo.weight": (d, d),
-                p + "feed_forward.w1.weight": (ff, d),
-                p + "feed_forward.w2.weight": (d, ff),
-                p + "feed_forward.w3.weight": (ff, d),
-                p + "attention_norm.weight": (d,),
-                p + "ffn_norm.weight": (d,),
-            }
-        )
+        shapes.update({f"layers.{i}.{k}.weight": shape for k, shape in layer.items()})
     shapes.update({"norm.weight": (d,), "output.weight": (vocab, d)})
     return shapes
 
@@ -97,9 +76,7 @@ def shard_boxes(
     for name, shape in shapes.items():
         rows, rest = shape[0], shape[1:]
         step = -(-rows // GROUP)
-        row_bytes = itemsize
-        for n in rest:
-            row_bytes *= n
+        row_bytes = itemsize * math.prod(rest)
         for i in range(GROUP):
             start = min(rows, i * step)
             size = min(step, rows - start)

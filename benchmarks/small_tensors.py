@@ -4,30 +4,17 @@
         [--repeats 5] [--workdir bench-out/scratch] [--profile first|retake|alone] [--json]
     .venv/bin/python benchmarks/small_tensors.py --metadata 100 [--refs 1000000]
 
-Per-tensor overheads (a future per chunk, a work item per chunk, building
-and validating one manifest entry per tensor) decide this case, not
-bandwidth: 20,000 tensors of 256 B are 5 MB. For each ``--tensors`` count,
-each repeat takes the state into a fresh repository (the *first take*), then
-takes it again unchanged in the same session (the *re-take*: its parent is
-the first, the every-N-steps loop), and times torch.save + fsync of the same
-dict, interleaved so that a noisy neighbour hits all of them alike. Each
-repeat also re-takes the state unchanged twice *without* a session (the
-torchsnapshot loop, ``Snapshot.take(f"{root}/step_{n}", app_state)``: its
-parent is the newest snapshot in the folder, found in the store; issue #25
-point 1): the first of them has a parent this process did not take without a
-session (as in a new process per save), the second is the loop's steady state,
-its parent the first (the target row). Prints medians and the ratios
-(issue #14 point 1: first take <= 1.5x, re-take <= 0.5x; issue #25: re-take
-without a session <= 0.6x), of wall time and, next to it, of CPU time (all
-threads). ``--profile`` runs cProfile over one first take, re-take, or
-session-less re-take (``alone``) of the first count and prints the top of it.
-
-``--metadata N`` measures what manifests cost instead (issue #39 point 2):
-the bytes of metadata per chunk reference of N snapshots of a 64 MiB state
-(16 tensors, 256 KiB chunks, 10% of the chunks ``+= 1.0`` per take, one
-Session; every file of ``.casnap/`` but chunk data, over the snapshots'
-chunk references), and the metadata an unchanged re-take of a synthetic
-manifest of ``--refs`` chunk references writes (docs/format.md, "Manifest parts").
+Per-tensor overheads decide this case, not bandwidth (20,000 tensors of 256 B are 5 MB).
+Per ``--tensors`` count and repeat, interleaved with torch.save + fsync of the same dict:
+the first take into a fresh repository, an unchanged re-take in the same session, and two
+unchanged re-takes without one (``Snapshot.take(f"{root}/step_{n}", ...)``, parent the
+newest in the folder; the second is the steady state and the target row). Prints medians
+and the ratios of wall and of CPU time (first <= 1.5x, re-take <= 0.5x, without a session
+<= 0.6x). ``--profile`` prints cProfile's top of one first take, re-take or ``alone``.
+``--metadata N`` measures what manifests cost instead: the metadata bytes per chunk
+reference of N snapshots of a 64 MiB state (16 tensors, 256 KiB chunks, 10% of the chunks
+``+= 1.0`` per take, one Session; every file of ``.casnap/`` but chunk data), and what an
+unchanged re-take of a synthetic manifest of ``--refs`` references writes (docs/format.md).
 """
 
 from __future__ import annotations
@@ -97,27 +84,25 @@ def measure(tensors: int, numel: int, repeats: int, work: str) -> dict[str, Any]
         save.append(_clock(partial(_save, state, pt)))
         shutil.rmtree(repo)
         os.unlink(pt)
-    (f, fc), (r, rc), (c, cc), (a, ac), (s, sc) = (
-        (statistics.median(w for w, _ in x), statistics.median(c for _, c in x))
-        for x in (first, retake, cold, alone, save)
-    )
-    return {
-        "tensors": tensors,
-        "tensor_bytes": numel * 4,
-        "repeats": repeats,
-        "first_s": f,
-        "retake_s": r,
-        "retake_no_session_s": a,
-        "retake_new_process_s": c,
-        "save_s": s,
-        "first_ratio": f / s,
-        "retake_ratio": r / s,
-        "first_cpu_ratio": fc / sc,
-        "retake_cpu_ratio": rc / sc,
-        "retake_no_session_ratio": a / s,
-        "retake_new_process_ratio": c / s,
-        "retake_no_session_cpu_ratio": ac / sc,
-    }
+    runs = {"first": first, "retake": retake, "retake_no_session": alone, "save": save}
+    runs["retake_new_process"] = cold
+    out: dict[str, Any] = {"tensors": tensors, "tensor_bytes": numel * 4, "repeats": repeats}
+    wall = {k: statistics.median(w for w, _ in x) for k, x in runs.items()}
+    cpu = {k: statistics.median(c for _, c in x) for k, x in runs.items()}
+    for k in runs:
+        out[f"{k}_s"] = wall[k]
+        if k != "save":
+            out[f"{k}_ratio"], out[f"{k}_cpu_ratio"] = wall[k] / wall["save"], cpu[k] / cpu["save"]
+    return out
+
+
+# The printed rows: label, key, and the target (None: no target, no CPU ratio shown).
+_ROWS = [
+    ("casnap first take", "first", 1.5),
+    ("casnap unchanged take", "retake", 0.5),
+    ("same, without session", "retake_no_session", 0.6),
+    ("same, parent not taken", "retake_new_process", None),
+]
 
 
 def profile(tensors: int, numel: int, which: str, work: str) -> None:
@@ -217,25 +202,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(m))
                 continue
             print(f"{n} tensors of {args.numel * 4} B, medians of {args.repeats}:")
-            print(
-                f"  casnap first take      {m['first_s']:6.3f} s  "
-                f"{m['first_ratio']:5.2f}x torch.save (target <= 1.5x), "
-                f"CPU {m['first_cpu_ratio']:4.2f}x"
-            )
-            print(
-                f"  casnap unchanged take  {m['retake_s']:6.3f} s  "
-                f"{m['retake_ratio']:5.2f}x torch.save (target <= 0.5x), "
-                f"CPU {m['retake_cpu_ratio']:4.2f}x"
-            )
-            print(
-                f"  same, without session  {m['retake_no_session_s']:6.3f} s  "
-                f"{m['retake_no_session_ratio']:5.2f}x torch.save (target <= 0.6x), "
-                f"CPU {m['retake_no_session_cpu_ratio']:4.2f}x"
-            )
-            print(
-                f"  same, parent not taken {m['retake_new_process_s']:6.3f} s  "
-                f"{m['retake_new_process_ratio']:5.2f}x torch.save (a new process per save)"
-            )
+            for label, key, limit in _ROWS:
+                ratio = f"{m[key + '_s']:6.3f} s  {m[key + '_ratio']:5.2f}x torch.save"
+                if limit is None:
+                    print(f"  {label:22s} {ratio} (a new process per save)")
+                else:
+                    cpu = m[key + "_cpu_ratio"]
+                    print(f"  {label:22s} {ratio} (target <= {limit}x), CPU {cpu:4.2f}x")
             print(f"  torch.save + fsync     {m['save_s']:6.3f} s")
     return 0
 

@@ -48,9 +48,9 @@ from harness import (
     disk_usage,
     drop_page_cache,
     filesystem_of,
-    io_write_bytes,
     machine,
     manifest_file,
+    proc_io,
     same_state,
     scratch_dir,
     settle,
@@ -58,28 +58,9 @@ from harness import (
 )
 from suite_systems import CASNAP, PEER, SYSTEMS, System, system_root
 
-SCENARIOS = (
-    "take",
-    "restore",
-    "retake",
-    "frozen",
-    "lora",
-    "sparse",
-    "all",
-    "series",
-    "async",
-    "rss",
-    "read_object",
-    "bf16",
-    "delta",
-)
-INCREMENTAL = {
-    "retake": "unchanged",
-    "frozen": "frozen",
-    "lora": "lora",
-    "sparse": "sparse",
-    "all": "all",
-}
+SCENARIOS = ("take", "restore", "retake", "frozen", "lora", "sparse", "all", "series", "async",
+             "rss", "read_object", "bf16", "delta")  # fmt: skip
+INCREMENTAL = {"retake": "unchanged"} | {k: k for k in ("frozen", "lora", "sparse", "all")}
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_probe.py")
 
 
@@ -113,11 +94,11 @@ def timed_save(
     """Save durably after settling the disk; record seconds and what the folder grew by."""
     settle(run.cold and cold)
     before_used, before_apparent, _ = disk_usage(root)
-    io0 = io_write_bytes()
+    io0 = proc_io()["write_bytes"]
     t0 = time.perf_counter()
     result = system.save(state, path)
     seconds = time.perf_counter() - t0
-    io1 = io_write_bytes()
+    io1 = proc_io()["write_bytes"]
     used, apparent, _ = disk_usage(root)
     op = run.op(scenario, system)
     run.rec.add(op, seconds)
@@ -179,11 +160,8 @@ def incremental(run: Run, scenario: str) -> None:
     pattern = INCREMENTAL[scenario]
     base = st.start_state(pattern, run.state)
     steps = [st.derive(pattern, base, r) for r in range(run.args.repeats)]
-    run.info[scenario] = {
-        "changed_bytes": steps[0].changed_bytes,
-        "pattern": pattern,
-        "state_bytes": st.nbytes(steps[0].state),
-    }
+    changed, size = steps[0].changed_bytes, st.nbytes(steps[0].state)
+    run.info[scenario] = {"changed_bytes": changed, "pattern": pattern, "state_bytes": size}
     for system in run.systems:
         with scratch_dir(run.args.workdir) as work:
             root = system_root(work, system)
@@ -307,16 +285,8 @@ def read_object(run: Run) -> None:
             system.save(warm, warm_path)
             for _ in range(run.args.read_repeats):
                 settle(False)  # the probe drops the page cache itself, after its imports
-                out = _probe(
-                    run,
-                    "read",
-                    system.name,
-                    path,
-                    st.PROBE_KEY,
-                    str(rows),
-                    str(st.PROBE_COLS),
-                    warm_path,
-                )
+                argv = (st.PROBE_KEY, str(rows), str(st.PROBE_COLS), warm_path)
+                out = _probe(run, "read", system.name, path, *argv)
                 if not out["correct"]:
                     raise SystemExit(f"{system.name}: read_object returned the wrong tensor")
                 op = run.op("read_object", system)
@@ -334,20 +304,9 @@ def delta(run: Run) -> None:
     import delta as delta_bench  # benchmarks/delta.py
 
     size_mib = max(16, int(run.args.size_gib * 1024) // 4)
-    args = delta_bench.parser().parse_args(
-        [
-            "--size-mib",
-            str(size_mib),
-            "--bf16-mib",
-            str(run.args.bf16_mib // 2),
-            "--repeats",
-            str(run.args.repeats),
-            "--series",
-            str(run.args.series),
-            "--workdir",
-            run.args.workdir,
-        ]
-    )
+    argv = f"--size-mib {size_mib} --bf16-mib {run.args.bf16_mib // 2} --repeats "
+    argv += f"{run.args.repeats} --series {run.args.series}"
+    args = delta_bench.parser().parse_args([*argv.split(), "--workdir", run.args.workdir])
     args.scenarios = list(delta_bench.SCENARIOS)
     run.info["delta"] = delta_bench.measure(args)
     _progress("delta: casnap on/off")
@@ -384,16 +343,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0, help="state size (default 1.0)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per timed step (median)")
-    p.add_argument(
-        "--scenarios",
-        default=",".join(s for s in SCENARIOS if s != "delta"),
-        help=f"comma-separated subset of {','.join(SCENARIOS)}",
-    )
-    p.add_argument(
-        "--systems",
-        default=",".join(SYSTEMS),
-        help=f"comma-separated subset of {','.join(SYSTEMS)}",
-    )
+    default = ",".join(s for s in SCENARIOS if s != "delta")
+    p.add_argument("--scenarios", default=default, help=f"subset of {','.join(SCENARIOS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--out", default="bench-out/suite", help="folder for suite.json/.md/.png")
     p.add_argument("--workdir", default="bench-out/scratch", help="scratch parent (a real disk)")
     p.add_argument("--series", type=int, default=10, help="snapshots in the series scenario")
@@ -403,12 +355,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--read-size-gib", type=float, default=2.0)
     p.add_argument("--read-tensor-mib", type=int, default=16)
-    p.add_argument(
-        "--read-repeats",
-        type=int,
-        default=1,
-        help="fresh-process reads per system (bytes read barely vary)",
-    )
+    p.add_argument("--read-repeats", type=int, default=1, help="fresh-process reads per system")
     p.add_argument("--bf16-mib", type=int, default=256)
     p.add_argument("--warm", action="store_true", help="never drop the page cache")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact checks")
@@ -434,16 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     systems = [SYSTEMS[name] for name in SYSTEMS if name in args.systems]
     warm_up(systems, args.workdir)
     run = Run(args, systems, state, st.target_like(state), cold=why_warm is None)
-    run.info["state"] = {
-        "bytes": st.nbytes(state),
-        "tensors": len(state),
-        "hidden": hidden,
-        "layers": st.layer_count(state),
-        "dtype": "float32",
-    }
+    layers = st.layer_count(state)
+    run.info["state"] = {"bytes": st.nbytes(state), "tensors": len(state), "hidden": hidden}
+    run.info["state"] |= {"layers": layers, "dtype": "float32"}
     print(
         f"state: {len(state)} fp32 tensors, {st.nbytes(state) / MiB:.0f} MiB (hidden {hidden}, "
-        f"{st.layer_count(state)} layers); scratch {args.workdir} on {fstype}; "
+        f"{layers} layers); scratch {args.workdir} on {fstype}; "
         f"{'cold' if run.cold else 'warm: ' + str(why_warm)}",
         flush=True,
     )
@@ -457,14 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         elif scenario in INCREMENTAL:
             incremental(run, scenario)
         else:
-            {
-                "series": series,
-                "async": async_take,
-                "rss": rss,
-                "read_object": read_object,
-                "bf16": bf16,
-                "delta": delta,
-            }[scenario](run)
+            by_name = {"series": series, "async": async_take, "rss": rss}
+            by_name |= {"read_object": read_object, "bf16": bf16, "delta": delta}
+            by_name[scenario](run)
         timings[scenario] = time.perf_counter() - t0
         gc.collect()
     payload: dict[str, Any] = {

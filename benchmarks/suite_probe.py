@@ -1,28 +1,15 @@
 """One measurement in a fresh process, for benchmarks/suite.py: peak RSS or bytes read.
 
-    python benchmarks/suite_probe.py rss-take    SYSTEM PATH SIZE_BYTES HIDDEN
-    python benchmarks/suite_probe.py rss-restore SYSTEM PATH SIZE_BYTES HIDDEN
-    python benchmarks/suite_probe.py rss-async   SYSTEM PATH SIZE_BYTES HIDDEN
-    python benchmarks/suite_probe.py read        SYSTEM PATH KEY ROWS COLS WARM_PATH
+    python benchmarks/suite_probe.py rss-take|rss-restore|rss-async SYSTEM PATH SIZE_BYTES HIDDEN
+    python benchmarks/suite_probe.py read SYSTEM PATH KEY ROWS COLS WARM_PATH
 
-Prints one JSON object on the last line of stdout.
-
-Peak RSS: the process builds the live state (``rss-take``/``rss-async``: the weights,
-generated in place so building never peaks above them; ``rss-restore``: a
-zero-filled target, a live model), then resets the kernel's high-water mark
-(``/proc/self/clear_refs`` ← 5), records ``VmRSS`` as the baseline, runs the
-one operation and reads ``VmHWM``. ``extra_bytes`` = VmHWM − baseline: the
-memory the operation needed above the live state. ``ru_maxrss`` (the whole
-process's peak, which cannot be reset) is reported next to it. A system that
-loads fresh tensors (torch.load, safetensors) is measured as a live model
-uses it: load, copy into the model's tensors, drop the loaded dict.
-
-Bytes read: the process imports everything and reads one tensor from a tiny
-warm-up snapshot of the same system (so lazy imports and first-call set-up
-are done), then syncs and drops the page cache, reads ``read_bytes`` and
-``rchar`` from ``/proc/self/io``, reads the one tensor, and reads them again.
-``read_bytes`` is what came from the block device (with the kernel's
-readahead); ``rchar`` is what read() calls returned (mmap reads are not in it).
+Prints one JSON object on the last line of stdout. Peak RSS: build the live state (the
+weights, or a zero-filled target), reset the high-water mark (``/proc/self/clear_refs`` ←
+5), run the one operation; ``extra_bytes`` = ``VmHWM`` − the ``VmRSS`` before it
+(``ru_maxrss`` beside it). torch.load and safetensors load, copy into the model, drop the
+dict. Bytes read: after a read from a warm-up snapshot of the same system, drop the page
+cache and read one tensor; ``read_bytes`` (block device) and ``rchar`` (read() calls, not
+mmap) from ``/proc/self/io`` around it.
 """
 
 from __future__ import annotations
@@ -36,7 +23,7 @@ import time
 
 import suite_states
 import torch
-from harness import drop_page_cache
+from harness import drop_page_cache, proc_io
 from suite_systems import SYSTEMS
 
 
@@ -48,15 +35,6 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def _io() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/io", encoding="ascii") as fh:
-        for line in fh:
-            name, value = line.split(":")
-            out[name.strip()] = int(value)
-    return out
-
-
 def _reset_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
@@ -66,7 +44,8 @@ def _reset_peak() -> bool:
         return False
 
 
-def _measure_peak(op: object) -> dict[str, object]:
+def _measure_peak(op: object, live: dict[str, torch.Tensor]) -> dict[str, object]:
+    """Peak RSS of ``op()`` above the RSS before it, next to ``live``'s bytes."""
     gc.collect()
     reset = _reset_peak()
     base = _status("VmRSS")
@@ -85,15 +64,13 @@ def _measure_peak(op: object) -> dict[str, object]:
         "peak_reset": reset,
         "seconds": seconds,
         "memory_budget_env": os.environ.get("CASNAP_MEMORY_BUDGET"),
+        "live_bytes": suite_states.nbytes(live),
     }
 
 
 def rss_take(system: str, path: str, size: int, hidden: int) -> dict[str, object]:
     state = suite_states.build(suite_states.model_shapes(size, hidden))
-    sys_ = SYSTEMS[system]
-    out = _measure_peak(lambda: sys_.save(state, path))
-    out["live_bytes"] = suite_states.nbytes(state)
-    return out
+    return _measure_peak(lambda: SYSTEMS[system].save(state, path), state)
 
 
 def rss_async(system: str, path: str, size: int, hidden: int) -> dict[str, object]:
@@ -110,8 +87,7 @@ def rss_async(system: str, path: str, size: int, hidden: int) -> dict[str, objec
         assert pending is not None, f"{system} has no async save"
         pending.wait()
 
-    out = _measure_peak(save)
-    out["live_bytes"] = suite_states.nbytes(state)
+    out = _measure_peak(save, state)
     out["blocked_seconds"] = blocked[0]
     return out
 
@@ -129,8 +105,7 @@ def rss_restore(system: str, path: str, size: int, hidden: int) -> dict[str, obj
                 t.copy_(loaded[k])
         del loaded
 
-    out = _measure_peak(restore)
-    out["live_bytes"] = suite_states.nbytes(target)
+    out = _measure_peak(restore, target)
     probe = "layers.0.attn.qkv.weight"
     out["restored_nonzero"] = bool(target[probe].abs().sum() > 0)
     return out
@@ -162,11 +137,11 @@ def read(system: str, path: str, key: str, rows: int, cols: int, warm: str) -> d
 
     gc.collect()
     dropped = drop_page_cache() is None
-    before = _io()
+    before = proc_io()
     t0 = time.perf_counter()
     got = one()
     seconds = time.perf_counter() - t0
-    after = _io()
+    after = proc_io()
     expected = suite_states.probe_tensor(rows, cols)
     out: dict[str, object] = {
         "read_bytes": after["read_bytes"] - before["read_bytes"],

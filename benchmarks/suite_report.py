@@ -83,13 +83,8 @@ def targets(p: Payload) -> list[dict[str, Any]]:
         v = _ratio(seconds(p, sc, CASNAP), seconds(p, sc, PEER))
         add(f"restore ≤ torch.load ({cache} cache)", v, 1.0, True, _x(v, "torch.load"))
         v = _ratio(seconds(p, sc, CASNAP), seconds(p, sc, "torchsnapshot"))
-        add(
-            f"restore ≤ 1/3 of torchsnapshot's ({cache} cache)",
-            v,
-            1 / 3,
-            True,
-            _x(v, "torchsnapshot"),
-        )
+        name = f"restore ≤ 1/3 of torchsnapshot's ({cache} cache)"
+        add(name, v, 1 / 3, True, _x(v, "torchsnapshot"))
     v = _ratio(seconds(p, "retake", PEER), seconds(p, "retake", CASNAP))
     add("unchanged re-take ≥ 5× faster than torch.save", v, 5.0, False, _x(v, "faster"))
     v = _ratio(seconds(p, "frozen", PEER), seconds(p, "frozen", CASNAP))
@@ -99,39 +94,23 @@ def targets(p: Payload) -> list[dict[str, Any]]:
     manifest = counter(p, "frozen", CASNAP, "manifest_bytes")
     need = None if changed is None or manifest is None else changed + manifest
     v = _ratio(written, need)
-    add(
-        "frozen-backbone bytes written ≤ 1.05 × (changed + manifest)",
-        v,
-        1.05,
-        True,
-        f"{_x(v, '')} ({human_bytes(written)} for {human_bytes(changed)} changed + "
-        f"{human_bytes(manifest)} manifest)",
-    )
+    shown = f"{_x(v, '')} ({human_bytes(written)} for {human_bytes(changed)} changed + "
+    shown += f"{human_bytes(manifest)} manifest)"
+    add("frozen-backbone bytes written ≤ 1.05 × (changed + manifest)", v, 1.05, True, shown)
     v = _ratio(seconds(p, "async-blocked", CASNAP), seconds(p, "take", CASNAP))
     add("async_take blocks ≤ 25% of a sync take", v, 0.25, True, _pct(v))
     for kind in ("take", "restore", "async"):
         extra = counter(p, f"rss-{kind}", CASNAP, "extra_bytes")
         v = _ratio(extra, budget)
-        add(
-            f"peak RSS above live state, {kind} ≤ budget + 10%",
-            v,
-            1.10,
-            True,
-            f"{human_bytes(extra)} = {_x(v, 'budget')} ({human_bytes(budget)})",
-        )
+        shown = f"{human_bytes(extra)} = {_x(v, 'budget')} ({human_bytes(budget)})"
+        add(f"peak RSS above live state, {kind} ≤ budget + 10%", v, 1.10, True, shown)
     read = counter(p, "read_object", CASNAP, "read_bytes")
     args = p["args"]
     info = p["info"].get("read_object", {})
     v = None if read is None else read / MiB
-    add(
-        f"read_object of {human_bytes(info.get('tensor_bytes', args['read_tensor_mib'] * MiB))}"
-        f" from {human_bytes(info.get('snapshot_bytes', int(args['read_size_gib'] * GiB)))}"
-        " reads ≤ 17 MiB",
-        v,
-        17.0,
-        True,
-        f"{human_bytes(read)} from disk",
-    )
+    name = f"read_object of {human_bytes(info.get('tensor_bytes', args['read_tensor_mib'] * MiB))}"
+    name += f" from {human_bytes(info.get('snapshot_bytes', int(args['read_size_gib'] * GiB)))}"
+    add(name + " reads ≤ 17 MiB", v, 17.0, True, f"{human_bytes(read)} from disk")
     raw = p["info"].get("bf16", {}).get("raw_bytes")
     v = _ratio(counter(p, "bf16", CASNAP, "bytes_written"), raw)
     add("bf16 weights stored ≤ 0.75 × raw (compression on)", v, 0.75, True, _x(v, "raw"))
@@ -207,14 +186,8 @@ def _rows(p: Payload) -> list[tuple[str, str, Cell, str]]:
         (title, "median (cold)", sec("read_object"), "s"),
     ]
     raw = info.get("bf16", {}).get("raw_bytes")
-    rows.append(
-        (
-            f"bf16 weights ({human_bytes(raw)})",
-            "stored ÷ raw",
-            lambda q, s: _ratio(_float(counter(q, "bf16", s, "bytes_written")), raw),
-            "×",
-        )
-    )
+    stored: Cell = lambda q, s: _ratio(_float(counter(q, "bf16", s, "bytes_written")), raw)  # noqa: E731
+    rows.append((f"bf16 weights ({human_bytes(raw)})", "stored ÷ raw", stored, "×"))
     return rows
 
 
@@ -229,11 +202,7 @@ def _pick(t: tuple[int, int, float] | None, i: int) -> float | None:
 def _fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "–"
-    if unit == "s":
-        return f"{v:.3f}"
-    if unit == "B":
-        return human_bytes(int(v))
-    return f"{v:.3f}"
+    return human_bytes(int(v)) if unit == "B" else f"{v:.3f}"
 
 
 def table(p: Payload) -> str:
@@ -347,25 +316,16 @@ def plot(p: Payload, path: str) -> None:
     systems = list(p["systems"])
     fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))
     times = ["take", "restore", "restore-warm", "retake", "frozen", "lora", "sparse", "all"]
-    _bars(
-        axes[0][0],
-        p,
-        systems,
-        times,
-        lambda sc, s: seconds(p, sc, s),
-        "median seconds (lower is better)",
-        log=False,
-    )
+
+    def sec(sc: str, s: str) -> float | None:
+        return seconds(p, sc, s)
+
+    def mib(name: str) -> Callable[[str, str], float | None]:
+        return lambda sc, s: _mib(counter(p, sc, s, name))
+
+    _bars(axes[0][0], systems, times, sec, "median seconds (lower is better)")
     written = ["take", "retake", "frozen", "lora", "sparse", "all"]
-    _bars(
-        axes[0][1],
-        p,
-        systems,
-        written,
-        lambda sc, s: _mib(counter(p, sc, s, "bytes_written")),
-        "MiB written per snapshot (log)",
-        log=True,
-    )
+    _bars(axes[0][1], systems, written, mib("bytes_written"), "MiB written per snapshot (log)")
     ax = axes[0][2]
     for s in systems:
         ws = samples(p, "series", s, "bytes_written")
@@ -382,42 +342,18 @@ def plot(p: Payload, path: str) -> None:
     else:
         ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
     with_async = [s for s in systems if seconds(p, "async-blocked", s) is not None]
-    _bars(
-        axes[1][0],
-        p,
-        with_async,
-        ["async-blocked", "async-total", "take"],
-        lambda sc, s: seconds(p, sc, s),
-        "async take: blocked / until durable / sync (s)",
-        log=False,
-    )
-    _bars(
-        axes[1][1],
-        p,
-        systems,
-        ["rss-take", "rss-restore", "rss-async"],
-        lambda sc, s: _mib(counter(p, sc, s, "extra_bytes")),
-        "peak RSS above live state (MiB)",
-        log=False,
-    )
+    groups = ["async-blocked", "async-total", "take"]
+    _bars(axes[1][0], with_async, groups, sec, "async take: blocked / until durable / sync (s)")
+    groups = ["rss-take", "rss-restore", "rss-async"]
+    _bars(axes[1][1], systems, groups, mib("extra_bytes"), "peak RSS above live state (MiB)")
+    budget = p["args"]["memory_budget_mib"] * 1.1
     axes[1][1].axhline(
-        p["args"]["memory_budget_mib"] * 1.1,
-        color="grey",
-        linestyle="--",
-        linewidth=1,
-        label="casnap budget + 10%",
+        budget, color="grey", linestyle="--", linewidth=1, label="casnap budget + 10%"
     )
     if axes[1][1].patches:
         axes[1][1].legend(fontsize=7)
-    _bars(
-        axes[1][2],
-        p,
-        systems,
-        ["read_object"],
-        lambda sc, s: _mib(counter(p, sc, s, "read_bytes")),
-        "read one tensor: MiB read from disk (log)",
-        log=True,
-    )
+    title = "read one tensor: MiB read from disk (log)"
+    _bars(axes[1][2], systems, ["read_object"], mib("read_bytes"), title)
     fig.suptitle(
         f"casnap suite: {human_bytes(p['info']['state']['bytes'])} fp32 state, "
         f"{p['cache']} cache, medians of {p['args']['repeats']}"
@@ -434,13 +370,13 @@ def _mib(v: int | None) -> float | None:
 
 def _bars(
     ax: Any,
-    p: Payload,
     systems: list[str],
     groups: list[str],
     value: Callable[[str, str], float | None],
     title: str,
-    log: bool,
 ) -> None:
+    """Bars per group and system, on a log axis when the title says so."""
+    log = title.endswith("(log)")
     width = 0.8 / max(1, len(systems))
     ax.set_title(title, fontsize=10)
     if all(value(sc, s) is None for sc in groups for s in systems):

@@ -11,6 +11,7 @@ returns a new dict that shares the unchanged tensors with the previous one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ def pick_hidden(target_bytes: int, min_layers: int = 16) -> int:
 def model_shapes(target_bytes: int, hidden: int) -> dict[str, tuple[int, ...]]:
     """A 32k-vocab fp32 transformer with hidden size ``hidden`` and as many layers as fit."""
     emb = VOCAB * hidden * 4
-    per_layer = sum(_numel(s) for s in _layer_shapes(hidden, 0).values()) * 4
+    per_layer = sum(math.prod(s) for s in _layer_shapes(hidden, 0).values()) * 4
     layers = max(1, round((target_bytes - emb) / per_layer))
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, hidden)}
     for i in range(layers):
@@ -55,13 +56,6 @@ def model_shapes(target_bytes: int, hidden: int) -> dict[str, tuple[int, ...]]:
     shapes["ln_f.weight"] = (hidden,)
     shapes["ln_f.bias"] = (hidden,)
     return shapes
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def build(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> State:

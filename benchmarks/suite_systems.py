@@ -1,23 +1,9 @@
 """The checkpoint systems benchmarks/suite.py compares, each through its natural API.
 
-Every system saves a flat ``{name: tensor}`` state durably and loads it back:
-
-- ``torch.save``: ``torch.save`` + fsync of the file and its folder;
-  ``torch.load(weights_only=True)`` (fresh tensors); one tensor with
-  ``torch.load(mmap=True)``.
-- ``safetensors``: ``save_file`` + fsync; ``load_file`` (fresh tensors); one
-  tensor with ``safe_open(...).get_tensor``.
-- ``DCP``: ``torch.distributed.checkpoint.save/load`` with ``checkpoint_id``
-  (no process group; DCP fsyncs its files); loads in place; one tensor by
-  loading a one-entry state dict; ``async_save``.
-- ``torchsnapshot``: ``Snapshot.take`` + fsync of every file it wrote
-  (torchsnapshot does not fsync); restore in place; ``read_object``;
-  ``async_take``.
-- ``casnap``: ``Snapshot.take`` of successive snapshots into ONE repository
-  (so unchanged chunks are shared); restore in place; ``read_object``;
-  ``async_take``.
-
-Peers write a full file (or folder) for every snapshot, as they would.
+Every system saves a flat ``{name: tensor}`` state durably (the peers fsync what they
+wrote where they do not themselves) and loads it back; ``save_op`` and ``load_op`` say
+how (benchmarks/README.md tabulates them). Peers write a full file or folder for every
+snapshot, as they would; casnap writes successive snapshots into ONE repository.
 """
 
 from __future__ import annotations
@@ -193,9 +179,8 @@ class Casnap(System):
     def save(self, state: State, path: str) -> Any:
         import casnap
 
-        return casnap.Snapshot.take(
-            path, {"model": casnap.StateDict(state)}, session=self._session()
-        )
+        app = {"model": casnap.StateDict(state)}
+        return casnap.Snapshot.take(path, app, session=self._session())
 
     def load(self, path: str, target: State) -> State:
         import casnap
@@ -213,26 +198,18 @@ class Casnap(System):
     def async_save(self, state: State, path: str) -> Pending:
         import casnap
 
-        pending = casnap.Snapshot.async_take(
-            path, {"model": casnap.StateDict(state)}, session=self._session()
-        )
-        return Pending(pending.wait)
+        app = {"model": casnap.StateDict(state)}
+        return Pending(casnap.Snapshot.async_take(path, app, session=self._session()).wait)
 
 
-SYSTEMS: dict[str, System] = {
-    s.name: s
-    for s in (
-        TorchSave(
-            "torch.save", "torch.save + fsync", "torch.load(weights_only=True)", False, ".pt"
-        ),
-        Safetensors("safetensors", "save_file + fsync", "load_file", False, ".safetensors"),
-        DCP("DCP", "dcp.save (fsyncs)", "dcp.load in place", True, ""),
-        TorchSnapshot(
-            "torchsnapshot", "Snapshot.take + fsync of its files", "restore in place", True, ""
-        ),
-        Casnap("casnap", "Snapshot.take into one repository", "restore in place", True, ""),
-    )
-}
+SYSTEMS: dict[str, System] = {s.name: s for s in (
+    TorchSave("torch.save", "torch.save + fsync", "torch.load(weights_only=True)", False, ".pt"),
+    Safetensors("safetensors", "save_file + fsync", "load_file", False, ".safetensors"),
+    DCP("DCP", "dcp.save (fsyncs)", "dcp.load in place", True, ""),
+    TorchSnapshot("torchsnapshot", "Snapshot.take + fsync of its files", "restore in place", True,
+                  ""),
+    Casnap("casnap", "Snapshot.take into one repository", "restore in place", True, ""),
+)}  # fmt: skip
 PEER = "torch.save"  # the peer every ratio is taken against
 CASNAP = "casnap"
 
