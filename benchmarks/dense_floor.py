@@ -198,7 +198,8 @@ def read_one(size: int, repeats: int, work: str, cold_ok: bool) -> dict[str, Any
     casnap.Snapshot(f"{work}/big/s").read_object(f"0/model/{key}")
     span = _safetensors_span(st_path, key)
     read_one_floor(st_path, span, want)  # warm-up
-    st, lazy, cs, floor = [], [], [], []  # seconds: safetensors, lazy, casnap, the floor
+    runs: list[list[float]] = [[], [], [], []]  # seconds: safetensors, lazy, casnap, floor
+    st, lazy, cs, floor = runs
     for _ in range(repeats):
         for out in (lazy, st):
             _cold(cold_ok)
