@@ -24,8 +24,19 @@ def opts(repo: Repository) -> dict:
     return {"repository": repo, "settings": {"chunk_size": CHUNK}}
 
 
-def data_keys(keys: list[str]) -> list[str]:
-    return [k for k in keys if k.startswith((".casnap/chunks/", ".casnap/packs/"))]
+def data_keys(keys: list[str], repo: Repository) -> list[str]:
+    """The chunk data among ``keys``: chunks and packs, not the repository's manifest
+    parts (metadata stored as loose objects: docs/format.md, "Manifest parts")."""
+    parts = {
+        p.hash
+        for m in repo.storage.iter_manifest_names()
+        for p in repo.storage.read_manifest(m).parts
+    }
+    return [
+        k
+        for k in keys
+        if k.startswith((".casnap/chunks/", ".casnap/packs/")) and k.rsplit("/", 1)[1] not in parts
+    ]
 
 
 def many_tensors(n: int = 100, seed: int = 0) -> StateDict:
@@ -42,10 +53,10 @@ def test_second_take_of_unchanged_state_writes_no_chunk_data(tmp_path):
     repo, store = counted_repo(str(tmp_path / "repo"))
     state = {"model": torch.nn.Linear(300, 200), "extra": many_tensors()}
     Snapshot.take(str(tmp_path / "repo" / "s1"), state, **opts(repo))
-    assert data_keys(store.written_keys), "the first take writes chunk data"
+    assert data_keys(store.written_keys, repo), "the first take writes chunk data"
     store.reset()
     snap = Snapshot.take(str(tmp_path / "repo" / "s2"), state, **opts(repo))
-    assert data_keys(store.written_keys) == []
+    assert data_keys(store.written_keys, repo) == []
     # besides the take's own lease (a gc root while it runs), only the manifest and the ref
     written = [k for k in store.written_keys if not k.startswith(".casnap/leases/")]
     assert sorted(written) == sorted(
@@ -61,7 +72,7 @@ def test_unchanged_state_dedups_across_processes_by_loose_chunk(tmp_path):
     Snapshot.take(str(tmp_path / "repo" / "s1"), state, **opts(repo))
     store.reset()
     Snapshot.take(str(tmp_path / "repo" / "s2"), state, **opts(repo))
-    assert data_keys(store.written_keys) == []
+    assert data_keys(store.written_keys, repo) == []
 
 
 @pytest.mark.parametrize("which", ["t0", "t7"])  # t0 spans loose chunks, t7 is packed
@@ -74,7 +85,7 @@ def test_changing_one_tensor_of_100_writes_only_its_chunks(tmp_path, which):
     snap = Snapshot.take(str(tmp_path / "repo" / "s2"), {"s": state}, **opts(repo))
     entry = tensor_entry(snap.get_manifest(), f"0/s/{which}")
     nbytes = state[which].numel() * 4
-    written = data_keys(store.written_keys)
+    written = data_keys(store.written_keys, repo)
     if entry.chunks[0].pack is None:
         assert sorted(written) == sorted(
             f".casnap/chunks/{c.hash[:2]}/{c.hash}" for c in entry.chunks
@@ -93,7 +104,7 @@ def test_a_thousand_small_tensors_become_a_handful_of_objects(tmp_path):
     g = torch.Generator().manual_seed(1)
     state = StateDict({f"bias{i}": torch.randn(64, generator=g) for i in range(1000)})
     snap = Snapshot.take(str(tmp_path / "repo" / "s1"), {"s": state}, **opts(repo))
-    objects = data_keys(store.written_keys)
+    objects = data_keys(store.written_keys, repo)
     total = 1000 * (64 * 4)
     assert 1 <= len(objects) <= math.ceil(total / (4 << 20)) + 1
     # ...and any one of them can still be read alone, with one small ranged read.
